@@ -1,0 +1,147 @@
+"""The public API: `forward` and `backward`.
+
+Validation happens here once; then one dispatch to the chosen backend, which sees 4-D arrays
+and an `AttentionOptions`. Empty problems are answered here so no backend special-cases them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays, backends
+from .reference import lse_dtype
+from .validation import Problem, check_backend_name, validate
+
+_CAUSAL_PICTURE = """
+    Causal mask, bottom-right aligned (Nq=3, Nk=5; 1 = kept)::
+
+        1 1 1 0 0
+        1 1 1 1 0
+        1 1 1 1 1
+
+    With Nq > Nk the first Nq - Nk rows keep no key: their output is 0 and lse is -inf.
+"""
+
+
+def _resolve_backend(name: str, memory: str):
+    name = check_backend_name(name)
+    if name == "auto":
+        name = backends.choose_auto(memory)
+    module = backends.load(name)
+    if module.MEMORY == "cuda" and memory != "cuda":
+        raise ValueError(f"backend={name!r} needs arrays in GPU memory (CuPy arrays), got "
+                         "host (NumPy) arrays; move them with cupy.asarray or use backend='cpu'")
+    if module.MEMORY == "host" and memory == "cuda" and name != "reference":
+        raise ValueError(f"backend={name!r} needs host (NumPy) arrays, got CuPy arrays; "
+                         "use backend='gpu' or move them with cupy.asnumpy")
+    return module
+
+
+def _run(module, function_name: str, problem: Problem):
+    """Call a backend; the reference backend also serves CUDA arrays through host copies."""
+    tensors = problem.tensors
+    crosses_to_host = module.MEMORY == "host" and problem.layout.memory == "cuda"
+    if crosses_to_host:
+        tensors = {name: arrays.to_host(a) for name, a in tensors.items()}
+    names = ("q", "k", "v") if function_name == "forward" else ("do", "q", "k", "v", "o", "lse")
+    results = getattr(module, function_name)(*(tensors[n] for n in names), problem.options)
+    if crosses_to_host:
+        results = tuple(arrays.to_device_like(r, problem.tensors["q"]) for r in results)
+    return results
+
+
+def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+            dropout_p=0.0, seed=None, block_q=None, block_k=None, backend="auto",
+            return_lse=False):
+    """Exact softmax attention, computed tile by tile in O(N) extra memory.
+
+    Parameters
+    ----------
+    q : array, shape (*batch, Hq, Nq, D) or (Nq, D)
+    k : array, shape (*batch, Hkv, Nk, D) or (Nk, D); ``Hq % Hkv == 0`` (GQA/MQA)
+    v : array, shape (*batch, Hkv, Nk, Dv) or (Nk, Dv)
+        One floating dtype for all three (float16, bfloat16, float32, float64), all NumPy
+        (host) or all CuPy (GPU). Any strides. Never modified.
+    causal : bool
+        Keep key ``j`` for row ``i`` only when ``j <= i + Nk - Nq``. Same as ``window=(left, 0)``.
+    window : (left, right) or None
+        Keep ``j`` in ``[i + Nk - Nq - left, i + Nk - Nq + right]``; None or negative = unlimited.
+    scale : float, default ``1 / sqrt(D)``
+    softcap : float or None
+        When positive, scores become ``softcap * tanh(scores / softcap)``.
+    alibi_slopes : array of shape (Hq,) or (*batch, Hq), optional
+        Adds ``-slope * |i + Nk - Nq - j|`` to each score.
+    dropout_p : float in [0, 1)
+        Drops probabilities with the counter-based hash of `tileattn.dropout`, so every
+        backend drops the same entries for the same `seed` (required when dropout_p > 0).
+    block_q, block_k : int, optional
+        Tile sizes; any positive int. Default: chosen by the backend for the cache size.
+    backend : {"auto", "cpu", "gpu", "reference"}
+        "auto" is the GPU for CuPy arrays and the CPU (Numba) backend for host arrays,
+        falling back to the NumPy reference when Numba is not installed.
+    return_lse : bool
+        Also return ``lse``, the natural-log logsumexp of each row's scores (for `backward`).
+
+    Returns
+    -------
+    o : array, shape (*batch, Hq, Nq, Dv), dtype of q
+    lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
+    """
+    problem = validate(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
+                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                       block_q=block_q, block_k=block_k, deterministic=True)
+    module = _resolve_backend(backend, problem.layout.memory)
+    batch = problem.tensors["q"].shape[0]
+    if problem.is_empty:
+        memory, like = problem.layout.memory, problem.tensors["q"]
+        o = arrays.empty((batch, problem.n_q_heads, problem.n_q, problem.value_dim),
+                         problem.dtype, memory, like)
+        lse = arrays.empty((batch, problem.n_q_heads, problem.n_q), lse_dtype(problem.dtype),
+                           memory, like, fill=-np.inf)
+    else:
+        o, lse = _run(module, "forward", problem)
+    o = problem.layout.restore(o, problem.n_q_heads)
+    if not return_lse:
+        return o
+    return o, problem.layout.restore(lse, problem.n_q_heads)
+
+
+forward.__doc__ += _CAUSAL_PICTURE
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, softcap=None,
+             alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
+             backend="auto", deterministic=True):
+    """Gradients of `forward`: the exact vector-Jacobian product for output gradient `do`.
+
+    Pass the same options as to `forward`, and its `o` and `lse` (``return_lse=True``).
+    Tiles of the probabilities are recomputed from `lse`; nothing of size Nq x Nk is stored.
+
+    Parameters
+    ----------
+    do, o : array, shape (*batch, Hq, Nq, Dv), dtype of q
+    q, k, v : as in `forward`
+    lse : array, shape (*batch, Hq, Nq)
+    deterministic : bool
+        True (default): the result does not depend on thread scheduling. False lets a backend
+        use a faster variant that documents what it gives up.
+
+    Returns
+    -------
+    dq : like q;  dk : like k;  dv : like v
+        For GQA/MQA, ``dk`` and ``dv`` sum over the query heads that share a kv head.
+    """
+    problem = validate(q, k, v, do=do, o=o, lse=lse, causal=causal, window=window, scale=scale,
+                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                       seed=seed, block_q=block_q, block_k=block_k,
+                       deterministic=deterministic)
+    module = _resolve_backend(backend, problem.layout.memory)
+    if problem.is_empty:
+        memory, tensors = problem.layout.memory, problem.tensors
+        dq, dk, dv = (arrays.empty(tensors[n].shape, problem.dtype, memory, tensors["q"])
+                      for n in ("q", "k", "v"))
+    else:
+        dq, dk, dv = _run(module, "backward", problem)
+    return (problem.layout.restore(dq, problem.n_q_heads),
+            problem.layout.restore(dk, problem.n_kv_heads),
+            problem.layout.restore(dv, problem.n_kv_heads))

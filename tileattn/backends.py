@@ -1,0 +1,98 @@
+"""The backend registry: the one dispatch point between the API and the kernels.
+
+A backend is a module that exposes
+
+``MEMORY``
+    ``"host"`` (NumPy arrays) or ``"cuda"`` (CuPy arrays).
+``availability() -> str | None``
+    ``None`` when it can run here, else the reason it cannot (shown by
+    ``python -m tileattn info`` / ``check`` and in errors).
+``forward(q, k, v, options) -> (o, lse)``
+``backward(do, q, k, v, o, lse, options) -> (dq, dk, dv)``
+    Over already-validated 4-D arrays ``q (B, Hq, Nq, D)``, ``k (B, Hkv, Nk, D)``,
+    ``v (B, Hkv, Nk, Dv)``, ``do``/``o (B, Hq, Nq, Dv)``, ``lse (B, Hq, Nq)``, any strides, one
+    dtype, with every axis non-empty (the API answers empty problems itself).
+    ``options`` is a `tileattn.options.AttentionOptions`. Results: ``o`` in the input dtype,
+    ``lse`` float32 (float64 for float64 inputs), gradients in the input dtype. Inputs are
+    never written to.
+
+Backend modules are imported only when chosen, so ``import tileattn`` loads neither Numba
+nor CuPy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    name: str
+    module: str
+    extra: str | None  # the pip extra that installs what it needs
+    requirement: str  # the top-level module that extra provides
+
+
+REGISTRY: dict[str, BackendEntry] = {
+    "reference": BackendEntry("reference", "tileattn.reference", None, "numpy"),
+    "cpu": BackendEntry("cpu", "tileattn.cpu", "cpu", "numba"),
+    "gpu": BackendEntry("gpu", "tileattn.gpu", "gpu", "cupy"),
+}
+
+_loaded: dict[str, ModuleType] = {}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for that cannot run here; the message says why and how to fix it."""
+
+
+def _missing_dependency(entry: BackendEntry) -> str | None:
+    if importlib.util.find_spec(entry.requirement) is None:
+        return (f"backend={entry.name!r} needs {entry.requirement}, which is not installed: "
+                f"pip install 'tileattn[{entry.extra}]'")
+    return None
+
+
+def load(name: str) -> ModuleType:
+    """Import and return a backend module, or raise `BackendUnavailableError`."""
+    if name in _loaded:
+        return _loaded[name]
+    entry = REGISTRY[name]
+    reason = _missing_dependency(entry)
+    if reason is not None:
+        raise BackendUnavailableError(reason)
+    try:
+        module = importlib.import_module(entry.module)
+    except ImportError as error:
+        raise BackendUnavailableError(
+            f"backend={name!r} failed to import ({error}); "
+            f"pip install 'tileattn[{entry.extra}]' installs what it needs") from error
+    reason = module.availability()
+    if reason is not None:
+        raise BackendUnavailableError(f"backend={name!r} is not available: {reason}")
+    _loaded[name] = module
+    return module
+
+
+def availability(name: str) -> str | None:
+    """``None`` if backend `name` can run here, else why not (never raises)."""
+    try:
+        load(name)
+    except BackendUnavailableError as error:
+        return str(error)
+    return None
+
+
+def available() -> list[str]:
+    """Names of the backends that can run here."""
+    return [name for name in REGISTRY if availability(name) is None]
+
+
+def choose_auto(memory: str) -> str:
+    """``backend="auto"``: the GPU for CUDA arrays, else the CPU backend, else the reference."""
+    if memory == "cuda":
+        return "gpu"
+    return "cpu" if availability("cpu") is None else "reference"

@@ -1,0 +1,103 @@
+"""The value objects every backend receives: normalised options and tile sizes.
+
+The API layer (`tileattn.validation`) turns the caller's keyword arguments into one
+`AttentionOptions`; backends read it and never re-parse or re-validate anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+UNLIMITED = -1
+"""Sentinel for a window side with no limit (FlashAttention's convention)."""
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes: `block_q` query rows by `block_k` key columns per tile.
+
+    Any positive integer is valid, including sizes larger than the sequence (one tile).
+    Each backend has its own `default_blocks(...)` that picks them from the cache or
+    shared-memory size; `Blocks.resolve` applies the caller's overrides on top.
+    """
+
+    block_q: int
+    block_k: int
+
+    def resolve(self, block_q: int | None, block_k: int | None) -> "Blocks":
+        return Blocks(block_q if block_q is not None else self.block_q,
+                      block_k if block_k is not None else self.block_k)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionOptions:
+    """Validated, normalised options (see SPEC "Score, masks and options").
+
+    Attributes
+    ----------
+    causal : bool
+        As given; already folded into `window_right` (causal means ``window_right == 0``).
+    window_left, window_right : int
+        Bottom-right aligned band: query row ``i`` keeps key ``j`` when
+        ``i + Nk - Nq - window_left <= j <= i + Nk - Nq + window_right``;
+        `UNLIMITED` (-1) removes that side's limit.
+    scale : float
+        Multiplies ``q . k``; defaults to ``1 / sqrt(D)``.
+    softcap : float
+        ``0.0`` means off, else ``s = softcap * tanh(s / softcap)``.
+    alibi_slopes : numpy.ndarray or None
+        float64, shape ``(B, Hq)`` over the flattened batch, host memory.
+    dropout_p : float
+        In ``[0, 1)``.
+    seed : int
+        In ``[0, 2**64)``; 0 when dropout is off.
+    block_q, block_k : int or None
+        Caller's tile-size overrides; ``None`` lets the backend choose.
+    deterministic : bool
+        Backward only: False allows a backend's faster, scheduling-dependent variant.
+    """
+
+    causal: bool = False
+    window_left: int = UNLIMITED
+    window_right: int = UNLIMITED
+    scale: float = 1.0
+    softcap: float = 0.0
+    alibi_slopes: np.ndarray | None = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    block_q: int | None = None
+    block_k: int | None = None
+    deterministic: bool = True
+
+    @property
+    def is_masked(self) -> bool:
+        """True when some (row, key) pairs can be masked out."""
+        return self.window_left != UNLIMITED or self.window_right != UNLIMITED
+
+
+def keeps(i, j, n_q: int, n_k: int, window_left: int, window_right: int):
+    """Whether query row `i` keeps key `j` (arrays broadcast). Bottom-right alignment."""
+    diagonal = np.asarray(j) - (np.asarray(i) + (n_k - n_q))
+    kept = np.ones(np.broadcast(diagonal).shape, dtype=bool)
+    if window_left != UNLIMITED:
+        kept &= diagonal >= -window_left
+    if window_right != UNLIMITED:
+        kept &= diagonal <= window_right
+    return kept
+
+
+def tile_is_masked(row_start: int, row_stop: int, col_start: int, col_stop: int,
+                   n_q: int, n_k: int, window_left: int, window_right: int) -> bool:
+    """Whether every (row, key) pair of a tile is masked, so the tile can be skipped.
+
+    The kept band is monotone in both indices, so it is enough to test the tile corner
+    nearest the band on each side.
+    """
+    offset = n_k - n_q
+    if window_right != UNLIMITED and col_start > (row_stop - 1) + offset + window_right:
+        return True
+    if window_left != UNLIMITED and col_stop - 1 < row_start + offset - window_left:
+        return True
+    return False

@@ -1,0 +1,257 @@
+"""The golden model: attention in plain NumPy float64, written to be read.
+
+Two forms of the same function:
+
+* `dense_forward` / `dense_backward` materialise the full score matrix ``S`` and the
+  probabilities ``P``. They are the oracle every kernel is tested against, so they do each
+  step of SPEC's list literally and nothing clever. The backward is derived by hand:
+
+  ``O = P~ V`` with ``P~ = P * keep / (1 - dropout_p)``, so
+  ``dV = P~^T dO``, ``dP~ = dO V^T``, ``dP = dP~ * keep / (1 - dropout_p)``;
+  softmax gives ``dS = P * (dP - D)`` with ``D = rowsum(P * dP) = rowsum(dO * O)``;
+  softcap ``s = c tanh(r / c)`` gives ``dR = dS * (1 - tanh(r / c)^2)``; and
+  ``r = scale * Q K^T`` gives ``dQ = scale dR K``, ``dK = scale dR^T Q``.
+  ALiBi and masks are constants: no gradient flows through them.
+
+* `tiled_forward` / `tiled_backward` are the FlashAttention-2 algorithm over
+  ``block_q x block_k`` tiles (Dao 2023, Algorithms 1 and 2): a running row maximum and row
+  sum with online rescaling, normalisation deferred to the end, ``lse`` saved, and a backward
+  that recomputes each tile of ``P`` from ``lse`` instead of storing it. They are the
+  executable documentation for the CPU and GPU kernels and are tested equal to the dense form.
+
+Both work on the 4-D layout the backends receive (``q (B, Hq, Nq, D)``, ``k (B, Hkv, Nk, D)``,
+``v (B, Hkv, Nk, Dv)``); `forward` / `backward` at the bottom make this module the
+``backend="reference"`` backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dropout import keep_mask
+from .options import AttentionOptions, keeps, tile_is_masked
+
+MEMORY = "host"
+
+
+def availability() -> str | None:
+    return None
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _repeat_kv(x: np.ndarray, n_q_heads: int) -> np.ndarray:
+    """GQA/MQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``."""
+    return np.repeat(x, n_q_heads // x.shape[1], axis=1)
+
+
+def _sum_kv_groups(dx: np.ndarray, n_kv_heads: int) -> np.ndarray:
+    """Gradient of `_repeat_kv`: sum over the query heads sharing a kv head."""
+    batch, n_q_heads = dx.shape[:2]
+    return dx.reshape(batch, n_kv_heads, n_q_heads // n_kv_heads, *dx.shape[2:]).sum(axis=2)
+
+
+def _raw_scores(q, k, rows, cols, options):
+    """``scale * q . k`` for query `rows` and key `cols` of every (batch, head)."""
+    return options.scale * (q[:, :, rows] @ np.swapaxes(k[:, :, cols], -1, -2))
+
+
+def _transform_scores(raw, rows, cols, n_q, n_k, options):
+    """Steps 2-4 of SPEC: softcap, ALiBi, mask. Returns the scores and ``dS/dRaw``."""
+    scores, softcap_grad = raw, None
+    if options.softcap > 0:
+        capped = np.tanh(raw / options.softcap)
+        scores = options.softcap * capped
+        softcap_grad = 1.0 - capped * capped
+    row_index, col_index = rows[:, None], cols[None, :]
+    if options.alibi_slopes is not None:
+        distance = np.abs(row_index + (n_k - n_q) - col_index)
+        scores = scores - options.alibi_slopes[:, :, None, None] * distance
+    kept = keeps(row_index, col_index, n_q, n_k, options.window_left, options.window_right)
+    # np.where, not an additive -inf bias: a NaN score at a masked position must vanish.
+    scores = np.where(kept, scores, -np.inf)
+    return scores, softcap_grad
+
+
+def _dropout_scale(rows, cols, batch, n_q_heads, options):
+    """``keep / (1 - p)`` for the given rows and columns, or None without dropout."""
+    if options.dropout_p == 0:
+        return None
+    bh = np.arange(batch * n_q_heads).reshape(batch, n_q_heads)[:, :, None, None]
+    keep = keep_mask(options.seed, options.dropout_p, bh, rows[:, None], cols[None, :])
+    return keep / (1.0 - options.dropout_p)
+
+
+def _safe_max(row_max):
+    """A row whose every score is -inf keeps max -inf; subtract 0 there instead (no NaN)."""
+    return np.where(row_max == -np.inf, 0.0, row_max)
+
+
+def _as_float64(*arrays):
+    return [np.asarray(a, dtype=np.float64) for a in arrays]
+
+
+# --------------------------------------------------------------------------- dense form
+
+
+def dense_probabilities(q, k, options: AttentionOptions):
+    """``P`` (B, Hq, Nq, Nk) after softmax (before dropout), ``lse`` and ``dS/dRaw``."""
+    q, k = _as_float64(q, k)
+    n_q, n_k = q.shape[2], k.shape[2]
+    rows, cols = np.arange(n_q), np.arange(n_k)
+    k = _repeat_kv(k, q.shape[1])
+    scores, softcap_grad = _transform_scores(_raw_scores(q, k, rows, cols, options),
+                                             rows, cols, n_q, n_k, options)
+    row_max = scores.max(axis=-1, initial=-np.inf, keepdims=True)
+    exps = np.exp(scores - _safe_max(row_max))
+    row_sum = exps.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        probs = np.where(row_sum > 0, exps / row_sum, 0.0)
+        lse = np.where(row_sum > 0, row_max + np.log(row_sum), -np.inf)[..., 0]
+    # A NaN row (non-finite input) has row_sum NaN: keep it NaN rather than zeroing it.
+    probs = np.where(np.isnan(row_sum), np.nan, probs)
+    lse = np.where(np.isnan(row_sum[..., 0]), np.nan, lse)
+    return probs, lse, softcap_grad
+
+
+def dense_forward(q, k, v, options: AttentionOptions):
+    """Golden forward. Returns ``o (B, Hq, Nq, Dv)`` and ``lse (B, Hq, Nq)``, float64."""
+    probs, lse, _ = dense_probabilities(q, k, options)
+    (v,) = _as_float64(v)
+    n_q, n_k = probs.shape[2:]
+    dropout = _dropout_scale(np.arange(n_q), np.arange(n_k), *probs.shape[:2], options)
+    if dropout is not None:
+        probs = probs * dropout
+    return probs @ _repeat_kv(v, q.shape[1]), lse
+
+
+def dense_backward(do, q, k, v, options: AttentionOptions):
+    """Golden backward: ``dq, dk, dv`` in float64, from the inputs alone (recomputes O)."""
+    do, q, k, v = _as_float64(do, q, k, v)
+    n_kv_heads, n_q_heads = k.shape[1], q.shape[1]
+    probs, _, softcap_grad = dense_probabilities(q, k, options)
+    n_q, n_k = probs.shape[2:]
+    dropout = _dropout_scale(np.arange(n_q), np.arange(n_k), *probs.shape[:2], options)
+    dropped = probs if dropout is None else probs * dropout
+    k_rep, v_rep = _repeat_kv(k, n_q_heads), _repeat_kv(v, n_q_heads)
+    o = dropped @ v_rep
+    dv = np.swapaxes(dropped, -1, -2) @ do
+    dp = do @ np.swapaxes(v_rep, -1, -2)
+    if dropout is not None:
+        dp = dp * dropout
+    delta = np.sum(do * o, axis=-1, keepdims=True)
+    ds = probs * (dp - delta)
+    if softcap_grad is not None:
+        ds = ds * softcap_grad
+    dq = options.scale * (ds @ k_rep)
+    dk = options.scale * (np.swapaxes(ds, -1, -2) @ q)
+    return dq, _sum_kv_groups(dk, n_kv_heads), _sum_kv_groups(dv, n_kv_heads)
+
+
+# --------------------------------------------------------------------------- tiled form
+
+
+def _tiles(n: int, block: int):
+    return [(start, min(start + block, n)) for start in range(0, n, block)]
+
+
+def tiled_forward(q, k, v, options: AttentionOptions, block_q: int, block_k: int):
+    """FlashAttention-2 forward (Algorithm 1), vectorised over batch and heads.
+
+    For each query tile the key tiles stream past once. The running ``row_max`` ``m`` and
+    ``row_sum`` ``l`` let each new tile rescale what was accumulated so far by
+    ``exp(m_old - m_new)``; the division by ``l`` happens once, after the last tile
+    (FlashAttention-2 section 3.1.1). Tiles that the mask removes entirely are skipped.
+    """
+    q, k, v = _as_float64(q, k, v)
+    batch, n_q_heads, n_q, _ = q.shape
+    n_k, d_v = k.shape[2], v.shape[3]
+    k, v = _repeat_kv(k, n_q_heads), _repeat_kv(v, n_q_heads)
+    o = np.zeros((batch, n_q_heads, n_q, d_v))
+    lse = np.full((batch, n_q_heads, n_q), -np.inf)
+    for row_start, row_stop in _tiles(n_q, block_q):
+        rows = np.arange(row_start, row_stop)
+        row_max = np.full((batch, n_q_heads, len(rows), 1), -np.inf)
+        row_sum = np.zeros_like(row_max)
+        acc = np.zeros((batch, n_q_heads, len(rows), d_v))
+        for col_start, col_stop in _tiles(n_k, block_k):
+            if tile_is_masked(row_start, row_stop, col_start, col_stop, n_q, n_k,
+                              options.window_left, options.window_right):
+                continue
+            cols = np.arange(col_start, col_stop)
+            scores, _ = _transform_scores(_raw_scores(q, k, rows, cols, options),
+                                          rows, cols, n_q, n_k, options)
+            new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))
+            safe_max = _safe_max(new_max)
+            rescale = np.exp(row_max - safe_max)
+            probs = np.exp(scores - safe_max)
+            row_sum = rescale * row_sum + probs.sum(axis=-1, keepdims=True)
+            dropout = _dropout_scale(rows, cols, batch, n_q_heads, options)
+            if dropout is not None:
+                probs = probs * dropout
+            acc = rescale * acc + probs @ v[:, :, cols]
+            row_max = new_max
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o[:, :, rows] = np.where(row_sum > 0, acc / row_sum, 0.0)
+            lse[:, :, rows] = np.where(row_sum > 0, row_max + np.log(row_sum), -np.inf)[..., 0]
+        nan_rows = np.isnan(row_sum[..., 0])
+        lse[:, :, rows] = np.where(nan_rows, np.nan, lse[:, :, rows])
+    return o, lse
+
+
+def tiled_backward(do, q, k, v, o, lse, options: AttentionOptions, block_q: int, block_k: int):
+    """FlashAttention-2 backward (Algorithm 2): recompute each tile of ``P`` from ``lse``.
+
+    ``D = rowsum(dO * O)`` is computed once up front. The outer loop runs over key tiles,
+    accumulating that tile's ``dK``, ``dV`` over every query tile; ``dQ`` gathers each
+    tile's contribution. No ``Nq x Nk`` array is ever formed.
+    """
+    do, q, k, v, o, lse = _as_float64(do, q, k, v, o, lse)
+    batch, n_q_heads, n_q, _ = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    k, v = _repeat_kv(k, n_q_heads), _repeat_kv(v, n_q_heads)
+    delta = np.sum(do * o, axis=-1, keepdims=True)
+    # lse = -inf marks a row with no kept key: its probabilities are all zero.
+    safe_lse = np.where(lse == -np.inf, np.inf, lse)[..., None]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for col_start, col_stop in _tiles(n_k, block_k):
+        cols = np.arange(col_start, col_stop)
+        for row_start, row_stop in _tiles(n_q, block_q):
+            if tile_is_masked(row_start, row_stop, col_start, col_stop, n_q, n_k,
+                              options.window_left, options.window_right):
+                continue
+            rows = np.arange(row_start, row_stop)
+            scores, softcap_grad = _transform_scores(_raw_scores(q, k, rows, cols, options),
+                                                     rows, cols, n_q, n_k, options)
+            probs = np.exp(scores - safe_lse[:, :, rows])
+            dropout = _dropout_scale(rows, cols, batch, n_q_heads, options)
+            dropped = probs if dropout is None else probs * dropout
+            dv[:, :, cols] += np.swapaxes(dropped, -1, -2) @ do[:, :, rows]
+            dp = do[:, :, rows] @ np.swapaxes(v[:, :, cols], -1, -2)
+            if dropout is not None:
+                dp = dp * dropout
+            ds = probs * (dp - delta[:, :, rows])
+            if softcap_grad is not None:
+                ds = ds * softcap_grad
+            dq[:, :, rows] += options.scale * (ds @ k[:, :, cols])
+            dk[:, :, cols] += options.scale * (np.swapaxes(ds, -1, -2) @ q[:, :, rows])
+    return dq, _sum_kv_groups(dk, n_kv_heads), _sum_kv_groups(dv, n_kv_heads)
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def lse_dtype(dtype) -> np.dtype:
+    """SPEC: lse is float64 for float64 inputs, float32 otherwise."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def forward(q, k, v, options: AttentionOptions):
+    o, lse = dense_forward(q, k, v, options)
+    return o.astype(q.dtype), lse.astype(lse_dtype(q.dtype))
+
+
+def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    dq, dk, dv = dense_backward(do, q, k, v, options)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

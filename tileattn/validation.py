@@ -1,0 +1,262 @@
+"""Validation, done once at the API boundary (SPEC "Errors").
+
+Every message names the argument, what was expected and what was given. Nothing here
+writes to the caller's arrays; reshaping to the backends' 4-D layout makes views where the
+strides allow and copies only where they do not.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import arrays
+from .backends import REGISTRY
+from .options import UNLIMITED, AttentionOptions
+
+
+@dataclass
+class Layout:
+    """How the caller's shapes map onto the backends' ``(B, H, N, D)`` layout."""
+
+    batch_shape: tuple
+    single_head: bool  # the caller passed 2-D ``(N, D)`` arrays
+    memory: str  # "host" or "cuda"
+
+    def restore(self, array, heads: int):
+        """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)``."""
+        if self.single_head:
+            return array.reshape(array.shape[2:])
+        return array.reshape(self.batch_shape + (heads,) + array.shape[2:])
+
+
+def _describe(array) -> str:
+    return f"shape {tuple(array.shape)}"
+
+
+def _check_dtypes(named_arrays: dict) -> np.dtype:
+    dtype = None
+    for name, array in named_arrays.items():
+        if not arrays.is_supported_float(array.dtype):
+            raise TypeError(f"{name} must have a floating dtype (float16, bfloat16, float32 or "
+                            f"float64), got dtype {array.dtype}")
+        if dtype is None:
+            dtype = array.dtype
+        elif array.dtype != dtype:
+            first = next(iter(named_arrays))
+            raise TypeError(f"{name}.dtype must equal {first}.dtype ({dtype}), "
+                            f"got {array.dtype}")
+    return dtype
+
+
+def _check_memory(named_arrays: dict) -> str:
+    memories = {name: arrays.memory_of(a) for name, a in named_arrays.items()}
+    kinds = set(memories.values())
+    if len(kinds) > 1:
+        detail = ", ".join(f"{name} on {memory}" for name, memory in memories.items())
+        raise ValueError(f"q, k, v (and do, o, lse) must all be on the same device, got {detail}")
+    memory = kinds.pop()
+    if memory == "cuda":
+        devices = {name: a.device.id for name, a in named_arrays.items()}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"arrays must be on one GPU, got devices {devices}")
+    return memory
+
+
+def _check_shapes(q, k, v):
+    """Returns ``(batch_shape, Hq, Hkv, Nq, Nk, D, Dv, single_head)``."""
+    if q.ndim < 2:
+        raise ValueError(f"q must have at least 2 dimensions (N, D), got {_describe(q)}")
+    for name, array in (("k", k), ("v", v)):
+        if array.ndim != q.ndim:
+            raise ValueError(f"{name}.ndim must equal q.ndim ({q.ndim}), got {name} "
+                             f"{_describe(array)} and q {_describe(q)}")
+    single_head = q.ndim == 2
+    if single_head:
+        q, k, v = q[None], k[None], v[None]
+    batch_shape = tuple(q.shape[:-3])
+    for name, array in (("k", k), ("v", v)):
+        if tuple(array.shape[:-3]) != batch_shape:
+            raise ValueError(f"{name} batch dimensions must equal q's {batch_shape}, "
+                             f"got {tuple(array.shape[:-3])}")
+    n_q_heads, n_q, d = q.shape[-3:]
+    n_kv_heads, n_k, d_k = k.shape[-3:]
+    if d_k != d:
+        raise ValueError(f"k head dim must equal q head dim D={d}, got {d_k} "
+                         f"(q {_describe(q)}, k {_describe(k)})")
+    if v.shape[-3] != n_kv_heads:
+        raise ValueError(f"v heads must equal k heads Hkv={n_kv_heads}, got {v.shape[-3]}")
+    if v.shape[-2] != n_k:
+        raise ValueError(f"v sequence length must equal k's Nk={n_k}, got {v.shape[-2]}")
+    d_v = v.shape[-1]
+    if d < 1:
+        raise ValueError(f"q head dim D must be positive, got D={d}")
+    if d_v < 1:
+        raise ValueError(f"v head dim Dv must be positive, got Dv={d_v}")
+    if n_kv_heads == 0 and n_q_heads > 0 or n_kv_heads > 0 and n_q_heads % n_kv_heads:
+        raise ValueError(f"q heads must be a multiple of k/v heads (Hq % Hkv == 0), "
+                         f"got Hq={n_q_heads}, Hkv={n_kv_heads}")
+    return batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head
+
+
+def _to_4d(array, batch: int, single_head: bool):
+    if single_head:
+        return array[None, None]
+    return array.reshape((batch,) + tuple(array.shape[-3:]))
+
+
+def _check_int(name, value, *, minimum):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_real(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _normalise_window(window, causal: bool):
+    if window is None:
+        left, right = UNLIMITED, UNLIMITED
+    else:
+        if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+            raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
+        sides = []
+        for side_name, side in zip(("left", "right"), window):
+            if side is None:
+                sides.append(UNLIMITED)
+                continue
+            if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+                raise TypeError(f"window {side_name} must be an int or None, got {side!r} "
+                                f"({type(side).__name__})")
+            sides.append(UNLIMITED if side < 0 else int(side))
+        left, right = sides
+    if causal:
+        right = 0
+    return left, right
+
+
+def _normalise_alibi(slopes, batch_shape, n_q_heads):
+    if slopes is None:
+        return None
+    slopes = np.asarray(arrays.to_host(slopes))
+    if slopes.dtype.kind not in "fiu" or slopes.dtype == bool:
+        raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
+    allowed = [(n_q_heads,), tuple(batch_shape) + (n_q_heads,)]
+    if slopes.shape not in allowed:
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = {allowed[0]} or (*batch, Hq) = "
+                         f"{allowed[1]}, got {slopes.shape}")
+    batch = math.prod(batch_shape)
+    slopes = slopes.astype(np.float64)
+    if slopes.shape == (n_q_heads,):
+        return np.ascontiguousarray(np.broadcast_to(slopes, (batch, n_q_heads)))
+    return slopes.reshape(batch, n_q_heads)
+
+
+def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
+                 block_k, deterministic, batch_shape, n_q_heads, head_dim) -> AttentionOptions:
+    """Check every keyword option and fold them into one `AttentionOptions`."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    window_left, window_right = _normalise_window(window, bool(causal))
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_real("scale", scale)
+    if softcap is None:
+        softcap = 0.0
+    else:
+        softcap = _check_real("softcap", softcap)
+        if softcap < 0:
+            raise ValueError(f"softcap must be >= 0 (0 or None disables it), got {softcap}")
+    dropout_p = _check_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0:
+        if seed is None:
+            raise ValueError("seed must be an int when dropout_p > 0 (backward needs the same "
+                             "seed to drop the same entries), got None")
+        seed = _check_int("seed", seed, minimum=0)
+        if seed >= 2**64:
+            raise ValueError(f"seed must be < 2**64, got {seed}")
+    else:
+        seed = 0 if seed is None else _check_int("seed", seed, minimum=0)
+    if block_q is not None:
+        block_q = _check_int("block_q", block_q, minimum=1)
+    if block_k is not None:
+        block_k = _check_int("block_k", block_k, minimum=1)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    return AttentionOptions(
+        causal=bool(causal), window_left=window_left, window_right=window_right, scale=scale,
+        softcap=softcap, alibi_slopes=_normalise_alibi(alibi_slopes, batch_shape, n_q_heads),
+        dropout_p=dropout_p, seed=seed, block_q=block_q, block_k=block_k,
+        deterministic=bool(deterministic))
+
+
+def check_backend_name(backend) -> str:
+    names = ("auto",) + tuple(REGISTRY)
+    if backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
+    return backend
+
+
+@dataclass
+class Problem:
+    """Validated inputs in the backends' 4-D layout, plus how to give results back."""
+
+    tensors: dict  # name -> 4-D (or 3-D for lse) array
+    layout: Layout
+    options: AttentionOptions
+    dtype: np.dtype
+    n_q_heads: int
+    n_kv_heads: int
+    n_q: int
+    n_k: int
+    head_dim: int
+    value_dim: int
+
+    @property
+    def is_empty(self) -> bool:
+        batch = self.tensors["q"].shape[0]
+        return batch == 0 or self.n_q_heads == 0 or self.n_q == 0 or self.n_k == 0
+
+
+def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
+    """Check the arrays and options of a forward (``do`` is None) or backward call."""
+    named = {"q": q, "k": k, "v": v}
+    if do is not None:
+        named.update(do=do, o=o, lse=lse)
+    memory = _check_memory(named)
+    named = {name: arrays.as_array(a, memory) for name, a in named.items()}
+    q, k, v = named["q"], named["k"], named["v"]
+    dtype = _check_dtypes({name: named[name] for name in ("q", "k", "v")})
+    batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(q, k, v)
+    batch = math.prod(batch_shape)
+    tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
+    if do is not None:
+        out_shape = (n_q, d_v) if single_head else batch_shape + (n_q_heads, n_q, d_v)
+        lse_shape = out_shape[:-1]
+        for name, expected in (("do", out_shape), ("o", out_shape), ("lse", lse_shape)):
+            if tuple(named[name].shape) != expected:
+                raise ValueError(f"{name} must have shape {expected}, got "
+                                 f"{tuple(named[name].shape)}")
+        _check_dtypes({"q": q, "do": named["do"], "o": named["o"]})
+        if not arrays.is_supported_float(named["lse"].dtype):
+            raise TypeError(f"lse must have a floating dtype, got {named['lse'].dtype}")
+        tensors["do"] = _to_4d(named["do"], batch, single_head)
+        tensors["o"] = _to_4d(named["o"], batch, single_head)
+        lse_4d = named["lse"][..., None]
+        tensors["lse"] = _to_4d(lse_4d, batch, single_head)[..., 0]
+    options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d,
+                           **option_kwargs)
+    return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory),
+                   options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
+                   n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v)
