@@ -104,9 +104,9 @@ def dense_probabilities(q, k, options: AttentionOptions):
     scores, softcap_grad = _transform_scores(_raw_scores(q, k, rows, cols, options),
                                              rows, cols, n_q, n_k, options)
     row_max = scores.max(axis=-1, initial=-np.inf, keepdims=True)
-    exps = np.exp(scores - _safe_max(row_max))
-    row_sum = exps.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # non-finite inputs give NaN rows
+        exps = np.exp(scores - _safe_max(row_max))
+        row_sum = exps.sum(axis=-1, keepdims=True)
         probs = np.where(row_sum > 0, exps / row_sum, 0.0)
         lse = np.where(row_sum > 0, row_max + np.log(row_sum), -np.inf)[..., 0]
     # A NaN row (non-finite input) has row_sum NaN: keep it NaN rather than zeroing it.

@@ -1,0 +1,83 @@
+"""Shared fixtures: the `backend` fixture runs one test body against every backend.
+
+Backends that cannot run here are skipped with the reason, except the CPU backend when
+Numba is installed: then it must work, and an import failure fails the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+import tileattn
+from tileattn import backends
+
+# Kernels compile on first use (Numba, NVRTC), so no per-example deadline. The "ci" profile
+# is the default; TILEATTN_HYPOTHESIS_PROFILE=thorough runs ten times more examples.
+settings.register_profile("ci", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.data_too_large])
+settings.register_profile("thorough", max_examples=600, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("TILEATTN_HYPOTHESIS_PROFILE", "ci"))
+
+
+class BackendUnderTest:
+    """Calls `tileattn.forward`/`backward` with one backend, moving NumPy arrays to its memory
+    and the results back, so test bodies are written once in NumPy."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.memory = backends.load(name).MEMORY
+
+    def to_memory(self, value):
+        if self.memory == "cuda" and isinstance(value, np.ndarray):
+            import cupy
+
+            return cupy.asarray(value)
+        return value
+
+    @staticmethod
+    def to_host(value):
+        return value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) \
+            else value
+
+    def _options(self, options):
+        return {key: self.to_memory(value) for key, value in options.items()}
+
+    def forward(self, q, k, v, **options):
+        result = tileattn.forward(self.to_memory(q), self.to_memory(k), self.to_memory(v),
+                                  backend=self.name, **self._options(options))
+        if isinstance(result, tuple):
+            return tuple(self.to_host(r) for r in result)
+        return self.to_host(result)
+
+    def backward(self, do, q, k, v, o, lse, **options):
+        arrays = (self.to_memory(a) for a in (do, q, k, v, o, lse))
+        result = tileattn.backward(*arrays, backend=self.name, **self._options(options))
+        return tuple(self.to_host(r) for r in result)
+
+    def __repr__(self):
+        return f"BackendUnderTest({self.name!r})"
+
+
+def _skip_reason(name: str) -> str | None:
+    reason = backends.availability(name)
+    if reason is None:
+        return None
+    if name == "cpu" and importlib.util.find_spec("numba") is not None:
+        pytest.fail(f"numba is installed but the CPU backend cannot run: {reason}")
+    return reason
+
+
+@pytest.fixture(params=list(backends.REGISTRY), scope="session")
+def backend(request) -> BackendUnderTest:
+    reason = _skip_reason(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    return BackendUnderTest(request.param)

@@ -1,0 +1,219 @@
+"""The backend suite: every test here runs once per backend through the `backend` fixture.
+
+The float64 dense golden model (`tileattn.reference.dense_forward` / `dense_backward`) is
+the only oracle; results must match it within `tileattn.testing.TOLERANCES`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tileattn
+from tileattn.dropout import keep_mask
+from tileattn.testing import AttentionProblem, assert_attention_close, attention_problems
+
+
+def golden_forward(problem: AttentionProblem):
+    return tileattn.forward(*problem.as_float64(), **problem.options, backend="reference",
+                            return_lse=True)
+
+
+def golden_backward(problem: AttentionProblem, o, lse):
+    do = problem.do.astype(np.float64)
+    return tileattn.backward(do, *problem.as_float64(), o, lse, **problem.options,
+                             backend="reference")
+
+
+def check_forward(backend, problem: AttentionProblem):
+    o, lse = backend.forward(problem.q, problem.k, problem.v, **problem.options,
+                             return_lse=True)
+    expected_o, expected_lse = golden_forward(problem)
+    assert o.dtype == problem.dtype
+    assert lse.dtype == (np.float64 if problem.dtype == np.float64 else np.float32)
+    assert_attention_close(o, expected_o, problem.dtype, name="o")
+    assert_attention_close(lse, expected_lse, problem.dtype, name="lse")
+    return o, lse
+
+
+def check_backward(backend, problem: AttentionProblem):
+    o, lse = backend.forward(problem.q, problem.k, problem.v, **problem.options,
+                             return_lse=True)
+    grads = backend.backward(problem.do, problem.q, problem.k, problem.v, o, lse,
+                             **problem.options)
+    expected_o, expected_lse = golden_forward(problem)
+    expected = golden_backward(problem, expected_o, expected_lse)
+    for name, grad, want, like in zip(("dq", "dk", "dv"), grads, expected,
+                                      (problem.q, problem.k, problem.v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype, name
+        assert_attention_close(grad, want, problem.dtype, name=name)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@given(problem=attention_problems())
+def test_forward_matches_golden_model(backend, problem):
+    check_forward(backend, problem)
+
+
+@given(problem=attention_problems())
+def test_backward_matches_golden_model(backend, problem):
+    check_backward(backend, problem)
+
+
+@settings(max_examples=15)
+@given(problem=attention_problems(max_seq=300, max_elements=600_000, allow_empty=False,
+                                  head_dims=(16, 32, 64, 128)))
+def test_longer_sequences_match_golden_model(backend, problem):
+    """Several tiles per axis with the backend's default block sizes."""
+    problem.options.pop("block_q", None)
+    problem.options.pop("block_k", None)
+    check_backward(backend, problem)
+
+
+@settings(max_examples=20)
+@given(problem=attention_problems(allow_empty=False, options=False),
+       blocks=st.lists(st.sampled_from([1, 3, 16, 64, 1000]), min_size=2, max_size=2))
+def test_block_sizes_do_not_change_the_result(backend, problem, blocks):
+    reference = backend.forward(problem.q, problem.k, problem.v)
+    tiled = backend.forward(problem.q, problem.k, problem.v, block_q=blocks[0],
+                            block_k=blocks[1])
+    golden = golden_forward(problem)[0]
+    assert_attention_close(tiled, golden, problem.dtype, name="o")
+    assert_attention_close(reference, golden, problem.dtype, name="o")
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def random_inputs(shape_q, shape_k, shape_v, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_v))
+
+
+def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend):
+    # causal with Nq > Nk: the first Nq - Nk rows keep no key (bottom-right alignment).
+    q, k, v = random_inputs((2, 9, 8), (2, 4, 8), (2, 4, 8))
+    o, lse = backend.forward(q, k, v, causal=True, return_lse=True)
+    assert np.all(o[:, :5] == 0) and np.all(lse[:, :5] == -np.inf)
+    assert np.isfinite(o).all() and np.isfinite(lse[:, 5:]).all()
+    do = np.ones_like(o)
+    dq, dk, dv = backend.backward(do, q, k, v, o, lse, causal=True)
+    assert np.all(dq[:, :5] == 0)
+    assert all(np.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_window_can_mask_every_row(backend):
+    q, k, v = random_inputs((1, 6, 4), (1, 6, 4), (1, 6, 3))
+    # window=(left, right) = (-1 unlimited, ...) and a band that misses some rows entirely.
+    o, lse = backend.forward(q, k, v, window=(0, 0), return_lse=True, block_q=2, block_k=2)
+    expected = golden_forward(AttentionProblem(q, k, v, q, {"window": (0, 0)}))
+    assert_attention_close(o, expected[0], q.dtype)
+    o, lse = backend.forward(q[:, :3], k, v, window=(1, 0), causal=True, return_lse=True)
+    assert np.isfinite(o).all()
+
+
+def test_zero_key_length_gives_zero_output_and_minus_inf_lse(backend):
+    q, k, v = random_inputs((3, 5, 8), (3, 0, 8), (3, 0, 6))
+    o, lse = backend.forward(q, k, v, return_lse=True)
+    assert o.shape == (3, 5, 6) and np.all(o == 0) and np.all(lse == -np.inf)
+    dq, dk, dv = backend.backward(np.ones_like(o), q, k, v, o, lse)
+    assert dq.shape == q.shape and np.all(dq == 0) and dk.shape == k.shape
+
+
+@pytest.mark.parametrize("shapes", [
+    ((0, 4, 8), (0, 4, 8), (0, 4, 8)),         # no heads
+    ((2, 0, 4, 8), (2, 0, 4, 8), (2, 0, 4, 8)),  # empty head axis
+    ((2, 3, 0, 8), (2, 3, 5, 8), (2, 3, 5, 2)),  # no queries
+])
+def test_empty_axes_give_correctly_shaped_results(backend, shapes):
+    q, k, v = random_inputs(*shapes)
+    o, lse = backend.forward(q, k, v, return_lse=True)
+    assert o.shape == q.shape[:-1] + (v.shape[-1],) and lse.shape == q.shape[:-1]
+    dq, dk, dv = backend.backward(np.zeros_like(o), q, k, v, o, lse)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_single_head_two_dimensional_inputs(backend):
+    q, k, v = random_inputs((7, 16), (11, 16), (11, 5))
+    o, lse = backend.forward(q, k, v, return_lse=True)
+    assert o.shape == (7, 5) and lse.shape == (7,)
+    check_backward(backend, AttentionProblem(q, k, v, np.ones((7, 5), np.float32)))
+
+
+def test_inputs_are_never_modified(backend):
+    q, k, v = random_inputs((2, 4, 33, 16), (2, 2, 40, 16), (2, 2, 40, 8))
+    for array in (q, k, v):
+        array.setflags(write=False)
+    copies = [a.copy() for a in (q, k, v)]
+    options = dict(causal=True, softcap=5.0, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]),
+                   dropout_p=0.2, seed=3, block_q=8, block_k=16)
+    o, lse = backend.forward(q, k, v, return_lse=True, **options)
+    do = np.ones_like(o)
+    for array in (o, lse, do):
+        array.setflags(write=False)
+    saved = [a.copy() for a in (o, lse, do)]
+    backend.backward(do, q, k, v, o, lse, **options)
+    for before, after in zip(copies + saved, (q, k, v, o, lse, do)):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_dropout_drops_exactly_the_golden_entries(backend):
+    """With V = identity, o[i, j] = p[i, j] * keep[i, j] / (1 - p): the kept pattern shows."""
+    n, heads, dropout_p, seed = 24, 3, 0.4, 2**40 + 17
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, heads, n, 8))
+    k = rng.standard_normal((2, heads, n, 8))
+    v = np.broadcast_to(np.eye(n), (2, heads, n, n)).copy()
+    o = backend.forward(q, k, v, dropout_p=dropout_p, seed=seed, block_q=5, block_k=7)
+    bh = np.arange(2 * heads).reshape(2, heads, 1, 1)
+    keep = keep_mask(seed, dropout_p, bh, np.arange(n)[:, None], np.arange(n)[None, :])
+    np.testing.assert_array_equal(o != 0, keep)
+    golden = tileattn.forward(q, k, v, dropout_p=dropout_p, seed=seed, backend="reference")
+    assert_attention_close(o, golden, np.float64)
+
+
+def test_large_float32_scores_do_not_overflow(backend):
+    """Scores up to |s| = 1e4 in float32. Integer inputs keep every score exact, so the
+    result is compared at the normal float32 tolerance, not a looser one."""
+    rng = np.random.default_rng(2)
+    q = rng.integers(-50, 51, size=(2, 64, 4)).astype(np.float32)
+    k = rng.integers(-50, 51, size=(2, 80, 4)).astype(np.float32)
+    v = rng.standard_normal((2, 80, 4)).astype(np.float32)
+    options = dict(scale=1.0, block_q=16, block_k=16)
+    o, lse = backend.forward(q, k, v, return_lse=True, **options)
+    assert np.abs(q @ np.swapaxes(k, -1, -2)).max() > 5e3
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
+    check_forward(backend, AttentionProblem(q, k, v, np.ones_like(o), options))
+    check_backward(backend, AttentionProblem(q, k, v, np.ones_like(o), options))
+
+
+def test_non_finite_query_row_stays_in_its_row(backend):
+    q, k, v = random_inputs((2, 12, 8), (2, 12, 8), (2, 12, 8), dtype=np.float64)
+    q[1, 4, 2] = np.nan
+    q[0, 7, 0] = np.inf
+    o, lse = backend.forward(q, k, v, return_lse=True, block_q=4, block_k=4)
+    assert np.isnan(o[1, 4]).all() and np.isnan(o[0, 7]).all()
+    finite_rows = np.ones((2, 12), bool)
+    finite_rows[1, 4] = finite_rows[0, 7] = False
+    assert np.isfinite(o[finite_rows]).all() and np.isfinite(lse[finite_rows]).all()
+
+
+def test_non_finite_key_reaches_only_rows_that_keep_it(backend):
+    q, k, v = random_inputs((10, 8), (10, 8), (10, 8), dtype=np.float64)
+    k[6, 3] = np.nan
+    o = backend.forward(q, k, v, causal=True, block_q=3, block_k=3)
+    assert np.isfinite(o[:6]).all()  # causal: rows 0..5 never keep key 6
+    assert np.isnan(o[6:]).all()
+
+
+def test_gqa_reads_the_right_kv_head(backend):
+    """Query head h reads kv head h // (Hq // Hkv): give each kv head a constant value."""
+    q, k, _ = random_inputs((1, 6, 5, 8), (1, 2, 5, 8), (1, 2, 5, 1))
+    v = np.arange(2, dtype=np.float32).reshape(1, 2, 1, 1) * np.ones((1, 2, 5, 1), np.float32)
+    o = backend.forward(q, k, v)
+    np.testing.assert_allclose(o[0, :, :, 0], np.repeat([[0.0], [0.0], [0.0], [1.0], [1.0],
+                                                         [1.0]], 5, axis=1), atol=1e-6)

@@ -1,0 +1,235 @@
+"""Property-testing kit for attention code: hypothesis strategies and a closeness check.
+
+Public, so that you can test your own attention implementation the way tileattn tests its
+kernels: draw problems with `attention_problems`, compute the float64 golden result with
+``tileattn.forward(..., backend="reference")`` and compare with `assert_attention_close`::
+
+    from hypothesis import given
+    import numpy as np, tileattn
+    from tileattn.testing import attention_problems, assert_attention_close
+
+    @given(attention_problems())
+    def test_my_attention(problem):
+        expected = tileattn.forward(*problem.as_float64(), **problem.options,
+                                    backend="reference")
+        actual = my_attention(problem.q, problem.k, problem.v, **problem.options)
+        assert_attention_close(actual, expected, problem.dtype, name="o")
+
+Per-dtype tolerances live here and only here (`TOLERANCES`). Importing this module needs
+hypothesis (``pip install 'tileattn[test]'``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import strategies as st
+
+__all__ = [
+    "TOLERANCES", "Tolerance", "AttentionProblem", "attention_problems", "block_sizes",
+    "float_dtypes", "assert_attention_close", "bfloat16",
+]
+
+
+def bfloat16():
+    """The ml_dtypes bfloat16 dtype, or None when ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|actual - expected| <= atol * scale + rtol * |expected|`` elementwise, where
+    ``scale`` is the root-mean-square of the finite expected values: errors of a tiled
+    computation are relative to the magnitude of the whole tensor, not of each element."""
+
+    rtol: float
+    atol: float
+
+
+# Each is about 10x the unit roundoff of the dtype times the growth of a length-~500
+# reduction (float32 and float64) or the rounding of the low-precision operands that the
+# tensor-core path feeds to its matrix products (float16, bfloat16), judged against the
+# float64 golden model computed from the same (already rounded) inputs.
+TOLERANCES = {
+    "float64": Tolerance(rtol=1e-10, atol=1e-10),
+    "float32": Tolerance(rtol=1e-4, atol=1e-4),
+    "float16": Tolerance(rtol=5e-3, atol=5e-3),
+    "bfloat16": Tolerance(rtol=4e-2, atol=4e-2),
+}
+
+
+def tolerance_for(dtype) -> Tolerance:
+    return TOLERANCES[np.dtype(dtype).name]
+
+
+def assert_attention_close(actual, expected, dtype, *, name: str = "result"):
+    """Assert `actual` matches the golden `expected` within `dtype`'s tolerance.
+
+    Shapes must agree; NaN and infinities must sit at the same places with the same sign.
+    `dtype` is the dtype the computation ran in (the inputs' dtype), which sets the
+    tolerance; the arrays themselves may have any float dtype (lse is float32, say).
+    """
+    tolerance = tolerance_for(dtype)
+    actual = np.asarray(actual).astype(np.float64)
+    expected = np.asarray(expected).astype(np.float64)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {actual.shape} != expected {expected.shape}")
+    nan_mismatch = np.isnan(actual) != np.isnan(expected)
+    inf_mismatch = np.isinf(expected) & (actual != expected)
+    inf_mismatch |= np.isinf(actual) & (actual != expected)
+    if nan_mismatch.any() or inf_mismatch.any():
+        where = np.argwhere(nan_mismatch | inf_mismatch)[0]
+        raise AssertionError(
+            f"{name}: non-finite values differ, first at index {tuple(where)}: "
+            f"actual {actual[tuple(where)]}, expected {expected[tuple(where)]} "
+            f"({int((nan_mismatch | inf_mismatch).sum())} elements)")
+    finite = np.isfinite(expected)
+    if not finite.any():
+        return
+    scale = np.sqrt(np.mean(expected[finite] ** 2))
+    error = np.abs(actual - expected)
+    allowed = tolerance.atol * scale + tolerance.rtol * np.abs(expected)
+    bad = finite & ~(error <= allowed)
+    if bad.any():
+        where = tuple(np.argwhere(bad)[0])
+        worst = np.max(np.where(finite, error / np.maximum(allowed, 1e-300), 0))
+        raise AssertionError(
+            f"{name} ({np.dtype(dtype).name}): {int(bad.sum())} of {bad.size} elements out of "
+            f"tolerance (rtol={tolerance.rtol}, atol={tolerance.atol} x rms {scale:.3g}); first "
+            f"at {where}: actual {actual[where]!r}, expected {expected[where]!r}; worst error is "
+            f"{worst:.3g}x the allowed")
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+def float_dtypes(include_bfloat16: bool = True):
+    """float16, bfloat16 (when ml_dtypes is installed), float32, float64."""
+    dtypes = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
+    if include_bfloat16 and bfloat16() is not None:
+        dtypes.insert(1, bfloat16())
+    return st.sampled_from(dtypes)
+
+
+_INTERESTING_BLOCKS = (1, 2, 3, 5, 7, 8, 13, 16, 31, 32, 64, 97, 128, 4096)
+
+
+def block_sizes():
+    """None (backend's choice), 1, primes, powers of two, and sizes beyond any sequence."""
+    return st.one_of(st.none(), st.sampled_from(_INTERESTING_BLOCKS))
+
+
+_HEAD_DIMS = (1, 2, 3, 5, 8, 16, 24, 32, 40, 64, 80, 96, 128, 160, 192, 256)
+
+
+@dataclass
+class AttentionProblem:
+    """One drawn attention problem: inputs, an output gradient, and keyword options.
+
+    ``q, k, v, do`` are NumPy arrays of `dtype` (possibly non-contiguous); `options` holds the
+    keyword arguments for `tileattn.forward` / `tileattn.backward` (without `backend`).
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    do: np.ndarray
+    options: dict = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.q.dtype
+
+    def as_float64(self):
+        return tuple(a.astype(np.float64) for a in (self.q, self.k, self.v))
+
+    def __repr__(self):
+        shown = {k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                 for k, v in self.options.items()}
+        return (f"AttentionProblem(q{self.q.shape}, k{self.k.shape}, v{self.v.shape}, "
+                f"dtype={self.dtype.name}, strides q{self.q.strides}, options={shown})")
+
+
+def _layout(rng: np.random.Generator, array: np.ndarray, kind: str) -> np.ndarray:
+    """The same values in a different memory layout: contiguous, transposed or reversed."""
+    if kind == "transposed" and array.ndim >= 3:
+        # Stored as (..., N, H, D) like many frameworks' (batch, seq, heads, dim).
+        stored = np.ascontiguousarray(np.swapaxes(array, -2, -3))
+        return np.swapaxes(stored, -2, -3)
+    if kind == "reversed":
+        stored = np.ascontiguousarray(array[..., ::-1, :])
+        return stored[..., ::-1, :]
+    return array
+
+
+@st.composite
+def attention_problems(draw, *, dtypes=None, max_batch_dims: int = 2, max_heads: int = 4,
+                       max_seq: int = 48, head_dims=_HEAD_DIMS, max_elements: int = 60_000,
+                       options: bool = True, allow_empty: bool = True):
+    """Draw an `AttentionProblem`.
+
+    Covers zero-length and length-1 axes, ``Nq != Nk``, head dims 1-256 with ``Dv != D``,
+    GQA/MQA ratios, 0-2 batch dimensions or a bare 2-D ``(N, D)`` problem, non-contiguous
+    layouts, every option of `tileattn.forward` (causal, window, scale, softcap, ALiBi,
+    dropout with a seed) and block sizes including 1, primes and sizes beyond the sequence.
+    `max_elements` bounds ``batch * Hq * Nq * Nk * max(D, Dv)`` to keep examples quick.
+    """
+    dtype = draw(dtypes if dtypes is not None else float_dtypes())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    min_seq = 0 if allow_empty else 1
+    n_q = draw(st.integers(min_seq, max_seq))
+    n_k = draw(st.one_of(st.just(n_q), st.integers(min_seq, max_seq)))
+    d = draw(st.sampled_from(head_dims))
+    d_v = draw(st.one_of(st.just(d), st.sampled_from(head_dims)))
+    single_head = draw(st.booleans()) and max_batch_dims >= 0 and draw(st.booleans())
+    if single_head:
+        batch_shape, n_kv_heads, group = (), 1, 1
+    else:
+        n_batch_dims = draw(st.integers(0, max_batch_dims))
+        batch_shape = tuple(draw(st.lists(st.integers(min_seq, 2), min_size=n_batch_dims,
+                                          max_size=n_batch_dims)))
+        n_kv_heads = draw(st.integers(min_seq if allow_empty else 1, max(1, max_heads // 2)))
+        group = draw(st.sampled_from([g for g in (1, 2, 3, 4) if g * n_kv_heads <= max_heads]
+                                     or [1]))
+    n_q_heads = n_kv_heads * group
+    budget = max(1, int(np.prod(batch_shape))) * max(n_q_heads, 1) * max(d, d_v)
+    while n_q * n_k * budget > max_elements and max(n_q, n_k) > 1:
+        n_q, n_k = (n_q + 1) // 2, (n_k + 1) // 2
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    heads_q = () if single_head else (n_q_heads,)
+    heads_kv = () if single_head else (n_kv_heads,)
+    q = normal(*batch_shape, *heads_q, n_q, d)
+    k = normal(*batch_shape, *heads_kv, n_k, d)
+    v = normal(*batch_shape, *heads_kv, n_k, d_v)
+    do = normal(*batch_shape, *heads_q, n_q, d_v)
+    layout = draw(st.sampled_from(["contiguous", "transposed", "reversed"]))
+    q, k, v, do = (_layout(rng, a, layout) for a in (q, k, v, do))
+
+    kwargs = {}
+    if options:
+        kwargs["causal"] = draw(st.booleans())
+        if draw(st.booleans()):
+            side = st.one_of(st.none(), st.integers(-1, max_seq + 2))
+            kwargs["window"] = (draw(side), draw(side))
+        if draw(st.booleans()):
+            kwargs["scale"] = draw(st.sampled_from([0.0, 0.05, 0.3, 1.0, -0.7, 2.5]))
+        if draw(st.booleans()):
+            kwargs["softcap"] = draw(st.sampled_from([0.0, 0.5, 3.0, 30.0]))
+        if draw(st.booleans()):
+            per_batch = draw(st.booleans()) and not single_head
+            shape = (*batch_shape, n_q_heads) if per_batch else (n_q_heads,)
+            kwargs["alibi_slopes"] = rng.uniform(0.0, 1.0, size=shape)
+        if draw(st.booleans()):
+            kwargs["dropout_p"] = draw(st.sampled_from([0.1, 0.5, 0.9]))
+            kwargs["seed"] = draw(st.integers(0, 2**64 - 1))
+        kwargs["block_q"] = draw(block_sizes())
+        kwargs["block_k"] = draw(block_sizes())
+    return AttentionProblem(q, k, v, do, kwargs)
