@@ -15,8 +15,9 @@ kernels: draw problems with `attention_problems`, compute the float64 golden res
         actual = my_attention(problem.q, problem.k, problem.v, **problem.options)
         assert_attention_close(actual, expected, problem.dtype, name="o")
 
-Per-dtype tolerances live here and only here (`TOLERANCES`). Importing this module needs
-hypothesis (``pip install 'tileattn[test]'``).
+Per-dtype tolerances live here and only here (`TOLERANCES`). The strategies need
+hypothesis (``pip install 'tileattn[test]'``); the tolerances and `assert_attention_close`
+do not.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ImportError:  # the strategies say so when called; the tolerances still work
+    st = None
 
 __all__ = [
     "TOLERANCES", "Tolerance", "AttentionProblem", "attention_problems", "block_sizes",
@@ -70,6 +75,28 @@ def tolerance_for(dtype) -> Tolerance:
     return TOLERANCES[np.dtype(dtype).name]
 
 
+def attention_error(actual, expected, dtype) -> float:
+    """The largest error as a multiple of what `dtype`'s tolerance allows (<= 1 passes);
+    inf when non-finite values differ in place or sign."""
+    tolerance = tolerance_for(dtype)
+    actual = np.asarray(actual).astype(np.float64)
+    expected = np.asarray(expected).astype(np.float64)
+    same_non_finite = (np.isnan(actual) == np.isnan(expected)) & (
+        ~(np.isinf(actual) | np.isinf(expected)) | (actual == expected))
+    if not same_non_finite.all():
+        return float("inf")
+    finite = np.isfinite(expected)
+    if not finite.any():
+        return 0.0
+    scale = _magnitude(expected[finite])
+    allowed = tolerance.atol * scale + tolerance.rtol * np.abs(expected[finite])
+    return float(np.max(np.abs(actual[finite] - expected[finite]) / allowed))
+
+
+def _magnitude(finite_values) -> float:
+    return max(1.0, float(np.sqrt(np.mean(finite_values ** 2))))
+
+
 def assert_attention_close(actual, expected, dtype, *, name: str = "result"):
     """Assert `actual` matches the golden `expected` within `dtype`'s tolerance.
 
@@ -94,7 +121,7 @@ def assert_attention_close(actual, expected, dtype, *, name: str = "result"):
     finite = np.isfinite(expected)
     if not finite.any():
         return
-    scale = max(1.0, float(np.sqrt(np.mean(expected[finite] ** 2))))
+    scale = _magnitude(expected[finite])
     with np.errstate(invalid="ignore"):  # inf - inf where both are the same infinity
         error = np.abs(actual - expected)
     allowed = tolerance.atol * scale + tolerance.rtol * np.abs(expected)
@@ -112,8 +139,16 @@ def assert_attention_close(actual, expected, dtype, *, name: str = "result"):
 # --------------------------------------------------------------------------- strategies
 
 
+def _strategies():
+    if st is None:
+        raise ImportError("tileattn.testing strategies need hypothesis: "
+                          "pip install 'tileattn[test]'")
+    return st
+
+
 def float_dtypes(include_bfloat16: bool = True):
     """float16, bfloat16 (when ml_dtypes is installed), float32, float64."""
+    st = _strategies()
     dtypes = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
     if include_bfloat16 and bfloat16() is not None:
         dtypes.insert(1, bfloat16())
@@ -125,6 +160,7 @@ _INTERESTING_BLOCKS = (1, 2, 3, 5, 7, 8, 13, 16, 31, 32, 64, 97, 128, 4096)
 
 def block_sizes():
     """None (backend's choice), 1, primes, powers of two, and sizes beyond any sequence."""
+    st = _strategies()
     return st.one_of(st.none(), st.sampled_from(_INTERESTING_BLOCKS))
 
 
@@ -171,11 +207,16 @@ def _layout(rng: np.random.Generator, array: np.ndarray, kind: str) -> np.ndarra
     return array
 
 
-@st.composite
-def attention_problems(draw, *, dtypes=None, max_batch_dims: int = 2, max_heads: int = 4,
+def attention_problems(**settings):
+    """Strategy for `AttentionProblem`; keyword settings are those of `draw_attention_problem`.
+    """
+    return _strategies().composite(draw_attention_problem)(**settings)
+
+
+def draw_attention_problem(draw, *, dtypes=None, max_batch_dims: int = 2, max_heads: int = 4,
                        max_seq: int = 48, head_dims=_HEAD_DIMS, max_elements: int = 60_000,
                        options: bool = True, allow_empty: bool = True):
-    """Draw an `AttentionProblem`.
+    """Draw an `AttentionProblem` (use through `attention_problems`).
 
     Covers zero-length and length-1 axes, ``Nq != Nk``, head dims 1-256 with ``Dv != D``,
     GQA/MQA ratios, 0-2 batch dimensions or a bare 2-D ``(N, D)`` problem, non-contiguous
@@ -183,6 +224,7 @@ def attention_problems(draw, *, dtypes=None, max_batch_dims: int = 2, max_heads:
     dropout with a seed) and block sizes including 1, primes and sizes beyond the sequence.
     `max_elements` bounds ``batch * Hq * Nq * Nk * max(D, Dv)`` to keep examples quick.
     """
+    st = _strategies()
     dtype = draw(dtypes if dtypes is not None else float_dtypes())
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     min_seq = 0 if allow_empty else 1
