@@ -125,7 +125,7 @@ def _check_real(name, value):
     return value
 
 
-def _normalise_window(window, causal: bool):
+def _normalise_window(window, causal: bool, n_q: int, n_k: int):
     if window is None:
         left, right = UNLIMITED, UNLIMITED
     else:
@@ -139,7 +139,9 @@ def _normalise_window(window, causal: bool):
             if isinstance(side, bool) or not isinstance(side, numbers.Integral):
                 raise TypeError(f"window {side_name} must be an int or None, got {side!r} "
                                 f"({type(side).__name__})")
-            sides.append(UNLIMITED if side < 0 else int(side))
+            # A side reaching past every key is unlimited; this also keeps kernels' int32
+            # index arithmetic (i + Nk - Nq - left) from overflowing on huge values.
+            sides.append(UNLIMITED if side < 0 or side >= n_q + n_k else int(side))
         left, right = sides
     if causal:
         right = 0
@@ -164,11 +166,12 @@ def _normalise_alibi(slopes, batch_shape, n_q_heads):
 
 
 def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
-                 block_k, deterministic, batch_shape, n_q_heads, head_dim) -> AttentionOptions:
+                 block_k, deterministic, batch_shape, n_q_heads, head_dim, n_q,
+                 n_k) -> AttentionOptions:
     """Check every keyword option and fold them into one `AttentionOptions`."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    window_left, window_right = _normalise_window(window, bool(causal))
+    window_left, window_right = _normalise_window(window, bool(causal), n_q, n_k)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_real("scale", scale)
     if softcap is None:
         softcap = 0.0
@@ -255,8 +258,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
         tensors["o"] = _to_4d(named["o"], batch, single_head)
         lse_4d = named["lse"][..., None]
         tensors["lse"] = _to_4d(lse_4d, batch, single_head)[..., 0]
-    options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d,
-                           **option_kwargs)
+    options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
+                           n_k=n_k, **option_kwargs)
     return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory),
                    options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
                    n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v)
