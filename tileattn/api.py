@@ -94,10 +94,10 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     batch = problem.tensors["q"].shape[0]
     if problem.is_empty:
         memory, like = problem.layout.memory, problem.tensors["q"]
-        o = arrays.empty((batch, problem.n_q_heads, problem.n_q, problem.value_dim),
-                         problem.dtype, memory, like)
-        lse = arrays.empty((batch, problem.n_q_heads, problem.n_q), lse_dtype(problem.dtype),
-                           memory, like, fill=-np.inf)
+        o = arrays.full((batch, problem.n_q_heads, problem.n_q, problem.value_dim), 0.0,
+                        problem.dtype, memory, like)
+        lse = arrays.full((batch, problem.n_q_heads, problem.n_q), -np.inf,
+                          lse_dtype(problem.dtype), memory, like)
     else:
         o, lse = _run(module, "forward", problem)
     o = problem.layout.restore(o, problem.n_q_heads)
@@ -138,7 +138,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
     module = _resolve_backend(backend, problem.layout.memory)
     if problem.is_empty:
         memory, tensors = problem.layout.memory, problem.tensors
-        dq, dk, dv = (arrays.empty(tensors[n].shape, problem.dtype, memory, tensors["q"])
+        dq, dk, dv = (arrays.full(tensors[n].shape, 0.0, problem.dtype, memory, tensors["q"])
                       for n in ("q", "k", "v"))
     else:
         dq, dk, dv = _run(module, "backward", problem)

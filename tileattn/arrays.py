@@ -1,7 +1,11 @@
-"""Recognising the caller's arrays without importing their libraries.
+"""The caller's arrays: recognising them without importing their libraries, and giving
+results back in the library they came from.
 
-A CuPy array is recognised by its type's module name (einops' habit), so NumPy users never
-pay for importing CuPy.
+Backends see only NumPy (host) or CuPy (GPU) arrays. Arrays from other libraries are
+viewed as those without copying, through DLPack: torch tensors, JAX arrays, and anything
+else that speaks ``__dlpack__`` or ``__cuda_array_interface__``. A library is recognised by
+the module of its array type (einops' habit), so it is touched only when the caller's arrays
+already come from it and NumPy users never pay for importing CuPy, torch or JAX.
 """
 
 from __future__ import annotations
@@ -11,45 +15,140 @@ import sys
 import numpy as np
 
 _FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
+_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+
+
+def library_of(array) -> str:
+    """``"numpy"``, ``"cupy"``, ``"torch"``, ``"jax"`` or ``"other"`` (by the type's module)."""
+    if isinstance(array, np.ndarray):
+        return "numpy"
+    root = type(array).__module__.split(".")[0]
+    if root == "cupy" and "cupy" in sys.modules:
+        return "cupy"
+    if root == "torch" and "torch" in sys.modules:
+        return "torch"
+    if root in ("jax", "jaxlib") and "jax" in sys.modules:
+        return "jax"
+    return "other"
 
 
 def memory_of(array) -> str:
-    """``"cuda"`` for CuPy arrays, ``"host"`` for everything NumPy can read."""
-    module = type(array).__module__
-    if module.startswith("cupy") and "cupy" in sys.modules:
-        return "cuda"
-    return "host"
+    """``"cuda"`` for CuPy arrays, ``"host"`` for NumPy arrays (after `to_native`)."""
+    return "cuda" if library_of(array) == "cupy" else "host"
 
 
-def as_array(array, memory: str):
-    """The caller's array as a NumPy or CuPy array, without copying when possible."""
-    if memory == "cuda":
-        return array
-    if isinstance(array, np.ndarray):
-        return array
+# --------------------------------------------------------------------------- into the backends
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _from_dlpack(array, on_cuda: bool):
+    if on_cuda:
+        import cupy
+
+        return cupy.from_dlpack(array)
+    return np.from_dlpack(array)
+
+
+def _torch_to_native(tensor):
+    import torch
+
+    tensor = tensor.detach()
+    on_cuda = tensor.device.type == "cuda"
+    if tensor.dtype == torch.bfloat16:
+        # DLPack consumers do not all know bfloat16: move the bits as int16 and relabel them.
+        return _from_dlpack(tensor.view(torch.int16), on_cuda).view(_bfloat16())
+    return _from_dlpack(tensor, on_cuda)
+
+
+def _jax_to_native(array):
+    on_cuda = any(device.platform in ("gpu", "cuda") for device in array.devices())
+    if on_cuda:
+        return _from_dlpack(array, True)
     return np.asarray(array)
 
 
+def _other_to_native(array):
+    if hasattr(array, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.asarray(array)
+    if hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__"):
+        device_type = int(array.__dlpack_device__()[0])
+        if device_type in (_DLPACK_CPU, _DLPACK_CUDA):
+            return _from_dlpack(array, device_type == _DLPACK_CUDA)
+    return np.asarray(array)
+
+
+def to_native(array):
+    """The caller's array as a NumPy or CuPy array, without copying where possible."""
+    library = library_of(array)
+    if library in ("numpy", "cupy"):
+        return array
+    if library == "torch":
+        return _torch_to_native(array)
+    if library == "jax":
+        return _jax_to_native(array)
+    return _other_to_native(array)
+
+
+# --------------------------------------------------------------------------- back to the caller
+
+
+def _torch_from_native(array):
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_dlpack(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(array)
+
+
+def _jax_from_native(array):
+    import jax.numpy as jnp
+
+    if memory_of(array) == "cuda":
+        import jax
+
+        return jax.dlpack.from_dlpack(array)
+    return jnp.asarray(array)
+
+
+def from_native(array, library: str):
+    """A NumPy/CuPy result as an array of `library` (the library the caller's q came from)."""
+    if library == "torch":
+        return _torch_from_native(array)
+    if library == "jax":
+        return _jax_from_native(array)
+    return array
+
+
+# --------------------------------------------------------------------------- helpers
+
+
 def to_host(array):
-    """A NumPy copy of a CuPy array (used by the reference backend on CUDA inputs)."""
+    """A NumPy copy of a CuPy array; NumPy arrays pass through."""
     return array.get() if memory_of(array) == "cuda" else array
 
 
 def to_device_like(array, like):
-    """Move a NumPy result onto the device of `like` (a CuPy array)."""
+    """Move a NumPy result onto the GPU that holds `like` (a CuPy array)."""
     import cupy  # only reached with CuPy arrays, so CuPy is already imported
 
     with cupy.cuda.Device(like.device.id):
         return cupy.asarray(array)
 
 
-def is_supported_float(dtype: np.dtype) -> bool:
+def is_supported_float(dtype) -> bool:
     """float16, bfloat16 (ml_dtypes), float32, float64."""
     return np.dtype(dtype).name in _FLOAT_KINDS
 
 
-def empty(shape, dtype, memory: str, like=None, fill=0.0):
-    """An array of `shape` filled with `fill`, in the caller's array library."""
+def full(shape, fill, dtype, memory: str, like=None):
+    """An array of `shape` filled with `fill`, in host memory or on `like`'s GPU."""
     if memory == "cuda":
         import cupy
 

@@ -25,12 +25,15 @@ class Layout:
     batch_shape: tuple
     single_head: bool  # the caller passed 2-D ``(N, D)`` arrays
     memory: str  # "host" or "cuda"
+    library: str  # where the caller's q came from: results go back there
 
     def restore(self, array, heads: int):
-        """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)``."""
+        """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)`` and library."""
         if self.single_head:
-            return array.reshape(array.shape[2:])
-        return array.reshape(self.batch_shape + (heads,) + array.shape[2:])
+            array = array.reshape(array.shape[2:])
+        else:
+            array = array.reshape(self.batch_shape + (heads,) + array.shape[2:])
+        return arrays.from_native(array, self.library)
 
 
 def _describe(array) -> str:
@@ -234,11 +237,12 @@ class Problem:
 
 def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
     """Check the arrays and options of a forward (``do`` is None) or backward call."""
+    library = arrays.library_of(q)
     named = {"q": q, "k": k, "v": v}
     if do is not None:
         named.update(do=do, o=o, lse=lse)
+    named = {name: arrays.to_native(a) for name, a in named.items()}
     memory = _check_memory(named)
-    named = {name: arrays.as_array(a, memory) for name, a in named.items()}
     q, k, v = named["q"], named["k"], named["v"]
     dtype = _check_dtypes({name: named[name] for name in ("q", "k", "v")})
     batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(q, k, v)
@@ -260,6 +264,6 @@ def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
         tensors["lse"] = _to_4d(lse_4d, batch, single_head)[..., 0]
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
                            n_k=n_k, **option_kwargs)
-    return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory),
+    return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory, library),
                    options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
                    n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v)
