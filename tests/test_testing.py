@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import tileattn
 from tileattn.testing import (TOLERANCES, AttentionProblem, assert_attention_close,

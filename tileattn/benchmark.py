@@ -1,0 +1,417 @@
+"""``python -m tileattn bench``: correctness first, then speed and memory against anchors.
+
+Sweeps the sequence length N (with causal on and off) for one backend, and measures in the
+same process every anchor available here: naive NumPy (host) or naive CuPy (GPU)
+attention, and PyTorch's ``scaled_dot_product_attention`` when torch is installed. Reports
+GFLOP/s (TFLOP/s on the GPU) with FlashAttention's FLOP count (forward ``4 B H Nq Nk D``,
+halved when causal; backward 2.5x forward) and each anchor's time over tileattn's (> 1 means
+tileattn is faster). Peak extra memory is measured against N, each point in a fresh process
+on the host, so the naive O(N^2) curve can be seen running out of memory while tileattn's
+stays linear. Writes ``results.json``, ``results.md`` and PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from . import anchors, backends
+from .api import backward, forward
+from .check import run_check
+
+FORWARD_BACKWARD_FACTOR = 3.5  # forward + backward = (1 + 2.5) x forward FLOPs
+
+
+def attention_flops(batch, heads, n_q, n_k, head_dim, causal, with_backward=False) -> float:
+    """FlashAttention's FLOP count (the one its benchmarks report)."""
+    flops = 4.0 * batch * heads * n_q * n_k * head_dim * (0.5 if causal else 1.0)
+    return flops * (FORWARD_BACKWARD_FACTOR if with_backward else 1.0)
+
+
+@dataclass
+class Measurement:
+    implementation: str
+    n: int
+    causal: bool
+    direction: str  # "forward" or "forward+backward"
+    seconds: float | None  # None when it could not run (out of memory)
+    flops_per_second: float | None
+    note: str = ""
+
+
+@dataclass
+class MemoryPoint:
+    implementation: str
+    n: int
+    peak_extra_bytes: int | None
+    modelled_naive_bytes: int
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    backend: str
+    device: str
+    dtype: str
+    batch: int
+    heads: int
+    head_dim: int
+    measurements: list = field(default_factory=list)
+    memory: list = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _synchronize(memory):
+    if memory == "cuda":
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def median_seconds(function, memory: str, repeats: int, min_seconds: float = 0.2) -> float:
+    """Median wall time of `function` after a warm-up call (which also compiles)."""
+    function()
+    _synchronize(memory)
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - start_all < min_seconds
+                                   and len(times) < 50):
+        start = time.perf_counter()
+        function()
+        _synchronize(memory)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def step(self, label: str):
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = int(width * self.done / max(self.total, 1))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total} {label:<40}")
+            sys.stderr.flush()
+            if self.done == self.total:
+                sys.stderr.write("\n")
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+def _implementations(backend: str, memory: str):
+    """(name, forward(q, k, v, do, causal), forward_backward(...)) for tileattn and anchors."""
+    impls = [(
+        f"tileattn-{backend}",
+        lambda q, k, v, do, causal: forward(q, k, v, causal=causal, backend=backend),
+        lambda q, k, v, do, causal: backward(
+            do, q, k, v, *forward(q, k, v, causal=causal, backend=backend, return_lse=True),
+            causal=causal, backend=backend),
+    )]
+    if memory == "cuda":
+        import cupy as xp
+
+        naive_name = "cupy-naive"
+    else:
+        xp, naive_name = np, "numpy-naive"
+    impls.append((naive_name,
+                  lambda q, k, v, do, causal: anchors.naive_forward(xp, q, k, v, causal),
+                  lambda q, k, v, do, causal: anchors.naive_forward_backward(xp, q, k, v, do,
+                                                                             causal)))
+    if anchors.torch_available():
+        impls.append(("torch-sdpa",
+                      lambda q, k, v, do, causal: anchors.torch_sdpa(*_torch(q, k, v), causal),
+                      lambda q, k, v, do, causal: anchors.torch_sdpa(
+                          *_torch(q, k, v), causal, backward=True, do=_torch(do)[0])))
+    return impls
+
+
+def _torch(*arrays):
+    import torch
+
+    return tuple(torch.from_dlpack(a) for a in arrays)
+
+
+def _inputs(memory, batch, heads, n, head_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal((batch, heads, n, head_dim)).astype(dtype) for _ in range(4)]
+    if memory == "cuda":
+        import cupy
+
+        arrays = [cupy.asarray(a) for a in arrays]
+    return arrays
+
+
+def naive_bytes(batch, heads, n, itemsize) -> int:
+    """What naive attention must hold at once: the scores and probabilities, N x N each."""
+    return 2 * batch * heads * n * n * itemsize
+
+
+# --------------------------------------------------------------------------- memory
+
+
+_HOST_MEMORY_PROBE = """
+import resource, sys, numpy as np
+sys.path.insert(0, {root!r})
+from tileattn import benchmark
+impl, n, batch, heads, d, dtype, causal, backend = {args!r}
+name, fwd, fwd_bwd = [i for i in benchmark._implementations(backend, "host") if i[0] == impl][0]
+small = benchmark._inputs("host", 1, 1, 64, d, dtype)
+fwd_bwd(*small, causal)  # compile / warm up outside the measurement
+inputs = benchmark._inputs("host", batch, heads, n, d, dtype)
+outputs = [np.empty_like(a) for a in inputs]  # room for o, dq, dk, dv: not counted as extra
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+fwd_bwd(*inputs, causal)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024)
+"""
+
+
+def _host_peak_extra(impl, n, batch, heads, head_dim, dtype, causal, backend):
+    """Peak resident memory beyond inputs and outputs, in a fresh process (ru_maxrss only
+    grows, so each point needs its own process)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _HOST_MEMORY_PROBE.format(root=root, args=(impl, n, batch, heads, head_dim,
+                                                      np.dtype(dtype).name, causal, backend))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=1800)
+    if result.returncode != 0:
+        return None, result.stderr.strip().splitlines()[-1] if result.stderr else "failed"
+    return max(0, int(result.stdout.strip().splitlines()[-1])), ""
+
+
+def _cuda_peak_extra(function, inputs, causal):
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.get_current_stream().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    result = function(*inputs, causal)
+    cupy.cuda.get_current_stream().synchronize()
+    # Freed blocks stay in the pool, so its total after the call is the call's high-water mark.
+    peak = pool.total_bytes() - before
+    outputs = sum(r.nbytes for r in (result if isinstance(result, tuple) else (result,))
+                  if hasattr(r, "nbytes"))
+    return max(0, peak - outputs)
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim=64,
+              batch=1, heads=None, sizes=None, memory_sizes=None, progress=True,
+              print_fn=print) -> BenchResult:
+    """Check correctness, then time tileattn and the anchors over N; see the module doc."""
+    module = backends.load(backend)
+    memory = module.MEMORY
+    dtype = np.dtype(dtype)
+    heads = heads or (8 if memory == "host" else 32)
+    if sizes is None:
+        sizes = ([256, 512, 1024] if quick else [512, 1024, 2048, 4096]) if memory == "host" \
+            else ([1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 16384])
+    if memory_sizes is None:
+        memory_sizes = [1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]
+    if not run_check(heads=2, seq_len=128, head_dim=head_dim, dtype=dtype, names=[backend],
+                     repeats=1, print_fn=lambda *a: None):
+        raise RuntimeError(f"backend {backend!r} fails the correctness check; not timing it "
+                           "(run python -m tileattn check for details)")
+    result = BenchResult(backend=backend, device=_device_name(memory), dtype=dtype.name,
+                         batch=batch, heads=heads, head_dim=head_dim)
+    impls = _implementations(backend, memory)
+    budget_bytes = _naive_budget(memory)
+    bar = Progress(len(sizes) * 2 * len(impls) * 2 + len(memory_sizes) * 2, progress)
+    repeats = 3 if quick else 5
+    for n in sizes:
+        inputs = _inputs(memory, batch, heads, n, head_dim, dtype)
+        for causal in (False, True):
+            for name, fwd, fwd_bwd in impls:
+                for direction, function in (("forward", fwd), ("forward+backward", fwd_bwd)):
+                    bar.step(f"{name} N={n} {'causal' if causal else 'full'} {direction}")
+                    too_big = "naive" in name and naive_bytes(
+                        batch, heads, n, dtype.itemsize) * 3 > budget_bytes
+                    if too_big:
+                        result.measurements.append(Measurement(
+                            name, n, causal, direction, None, None, "skipped: O(N^2) memory"))
+                        continue
+                    seconds = median_seconds(lambda: function(*inputs, causal), memory,
+                                             repeats)
+                    flops = attention_flops(batch, heads, n, n, head_dim, causal,
+                                            direction != "forward")
+                    result.measurements.append(Measurement(name, n, causal, direction,
+                                                           seconds, flops / seconds))
+    naive_name = impls[1][0]
+    for n in memory_sizes:
+        modelled = naive_bytes(1, 1, n, dtype.itemsize)
+        for name in (impls[0][0], naive_name):
+            bar.step(f"memory {name} N={n}")
+            if "naive" in name and modelled * 3 > budget_bytes:
+                result.memory.append(MemoryPoint(name, n, None, modelled,
+                                                 "out of memory: needs the N x N matrices"))
+                continue
+            if memory == "host":
+                peak, note = _host_peak_extra(name, n, 1, 1, head_dim, dtype, True, backend)
+            else:
+                function = [i for i in impls if i[0] == name][0][2]
+                peak, note = _cuda_peak_extra(function, _inputs(memory, 1, 1, n, head_dim,
+                                                                 dtype), True), ""
+            result.memory.append(MemoryPoint(name, n, peak, modelled, note))
+    report = markdown_report(result)
+    print_fn(report)
+    if out:
+        write_outputs(result, report, out, print_fn)
+    return result
+
+
+def _device_name(memory: str) -> str:
+    if memory == "cuda":
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        return props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    model = "CPU"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(line.split(":", 1)[1].strip() for line in cpuinfo
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _naive_budget(memory: str) -> int:
+    """Memory the naive anchor may use: a quarter of the host's RAM or of the GPU's."""
+    if memory == "cuda":
+        import cupy
+
+        return cupy.cuda.Device().mem_info[1] // 4
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _rate(value, memory_unit):
+    return "—" if value is None else f"{value / memory_unit:.1f}"
+
+
+def markdown_report(result: BenchResult) -> str:
+    """One table of rates and ratios, one of memory."""
+    unit, unit_name = (1e12, "TFLOP/s") if "tileattn-gpu" in {
+        m.implementation for m in result.measurements} else (1e9, "GFLOP/s")
+    ours = f"tileattn-{result.backend}"
+    names = sorted({m.implementation for m in result.measurements},
+                   key=lambda n: (n != ours, n))
+    index = {(m.implementation, m.n, m.causal, m.direction): m for m in result.measurements}
+    lines = [f"tileattn bench: {result.backend} on {result.device}, {result.dtype}, "
+             f"B={result.batch}, H={result.heads}, D={result.head_dim}", "",
+             "| N | causal | pass | " + " | ".join(f"{n} {unit_name}" for n in names)
+             + " | " + " | ".join(f"vs {n}" for n in names if n != ours) + " |",
+             "|" + "---|" * (3 + 2 * len(names) - 1)]
+    for n in sorted({m.n for m in result.measurements}):
+        for causal in (False, True):
+            for direction in ("forward", "forward+backward"):
+                cells = [index.get((name, n, causal, direction)) for name in names]
+                rates = [_rate(c.flops_per_second if c else None, unit) for c in cells]
+                mine = index.get((ours, n, causal, direction))
+                ratios = []
+                for name, cell in zip(names, cells):
+                    if name == ours:
+                        continue
+                    ratios.append("—" if not cell or cell.seconds is None or not mine
+                                  else f"{cell.seconds / mine.seconds:.2f}x")
+                lines.append(f"| {n} | {'yes' if causal else 'no'} | {direction} | "
+                             + " | ".join(rates) + " | " + " | ".join(ratios) + " |")
+    lines += ["", "Ratios are the anchor's time over tileattn's (> 1: tileattn is faster).", "",
+              "| N | implementation | peak extra memory (MB) | naive N x N matrices (MB) |",
+              "|---|---|---|---|"]
+    for point in result.memory:
+        peak = "—" if point.peak_extra_bytes is None else f"{point.peak_extra_bytes / 1e6:.1f}"
+        lines.append(f"| {point.n} | {point.implementation} | {peak} {point.note} | "
+                     f"{point.modelled_naive_bytes / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def write_outputs(result: BenchResult, report: str, out: str, print_fn=print):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as handle:
+        json.dump(asdict(result), handle, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as handle:
+        handle.write(report + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print_fn("matplotlib is not installed (pip install 'tileattn[bench]'): no plots")
+        return
+    matplotlib.use("Agg")
+    _plot_speed(result, os.path.join(out, "speed.png"))
+    _plot_memory(result, os.path.join(out, "memory.png"))
+    print_fn(f"wrote results.json, results.md, speed.png and memory.png to {out}")
+
+
+def _plot_speed(result: BenchResult, path: str):
+    import matplotlib.pyplot as plt
+
+    unit, unit_name = (1e12, "TFLOP/s") if result.backend == "gpu" else (1e9, "GFLOP/s")
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+    for row, direction in enumerate(("forward", "forward+backward")):
+        for column, causal in enumerate((False, True)):
+            ax = axes[row][column]
+            for name in sorted({m.implementation for m in result.measurements}):
+                points = [(m.n, m.flops_per_second / unit) for m in result.measurements
+                          if m.implementation == name and m.causal == causal
+                          and m.direction == direction and m.flops_per_second]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{direction}, {'causal' if causal else 'no mask'}")
+            ax.set_ylabel(unit_name)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("sequence length N")
+    figure.suptitle(f"tileattn {result.backend} on {result.device} ({result.dtype}, "
+                    f"B={result.batch}, H={result.heads}, D={result.head_dim})", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _plot_memory(result: BenchResult, path: str):
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(7, 5))
+    for name in sorted({p.implementation for p in result.memory}):
+        points = [(p.n, p.peak_extra_bytes / 1e6) for p in result.memory
+                  if p.implementation == name and p.peak_extra_bytes]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{name} (measured)")
+    modelled = sorted({(p.n, p.modelled_naive_bytes / 1e6) for p in result.memory})
+    ax.plot(*zip(*modelled), linestyle="--", color="gray", label="naive N x N matrices (model)")
+    budget = _naive_budget("cuda" if result.backend == "gpu" else "host") * 4 / 1e6
+    ax.axhline(budget, color="red", linewidth=0.8, label="device memory")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N (one head, causal, forward + backward)")
+    ax.set_ylabel("peak memory beyond inputs and outputs (MB)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
