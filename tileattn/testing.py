@@ -32,8 +32,9 @@ except ImportError:  # the strategies say so when called; the tolerances still w
     st = None
 
 __all__ = [
-    "TOLERANCES", "Tolerance", "AttentionProblem", "attention_problems", "block_sizes",
-    "float_dtypes", "assert_attention_close", "bfloat16",
+    "TOLERANCES", "Tolerance", "AttentionProblem", "attention_problems",
+    "draw_attention_problem", "block_sizes", "float_dtypes", "assert_attention_close",
+    "attention_error", "tolerance_for", "bfloat16",
 ]
 
 
