@@ -1,0 +1,297 @@
+"""GPU benchmark: tileattn (backend="gpu") beside torch SDPA (flash, cuDNN) and naive CuPy.
+
+    PYTHONPATH=. python3 bench/bench_gpu.py            # the table
+    PYTHONPATH=. python3 bench/bench_gpu.py --sweep    # also every tensor-core tile shape
+
+Every implementation is validated before it is timed: tileattn on a small problem against
+the float64 golden model (same kernels, same options), and every implementation on the
+benchmark problem itself against a float64 CuPy computation of a few heads. Timing: CUDA
+events around each call, warm-up first, median of the repetitions; the inputs (>= 64 MiB
+each at the main size) exceed the 50 MB L2, so repetitions do not run from cache.
+FLOPs: forward 4*B*H*Nq*Nk*D (halved when causal), backward 2.5x the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from dataclasses import dataclass, replace
+
+import cupy
+import numpy as np
+
+import tileattn
+from tileattn.gpu import _launch
+from tileattn.testing import assert_attention_close, bfloat16
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # torch is optional: its rows are left out
+    torch = None
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    batch: int
+    heads: int
+    n: int
+    head_dim: int
+    causal: bool = False
+    direction: str = "forward"
+    block_q: int | None = None
+    block_k: int | None = None
+
+    @property
+    def name(self) -> str:
+        blocks = f" {self.block_q}x{self.block_k}" if self.block_q else ""
+        return (f"{self.direction} {self.dtype} B{self.batch} H{self.heads} N{self.n} "
+                f"D{self.head_dim}{' causal' if self.causal else ''}{blocks}")
+
+    @property
+    def flops(self) -> float:
+        forward = 4 * self.batch * self.heads * self.n * self.n * self.head_dim
+        forward /= 2 if self.causal else 1
+        return forward * (2.5 if self.direction == "backward" else 1.0)
+
+    @property
+    def options(self) -> dict:
+        return dict(causal=self.causal, block_q=self.block_q, block_k=self.block_k)
+
+
+CASES = [
+    Case("float16", 4, 32, 4096, 64),
+    Case("float16", 4, 32, 4096, 64, causal=True),
+    Case("bfloat16", 4, 32, 4096, 64),
+    Case("float16", 4, 16, 4096, 128),
+    Case("float16", 4, 16, 4096, 128, causal=True),
+    Case("float32", 4, 32, 2048, 64),
+    Case("float16", 4, 32, 2048, 64, direction="backward"),
+    Case("float16", 4, 32, 2048, 64, causal=True, direction="backward"),
+]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _to_dtype(x, dtype: str):
+    """float32 CuPy array -> dtype; bfloat16 by round-to-nearest-even on the bits, so no
+    CuPy bfloat16 arithmetic is needed."""
+    if dtype != "bfloat16":
+        return x.astype(dtype)
+    bits = x.view(cupy.uint32)
+    rounded = (bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) >> 16
+    return rounded.astype(cupy.uint16).view(bfloat16())
+
+
+def make_inputs(case: Case, seed: int = 0):
+    cupy.random.seed(seed)
+    shape = (case.batch, case.heads, case.n, case.head_dim)
+    return [_to_dtype(cupy.random.standard_normal(shape, dtype=cupy.float32), case.dtype)
+            for _ in range(4)]  # q, k, v, do
+
+
+def _as_float64(x):
+    if x.dtype.name == "bfloat16":
+        return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32).astype(
+            cupy.float64)
+    return x.astype(cupy.float64)
+
+
+def _as_torch(x):
+    if x.dtype.name in ("float16", "bfloat16"):
+        t = torch.from_dlpack(x.view(cupy.int16))
+        return t.view(torch.float16 if x.dtype.name == "float16" else torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+def _from_torch(t, dtype):
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return cupy.from_dlpack(t.contiguous().view(torch.int16)).view(dtype)
+    return cupy.from_dlpack(t.contiguous())
+
+
+# --------------------------------------------------------------------------- references
+
+
+def float64_reference(q, k, v, do, causal: bool, heads: int = 2):
+    """o and (dq, dk, dv) in float64 for batch 0, the first `heads` heads."""
+    q, k, v, do = (_as_float64(a[0, :heads]) for a in (q, k, v, do))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = scale * q @ k.swapaxes(-1, -2)
+    if causal:
+        n = scores.shape[-1]
+        scores = cupy.where(cupy.tri(n, dtype=bool), scores, -cupy.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = cupy.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    o = probs @ v
+    dv = probs.swapaxes(-1, -2) @ do
+    dp = do @ v.swapaxes(-1, -2)
+    ds = probs * (dp - (do * o).sum(axis=-1, keepdims=True))
+    return o, (scale * ds @ k, scale * ds.swapaxes(-1, -2) @ q, dv)
+
+
+def relative_error(actual, expected) -> float:
+    actual = _as_float64(actual)
+    return float(cupy.linalg.norm(actual - expected) / cupy.linalg.norm(expected))
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+def tileattn_impl(case: Case, q, k, v, do):
+    if case.direction == "forward":
+        return lambda: tileattn.forward(q, k, v, backend="gpu", **case.options)
+    o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, **case.options)
+    return lambda: tileattn.backward(do, q, k, v, o, lse, backend="gpu", **case.options)
+
+
+def torch_impl(backend):
+    def build(case: Case, q, k, v, do):
+        tq, tk, tv, tdo = (_as_torch(a) for a in (q, k, v, do))
+        if case.direction == "forward":
+            def run():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal)
+            return lambda: _from_torch(run(), q.dtype)
+        tq, tk, tv = (t.detach().requires_grad_() for t in (tq, tk, tv))
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal)
+
+        def grads():
+            return tuple(_from_torch(g, q.dtype) for g in
+                         torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True))
+        return grads
+    return build
+
+
+def naive_cupy_impl(case: Case, q, k, v, do):
+    """Materialises the N x N scores: cuBLAS products, float32 softmax."""
+    if case.direction != "forward":
+        return None
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.dtype.name == "bfloat16":
+        return None  # CuPy has no bfloat16 matrix product to compare with
+
+    def run():
+        scores = (q @ k.swapaxes(-1, -2)).astype(cupy.float32) * scale
+        if case.causal:
+            scores = cupy.where(cupy.tri(case.n, dtype=bool), scores, -cupy.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = cupy.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        return probs.astype(q.dtype) @ v
+    return run
+
+
+IMPLEMENTATIONS = {"tileattn": tileattn_impl, "naive cupy": naive_cupy_impl}
+if torch is not None:
+    IMPLEMENTATIONS["torch flash"] = torch_impl(SDPBackend.FLASH_ATTENTION)
+    IMPLEMENTATIONS["torch cudnn"] = torch_impl(SDPBackend.CUDNN_ATTENTION)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def median_ms(function, repetitions: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repetitions):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        function()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def validate_small(case: Case):
+    """tileattn with the case's kernels on a small problem against the golden model."""
+    small = replace(case, batch=1, heads=2, n=300)
+    q, k, v, do = make_inputs(small, seed=1)
+    o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, **small.options)
+    host = [a.get() for a in (q, k, v, do)]
+    as64 = [a.astype(np.float64) for a in host[:3]]
+    golden_o, golden_lse = tileattn.forward(*as64, backend="reference", return_lse=True,
+                                            causal=case.causal)
+    assert_attention_close(o.get(), golden_o, host[0].dtype, name="o")
+    if case.direction == "backward":
+        grads = tileattn.backward(do, q, k, v, o, lse, backend="gpu", **small.options)
+        golden = tileattn.backward(host[3].astype(np.float64), *as64, golden_o, golden_lse,
+                                   backend="reference", causal=case.causal)
+        for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
+            assert_attention_close(grad.get(), want, host[0].dtype, name=name)
+
+
+def run_case(case: Case, repetitions: int) -> list[tuple]:
+    validate_small(case)
+    q, k, v, do = make_inputs(case)
+    ref_o, ref_grads = float64_reference(q, k, v, do, case.causal)
+    rows = []
+    for name, build in IMPLEMENTATIONS.items():
+        if name != "tileattn" and case.block_q is not None:
+            continue
+        try:
+            function = build(case, q, k, v, do)
+        except RuntimeError as error:  # e.g. a torch backend that rejects this problem
+            print(f"  {name}: not available for {case.name}: {error}")
+            continue
+        if function is None:
+            continue
+        try:
+            result = function()
+        except RuntimeError as error:
+            print(f"  {name}: failed on {case.name}: {str(error).splitlines()[0]}")
+            continue
+        if case.direction == "forward":
+            error = relative_error(result[0, :2], ref_o)
+        else:
+            error = max(relative_error(g[0, :2], r) for g, r in zip(result, ref_grads))
+        if not error < 2e-2:
+            print(f"  {name}: relative error {error:.2e} on {case.name}; not timed")
+            continue
+        del result
+        ms = median_ms(function, repetitions)
+        rows.append((case.name, name, ms, case.flops / ms / 1e9, error))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time every tensor-core tile")
+    parser.add_argument("--repetitions", type=int, default=20)
+    parser.add_argument("--only", default="", help="run cases whose name contains this")
+    args = parser.parse_args()
+    device = cupy.cuda.Device()
+    print(f"device: {cupy.cuda.runtime.getDeviceProperties(device.id)['name'].decode()}, "
+          f"CuPy {cupy.__version__}, torch {torch.__version__ if torch else 'absent'}")
+    cases = [c for c in CASES if args.only in c.name]
+    if args.sweep:
+        for head_dim, heads in ((64, 32), (128, 16)):
+            for block_q in _launch.MMA_BLOCK_Q:
+                for block_k in _launch.MMA_BLOCK_K:
+                    cases.append(Case("float16", 4, heads, 4096, head_dim, block_q=block_q,
+                                      block_k=block_k))
+    table = []
+    for case in cases:
+        rows = run_case(case, args.repetitions)
+        for row in rows:
+            print(f"  {row[0]:<48} {row[1]:<12} {row[2]:9.3f} ms {row[3]:8.1f} TFLOP/s "
+                  f"rel.err {row[4]:.1e}", flush=True)
+        table.extend(rows)
+    print("\n| case | implementation | median ms | TFLOP/s | rel. error | tileattn speed-up |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    ours = {row[0]: row[2] for row in table if row[1] == "tileattn"}
+    for case_name, name, ms, tflops, error in table:
+        ratio = f"{ms / ours[case_name]:.2f}x" if case_name in ours else "-"
+        print(f"| {case_name} | {name} | {ms:.3f} | {tflops:.1f} | {error:.1e} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""GPU-specific tests: the tensor-core path, layouts, the compile cache, bfloat16.
+
+The option-by-option correctness of every backend lives in test_backend_suite.py; this file
+covers what only the GPU backend has. Everything skips cleanly without CuPy or a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tileattn
+from tileattn import backends
+from tileattn.dropout import keep_mask
+from tileattn.testing import assert_attention_close, bfloat16
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(backends.availability("gpu") is not None,
+                       reason=str(backends.availability("gpu"))),
+]
+
+if backends.availability("gpu") is None:
+    import cupy
+
+    from tileattn.gpu import _compile, _launch
+
+
+def _inputs(shape_q, shape_k, shape_v, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_v))
+
+
+def _golden(q, k, v, **options):
+    as64 = [a.astype(np.float64) for a in (q, k, v)]
+    return tileattn.forward(*as64, backend="reference", return_lse=True, **options)
+
+
+def _golden_grads(do, q, k, v, o, lse, **options):
+    as64 = [a.astype(np.float64) for a in (do, q, k, v)]
+    return tileattn.backward(*as64, o, lse, backend="reference", **options)
+
+
+def _check(q, k, v, do, **options):
+    """Forward and backward on the GPU against the float64 golden model."""
+    device = [cupy.asarray(a) for a in (q, k, v, do)]
+    o, lse = tileattn.forward(*device[:3], backend="gpu", return_lse=True, **options)
+    grads = tileattn.backward(device[3], *device[:3], o, lse, backend="gpu", **options)
+    expected_o, expected_lse = _golden(q, k, v, **options)
+    assert o.dtype == q.dtype and lse.dtype == _launch.accumulation_dtype(q.dtype)
+    assert_attention_close(o.get(), expected_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
+    expected = _golden_grads(do, q, k, v, expected_o, expected_lse, **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_attention_close(grad.get(), want, q.dtype, name=name)
+
+
+def _half_dtypes():
+    return [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() is not None else [])
+
+
+TENSOR_CORE_OPTIONS = [
+    {},
+    {"causal": True},
+    {"window": (37, 5)},
+    {"causal": True, "window": (100, None), "softcap": 2.0},
+    {"alibi_slopes": np.linspace(0.05, 0.5, 4), "scale": 0.3},
+    {"dropout_p": 0.3, "seed": 2**63 + 5, "causal": True},
+    {"softcap": 5.0, "alibi_slopes": np.linspace(0.1, 0.4, 4), "window": (64, 64),
+     "dropout_p": 0.1, "seed": 7},
+]
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_tensor_core_forward_matches_golden(dtype, head_dim, options):
+    # GQA (4 query heads on 2 kv heads), Nq != Nk, neither a multiple of any tile.
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim), dtype)
+    assert _launch.tensor_core_blocks(cupy.asarray(q), cupy.asarray(v),
+                                      _options_of(q, options)) is not None
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(dtype)
+    _check(q, k, v, do, **options)
+
+
+@pytest.mark.parametrize("blocks", [(64, 32), (64, 128), (128, 64), (128, 128)])
+def test_every_tensor_core_tile_shape(blocks):
+    q, k, v = _inputs((1, 2, 130, 64), (1, 2, 301, 64), (1, 2, 301, 64), np.float16)
+    options = {"causal": True, "block_q": blocks[0], "block_k": blocks[1]}
+    assert _launch.tensor_core_blocks(cupy.asarray(q), cupy.asarray(v),
+                                      _options_of(q, options)) == tileattn.Blocks(*blocks)
+    o = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", **options)
+    assert_attention_close(o.get(), _golden(q, k, v, **options)[0], q.dtype)
+
+
+def _options_of(q, options):
+    from tileattn.validation import make_options
+
+    return make_options(causal=options.get("causal", False), window=options.get("window"),
+                        scale=options.get("scale"), softcap=options.get("softcap"),
+                        alibi_slopes=options.get("alibi_slopes"),
+                        dropout_p=options.get("dropout_p", 0.0), seed=options.get("seed"),
+                        block_q=options.get("block_q"), block_k=options.get("block_k"),
+                        deterministic=True, batch_shape=q.shape[:-3], n_q_heads=q.shape[-3],
+                        head_dim=q.shape[-1])
+
+
+def test_tensor_core_fully_masked_rows():
+    """Causal with Nq > Nk: leading rows keep nothing; a whole query tile keeps nothing."""
+    q, k, v = _inputs((1, 2, 300, 64), (1, 2, 100, 64), (1, 2, 100, 64), np.float16)
+    o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), causal=True, backend="gpu",
+                              return_lse=True)
+    o, lse = o.get(), lse.get()
+    assert np.all(o[:, :, :200] == 0) and np.all(lse[:, :, :200] == -np.inf)
+    assert np.isfinite(o).all() and np.isfinite(lse[:, :, 200:]).all()
+    assert_attention_close(o, _golden(q, k, v, causal=True)[0], np.float16)
+
+
+def test_tensor_core_dropout_drops_exactly_the_golden_entries():
+    """With V = identity (Nk = Dv = 64) the kept pattern shows in o."""
+    n, seed, dropout_p = 64, 12345, 0.5
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, n, 64)).astype(np.float16)
+    k = rng.standard_normal((2, 3, n, 64)).astype(np.float16)
+    v = np.broadcast_to(np.eye(n, dtype=np.float16), (2, 3, n, n)).copy()
+    o = tileattn.forward(*map(cupy.asarray, (q, k, v)), dropout_p=dropout_p, seed=seed,
+                         backend="gpu").get()
+    bh = np.arange(6).reshape(2, 3, 1, 1)
+    keep = keep_mask(seed, dropout_p, bh, np.arange(n)[:, None], np.arange(n)[None, :])
+    np.testing.assert_array_equal(o != 0, keep)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "reversed", "odd_offset"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_strided_inputs(layout, dtype):
+    """(B, N, H, D) storage read in place; negative strides and a 2-byte-offset view
+    (which the tensor-core path must copy) give the same results."""
+    q, k, v = _inputs((2, 3, 70, 64), (2, 3, 90, 64), (2, 3, 90, 64), dtype)
+    do = np.random.default_rng(5).standard_normal((2, 3, 70, 64)).astype(dtype)
+
+    def place(array):
+        device = cupy.asarray(array)
+        if layout == "transposed":
+            return cupy.ascontiguousarray(device.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        if layout == "reversed":
+            return cupy.ascontiguousarray(device[:, :, ::-1])[:, :, ::-1]
+        padded = cupy.zeros(device.shape[:-1] + (device.shape[-1] + 1,), dtype=device.dtype)
+        padded[..., 1:] = device
+        return padded[..., 1:]
+
+    placed = [place(a) for a in (q, k, v, do)]
+    originals = [a.copy() for a in placed]
+    o, lse = tileattn.forward(*placed[:3], backend="gpu", causal=True, return_lse=True)
+    grads = tileattn.backward(placed[3], *placed[:3], o, lse, backend="gpu", causal=True)
+    for before, after in zip(originals, placed):
+        assert cupy.array_equal(before, after)
+    expected_o, expected_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(o.get(), expected_o, dtype)
+    expected = _golden_grads(do, q, k, v, expected_o, expected_lse, causal=True)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_attention_close(grad.get(), want, dtype, name=name)
+
+
+@pytest.mark.skipif(bfloat16() is None, reason="ml_dtypes is not installed")
+@pytest.mark.parametrize("head_dim,value_dim", [(64, 64), (40, 24)])
+def test_bfloat16_arrays(head_dim, value_dim):
+    q, k, v = _inputs((1, 2, 50, head_dim), (1, 2, 61, head_dim), (1, 2, 61, value_dim),
+                      bfloat16())
+    do = np.random.default_rng(2).standard_normal((1, 2, 50, value_dim)).astype(bfloat16())
+    _check(q, k, v, do, causal=True, softcap=3.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("head_dim,value_dim", [(256, 256), (3, 200), (160, 8)])
+def test_generic_head_dims(dtype, head_dim, value_dim):
+    q, k, v = _inputs((1, 4, 45, head_dim), (1, 1, 77, head_dim), (1, 1, 77, value_dim), dtype)
+    do = np.random.default_rng(4).standard_normal((1, 4, 45, value_dim)).astype(dtype)
+    _check(q, k, v, do, window=(20, 3), alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]),
+           dropout_p=0.2, seed=99)
+
+
+def test_block_overrides_do_not_recompile():
+    q, k, v = (cupy.asarray(a) for a in _inputs((1, 2, 40, 32), (1, 2, 40, 32), (1, 2, 40, 32),
+                                                np.float32))
+    tileattn.forward(q, k, v, backend="gpu")
+    compiled = _compile.compiled_count()
+    for block_q, block_k in [(1, 1), (3, 7), (16, 5), (4096, 4096)]:
+        tileattn.forward(q, k, v, backend="gpu", block_q=block_q, block_k=block_k)
+    assert _compile.compiled_count() == compiled
+
+
+def test_backward_is_deterministic():
+    q, k, v = (cupy.asarray(a) for a in _inputs((2, 8, 300, 64), (2, 2, 300, 64),
+                                                (2, 2, 300, 64), np.float32))
+    o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=True)
+    do = cupy.asarray(np.random.default_rng(6).standard_normal(o.shape).astype(np.float32))
+    first = tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=True,
+                              deterministic=False)
+    second = tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=True)
+    for a, b in zip(first, second):
+        assert cupy.array_equal(a, b)
+
+
+def test_lse_of_another_float_dtype_is_accepted():
+    q, k, v = _inputs((1, 1, 30, 16), (1, 1, 30, 16), (1, 1, 30, 16), np.float32)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    o, lse = tileattn.forward(*device, backend="gpu", return_lse=True)
+    do = cupy.ones_like(o)
+    grads = tileattn.backward(do, *device, o, lse.astype(cupy.float64), backend="gpu")
+    expected = tileattn.backward(do, *device, o, lse, backend="gpu")
+    for a, b in zip(grads, expected):
+        assert cupy.array_equal(a, b)
+
+
+def test_host_arrays_are_refused():
+    q, k, v = _inputs((1, 1, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="GPU memory"):
+        tileattn.forward(q, k, v, backend="gpu")
+
+
+def test_arrays_on_another_device_run_there():
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    with cupy.cuda.Device(1):
+        q, k, v = (cupy.asarray(a) for a in _inputs((1, 2, 33, 64), (1, 2, 33, 64),
+                                                    (1, 2, 33, 64), np.float16))
+    o = tileattn.forward(q, k, v, backend="gpu")
+    assert o.device.id == 1
+    assert_attention_close(o.get(), _golden(q.get(), k.get(), v.get())[0], np.float16)

@@ -1,0 +1,304 @@
+"""Choosing a kernel configuration for a problem and launching it.
+
+Two kernel families (see the headers of the ``.cu`` files):
+
+* ``attention_mma_forward.cu``: tensor-core forward for float16/bfloat16 with
+  ``D == Dv in {64, 128}`` on sm_80+. Its tiles are compile-time; it runs when the caller
+  asks for no tile size or for one it is built with (``block_q in {64, 128}``,
+  ``block_k in {32, 64, 128}``).
+* ``attention_generic.cu``: CUDA-core forward and the whole backward, for every dtype and
+  head dim. Compiled for a tile *capacity* that fits shared memory; the caller's
+  ``block_q``/``block_k`` are honoured exactly up to that capacity (and clipped to it), as
+  run-time values, so trying a block size never triggers a compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from ..dropout import dropout_key, dropout_threshold
+from ..options import UNLIMITED, AttentionOptions, Blocks
+from . import _compile
+
+GENERIC_SOURCE = "attention_generic.cu"
+MMA_SOURCE = "attention_mma_forward.cu"
+GENERIC_THREADS = 256
+# Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
+# more blocks per SM on every CUDA GPU and needs no opt-in; tiles stop shrinking at 16x16
+# (the smallest that splits evenly over 256 threads), which for D = 256 needs the opt-in.
+GENERIC_SHARED_TARGET = 48 * 1024
+MMA_HEAD_DIMS = (64, 128)
+MMA_BLOCK_Q = (64, 128)
+MMA_BLOCK_K = (32, 64, 128)
+# Measured on the H100 (bench/NOTES-gpu.md): the fastest tiles for float16, N = 4096.
+MMA_DEFAULT_BLOCKS = {64: Blocks(128, 64), 128: Blocks(128, 64)}
+
+_STORAGE = {"float16": "half_storage", "bfloat16": "bfloat16_storage", "float32": "float",
+            "float64": "double"}
+
+
+def accumulation_dtype(dtype) -> np.dtype:
+    """float64 for float64 inputs, float32 for every other dtype (also lse's dtype)."""
+    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)
+
+
+def padded_dim(dim: int) -> int:
+    """A head dim rounded up to a power of two >= 16 (the generic kernels' tile width)."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The options that select code at compile time (an off option costs nothing)."""
+
+    limit_left: bool
+    limit_right: bool
+    softcap: bool
+    alibi: bool
+    dropout: bool
+
+    @classmethod
+    def of(cls, options: AttentionOptions) -> "Switches":
+        return cls(limit_left=options.window_left != UNLIMITED,
+                   limit_right=options.window_right != UNLIMITED,
+                   softcap=options.softcap > 0, alibi=options.alibi_slopes is not None,
+                   dropout=options.dropout_p > 0)
+
+    def defines(self) -> tuple:
+        return (("ALIBI", int(self.alibi)), ("DROPOUT", int(self.dropout)),
+                ("LIMIT_LEFT", int(self.limit_left)), ("LIMIT_RIGHT", int(self.limit_right)),
+                ("SOFTCAP", int(self.softcap)))
+
+
+def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tuple:
+    """The run-time score options in the kernels' parameter order.
+
+    Window sides are clamped to ``Nq + Nk``: a wider window keeps the same keys, and the
+    clamp keeps the kernels' 64-bit band arithmetic far from overflow.
+    """
+    accum = np.dtype(accum).type
+    reach = n_q + n_k
+
+    def side(value):
+        return np.int64(0 if value == UNLIMITED else min(value, reach))
+
+    dropping = options.dropout_p > 0
+    return (accum(options.scale), accum(options.softcap if options.softcap > 0 else 1.0),
+            np.int64(n_k - n_q), side(options.window_left), side(options.window_right),
+            np.uint32(dropout_key(options.seed) if dropping else 0),
+            np.uint32(dropout_threshold(options.dropout_p) if dropping else 0),
+            accum(1.0 / (1.0 - options.dropout_p)))
+
+
+def alibi_slopes(options: AttentionOptions):
+    """The (B, Hq) float64 slopes on the device, or an empty stand-in when ALiBi is off."""
+    if options.alibi_slopes is None:
+        return cupy.empty(0, dtype=cupy.float64)
+    return cupy.asarray(np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def _copy_contiguous(array):
+    """A C-contiguous copy; 16-bit arrays are copied as uint16 bits, which works for
+    bfloat16 whatever CuPy's own bfloat16 support."""
+    if array.dtype.itemsize == 2:
+        return cupy.ascontiguousarray(array.view(cupy.uint16)).view(array.dtype)
+    return cupy.ascontiguousarray(array)
+
+
+def element_strides(array):
+    """``(array, strides in elements)``; copies only if a stride is not a whole element."""
+    if any(stride % array.itemsize for stride in array.strides):
+        array = _copy_contiguous(array)
+    return array, tuple(np.int64(stride // array.itemsize) for stride in array.strides)
+
+
+def _tensor_core_layout(array):
+    """``(array, strides)`` with contiguous rows starting on 16-byte boundaries, which
+    cp.async needs; copies only an array that does not already have that layout."""
+    array, strides = element_strides(array)
+    if strides[-1] != 1 or any(s % 8 for s in strides[:-1]) or array.data.ptr % 16:
+        array, strides = element_strides(_copy_contiguous(array))
+    return array, strides
+
+
+# --------------------------------------------------------------------------- generic tiles
+
+
+def _generic_shared_bytes(accum_size: int, head_pad: int, value_pad: int,
+                          block_q: int, block_k: int) -> dict[str, int]:
+    """Dynamic shared memory of each generic kernel, mirroring the layouts in
+    attention_generic.cu (each kernel checks it got at least this much)."""
+    head_pitch, value_pitch, score_pitch = head_pad + 1, value_pad + 1, block_k + 1
+    kv = block_k * (head_pitch + value_pitch)
+    q_do = block_q * (head_pitch + value_pitch)
+    return {
+        "attention_forward": accum_size * (block_q * head_pitch + kv + block_q * score_pitch
+                                           + 3 * block_q),
+        "attention_backward_dkdv": accum_size * (kv + q_do + 2 * block_q * score_pitch
+                                                 + 2 * block_q),
+        "attention_backward_dq": accum_size * (kv + q_do + block_q * score_pitch
+                                               + 2 * block_q),
+        "attention_backward_delta": 0,
+    }
+
+
+@dataclass(frozen=True)
+class GenericConfig:
+    """One compiled configuration of attention_generic.cu."""
+
+    dtype: str
+    head_pad: int
+    value_pad: int
+    capacity: Blocks
+    switches: Switches
+
+    @classmethod
+    def for_problem(cls, dtype, head_dim: int, value_dim: int,
+                    options: AttentionOptions) -> "GenericConfig":
+        head_pad, value_pad = padded_dim(head_dim), padded_dim(value_dim)
+        accum_size = accumulation_dtype(dtype).itemsize
+        block_q = block_k = 64
+        while (max(_generic_shared_bytes(accum_size, head_pad, value_pad, block_q,
+                                         block_k).values()) > GENERIC_SHARED_TARGET
+               and max(block_q, block_k) > 16):
+            if block_q >= block_k:
+                block_q //= 2
+            else:
+                block_k //= 2
+        return cls(np.dtype(dtype).name, head_pad, value_pad, Blocks(block_q, block_k),
+                   Switches.of(options))
+
+    def blocks(self, options: AttentionOptions) -> Blocks:
+        """The caller's tile sizes, clipped to this configuration's capacity."""
+        wanted = self.capacity.resolve(options.block_q, options.block_k)
+        return Blocks(min(wanted.block_q, self.capacity.block_q),
+                      min(wanted.block_k, self.capacity.block_k))
+
+    def kernel(self, entry: str):
+        accum = accumulation_dtype(self.dtype)
+        shared = _generic_shared_bytes(accum.itemsize, self.head_pad, self.value_pad,
+                                       self.capacity.block_q, self.capacity.block_k)[entry]
+        defines = (("ACCUM", "double" if accum == np.float64 else "float"),
+                   ("BLOCK_K", self.capacity.block_k), ("BLOCK_Q", self.capacity.block_q),
+                   ("HEAD_DIM_PAD", self.head_pad), ("STORAGE", _STORAGE[self.dtype]),
+                   ("THREADS", GENERIC_THREADS),
+                   ("VALUE_DIM_PAD", self.value_pad)) + self.switches.defines()
+        return _compile.kernel(GENERIC_SOURCE, entry, tuple(sorted(defines)), shared), shared
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def tensor_core_blocks(q, v, options: AttentionOptions) -> Blocks | None:
+    """The tensor-core kernel's tiles for this problem, or None when it does not apply."""
+    head_dim = q.shape[3]
+    if q.dtype.name not in ("float16", "bfloat16") or head_dim != v.shape[3]:
+        return None
+    if head_dim not in MMA_HEAD_DIMS or int(q.device.compute_capability) < 80:
+        return None
+    blocks = MMA_DEFAULT_BLOCKS[head_dim].resolve(options.block_q, options.block_k)
+    if blocks.block_q not in MMA_BLOCK_Q or blocks.block_k not in MMA_BLOCK_K:
+        return None
+    return blocks
+
+
+def mma_shared_bytes(head_dim: int, blocks: Blocks) -> int:
+    """Q tile plus two stages of K and V tiles, rows padded by 8 elements (16 bytes)."""
+    return 2 * (blocks.block_q + 4 * blocks.block_k) * (head_dim + 8)
+
+
+def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Blocks):
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    switches = Switches.of(options)
+    defines = (("BLOCK_K", blocks.block_k), ("BLOCK_Q", blocks.block_q),
+               ("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16"))
+               ) + switches.defines()
+    shared = mma_shared_bytes(head_dim, blocks)
+    function = _compile.kernel(MMA_SOURCE, "attention_forward_mma", tuple(sorted(defines)),
+                               shared)
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
+    n_tiles = -(-n_q // blocks.block_q)
+    grid = (n_tiles * batch * n_q_heads,)
+    function(grid, (blocks.block_q // 16 * 32,),
+             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
+              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), *q_strides[:3],
+              *k_strides[:3], *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)),
+             shared_mem=shared)
+
+
+def forward_generic(q, k, v, o, lse, options: AttentionOptions):
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    blocks = config.blocks(options)
+    function, shared = config.kernel("attention_forward")
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
+    n_tiles = -(-n_q // blocks.block_q)
+    function((n_tiles * batch * n_q_heads,), (GENERIC_THREADS,),
+             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
+              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), np.int32(head_dim),
+              np.int32(value_dim), np.int32(blocks.block_q), np.int32(blocks.block_k),
+              *q_strides, *k_strides, *v_strides,
+              *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype))),
+             shared_mem=shared)
+
+
+def forward(q, k, v, options: AttentionOptions):
+    batch, n_q_heads, n_q, _ = q.shape
+    o = cupy.empty((batch, n_q_heads, n_q, v.shape[3]), dtype=q.dtype)
+    lse = cupy.empty((batch, n_q_heads, n_q), dtype=accumulation_dtype(q.dtype))
+    blocks = tensor_core_blocks(q, v, options)
+    if blocks is not None:
+        forward_tensor_core(q, k, v, o, lse, options, blocks)
+    else:
+        forward_generic(q, k, v, o, lse, options)
+    return o, lse
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    accum = accumulation_dtype(q.dtype)
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    blocks = config.blocks(options)
+    if lse.dtype != accum:
+        lse = lse.astype(accum)
+    (do, do_strides), (o, o_strides), (lse, lse_strides) = map(element_strides, (do, o, lse))
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
+
+    n_rows = batch * n_q_heads * n_q
+    delta = cupy.empty(n_rows, dtype=accum)
+    function, _ = config.kernel("attention_backward_delta")
+    rows_per_block = GENERIC_THREADS // 32
+    function((-(-n_rows // rows_per_block),), (GENERIC_THREADS,),
+             (do, o, delta, np.int64(n_rows), np.int64(n_q), np.int32(n_q_heads),
+              np.int32(value_dim), *do_strides, *o_strides))
+
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=q.dtype)
+    dv = cupy.empty(v.shape, dtype=q.dtype)
+    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+              np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
+              np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,
+              *v_strides, *do_strides, *lse_strides,
+              *score_arguments(options, n_q, n_k, accum))
+    function, shared = config.kernel("attention_backward_dkdv")
+    function((-(-n_k // blocks.block_k) * batch * n_kv_heads,), (GENERIC_THREADS,),
+             (q, k, v, do, lse, delta, dk, dv) + common, shared_mem=shared)
+    function, shared = config.kernel("attention_backward_dq")
+    function((-(-n_q // blocks.block_q) * batch * n_q_heads,), (GENERIC_THREADS,),
+             (q, k, v, do, lse, delta, dq) + common, shared_mem=shared)
+    return dq, dk, dv

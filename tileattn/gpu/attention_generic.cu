@@ -1,0 +1,639 @@
+// CUDA-core attention, forward and backward, for every dtype and head dim up to 256.
+//
+// The tensor-core forward (attention_mma_forward.cu) covers the float16/bfloat16 hot path;
+// this file is the exact fallback: float32/float64 (accumulated in the input's precision
+// class, no TF32), head dims that the tensor-core tiles do not fit, and the backward.
+// It follows tiled_forward / tiled_backward of tileattn/reference.py step by step.
+//
+// Compile-time configuration (NVRTC -D options, one module per configuration):
+//   STORAGE, ACCUM           storage type of q/k/v/o and the accumulation type
+//   HEAD_DIM_PAD, VALUE_DIM_PAD   D and Dv rounded up to a power of two >= 16; tiles are
+//                            zero-padded, so the padding adds nothing to any dot product
+//   BLOCK_Q, BLOCK_K         tile capacity; the run-time block_q/block_k (<= capacity) are
+//                            the caller's tile sizes, so an override costs no new compile
+//   THREADS                  threads per block
+//   LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT   0/1 option switches
+#include "common.cuh"
+
+template <typename TStorage, typename TAcc, int HeadDimPad, int ValueDimPad, int BlockQ,
+          int BlockK, int Threads, bool LimitLeft, bool LimitRight, bool Softcap, bool Alibi,
+          bool Dropout>
+struct GenericConfig {
+    typedef TStorage T;
+    typedef TAcc Acc;
+    static constexpr int head_dim_pad = HeadDimPad, value_dim_pad = ValueDimPad;
+    static constexpr int block_q = BlockQ, block_k = BlockK, threads = Threads;
+    static constexpr int warps = Threads / 32;
+    static constexpr bool limit_left = LimitLeft, limit_right = LimitRight;
+    static constexpr bool softcap = Softcap, alibi = Alibi, dropout = Dropout;
+    // Row pitches of the shared tiles: one extra element so that threads walking down a
+    // column of a tile hit different banks.
+    static constexpr int head_pitch = HeadDimPad + 1, value_pitch = ValueDimPad + 1;
+    static constexpr int score_pitch = BlockK + 1;
+    static_assert((BlockQ * BlockK) % Threads == 0, "score tile must split evenly");
+    static_assert((BlockQ * ValueDimPad) % Threads == 0, "output tile must split evenly");
+    static_assert((BlockK * HeadDimPad) % Threads == 0, "dK tile must split evenly");
+    static_assert((BlockK * ValueDimPad) % Threads == 0, "dV tile must split evenly");
+    static_assert((BlockQ * HeadDimPad) % Threads == 0, "dQ tile must split evenly");
+};
+
+typedef GenericConfig<STORAGE, ACCUM, HEAD_DIM_PAD, VALUE_DIM_PAD, BLOCK_Q, BLOCK_K, THREADS,
+                      LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT>
+    Config;
+
+// The run-time options every kernel of this file reads.
+template <typename Acc> struct ScoreOptions {
+    Acc scale;
+    Acc softcap;
+    Band band;
+    u32 dropout_key;
+    u32 dropout_threshold;
+    Acc dropout_scale;  // 1 / (1 - dropout_p)
+};
+
+struct HeadStrides {
+    i64 batch, head, row, col;
+};
+
+// The dynamic shared memory the host allocated must cover this kernel's layout; the
+// host mirrors the layout in tileattn/gpu/_launch.py, and this check keeps the two honest.
+__device__ __forceinline__ void require_shared_bytes(u64 needed) {
+    u32 provided;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(provided));
+    if (provided < needed) __trap();
+}
+
+// Rows [row_start, row_start + rows) and columns [0, cols) of one head into a
+// tile[Rows][Pitch] of Acc; everything else in the tile becomes 0 (so padded rows and
+// columns contribute nothing and never carry NaN from uninitialised memory).
+template <class C, int Rows, int Pad>
+__device__ __forceinline__ void load_tile(typename C::Acc* tile, const typename C::T* head,
+                                          const HeadStrides& strides, i64 row_start, int rows,
+                                          int cols) {
+    for (int element = threadIdx.x; element < Rows * Pad; element += C::threads) {
+        const int r = element / Pad, c = element % Pad;
+        typename C::Acc value = 0;
+        if (r < rows && c < cols)
+            value = static_cast<typename C::Acc>(
+                widen(head[(row_start + r) * strides.row + c * strides.col]));
+        tile[r * (Pad + 1) + c] = value;
+    }
+}
+
+template <class C, int Pad>
+__device__ __forceinline__ typename C::Acc dot_rows(const typename C::Acc* a,
+                                                    const typename C::Acc* b) {
+    typename C::Acc sum = 0;
+#pragma unroll 16
+    for (int d = 0; d < Pad; ++d) sum += a[d] * b[d];
+    return sum;
+}
+
+// SPEC steps 1-4 for one score: scale, softcap, ALiBi, mask (a select, not an additive
+// bias, so a NaN at a masked position vanishes). Also returns d(score)/d(raw) of the
+// softcap for the backward.
+template <class C>
+__device__ __forceinline__ typename C::Acc transform_score(
+    typename C::Acc dot, i64 row, i64 col, typename C::Acc alibi_slope,
+    const ScoreOptions<typename C::Acc>& options, typename C::Acc* softcap_grad) {
+    typedef typename C::Acc Acc;
+    Acc score = dot * options.scale;
+    if (C::softcap) {
+        const Acc capped = tanh_acc(score / options.softcap);
+        score = options.softcap * capped;
+        *softcap_grad = Acc(1) - capped * capped;
+    }
+    if (C::alibi) {
+        const i64 distance = row + options.band.offset - col;
+        score -= alibi_slope * static_cast<Acc>(distance < 0 ? -distance : distance);
+    }
+    if (!band_keeps<C::limit_left, C::limit_right>(options.band, row, col))
+        score = negative_infinity<Acc>();
+    return score;
+}
+
+template <class C>
+__device__ __forceinline__ typename C::Acc alibi_slope_of(const double* slopes, i64 bh) {
+    return C::alibi ? static_cast<typename C::Acc>(slopes[bh]) : typename C::Acc(0);
+}
+
+// ================================================================== forward
+// One block per (batch, head, query tile); key tiles stream through shared memory with
+// the online softmax of FlashAttention-2 (Algorithm 1): running row max and row sum,
+// rescaling of the accumulator, one division at the end.
+
+template <class C>
+__device__ void forward_tile(const typename C::T* q, const typename C::T* k,
+                             const typename C::T* v, typename C::T* o, typename C::Acc* lse,
+                             const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+                             int group_size, int head_dim, int value_dim, int block_q,
+                             int block_k, HeadStrides q_strides, HeadStrides k_strides,
+                             HeadStrides v_strides, ScoreOptions<typename C::Acc> options) {
+    typedef typename C::Acc Acc;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    Acc* q_tile = reinterpret_cast<Acc*>(shared_bytes);         // [block_q][head_pitch]
+    Acc* k_tile = q_tile + C::block_q * C::head_pitch;          // [block_k][head_pitch]
+    Acc* v_tile = k_tile + C::block_k * C::head_pitch;          // [block_k][value_pitch]
+    Acc* scores = v_tile + C::block_k * C::value_pitch;         // [block_q][score_pitch]
+    Acc* row_max = scores + C::block_q * C::score_pitch;        // [block_q]
+    Acc* row_sum = row_max + C::block_q;                        // [block_q]
+    Acc* row_rescale = row_sum + C::block_q;                    // [block_q]
+    require_shared_bytes(sizeof(Acc) * (row_rescale + C::block_q - q_tile));
+
+    const i64 n_tiles = (n_q + block_q - 1) / block_q;
+    const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
+    // Later query tiles first: under a causal band they see the most keys.
+    const i64 tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
+    const i64 batch = bh / n_q_heads;
+    const int head = static_cast<int>(bh % n_q_heads);
+    const int kv_head = head / group_size;
+    const typename C::T* q_head = q + batch * q_strides.batch + head * q_strides.head;
+    const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head;
+    const typename C::T* v_head = v + batch * v_strides.batch + kv_head * v_strides.head;
+    const i64 row_start = tile * block_q;
+    const int rows = static_cast<int>(min(static_cast<i64>(block_q), n_q - row_start));
+    const Acc slope = alibi_slope_of<C>(alibi_slopes, bh);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    load_tile<C, C::block_q, C::head_dim_pad>(q_tile, q_head, q_strides, row_start, rows,
+                                              head_dim);
+    for (int r = threadIdx.x; r < C::block_q; r += C::threads) {
+        row_max[r] = negative_infinity<Acc>();
+        row_sum[r] = 0;
+    }
+    constexpr int outputs_per_thread = C::block_q * C::value_dim_pad / C::threads;
+    Acc accumulator[outputs_per_thread];
+#pragma unroll
+    for (int i = 0; i < outputs_per_thread; ++i) accumulator[i] = 0;
+
+    i64 key_first, key_stop;
+    band_key_range<C::limit_left, C::limit_right>(options.band, row_start, row_start + rows,
+                                                  n_k, &key_first, &key_stop);
+    const i64 tile_begin = key_first / block_k;
+    const i64 tile_end = key_stop > key_first ? (key_stop + block_k - 1) / block_k : tile_begin;
+
+    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
+        const i64 col_start = key_tile * block_k;
+        const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
+        __syncthreads();  // the previous tile's readers are done with k_tile/v_tile/scores
+        load_tile<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides, col_start, cols,
+                                                  head_dim);
+        load_tile<C, C::block_k, C::value_dim_pad>(v_tile, v_head, v_strides, col_start, cols,
+                                                   value_dim);
+        __syncthreads();
+
+        constexpr int scores_per_thread = C::block_q * C::block_k / C::threads;
+#pragma unroll
+        for (int i = 0; i < scores_per_thread; ++i) {
+            const int element = threadIdx.x + i * C::threads;
+            const int r = element / C::block_k, c = element % C::block_k;
+            Acc score = negative_infinity<Acc>(), unused_grad;
+            if (r < rows && c < cols) {
+                const Acc dot = dot_rows<C, C::head_dim_pad>(q_tile + r * C::head_pitch,
+                                                             k_tile + c * C::head_pitch);
+                score = transform_score<C>(dot, row_start + r, col_start + c, slope, options,
+                                           &unused_grad);
+            }
+            scores[r * C::score_pitch + c] = score;
+        }
+        __syncthreads();
+
+        // One warp per row: new running max, probabilities (dropout applied to the copy
+        // that multiplies V, not to the row sum), rescale factor for the accumulator.
+        for (int r = warp; r < C::block_q; r += C::warps) {
+            Acc* score_row = scores + r * C::score_pitch;
+            Acc tile_max = negative_infinity<Acc>();
+            for (int c = lane; c < C::block_k; c += 32) tile_max = fmax(tile_max, score_row[c]);
+            tile_max = warp_max(tile_max);
+            const Acc old_max = row_max[r];
+            const Acc new_max = fmax(old_max, tile_max);
+            // A row with nothing kept yet has max -inf: subtract 0 instead (no inf - inf).
+            const Acc safe_max = new_max == negative_infinity<Acc>() ? Acc(0) : new_max;
+            const u32 row_state =
+                C::dropout ? dropout_row_state(options.dropout_key, static_cast<u32>(bh),
+                                               static_cast<u32>(row_start + r))
+                           : 0u;
+            Acc tile_sum = 0;
+            for (int c = lane; c < C::block_k; c += 32) {
+                const Acc p = exp_acc(score_row[c] - safe_max);
+                tile_sum += p;
+                Acc p_used = p;
+                if (C::dropout)
+                    p_used = dropout_keeps(row_state, static_cast<u32>(col_start + c),
+                                           options.dropout_threshold)
+                                 ? p * options.dropout_scale
+                                 : Acc(0);
+                score_row[c] = p_used;
+            }
+            tile_sum = warp_sum(tile_sum);
+            if (lane == 0) {
+                const Acc rescale = exp_acc(old_max - safe_max);
+                row_sum[r] = row_sum[r] * rescale + tile_sum;
+                row_max[r] = new_max;
+                row_rescale[r] = rescale;
+            }
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int i = 0; i < outputs_per_thread; ++i) {
+            const int element = threadIdx.x + i * C::threads;
+            const int r = element / C::value_dim_pad, c = element % C::value_dim_pad;
+            const Acc* prob_row = scores + r * C::score_pitch;
+            Acc sum = 0;
+#pragma unroll 8
+            for (int j = 0; j < C::block_k; ++j) sum += prob_row[j] * v_tile[j * C::value_pitch + c];
+            accumulator[i] = accumulator[i] * row_rescale[r] + sum;
+        }
+    }
+    __syncthreads();  // row_sum/row_max final (also when no key tile ran)
+
+    // Deferred normalisation (FlashAttention-2 section 3.1.1). row_sum == 0 means no key
+    // was kept: o = 0 and lse = -inf. A NaN row_sum is not 0, so NaN reaches o and lse.
+    const i64 out_row0 = bh * n_q + row_start;
+#pragma unroll
+    for (int i = 0; i < outputs_per_thread; ++i) {
+        const int element = threadIdx.x + i * C::threads;
+        const int r = element / C::value_dim_pad, c = element % C::value_dim_pad;
+        if (r < rows && c < value_dim) {
+            const Acc total = row_sum[r];
+            const Acc value = total == Acc(0) ? Acc(0) : accumulator[i] / total;
+            o[(out_row0 + r) * value_dim + c] = narrow<typename C::T>(value);
+        }
+    }
+    for (int r = threadIdx.x; r < rows; r += C::threads) {
+        const Acc total = row_sum[r];
+        lse[out_row0 + r] =
+            total == Acc(0) ? negative_infinity<Acc>() : row_max[r] + log_acc(total);
+    }
+}
+
+// ================================================================== backward
+// FlashAttention-2 Algorithm 2 with P recomputed from lse. dK/dV: one block per (batch,
+// kv head, key tile), looping over every query head of its GQA group and every query tile
+// that the band reaches, so dK/dV sum over the group without atomics. dQ: one block per
+// (batch, head, query tile) looping over key tiles. Both are deterministic.
+
+// For one (query row r, key c) pair of the current tiles: the probability after dropout
+// (for dV) and dS = d(loss)/d(raw score) without the final `scale` (for dQ and dK).
+template <class C>
+__device__ __forceinline__ void probability_and_grad(
+    const typename C::Acc* q_tile, const typename C::Acc* k_tile,
+    const typename C::Acc* v_tile, const typename C::Acc* do_tile, typename C::Acc lse_row,
+    typename C::Acc delta_row, i64 row, i64 col, i64 bh, typename C::Acc slope,
+    const ScoreOptions<typename C::Acc>& options, int r, int c, typename C::Acc* dropped,
+    typename C::Acc* dscore) {
+    typedef typename C::Acc Acc;
+    Acc softcap_grad = 1;
+    const Acc dot = dot_rows<C, C::head_dim_pad>(q_tile + r * C::head_pitch,
+                                                 k_tile + c * C::head_pitch);
+    const Acc score = transform_score<C>(dot, row, col, slope, options, &softcap_grad);
+    // lse = -inf marks a row that kept nothing: its probabilities are all 0.
+    const Acc safe_lse = lse_row == negative_infinity<Acc>() ? -lse_row : lse_row;
+    const Acc p = exp_acc(score - safe_lse);
+    const Acc dp = dot_rows<C, C::value_dim_pad>(do_tile + r * C::value_pitch,
+                                                 v_tile + c * C::value_pitch);
+    Acc keep_scale = 1;
+    if (C::dropout) {
+        const u32 row_state =
+            dropout_row_state(options.dropout_key, static_cast<u32>(bh), static_cast<u32>(row));
+        keep_scale = dropout_keeps(row_state, static_cast<u32>(col), options.dropout_threshold)
+                         ? options.dropout_scale
+                         : Acc(0);
+    }
+    *dropped = p * keep_scale;
+    Acc ds = p * (dp * keep_scale - delta_row);
+    if (C::softcap) ds *= softcap_grad;
+    *dscore = ds;
+}
+
+template <class C>
+__device__ __forceinline__ void load_row_stats(typename C::Acc* lse_tile,
+                                               typename C::Acc* delta_tile,
+                                               const typename C::Acc* lse,
+                                               const typename C::Acc* delta, i64 batch,
+                                               int head, i64 bh, i64 n_q, i64 row_start,
+                                               int rows, i64 lse_batch_stride,
+                                               i64 lse_head_stride, i64 lse_row_stride) {
+    for (int r = threadIdx.x; r < C::block_q; r += C::threads) {
+        typename C::Acc lse_value = 0, delta_value = 0;
+        if (r < rows) {
+            lse_value = lse[batch * lse_batch_stride + head * lse_head_stride +
+                            (row_start + r) * lse_row_stride];
+            delta_value = delta[bh * n_q + row_start + r];
+        }
+        lse_tile[r] = lse_value;
+        delta_tile[r] = delta_value;
+    }
+}
+
+template <class C>
+__device__ void backward_dkdv_tile(
+    const typename C::T* q, const typename C::T* k, const typename C::T* v,
+    const typename C::T* d_out, const typename C::Acc* lse, const typename C::Acc* delta,
+    typename C::T* dk, typename C::T* dv, const double* alibi_slopes, i64 n_q, i64 n_k,
+    int n_q_heads, int group_size, int head_dim, int value_dim, int block_q, int block_k,
+    HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
+    HeadStrides do_strides, i64 lse_batch_stride, i64 lse_head_stride, i64 lse_row_stride,
+    ScoreOptions<typename C::Acc> options) {
+    typedef typename C::Acc Acc;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    Acc* k_tile = reinterpret_cast<Acc*>(shared_bytes);       // [block_k][head_pitch]
+    Acc* v_tile = k_tile + C::block_k * C::head_pitch;        // [block_k][value_pitch]
+    Acc* q_tile = v_tile + C::block_k * C::value_pitch;       // [block_q][head_pitch]
+    Acc* do_tile = q_tile + C::block_q * C::head_pitch;       // [block_q][value_pitch]
+    Acc* dropped = do_tile + C::block_q * C::value_pitch;     // [block_q][score_pitch]
+    Acc* dscores = dropped + C::block_q * C::score_pitch;     // [block_q][score_pitch]
+    Acc* lse_tile = dscores + C::block_q * C::score_pitch;    // [block_q]
+    Acc* delta_tile = lse_tile + C::block_q;                  // [block_q]
+    require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
+
+    const int n_kv_heads = n_q_heads / group_size;
+    const i64 n_tiles = (n_k + block_k - 1) / block_k;
+    const i64 batch_kv_head = static_cast<i64>(blockIdx.x) / n_tiles;
+    const i64 tile = static_cast<i64>(blockIdx.x) % n_tiles;
+    const i64 batch = batch_kv_head / n_kv_heads;
+    const int kv_head = static_cast<int>(batch_kv_head % n_kv_heads);
+    const i64 col_start = tile * block_k;
+    const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
+
+    load_tile<C, C::block_k, C::head_dim_pad>(
+        k_tile, k + batch * k_strides.batch + kv_head * k_strides.head, k_strides, col_start,
+        cols, head_dim);
+    load_tile<C, C::block_k, C::value_dim_pad>(
+        v_tile, v + batch * v_strides.batch + kv_head * v_strides.head, v_strides, col_start,
+        cols, value_dim);
+
+    constexpr int dk_per_thread = C::block_k * C::head_dim_pad / C::threads;
+    constexpr int dv_per_thread = C::block_k * C::value_dim_pad / C::threads;
+    Acc dk_acc[dk_per_thread], dv_acc[dv_per_thread];
+#pragma unroll
+    for (int i = 0; i < dk_per_thread; ++i) dk_acc[i] = 0;
+#pragma unroll
+    for (int i = 0; i < dv_per_thread; ++i) dv_acc[i] = 0;
+
+    i64 row_first, row_stop;
+    band_row_range<C::limit_left, C::limit_right>(options.band, col_start, col_start + cols,
+                                                  n_q, &row_first, &row_stop);
+    const i64 tile_begin = row_first / block_q;
+    const i64 tile_end = row_stop > row_first ? (row_stop + block_q - 1) / block_q : tile_begin;
+
+    for (int member = 0; member < group_size; ++member) {
+        const int head = kv_head * group_size + member;
+        const i64 bh = batch * n_q_heads + head;
+        const Acc slope = alibi_slope_of<C>(alibi_slopes, bh);
+        for (i64 query_tile = tile_begin; query_tile < tile_end; ++query_tile) {
+            const i64 row_start = query_tile * block_q;
+            const int rows = static_cast<int>(min(static_cast<i64>(block_q), n_q - row_start));
+            __syncthreads();  // the previous query tile's readers are done
+            load_tile<C, C::block_q, C::head_dim_pad>(
+                q_tile, q + batch * q_strides.batch + head * q_strides.head, q_strides,
+                row_start, rows, head_dim);
+            load_tile<C, C::block_q, C::value_dim_pad>(
+                do_tile, d_out + batch * do_strides.batch + head * do_strides.head, do_strides,
+                row_start, rows, value_dim);
+            load_row_stats<C>(lse_tile, delta_tile, lse, delta, batch, head, bh, n_q,
+                              row_start, rows, lse_batch_stride, lse_head_stride,
+                              lse_row_stride);
+            __syncthreads();
+
+            constexpr int scores_per_thread = C::block_q * C::block_k / C::threads;
+#pragma unroll
+            for (int i = 0; i < scores_per_thread; ++i) {
+                const int element = threadIdx.x + i * C::threads;
+                const int r = element / C::block_k, c = element % C::block_k;
+                Acc p_dropped = 0, ds = 0;
+                if (r < rows && c < cols)
+                    probability_and_grad<C>(q_tile, k_tile, v_tile, do_tile, lse_tile[r],
+                                            delta_tile[r], row_start + r, col_start + c, bh,
+                                            slope, options, r, c, &p_dropped, &ds);
+                dropped[r * C::score_pitch + c] = p_dropped;
+                dscores[r * C::score_pitch + c] = ds;
+            }
+            __syncthreads();
+
+            // dK += dS^T Q and dV += P_dropped^T dO over this query tile's rows.
+#pragma unroll
+            for (int i = 0; i < dk_per_thread; ++i) {
+                const int element = threadIdx.x + i * C::threads;
+                const int c = element / C::head_dim_pad, d = element % C::head_dim_pad;
+                Acc sum = 0;
+#pragma unroll 8
+                for (int r = 0; r < C::block_q; ++r)
+                    sum += dscores[r * C::score_pitch + c] * q_tile[r * C::head_pitch + d];
+                dk_acc[i] += sum;
+            }
+#pragma unroll
+            for (int i = 0; i < dv_per_thread; ++i) {
+                const int element = threadIdx.x + i * C::threads;
+                const int c = element / C::value_dim_pad, d = element % C::value_dim_pad;
+                Acc sum = 0;
+#pragma unroll 8
+                for (int r = 0; r < C::block_q; ++r)
+                    sum += dropped[r * C::score_pitch + c] * do_tile[r * C::value_pitch + d];
+                dv_acc[i] += sum;
+            }
+        }
+    }
+
+    const i64 out_row0 = batch_kv_head * n_k + col_start;
+#pragma unroll
+    for (int i = 0; i < dk_per_thread; ++i) {
+        const int element = threadIdx.x + i * C::threads;
+        const int c = element / C::head_dim_pad, d = element % C::head_dim_pad;
+        if (c < cols && d < head_dim)
+            dk[(out_row0 + c) * head_dim + d] = narrow<typename C::T>(options.scale * dk_acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < dv_per_thread; ++i) {
+        const int element = threadIdx.x + i * C::threads;
+        const int c = element / C::value_dim_pad, d = element % C::value_dim_pad;
+        if (c < cols && d < value_dim)
+            dv[(out_row0 + c) * value_dim + d] = narrow<typename C::T>(dv_acc[i]);
+    }
+}
+
+template <class C>
+__device__ void backward_dq_tile(
+    const typename C::T* q, const typename C::T* k, const typename C::T* v,
+    const typename C::T* d_out, const typename C::Acc* lse, const typename C::Acc* delta,
+    typename C::T* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+    int group_size, int head_dim, int value_dim, int block_q, int block_k,
+    HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
+    HeadStrides do_strides, i64 lse_batch_stride, i64 lse_head_stride, i64 lse_row_stride,
+    ScoreOptions<typename C::Acc> options) {
+    typedef typename C::Acc Acc;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    Acc* k_tile = reinterpret_cast<Acc*>(shared_bytes);       // [block_k][head_pitch]
+    Acc* v_tile = k_tile + C::block_k * C::head_pitch;        // [block_k][value_pitch]
+    Acc* q_tile = v_tile + C::block_k * C::value_pitch;       // [block_q][head_pitch]
+    Acc* do_tile = q_tile + C::block_q * C::head_pitch;       // [block_q][value_pitch]
+    Acc* dscores = do_tile + C::block_q * C::value_pitch;     // [block_q][score_pitch]
+    Acc* lse_tile = dscores + C::block_q * C::score_pitch;    // [block_q]
+    Acc* delta_tile = lse_tile + C::block_q;                  // [block_q]
+    require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
+
+    const i64 n_tiles = (n_q + block_q - 1) / block_q;
+    const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
+    const i64 tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
+    const i64 batch = bh / n_q_heads;
+    const int head = static_cast<int>(bh % n_q_heads);
+    const int kv_head = head / group_size;
+    const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head;
+    const typename C::T* v_head = v + batch * v_strides.batch + kv_head * v_strides.head;
+    const i64 row_start = tile * block_q;
+    const int rows = static_cast<int>(min(static_cast<i64>(block_q), n_q - row_start));
+    const Acc slope = alibi_slope_of<C>(alibi_slopes, bh);
+
+    load_tile<C, C::block_q, C::head_dim_pad>(
+        q_tile, q + batch * q_strides.batch + head * q_strides.head, q_strides, row_start,
+        rows, head_dim);
+    load_tile<C, C::block_q, C::value_dim_pad>(
+        do_tile, d_out + batch * do_strides.batch + head * do_strides.head, do_strides,
+        row_start, rows, value_dim);
+    load_row_stats<C>(lse_tile, delta_tile, lse, delta, batch, head, bh, n_q, row_start, rows,
+                      lse_batch_stride, lse_head_stride, lse_row_stride);
+
+    constexpr int dq_per_thread = C::block_q * C::head_dim_pad / C::threads;
+    Acc dq_acc[dq_per_thread];
+#pragma unroll
+    for (int i = 0; i < dq_per_thread; ++i) dq_acc[i] = 0;
+
+    i64 key_first, key_stop;
+    band_key_range<C::limit_left, C::limit_right>(options.band, row_start, row_start + rows,
+                                                  n_k, &key_first, &key_stop);
+    const i64 tile_begin = key_first / block_k;
+    const i64 tile_end = key_stop > key_first ? (key_stop + block_k - 1) / block_k : tile_begin;
+
+    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
+        const i64 col_start = key_tile * block_k;
+        const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
+        __syncthreads();
+        load_tile<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides, col_start, cols,
+                                                  head_dim);
+        load_tile<C, C::block_k, C::value_dim_pad>(v_tile, v_head, v_strides, col_start, cols,
+                                                   value_dim);
+        __syncthreads();
+
+        constexpr int scores_per_thread = C::block_q * C::block_k / C::threads;
+#pragma unroll
+        for (int i = 0; i < scores_per_thread; ++i) {
+            const int element = threadIdx.x + i * C::threads;
+            const int r = element / C::block_k, c = element % C::block_k;
+            Acc p_dropped = 0, ds = 0;
+            if (r < rows && c < cols)
+                probability_and_grad<C>(q_tile, k_tile, v_tile, do_tile, lse_tile[r],
+                                        delta_tile[r], row_start + r, col_start + c, bh, slope,
+                                        options, r, c, &p_dropped, &ds);
+            dscores[r * C::score_pitch + c] = ds;
+        }
+        __syncthreads();
+
+        // dQ += dS K over this key tile.
+#pragma unroll
+        for (int i = 0; i < dq_per_thread; ++i) {
+            const int element = threadIdx.x + i * C::threads;
+            const int r = element / C::head_dim_pad, d = element % C::head_dim_pad;
+            Acc sum = 0;
+#pragma unroll 8
+            for (int c = 0; c < C::block_k; ++c)
+                sum += dscores[r * C::score_pitch + c] * k_tile[c * C::head_pitch + d];
+            dq_acc[i] += sum;
+        }
+    }
+
+    const i64 out_row0 = bh * n_q + row_start;
+#pragma unroll
+    for (int i = 0; i < dq_per_thread; ++i) {
+        const int element = threadIdx.x + i * C::threads;
+        const int r = element / C::head_dim_pad, d = element % C::head_dim_pad;
+        if (r < rows && d < head_dim)
+            dq[(out_row0 + r) * head_dim + d] = narrow<typename C::T>(options.scale * dq_acc[i]);
+    }
+}
+
+// D_i = rowsum(dO_i * O_i) (FlashAttention-2 Algorithm 2, line 4): one warp per row.
+template <class C>
+__device__ void backward_delta_rows(const typename C::T* d_out, const typename C::T* o,
+                                    typename C::Acc* delta, i64 n_rows, i64 n_q, int n_q_heads,
+                                    int value_dim, HeadStrides do_strides,
+                                    HeadStrides o_strides) {
+    typedef typename C::Acc Acc;
+    const i64 row = static_cast<i64>(blockIdx.x) * C::warps + threadIdx.x / 32;
+    if (row >= n_rows) return;
+    const int lane = threadIdx.x % 32;
+    const i64 bh = row / n_q, i = row % n_q;
+    const i64 batch = bh / n_q_heads, head = bh % n_q_heads;
+    const typename C::T* do_row =
+        d_out + batch * do_strides.batch + head * do_strides.head + i * do_strides.row;
+    const typename C::T* o_row =
+        o + batch * o_strides.batch + head * o_strides.head + i * o_strides.row;
+    Acc sum = 0;
+    for (int c = lane; c < value_dim; c += 32)
+        sum += static_cast<Acc>(widen(do_row[c * do_strides.col])) *
+               static_cast<Acc>(widen(o_row[c * o_strides.col]));
+    sum = warp_sum(sum);
+    if (lane == 0) delta[row] = sum;
+}
+
+// ================================================================== entry points
+
+#define SCORE_OPTION_PARAMS                                                                  \
+    ACCUM scale, ACCUM softcap, i64 band_offset, i64 window_left, i64 window_right,          \
+        u32 dropout_key, u32 dropout_threshold, ACCUM dropout_scale
+#define SCORE_OPTIONS                                                                        \
+    ScoreOptions<ACCUM>{scale,       softcap,          Band{band_offset, window_left, window_right}, \
+                        dropout_key, dropout_threshold, dropout_scale}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attention_forward(const STORAGE* q, const STORAGE* k, const STORAGE* v, STORAGE* o,
+                      ACCUM* lse, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+                      int group_size, int head_dim, int value_dim, int block_q, int block_k,
+                      i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
+                      i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, SCORE_OPTION_PARAMS) {
+    forward_tile<Config>(q, k, v, o, lse, alibi_slopes, n_q, n_k, n_q_heads, group_size,
+                         head_dim, value_dim, block_q, block_k, HeadStrides{q_sb, q_sh, q_sn, q_sd},
+                         HeadStrides{k_sb, k_sh, k_sn, k_sd}, HeadStrides{v_sb, v_sh, v_sn, v_sd},
+                         SCORE_OPTIONS);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attention_backward_delta(const STORAGE* d_out, const STORAGE* o, ACCUM* delta, i64 n_rows,
+                             i64 n_q, int n_q_heads, int value_dim, i64 do_sb, i64 do_sh,
+                             i64 do_sn, i64 do_sd, i64 o_sb, i64 o_sh, i64 o_sn, i64 o_sd) {
+    backward_delta_rows<Config>(d_out, o, delta, n_rows, n_q, n_q_heads, value_dim,
+                                HeadStrides{do_sb, do_sh, do_sn, do_sd},
+                                HeadStrides{o_sb, o_sh, o_sn, o_sd});
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv(
+    const STORAGE* q, const STORAGE* k, const STORAGE* v, const STORAGE* d_out,
+    const ACCUM* lse, const ACCUM* delta, STORAGE* dk, STORAGE* dv, const double* alibi_slopes,
+    i64 n_q, i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
+    int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
+    i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,
+    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS) {
+    backward_dkdv_tile<Config>(q, k, v, d_out, lse, delta, dk, dv, alibi_slopes, n_q, n_k,
+                               n_q_heads, group_size, head_dim, value_dim, block_q, block_k,
+                               HeadStrides{q_sb, q_sh, q_sn, q_sd},
+                               HeadStrides{k_sb, k_sh, k_sn, k_sd},
+                               HeadStrides{v_sb, v_sh, v_sn, v_sd},
+                               HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh, lse_sn,
+                               SCORE_OPTIONS);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(
+    const STORAGE* q, const STORAGE* k, const STORAGE* v, const STORAGE* d_out,
+    const ACCUM* lse, const ACCUM* delta, STORAGE* dq, const double* alibi_slopes, i64 n_q,
+    i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
+    int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
+    i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,
+    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS) {
+    backward_dq_tile<Config>(q, k, v, d_out, lse, delta, dq, alibi_slopes, n_q, n_k, n_q_heads,
+                             group_size, head_dim, value_dim, block_q, block_k,
+                             HeadStrides{q_sb, q_sh, q_sn, q_sd},
+                             HeadStrides{k_sb, k_sh, k_sn, k_sd},
+                             HeadStrides{v_sb, v_sh, v_sn, v_sd},
+                             HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh, lse_sn,
+                             SCORE_OPTIONS);
+}

@@ -1,0 +1,153 @@
+// Device code shared by every tileattn kernel: storage types and their conversions, the
+// dropout hash, the attention band (causal / sliding-window mask) and a few reductions.
+//
+// No CUDA headers are included: NVRTC then needs no include path, and the same source
+// compiles under every CUDA version CuPy ships for. 16-bit storage types are plain bit
+// containers converted with PTX `cvt` (half) or bit shifts (bfloat16).
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+// ------------------------------------------------------------------ storage types
+
+struct half_storage {
+    unsigned short bits;
+};
+struct bfloat16_storage {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float widen(half_storage x) {
+    float result;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(result) : "h"(x.bits));
+    return result;
+}
+__device__ __forceinline__ float widen(bfloat16_storage x) {
+    return __uint_as_float(static_cast<u32>(x.bits) << 16);  // bfloat16 is float32's top half
+}
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ double widen(double x) { return x; }
+
+template <typename T> __device__ __forceinline__ T narrow(float x);
+template <typename T> __device__ __forceinline__ T narrow(double x);
+
+template <> __device__ __forceinline__ half_storage narrow<half_storage>(float x) {
+    half_storage result;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(result.bits) : "f"(x));
+    return result;
+}
+template <> __device__ __forceinline__ bfloat16_storage narrow<bfloat16_storage>(float x) {
+    // Round to nearest even by hand (cvt.rn.bf16.f32 needs sm_80; this runs everywhere).
+    u32 bits = __float_as_uint(x);
+    bfloat16_storage result;
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        result.bits = static_cast<unsigned short>((bits >> 16) | 0x0040u);  // quiet NaN
+    } else {
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        result.bits = static_cast<unsigned short>(bits >> 16);
+    }
+    return result;
+}
+template <> __device__ __forceinline__ float narrow<float>(float x) { return x; }
+template <> __device__ __forceinline__ double narrow<double>(double x) { return x; }
+
+template <typename Acc> __device__ __forceinline__ Acc negative_infinity();
+template <> __device__ __forceinline__ float negative_infinity<float>() {
+    return __uint_as_float(0xff800000u);
+}
+template <> __device__ __forceinline__ double negative_infinity<double>() {
+    return __longlong_as_double(static_cast<i64>(0xfff0000000000000ull));
+}
+
+// Accurate exp/log/tanh per accumulation type (the CUDA-core kernels must meet the float32
+// and float64 tolerances, so no approximate intrinsics there).
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+
+// ------------------------------------------------------------------ dropout hash
+// Bit-identical to tileattn/dropout.py: MurmurHash3's fmix32 on wrapping uint32 arithmetic.
+
+__device__ __forceinline__ u32 fmix32(u32 x) {
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    x ^= x >> 16;
+    return x;
+}
+
+// Once per query row: `key` is derived from the seed on the host (dropout_key), `bh` is
+// b * Hq + h of the query head, `row` the absolute query row.
+__device__ __forceinline__ u32 dropout_row_state(u32 key, u32 bh, u32 row) {
+    return fmix32(fmix32(key ^ bh) + row);
+}
+
+__device__ __forceinline__ bool dropout_keeps(u32 row_state, u32 col, u32 threshold) {
+    return fmix32(fmix32(row_state ^ col) + row_state) >= threshold;
+}
+
+// ------------------------------------------------------------------ the attention band
+// Query row i keeps key j when  i + offset - left <= j <= i + offset + right, with
+// offset = Nk - Nq (bottom-right alignment). LIMIT_LEFT / LIMIT_RIGHT are compile-time:
+// an unlimited side costs nothing. The host clamps left/right to Nq + Nk, which keeps the
+// meaning and keeps every sum below in 64-bit range.
+
+struct Band {
+    i64 offset;
+    i64 left;
+    i64 right;
+};
+
+template <bool LimitLeft, bool LimitRight>
+__device__ __forceinline__ bool band_keeps(const Band& band, i64 row, i64 col) {
+    const i64 diagonal = col - (row + band.offset);
+    bool kept = true;
+    if (LimitLeft) kept = kept && diagonal >= -band.left;
+    if (LimitRight) kept = kept && diagonal <= band.right;
+    return kept;
+}
+
+// Keys [*first, *stop) that some row of [row_start, row_stop) keeps, clipped to [0, n_k).
+// The band is monotone in both indices, so the first row bounds the left edge and the
+// last row the right edge; every key tile outside this range is fully masked
+// (tile_is_masked in tileattn/options.py).
+template <bool LimitLeft, bool LimitRight>
+__device__ __forceinline__ void band_key_range(const Band& band, i64 row_start, i64 row_stop,
+                                               i64 n_k, i64* first, i64* stop) {
+    i64 lo = 0, hi = n_k;
+    if (LimitLeft) lo = max(lo, row_start + band.offset - band.left);
+    if (LimitRight) hi = min(hi, row_stop - 1 + band.offset + band.right + 1);
+    *first = lo;
+    *stop = max(lo, hi);
+}
+
+// Rows [*first, *stop) that keep some key of [col_start, col_stop), clipped to [0, n_q).
+template <bool LimitLeft, bool LimitRight>
+__device__ __forceinline__ void band_row_range(const Band& band, i64 col_start, i64 col_stop,
+                                               i64 n_q, i64* first, i64* stop) {
+    i64 lo = 0, hi = n_q;
+    if (LimitRight) lo = max(lo, col_start - band.offset - band.right);
+    if (LimitLeft) hi = min(hi, col_stop - 1 - band.offset + band.left + 1);
+    *first = lo;
+    *stop = max(lo, hi);
+}
+
+// ------------------------------------------------------------------ warp reductions
+// fmax, not a comparison: a NaN score must not win the maximum, it must reach the row sum
+// through exp(NaN) so that the row (and only that row) comes out NaN, as in the golden model.
+
+template <typename Acc> __device__ __forceinline__ Acc warp_max(Acc x) {
+    for (int mask = 16; mask > 0; mask >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, mask));
+    return x;
+}
+
+template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc x) {
+    for (int mask = 16; mask > 0; mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, mask);
+    return x;
+}
