@@ -17,6 +17,7 @@ import numpy as np
 
 import tileattn
 from tileattn.gpu import _launch
+from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close
 
 CASES = [
@@ -61,15 +62,8 @@ def main() -> int:
 
 
 def _options(q, options):
-    from tileattn.validation import make_options
-
-    return make_options(causal=options.get("causal", False), window=options.get("window"),
-                        scale=None, softcap=options.get("softcap"),
-                        alibi_slopes=options.get("alibi_slopes"),
-                        dropout_p=options.get("dropout_p", 0.0), seed=options.get("seed"),
-                        block_q=options.get("block_q"), block_k=options.get("block_k"),
-                        deterministic=True, batch_shape=q.shape[:-3], n_q_heads=q.shape[-3],
-                        head_dim=q.shape[-1])
+    """What `tensor_core_blocks` reads of the options: the caller's tile sizes."""
+    return AttentionOptions(block_q=options.get("block_q"), block_k=options.get("block_k"))
 
 
 if __name__ == "__main__":

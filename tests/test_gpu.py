@@ -12,6 +12,7 @@ import pytest
 import tileattn
 from tileattn import backends
 from tileattn.dropout import keep_mask
+from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close, bfloat16
 
 pytestmark = [
@@ -94,15 +95,8 @@ def test_every_tensor_core_tile_shape(blocks):
 
 
 def _options_of(q, options):
-    from tileattn.validation import make_options
-
-    return make_options(causal=options.get("causal", False), window=options.get("window"),
-                        scale=options.get("scale"), softcap=options.get("softcap"),
-                        alibi_slopes=options.get("alibi_slopes"),
-                        dropout_p=options.get("dropout_p", 0.0), seed=options.get("seed"),
-                        block_q=options.get("block_q"), block_k=options.get("block_k"),
-                        deterministic=True, batch_shape=q.shape[:-3], n_q_heads=q.shape[-3],
-                        head_dim=q.shape[-1])
+    """What `tensor_core_blocks` reads of the options: the caller's tile sizes."""
+    return AttentionOptions(block_q=options.get("block_q"), block_k=options.get("block_k"))
 
 
 def test_tensor_core_fully_masked_rows():
