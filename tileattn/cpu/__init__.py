@@ -1,0 +1,122 @@
+"""The CPU backend: Numba kernels over host (NumPy) arrays. See `tileattn.backends`.
+
+Every kernel is compiled once per compute dtype (float32, or float64 for float64 inputs)
+and cached on disk (``cache=True``), so later processes load it instead of compiling. To
+keep that to one compilation, the launchers always pass the same argument types: inputs as
+read-only C-contiguous arrays of the compute dtype, options as plain Python scalars.
+float16 and bfloat16 inputs are converted to float32 (SPEC: they accumulate in float32).
+
+The backward is always deterministic, so ``options.deterministic`` changes nothing here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import numba
+import numpy as np
+
+from ..dropout import dropout_key, dropout_threshold
+from ..options import AttentionOptions, Blocks
+from ..reference import lse_dtype
+from . import blas
+from .blocks import default_blocks
+
+MEMORY = "host"
+
+# Numba's default threading layer (workqueue, where OpenMP and TBB are missing) aborts the
+# process when two threads enter parallel kernels at once; each call already uses every
+# core, so serialising calls costs nothing.
+_kernel_lock = threading.Lock()
+
+
+def availability() -> str | None:
+    if importlib.util.find_spec("scipy") is None:
+        return ("Numba's np.dot (BLAS gemm, used for every tile) needs SciPy, which is not "
+                "installed: pip install 'tileattn[cpu]'")
+    return None
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _read_only(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A read-only C-contiguous view in `dtype`, copying only when the input is not one."""
+    view = np.ascontiguousarray(array, dtype=dtype).view()
+    view.flags.writeable = False
+    return view
+
+
+def _blocks(kind: str, q, v, options: AttentionOptions) -> Blocks:
+    """The tile sizes, clamped to the sequence lengths (a larger tile is one tile anyway)."""
+    blocks = default_blocks(kind, q.shape[3], v.shape[3], q.itemsize).resolve(
+        options.block_q, options.block_k)
+    return Blocks(min(blocks.block_q, q.shape[2]), min(blocks.block_k, v.shape[2]))
+
+
+def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int, dtype):
+    slopes = options.alibi_slopes
+    if slopes is None:
+        slopes = np.zeros((batch, n_q_heads))
+    key = dropout_key(options.seed) if options.dropout_p > 0 else 0
+    threshold = dropout_threshold(options.dropout_p) if options.dropout_p > 0 else 0
+    return (float(options.scale), float(options.softcap), _read_only(slopes, np.float64),
+            int(options.window_left), int(options.window_right), int(key), int(threshold),
+            1.0 / (1.0 - options.dropout_p))
+
+
+def forward(q, k, v, options: AttentionOptions):
+    from .forward_kernel import forward_kernel
+
+    dtype = _compute_dtype(q.dtype)
+    q_c, k_c, v_c = (_read_only(x, dtype) for x in (q, k, v))
+    batch, n_q_heads, n_q, _ = q.shape
+    out = np.empty((batch, n_q_heads, n_q, v.shape[3]), dtype)
+    lse = np.empty((batch, n_q_heads, n_q), dtype)
+    blocks = _blocks("forward", q_c, v_c, options)
+    with _kernel_lock, blas.single_threaded():
+        forward_kernel(q_c, k_c, v_c, out, lse,
+                       *_option_scalars(options, batch, n_q_heads, dtype),
+                       blocks.block_q, blocks.block_k, numba.get_num_threads())
+    return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
+
+
+def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
+    """Whether one task per (batch, kv head) keeps every thread equally busy (see
+    `backward_kernel`); otherwise the split schedule spreads key and query tiles."""
+    tasks = batch * n_kv_heads
+    return tasks % n_threads == 0 or tasks >= 4 * n_threads
+
+
+def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    from .backward_kernel import (backward_by_heads, backward_key_tiles,
+                                  backward_query_tiles, row_terms_kernel)
+
+    dtype = _compute_dtype(q.dtype)
+    do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
+    batch, n_q_heads, n_q, _ = q.shape
+    n_kv_heads = k.shape[1]
+    delta = np.empty((batch, n_q_heads, n_q), dtype)
+    lse_log2 = np.empty((batch, n_q_heads, n_q), dtype)
+    dk = np.empty(k.shape, dtype)
+    dv = np.empty(v.shape, dtype)
+    blocks = _blocks("backward", q_c, v_c, options)
+    scalars = _option_scalars(options, batch, n_q_heads, dtype)
+    n_threads = numba.get_num_threads()
+    with _kernel_lock, blas.single_threaded():
+        row_terms_kernel(do_c, o_c, lse_c, delta, lse_log2)
+        delta.flags.writeable = lse_log2.flags.writeable = False
+        if _use_heads_schedule(batch, n_kv_heads, n_threads):
+            dq = np.zeros(q.shape, dtype)
+            backward_by_heads(q_c, k_c, v_c, do_c, lse_log2, delta, dq, dk, dv, *scalars,
+                              blocks.block_q, blocks.block_k, n_threads)
+        else:
+            dq = np.empty(q.shape, dtype)
+            backward_key_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dk, dv, *scalars,
+                               blocks.block_q, blocks.block_k, n_threads)
+            backward_query_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dq, *scalars,
+                                 blocks.block_q, blocks.block_k, n_threads)
+    return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
+            dv.astype(v.dtype, copy=False))

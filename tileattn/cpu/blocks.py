@@ -1,0 +1,79 @@
+"""Default tile sizes for the CPU kernels, chosen from the cache sizes of this machine."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from dataclasses import dataclass
+
+from ..options import Blocks
+
+_SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache/index*"
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """Per-core data cache sizes in bytes."""
+
+    l1d: int
+    l2: int
+
+
+FALLBACK_CACHES = CacheSizes(l1d=32 * 1024, l2=512 * 1024)
+"""Used where sysfs says nothing (macOS, Windows, containers hiding it): common x86 sizes."""
+
+
+def _parse_size(text: str) -> int:
+    """sysfs writes sizes like ``32K`` or ``1024K`` (or ``8M``)."""
+    text = text.strip().upper()
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
+    if text and text[-1] in units:
+        return int(text[:-1]) * units[text[-1]]
+    return int(text)
+
+
+@functools.cache
+def cache_sizes() -> CacheSizes:
+    """The L1 data and L2 sizes of CPU 0 from sysfs, else `FALLBACK_CACHES`."""
+    sizes = {}
+    for index in glob.glob(_SYSFS_CACHES):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(index, "size")) as f:
+                size = _parse_size(f.read())
+        except (OSError, ValueError):
+            continue
+        if kind in ("Data", "Unified") and level in (1, 2):
+            sizes[level] = size
+    return CacheSizes(l1d=sizes.get(1, FALLBACK_CACHES.l1d), l2=sizes.get(2, FALLBACK_CACHES.l2))
+
+
+def _power_of_two_at_most(value: float, low: int, high: int) -> int:
+    power = low
+    while power * 2 <= min(value, high):
+        power *= 2
+    return power
+
+
+@functools.cache
+def default_blocks(kind: str, head_dim: int, value_dim: int, itemsize: int) -> Blocks:
+    """Tile sizes for ``kind`` ``"forward"`` or ``"backward"`` (powers of two).
+
+    Forward: the key and value tiles (``block_k * (D + Dv)`` elements) take half of L2 and the
+    score tile (``block_q * block_k``) the other half, so a query tile streams every key tile
+    through L2 once. Backward keeps two score-sized tiles (probabilities and their gradients)
+    plus the key, value and accumulator tiles, so both blocks are smaller.
+    (Measured on the development machine in bench/NOTES-cpu.md.)
+    """
+    l2 = cache_sizes().l2
+    if kind == "forward":
+        block_k = _power_of_two_at_most(l2 / 2 / (itemsize * (head_dim + value_dim)), 64, 512)
+        block_q = _power_of_two_at_most(l2 / 2 / (itemsize * block_k), 32, 256)
+    else:
+        block_k = _power_of_two_at_most(l2 / 4 / (itemsize * (head_dim + value_dim)), 32, 256)
+        block_q = _power_of_two_at_most(l2 / 4 / (itemsize * block_k), 32, 128)
+    return Blocks(block_q=block_q, block_k=block_k)

@@ -1,0 +1,153 @@
+"""The forward kernel: FlashAttention-2's Algorithm 1 over ``block_q x block_k`` tiles.
+
+`tileattn.reference.tiled_forward` is the executable documentation; this is the same loop
+with the batch, head and query-tile loops flattened into one task list spread over threads.
+Each task owns one query tile of one head: its output rows are written by that task alone,
+so there are no races and no reductions across threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from . import dropout
+from .tiles import key_span, mask_tile, tile_is_fully_kept, tile_view, transform_tile
+from .vector_math import FASTMATH, LN_2, LOG2_E, exp2
+
+
+@njit(fastmath=FASTMATH)
+def _softmax_update(scores, row_max, row_sum, acc):
+    """Online softmax over one tile (FlashAttention-2 section 3.1.1), scores in log2 units.
+
+    Turns `scores` into unnormalised probabilities ``2**(s - m_new)`` in place, rescales
+    `row_sum` and `acc` by ``2**(m_old - m_new)`` and adds the tile's row sums.
+    """
+    n_rows, n_cols = scores.shape
+    dtype = scores.dtype.type
+    for r in range(n_rows):
+        new_max = row_max[r]
+        for j in range(n_cols):
+            s = scores[r, j]
+            new_max = s if s > new_max else new_max
+        # A row with nothing kept so far keeps max -inf; subtract 0 then, as exp2(-inf - -inf)
+        # would be NaN. Its probabilities are exp2(-inf) = 0 (a NaN score stays NaN).
+        safe_max = dtype(0.0) if new_max == -np.inf else new_max
+        rescale = exp2(row_max[r] - safe_max)
+        tile_sum = dtype(0.0)
+        for j in range(n_cols):
+            p = exp2(scores[r, j] - safe_max)
+            scores[r, j] = p
+            tile_sum += p
+        row_sum[r] = row_sum[r] * rescale + tile_sum
+        row_max[r] = new_max
+        for d in range(acc.shape[1]):
+            acc[r, d] *= rescale
+
+
+@njit(fastmath=FASTMATH)
+def _apply_dropout(probs, bh, row_start, col_start, key, threshold, inv_keep):
+    """``p * keep / (1 - dropout_p)`` with `tileattn.dropout`'s absolute-index hash."""
+    n_rows, n_cols = probs.shape
+    dtype = probs.dtype.type
+    for r in range(n_rows):
+        state = dropout.row_state(key, bh, row_start + r)
+        for j in range(n_cols):
+            if dropout.keeps(state, col_start + j, threshold):
+                probs[r, j] *= dtype(inv_keep)
+            else:
+                probs[r, j] = dtype(0.0)
+
+
+@njit(fastmath=FASTMATH)
+def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scale, softcap,
+                slope, window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                block_k, q_scaled, scores_buffer, pv_buffer, acc, row_max, row_sum):
+    n_rows = q_tile.shape[0]
+    dtype = q_tile.dtype.type
+    natural_units = softcap > 0 or slope != 0
+    # Without softcap or ALiBi, log2(e) rides along with the scale on the query tile; with
+    # either, the transform needs natural-unit scores and converts them itself.
+    q_factor = dtype(scale) if natural_units else dtype(scale * LOG2_E)
+    for r in range(n_rows):
+        for d in range(q_tile.shape[1]):
+            q_scaled[r, d] = q_tile[r, d] * q_factor
+    acc[:n_rows] = 0
+    row_max[:n_rows] = -np.inf
+    row_sum[:n_rows] = 0
+    row_stop = row_start + n_rows
+    col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
+    first_tile = max(col_lo, 0) // block_k
+    for col_start in range(first_tile * block_k, col_hi, block_k):
+        col_stop = min(col_start + block_k, n_k)
+        n_cols = col_stop - col_start
+        scores = tile_view(scores_buffer, n_rows, n_cols)
+        np.dot(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop].T, scores)
+        if natural_units:
+            transform_tile(scores, scores, row_start, col_start, n_q, n_k, softcap, slope,
+                           window_left, window_right, False)
+        elif not tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k,
+                                    window_left, window_right):
+            mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
+        _softmax_update(scores, row_max, row_sum, acc)
+        if dropout_threshold > 0:
+            _apply_dropout(scores, b * lse.shape[1] + h, row_start, col_start, dropout_key,
+                           dropout_threshold, inv_keep)
+        pv = tile_view(pv_buffer, n_rows, v.shape[3])
+        np.dot(scores, v[b, kv_head, col_start:col_stop], pv)
+        for r in range(n_rows):
+            for d in range(pv.shape[1]):
+                acc[r, d] += pv[r, d]
+    for r in range(n_rows):
+        total = row_sum[r]
+        if total > 0:
+            inverse = dtype(1.0) / total
+            for d in range(out.shape[3]):
+                out[b, h, row_start + r, d] = acc[r, d] * inverse
+            lse[b, h, row_start + r] = (row_max[r] + np.log2(total)) * dtype(LN_2)
+        elif total == 0:
+            # No kept key (SPEC): output 0, lse -inf.
+            out[b, h, row_start + r, :] = 0
+            lse[b, h, row_start + r] = -np.inf
+        else:
+            # NaN reached this row (non-finite input): the whole row is NaN, as in the
+            # golden model's dense form.
+            out[b, h, row_start + r, :] = np.nan
+            lse[b, h, row_start + r] = np.nan
+
+
+@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left, window_right,
+                   dropout_key, dropout_threshold, inv_keep, block_q, block_k,
+                   n_threads):
+    """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v.
+
+    `alibi_slopes` is (B, Hq), zeros when ALiBi is off; `dropout_threshold` 0 means no dropout.
+    Tasks (batch, head, query tile) are dealt round-robin to one loop iteration per thread:
+    with causal masks the tile costs grow along the sequence, and dealing them out in turn
+    keeps the threads' shares equal where contiguous chunks would not.
+    """
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    value_dim = v.shape[3]
+    group = n_q_heads // n_kv_heads
+    n_q_tiles = (n_q + block_q - 1) // block_q
+    n_tasks = batch * n_q_heads * n_q_tiles
+    n_workers = min(n_threads, n_tasks)
+    dtype = q.dtype
+    for worker in prange(n_workers):
+        q_scaled = np.empty((block_q, head_dim), dtype)
+        scores_buffer = np.empty(block_q * block_k, dtype)
+        pv_buffer = np.empty(block_q * value_dim, dtype)
+        acc = np.empty((block_q, value_dim), dtype)
+        row_max = np.empty(block_q, dtype)
+        row_sum = np.empty(block_q, dtype)
+        for task in range(worker, n_tasks, n_workers):
+            b = task // (n_q_heads * n_q_tiles)
+            h = task // n_q_tiles % n_q_heads
+            row_start = task % n_q_tiles * block_q
+            row_stop = min(row_start + block_q, n_q)
+            _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
+                        row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
+                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                        block_k, q_scaled, scores_buffer, pv_buffer, acc, row_max, row_sum)

@@ -1,0 +1,131 @@
+"""Per-tile pieces shared by the forward and backward kernels: which tiles the mask keeps,
+and the score transformations of SPEC steps 2-4 applied to one tile in place.
+
+Scores leave this module in log2 units (``score * log2(e)``) so the softmax can use
+`exp2` directly. When there is no softcap and no ALiBi the kernels fold ``log2(e)`` into
+the query scale and only boundary tiles pass through here (for the mask); with either option
+every tile does, in natural units, and is converted at the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .vector_math import FASTMATH, LOG2_E
+
+UNLIMITED = -1  # tileattn.options.UNLIMITED, repeated so kernels see a compile-time constant
+
+
+@njit
+def key_span(row_start, row_stop, n_q, n_k, window_left, window_right):
+    """Keys ``[start, stop)`` that any of rows ``[row_start, row_stop)`` keeps.
+
+    The band is monotone (bottom-right aligned, see `tileattn.options.keeps`), so the first
+    row bounds it on the left and the last row on the right. Empty spans have start >= stop.
+    """
+    offset = n_k - n_q
+    start, stop = 0, n_k
+    if window_left != UNLIMITED:
+        start = max(start, row_start + offset - window_left)
+    if window_right != UNLIMITED:
+        stop = min(stop, row_stop - 1 + offset + window_right + 1)
+    return start, stop
+
+
+@njit
+def row_span(col_start, col_stop, n_q, n_k, window_left, window_right):
+    """Rows ``[start, stop)`` that keep any of keys ``[col_start, col_stop)``."""
+    offset = n_k - n_q
+    start, stop = 0, n_q
+    if window_right != UNLIMITED:
+        start = max(start, col_start - offset - window_right)
+    if window_left != UNLIMITED:
+        stop = min(stop, col_stop - 1 - offset + window_left + 1)
+    return start, stop
+
+
+@njit
+def tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k, window_left,
+                       window_right):
+    """Whether the mask keeps every (row, key) pair of the tile, so it needs no masking."""
+    offset = n_k - n_q
+    if window_right != UNLIMITED and col_stop - 1 > row_start + offset + window_right:
+        return False
+    if window_left != UNLIMITED and col_start < row_stop - 1 + offset - window_left:
+        return False
+    return True
+
+
+@njit
+def kept_columns(row, col_start, n_cols, n_q, n_k, window_left, window_right):
+    """Tile-relative columns ``[lo, hi)`` that absolute query `row` keeps (clipped)."""
+    diagonal = row + n_k - n_q - col_start
+    lo, hi = 0, n_cols
+    if window_left != UNLIMITED:
+        lo = min(max(lo, diagonal - window_left), n_cols)
+    if window_right != UNLIMITED:
+        hi = max(min(hi, diagonal + window_right + 1), 0)
+    return lo, max(lo, hi)
+
+
+@njit(fastmath=FASTMATH)
+def mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right):
+    """Set the masked scores of a boundary tile to -inf (a select, so NaN cannot leak)."""
+    n_rows, n_cols = scores.shape
+    minus_inf = scores.dtype.type(-np.inf)
+    for r in range(n_rows):
+        lo, hi = kept_columns(row_start + r, col_start, n_cols, n_q, n_k, window_left,
+                              window_right)
+        for j in range(lo):
+            scores[r, j] = minus_inf
+        for j in range(hi, n_cols):
+            scores[r, j] = minus_inf
+
+
+@njit(fastmath=FASTMATH)
+def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
+                   window_left, window_right, want_softcap_grad):
+    """SPEC steps 2-4 on natural-unit scores, in place, ending in log2 units.
+
+    `softcap` 0 and `slope` 0 switch those steps off. With `want_softcap_grad`, also writes ``d capped / d raw = 1 - tanh^2`` (0 where masked,
+    so a NaN score there cannot reach the gradient).
+    """
+    n_rows, n_cols = scores.shape
+    dtype = scores.dtype.type
+    cap = dtype(softcap)
+    alibi_slope = dtype(slope)
+    offset = n_k - n_q
+    minus_inf = dtype(-np.inf)
+    for r in range(n_rows):
+        row = row_start + r
+        lo, hi = kept_columns(row, col_start, n_cols, n_q, n_k, window_left, window_right)
+        for j in range(n_cols):
+            x = scores[r, j]
+            if cap > 0:
+                capped = np.tanh(x / cap)
+                x = cap * capped
+                if want_softcap_grad:
+                    softcap_grad[r, j] = dtype(1.0) - capped * capped
+            if alibi_slope != 0:
+                x -= alibi_slope * dtype(abs(row + offset - (col_start + j)))
+            scores[r, j] = x * dtype(LOG2_E)
+        for j in range(lo):
+            scores[r, j] = minus_inf
+        for j in range(hi, n_cols):
+            scores[r, j] = minus_inf
+        if want_softcap_grad:
+            for j in range(lo):
+                softcap_grad[r, j] = dtype(0.0)
+            for j in range(hi, n_cols):
+                softcap_grad[r, j] = dtype(0.0)
+
+
+@njit
+def tile_view(buffer, n_rows, n_cols):
+    """A C-contiguous ``(n_rows, n_cols)`` view of the front of a flat scratch buffer.
+
+    Numba's ``np.dot`` (BLAS gemm) needs contiguous operands, which a ``[:n_rows, :n_cols]``
+    slice of a 2-D buffer is not at the last, ragged tile.
+    """
+    return buffer[:n_rows * n_cols].reshape((n_rows, n_cols))
