@@ -38,7 +38,7 @@ def check_forward(backend, problem: AttentionProblem):
     return o, lse
 
 
-def check_backward(backend, problem: AttentionProblem):
+def check_backward(backend, problem: AttentionProblem, lse_magnitude: float = 0.0):
     o, lse = backend.forward(problem.q, problem.k, problem.v, **problem.options,
                              return_lse=True)
     grads = backend.backward(problem.do, problem.q, problem.k, problem.v, o, lse,
@@ -48,7 +48,8 @@ def check_backward(backend, problem: AttentionProblem):
     for name, grad, want, like in zip(("dq", "dk", "dv"), grads, expected,
                                       (problem.q, problem.k, problem.v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
-        assert_attention_close(grad, want, problem.dtype, name=name)
+        assert_attention_close(grad, want, problem.dtype, name=name,
+                               lse_magnitude=lse_magnitude)
 
 
 # --------------------------------------------------------------------------- properties
@@ -178,7 +179,8 @@ def test_dropout_drops_exactly_the_golden_entries(backend):
 
 def test_large_float32_scores_do_not_overflow(backend):
     """Scores up to |s| = 1e4 in float32. Integer inputs keep every score exact, so the
-    result is compared at the normal float32 tolerance, not a looser one."""
+    forward is compared at the normal float32 tolerance. The backward inherits the rounding
+    of the stored float32 lse (half an ulp of 1e4 is 5e-4), which the kit adds explicitly."""
     rng = np.random.default_rng(2)
     q = rng.integers(-50, 51, size=(2, 64, 4)).astype(np.float32)
     k = rng.integers(-50, 51, size=(2, 80, 4)).astype(np.float32)
@@ -188,7 +190,8 @@ def test_large_float32_scores_do_not_overflow(backend):
     assert np.abs(q @ np.swapaxes(k, -1, -2)).max() > 5e3
     assert np.isfinite(o).all() and np.isfinite(lse).all()
     check_forward(backend, AttentionProblem(q, k, v, np.ones_like(o), options))
-    check_backward(backend, AttentionProblem(q, k, v, np.ones_like(o), options))
+    check_backward(backend, AttentionProblem(q, k, v, np.ones_like(o), options),
+                   lse_magnitude=float(np.abs(lse).max()))
 
 
 def test_non_finite_query_row_stays_in_its_row(backend):
