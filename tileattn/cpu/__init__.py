@@ -56,7 +56,7 @@ def _blocks(kind: str, q, v, options: AttentionOptions) -> Blocks:
     return Blocks(min(blocks.block_q, q.shape[2]), min(blocks.block_k, v.shape[2]))
 
 
-def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int, dtype):
+def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int):
     slopes = options.alibi_slopes
     if slopes is None:
         slopes = np.zeros((batch, n_q_heads))
@@ -67,19 +67,24 @@ def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int, dtype
             1.0 / (1.0 - options.dropout_p))
 
 
-def forward(q, k, v, options: AttentionOptions):
+def _forward(q_c, k_c, v_c, options: AttentionOptions):
+    """Forward over prepared (compute-dtype, read-only, contiguous) arrays."""
     from .forward_kernel import forward_kernel
 
-    dtype = _compute_dtype(q.dtype)
-    q_c, k_c, v_c = (_read_only(x, dtype) for x in (q, k, v))
-    batch, n_q_heads, n_q, _ = q.shape
-    out = np.empty((batch, n_q_heads, n_q, v.shape[3]), dtype)
-    lse = np.empty((batch, n_q_heads, n_q), dtype)
+    batch, n_q_heads, n_q, _ = q_c.shape
+    out = np.empty((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
+    lse = np.empty((batch, n_q_heads, n_q), q_c.dtype)
     blocks = _blocks("forward", q_c, v_c, options)
     with _kernel_lock, blas.single_threaded():
         forward_kernel(q_c, k_c, v_c, out, lse,
-                       *_option_scalars(options, batch, n_q_heads, dtype),
+                       *_option_scalars(options, batch, n_q_heads),
                        blocks.block_q, blocks.block_k, numba.get_num_threads())
+    return out, lse
+
+
+def forward(q, k, v, options: AttentionOptions):
+    dtype = _compute_dtype(q.dtype)
+    out, lse = _forward(*(_read_only(x, dtype) for x in (q, k, v)), options)
     return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
 
 
@@ -95,7 +100,15 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
                                   backward_query_tiles, row_terms_kernel)
 
     dtype = _compute_dtype(q.dtype)
-    do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
+    do_c, q_c, k_c, v_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, lse))
+    if q.dtype.itemsize < dtype.itemsize:
+        # D = rowsum(dO * O) from a float16/bfloat16 O carries O's rounding (2**-11 or 2**-8
+        # relative) into every dS = P (dP - D), which a sharp softmax amplifies past the
+        # tolerance the float64 golden model allows (it never rounds O). Recomputing O in
+        # float32 costs one forward pass and removes that error.
+        o_c = _forward(q_c, k_c, v_c, options)[0]
+    else:
+        o_c = _read_only(o, dtype)
     batch, n_q_heads, n_q, _ = q.shape
     n_kv_heads = k.shape[1]
     delta = np.empty((batch, n_q_heads, n_q), dtype)
@@ -103,7 +116,7 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     dk = np.empty(k.shape, dtype)
     dv = np.empty(v.shape, dtype)
     blocks = _blocks("backward", q_c, v_c, options)
-    scalars = _option_scalars(options, batch, n_q_heads, dtype)
+    scalars = _option_scalars(options, batch, n_q_heads)
     n_threads = numba.get_num_threads()
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, lse_log2)

@@ -19,6 +19,9 @@ def _controller():
         import threadpoolctl
     except ImportError:
         return None
+    # The controller sees only libraries already loaded; Numba loads SciPy's BLAS lazily.
+    import scipy.linalg.cython_blas  # noqa: F401
+
     return threadpoolctl.ThreadpoolController()
 
 

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from . import dropout
 from .tiles import key_span, mask_tile, tile_is_fully_kept, tile_view, transform_tile
-from .vector_math import FASTMATH, LN_2, LOG2_E, exp2
+from .vector_math import FASTMATH, LN_2, LOG2_E, exp2_nonpositive, maximum
 
 
 @njit(fastmath=FASTMATH)
@@ -28,15 +28,15 @@ def _softmax_update(scores, row_max, row_sum, acc):
     for r in range(n_rows):
         new_max = row_max[r]
         for j in range(n_cols):
-            s = scores[r, j]
-            new_max = s if s > new_max else new_max
+            new_max = maximum(new_max, scores[r, j])
         # A row with nothing kept so far keeps max -inf; subtract 0 then, as exp2(-inf - -inf)
-        # would be NaN. Its probabilities are exp2(-inf) = 0 (a NaN score stays NaN).
+        # would be NaN. Its probabilities are exp2(-inf) = 0. A NaN score makes the max NaN,
+        # and with it the whole row, as in the golden model.
         safe_max = dtype(0.0) if new_max == -np.inf else new_max
-        rescale = exp2(row_max[r] - safe_max)
+        rescale = exp2_nonpositive(row_max[r] - safe_max)
         tile_sum = dtype(0.0)
         for j in range(n_cols):
-            p = exp2(scores[r, j] - safe_max)
+            p = exp2_nonpositive(scores[r, j] - safe_max)
             scores[r, j] = p
             tile_sum += p
         row_sum[r] = row_sum[r] * rescale + tile_sum

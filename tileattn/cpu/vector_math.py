@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 FASTMATH = {"contract", "reassoc"}
@@ -51,18 +52,49 @@ def _power_of_two_float32(typingctx, n):
     return types.float32(types.float32), codegen
 
 
+@intrinsic
+def maximum(typingctx, a, b):
+    """``max(a, b)`` that returns NaN if either is NaN, as ``np.maximum`` does.
+
+    LLVM's ``llvm.maximum`` has exactly these semantics and, unlike the compare-and-select
+    a Python ``max`` becomes, vectorises as a row reduction without the ``nnan`` flag
+    (0.09 against 0.29 ns per element on the development machine).
+    """
+    if a != b or a not in (types.float32, types.float64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        llvm_type = context.get_value_type(a)
+        function_type = ir.FunctionType(llvm_type, [llvm_type, llvm_type])
+        name = "llvm.maximum.f32" if a == types.float32 else "llvm.maximum.f64"
+        return builder.call(cgutils.get_or_insert_function(builder.module, function_type, name),
+                            args)
+
+    return a(a, a), codegen
+
+
 def exp2(x):
     """``2 ** x``; inside Numba kernels, float32 uses the vectorisable polynomial."""
     return np.exp2(x)
 
 
+def exp2_nonpositive(x):
+    """`exp2` for ``x <= 0``, -inf or NaN, the softmax's ``score - row_max``.
+
+    Skipping the overflow guard of `exp2` saves a quarter of its time (0.38 against 0.49 ns
+    per element). Larger `x` gives wrong finite values, so only callers that subtract a
+    true maximum use it.
+    """
+    return np.exp2(x)
+
+
 @njit(fastmath=FASTMATH)
-def _exp2_float32(x):
-    # 2**x = 2**n * 2**f with n = round(x) and f in [-0.5, 0.5]. n is clamped before the
-    # int conversion so -inf and NaN stay defined (the selects below fix those results).
+def _exp2_nonpositive_float32(x):
+    # 2**x = 2**n * 2**f with n = round(x) and f in [-0.5, 0.5]. n is clamped below before
+    # the int conversion so -inf stays defined; NaN converts to some integer, harmlessly,
+    # since the polynomial is NaN already.
     n = np.floor(x + np.float32(0.5))
     n = n if n > np.float32(-127.0) else np.float32(-127.0)
-    n = n if n < np.float32(127.0) else np.float32(127.0)
     f = x - n
     p = _C6 * f + _C5
     p = p * f + _C4
@@ -70,10 +102,16 @@ def _exp2_float32(x):
     p = p * f + _C2
     p = p * f + _C1
     p = p * f + _C0
-    # Selects, not branches: below -126 the result underflows to 0 (also for x = -inf);
-    # a NaN fails both tests and stays NaN through the multiplication.
+    # A select, not a branch: below -126 the result underflows to 0 (also for x = -inf);
+    # a NaN fails the test and stays NaN through the multiplication.
     y = p * _power_of_two_float32(n)
-    y = np.float32(0.0) if x < np.float32(-126.0) else y
+    return np.float32(0.0) if x < np.float32(-126.0) else y
+
+
+@njit(fastmath=FASTMATH)
+def _exp2_float32(x):
+    clamped = x if x < np.float32(127.0) else np.float32(127.0)
+    y = _exp2_nonpositive_float32(clamped)
     return np.float32(np.inf) if x > np.float32(127.0) else y
 
 
@@ -81,4 +119,11 @@ def _exp2_float32(x):
 def _exp2_overload(x):
     if x == types.float32:
         return lambda x: _exp2_float32(x)
+    return lambda x: np.exp2(x)
+
+
+@overload(exp2_nonpositive)
+def _exp2_nonpositive_overload(x):
+    if x == types.float32:
+        return lambda x: _exp2_nonpositive_float32(x)
     return lambda x: np.exp2(x)
