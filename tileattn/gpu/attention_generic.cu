@@ -226,6 +226,9 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
                 score_row[c] = p_used;
             }
             tile_sum = warp_sum(tile_sum);
+            // Every lane has read row_max[r] before lane 0 overwrites it: a shuffle orders
+            // no memory, __syncwarp does (racecheck flags the write without it).
+            __syncwarp();
             if (lane == 0) {
                 const Acc rescale = exp_acc(old_max - safe_max);
                 row_sum[r] = row_sum[r] * rescale + tile_sum;
