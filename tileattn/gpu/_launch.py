@@ -33,8 +33,8 @@ GENERIC_SHARED_TARGET = 48 * 1024
 MMA_HEAD_DIMS = (64, 128)
 MMA_BLOCK_Q = (64, 128)
 MMA_BLOCK_K = (32, 64, 128)
-# Measured on the H100 (bench/NOTES-gpu.md): the fastest tiles for float16, N = 4096.
-MMA_DEFAULT_BLOCKS = {64: Blocks(128, 64), 128: Blocks(128, 64)}
+# The fastest tiles of the sweep in bench/NOTES-gpu.md (H100, float16, N = 4096).
+MMA_DEFAULT_BLOCKS = {64: Blocks(128, 64), 128: Blocks(128, 128)}
 
 _STORAGE = {"float16": "half_storage", "bfloat16": "bfloat16_storage", "float32": "float",
             "float64": "double"}

@@ -80,13 +80,50 @@ __device__ __forceinline__ void load_tile(typename C::Acc* tile, const typename 
     }
 }
 
-template <class C, int Pad>
-__device__ __forceinline__ typename C::Acc dot_rows(const typename C::Acc* a,
-                                                    const typename C::Acc* b) {
-    typename C::Acc sum = 0;
-#pragma unroll 16
-    for (int d = 0; d < Pad; ++d) sum += a[d] * b[d];
-    return sum;
+// The score tile is split so that a thread owns one column c = threadIdx.x % block_k and
+// rows r0 + i * row_step: every thread of a warp reads the same row of the tall operand
+// (a broadcast) and keeps its column's element in a register for all its rows, one
+// shared load per multiply-add instead of two.
+template <class C> struct ScoreSlots {
+    static constexpr int count = C::block_q * C::block_k / C::threads;
+    static constexpr int row_step = C::threads / C::block_k;
+    static_assert(C::threads % C::block_k == 0, "a thread keeps one score column");
+};
+
+// dots[i] = rows[(r0 + i * row_step)] . column_row over Pad elements.
+template <class C, int Pad, int Pitch>
+__device__ __forceinline__ void dot_slots(const typename C::Acc* rows,
+                                          const typename C::Acc* column_row, int r0,
+                                          typename C::Acc* dots) {
+    constexpr int count = ScoreSlots<C>::count, row_step = ScoreSlots<C>::row_step;
+#pragma unroll
+    for (int i = 0; i < count; ++i) dots[i] = 0;
+#pragma unroll 4
+    for (int d = 0; d < Pad; ++d) {
+        const typename C::Acc element = column_row[d];
+#pragma unroll
+        for (int i = 0; i < count; ++i) dots[i] += rows[(r0 + i * row_step) * Pitch + d] * element;
+    }
+}
+
+// Accumulators of a [Rows][Pad] product tile split the same way: a thread owns column
+// d = threadIdx.x % Pad of rows d0 + i * (threads / Pad). acc[i] += sum_j a[row_i][j] * b[j][d]
+// over j < Inner, with a read at a[row * a_pitch + j] and b at b[j * b_pitch + d].
+template <class C, int Rows, int Pad, int Inner>
+__device__ __forceinline__ void accumulate_product(typename C::Acc* acc,
+                                                   const typename C::Acc* a, int a_pitch,
+                                                   int a_inner_stride,
+                                                   const typename C::Acc* b, int b_pitch) {
+    constexpr int count = Rows * Pad / C::threads, row_step = C::threads / Pad;
+    static_assert(C::threads % Pad == 0, "a thread keeps one output column");
+    const int d = threadIdx.x % Pad, row0 = threadIdx.x / Pad;
+#pragma unroll 4
+    for (int j = 0; j < Inner; ++j) {
+        const typename C::Acc element = b[j * b_pitch + d];
+#pragma unroll
+        for (int i = 0; i < count; ++i)
+            acc[i] += a[(row0 + i * row_step) * a_pitch + j * a_inner_stride] * element;
+    }
 }
 
 // SPEC steps 1-4 for one score: scale, softcap, ALiBi, mask (a select, not an additive
@@ -182,19 +219,20 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
                                                    value_dim);
         __syncthreads();
 
-        constexpr int scores_per_thread = C::block_q * C::block_k / C::threads;
+        {
+            const int c = threadIdx.x % C::block_k, r0 = threadIdx.x / C::block_k;
+            Acc dots[ScoreSlots<C>::count];
+            dot_slots<C, C::head_dim_pad, C::head_pitch>(q_tile, k_tile + c * C::head_pitch,
+                                                         r0, dots);
 #pragma unroll
-        for (int i = 0; i < scores_per_thread; ++i) {
-            const int element = threadIdx.x + i * C::threads;
-            const int r = element / C::block_k, c = element % C::block_k;
-            Acc score = negative_infinity<Acc>(), unused_grad;
-            if (r < rows && c < cols) {
-                const Acc dot = dot_rows<C, C::head_dim_pad>(q_tile + r * C::head_pitch,
-                                                             k_tile + c * C::head_pitch);
-                score = transform_score<C>(dot, row_start + r, col_start + c, slope, options,
-                                           &unused_grad);
+            for (int i = 0; i < ScoreSlots<C>::count; ++i) {
+                const int r = r0 + i * ScoreSlots<C>::row_step;
+                Acc score = negative_infinity<Acc>(), unused_grad;
+                if (r < rows && c < cols)
+                    score = transform_score<C>(dots[i], row_start + r, col_start + c, slope,
+                                               options, &unused_grad);
+                scores[r * C::score_pitch + c] = score;
             }
-            scores[r * C::score_pitch + c] = score;
         }
         __syncthreads();
 
@@ -240,14 +278,11 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 
 #pragma unroll
         for (int i = 0; i < outputs_per_thread; ++i) {
-            const int element = threadIdx.x + i * C::threads;
-            const int r = element / C::value_dim_pad, c = element % C::value_dim_pad;
-            const Acc* prob_row = scores + r * C::score_pitch;
-            Acc sum = 0;
-#pragma unroll 8
-            for (int j = 0; j < C::block_k; ++j) sum += prob_row[j] * v_tile[j * C::value_pitch + c];
-            accumulator[i] = accumulator[i] * row_rescale[r] + sum;
+            const int r = (threadIdx.x + i * C::threads) / C::value_dim_pad;
+            accumulator[i] *= row_rescale[r];
         }
+        accumulate_product<C, C::block_q, C::value_dim_pad, C::block_k>(
+            accumulator, scores, C::score_pitch, 1, v_tile, C::value_pitch);
     }
     __syncthreads();  // row_sum/row_max final (also when no key tile ran)
 
@@ -277,25 +312,20 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 // that the band reaches, so dK/dV sum over the group without atomics. dQ: one block per
 // (batch, head, query tile) looping over key tiles. Both are deterministic.
 
-// For one (query row r, key c) pair of the current tiles: the probability after dropout
+// For one (query row, key) pair, from its q.k and dO.v: the probability after dropout
 // (for dV) and dS = d(loss)/d(raw score) without the final `scale` (for dQ and dK).
 template <class C>
 __device__ __forceinline__ void probability_and_grad(
-    const typename C::Acc* q_tile, const typename C::Acc* k_tile,
-    const typename C::Acc* v_tile, const typename C::Acc* do_tile, typename C::Acc lse_row,
+    typename C::Acc dot, typename C::Acc dp, typename C::Acc lse_row,
     typename C::Acc delta_row, i64 row, i64 col, i64 bh, typename C::Acc slope,
-    const ScoreOptions<typename C::Acc>& options, int r, int c, typename C::Acc* dropped,
+    const ScoreOptions<typename C::Acc>& options, typename C::Acc* dropped,
     typename C::Acc* dscore) {
     typedef typename C::Acc Acc;
     Acc softcap_grad = 1;
-    const Acc dot = dot_rows<C, C::head_dim_pad>(q_tile + r * C::head_pitch,
-                                                 k_tile + c * C::head_pitch);
     const Acc score = transform_score<C>(dot, row, col, slope, options, &softcap_grad);
     // lse = -inf marks a row that kept nothing: its probabilities are all 0.
     const Acc safe_lse = lse_row == negative_infinity<Acc>() ? -lse_row : lse_row;
     const Acc p = exp_acc(score - safe_lse);
-    const Acc dp = dot_rows<C, C::value_dim_pad>(do_tile + r * C::value_pitch,
-                                                 v_tile + c * C::value_pitch);
     Acc keep_scale = 1;
     if (C::dropout) {
         const u32 row_state =
@@ -308,6 +338,34 @@ __device__ __forceinline__ void probability_and_grad(
     Acc ds = p * (dp * keep_scale - delta_row);
     if (C::softcap) ds *= softcap_grad;
     *dscore = ds;
+}
+
+// dS (and, unless `dropped` is null, the dropped P) for the whole score tile; entries
+// outside the valid rows/columns are 0.
+template <class C>
+__device__ __forceinline__ void score_grad_slots(
+    const typename C::Acc* q_tile, const typename C::Acc* k_tile,
+    const typename C::Acc* v_tile, const typename C::Acc* do_tile,
+    const typename C::Acc* lse_tile, const typename C::Acc* delta_tile, int rows, int cols,
+    i64 row_start, i64 col_start, i64 bh, typename C::Acc slope,
+    const ScoreOptions<typename C::Acc>& options, typename C::Acc* dropped,
+    typename C::Acc* dscores) {
+    typedef typename C::Acc Acc;
+    const int c = threadIdx.x % C::block_k, r0 = threadIdx.x / C::block_k;
+    Acc dots[ScoreSlots<C>::count], dps[ScoreSlots<C>::count];
+    dot_slots<C, C::head_dim_pad, C::head_pitch>(q_tile, k_tile + c * C::head_pitch, r0, dots);
+    dot_slots<C, C::value_dim_pad, C::value_pitch>(do_tile, v_tile + c * C::value_pitch, r0,
+                                                   dps);
+#pragma unroll
+    for (int i = 0; i < ScoreSlots<C>::count; ++i) {
+        const int r = r0 + i * ScoreSlots<C>::row_step;
+        Acc p_dropped = 0, ds = 0;
+        if (r < rows && c < cols)
+            probability_and_grad<C>(dots[i], dps[i], lse_tile[r], delta_tile[r], row_start + r,
+                                    col_start + c, bh, slope, options, &p_dropped, &ds);
+        if (dropped != nullptr) dropped[r * C::score_pitch + c] = p_dropped;
+        dscores[r * C::score_pitch + c] = ds;
+    }
 }
 
 template <class C>
@@ -400,42 +458,17 @@ __device__ void backward_dkdv_tile(
                               lse_row_stride);
             __syncthreads();
 
-            constexpr int scores_per_thread = C::block_q * C::block_k / C::threads;
-#pragma unroll
-            for (int i = 0; i < scores_per_thread; ++i) {
-                const int element = threadIdx.x + i * C::threads;
-                const int r = element / C::block_k, c = element % C::block_k;
-                Acc p_dropped = 0, ds = 0;
-                if (r < rows && c < cols)
-                    probability_and_grad<C>(q_tile, k_tile, v_tile, do_tile, lse_tile[r],
-                                            delta_tile[r], row_start + r, col_start + c, bh,
-                                            slope, options, r, c, &p_dropped, &ds);
-                dropped[r * C::score_pitch + c] = p_dropped;
-                dscores[r * C::score_pitch + c] = ds;
-            }
+            score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
+                                cols, row_start, col_start, bh, slope, options, dropped,
+                                dscores);
             __syncthreads();
 
-            // dK += dS^T Q and dV += P_dropped^T dO over this query tile's rows.
-#pragma unroll
-            for (int i = 0; i < dk_per_thread; ++i) {
-                const int element = threadIdx.x + i * C::threads;
-                const int c = element / C::head_dim_pad, d = element % C::head_dim_pad;
-                Acc sum = 0;
-#pragma unroll 8
-                for (int r = 0; r < C::block_q; ++r)
-                    sum += dscores[r * C::score_pitch + c] * q_tile[r * C::head_pitch + d];
-                dk_acc[i] += sum;
-            }
-#pragma unroll
-            for (int i = 0; i < dv_per_thread; ++i) {
-                const int element = threadIdx.x + i * C::threads;
-                const int c = element / C::value_dim_pad, d = element % C::value_dim_pad;
-                Acc sum = 0;
-#pragma unroll 8
-                for (int r = 0; r < C::block_q; ++r)
-                    sum += dropped[r * C::score_pitch + c] * do_tile[r * C::value_pitch + d];
-                dv_acc[i] += sum;
-            }
+            // dK += dS^T Q and dV += P_dropped^T dO over this query tile's rows (the score
+            // tiles read transposed: key c is the row, query r the inner index).
+            accumulate_product<C, C::block_k, C::head_dim_pad, C::block_q>(
+                dk_acc, dscores, 1, C::score_pitch, q_tile, C::head_pitch);
+            accumulate_product<C, C::block_k, C::value_dim_pad, C::block_q>(
+                dv_acc, dropped, 1, C::score_pitch, do_tile, C::value_pitch);
         }
     }
 
@@ -518,31 +551,13 @@ __device__ void backward_dq_tile(
                                                    value_dim);
         __syncthreads();
 
-        constexpr int scores_per_thread = C::block_q * C::block_k / C::threads;
-#pragma unroll
-        for (int i = 0; i < scores_per_thread; ++i) {
-            const int element = threadIdx.x + i * C::threads;
-            const int r = element / C::block_k, c = element % C::block_k;
-            Acc p_dropped = 0, ds = 0;
-            if (r < rows && c < cols)
-                probability_and_grad<C>(q_tile, k_tile, v_tile, do_tile, lse_tile[r],
-                                        delta_tile[r], row_start + r, col_start + c, bh, slope,
-                                        options, r, c, &p_dropped, &ds);
-            dscores[r * C::score_pitch + c] = ds;
-        }
+        score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows, cols,
+                            row_start, col_start, bh, slope, options, nullptr, dscores);
         __syncthreads();
 
         // dQ += dS K over this key tile.
-#pragma unroll
-        for (int i = 0; i < dq_per_thread; ++i) {
-            const int element = threadIdx.x + i * C::threads;
-            const int r = element / C::head_dim_pad, d = element % C::head_dim_pad;
-            Acc sum = 0;
-#pragma unroll 8
-            for (int c = 0; c < C::block_k; ++c)
-                sum += dscores[r * C::score_pitch + c] * k_tile[c * C::head_pitch + d];
-            dq_acc[i] += sum;
-        }
+        accumulate_product<C, C::block_q, C::head_dim_pad, C::block_k>(
+            dq_acc, dscores, C::score_pitch, 1, k_tile, C::head_pitch);
     }
 
     const i64 out_row0 = bh * n_q + row_start;
