@@ -16,6 +16,13 @@ A backend is a module that exposes
     ``lse`` float32 (float64 for float64 inputs), gradients in the input dtype. Inputs are
     never written to.
 
+Optional, for ``python -m tileattn info``:
+
+``hardware() -> dict[str, str]``
+    The device and the cache or shared-memory sizes the backend detected.
+``tile_sizes(n_q, n_k, head_dim, value_dim, dtype) -> dict[str, Blocks]``
+    The default tiles per pass (``"forward"``, ``"backward"``) for a shape.
+
 Backend modules are imported only when chosen, so ``import tileattn`` loads neither Numba
 nor CuPy.
 """

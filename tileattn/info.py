@@ -35,18 +35,23 @@ def describe(*, seq_len=4096, n_k=None, head_dim=64, heads=8, batch=1, dtype="fl
         hardware = getattr(module, "hardware", None)
         for key, value in (hardware() if hardware else {}).items():
             print_fn(f"  {key}: {value}")
-        default_blocks = getattr(module, "default_blocks", None)
-        if default_blocks is None:
+        tile_sizes = getattr(module, "tile_sizes", None)
+        if tile_sizes is None:
             print_fn("  tiles: none (materialises the whole score matrix)\n")
             continue
-        blocks = default_blocks(seq_len, n_k, head_dim, head_dim, dtype)
-        print_fn(f"  tiles for this shape: block_q={blocks.block_q}, block_k={blocks.block_k}")
-        traffic = memory_traffic(n_q=seq_len, n_k=n_k, head_dim=head_dim, heads=heads,
-                                 batch=batch, itemsize=dtype.itemsize, block_q=blocks.block_q,
-                                 block_k=blocks.block_k, causal=causal)
+        tiles = tile_sizes(seq_len, n_k, head_dim, head_dim, dtype)
+        print_fn("  tiles for this shape: " + ", ".join(
+            f"{direction} block_q={blocks.block_q} block_k={blocks.block_k}"
+            for direction, blocks in tiles.items()))
         print_fn("  modelled main-memory traffic (FlashAttention's accounting):")
-        print_fn(f"    forward : naive {_megabytes(traffic.naive_forward):>14}   tiled "
-                 f"{_megabytes(traffic.tiled_forward):>14}   ({traffic.forward_saving:.1f}x less)")
-        print_fn(f"    backward: naive {_megabytes(traffic.naive_backward):>14}   tiled "
-                 f"{_megabytes(traffic.tiled_backward):>14}   "
-                 f"({traffic.backward_saving:.1f}x less)\n")
+        for direction, blocks in tiles.items():
+            traffic = memory_traffic(n_q=seq_len, n_k=n_k, head_dim=head_dim, heads=heads,
+                                     batch=batch, itemsize=dtype.itemsize,
+                                     block_q=blocks.block_q, block_k=blocks.block_k,
+                                     causal=causal)
+            naive, tiled = ((traffic.naive_forward, traffic.tiled_forward)
+                            if direction == "forward"
+                            else (traffic.naive_backward, traffic.tiled_backward))
+            print_fn(f"    {direction:<8}: naive {_megabytes(naive):>14}   tiled "
+                     f"{_megabytes(tiled):>14}   ({naive / tiled:.1f}x less)")
+        print_fn("")
