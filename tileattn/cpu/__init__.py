@@ -21,7 +21,7 @@ from ..dropout import dropout_key, dropout_threshold
 from ..options import AttentionOptions, Blocks
 from ..reference import lse_dtype
 from . import blas
-from .blocks import default_blocks
+from .blocks import BOUNDARY_SLICE_ROWS, default_blocks
 
 MEMORY = "host"
 
@@ -78,7 +78,8 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions):
     with _kernel_lock, blas.single_threaded():
         forward_kernel(q_c, k_c, v_c, out, lse,
                        *_option_scalars(options, batch, n_q_heads),
-                       blocks.block_q, blocks.block_k, numba.get_num_threads())
+                       blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS,
+                       numba.get_num_threads())
     return out, lse
 
 

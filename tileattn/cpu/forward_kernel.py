@@ -60,15 +60,41 @@ def _apply_dropout(probs, bh, row_start, col_start, key, threshold, inv_keep):
 
 
 @njit(fastmath=FASTMATH)
+def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, bh, row_start, col_start, n_q, n_k,
+          softcap, slope, window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+          scores_buffer, pv_buffer):
+    """One step of Algorithm 1: the rows of `q_scaled` against one key tile."""
+    n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
+    scores = tile_view(scores_buffer, n_rows, n_cols)
+    np.dot(q_scaled, k_tile.T, scores)
+    if softcap > 0 or slope != 0:
+        transform_tile(scores, scores, row_start, col_start, n_q, n_k, softcap, slope,
+                       window_left, window_right, False)
+    elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
+                                n_q, n_k, window_left, window_right):
+        mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
+    _softmax_update(scores, row_max, row_sum, acc)
+    if dropout_threshold > 0:
+        _apply_dropout(scores, bh, row_start, col_start, dropout_key, dropout_threshold,
+                       inv_keep)
+    pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
+    np.dot(scores, v_tile, pv)
+    for r in range(n_rows):
+        for d in range(pv.shape[1]):
+            acc[r, d] += pv[r, d]
+
+
+@njit(fastmath=FASTMATH)
 def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scale, softcap,
                 slope, window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                block_k, q_scaled, scores_buffer, pv_buffer, acc, row_max, row_sum):
+                block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
+                row_sum):
     n_rows = q_tile.shape[0]
     dtype = q_tile.dtype.type
-    natural_units = softcap > 0 or slope != 0
+    bh = b * lse.shape[1] + h
     # Without softcap or ALiBi, log2(e) rides along with the scale on the query tile; with
     # either, the transform needs natural-unit scores and converts them itself.
-    q_factor = dtype(scale) if natural_units else dtype(scale * LOG2_E)
+    q_factor = dtype(scale) if softcap > 0 or slope != 0 else dtype(scale * LOG2_E)
     for r in range(n_rows):
         for d in range(q_tile.shape[1]):
             q_scaled[r, d] = q_tile[r, d] * q_factor
@@ -77,27 +103,31 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
     row_sum[:n_rows] = 0
     row_stop = row_start + n_rows
     col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
-    first_tile = max(col_lo, 0) // block_k
-    for col_start in range(first_tile * block_k, col_hi, block_k):
+    for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
         col_stop = min(col_start + block_k, n_k)
-        n_cols = col_stop - col_start
-        scores = tile_view(scores_buffer, n_rows, n_cols)
-        np.dot(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop].T, scores)
-        if natural_units:
-            transform_tile(scores, scores, row_start, col_start, n_q, n_k, softcap, slope,
-                           window_left, window_right, False)
-        elif not tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k,
-                                    window_left, window_right):
-            mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
-        _softmax_update(scores, row_max, row_sum, acc)
-        if dropout_threshold > 0:
-            _apply_dropout(scores, b * lse.shape[1] + h, row_start, col_start, dropout_key,
-                           dropout_threshold, inv_keep)
-        pv = tile_view(pv_buffer, n_rows, v.shape[3])
-        np.dot(scores, v[b, kv_head, col_start:col_stop], pv)
-        for r in range(n_rows):
-            for d in range(pv.shape[1]):
-                acc[r, d] += pv[r, d]
+        if tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k,
+                              window_left, window_right):
+            _tile(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop],
+                  v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, bh, row_start,
+                  col_start, n_q, n_k, softcap, slope, window_left, window_right, dropout_key,
+                  dropout_threshold, inv_keep, scores_buffer, pv_buffer)
+            continue
+        # A tile the mask cuts (the causal diagonal, a window edge) runs in slices of
+        # `slice_rows` rows, each against only the keys its rows keep: with 256-row tiles
+        # the diagonal would otherwise compute twice the products it keeps.
+        for slice_start in range(row_start, row_stop, slice_rows):
+            slice_stop = min(slice_start + slice_rows, row_stop)
+            keep_lo, keep_hi = key_span(slice_start, slice_stop, n_q, n_k, window_left,
+                                        window_right)
+            cols_lo, cols_hi = max(col_start, keep_lo), min(col_stop, keep_hi)
+            if cols_lo >= cols_hi:
+                continue
+            first, last = slice_start - row_start, slice_stop - row_start
+            _tile(q_scaled[first:last], k[b, kv_head, cols_lo:cols_hi],
+                  v[b, kv_head, cols_lo:cols_hi], acc[first:last], row_max[first:last],
+                  row_sum[first:last], bh, slice_start, cols_lo, n_q, n_k, softcap, slope,
+                  window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                  scores_buffer, pv_buffer)
     for r in range(n_rows):
         total = row_sum[r]
         if total > 0:
@@ -118,7 +148,7 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
 def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left, window_right,
-                   dropout_key, dropout_threshold, inv_keep, block_q, block_k,
+                   dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
                    n_threads):
     """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v.
 
@@ -150,4 +180,5 @@ def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left,
             _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
                         row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
                         window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                        block_k, q_scaled, scores_buffer, pv_buffer, acc, row_max, row_sum)
+                        block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
+                        row_sum)
