@@ -147,7 +147,6 @@ def _generic_shared_bytes(accum_size: int, head_pad: int, value_pad: int,
                                                  + 2 * block_q),
         "attention_backward_dq": accum_size * (kv + q_do + block_q * score_pitch
                                                + 2 * block_q),
-        "attention_backward_delta": 0,
     }
 
 
@@ -276,17 +275,11 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     blocks = config.blocks(options)
     if lse.dtype != accum:
         lse = lse.astype(accum)
-    (do, do_strides), (o, o_strides), (lse, lse_strides) = map(element_strides, (do, o, lse))
+    (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-
-    n_rows = batch * n_q_heads * n_q
-    delta = cupy.empty(n_rows, dtype=accum)
-    function, _ = config.kernel("attention_backward_delta")
-    rows_per_block = GENERIC_THREADS // 32
-    function((-(-n_rows // rows_per_block),), (GENERIC_THREADS,),
-             (do, o, delta, np.int64(n_rows), np.int64(n_q), np.int32(n_q_heads),
-              np.int32(value_dim), *do_strides, *o_strides))
-
+    # D_i is rebuilt from the recomputed P by the dQ kernel (see attention_generic.cu), so
+    # `o` is not read: its rounding to the input dtype would otherwise reach dq.
+    delta = cupy.empty(batch * n_q_heads * n_q, dtype=accum)
     dq = cupy.empty(q.shape, dtype=q.dtype)
     dk = cupy.empty(k.shape, dtype=q.dtype)
     dv = cupy.empty(v.shape, dtype=q.dtype)
@@ -295,10 +288,10 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
               np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,
               *v_strides, *do_strides, *lse_strides,
               *score_arguments(options, n_q, n_k, accum))
-    function, shared = config.kernel("attention_backward_dkdv")
-    function((-(-n_k // blocks.block_k) * batch * n_kv_heads,), (GENERIC_THREADS,),
-             (q, k, v, do, lse, delta, dk, dv) + common, shared_mem=shared)
     function, shared = config.kernel("attention_backward_dq")
     function((-(-n_q // blocks.block_q) * batch * n_q_heads,), (GENERIC_THREADS,),
              (q, k, v, do, lse, delta, dq) + common, shared_mem=shared)
+    function, shared = config.kernel("attention_backward_dkdv")
+    function((-(-n_k // blocks.block_k) * batch * n_kv_heads,), (GENERIC_THREADS,),
+             (q, k, v, do, lse, delta, dk, dv) + common, shared_mem=shared)
     return dq, dk, dv

@@ -307,19 +307,21 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 }
 
 // ================================================================== backward
-// FlashAttention-2 Algorithm 2 with P recomputed from lse. dK/dV: one block per (batch,
-// kv head, key tile), looping over every query head of its GQA group and every query tile
-// that the band reaches, so dK/dV sum over the group without atomics. dQ: one block per
-// (batch, head, query tile) looping over key tiles. Both are deterministic.
+// FlashAttention-2 Algorithm 2 with P recomputed from lse. dQ (launched first): one block
+// per (batch, head, query tile) looping over key tiles twice, first for D_i, then for dQ;
+// it stores D for the second kernel. dK/dV: one block per (batch, kv head, key tile),
+// looping over every query head of its GQA group and every query tile that the band
+// reaches, so dK/dV sum over the group without atomics. Both are deterministic.
 
 // For one (query row, key) pair, from its q.k and dO.v: the probability after dropout
-// (for dV) and dS = d(loss)/d(raw score) without the final `scale` (for dQ and dK).
+// (for dV), its term of D_i = sum_j P_ij dP_ij, and dS = d(loss)/d(raw score) without the
+// final `scale` (for dQ and dK).
 template <class C>
 __device__ __forceinline__ void probability_and_grad(
     typename C::Acc dot, typename C::Acc dp, typename C::Acc lse_row,
     typename C::Acc delta_row, i64 row, i64 col, i64 bh, typename C::Acc slope,
     const ScoreOptions<typename C::Acc>& options, typename C::Acc* dropped,
-    typename C::Acc* dscore) {
+    typename C::Acc* dscore, typename C::Acc* delta_term) {
     typedef typename C::Acc Acc;
     Acc softcap_grad = 1;
     const Acc score = transform_score<C>(dot, row, col, slope, options, &softcap_grad);
@@ -335,14 +337,16 @@ __device__ __forceinline__ void probability_and_grad(
                          : Acc(0);
     }
     *dropped = p * keep_scale;
+    *delta_term = *dropped * dp;
     Acc ds = p * (dp * keep_scale - delta_row);
     if (C::softcap) ds *= softcap_grad;
     *dscore = ds;
 }
 
-// dS (and, unless `dropped` is null, the dropped P) for the whole score tile; entries
-// outside the valid rows/columns are 0.
-template <class C>
+// For the whole score tile: dS (and, unless `dropped` is null, the dropped P), or with
+// DeltaPass the terms P_ij dP_ij of D_i instead of dS. Entries outside the valid rows and
+// columns are 0.
+template <class C, bool DeltaPass>
 __device__ __forceinline__ void score_grad_slots(
     const typename C::Acc* q_tile, const typename C::Acc* k_tile,
     const typename C::Acc* v_tile, const typename C::Acc* do_tile,
@@ -359,12 +363,13 @@ __device__ __forceinline__ void score_grad_slots(
 #pragma unroll
     for (int i = 0; i < ScoreSlots<C>::count; ++i) {
         const int r = r0 + i * ScoreSlots<C>::row_step;
-        Acc p_dropped = 0, ds = 0;
+        Acc p_dropped = 0, ds = 0, delta_term = 0;
         if (r < rows && c < cols)
             probability_and_grad<C>(dots[i], dps[i], lse_tile[r], delta_tile[r], row_start + r,
-                                    col_start + c, bh, slope, options, &p_dropped, &ds);
+                                    col_start + c, bh, slope, options, &p_dropped, &ds,
+                                    &delta_term);
         if (dropped != nullptr) dropped[r * C::score_pitch + c] = p_dropped;
-        dscores[r * C::score_pitch + c] = ds;
+        dscores[r * C::score_pitch + c] = DeltaPass ? delta_term : ds;
     }
 }
 
@@ -381,7 +386,7 @@ __device__ __forceinline__ void load_row_stats(typename C::Acc* lse_tile,
         if (r < rows) {
             lse_value = lse[batch * lse_batch_stride + head * lse_head_stride +
                             (row_start + r) * lse_row_stride];
-            delta_value = delta[bh * n_q + row_start + r];
+            if (delta != nullptr) delta_value = delta[bh * n_q + row_start + r];
         }
         lse_tile[r] = lse_value;
         delta_tile[r] = delta_value;
@@ -458,7 +463,7 @@ __device__ void backward_dkdv_tile(
                               lse_row_stride);
             __syncthreads();
 
-            score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
+            score_grad_slots<C, false>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
                                 cols, row_start, col_start, bh, slope, options, dropped,
                                 dscores);
             __syncthreads();
@@ -492,7 +497,7 @@ __device__ void backward_dkdv_tile(
 template <class C>
 __device__ void backward_dq_tile(
     const typename C::T* q, const typename C::T* k, const typename C::T* v,
-    const typename C::T* d_out, const typename C::Acc* lse, const typename C::Acc* delta,
+    const typename C::T* d_out, const typename C::Acc* lse, typename C::Acc* delta,
     typename C::T* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
     int group_size, int head_dim, int value_dim, int block_q, int block_k,
     HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
@@ -527,8 +532,8 @@ __device__ void backward_dq_tile(
     load_tile<C, C::block_q, C::value_dim_pad>(
         do_tile, d_out + batch * do_strides.batch + head * do_strides.head, do_strides,
         row_start, rows, value_dim);
-    load_row_stats<C>(lse_tile, delta_tile, lse, delta, batch, head, bh, n_q, row_start, rows,
-                      lse_batch_stride, lse_head_stride, lse_row_stride);
+    load_row_stats<C>(lse_tile, delta_tile, lse, nullptr, batch, head, bh, n_q, row_start,
+                      rows, lse_batch_stride, lse_head_stride, lse_row_stride);
 
     constexpr int dq_per_thread = C::block_q * C::head_dim_pad / C::threads;
     Acc dq_acc[dq_per_thread];
@@ -541,6 +546,37 @@ __device__ void backward_dq_tile(
     const i64 tile_begin = key_first / block_k;
     const i64 tile_end = key_stop > key_first ? (key_stop + block_k - 1) / block_k : tile_begin;
 
+    // Pass 1: D_i = sum_j P_ij dP_ij, which is rowsum(dO_i * O_i) for the exact O. The o
+    // the caller passes is rounded to the input dtype; for float16 with peaked attention
+    // that rounding alone moved dq by more than the float16 tolerance, so D is rebuilt
+    // here from the recomputed P (two more tile products, about a quarter more work).
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
+        const i64 col_start = key_tile * block_k;
+        const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
+        __syncthreads();
+        load_tile<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides, col_start, cols,
+                                                  head_dim);
+        load_tile<C, C::block_k, C::value_dim_pad>(v_tile, v_head, v_strides, col_start, cols,
+                                                   value_dim);
+        __syncthreads();
+        score_grad_slots<C, true>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
+                                  cols, row_start, col_start, bh, slope, options, nullptr,
+                                  dscores);
+        __syncthreads();
+        for (int r = warp; r < C::block_q; r += C::warps) {
+            Acc sum = 0;
+            for (int c = lane; c < C::block_k; c += 32) sum += dscores[r * C::score_pitch + c];
+            sum = warp_sum(sum);
+            if (lane == 0) delta_tile[r] += sum;
+        }
+    }
+    __syncthreads();
+    // The dK/dV kernel, launched next, reads D from here.
+    for (int r = threadIdx.x; r < rows; r += C::threads)
+        delta[bh * n_q + row_start + r] = delta_tile[r];
+
+    // Pass 2: dQ.
     for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
         const i64 col_start = key_tile * block_k;
         const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
@@ -551,8 +587,9 @@ __device__ void backward_dq_tile(
                                                    value_dim);
         __syncthreads();
 
-        score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows, cols,
-                            row_start, col_start, bh, slope, options, nullptr, dscores);
+        score_grad_slots<C, false>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
+                                   cols, row_start, col_start, bh, slope, options, nullptr,
+                                   dscores);
         __syncthreads();
 
         // dQ += dS K over this key tile.
@@ -568,30 +605,6 @@ __device__ void backward_dq_tile(
         if (r < rows && d < head_dim)
             dq[(out_row0 + r) * head_dim + d] = narrow<typename C::T>(options.scale * dq_acc[i]);
     }
-}
-
-// D_i = rowsum(dO_i * O_i) (FlashAttention-2 Algorithm 2, line 4): one warp per row.
-template <class C>
-__device__ void backward_delta_rows(const typename C::T* d_out, const typename C::T* o,
-                                    typename C::Acc* delta, i64 n_rows, i64 n_q, int n_q_heads,
-                                    int value_dim, HeadStrides do_strides,
-                                    HeadStrides o_strides) {
-    typedef typename C::Acc Acc;
-    const i64 row = static_cast<i64>(blockIdx.x) * C::warps + threadIdx.x / 32;
-    if (row >= n_rows) return;
-    const int lane = threadIdx.x % 32;
-    const i64 bh = row / n_q, i = row % n_q;
-    const i64 batch = bh / n_q_heads, head = bh % n_q_heads;
-    const typename C::T* do_row =
-        d_out + batch * do_strides.batch + head * do_strides.head + i * do_strides.row;
-    const typename C::T* o_row =
-        o + batch * o_strides.batch + head * o_strides.head + i * o_strides.row;
-    Acc sum = 0;
-    for (int c = lane; c < value_dim; c += 32)
-        sum += static_cast<Acc>(widen(do_row[c * do_strides.col])) *
-               static_cast<Acc>(widen(o_row[c * o_strides.col]));
-    sum = warp_sum(sum);
-    if (lane == 0) delta[row] = sum;
 }
 
 // ================================================================== entry points
@@ -615,15 +628,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                          SCORE_OPTIONS);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    attention_backward_delta(const STORAGE* d_out, const STORAGE* o, ACCUM* delta, i64 n_rows,
-                             i64 n_q, int n_q_heads, int value_dim, i64 do_sb, i64 do_sh,
-                             i64 do_sn, i64 do_sd, i64 o_sb, i64 o_sh, i64 o_sn, i64 o_sd) {
-    backward_delta_rows<Config>(d_out, o, delta, n_rows, n_q, n_q_heads, value_dim,
-                                HeadStrides{do_sb, do_sh, do_sn, do_sd},
-                                HeadStrides{o_sb, o_sh, o_sn, o_sd});
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv(
     const STORAGE* q, const STORAGE* k, const STORAGE* v, const STORAGE* d_out,
     const ACCUM* lse, const ACCUM* delta, STORAGE* dk, STORAGE* dv, const double* alibi_slopes,
@@ -642,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv(
 
 extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(
     const STORAGE* q, const STORAGE* k, const STORAGE* v, const STORAGE* d_out,
-    const ACCUM* lse, const ACCUM* delta, STORAGE* dq, const double* alibi_slopes, i64 n_q,
+    const ACCUM* lse, ACCUM* delta, STORAGE* dq, const double* alibi_slopes, i64 n_q,
     i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
     int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,
