@@ -119,18 +119,18 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     blocks = _blocks("backward", q_c, v_c, options)
     scalars = _option_scalars(options, batch, n_q_heads)
     n_threads = numba.get_num_threads()
+    tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, n_threads)
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, lse_log2)
         delta.flags.writeable = lse_log2.flags.writeable = False
         if _use_heads_schedule(batch, n_kv_heads, n_threads):
             dq = np.zeros(q.shape, dtype)
             backward_by_heads(q_c, k_c, v_c, do_c, lse_log2, delta, dq, dk, dv, *scalars,
-                              blocks.block_q, blocks.block_k, n_threads)
+                              *tiling)
         else:
             dq = np.empty(q.shape, dtype)
-            backward_key_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dk, dv, *scalars,
-                               blocks.block_q, blocks.block_k, n_threads)
-            backward_query_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dq, *scalars,
-                                 blocks.block_q, blocks.block_k, n_threads)
+            backward_key_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dq, dk, dv, *scalars,
+                               *tiling)
+            backward_query_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dq, *scalars, *tiling)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

@@ -29,7 +29,7 @@ from numba import njit, prange
 from . import dropout
 from .tiles import (key_span, mask_tile, row_span, tile_is_fully_kept, tile_view,
                     transform_tile)
-from .vector_math import FASTMATH, LOG2_E, exp2
+from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
@@ -69,28 +69,54 @@ def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, lse_log2, delta, bh
                                 n_q, n_k, window_left, window_right):
         mask_tile(probs, row_start, col_start, n_q, n_k, window_left, window_right)
     np.dot(do_tile, v_tile.T, score_grads)
+    if dropout_threshold > 0 or softcap > 0:
+        _general_score_gradients(probs, score_grads, softcap_grad, lse_log2, delta, bh,
+                                 row_start, col_start, scale, softcap, dropout_key,
+                                 dropout_threshold, inv_keep)
+        return
+    # The common case in one vectorised pass: P = 2**(S - lse), scale * P * (dP - D).
     for r in range(n_rows):
         row_lse, row_delta = lse_log2[r], delta[r]
         for j in range(n_cols):
-            probs[r, j] = exp2(probs[r, j] - row_lse)
-        if dropout_threshold > 0:
-            state = dropout.row_state(dropout_key, bh, row_start + r)
-            for j in range(n_cols):
-                p = probs[r, j]
+            p = _probability(probs[r, j], row_lse, dtype(0.0))
+            probs[r, j] = p
+            score_grads[r, j] = p * (score_grads[r, j] - row_delta) * dtype(scale)
+
+
+@njit(fastmath=FASTMATH)
+def _probability(score, row_lse, zero):
+    """``2**(S - lse)``. ``S - lse <= 0`` up to rounding; clamping at `zero` (keeping NaN)
+    makes a wrong `lse` from the caller give bounded probabilities instead of an overflow."""
+    x = score - row_lse
+    return exp2_nonpositive(zero if x > zero else x)
+
+
+@njit(fastmath=FASTMATH)
+def _general_score_gradients(probs, score_grads, softcap_grad, lse_log2, delta, bh, row_start,
+                             col_start, scale, softcap, dropout_key, dropout_threshold,
+                             inv_keep):
+    """The same with dropout and/or softcap (``dS`` times ``1 - tanh^2``)."""
+    n_rows, n_cols = probs.shape
+    dtype = probs.dtype.type
+    for r in range(n_rows):
+        row_lse, row_delta = lse_log2[r], delta[r]
+        state = dropout.row_state(dropout_key, bh, row_start + r)
+        for j in range(n_cols):
+            p = _probability(probs[r, j], row_lse, dtype(0.0))
+            dp = score_grads[r, j]
+            if dropout_threshold > 0:
                 if dropout.keeps(state, col_start + j, dropout_threshold):
-                    score_grads[r, j] = p * (score_grads[r, j] * dtype(inv_keep) - row_delta)
+                    dp *= dtype(inv_keep)
                     probs[r, j] = p * dtype(inv_keep)
                 else:
-                    score_grads[r, j] = -p * row_delta
+                    dp = dtype(0.0)
                     probs[r, j] = dtype(0.0)
-        else:
-            for j in range(n_cols):
-                score_grads[r, j] = probs[r, j] * (score_grads[r, j] - row_delta)
-        if softcap > 0:
-            for j in range(n_cols):
-                score_grads[r, j] *= softcap_grad[r, j]
-        for j in range(n_cols):
-            score_grads[r, j] *= dtype(scale)
+            else:
+                probs[r, j] = p
+            grad = p * (dp - row_delta) * dtype(scale)
+            if softcap > 0:
+                grad *= softcap_grad[r, j]
+            score_grads[r, j] = grad
 
 
 @njit(fastmath=FASTMATH)
@@ -111,56 +137,98 @@ def _add_into(target, addend):
 
 
 @njit(fastmath=FASTMATH)
+def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_cols, dv_cols,
+          dq_rows, want_key_grads, want_query_grads, bh, row_start, col_start, n_q, n_k,
+          scale, softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
+          inv_keep, scratch):
+    """One tile: recompute it, then add its share into the requested accumulators."""
+    _, probs_buffer, grads_buffer, softcap_buffer, product_buffer, _, _ = scratch
+    n_rows, n_cols = q_rows.shape[0], k_cols.shape[0]
+    head_dim, value_dim = q_rows.shape[1], v_cols.shape[1]
+    probs = tile_view(probs_buffer, n_rows, n_cols)
+    grads = tile_view(grads_buffer, n_rows, n_cols)
+    softcap_grad = tile_view(softcap_buffer, n_rows, n_cols) if softcap > 0 else grads
+    _tile_score_gradients(q_scaled, k_cols, v_cols, do_rows, lse_rows, delta_rows, bh,
+                          row_start, col_start, n_q, n_k, scale, softcap, slope, window_left,
+                          window_right, dropout_key, dropout_threshold, inv_keep, probs, grads,
+                          softcap_grad)
+    if want_key_grads:
+        product = tile_view(product_buffer, n_cols, value_dim)
+        np.dot(probs.T, do_rows, product)
+        _add_into(dv_cols, product)
+        product = tile_view(product_buffer, n_cols, head_dim)
+        np.dot(grads.T, q_rows, product)
+        _add_into(dk_cols, product)
+    if want_query_grads:
+        product = tile_view(product_buffer, n_rows, head_dim)
+        np.dot(grads, k_cols, product)
+        _add_into(dq_rows, product)
+
+
+@njit(fastmath=FASTMATH)
+def _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_stop,
+                    col_start, col_stop, q_scaled, dk_tile, dv_tile, dq_tile, want_key_grads,
+                    want_query_grads, scale, softcap, slope, window_left, window_right,
+                    dropout_key, dropout_threshold, inv_keep, slice_rows, scratch):
+    """Tile rows ``[row_start, row_stop)`` x keys ``[col_start, col_stop)``; `dk_tile`,
+    `dv_tile` start at `col_start`, `dq_tile` and `q_scaled` at `row_start`.
+
+    A tile the mask cuts runs in slices of `slice_rows` rows, each against only the keys
+    it keeps, as in the forward kernel.
+    """
+    n_q, n_k = q.shape[2], k.shape[2]
+    bh = b * q.shape[1] + h
+    fully_kept = tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k,
+                                    window_left, window_right)
+    step = row_stop - row_start if fully_kept else slice_rows
+    for slice_start in range(row_start, row_stop, step):
+        slice_stop = min(slice_start + step, row_stop)
+        keep_lo, keep_hi = key_span(slice_start, slice_stop, n_q, n_k, window_left,
+                                    window_right)
+        cols_lo, cols_hi = max(col_start, keep_lo), min(col_stop, keep_hi)
+        if cols_lo >= cols_hi:
+            continue
+        first, last = slice_start - row_start, slice_stop - row_start
+        _tile(q_scaled[first:last], q[b, h, slice_start:slice_stop],
+              do[b, h, slice_start:slice_stop], k[b, kv_head, cols_lo:cols_hi],
+              v[b, kv_head, cols_lo:cols_hi], lse_log2[b, h, slice_start:slice_stop],
+              delta[b, h, slice_start:slice_stop], dk_tile[cols_lo - col_start:
+                                                           cols_hi - col_start],
+              dv_tile[cols_lo - col_start:cols_hi - col_start], dq_tile[first:last],
+              want_key_grads, want_query_grads, bh, slice_start, cols_lo, n_q, n_k, scale,
+              softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
+              inv_keep, scratch)
+
+
+@njit(fastmath=FASTMATH)
 def _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start, accumulate_dq,
               scale, softcap, alibi_slopes, window_left, window_right, dropout_key,
-              dropout_threshold, inv_keep, block_q, block_k, scratch):
+              dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch):
     """All tiles of key tile `col_start` over the query heads sharing `kv_head`.
 
     Writes ``dK``/``dV`` rows of the key tile; with `accumulate_dq` also adds into `dq`.
     """
-    (q_scaled, probs_buffer, grads_buffer, softcap_buffer, product_buffer, dk_acc,
-     dv_acc) = scratch
-    n_q_heads, n_q, head_dim = q.shape[1], q.shape[2], q.shape[3]
-    n_k, value_dim = k.shape[2], v.shape[3]
+    q_scaled, dk_acc, dv_acc = scratch[0], scratch[5], scratch[6]
+    n_q_heads, n_q = q.shape[1], q.shape[2]
+    n_k = k.shape[2]
     group = n_q_heads // k.shape[1]
     col_stop = min(col_start + block_k, n_k)
-    n_cols = col_stop - col_start
-    k_tile = k[b, kv_head, col_start:col_stop]
-    v_tile = v[b, kv_head, col_start:col_stop]
-    dk_tile = dk_acc[:n_cols]
-    dv_tile = dv_acc[:n_cols]
+    dk_tile = dk_acc[:col_stop - col_start]
+    dv_tile = dv_acc[:col_stop - col_start]
     dk_tile[:] = 0
     dv_tile[:] = 0
     row_lo, row_hi = row_span(col_start, col_stop, n_q, n_k, window_left, window_right)
-    first_row = max(row_lo, 0) // block_q * block_q
     for h in range(kv_head * group, (kv_head + 1) * group):
         slope = alibi_slopes[b, h]
-        natural_units = softcap > 0 or slope != 0
-        for row_start in range(first_row, row_hi, block_q):
+        for row_start in range(max(row_lo, 0) // block_q * block_q, row_hi, block_q):
             row_stop = min(row_start + block_q, n_q)
-            n_rows = row_stop - row_start
-            q_tile = q[b, h, row_start:row_stop]
-            do_tile = do[b, h, row_start:row_stop]
-            _scale_query_tile(q_tile, q_scaled, scale, natural_units)
-            probs = tile_view(probs_buffer, n_rows, n_cols)
-            grads = tile_view(grads_buffer, n_rows, n_cols)
-            softcap_grad = tile_view(softcap_buffer, n_rows, n_cols) if softcap > 0 else grads
-            _tile_score_gradients(q_scaled[:n_rows], k_tile, v_tile, do_tile,
-                                  lse_log2[b, h, row_start:row_stop],
-                                  delta[b, h, row_start:row_stop], b * n_q_heads + h,
-                                  row_start, col_start, n_q, n_k, scale, softcap, slope,
-                                  window_left, window_right, dropout_key, dropout_threshold,
-                                  inv_keep, probs, grads, softcap_grad)
-            product = tile_view(product_buffer, n_cols, value_dim)
-            np.dot(probs.T, do_tile, product)
-            _add_into(dv_tile, product)
-            product = tile_view(product_buffer, n_cols, head_dim)
-            np.dot(grads.T, q_tile, product)
-            _add_into(dk_tile, product)
-            if accumulate_dq:
-                product = tile_view(product_buffer, n_rows, head_dim)
-                np.dot(grads, k_tile, product)
-                _add_into(dq[b, h, row_start:row_stop], product)
+            _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale,
+                              softcap > 0 or slope != 0)
+            _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_stop,
+                            col_start, col_stop, q_scaled, dk_tile, dv_tile,
+                            dq[b, h, row_start:row_stop], True, accumulate_dq, scale, softcap,
+                            slope, window_left, window_right, dropout_key, dropout_threshold,
+                            inv_keep, slice_rows, scratch)
     dk[b, kv_head, col_start:col_stop] = dk_tile
     dv[b, kv_head, col_start:col_stop] = dv_tile
 
@@ -168,38 +236,25 @@ def _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start, a
 @njit(fastmath=FASTMATH)
 def _query_tile(q, k, v, do, lse_log2, delta, dq, b, h, row_start, scale, softcap,
                 alibi_slopes, window_left, window_right, dropout_key, dropout_threshold,
-                inv_keep, block_q, block_k, scratch):
+                inv_keep, block_q, block_k, slice_rows, scratch):
     """``dQ`` of one query tile, summed over its key tiles."""
-    (q_scaled, probs_buffer, grads_buffer, softcap_buffer, product_buffer, dq_acc,
-     _) = scratch
-    n_q_heads, n_q, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    q_scaled, dq_acc, unused_key_grads = scratch[0], scratch[5], scratch[6]
+    n_q_heads, n_q = q.shape[1], q.shape[2]
     n_k = k.shape[2]
     kv_head = h // (n_q_heads // k.shape[1])
     row_stop = min(row_start + block_q, n_q)
-    n_rows = row_stop - row_start
-    q_tile = q[b, h, row_start:row_stop]
-    do_tile = do[b, h, row_start:row_stop]
     slope = alibi_slopes[b, h]
-    _scale_query_tile(q_tile, q_scaled, scale, softcap > 0 or slope != 0)
-    dq_tile = dq_acc[:n_rows]
+    _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale, softcap > 0 or slope != 0)
+    dq_tile = dq_acc[:row_stop - row_start]
     dq_tile[:] = 0
     col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
     for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
         col_stop = min(col_start + block_k, n_k)
-        n_cols = col_stop - col_start
-        k_tile = k[b, kv_head, col_start:col_stop]
-        probs = tile_view(probs_buffer, n_rows, n_cols)
-        grads = tile_view(grads_buffer, n_rows, n_cols)
-        softcap_grad = tile_view(softcap_buffer, n_rows, n_cols) if softcap > 0 else grads
-        _tile_score_gradients(q_scaled[:n_rows], k_tile, v[b, kv_head, col_start:col_stop],
-                              do_tile, lse_log2[b, h, row_start:row_stop],
-                              delta[b, h, row_start:row_stop], b * n_q_heads + h, row_start,
-                              col_start, n_q, n_k, scale, softcap, slope, window_left,
-                              window_right, dropout_key, dropout_threshold, inv_keep, probs,
-                              grads, softcap_grad)
-        product = tile_view(product_buffer, n_rows, head_dim)
-        np.dot(grads, k_tile, product)
-        _add_into(dq_tile, product)
+        _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_stop,
+                        col_start, col_stop, q_scaled, unused_key_grads, unused_key_grads,
+                        dq_tile, False, True, scale, softcap, slope, window_left,
+                        window_right, dropout_key, dropout_threshold, inv_keep, slice_rows,
+                        scratch)
     dq[b, h, row_start:row_stop] = dq_tile
 
 
@@ -219,7 +274,7 @@ def _scratch(block_q, block_k, head_dim, value_dim, softcap, dtype):
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
 def backward_by_heads(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                       window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                      block_q, block_k, n_threads):
+                      block_q, block_k, slice_rows, n_threads):
     """All gradients, one task per (batch, kv head); `dq` must start zeroed."""
     batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
     n_tasks = batch * n_kv_heads
@@ -231,14 +286,18 @@ def backward_by_heads(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, 
             for col_start in range(0, n_k, block_k):
                 _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start,
                           True, scale, softcap, alibi_slopes, window_left, window_right,
-                          dropout_key, dropout_threshold, inv_keep, block_q, block_k, scratch)
+                          dropout_key, dropout_threshold, inv_keep, block_q, block_k,
+                          slice_rows, scratch)
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def backward_key_tiles(q, k, v, do, lse_log2, delta, dk, dv, scale, softcap, alibi_slopes,
+def backward_key_tiles(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                       block_q, block_k, n_threads):
-    """``dK`` and ``dV``, one task per (batch, kv head, key tile), dealt round-robin."""
+                       block_q, block_k, slice_rows, n_threads):
+    """``dK`` and ``dV``, one task per (batch, kv head, key tile), dealt round-robin.
+
+    `dq` is only sliced, never written: `_key_tile` serves both schedules.
+    """
     batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
     n_k_tiles = (n_k + block_k - 1) // block_k
     n_tasks = batch * n_kv_heads * n_k_tiles
@@ -248,16 +307,16 @@ def backward_key_tiles(q, k, v, do, lse_log2, delta, dk, dv, scale, softcap, ali
         for task in range(worker, n_tasks, n_workers):
             b = task // (n_kv_heads * n_k_tiles)
             kv_head = task // n_k_tiles % n_kv_heads
-            _key_tile(q, k, v, do, lse_log2, delta, dk, dk, dv, b, kv_head,
+            _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head,
                       task % n_k_tiles * block_k, False, scale, softcap, alibi_slopes,
                       window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                      block_q, block_k, scratch)
+                      block_q, block_k, slice_rows, scratch)
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
 def backward_query_tiles(q, k, v, do, lse_log2, delta, dq, scale, softcap, alibi_slopes,
                          window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                         block_q, block_k, n_threads):
+                         block_q, block_k, slice_rows, n_threads):
     """``dQ``, one task per (batch, query head, query tile), dealt round-robin."""
     batch, n_q_heads, n_q = q.shape[0], q.shape[1], q.shape[2]
     n_q_tiles = (n_q + block_q - 1) // block_q
@@ -270,4 +329,4 @@ def backward_query_tiles(q, k, v, do, lse_log2, delta, dq, scale, softcap, alibi
             h = task // n_q_tiles % n_q_heads
             _query_tile(q, k, v, do, lse_log2, delta, dq, b, h, task % n_q_tiles * block_q,
                         scale, softcap, alibi_slopes, window_left, window_right, dropout_key,
-                        dropout_threshold, inv_keep, block_q, block_k, scratch)
+                        dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
