@@ -146,7 +146,7 @@ def _generic_shared_bytes(accum_size: int, head_pad: int, value_pad: int,
         "attention_backward_dkdv": accum_size * (kv + q_do + 2 * block_q * score_pitch
                                                  + 2 * block_q),
         "attention_backward_dq": accum_size * (kv + q_do + block_q * score_pitch
-                                               + 2 * block_q),
+                                               + 3 * block_q),
     }
 
 

@@ -313,15 +313,14 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 // looping over every query head of its GQA group and every query tile that the band
 // reaches, so dK/dV sum over the group without atomics. Both are deterministic.
 
-// For one (query row, key) pair, from its q.k and dO.v: the probability after dropout
-// (for dV), its term of D_i = sum_j P_ij dP_ij, and dS = d(loss)/d(raw score) without the
-// final `scale` (for dQ and dK).
+// For one (query row, key) pair, from its q.k and dO.v: the probability, its dropout
+// factor (keep / (1 - p) or 0) and dS = d(loss)/d(raw score) without the final `scale`.
 template <class C>
 __device__ __forceinline__ void probability_and_grad(
     typename C::Acc dot, typename C::Acc dp, typename C::Acc lse_row,
     typename C::Acc delta_row, i64 row, i64 col, i64 bh, typename C::Acc slope,
-    const ScoreOptions<typename C::Acc>& options, typename C::Acc* dropped,
-    typename C::Acc* dscore, typename C::Acc* delta_term) {
+    const ScoreOptions<typename C::Acc>& options, typename C::Acc* probability,
+    typename C::Acc* keep, typename C::Acc* dscore) {
     typedef typename C::Acc Acc;
     Acc softcap_grad = 1;
     const Acc score = transform_score<C>(dot, row, col, slope, options, &softcap_grad);
@@ -336,17 +335,16 @@ __device__ __forceinline__ void probability_and_grad(
                          ? options.dropout_scale
                          : Acc(0);
     }
-    *dropped = p * keep_scale;
-    *delta_term = *dropped * dp;
+    *probability = p;
+    *keep = keep_scale;
     Acc ds = p * (dp * keep_scale - delta_row);
     if (C::softcap) ds *= softcap_grad;
     *dscore = ds;
 }
 
-// For the whole score tile: dS (and, unless `dropped` is null, the dropped P), or with
-// DeltaPass the terms P_ij dP_ij of D_i instead of dS. Entries outside the valid rows and
-// columns are 0.
-template <class C, bool DeltaPass>
+// dS (and, unless `dropped` is null, the dropped P) for the whole score tile; entries
+// outside the valid rows/columns are 0.
+template <class C>
 __device__ __forceinline__ void score_grad_slots(
     const typename C::Acc* q_tile, const typename C::Acc* k_tile,
     const typename C::Acc* v_tile, const typename C::Acc* do_tile,
@@ -363,13 +361,12 @@ __device__ __forceinline__ void score_grad_slots(
 #pragma unroll
     for (int i = 0; i < ScoreSlots<C>::count; ++i) {
         const int r = r0 + i * ScoreSlots<C>::row_step;
-        Acc p_dropped = 0, ds = 0, delta_term = 0;
+        Acc p = 0, keep = 0, ds = 0;
         if (r < rows && c < cols)
             probability_and_grad<C>(dots[i], dps[i], lse_tile[r], delta_tile[r], row_start + r,
-                                    col_start + c, bh, slope, options, &p_dropped, &ds,
-                                    &delta_term);
-        if (dropped != nullptr) dropped[r * C::score_pitch + c] = p_dropped;
-        dscores[r * C::score_pitch + c] = DeltaPass ? delta_term : ds;
+                                    col_start + c, bh, slope, options, &p, &keep, &ds);
+        if (dropped != nullptr) dropped[r * C::score_pitch + c] = p * keep;
+        dscores[r * C::score_pitch + c] = ds;
     }
 }
 
@@ -463,7 +460,7 @@ __device__ void backward_dkdv_tile(
                               lse_row_stride);
             __syncthreads();
 
-            score_grad_slots<C, false>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
+            score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
                                 cols, row_start, col_start, bh, slope, options, dropped,
                                 dscores);
             __syncthreads();
@@ -512,7 +509,8 @@ __device__ void backward_dq_tile(
     Acc* dscores = do_tile + C::block_q * C::value_pitch;     // [block_q][score_pitch]
     Acc* lse_tile = dscores + C::block_q * C::score_pitch;    // [block_q]
     Acc* delta_tile = lse_tile + C::block_q;                  // [block_q]
-    require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
+    Acc* p_sums = delta_tile + C::block_q;                    // [block_q]
+    require_shared_bytes(sizeof(Acc) * (p_sums + C::block_q - k_tile));
 
     const i64 n_tiles = (n_q + block_q - 1) / block_q;
     const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
@@ -546,11 +544,14 @@ __device__ void backward_dq_tile(
     const i64 tile_begin = key_first / block_k;
     const i64 tile_end = key_stop > key_first ? (key_stop + block_k - 1) / block_k : tile_begin;
 
-    // Pass 1: D_i = sum_j P_ij dP_ij, which is rowsum(dO_i * O_i) for the exact O. The o
-    // the caller passes is rounded to the input dtype; for float16 with peaked attention
-    // that rounding alone moved dq by more than the float16 tolerance, so D is rebuilt
-    // here from the recomputed P (two more tile products, about a quarter more work).
+    // Pass 1: D_i = sum_j P_ij dP_ij / sum_j P_ij, which is rowsum(dO_i * O_i) for the
+    // exact O. The o the caller passes is rounded to the input dtype: for float16 with
+    // peaked attention that rounding alone moved dq past the float16 tolerance. Dividing by
+    // the recomputed row sum cancels the error that lse's own rounding puts in every P of a
+    // row alike (with float32 scores near 1e4 that error is 6e-4, and dq then cancels
+    // dP - D to far less). Costs two more tile products per tile, about a quarter more.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = threadIdx.x; r < C::block_q; r += C::threads) p_sums[r] = 0;
     for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
         const i64 col_start = key_tile * block_k;
         const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
@@ -560,17 +561,45 @@ __device__ void backward_dq_tile(
         load_tile<C, C::block_k, C::value_dim_pad>(v_tile, v_head, v_strides, col_start, cols,
                                                    value_dim);
         __syncthreads();
-        score_grad_slots<C, true>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
-                                  cols, row_start, col_start, bh, slope, options, nullptr,
-                                  dscores);
-        __syncthreads();
-        for (int r = warp; r < C::block_q; r += C::warps) {
-            Acc sum = 0;
-            for (int c = lane; c < C::block_k; c += 32) sum += dscores[r * C::score_pitch + c];
-            sum = warp_sum(sum);
-            if (lane == 0) delta_tile[r] += sum;
+        constexpr int count = ScoreSlots<C>::count;
+        const int c = threadIdx.x % C::block_k, r0 = threadIdx.x / C::block_k;
+        Acc dots[count], dps[count], terms[count];
+        dot_slots<C, C::head_dim_pad, C::head_pitch>(q_tile, k_tile + c * C::head_pitch, r0,
+                                                     dots);
+        dot_slots<C, C::value_dim_pad, C::value_pitch>(do_tile, v_tile + c * C::value_pitch,
+                                                       r0, dps);
+#pragma unroll
+        for (int i = 0; i < count; ++i) {
+            const int r = r0 + i * ScoreSlots<C>::row_step;
+            Acc p = 0, keep = 0, unused_ds;
+            if (r < rows && c < cols)
+                probability_and_grad<C>(dots[i], dps[i], lse_tile[r], Acc(0), row_start + r,
+                                        col_start + c, bh, slope, options, &p, &keep,
+                                        &unused_ds);
+            terms[i] = p * keep * dps[i];
+            dscores[r * C::score_pitch + c] = p;
+        }
+        // Row sums through shared memory, one warp per row, in a fixed order.
+        for (int round = 0; round < 2; ++round) {
+            Acc* sums = round == 0 ? p_sums : delta_tile;
+            __syncthreads();
+            for (int r = warp; r < C::block_q; r += C::warps) {
+                Acc sum = 0;
+                for (int j = lane; j < C::block_k; j += 32) sum += dscores[r * C::score_pitch + j];
+                sum = warp_sum(sum);
+                if (lane == 0) sums[r] += sum;
+            }
+            __syncthreads();
+            if (round == 0) {
+#pragma unroll
+                for (int i = 0; i < count; ++i)
+                    dscores[(r0 + i * ScoreSlots<C>::row_step) * C::score_pitch + c] = terms[i];
+            }
         }
     }
+    __syncthreads();
+    for (int r = threadIdx.x; r < C::block_q; r += C::threads)
+        delta_tile[r] = p_sums[r] == Acc(0) ? Acc(0) : delta_tile[r] / p_sums[r];
     __syncthreads();
     // The dK/dV kernel, launched next, reads D from here.
     for (int r = threadIdx.x; r < rows; r += C::threads)
@@ -587,7 +616,7 @@ __device__ void backward_dq_tile(
                                                    value_dim);
         __syncthreads();
 
-        score_grad_slots<C, false>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
+        score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
                                    cols, row_start, col_start, bh, slope, options, nullptr,
                                    dscores);
         __syncthreads();
