@@ -21,7 +21,7 @@ from ..dropout import dropout_key, dropout_threshold
 from ..options import AttentionOptions, Blocks
 from ..reference import lse_dtype
 from . import blas
-from .blocks import BOUNDARY_SLICE_ROWS, default_blocks
+from .blocks import BOUNDARY_SLICE_ROWS, default_blocks, spread_over_threads
 
 MEMORY = "host"
 
@@ -49,11 +49,17 @@ def _read_only(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return view
 
 
-def _blocks(kind: str, q, v, options: AttentionOptions) -> Blocks:
-    """The tile sizes, clamped to the sequence lengths (a larger tile is one tile anyway)."""
-    blocks = default_blocks(kind, q.shape[3], v.shape[3], q.itemsize).resolve(
-        options.block_q, options.block_k)
-    return Blocks(min(blocks.block_q, q.shape[2]), min(blocks.block_k, v.shape[2]))
+def _blocks(kind: str, q, v, options: AttentionOptions, n_threads: int) -> Blocks:
+    """The tile sizes, clamped to the sequence lengths (a larger tile is one tile anyway).
+
+    Without an override, ``block_q`` shrinks until every thread has work (`blocks.py`).
+    """
+    batch, n_q_heads, n_q, head_dim = q.shape
+    defaults = default_blocks(kind, head_dim, v.shape[3], q.itemsize)
+    block_q = spread_over_threads(defaults.block_q,
+                                  lambda size: batch * n_q_heads * -(-n_q // size), n_threads)
+    blocks = Blocks(block_q, defaults.block_k).resolve(options.block_q, options.block_k)
+    return Blocks(min(blocks.block_q, n_q), min(blocks.block_k, v.shape[2]))
 
 
 def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int):
@@ -74,12 +80,11 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions):
     batch, n_q_heads, n_q, _ = q_c.shape
     out = np.empty((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
     lse = np.empty((batch, n_q_heads, n_q), q_c.dtype)
-    blocks = _blocks("forward", q_c, v_c, options)
+    n_threads = numba.get_num_threads()
+    blocks = _blocks("forward", q_c, v_c, options, n_threads)
     with _kernel_lock, blas.single_threaded():
-        forward_kernel(q_c, k_c, v_c, out, lse,
-                       *_option_scalars(options, batch, n_q_heads),
-                       blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS,
-                       numba.get_num_threads())
+        forward_kernel(q_c, k_c, v_c, out, lse, *_option_scalars(options, batch, n_q_heads),
+                       blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, n_threads)
     return out, lse
 
 
@@ -116,9 +121,9 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     lse_log2 = np.empty((batch, n_q_heads, n_q), dtype)
     dk = np.empty(k.shape, dtype)
     dv = np.empty(v.shape, dtype)
-    blocks = _blocks("backward", q_c, v_c, options)
-    scalars = _option_scalars(options, batch, n_q_heads)
     n_threads = numba.get_num_threads()
+    blocks = _blocks("backward", q_c, v_c, options, n_threads)
+    scalars = _option_scalars(options, batch, n_q_heads)
     tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, n_threads)
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, lse_log2)

@@ -69,17 +69,25 @@ def _power_of_two_at_most(value: float, low: int, high: int) -> int:
 def default_blocks(kind: str, head_dim: int, value_dim: int, itemsize: int) -> Blocks:
     """Tile sizes for ``kind`` ``"forward"`` or ``"backward"`` (powers of two).
 
-    Forward: the key and value tiles (``block_k * (D + Dv)`` elements) take half of L2 and the
-    score tile (``block_q * block_k``) the other half, so a query tile streams every key tile
-    through L2 once. Backward keeps two score-sized tiles (probabilities and their gradients)
-    plus the key, value and accumulator tiles, so both blocks are smaller.
-    (Measured on the development machine in bench/NOTES-cpu.md.)
+    ``block_k``: as many keys as fill half of L2 with their K and V rows (512 for D = Dv = 64
+    in float32 with a 512 KiB L2). ``block_q``: as many query rows as keys in the forward,
+    half as many in the backward, which keeps two score-sized tiles (P and dS). The score
+    tile then overflows L2 into L3; measured on the development machine (bench/NOTES-cpu.md)
+    that costs less than the larger matrix products save: forward 512x512 ran 3% faster than
+    256x512 and 7% faster than 128x512, backward 256x512 4% faster than 256x256.
     """
     l2 = cache_sizes().l2
-    if kind == "forward":
-        block_k = _power_of_two_at_most(l2 / 2 / (itemsize * (head_dim + value_dim)), 64, 512)
-        block_q = _power_of_two_at_most(l2 / 2 / (itemsize * block_k), 32, 256)
-    else:
-        block_k = _power_of_two_at_most(l2 / 4 / (itemsize * (head_dim + value_dim)), 32, 256)
-        block_q = _power_of_two_at_most(l2 / 4 / (itemsize * block_k), 32, 128)
+    block_k = _power_of_two_at_most(l2 / 2 / (itemsize * (head_dim + value_dim)), 32, 1024)
+    block_q = block_k if kind == "forward" else max(block_k // 2, 32)
     return Blocks(block_q=block_q, block_k=block_k)
+
+
+def spread_over_threads(block_q: int, n_tiles_per_row_block, n_threads: int) -> int:
+    """Halve `block_q` (to 64 at least) until there are 4 query tiles per thread.
+
+    `n_tiles_per_row_block(block_q)` counts the tasks a block size makes. Four per thread
+    keeps causal work, which varies along the sequence, evenly dealt.
+    """
+    while block_q > 64 and n_tiles_per_row_block(block_q) < 4 * n_threads:
+        block_q //= 2
+    return block_q

@@ -17,11 +17,12 @@ from .vector_math import FASTMATH, LN_2, LOG2_E, exp2_nonpositive, maximum
 
 
 @njit(fastmath=FASTMATH)
-def _softmax_update(scores, row_max, row_sum, acc):
+def _softmax_update(scores, row_max, row_sum, rescale):
     """Online softmax over one tile (FlashAttention-2 section 3.1.1), scores in log2 units.
 
     Turns `scores` into unnormalised probabilities ``2**(s - m_new)`` in place, rescales
-    `row_sum` and `acc` by ``2**(m_old - m_new)`` and adds the tile's row sums.
+    `row_sum` by ``2**(m_old - m_new)`` and adds the tile's row sums; the accumulator's
+    factor goes to `rescale`, applied in the same pass that adds ``P V``.
     """
     n_rows, n_cols = scores.shape
     dtype = scores.dtype.type
@@ -33,16 +34,14 @@ def _softmax_update(scores, row_max, row_sum, acc):
         # would be NaN. Its probabilities are exp2(-inf) = 0. A NaN score makes the max NaN,
         # and with it the whole row, as in the golden model.
         safe_max = dtype(0.0) if new_max == -np.inf else new_max
-        rescale = exp2_nonpositive(row_max[r] - safe_max)
+        rescale[r] = exp2_nonpositive(row_max[r] - safe_max)
         tile_sum = dtype(0.0)
         for j in range(n_cols):
             p = exp2_nonpositive(scores[r, j] - safe_max)
             scores[r, j] = p
             tile_sum += p
-        row_sum[r] = row_sum[r] * rescale + tile_sum
+        row_sum[r] = row_sum[r] * rescale[r] + tile_sum
         row_max[r] = new_max
-        for d in range(acc.shape[1]):
-            acc[r, d] *= rescale
 
 
 @njit(fastmath=FASTMATH)
@@ -60,9 +59,9 @@ def _apply_dropout(probs, bh, row_start, col_start, key, threshold, inv_keep):
 
 
 @njit(fastmath=FASTMATH)
-def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, bh, row_start, col_start, n_q, n_k,
-          softcap, slope, window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-          scores_buffer, pv_buffer):
+def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_start, col_start,
+          n_q, n_k, softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
+          inv_keep, scores_buffer, pv_buffer):
     """One step of Algorithm 1: the rows of `q_scaled` against one key tile."""
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
     scores = tile_view(scores_buffer, n_rows, n_cols)
@@ -73,7 +72,7 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, bh, row_start, col_st
     elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
                                 n_q, n_k, window_left, window_right):
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
-    _softmax_update(scores, row_max, row_sum, acc)
+    _softmax_update(scores, row_max, row_sum, rescale)
     if dropout_threshold > 0:
         _apply_dropout(scores, bh, row_start, col_start, dropout_key, dropout_threshold,
                        inv_keep)
@@ -81,14 +80,14 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, bh, row_start, col_st
     np.dot(scores, v_tile, pv)
     for r in range(n_rows):
         for d in range(pv.shape[1]):
-            acc[r, d] += pv[r, d]
+            acc[r, d] = acc[r, d] * rescale[r] + pv[r, d]
 
 
 @njit(fastmath=FASTMATH)
 def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scale, softcap,
                 slope, window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                 block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
-                row_sum):
+                row_sum, rescale):
     n_rows = q_tile.shape[0]
     dtype = q_tile.dtype.type
     bh = b * lse.shape[1] + h
@@ -108,7 +107,8 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
         if tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k,
                               window_left, window_right):
             _tile(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop],
-                  v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, bh, row_start,
+                  v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, rescale, bh,
+                  row_start,
                   col_start, n_q, n_k, softcap, slope, window_left, window_right, dropout_key,
                   dropout_threshold, inv_keep, scores_buffer, pv_buffer)
             continue
@@ -125,7 +125,8 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
             first, last = slice_start - row_start, slice_stop - row_start
             _tile(q_scaled[first:last], k[b, kv_head, cols_lo:cols_hi],
                   v[b, kv_head, cols_lo:cols_hi], acc[first:last], row_max[first:last],
-                  row_sum[first:last], bh, slice_start, cols_lo, n_q, n_k, softcap, slope,
+                  row_sum[first:last], rescale[first:last], bh, slice_start, cols_lo, n_q,
+                  n_k, softcap, slope,
                   window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                   scores_buffer, pv_buffer)
     for r in range(n_rows):
@@ -172,6 +173,7 @@ def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left,
         acc = np.empty((block_q, value_dim), dtype)
         row_max = np.empty(block_q, dtype)
         row_sum = np.empty(block_q, dtype)
+        rescale = np.empty(block_q, dtype)
         for task in range(worker, n_tasks, n_workers):
             b = task // (n_q_heads * n_q_tiles)
             h = task // n_q_tiles % n_q_heads
@@ -181,4 +183,4 @@ def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left,
                         row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
                         window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                         block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
-                        row_sum)
+                        row_sum, rescale)
