@@ -4,10 +4,11 @@ through CuPy, for CuPy arrays.
 Forward: a fused tensor-core kernel (``mma.sync``) for float16/bfloat16 with head dims
 64 and 128, a CUDA-core kernel for everything else (float32 without TF32, float64, any
 head dim up to 256). Backward: one kernel for dQ per query tile, which also forms
-``D_i = rowsum(dO_i * O_i)`` as ``sum_j P_ij dP_ij`` from the recomputed probabilities (the
-same quantity without the rounding of the passed ``o`` to the input dtype, which for
-float16 moved dq past its tolerance), then one for dK/dV per key tile, summing a GQA group
-in-block. Nothing depends on scheduling; ``deterministic=False`` changes nothing here.
+``D_i = rowsum(dO_i * O_i)`` as ``sum_j P_ij dP_ij / sum_j P_ij`` from the recomputed
+probabilities (the same quantity without the rounding of the passed ``o`` to the input
+dtype, which for float16 moved dq past its tolerance; ``o`` is not read), then one for
+dK/dV per key tile, summing a GQA group in-block. Nothing depends on scheduling;
+``deterministic=False`` changes nothing here.
 
 Kernels are compiled once per (device, dtype, head dims, tile sizes, option switches) and
 cached; the first call of a configuration pays a compile (about a second).
