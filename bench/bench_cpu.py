@@ -9,7 +9,10 @@ with every option the benchmark uses, and on each benchmark problem its output i
 with torch's (or NumPy's) before anything is timed. Timing: the implementations take turns,
 one call each per round, and the best round counts; on a machine shared with other work
 that is the figure least disturbed by it, and taking turns exposes all of them to the same
-disturbance. FLOPs are FlashAttention's count: forward ``4 B H N^2 D``, halved when causal;
+disturbance. Before each timed call the benchmark sleeps `SETTLE_SECONDS`: OpenBLAS's
+worker threads (behind NumPy's matmul) keep spinning for about 2**28 cycles after a call,
+and whoever ran next lost half the cores to them (measured: tileattn forward at N=2048 ran
+at 85 GFLOP/s right after naive NumPy, 135 after a pause). FLOPs are FlashAttention's count: forward ``4 B H N^2 D``, halved when causal;
 forward + backward is 3.5x the forward.
 """
 
@@ -29,6 +32,7 @@ from tileattn.testing import assert_attention_close
 
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 QUICK_SIZES = (1024, 2048)
+SETTLE_SECONDS = 0.3
 NAIVE_MAX_N = 4096  # 8 heads of 8192^2 float32 scores would take 2 GiB per matrix
 
 
@@ -118,6 +122,7 @@ def time_in_turns(table, arguments, direction, rounds):
     best = {name: float("inf") for name in table}
     for _ in range(rounds):
         for name, functions in table.items():
+            time.sleep(SETTLE_SECONDS)
             start = time.perf_counter()
             functions[index](*arguments)
             best[name] = min(best[name], time.perf_counter() - start)
