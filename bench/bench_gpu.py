@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/bench_gpu.py            # the table
     PYTHONPATH=. python3 bench/bench_gpu.py --sweep    # also every tensor-core tile shape
+    PYTHONPATH=. python3 bench/bench_gpu.py --fa       # FlashAttention's benchmark shapes
 
 Every implementation is validated before it is timed: tileattn on a small problem against
 the float64 golden model (same kernels, same options), and every implementation on the
@@ -9,6 +10,11 @@ benchmark problem itself against a float64 CuPy computation of a few heads. Timi
 events around each call, warm-up first, median of the repetitions; the inputs (>= 64 MiB
 each at the main size) exceed the 50 MB L2, so repetitions do not run from cache.
 FLOPs: forward 4*B*H*Nq*Nk*D (halved when causal), backward 2.5x the forward.
+
+`--fa` runs FlashAttention's benchmark shapes (batch * N = 16k tokens, hidden 2048 as 32
+heads x 64 or 16 heads x 128, N = 1k..16k, causal and not, float16 and bfloat16), forward
+and forward+backward, tileattn beside torch SDPA's flash (FlashAttention-2) and cuDNN
+backends, and prints a markdown table of TFLOP/s and ratios.
 """
 
 from __future__ import annotations
@@ -262,15 +268,111 @@ def run_case(case: Case, repetitions: int) -> list[tuple]:
     return rows
 
 
+# --------------------------------------------------------------------------- FA shapes
+
+
+def fa_cases(dtypes=("float16", "bfloat16")) -> list[Case]:
+    cases = []
+    for dtype in dtypes:
+        for head_dim, heads in ((64, 32), (128, 16)):
+            for causal in (False, True):
+                for n in (1024, 2048, 4096, 8192, 16384):
+                    cases.append(Case(dtype, 16384 // n, heads, n, head_dim, causal=causal))
+    return cases
+
+
+def fa_functions(case: Case, q, k, v, do) -> dict:
+    """name -> (forward, forward+backward) callables; each returns o / (dq, dk, dv)."""
+    def ours_both():
+        o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=case.causal)
+        return tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=case.causal)
+
+    functions = {"tileattn": (lambda: tileattn.forward(q, k, v, backend="gpu",
+                                                       causal=case.causal), ours_both)}
+    if torch is None:
+        return functions
+    tq, tk, tv, tdo = (_as_torch(a) for a in (q, k, v, do))
+    tq, tk, tv = (t.detach().requires_grad_() for t in (tq, tk, tv))
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def forward(backend=backend):
+            with sdpa_kernel(backend), torch.no_grad():
+                return _from_torch(F.scaled_dot_product_attention(
+                    tq, tk, tv, is_causal=case.causal), q.dtype)
+
+        def both(backend=backend):
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal)
+                grads = torch.autograd.grad(out, (tq, tk, tv), tdo)
+            return tuple(_from_torch(g, q.dtype) for g in grads)
+        functions[name] = (forward, both)
+    return functions
+
+
+def run_fa(repetitions: int, dtypes) -> None:
+    """Times FA's shapes; checks every implementation against float64 on one head first
+    (N <= 4096: the check's N x N float64 products are what limits it)."""
+    results = {}  # (case name, direction) -> {implementation: TFLOP/s}
+    for case in fa_cases(dtypes):
+        validate_small(replace(case, direction="backward"))
+        q, k, v, do = make_inputs(case)
+        reference = float64_reference(q, k, v, do, case.causal, heads=1) if case.n <= 4096 \
+            else None
+        for name, (forward, both) in fa_functions(case, q, k, v, do).items():
+            for direction, function, flops in (("fwd", forward, case.flops),
+                                               ("fwd+bwd", both, 3.5 * case.flops)):
+                try:
+                    result = function()
+                except RuntimeError as error:
+                    print(f"  {name}: failed on {case.name}: {str(error).splitlines()[0]}")
+                    continue
+                if reference is not None:
+                    if direction == "fwd":
+                        error = relative_error(result[0, :1], reference[0])
+                    else:
+                        error = max(relative_error(g[0, :1], r)
+                                    for g, r in zip(result, reference[1]))
+                    if not error < 2e-2:
+                        print(f"  {name}: relative error {error:.2e} on {case.name} "
+                              f"{direction}; not timed")
+                        continue
+                del result
+                ms = median_ms(function, repetitions, warmup=2)
+                tflops = flops / ms / 1e9
+                results.setdefault((case.name, direction), {})[name] = tflops
+                print(f"  {case.name:<44} {direction:<8} {name:<9} {ms:9.3f} ms "
+                      f"{tflops:7.1f} TFLOP/s", flush=True)
+        del q, k, v, do, reference
+        cupy.get_default_memory_pool().free_all_blocks()
+    print("\n| case | pass | tileattn | flash | cudnn | tileattn / flash | tileattn / cudnn |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for (case_name, direction), row in results.items():
+        ours = row.get("tileattn")
+
+        def cell(name):
+            return f"{row[name]:.1f}" if name in row else "-"
+
+        def ratio(name):
+            return f"{ours / row[name]:.2f}" if ours and name in row else "-"
+        print(f"| {case_name.replace('forward ', '')} | {direction} | {cell('tileattn')} | "
+              f"{cell('flash')} | {cell('cudnn')} | {ratio('flash')} | {ratio('cudnn')} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every tensor-core tile")
     parser.add_argument("--repetitions", type=int, default=20)
     parser.add_argument("--only", default="", help="run cases whose name contains this")
+    parser.add_argument("--fa", action="store_true",
+                        help="FlashAttention's benchmark shapes only (TFLOP/s table)")
+    parser.add_argument("--fa-dtypes", default="float16,bfloat16")
     args = parser.parse_args()
     device = cupy.cuda.Device()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(device.id)['name'].decode()}, "
           f"CuPy {cupy.__version__}, torch {torch.__version__ if torch else 'absent'}")
+    if args.fa:
+        run_fa(args.repetitions, args.fa_dtypes.split(","))
+        return
     cases = [c for c in CASES if args.only in c.name]
     if args.sweep:
         for head_dim, heads in ((64, 32), (128, 16)):

@@ -75,13 +75,48 @@ TENSOR_CORE_OPTIONS = [
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
-def test_tensor_core_forward_matches_golden(dtype, head_dim, options):
-    """The tensor-core forward, and the backward fed with its outputs, end to end."""
+def test_tensor_core_matches_golden(dtype, head_dim, options):
+    """The tensor-core forward and backward, end to end."""
     # GQA (4 query heads on 2 kv heads), Nq != Nk, neither a multiple of any tile.
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim), dtype)
     do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(dtype)
     assert _launch.tensor_core_blocks(cupy.asarray(q), cupy.asarray(v), _options_of(q, options))
+    assert _launch.tensor_core_backward_applies(cupy.asarray(q), cupy.asarray(v),
+                                                _options_of(q, options))
     _check(q, k, v, do, **options)
+
+
+def test_tensor_core_backward_applies_without_tile_sizes():
+    q, _, v = (cupy.asarray(a) for a in _inputs((1, 1, 8, 64), (1, 1, 8, 64), (1, 1, 8, 64),
+                                                np.float16))
+    assert _launch.tensor_core_backward_applies(q, v, AttentionOptions())
+    assert not _launch.tensor_core_backward_applies(q, v, AttentionOptions(block_q=64))
+    assert not _launch.tensor_core_backward_applies(q.astype(cupy.float32), v,
+                                                    AttentionOptions())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("n_q,n_k,options", [
+    (300, 100, {"causal": True}),  # leading query rows and a whole query tile keep nothing
+    (100, 300, {"window": (10, 0)}),  # most key tiles are reached by no query
+    (500, 450, {"causal": True, "window": (70, 3), "alibi_slopes": np.array([0.2, 0.4])}),
+])
+def test_tensor_core_backward_masked_tiles(head_dim, n_q, n_k, options):
+    q, k, v = _inputs((1, 2, n_q, head_dim), (1, 1, n_k, head_dim), (1, 1, n_k, head_dim),
+                      np.float16, seed=n_q)
+    do = np.random.default_rng(n_k).standard_normal(q.shape).astype(np.float16)
+    _check(q, k, v, do, **options)
+
+
+def test_tensor_core_backward_is_deterministic():
+    q, k, v = (cupy.asarray(a) for a in _inputs((2, 8, 700, 64), (2, 2, 700, 64),
+                                                (2, 2, 700, 64), np.float16))
+    o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True)
+    do = cupy.asarray(np.random.default_rng(6).standard_normal(o.shape).astype(np.float16))
+    first = tileattn.backward(do, q, k, v, o, lse, backend="gpu", deterministic=False)
+    second = tileattn.backward(do, q, k, v, o, lse, backend="gpu")
+    for a, b in zip(first, second):
+        assert cupy.array_equal(a, b)
 
 
 @pytest.mark.parametrize("blocks", [(64, 32), (64, 128), (128, 64), (128, 128)])

@@ -6,8 +6,9 @@ Two kernel families (see the headers of the ``.cu`` files):
   ``D == Dv in {64, 128}`` on sm_80+. Its tiles are compile-time; it runs when the caller
   asks for no tile size or for one it is built with (``block_q in {64, 128}``,
   ``block_k in {32, 64, 128}``).
-* ``attention_generic.cu``: CUDA-core forward and the whole backward, for every dtype and
-  head dim. Compiled for a tile *capacity* that fits shared memory; the caller's
+* ``attention_mma_backward.cu``: tensor-core backward (a dQ kernel that also forms D, then
+  a dK/dV kernel) for the same dtypes and head dims, when the caller names no tile size.
+* ``attention_generic.cu``: CUDA-core forward and backward for every dtype and head dim. Compiled for a tile *capacity* that fits shared memory; the caller's
   ``block_q``/``block_k`` are honoured exactly up to that capacity (and clipped to it), as
   run-time values, so trying a block size never triggers a compile.
 """
@@ -25,6 +26,7 @@ from . import _compile
 
 GENERIC_SOURCE = "attention_generic.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
+MMA_BACKWARD_SOURCE = "attention_mma_backward.cu"
 GENERIC_THREADS = 256
 # Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
 # more blocks per SM on every CUDA GPU and needs no opt-in; tiles stop shrinking at 16x16
@@ -35,6 +37,12 @@ MMA_BLOCK_Q = (64, 128)
 MMA_BLOCK_K = (32, 64, 128)
 # The fastest tiles of the sweep in bench/NOTES-gpu.md (H100, float16, N = 4096).
 MMA_DEFAULT_BLOCKS = {64: Blocks(128, 64), 128: Blocks(128, 128)}
+# Tensor-core backward tiles per head dim, (owned rows, streamed rows) of each kernel: the
+# dQ kernel owns query rows and streams key tiles, the dK/dV kernel the reverse. 128 owned
+# rows = 8 warps; 64 streamed rows keep S and dP at 32 registers each, which with the
+# dK/dV accumulators (2 x 64 at D = 128) just fits 255 registers without spilling.
+MMA_BACKWARD_TILES = {64: {"dq": (128, 64), "dkdv": (128, 64)},
+                      128: {"dq": (128, 64), "dkdv": (128, 64)}}
 
 _STORAGE = {"float16": "half_storage", "bfloat16": "bfloat16_storage", "float32": "float",
             "float64": "double"}
@@ -267,7 +275,57 @@ def forward(q, k, v, options: AttentionOptions):
 # --------------------------------------------------------------------------- backward
 
 
+def tensor_core_backward_applies(q, v, options: AttentionOptions) -> bool:
+    """The tensor-core backward runs for float16/bfloat16, D = Dv in {64, 128}, sm_80+,
+    when the caller names no tile size (its tiles are its own; named sizes select the
+    generic kernels, which honour any size)."""
+    return (q.dtype.name in ("float16", "bfloat16") and q.shape[3] == v.shape[3]
+            and q.shape[3] in MMA_HEAD_DIMS and int(q.device.compute_capability) >= 80
+            and options.block_q is None and options.block_k is None)
+
+
+def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: int) -> int:
+    """Owned rows of two operands plus two stages of two streamed operands (rows padded by
+    16 bytes); the dK/dV kernel also stages lse and D per streamed row."""
+    tiles = 2 * (2 * owned + 4 * streamed) * (head_dim + 8)
+    return tiles + (2 * 2 * 4 * streamed if entry == "dkdv" else 0)
+
+
+def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None):
+    """`tiles`: ``{"dq": (owned, streamed), "dkdv": (owned, streamed)}``, by default
+    `MMA_BACKWARD_TILES` of the head dim (the benchmark's sweep passes others)."""
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    tiles = tiles or MMA_BACKWARD_TILES[head_dim]
+    (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
+        _tensor_core_layout, (q, k, v, do))
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    delta = cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32)
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=q.dtype)
+    dv = cupy.empty(v.shape, dtype=q.dtype)
+    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+              np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
+              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
+    launches = (("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
+                ("dkdv", (q, k, v, do, lse, delta, dk, dv), n_k, batch * n_kv_heads))
+    # dQ first: it stores D, which the dK/dV kernel reads.
+    for entry, arrays, n_rows, heads in launches:
+        owned, streamed = tiles[entry]
+        defines = (("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
+                   ("OWNED_ROWS", owned), ("STREAMED_ROWS", streamed)
+                   ) + Switches.of(options).defines()
+        shared = mma_backward_shared_bytes(entry, head_dim, owned, streamed)
+        function = _compile.kernel(MMA_BACKWARD_SOURCE, f"attention_backward_{entry}_mma",
+                                   tuple(sorted(defines)), shared)
+        function((-(-n_rows // owned) * heads,), (owned // 16 * 32,), arrays + common,
+                 shared_mem=shared)
+    return dq, dk, dv
+
+
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    if tensor_core_backward_applies(q, v, options):
+        return backward_tensor_core(do, q, k, v, lse, options)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     accum = accumulation_dtype(q.dtype)

@@ -16,102 +16,14 @@
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, BLOCK_Q, BLOCK_K,
 // LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
-#include "common.cuh"
+#include "mma.cuh"
 
 constexpr int kWarps = BLOCK_Q / 16;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPitch = HEAD_DIM + 8;         // shared row pitch in 16-bit elements
-constexpr int kChunksPerRow = HEAD_DIM / 8;  // 16-byte chunks per row
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 static_assert(HEAD_DIM % 16 == 0 && BLOCK_K % 16 == 0 && BLOCK_Q % 16 == 0, "mma tiles");
-
-typedef unsigned short bits16;
-
-// ------------------------------------------------------------------ PTX wrappers
-
-__device__ __forceinline__ u32 shared_address(const void* pointer) {
-    u32 address;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-        : "=r"(address)
-        : "l"(pointer));
-    return address;
-}
-
-// 16 bytes global -> shared, asynchronously; `valid == false` writes 16 zero bytes instead
-// (rows past the end of the sequence must be 0, not stale data: 0 * NaN would be NaN).
-__device__ __forceinline__ void copy_16_async(u32 destination, const void* source, bool valid) {
-    const int source_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination),
-                 "l"(source), "r"(source_bytes));
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int Pending> __device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
-}
-
-__device__ __forceinline__ void load_matrix_x4(u32 address, u32* fragment) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
-                 : "r"(address));
-}
-__device__ __forceinline__ void load_matrix_x4_transposed(u32 address, u32* fragment) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
-                 : "r"(address));
-}
-
-// c += a * b for one m16n8k16 tile, fp32 accumulators.
-__device__ __forceinline__ void mma_16x8x16(float* c, const u32* a, u32 b0, u32 b1) {
-#if IS_BFLOAT16
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-// Two floats rounded to the input type, `low` in the low half (the lower column index).
-__device__ __forceinline__ u32 pack_pair(float low, float high) {
-    u32 packed;
-#if IS_BFLOAT16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(high), "f"(low));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(high), "f"(low));
-#endif
-    return packed;
-}
-
-// 2^x; -inf gives +0 and NaN stays NaN, which the masking and the NaN semantics rely on.
-__device__ __forceinline__ float exp2_approx(float x) {
-    float result;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x));
-    return result;
-}
-
-// ------------------------------------------------------------------ tile copies
-
-// Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
-// columns) into tile[Rows][kPitch]; rows at or past `row_limit` become zeros.
-template <int Rows>
-__device__ __forceinline__ void load_tile_async(bits16* tile, const bits16* head,
-                                                i64 row_stride, i64 row_start, i64 row_limit) {
-#pragma unroll
-    for (int chunk = threadIdx.x; chunk < Rows * kChunksPerRow; chunk += kThreads) {
-        const int r = chunk / kChunksPerRow, c = chunk % kChunksPerRow;
-        const i64 row = row_start + r;
-        const bool valid = row < row_limit;
-        const bits16* source = valid ? head + row * row_stride + c * 8 : head;
-        copy_16_async(shared_address(tile + r * kPitch + c * 8), source, valid);
-    }
-}
 
 // ------------------------------------------------------------------ the kernel
 
@@ -160,10 +72,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         return;
     }
 
-    load_tile_async<BLOCK_Q>(q_tile, q_head, q_sn, row_start, n_q);
+    load_tile_async<BLOCK_Q, HEAD_DIM, kThreads>(q_tile, q_head, q_sn, row_start, n_q);
     commit_copies();
-    load_tile_async<BLOCK_K>(k_tiles, k_head, k_sn, tile_begin * BLOCK_K, n_k);
-    load_tile_async<BLOCK_K>(v_tiles, v_head, v_sn, tile_begin * BLOCK_K, n_k);
+    load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(k_tiles, k_head, k_sn, tile_begin * BLOCK_K, n_k);
+    load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(v_tiles, v_head, v_sn, tile_begin * BLOCK_K, n_k);
     commit_copies();
     wait_copies<1>();
     __syncthreads();
@@ -173,9 +85,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     u32 q_fragments[HEAD_DIM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        load_matrix_x4(
-            shared_address(q_tile + (warp * 16 + lane % 16) * kPitch + kk * 16 + (lane / 16) * 8),
-            q_fragments[kk]);
+        load_a_fragment<HEAD_DIM>(q_tile, warp * 16, kk * 16, q_fragments[kk]);
 
     float o_acc[HEAD_DIM / 8][4];
 #pragma unroll
@@ -200,9 +110,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         if (key_tile + 1 < tile_end) {
             // The other stage was last read in the previous iteration, which ended with a
             // barrier, so it is free to refill.
-            load_tile_async<BLOCK_K>(k_tiles + (stage ^ 1) * BLOCK_K * kPitch, k_head, k_sn,
+            load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(k_tiles + (stage ^ 1) * BLOCK_K * kPitch, k_head, k_sn,
                                      (key_tile + 1) * BLOCK_K, n_k);
-            load_tile_async<BLOCK_K>(v_tiles + (stage ^ 1) * BLOCK_K * kPitch, v_head, v_sn,
+            load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(v_tiles + (stage ^ 1) * BLOCK_K * kPitch, v_head, v_sn,
                                      (key_tile + 1) * BLOCK_K, n_k);
             commit_copies();
             wait_copies<1>();
@@ -223,10 +133,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 #pragma unroll
             for (int nn = 0; nn < BLOCK_K / 16; ++nn) {
                 u32 b[4];
-                load_matrix_x4(shared_address(k_tile +
-                                              (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * kPitch +
-                                              kk * 16 + ((lane >> 3) & 1) * 8),
-                               b);
+                load_b_fragments<HEAD_DIM>(k_tile, nn * 16, kk * 16, b);
                 mma_16x8x16(s[2 * nn], q_fragments[kk], b[0], b[1]);
                 mma_16x8x16(s[2 * nn + 1], q_fragments[kk], b[2], b[3]);
             }
@@ -307,17 +214,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         // fragment of a 16x16 P block; V's B fragment needs the transposing ldmatrix.
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-            const u32 a[4] = {pack_pair(s[2 * kk][0], s[2 * kk][1]),
-                              pack_pair(s[2 * kk][2], s[2 * kk][3]),
-                              pack_pair(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_pair(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            u32 a[4];
+            pack_a_fragment(s[2 * kk], s[2 * kk + 1], a);
 #pragma unroll
             for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
                 u32 b[4];
-                load_matrix_x4_transposed(
-                    shared_address(v_tile + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kPitch +
-                                   dn * 16 + (lane >> 4) * 8),
-                    b);
+                load_b_fragments_transposed<HEAD_DIM>(v_tile, kk * 16, dn * 16, b);
                 mma_16x8x16(o_acc[2 * dn], a, b[0], b[1]);
                 mma_16x8x16(o_acc[2 * dn + 1], a, b[2], b[3]);
             }

@@ -1,0 +1,484 @@
+// Tensor-core backward for float16 / bfloat16 with D = Dv in {64, 128} (sm_80 and later).
+//
+// FlashAttention-2 backward (Algorithm 2) on mma.sync.m16n8k16, split in two kernels so
+// that nothing is accumulated by atomics (deterministic, and no float32 dQ buffer):
+//
+// * attention_backward_dq_mma, launched first: one block per (batch, head, OWNED_ROWS
+//   query rows), each warp owning 16 rows, streaming STREAMED_ROWS-key tiles of K and V.
+//   Pass 1 forms D_i = sum_j P_ij dP_ij / sum_j P_ij (S = Q K^T, dP = dO V^T; see
+//   "Backward accuracy" in bench/NOTES-gpu.md for why not rowsum(dO * O) from the passed
+//   o) and stores it for the second kernel; pass 2 recomputes S and dP and accumulates
+//   dQ += dS K, dS fed from the accumulators as the A operand.
+// * attention_backward_dkdv_mma: one block per (batch, kv head, OWNED_ROWS keys), each
+//   warp owning 16 keys, streaming STREAMED_ROWS-query tiles of Q, dO, lse and D for every
+//   query head of its GQA group (so dK/dV sum the group in registers). It computes the
+//   transposed tiles S^T = K Q^T and dP^T = V dO^T directly: P^T and dS^T are then
+//   accumulator fragments of rows = keys, which are exactly the A operands of
+//   dV += P^T dO and dK += dS^T Q. No score tile goes through shared memory.
+//
+// Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
+// t is multiplied), skip tiles outside the band and evaluate the per-score mask only on
+// tiles that straddle its edge (or the end of the keys). Probabilities are recomputed in
+// base 2 from lse (ex2.approx); P (after dropout) and dS are rounded to the input type
+// for the tensor cores, accumulation is float32.
+//
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS,
+// STREAMED_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+#include "mma.cuh"
+
+constexpr int kWarps = OWNED_ROWS / 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kPitch = kTilePitch<HEAD_DIM>;
+constexpr float kLog2e = 1.4426950408889634f;
+static_assert(HEAD_DIM % 16 == 0 && OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0,
+              "mma tiles");
+
+// ------------------------------------------------------------------ scores
+
+// The run-time score options, pre-multiplied into base-2 units where they scale a score.
+struct Scores {
+    float scale_log2;          // scale * log2(e)
+    float scale_over_softcap;  // scale / softcap
+    float softcap_log2;        // softcap * log2(e)
+    float slope_log2;          // this head's ALiBi slope * log2(e)
+    Band band;
+    u32 dropout_key;
+    u32 dropout_threshold;
+    float dropout_scale;
+    u32 bh;  // b * Hq + h of the query head: ALiBi slope and dropout stream
+};
+
+__device__ __forceinline__ Scores make_scores(float scale, float softcap, const double* slopes,
+                                              i64 bh, Band band, u32 dropout_key,
+                                              u32 dropout_threshold, float dropout_scale) {
+    Scores scores;
+    scores.scale_log2 = scale * kLog2e;
+    scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
+    scores.softcap_log2 = softcap * kLog2e;
+    scores.slope_log2 = ALIBI ? static_cast<float>(slopes[bh]) * kLog2e : 0.0f;
+    scores.band = band;
+    scores.dropout_key = dropout_key;
+    scores.dropout_threshold = dropout_threshold;
+    scores.dropout_scale = dropout_scale;
+    scores.bh = static_cast<u32>(bh);
+    return scores;
+}
+
+// lse in base 2, with -inf (a row that kept nothing) turned into +inf so that every P of
+// the row comes out exp2(score - inf) = 0.
+__device__ __forceinline__ float lse_base2(float lse) {
+    return lse == negative_infinity<float>() ? -negative_infinity<float>() : lse * kLog2e;
+}
+
+// Whether the tile of queries [row_start, row_start + rows) x keys [col_start,
+// col_start + cols) straddles the band edge (some but maybe not all scores masked).
+__device__ __forceinline__ bool tile_straddles_band(const Band& band, i64 row_start, int rows,
+                                                    i64 col_start, int cols) {
+    bool straddles = false;
+    if (LIMIT_RIGHT) straddles = straddles || col_start + cols - 1 > row_start + band.offset + band.right;
+    if (LIMIT_LEFT) straddles = straddles || col_start < row_start + rows - 1 + band.offset - band.left;
+    return straddles;
+}
+
+// P_ij = exp2(score_log2 - lse_log2) for the raw q.k `dot`, and d(score)/d(scaled dot)
+// (the softcap's 1 - tanh^2, else 1) in *capped_grad. `masked`: apply the band and the
+// key range to this score.
+__device__ __forceinline__ float probability(const Scores& scores, float dot, float lse_log2,
+                                             i64 query, i64 key, i64 n_k, bool masked,
+                                             float* capped_grad) {
+    float score;
+    if (SOFTCAP) {
+        const float capped = tanhf(dot * scores.scale_over_softcap);
+        score = scores.softcap_log2 * capped;
+        *capped_grad = 1.0f - capped * capped;
+    } else {
+        score = dot * scores.scale_log2;
+        *capped_grad = 1.0f;
+    }
+    if (ALIBI) {
+        const i64 distance = query + scores.band.offset - key;
+        score -= scores.slope_log2 * static_cast<float>(distance < 0 ? -distance : distance);
+    }
+    if (masked && !(key < n_k && band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(scores.band, query, key)))
+        score = negative_infinity<float>();
+    return exp2_approx(score - lse_log2);
+}
+
+// keep / (1 - dropout_p) for (query, key), the factor the forward applied to P_ij.
+__device__ __forceinline__ float dropout_factor(const Scores& scores, u32 row_state, i64 key) {
+    if (!DROPOUT) return 1.0f;
+    return dropout_keeps(row_state, static_cast<u32>(key), scores.dropout_threshold)
+               ? scores.dropout_scale
+               : 0.0f;
+}
+
+__device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
+    return DROPOUT ? dropout_row_state(scores.dropout_key, scores.bh, static_cast<u32>(query))
+                   : 0u;
+}
+
+// ------------------------------------------------------------------ products
+
+template <int Columns> struct Accumulators {
+    float tile[Columns / 8][4];
+    __device__ __forceinline__ void clear() {
+#pragma unroll
+        for (int n = 0; n < Columns / 8; ++n) tile[n][0] = tile[n][1] = tile[n][2] = tile[n][3] = 0.0f;
+    }
+};
+
+// first += A1 B1^T and second += A2 B2^T for this warp's 16 rows [row0, row0 + 16) of the
+// row-major tiles a1, a2 (HEAD_DIM wide) against the Columns rows of b1, b2: S and dP (or
+// their transposes) in one sweep over the head dim.
+template <int Columns>
+__device__ __forceinline__ void two_score_products(const bits16* a1, const bits16* b1,
+                                                   const bits16* a2, const bits16* b2,
+                                                   int row0, Accumulators<Columns>& first,
+                                                   Accumulators<Columns>& second) {
+    first.clear();
+    second.clear();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        u32 a[4];
+        load_a_fragment<HEAD_DIM>(a1, row0, kk * 16, a);
+#pragma unroll
+        for (int nn = 0; nn < Columns / 16; ++nn) {
+            u32 b[4];
+            load_b_fragments<HEAD_DIM>(b1, nn * 16, kk * 16, b);
+            mma_16x8x16(first.tile[2 * nn], a, b[0], b[1]);
+            mma_16x8x16(first.tile[2 * nn + 1], a, b[2], b[3]);
+        }
+        load_a_fragment<HEAD_DIM>(a2, row0, kk * 16, a);
+#pragma unroll
+        for (int nn = 0; nn < Columns / 16; ++nn) {
+            u32 b[4];
+            load_b_fragments<HEAD_DIM>(b2, nn * 16, kk * 16, b);
+            mma_16x8x16(second.tile[2 * nn], a, b[0], b[1]);
+            mma_16x8x16(second.tile[2 * nn + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// out += X B for X = this warp's 16 x Inner accumulators (rounded to the input type) and
+// B = the row-major Inner x HEAD_DIM tile `b`.
+template <int Inner>
+__device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
+                                                   const bits16* b,
+                                                   Accumulators<HEAD_DIM>& out) {
+#pragma unroll
+    for (int kk = 0; kk < Inner / 16; ++kk) {
+        u32 a[4];
+        pack_a_fragment(x.tile[2 * kk], x.tile[2 * kk + 1], a);
+#pragma unroll
+        for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
+            u32 fragments[4];
+            load_b_fragments_transposed<HEAD_DIM>(b, kk * 16, dn * 16, fragments);
+            mma_16x8x16(out.tile[2 * dn], a, fragments[0], fragments[1]);
+            mma_16x8x16(out.tile[2 * dn + 1], a, fragments[2], fragments[3]);
+        }
+    }
+}
+
+// Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the contiguous
+// (rows, HEAD_DIM) output starting at `out` (row index relative to it); rows at or past
+// `row_limit` are not written.
+__device__ __forceinline__ void store_rows(const Accumulators<HEAD_DIM>& acc, float factor,
+                                           bits16* out, i64 row0, i64 row_limit) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = row0 + lane / 4 + half * 8;
+        if (row >= row_limit) continue;
+        u32* out_row = reinterpret_cast<u32*>(out + row * HEAD_DIM);
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            out_row[n * 4 + lane % 4] = pack_pair(acc.tile[n][2 * half] * factor,
+                                                  acc.tile[n][2 * half + 1] * factor);
+    }
+}
+
+// Streams tiles [tile_begin, tile_end) through two shared-memory stages: `load(stage,
+// tile)` issues a tile's cp.async copies (the caller has issued and committed the first
+// one into stage 0), `body(stage, tile)` uses it. Tile t + 1 is in flight during body(t);
+// the barrier after body frees its stage for the copy issued next iteration.
+template <class Load, class Body>
+__device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load load,
+                                             Body body) {
+    for (i64 tile = tile_begin; tile < tile_end; ++tile) {
+        const int stage = static_cast<int>((tile - tile_begin) & 1);
+        if (tile + 1 < tile_end) {
+            load(stage ^ 1, tile + 1);
+            commit_copies();
+            wait_copies<1>();
+        } else {
+            wait_copies<0>();
+        }
+        __syncthreads();
+        body(stage, tile);
+        __syncthreads();
+    }
+}
+
+#define SCORE_OPTION_PARAMS                                                                  \
+    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
+        u32 dropout_key, u32 dropout_threshold, float dropout_scale
+
+// ------------------------------------------------------------------ dQ (and D)
+
+extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma(
+    const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
+    float* delta, bits16* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+    int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
+    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
+    extern __shared__ __align__(16) bits16 shared_tiles[];
+    bits16* q_tile = shared_tiles;                           // [OWNED_ROWS][kPitch]
+    bits16* do_tile = q_tile + OWNED_ROWS * kPitch;          // [OWNED_ROWS][kPitch]
+    bits16* k_tiles = do_tile + OWNED_ROWS * kPitch;         // [2][STREAMED_ROWS][kPitch]
+    bits16* v_tiles = k_tiles + 2 * STREAMED_ROWS * kPitch;  // [2][STREAMED_ROWS][kPitch]
+
+    const Band band{band_offset, window_left, window_right};
+    const i64 n_tiles = (n_q + OWNED_ROWS - 1) / OWNED_ROWS;
+    const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
+    // Later query tiles first: under a causal band they see the most keys.
+    const i64 tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
+    const i64 batch = bh / n_q_heads;
+    const int head = static_cast<int>(bh % n_q_heads);
+    const int kv_head = head / group_size;
+    const bits16* k_head = k + batch * k_sb + kv_head * k_sh;
+    const bits16* v_head = v + batch * v_sb + kv_head * v_sh;
+    const i64 row_start = tile * OWNED_ROWS;
+    const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
+    const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
+                                      dropout_threshold, dropout_scale);
+
+    i64 key_first, key_stop;
+    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
+                                            &key_stop);
+    const i64 tile_begin = key_first / STREAMED_ROWS;
+    const i64 tile_end =
+        key_stop > key_first ? (key_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
+        for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
+             element += kThreads)
+            dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
+        for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
+            delta[bh * n_q + row] = 0.0f;
+        return;
+    }
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int quad_row = lane / 4, quad_col = lane % 4;
+    const i64 my_rows[2] = {row_start + warp * 16 + quad_row,
+                            row_start + warp * 16 + quad_row + 8};
+    // Rows past n_q get lse = -inf, hence P = 0: they need no mask.
+    float lse_log2[2];
+    u32 row_states[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        lse_log2[half] = lse_base2(my_rows[half] < n_q ? lse[bh * n_q + my_rows[half]]
+                                                       : negative_infinity<float>());
+        row_states[half] = dropout_state(scores, my_rows[half]);
+    }
+
+    const auto load_keys = [&](int stage, i64 key_tile) {
+        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+            k_tiles + stage * STREAMED_ROWS * kPitch, k_head, k_sn, key_tile * STREAMED_ROWS, n_k);
+        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+            v_tiles + stage * STREAMED_ROWS * kPitch, v_head, v_sn, key_tile * STREAMED_ROWS, n_k);
+    };
+    const auto tile_is_masked = [&](i64 key_tile) {
+        const i64 col_start = key_tile * STREAMED_ROWS;
+        return col_start + STREAMED_ROWS > n_k ||
+               tile_straddles_band(band, row_start, OWNED_ROWS, col_start, STREAMED_ROWS);
+    };
+
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(q_tile, q + batch * q_sb + head * q_sh, q_sn,
+                                                    row_start, n_q);
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+        do_tile, d_out + batch * do_sb + head * do_sh, do_sn, row_start, n_q);
+    commit_copies();
+    load_keys(0, tile_begin);
+    commit_copies();
+
+    // Pass 1: D_i = sum_j P_ij dP_ij / sum_j P_ij (per-thread partial sums, then the quad).
+    float p_sums[2] = {0.0f, 0.0f}, pdp_sums[2] = {0.0f, 0.0f};
+    stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
+        Accumulators<STREAMED_ROWS> s, dp;
+        two_score_products(q_tile, k_tiles + stage * STREAMED_ROWS * kPitch, do_tile,
+                           v_tiles + stage * STREAMED_ROWS * kPitch, warp * 16, s, dp);
+        const bool masked = tile_is_masked(key_tile);
+#pragma unroll
+        for (int n = 0; n < STREAMED_ROWS / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const i64 key = key_tile * STREAMED_ROWS + n * 8 + 2 * quad_col + (e & 1);
+                float unused_grad;
+                const float p = probability(scores, s.tile[n][e], lse_log2[e >> 1],
+                                            my_rows[e >> 1], key, n_k, masked, &unused_grad);
+                p_sums[e >> 1] += p;
+                pdp_sums[e >> 1] +=
+                    p * dropout_factor(scores, row_states[e >> 1], key) * dp.tile[n][e];
+            }
+    });
+    float row_delta[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float p_sum = p_sums[half], pdp_sum = pdp_sums[half];
+        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 1);
+        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 2);
+        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 1);
+        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 2);
+        row_delta[half] = p_sum == 0.0f ? 0.0f : pdp_sum / p_sum;
+        if (quad_col == 0 && my_rows[half] < n_q) delta[bh * n_q + my_rows[half]] = row_delta[half];
+    }
+
+    // Pass 2: dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
+    Accumulators<HEAD_DIM> dq_acc;
+    dq_acc.clear();
+    load_keys(0, tile_begin);
+    commit_copies();
+    stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
+        const bits16* k_tile = k_tiles + stage * STREAMED_ROWS * kPitch;
+        Accumulators<STREAMED_ROWS> s, dp;
+        two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kPitch,
+                           warp * 16, s, dp);
+        const bool masked = tile_is_masked(key_tile);
+#pragma unroll
+        for (int n = 0; n < STREAMED_ROWS / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const i64 key = key_tile * STREAMED_ROWS + n * 8 + 2 * quad_col + (e & 1);
+                float capped_grad;
+                const float p = probability(scores, s.tile[n][e], lse_log2[e >> 1],
+                                            my_rows[e >> 1], key, n_k, masked, &capped_grad);
+                s.tile[n][e] = p * capped_grad *
+                               (dp.tile[n][e] * dropout_factor(scores, row_states[e >> 1], key) -
+                                row_delta[e >> 1]);
+            }
+        accumulate_product(s, k_tile, dq_acc);
+    });
+    store_rows(dq_acc, scale, dq + bh * n_q * HEAD_DIM, row_start + warp * 16, n_q);
+}
+
+// ------------------------------------------------------------------ dK, dV
+
+extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_mma(
+    const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
+    const float* delta, bits16* dk, bits16* dv, const double* alibi_slopes, i64 n_q, i64 n_k,
+    int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
+    i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
+    SCORE_OPTION_PARAMS) {
+    extern __shared__ __align__(16) bits16 shared_tiles[];
+    bits16* k_tile = shared_tiles;                              // [OWNED_ROWS][kPitch]
+    bits16* v_tile = k_tile + OWNED_ROWS * kPitch;              // [OWNED_ROWS][kPitch]
+    bits16* q_tiles = v_tile + OWNED_ROWS * kPitch;             // [2][STREAMED_ROWS][kPitch]
+    bits16* do_tiles = q_tiles + 2 * STREAMED_ROWS * kPitch;    // [2][STREAMED_ROWS][kPitch]
+    float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * STREAMED_ROWS * kPitch);
+    float* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
+
+    const Band band{band_offset, window_left, window_right};
+    const int n_kv_heads = n_q_heads / group_size;
+    const i64 n_tiles = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
+    const i64 batch_kv_head = static_cast<i64>(blockIdx.x) / n_tiles;
+    const i64 tile = static_cast<i64>(blockIdx.x) % n_tiles;
+    const i64 batch = batch_kv_head / n_kv_heads;
+    const int kv_head = static_cast<int>(batch_kv_head % n_kv_heads);
+    const i64 col_start = tile * OWNED_ROWS;
+    const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int quad_row = lane / 4, quad_col = lane % 4;
+    const i64 my_keys[2] = {col_start + warp * 16 + quad_row,
+                            col_start + warp * 16 + quad_row + 8};
+    bits16* dk_head = dk + batch_kv_head * n_k * HEAD_DIM;
+    bits16* dv_head = dv + batch_kv_head * n_k * HEAD_DIM;
+
+    Accumulators<HEAD_DIM> dk_acc, dv_acc;
+    dk_acc.clear();
+    dv_acc.clear();
+    i64 row_first, row_stop;
+    band_row_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, &row_first,
+                                            &row_stop);
+    const i64 tile_begin = row_first / STREAMED_ROWS;
+    const i64 tile_end =
+        row_stop > row_first ? (row_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
+        store_rows(dk_acc, 0.0f, dk_head, col_start + warp * 16, n_k);
+        store_rows(dv_acc, 0.0f, dv_head, col_start + warp * 16, n_k);
+        return;
+    }
+
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(k_tile, k + batch * k_sb + kv_head * k_sh,
+                                                    k_sn, col_start, n_k);
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(v_tile, v + batch * v_sb + kv_head * v_sh,
+                                                    v_sn, col_start, n_k);
+    commit_copies();
+
+    for (int member = 0; member < group_size; ++member) {
+        const int head = kv_head * group_size + member;
+        const i64 bh = batch * n_q_heads + head;
+        const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
+                                          dropout_threshold, dropout_scale);
+        const bits16* q_head = q + batch * q_sb + head * q_sh;
+        const bits16* do_head = d_out + batch * do_sb + head * do_sh;
+        const auto load_queries = [&](int stage, i64 query_tile) {
+            const i64 start = query_tile * STREAMED_ROWS;
+            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+                q_tiles + stage * STREAMED_ROWS * kPitch, q_head, q_sn, start, n_q);
+            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+                do_tiles + stage * STREAMED_ROWS * kPitch, do_head, do_sn, start, n_q);
+            for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
+                const int r = i % STREAMED_ROWS;
+                const bool valid = start + r < n_q;
+                const float* source = (i < STREAMED_ROWS ? lse : delta) + bh * n_q +
+                                      (valid ? start + r : 0);
+                float* destination = (i < STREAMED_ROWS ? lse_tiles : delta_tiles) +
+                                     stage * STREAMED_ROWS + r;
+                copy_4_async(shared_address(destination), source, valid);
+            }
+        };
+        load_queries(0, tile_begin);
+        commit_copies();
+        stream_tiles(tile_begin, tile_end, load_queries, [&](int stage, i64 query_tile) {
+            const bits16* q_tile = q_tiles + stage * STREAMED_ROWS * kPitch;
+            const bits16* do_tile = do_tiles + stage * STREAMED_ROWS * kPitch;
+            const float* lse_tile = lse_tiles + stage * STREAMED_ROWS;
+            const float* delta_tile = delta_tiles + stage * STREAMED_ROWS;
+            const i64 query_start = query_tile * STREAMED_ROWS;
+            // S^T and dP^T: rows are this warp's keys, columns the tile's queries.
+            Accumulators<STREAMED_ROWS> st, dpt;
+            two_score_products(k_tile, q_tile, v_tile, do_tile, warp * 16, st, dpt);
+            // Queries past n_q get lse = -inf, hence P = 0; keys past n_k are not written.
+            // Neither needs the mask.
+            const bool masked =
+                tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
+#pragma unroll
+            for (int n = 0; n < STREAMED_ROWS / 8; ++n)
+#pragma unroll
+                for (int column = 0; column < 2; ++column) {
+                    const int r = n * 8 + 2 * quad_col + column;
+                    const i64 query = query_start + r;
+                    const bool query_valid = query < n_q;
+                    const float query_lse = lse_base2(query_valid ? lse_tile[r]
+                                                                  : negative_infinity<float>());
+                    const float query_delta = delta_tile[r];
+                    const u32 row_state = dropout_state(scores, query);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int e = 2 * half + column;
+                        const i64 key = my_keys[half];
+                        float capped_grad;
+                        const float p = probability(scores, st.tile[n][e], query_lse, query,
+                                                    key, n_k, masked, &capped_grad);
+                        const float factor = dropout_factor(scores, row_state, key);
+                        st.tile[n][e] = p * factor;
+                        dpt.tile[n][e] =
+                            p * capped_grad * (dpt.tile[n][e] * factor - query_delta);
+                    }
+                }
+            accumulate_product(st, do_tile, dv_acc);
+            accumulate_product(dpt, q_tile, dk_acc);
+        });
+    }
+    store_rows(dk_acc, scale, dk_head, col_start + warp * 16, n_k);
+    store_rows(dv_acc, 1.0f, dv_head, col_start + warp * 16, n_k);
+}

@@ -1,0 +1,151 @@
+// PTX wrappers shared by the tensor-core kernels (attention_mma_forward.cu,
+// attention_mma_backward.cu): cp.async copies, ldmatrix, mma.sync.m16n8k16 and the
+// packing of float pairs into its 16-bit operands. IS_BFLOAT16 (a -D option) picks the type.
+#pragma once
+#include "common.cuh"
+
+typedef unsigned short bits16;
+
+// ------------------------------------------------------------------ PTX wrappers
+
+__device__ __forceinline__ u32 shared_address(const void* pointer) {
+    u32 address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+        : "=r"(address)
+        : "l"(pointer));
+    return address;
+}
+
+// 16 bytes global -> shared, asynchronously; `valid == false` writes 16 zero bytes instead
+// (rows past the end of the sequence must be 0, not stale data: 0 * NaN would be NaN).
+__device__ __forceinline__ void copy_16_async(u32 destination, const void* source, bool valid) {
+    const int source_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination),
+                 "l"(source), "r"(source_bytes));
+}
+// 4 bytes global -> shared (a float of per-row statistics); zeros when `valid == false`.
+__device__ __forceinline__ void copy_4_async(u32 destination, const void* source, bool valid) {
+    const int source_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination),
+                 "l"(source), "r"(source_bytes));
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int Pending> __device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+__device__ __forceinline__ void load_matrix_x4(u32 address, u32* fragment) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+                 : "r"(address));
+}
+__device__ __forceinline__ void load_matrix_x4_transposed(u32 address, u32* fragment) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+                 : "r"(address));
+}
+
+// c += a * b for one m16n8k16 tile, fp32 accumulators.
+__device__ __forceinline__ void mma_16x8x16(float* c, const u32* a, u32 b0, u32 b1) {
+#if IS_BFLOAT16
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats rounded to the input type, `low` in the low half (the lower column index).
+__device__ __forceinline__ u32 pack_pair(float low, float high) {
+    u32 packed;
+#if IS_BFLOAT16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(high), "f"(low));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(high), "f"(low));
+#endif
+    return packed;
+}
+
+// 2^x; -inf gives +0 and NaN stays NaN, which the masking and the NaN semantics rely on.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float result;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x));
+    return result;
+}
+
+// ------------------------------------------------------------------ tiles and fragments
+// Shared tiles hold rows of Cols 16-bit elements padded to Cols + 8: the 16-byte pad puts
+// the 8 rows an ldmatrix phase reads in 8 different bank groups.
+
+template <int Cols> constexpr int kTilePitch = Cols + 8;
+
+// Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
+// columns) into tile[Rows][Cols + 8] by `Threads` threads; rows at or past `row_limit`
+// become zeros.
+template <int Rows, int Cols, int Threads>
+__device__ __forceinline__ void load_tile_async(bits16* tile, const bits16* head,
+                                                i64 row_stride, i64 row_start, i64 row_limit) {
+    constexpr int chunks_per_row = Cols / 8;
+#pragma unroll
+    for (int chunk = threadIdx.x; chunk < Rows * chunks_per_row; chunk += Threads) {
+        const int r = chunk / chunks_per_row, c = chunk % chunks_per_row;
+        const i64 row = row_start + r;
+        const bool valid = row < row_limit;
+        const bits16* source = valid ? head + row * row_stride + c * 8 : head;
+        copy_16_async(shared_address(tile + r * kTilePitch<Cols> + c * 8), source, valid);
+    }
+}
+
+// The A fragment (16 x 16, row-major) at rows [row0, row0 + 16), columns [col0, col0 + 16)
+// of a tile: lanes 0-15 address the rows at col0, lanes 16-31 the same rows at col0 + 8,
+// which is a0..a3 of m16n8k16 in ldmatrix's register order.
+template <int Cols>
+__device__ __forceinline__ void load_a_fragment(const bits16* tile, int row0, int col0,
+                                                u32* fragment) {
+    const int lane = threadIdx.x % 32;
+    load_matrix_x4(shared_address(tile + (row0 + lane % 16) * kTilePitch<Cols> + col0 +
+                                  (lane / 16) * 8),
+                   fragment);
+}
+
+// B fragments of two n8 tiles when B[k][n] = tile[n][k] (the tile's rows are B's
+// columns, e.g. K in S = Q K^T): rows [n0, n0 + 16) at columns [k0, k0 + 16);
+// b[0], b[1] serve columns n0..n0+7, b[2], b[3] columns n0+8..n0+15.
+template <int Cols>
+__device__ __forceinline__ void load_b_fragments(const bits16* tile, int n0, int k0, u32* b) {
+    const int lane = threadIdx.x % 32;
+    load_matrix_x4(shared_address(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) *
+                                             kTilePitch<Cols> +
+                                  k0 + ((lane >> 3) & 1) * 8),
+                   b);
+}
+
+// B fragments of two n8 tiles when B[k][n] = tile[k][n] (e.g. V in O = P V), through the
+// transposing ldmatrix: rows [k0, k0 + 16), columns [n0, n0 + 16).
+template <int Cols>
+__device__ __forceinline__ void load_b_fragments_transposed(const bits16* tile, int k0, int n0,
+                                                            u32* b) {
+    const int lane = threadIdx.x % 32;
+    load_matrix_x4_transposed(
+        shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kTilePitch<Cols> +
+                       n0 + (lane >> 4) * 8),
+        b);
+}
+
+// The A fragment of a 16 x 16 block of a product whose fp32 accumulators are the n8 tiles
+// `left` and `right` (columns 0-7 and 8-15): the accumulator layout of two m16n8 tiles is
+// the A layout of m16k16, so a product's result feeds the next product from registers.
+__device__ __forceinline__ void pack_a_fragment(const float* left, const float* right,
+                                                u32* fragment) {
+    fragment[0] = pack_pair(left[0], left[1]);
+    fragment[1] = pack_pair(left[2], left[3]);
+    fragment[2] = pack_pair(right[0], right[1]);
+    fragment[3] = pack_pair(right[2], right[3]);
+}
