@@ -3,11 +3,13 @@ through CuPy, for CuPy arrays.
 
 Forward: a fused tensor-core kernel (``mma.sync``) for float16/bfloat16 with head dims
 64 and 128, a CUDA-core kernel for everything else (float32 without TF32, float64, any
-head dim up to 256). Backward: one kernel for dQ per query tile, which also forms
+head dim up to 256). Backward: for float16/bfloat16 with D = Dv in {64, 128} (and no tile
+size named by the caller) two tensor-core kernels, otherwise two CUDA-core ones; in both
+families the first kernel computes dQ per query tile and forms
 ``D_i = rowsum(dO_i * O_i)`` as ``sum_j P_ij dP_ij / sum_j P_ij`` from the recomputed
 probabilities (the same quantity without the rounding of the passed ``o`` to the input
-dtype, which for float16 moved dq past its tolerance; ``o`` is not read), then one for
-dK/dV per key tile, summing a GQA group in-block. Nothing depends on scheduling;
+dtype, which for float16 moved dq past its tolerance; ``o`` is not read), then the second
+computes dK/dV per key tile, summing a GQA group in-block. Nothing depends on scheduling;
 ``deterministic=False`` changes nothing here.
 
 Kernels are compiled once per (device, dtype, head dims, tile sizes, option switches) and
