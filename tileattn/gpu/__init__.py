@@ -20,7 +20,9 @@ Importing this module does not import CuPy; `availability` says whether it can r
 
 from __future__ import annotations
 
-from ..options import AttentionOptions
+import numpy as np
+
+from ..options import AttentionOptions, Blocks
 
 MEMORY = "cuda"
 
@@ -55,3 +57,34 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
 
     with q.device:
         return _launch.backward(do, q, k, v, o, lse, options)
+
+
+def hardware() -> dict[str, str]:
+    """The current device as `python -m tileattn info` shows it."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(device.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return {
+        "device": f"{name} (sm_{device.compute_capability}), {props['multiProcessorCount']} SMs",
+        "shared memory per block": f"{props['sharedMemPerBlockOptin'] // 1024} KiB (opt-in)",
+        "L2 cache": f"{props['l2CacheSize'] // 1024**2} MiB",
+        "memory": f"{device.mem_info[1] / 1e9:.1f} GB",
+    }
+
+
+def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict[str, Blocks]:
+    """Default tiles: the tensor-core kernels' for float16/bfloat16 with D = Dv in {64, 128}
+    (backward: the dK/dV kernel's, keys owned by a block x queries streamed), else the
+    generic kernels' capacity for the shared-memory budget."""
+    from . import _launch
+
+    if (np.dtype(dtype).name in ("float16", "bfloat16") and head_dim == value_dim
+            and head_dim in _launch.MMA_HEAD_DIMS):
+        keys_owned, queries_streamed = _launch.MMA_BACKWARD_TILES[head_dim]["dkdv"]
+        return {"forward": _launch.MMA_DEFAULT_BLOCKS[head_dim],
+                "backward": Blocks(block_q=queries_streamed, block_k=keys_owned)}
+    capacity = _launch.GenericConfig.for_problem(dtype, head_dim, value_dim,
+                                                 AttentionOptions()).capacity
+    return {"forward": capacity, "backward": capacity}
