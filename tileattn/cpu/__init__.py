@@ -21,7 +21,7 @@ from ..dropout import dropout_key, dropout_threshold
 from ..options import AttentionOptions, Blocks
 from ..reference import lse_dtype
 from . import blas
-from .blocks import BOUNDARY_SLICE_ROWS, default_blocks, spread_over_threads
+from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
 
 MEMORY = "host"
 
@@ -36,6 +36,25 @@ def availability() -> str | None:
         return ("Numba's np.dot (BLAS gemm, used for every tile) needs SciPy, which is not "
                 "installed: pip install 'tileattn[cpu]'")
     return None
+
+
+def hardware() -> dict[str, str]:
+    """For ``python -m tileattn info``: threads and the cache sizes the tiles come from."""
+    caches = cache_sizes()
+    return {"threads": str(numba.get_num_threads()),
+            "L1d per core": f"{caches.l1d // 1024} KiB",
+            "L2 per core": f"{caches.l2 // 1024} KiB"}
+
+
+def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict[str, Blocks]:
+    """The default tiles per pass for one head (more heads may get smaller query tiles:
+    `blocks.spread_over_threads`)."""
+    itemsize = _compute_dtype(np.dtype(dtype)).itemsize
+    tiles = {}
+    for kind in ("forward", "backward"):
+        blocks = default_blocks(kind, head_dim, value_dim, itemsize)
+        tiles[kind] = Blocks(min(blocks.block_q, n_q), min(blocks.block_k, n_k))
+    return tiles
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
