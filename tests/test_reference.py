@@ -192,3 +192,14 @@ def test_reference_returns_input_dtype():
     o, lse = tileattn.forward(q, q, q, backend="reference", return_lse=True)
     assert o.dtype == np.float16 and lse.dtype == np.float32
     assert AttentionOptions().window_left == -1
+
+
+def test_tiled_form_keeps_nan_rows_nan():
+    q, k, v = (np.random.default_rng(3).standard_normal((1, 1, 6, 4)) for _ in range(3))
+    q[0, 0, 2, 1] = np.nan
+    _, _, _, options = options_for((q, k, v))
+    dense_o, dense_lse = dense_forward(q, k, v, options)
+    tiled_o, tiled_lse = tiled_forward(q, k, v, options, 4, 2)
+    assert np.isnan(dense_o[0, 0, 2]).all() and np.isnan(tiled_o[0, 0, 2]).all()
+    assert_attention_close(tiled_o, dense_o, np.float64)
+    assert_attention_close(tiled_lse, dense_lse, np.float64)

@@ -88,6 +88,16 @@ def _safe_max(row_max):
     return np.where(row_max == -np.inf, 0.0, row_max)
 
 
+def _normalise(values, row_max, row_sum):
+    """``values / row_sum`` and ``lse = row_max + log(row_sum)``; a row with no kept key
+    (row_sum exactly 0) gives 0 and -inf, and a NaN row (non-finite input) stays NaN."""
+    empty = row_sum == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        normalised = np.where(empty, 0.0, values / row_sum)
+        lse = np.where(empty, -np.inf, row_max + np.log(row_sum))[..., 0]
+    return normalised, lse
+
+
 def _as_float64(*arrays):
     return [np.asarray(a, dtype=np.float64) for a in arrays]
 
@@ -107,11 +117,7 @@ def dense_probabilities(q, k, options: AttentionOptions):
     with np.errstate(divide="ignore", invalid="ignore"):  # non-finite inputs give NaN rows
         exps = np.exp(scores - _safe_max(row_max))
         row_sum = exps.sum(axis=-1, keepdims=True)
-        probs = np.where(row_sum > 0, exps / row_sum, 0.0)
-        lse = np.where(row_sum > 0, row_max + np.log(row_sum), -np.inf)[..., 0]
-    # A NaN row (non-finite input) has row_sum NaN: keep it NaN rather than zeroing it.
-    probs = np.where(np.isnan(row_sum), np.nan, probs)
-    lse = np.where(np.isnan(row_sum[..., 0]), np.nan, lse)
+        probs, lse = _normalise(exps, row_max, row_sum)
     return probs, lse, softcap_grad
 
 
@@ -192,11 +198,7 @@ def tiled_forward(q, k, v, options: AttentionOptions, block_q: int, block_k: int
                 probs = probs * dropout
             acc = rescale * acc + probs @ v[:, :, cols]
             row_max = new_max
-        with np.errstate(divide="ignore", invalid="ignore"):
-            o[:, :, rows] = np.where(row_sum > 0, acc / row_sum, 0.0)
-            lse[:, :, rows] = np.where(row_sum > 0, row_max + np.log(row_sum), -np.inf)[..., 0]
-        nan_rows = np.isnan(row_sum[..., 0])
-        lse[:, :, rows] = np.where(nan_rows, np.nan, lse[:, :, rows])
+        o[:, :, rows], lse[:, :, rows] = _normalise(acc, row_max, row_sum)
     return o, lse
 
 
