@@ -8,6 +8,15 @@ halved when causal; backward 2.5x forward) and each anchor's time over tileattn'
 tileattn is faster). Peak extra memory is measured against N, each point in a fresh process
 on the host, so the naive O(N^2) curve can be seen running out of memory while tileattn's
 stays linear. Writes ``results.json``, ``results.md`` and PNG plots into ``--out``.
+
+Method. On each benchmark problem tileattn's result is first compared with every anchor's
+(at the dtype's tolerance), then the implementations take turns, one call each per round.
+On the host the best round counts (on a shared machine it is the figure least disturbed by
+other work, and taking turns exposes everyone to the same disturbance), and each timed call
+waits `SETTLE_SECONDS` first: OpenBLAS's worker threads behind NumPy's matmul keep spinning
+for a while after a call, and whoever ran next lost half the cores to them (measured:
+tileattn's forward at N=2048 ran at 85 GFLOP/s right after naive NumPy, 135 after a pause).
+On the GPU the median round counts, each call synchronised.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import numpy as np
 from . import anchors, backends
 from .api import backward, forward
 from .check import run_check
+from .testing import assert_attention_close
 
 FORWARD_BACKWARD_FACTOR = 3.5  # forward + backward = (1 + 2.5) x forward FLOPs
 
@@ -69,6 +79,9 @@ class BenchResult:
 # --------------------------------------------------------------------------- timing
 
 
+SETTLE_SECONDS = 0.3
+
+
 def _synchronize(memory):
     if memory == "cuda":
         import cupy
@@ -76,19 +89,23 @@ def _synchronize(memory):
         cupy.cuda.get_current_stream().synchronize()
 
 
-def median_seconds(function, memory: str, repeats: int, min_seconds: float = 0.2) -> float:
-    """Median wall time of `function` after a warm-up call (which also compiles)."""
-    function()
-    _synchronize(memory)
-    times = []
-    start_all = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - start_all < min_seconds
-                                   and len(times) < 50):
-        start = time.perf_counter()
+def time_in_turns(functions: dict, memory: str, rounds: int) -> dict:
+    """Seconds per implementation (name -> zero-argument callable), taking turns; see the
+    module doc. Every function runs once untimed first (compilation, caches)."""
+    times = {name: [] for name in functions}
+    for function in functions.values():
         function()
         _synchronize(memory)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    for _ in range(rounds):
+        for name, function in functions.items():
+            if memory == "host":
+                time.sleep(SETTLE_SECONDS)
+            start = time.perf_counter()
+            function()
+            _synchronize(memory)
+            times[name].append(time.perf_counter() - start)
+    pick = min if memory == "host" else (lambda values: float(np.median(values)))
+    return {name: pick(values) for name, values in times.items()}
 
 
 class Progress:
@@ -112,37 +129,55 @@ class Progress:
 # --------------------------------------------------------------------------- implementations
 
 
-def _implementations(backend: str, memory: str):
-    """(name, forward(q, k, v, do, causal), forward_backward(...)) for tileattn and anchors."""
-    impls = [(
-        f"tileattn-{backend}",
-        lambda q, k, v, do, causal: forward(q, k, v, causal=causal, backend=backend),
-        lambda q, k, v, do, causal: backward(
-            do, q, k, v, *forward(q, k, v, causal=causal, backend=backend, return_lse=True),
-            causal=causal, backend=backend),
-    )]
-    if memory == "cuda":
-        import cupy as xp
+def implementations(backend: str, memory: str, blocks: dict | None = None,
+                    with_naive: bool = True) -> dict:
+    """name -> (forward(q, k, v, do, causal), forward_backward(...)) in the backend's memory.
 
-        naive_name = "cupy-naive"
-    else:
-        xp, naive_name = np, "numpy-naive"
-    impls.append((naive_name,
-                  lambda q, k, v, do, causal: anchors.naive_forward(xp, q, k, v, causal),
-                  lambda q, k, v, do, causal: anchors.naive_forward_backward(xp, q, k, v, do,
-                                                                             causal)))
+    Every forward returns ``o`` and every forward_backward ``(dq, dk, dv)``, so results can
+    be compared across implementations.
+    """
+    blocks = blocks or {}
+
+    def ours_forward(q, k, v, do, causal):
+        return forward(q, k, v, causal=causal, backend=backend, **blocks)
+
+    def ours_forward_backward(q, k, v, do, causal):
+        o, lse = forward(q, k, v, causal=causal, backend=backend, return_lse=True, **blocks)
+        return backward(do, q, k, v, o, lse, causal=causal, backend=backend, **blocks)
+
+    table = {f"tileattn-{backend}": (ours_forward, ours_forward_backward)}
+    if with_naive:
+        if memory == "cuda":
+            import cupy as xp
+
+            naive_name = "cupy-naive"
+        else:
+            xp, naive_name = np, "numpy-naive"
+        table[naive_name] = (
+            lambda q, k, v, do, causal: anchors.naive_forward(xp, q, k, v, causal)[0],
+            lambda q, k, v, do, causal: anchors.naive_forward_backward(xp, q, k, v, do,
+                                                                       causal)[1:])
     if anchors.torch_available():
-        impls.append(("torch-sdpa",
-                      lambda q, k, v, do, causal: anchors.torch_sdpa(*_torch(q, k, v), causal),
-                      lambda q, k, v, do, causal: anchors.torch_sdpa(
-                          *_torch(q, k, v), causal, backward=True, do=_torch(do)[0])))
-    return impls
+        table["torch-sdpa"] = (
+            lambda q, k, v, do, causal: _from_torch(anchors.torch_sdpa(*_torch(q, k, v),
+                                                                       causal)),
+            lambda q, k, v, do, causal: tuple(_from_torch(g) for g in anchors.torch_sdpa(
+                *_torch(q, k, v), causal, backward=True, do=_torch(do)[0])))
+    return table
 
 
 def _torch(*arrays):
     import torch
 
     return tuple(torch.from_dlpack(a) for a in arrays)
+
+
+def _from_torch(tensor):
+    if tensor.device.type == "cuda":
+        import cupy
+
+        return cupy.from_dlpack(tensor.detach())
+    return tensor.detach().numpy()
 
 
 def _inputs(memory, batch, heads, n, head_dim, dtype, seed=0):
@@ -160,37 +195,73 @@ def naive_bytes(batch, heads, n, itemsize) -> int:
     return 2 * batch * heads * n * n * itemsize
 
 
+def check_agreement(table: dict, ours: str, inputs, causal: bool, direction: str, dtype):
+    """On the benchmark problem itself, tileattn must agree with every anchor."""
+    index = 0 if direction == "forward" else 1
+    mine = table[ours][index](*inputs, causal)
+    for name, functions in table.items():
+        if name == ours:
+            continue
+        theirs = functions[index](*inputs, causal)
+        pairs = [(mine, theirs)] if direction == "forward" else list(zip(mine, theirs))
+        for label, (a, b) in zip(("o",) if direction == "forward" else ("dq", "dk", "dv"),
+                                 pairs):
+            assert_attention_close(_host(a), _host(b), dtype, name=f"{label} vs {name}")
+
+
+def _host(array):
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
 # --------------------------------------------------------------------------- memory
 
 
 _HOST_MEMORY_PROBE = """
-import resource, sys, numpy as np
+import json, sys
 sys.path.insert(0, {root!r})
+import numpy as np
 from tileattn import benchmark
-impl, n, batch, heads, d, dtype, causal, backend = {args!r}
-name, fwd, fwd_bwd = [i for i in benchmark._implementations(backend, "host") if i[0] == impl][0]
-small = benchmark._inputs("host", 1, 1, 64, d, dtype)
-fwd_bwd(*small, causal)  # compile / warm up outside the measurement
-inputs = benchmark._inputs("host", batch, heads, n, d, dtype)
-outputs = [np.empty_like(a) for a in inputs]  # room for o, dq, dk, dv: not counted as extra
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-fwd_bwd(*inputs, causal)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((after - before) * 1024)
+name, n, head_dim, dtype, causal, backend = {args!r}
+table = benchmark.implementations(backend, "host")
+forward_backward = table[name][1]
+
+def status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field + " not in /proc/self/status")
+
+q, k, v, do = benchmark._inputs("host", 1, 1, n, head_dim, dtype)
+small = benchmark._inputs("host", 1, 1, min(n, 1024), head_dim, dtype)
+forward_backward(*small, causal)  # load kernels and BLAS buffers outside the measurement
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the resident high-water mark VmHWM to the current size
+before = status("VmRSS")
+grads = forward_backward(q, k, v, do, causal)
+peak = status("VmHWM")
+outputs = sum(g.nbytes for g in grads) + q.nbytes + n * 4  # dq, dk, dv; o; a float32 lse
+print(json.dumps(peak - before - outputs))
 """
 
 
-def _host_peak_extra(impl, n, batch, heads, head_dim, dtype, causal, backend):
-    """Peak resident memory beyond inputs and outputs, in a fresh process (ru_maxrss only
-    grows, so each point needs its own process)."""
+def host_peak_extra_bytes(name: str, n: int, head_dim: int = 64, dtype="float32",
+                          causal: bool = True, backend: str = "cpu") -> int:
+    """Peak resident memory that one forward + backward of implementation `name` needs
+    beyond its inputs and outputs (``o``, ``lse``, ``dq``, ``dk``, ``dv``; one head of
+    length `n`), measured in a fresh
+    process: the resident high-water mark is reset (Linux ``/proc/self/clear_refs``) after
+    a warm-up, so compilation and BLAS set-up do not count. tracemalloc cannot see what
+    Numba kernels allocate, so this counts pages."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = _HOST_MEMORY_PROBE.format(root=root, args=(impl, n, batch, heads, head_dim,
+    code = _HOST_MEMORY_PROBE.format(root=root, args=(name, n, head_dim,
                                                       np.dtype(dtype).name, causal, backend))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=1800)
+                            timeout=3600)
     if result.returncode != 0:
-        return None, result.stderr.strip().splitlines()[-1] if result.stderr else "failed"
-    return max(0, int(result.stdout.strip().splitlines()[-1])), ""
+        raise RuntimeError(f"memory probe for {name} at N={n} failed: "
+                           + (result.stderr.strip().splitlines() or ["no output"])[-1])
+    return max(0, int(result.stdout.strip().splitlines()[-1]))
 
 
 def _cuda_peak_extra(function, inputs, causal):
@@ -204,76 +275,79 @@ def _cuda_peak_extra(function, inputs, causal):
     cupy.cuda.get_current_stream().synchronize()
     # Freed blocks stay in the pool, so its total after the call is the call's high-water mark.
     peak = pool.total_bytes() - before
-    outputs = sum(r.nbytes for r in (result if isinstance(result, tuple) else (result,))
-                  if hasattr(r, "nbytes"))
-    return max(0, peak - outputs)
+    return max(0, peak - sum(r.nbytes for r in result))
 
 
 # --------------------------------------------------------------------------- the sweep
 
 
 def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim=64,
-              batch=1, heads=None, sizes=None, memory_sizes=None, progress=True,
-              print_fn=print) -> BenchResult:
+              batch=1, heads=None, sizes=None, memory_sizes=None, rounds=None, blocks=None,
+              progress=True, print_fn=print) -> BenchResult:
     """Check correctness, then time tileattn and the anchors over N; see the module doc."""
     module = backends.load(backend)
     memory = module.MEMORY
     dtype = np.dtype(dtype)
     heads = heads or (8 if memory == "host" else 32)
     if sizes is None:
-        sizes = ([256, 512, 1024] if quick else [512, 1024, 2048, 4096]) if memory == "host" \
+        sizes = ([256, 512, 1024] if quick else [1024, 2048, 4096, 8192]) if memory == "host" \
             else ([1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 16384])
     if memory_sizes is None:
         memory_sizes = [1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]
+    rounds = rounds or (3 if quick else 5)
     if not run_check(heads=2, seq_len=128, head_dim=head_dim, dtype=dtype, names=[backend],
                      repeats=1, print_fn=lambda *a: None):
         raise RuntimeError(f"backend {backend!r} fails the correctness check; not timing it "
                            "(run python -m tileattn check for details)")
     result = BenchResult(backend=backend, device=_device_name(memory), dtype=dtype.name,
                          batch=batch, heads=heads, head_dim=head_dim)
-    impls = _implementations(backend, memory)
+    ours = f"tileattn-{backend}"
     budget_bytes = _naive_budget(memory)
-    bar = Progress(len(sizes) * 2 * len(impls) * 2 + len(memory_sizes) * 2, progress)
-    repeats = 3 if quick else 5
+    naive_fits = {n: naive_bytes(batch, heads, n, dtype.itemsize) * 3 <= budget_bytes
+                  for n in sizes}
+    bar = Progress(len(sizes) * 4 + len(memory_sizes) * 2, progress)
     for n in sizes:
         inputs = _inputs(memory, batch, heads, n, head_dim, dtype)
+        table = implementations(backend, memory, blocks, with_naive=naive_fits[n])
         for causal in (False, True):
-            for name, fwd, fwd_bwd in impls:
-                for direction, function in (("forward", fwd), ("forward+backward", fwd_bwd)):
-                    bar.step(f"{name} N={n} {'causal' if causal else 'full'} {direction}")
-                    too_big = "naive" in name and naive_bytes(
-                        batch, heads, n, dtype.itemsize) * 3 > budget_bytes
-                    if too_big:
-                        result.measurements.append(Measurement(
-                            name, n, causal, direction, None, None, "skipped: O(N^2) memory"))
-                        continue
-                    seconds = median_seconds(lambda: function(*inputs, causal), memory,
-                                             repeats)
-                    flops = attention_flops(batch, heads, n, n, head_dim, causal,
-                                            direction != "forward")
-                    result.measurements.append(Measurement(name, n, causal, direction,
-                                                           seconds, flops / seconds))
-    naive_name = impls[1][0]
+            for index, direction in enumerate(("forward", "forward+backward")):
+                bar.step(f"N={n} {'causal' if causal else 'full'} {direction}")
+                check_agreement(table, ours, inputs, causal, direction, dtype)
+                seconds = time_in_turns(
+                    {name: (lambda f=functions[index]: f(*inputs, causal))
+                     for name, functions in table.items()}, memory, rounds)
+                flops = attention_flops(batch, heads, n, n, head_dim, causal, index == 1)
+                for name, value in seconds.items():
+                    result.measurements.append(Measurement(name, n, causal, direction, value,
+                                                           flops / value))
+                if not naive_fits[n]:
+                    result.measurements.append(Measurement(
+                        _naive_name(memory), n, causal, direction, None, None,
+                        "skipped: O(N^2) memory"))
     for n in memory_sizes:
         modelled = naive_bytes(1, 1, n, dtype.itemsize)
-        for name in (impls[0][0], naive_name):
+        for name in (ours, _naive_name(memory)):
             bar.step(f"memory {name} N={n}")
-            if "naive" in name and modelled * 3 > budget_bytes:
+            if name != ours and modelled * 3 > budget_bytes:
                 result.memory.append(MemoryPoint(name, n, None, modelled,
                                                  "out of memory: needs the N x N matrices"))
                 continue
             if memory == "host":
-                peak, note = _host_peak_extra(name, n, 1, 1, head_dim, dtype, True, backend)
+                peak = host_peak_extra_bytes(name, n, head_dim, dtype, True, backend)
             else:
-                function = [i for i in impls if i[0] == name][0][2]
-                peak, note = _cuda_peak_extra(function, _inputs(memory, 1, 1, n, head_dim,
-                                                                 dtype), True), ""
-            result.memory.append(MemoryPoint(name, n, peak, modelled, note))
+                function = implementations(backend, memory)[name][1]
+                peak = _cuda_peak_extra(function, _inputs(memory, 1, 1, n, head_dim, dtype),
+                                        True)
+            result.memory.append(MemoryPoint(name, n, peak, modelled))
     report = markdown_report(result)
     print_fn(report)
     if out:
         write_outputs(result, report, out, print_fn)
     return result
+
+
+def _naive_name(memory: str) -> str:
+    return "cupy-naive" if memory == "cuda" else "numpy-naive"
 
 
 def _device_name(memory: str) -> str:
@@ -404,8 +478,14 @@ def _plot_memory(result: BenchResult, path: str):
             ax.plot(*zip(*points), marker="o", label=f"{name} (measured)")
     modelled = sorted({(p.n, p.modelled_naive_bytes / 1e6) for p in result.memory})
     ax.plot(*zip(*modelled), linestyle="--", color="gray", label="naive N x N matrices (model)")
-    budget = _naive_budget("cuda" if result.backend == "gpu" else "host") * 4 / 1e6
-    ax.axhline(budget, color="red", linewidth=0.8, label="device memory")
+    out_of_memory = [(p.n, p.modelled_naive_bytes / 1e6) for p in result.memory
+                     if p.peak_extra_bytes is None]
+    if out_of_memory:
+        ax.plot(*zip(*out_of_memory), linestyle="none", marker="x", color="black",
+                markersize=9, label="naive: out of memory (not run)")
+    on_gpu = result.backend == "gpu"
+    budget = _naive_budget("cuda" if on_gpu else "host") * 4 / 1e6
+    ax.axhline(budget, color="red", linewidth=0.8, label="GPU memory" if on_gpu else "RAM")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length N (one head, causal, forward + backward)")
