@@ -123,3 +123,48 @@ def test_dlpack_only_arrays_are_accepted():
     o = tileattn.forward(DLPackOnly(q), DLPackOnly(k), DLPackOnly(v), backend="reference")
     assert isinstance(o, np.ndarray)
     np.testing.assert_array_equal(o, tileattn.forward(q, k, v, backend="reference"))
+
+
+def _gpu_or_skip():
+    from tileattn import backends
+
+    reason = backends.availability("gpu")
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "float32"])
+def test_torch_cuda_tensors_stay_on_the_gpu_and_train(dtype_name):
+    torch = pytest.importorskip("torch")
+    _gpu_or_skip()
+    from tileattn.torch import attention
+
+    arrays = numpy_problem(shape_q=(2, 4, 80, 64), shape_kv=(2, 2, 80, 64))
+    dtype = getattr(torch, dtype_name)
+    q, k, v = (torch.from_numpy(a).to("cuda", dtype).requires_grad_() for a in arrays)
+    o = attention(q, k, v, **OPTIONS)
+    assert o.device.type == "cuda" and o.dtype == dtype
+    do = torch.randn_like(o)
+    o.backward(do)
+    host = [t.detach().float().cpu().numpy() for t in (q, k, v, do)]
+    expected_o, expected_grads = golden(*host)
+    tolerance_dtype = np.float32 if dtype_name == "float32" else (
+        np.float16 if dtype_name == "float16" else pytest.importorskip("ml_dtypes").bfloat16)
+    assert_attention_close(o.detach().float().cpu().numpy(), expected_o, tolerance_dtype)
+    for name, tensor, want in zip("qkv", (q, k, v), expected_grads):
+        assert tensor.grad.device.type == "cuda"
+        assert_attention_close(tensor.grad.float().cpu().numpy(), want, tolerance_dtype,
+                               name=f"d{name}")
+
+
+def test_jax_gpu_arrays_come_back_as_jax_arrays():
+    jax = pytest.importorskip("jax")
+    _gpu_or_skip()
+    if not any(d.platform in ("gpu", "cuda") for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    arrays = numpy_problem()
+    q, k, v = (jax.device_put(a, jax.devices("gpu")[0]) for a in arrays)
+    o = tileattn.forward(q, k, v, **OPTIONS)
+    assert isinstance(o, jax.Array) and o.devices() == q.devices()
+    expected, _ = golden(*arrays, np.ones((2, 4, 12, 8), np.float32))
+    assert_attention_close(np.asarray(o), expected, np.float32)
