@@ -33,7 +33,7 @@ import numpy as np
 from . import anchors, backends
 from .api import backward, forward
 from .check import run_check
-from .testing import assert_attention_close
+from .testing import attention_error
 
 FORWARD_BACKWARD_FACTOR = 3.5  # forward + backward = (1 + 2.5) x forward FLOPs
 
@@ -196,7 +196,10 @@ def naive_bytes(batch, heads, n, itemsize) -> int:
 
 
 def check_agreement(table: dict, ours: str, inputs, causal: bool, direction: str, dtype):
-    """On the benchmark problem itself, tileattn must agree with every anchor."""
+    """On the benchmark problem itself, tileattn must agree with every anchor: within twice
+    the dtype's tolerance, since two results that are each within it of the exact answer
+    can differ by twice it (tileattn's own bound against the golden model is `run_check`).
+    A larger gap means the anchor computes something else, and timing it would mislead."""
     index = 0 if direction == "forward" else 1
     mine = table[ours][index](*inputs, causal)
     for name, functions in table.items():
@@ -206,7 +209,10 @@ def check_agreement(table: dict, ours: str, inputs, causal: bool, direction: str
         pairs = [(mine, theirs)] if direction == "forward" else list(zip(mine, theirs))
         for label, (a, b) in zip(("o",) if direction == "forward" else ("dq", "dk", "dv"),
                                  pairs):
-            assert_attention_close(_host(a), _host(b), dtype, name=f"{label} vs {name}")
+            error = attention_error(_host(a), _host(b), dtype)
+            if error > 2.0:
+                raise AssertionError(f"{label}: tileattn and {name} disagree by {error:.3g}x "
+                                     f"the {np.dtype(dtype).name} tolerance")
 
 
 def _host(array):
