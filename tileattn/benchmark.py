@@ -271,17 +271,32 @@ def host_peak_extra_bytes(name: str, n: int, head_dim: int = 64, dtype="float32"
 
 
 def _cuda_peak_extra(function, inputs, causal):
+    """Peak bytes that `function` holds in CuPy's memory pool beyond its outputs (``o``,
+    ``lse``, ``dq``, ``dk``, ``dv``), counted by a memory hook on every pool allocation and
+    release during the call (the pool itself keeps freed blocks, so its size is no gauge)."""
     import cupy
 
-    pool = cupy.get_default_memory_pool()
+    class PeakBytes(cupy.cuda.MemoryHook):
+        name = "tileattn_peak_bytes"
+
+        def __init__(self):
+            super().__init__()
+            self.current = self.peak = 0
+
+        def malloc_postprocess(self, **kwargs):
+            self.current += kwargs["mem_size"]
+            self.peak = max(self.peak, self.current)
+
+        def free_postprocess(self, **kwargs):
+            self.current -= kwargs["mem_size"]
+
+    q = inputs[0]
     cupy.cuda.get_current_stream().synchronize()
-    pool.free_all_blocks()
-    before = pool.total_bytes()
-    result = function(*inputs, causal)
-    cupy.cuda.get_current_stream().synchronize()
-    # Freed blocks stay in the pool, so its total after the call is the call's high-water mark.
-    peak = pool.total_bytes() - before
-    return max(0, peak - sum(r.nbytes for r in result))
+    with PeakBytes() as hook:
+        grads = function(*inputs, causal)
+        cupy.cuda.get_current_stream().synchronize()
+    outputs = sum(g.nbytes for g in grads) + q.nbytes + q.shape[-2] * 4  # + o and lse
+    return max(0, hook.peak - outputs)
 
 
 # --------------------------------------------------------------------------- the sweep
