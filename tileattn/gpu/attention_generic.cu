@@ -177,13 +177,9 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
     Acc* row_rescale = row_sum + C::block_q;                    // [block_q]
     require_shared_bytes(sizeof(Acc) * (row_rescale + C::block_q - q_tile));
 
-    const i64 n_tiles = (n_q + block_q - 1) / block_q;
-    const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
-    // Later query tiles first: under a causal band they see the most keys.
-    const i64 tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
-    const i64 batch = bh / n_q_heads;
-    const int head = static_cast<int>(bh % n_q_heads);
-    const int kv_head = head / group_size;
+    const QueryTile owned = query_tile_of_block(n_q, block_q, n_q_heads, group_size);
+    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
+    const int head = owned.head, kv_head = owned.kv_head;
     const typename C::T* q_head = q + batch * q_strides.batch + head * q_strides.head;
     const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head;
     const typename C::T* v_head = v + batch * v_strides.batch + kv_head * v_strides.head;
@@ -412,11 +408,9 @@ __device__ void backward_dkdv_tile(
     require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
 
     const int n_kv_heads = n_q_heads / group_size;
-    const i64 n_tiles = (n_k + block_k - 1) / block_k;
-    const i64 batch_kv_head = static_cast<i64>(blockIdx.x) / n_tiles;
-    const i64 tile = static_cast<i64>(blockIdx.x) % n_tiles;
-    const i64 batch = batch_kv_head / n_kv_heads;
-    const int kv_head = static_cast<int>(batch_kv_head % n_kv_heads);
+    const KeyTile owned = key_tile_of_block(n_k, block_k, n_kv_heads);
+    const i64 batch_kv_head = owned.batch_kv_head, tile = owned.tile, batch = owned.batch;
+    const int kv_head = owned.kv_head;
     const i64 col_start = tile * block_k;
     const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
 
@@ -512,12 +506,9 @@ __device__ void backward_dq_tile(
     Acc* p_sums = delta_tile + C::block_q;                    // [block_q]
     require_shared_bytes(sizeof(Acc) * (p_sums + C::block_q - k_tile));
 
-    const i64 n_tiles = (n_q + block_q - 1) / block_q;
-    const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
-    const i64 tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
-    const i64 batch = bh / n_q_heads;
-    const int head = static_cast<int>(bh % n_q_heads);
-    const int kv_head = head / group_size;
+    const QueryTile owned = query_tile_of_block(n_q, block_q, n_q_heads, group_size);
+    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
+    const int head = owned.head, kv_head = owned.kv_head;
     const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head;
     const typename C::T* v_head = v + batch * v_strides.batch + kv_head * v_strides.head;
     const i64 row_start = tile * block_q;

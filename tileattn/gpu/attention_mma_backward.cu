@@ -237,13 +237,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     bits16* v_tiles = k_tiles + 2 * STREAMED_ROWS * kPitch;  // [2][STREAMED_ROWS][kPitch]
 
     const Band band{band_offset, window_left, window_right};
-    const i64 n_tiles = (n_q + OWNED_ROWS - 1) / OWNED_ROWS;
-    const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
-    // Later query tiles first: under a causal band they see the most keys.
-    const i64 tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
-    const i64 batch = bh / n_q_heads;
-    const int head = static_cast<int>(bh % n_q_heads);
-    const int kv_head = head / group_size;
+    const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
+    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
+    const int head = owned.head, kv_head = owned.kv_head;
     const bits16* k_head = k + batch * k_sb + kv_head * k_sh;
     const bits16* v_head = v + batch * v_sb + kv_head * v_sh;
     const i64 row_start = tile * OWNED_ROWS;
@@ -378,11 +374,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 
     const Band band{band_offset, window_left, window_right};
     const int n_kv_heads = n_q_heads / group_size;
-    const i64 n_tiles = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
-    const i64 batch_kv_head = static_cast<i64>(blockIdx.x) / n_tiles;
-    const i64 tile = static_cast<i64>(blockIdx.x) % n_tiles;
-    const i64 batch = batch_kv_head / n_kv_heads;
-    const int kv_head = static_cast<int>(batch_kv_head % n_kv_heads);
+    const KeyTile owned = key_tile_of_block(n_k, OWNED_ROWS, n_kv_heads);
+    const i64 batch_kv_head = owned.batch_kv_head, tile = owned.tile, batch = owned.batch;
+    const int kv_head = owned.kv_head;
     const i64 col_start = tile * OWNED_ROWS;
     const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

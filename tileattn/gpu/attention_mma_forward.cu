@@ -39,13 +39,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     bits16* v_tiles = k_tiles + 2 * BLOCK_K * kPitch;  // [2][BLOCK_K][kPitch]
 
     const Band band{band_offset, window_left, window_right};
-    const i64 n_tiles = (n_q + BLOCK_Q - 1) / BLOCK_Q;
-    const i64 bh = static_cast<i64>(blockIdx.x) / n_tiles;
-    // Later query tiles first: under a causal band they see the most keys.
-    const i64 tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
-    const i64 batch = bh / n_q_heads;
-    const int head = static_cast<int>(bh % n_q_heads);
-    const int kv_head = head / group_size;
+    const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
+    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
+    const int head = owned.head, kv_head = owned.kv_head;
     const bits16* q_head = q + batch * q_sb + head * q_sh;
     const bits16* k_head = k + batch * k_sb + kv_head * k_sh;
     const bits16* v_head = v + batch * v_sb + kv_head * v_sh;

@@ -138,6 +138,49 @@ __device__ __forceinline__ void band_row_range(const Band& band, i64 col_start, 
     *stop = max(lo, hi);
 }
 
+// ------------------------------------------------------------------ which tile a block owns
+// Grids are laid out as (batch * heads) x tiles, tiles fastest.
+
+struct QueryTile {
+    i64 bh;  // flat (batch, query head): the dropout hash's head index
+    i64 batch;
+    int head;
+    int kv_head;  // GQA/MQA: query head h reads kv head h / group_size
+    i64 tile;
+};
+
+// Query-tile kernels run later tiles first: under a causal band they see the most keys, so
+// the longest blocks start earliest and the grid's tail is short ones.
+__device__ __forceinline__ QueryTile query_tile_of_block(i64 n_q, int block_q, int n_q_heads,
+                                                         int group_size) {
+    const i64 n_tiles = (n_q + block_q - 1) / block_q;
+    QueryTile owned;
+    owned.bh = static_cast<i64>(blockIdx.x) / n_tiles;
+    owned.tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
+    owned.batch = owned.bh / n_q_heads;
+    owned.head = static_cast<int>(owned.bh % n_q_heads);
+    owned.kv_head = owned.head / group_size;
+    return owned;
+}
+
+struct KeyTile {
+    i64 batch_kv_head;  // flat (batch, kv head): the row of dK/dV's (B * Hkv, Nk, D) layout
+    i64 batch;
+    int kv_head;
+    i64 tile;
+};
+
+// Key-tile kernels (dK/dV) own one kv head's key tile and loop over its query heads.
+__device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads) {
+    const i64 n_tiles = (n_k + block_k - 1) / block_k;
+    KeyTile owned;
+    owned.batch_kv_head = static_cast<i64>(blockIdx.x) / n_tiles;
+    owned.tile = static_cast<i64>(blockIdx.x) % n_tiles;
+    owned.batch = owned.batch_kv_head / n_kv_heads;
+    owned.kv_head = static_cast<int>(owned.batch_kv_head % n_kv_heads);
+    return owned;
+}
+
 // ------------------------------------------------------------------ warp reductions
 // fmax, not a comparison: a NaN score must not win the maximum, it must reach the row sum
 // through exp(NaN) so that the row (and only that row) comes out NaN, as in the golden model.
