@@ -35,7 +35,7 @@ def main(argv=None):
     blocks = {key: value for key, value in (("block_q", args.block_q),
                                             ("block_k", args.block_k)) if value}
     run_bench(backend="cpu", sizes=args.sizes, rounds=args.rounds, heads=args.heads,
-              head_dim=args.head_dim, blocks=blocks, memory_sizes=[], out=args.out)
+              head_dims=args.head_dim, blocks=blocks, memory_sizes=[], out=args.out)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,12 @@ def test_naive_anchor_is_attention():
 
 def test_bench_writes_json_markdown_and_plots(tmp_path):
     result = run_bench(backend="cpu", sizes=[128], memory_sizes=[256], out=str(tmp_path),
+                       head_dims=(16, 32),
                        heads=2, progress=False, print_fn=lambda *a: None)
     names = {m.implementation for m in result.measurements}
     assert {"tileattn-cpu", "numpy-naive"} <= names
     assert all(m.seconds and m.seconds > 0 for m in result.measurements)
+    assert {m.head_dim for m in result.measurements} == {16, 32}
     assert {p.implementation for p in result.memory} == {"tileattn-cpu", "numpy-naive"}
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["backend"] == "cpu" and len(saved["measurements"]) == len(result.measurements)

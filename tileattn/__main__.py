@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     bench.add_argument("--out", default=None, help="folder for JSON, markdown and PNG plots")
     bench.add_argument("--sizes", type=int, nargs="+", default=None,
                        help="sequence lengths to time")
-    bench.add_argument("--head-dim", type=int, default=64)
+    bench.add_argument("--head-dims", type=int, nargs="+", default=[64],
+                       help="head dims to sweep (memory is measured at the first)")
     bench.add_argument("--heads", type=int, default=None)
     bench.add_argument("--batch", type=int, default=1)
     bench.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
 
     backend = args.backend or ("gpu" if backends.availability("gpu") is None else "cpu")
     run_bench(backend=backend, quick=args.quick, out=args.out, dtype=_dtype(args.dtype),
-              head_dim=args.head_dim, batch=args.batch, heads=args.heads, sizes=args.sizes)
+              head_dims=args.head_dims, batch=args.batch, heads=args.heads, sizes=args.sizes)
     return 0
 
 

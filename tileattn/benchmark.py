@@ -47,6 +47,7 @@ def attention_flops(batch, heads, n_q, n_k, head_dim, causal, with_backward=Fals
 @dataclass
 class Measurement:
     implementation: str
+    head_dim: int
     n: int
     causal: bool
     direction: str  # "forward" or "forward+backward"
@@ -71,7 +72,7 @@ class BenchResult:
     dtype: str
     batch: int
     heads: int
-    head_dim: int
+    head_dims: list
     measurements: list = field(default_factory=list)
     memory: list = field(default_factory=list)
 
@@ -302,10 +303,12 @@ def _cuda_peak_extra(function, inputs, causal):
 # --------------------------------------------------------------------------- the sweep
 
 
-def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim=64,
+def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dims=(64,),
               batch=1, heads=None, sizes=None, memory_sizes=None, rounds=None, blocks=None,
               progress=True, print_fn=print) -> BenchResult:
-    """Check correctness, then time tileattn and the anchors over N; see the module doc."""
+    """Check correctness, then time tileattn and the anchors over head dims and N (causal
+    and not); measure memory against N at the first head dim. See the module doc."""
+    head_dims = [head_dims] if isinstance(head_dims, int) else list(head_dims)
     module = backends.load(backend)
     memory = module.MEMORY
     dtype = np.dtype(dtype)
@@ -316,34 +319,35 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
     if memory_sizes is None:
         memory_sizes = [1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]
     rounds = rounds or (3 if quick else 5)
-    if not run_check(heads=2, seq_len=128, head_dim=head_dim, dtype=dtype, names=[backend],
-                     repeats=1, print_fn=lambda *a: None):
-        raise RuntimeError(f"backend {backend!r} fails the correctness check; not timing it "
-                           "(run python -m tileattn check for details)")
+    for d in head_dims:
+        if not run_check(heads=2, seq_len=128, head_dim=d, dtype=dtype, names=[backend],
+                         repeats=1, print_fn=lambda *a: None):
+            raise RuntimeError(f"backend {backend!r} fails the correctness check at D={d}; "
+                               "not timing it (run python -m tileattn check for details)")
     result = BenchResult(backend=backend, device=_device_name(memory), dtype=dtype.name,
-                         batch=batch, heads=heads, head_dim=head_dim)
+                         batch=batch, heads=heads, head_dims=head_dims)
     ours = f"tileattn-{backend}"
     budget_bytes = _naive_budget(memory)
     naive_fits = {n: naive_bytes(batch, heads, n, dtype.itemsize) * 3 <= budget_bytes
                   for n in sizes}
-    bar = Progress(len(sizes) * 4 + len(memory_sizes) * 2, progress)
-    for n in sizes:
+    bar = Progress(len(head_dims) * len(sizes) * 4 + len(memory_sizes) * 2, progress)
+    for head_dim, n in ((d, n) for d in head_dims for n in sizes):
         inputs = _inputs(memory, batch, heads, n, head_dim, dtype)
         table = implementations(backend, memory, blocks, with_naive=naive_fits[n])
         for causal in (False, True):
             for index, direction in enumerate(("forward", "forward+backward")):
-                bar.step(f"N={n} {'causal' if causal else 'full'} {direction}")
+                bar.step(f"D={head_dim} N={n} {'causal' if causal else 'full'} {direction}")
                 check_agreement(table, ours, inputs, causal, direction, dtype)
                 seconds = time_in_turns(
                     {name: (lambda f=functions[index]: f(*inputs, causal))
                      for name, functions in table.items()}, memory, rounds)
                 flops = attention_flops(batch, heads, n, n, head_dim, causal, index == 1)
                 for name, value in seconds.items():
-                    result.measurements.append(Measurement(name, n, causal, direction, value,
-                                                           flops / value))
+                    result.measurements.append(Measurement(name, head_dim, n, causal,
+                                                           direction, value, flops / value))
                 if not naive_fits[n]:
                     result.measurements.append(Measurement(
-                        _naive_name(memory), n, causal, direction, None, None,
+                        _naive_name(memory), head_dim, n, causal, direction, None, None,
                         "skipped: O(N^2) memory"))
     for n in memory_sizes:
         modelled = naive_bytes(1, 1, n, dtype.itemsize)
@@ -354,11 +358,11 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
                                                  "out of memory: needs the N x N matrices"))
                 continue
             if memory == "host":
-                peak = host_peak_extra_bytes(name, n, head_dim, dtype, True, backend)
+                peak = host_peak_extra_bytes(name, n, head_dims[0], dtype, True, backend)
             else:
                 function = implementations(backend, memory)[name][1]
-                peak = _cuda_peak_extra(function, _inputs(memory, 1, 1, n, head_dim, dtype),
-                                        True)
+                inputs = _inputs(memory, 1, 1, n, head_dims[0], dtype)
+                peak = _cuda_peak_extra(function, inputs, True)
             result.memory.append(MemoryPoint(name, n, peak, modelled))
     report = markdown_report(result)
     print_fn(report)
@@ -413,27 +417,29 @@ def markdown_report(result: BenchResult) -> str:
     ours = f"tileattn-{result.backend}"
     names = sorted({m.implementation for m in result.measurements},
                    key=lambda n: (n != ours, n))
-    index = {(m.implementation, m.n, m.causal, m.direction): m for m in result.measurements}
+    index = {(m.implementation, m.head_dim, m.n, m.causal, m.direction): m
+             for m in result.measurements}
     lines = [f"tileattn bench: {result.backend} on {result.device}, {result.dtype}, "
-             f"B={result.batch}, H={result.heads}, D={result.head_dim}", "",
-             "| N | causal | pass | " + " | ".join(f"{n} {unit_name}" for n in names)
+             f"B={result.batch}, H={result.heads}", "",
+             "| D | N | causal | pass | " + " | ".join(f"{n} {unit_name}" for n in names)
              + " | " + " | ".join(f"vs {n}" for n in names if n != ours) + " |",
-             "|" + "---|" * (3 + 2 * len(names) - 1)]
-    for n in sorted({m.n for m in result.measurements}):
+             "|" + "---|" * (4 + 2 * len(names) - 1)]
+    for d, n in sorted({(m.head_dim, m.n) for m in result.measurements}):
         for causal in (False, True):
             for direction in ("forward", "forward+backward"):
-                cells = [index.get((name, n, causal, direction)) for name in names]
+                cells = [index.get((name, d, n, causal, direction)) for name in names]
                 rates = [_rate(c.flops_per_second if c else None, unit) for c in cells]
-                mine = index.get((ours, n, causal, direction))
+                mine = index.get((ours, d, n, causal, direction))
                 ratios = []
                 for name, cell in zip(names, cells):
                     if name == ours:
                         continue
                     ratios.append("—" if not cell or cell.seconds is None or not mine
                                   else f"{cell.seconds / mine.seconds:.2f}x")
-                lines.append(f"| {n} | {'yes' if causal else 'no'} | {direction} | "
+                lines.append(f"| {d} | {n} | {'yes' if causal else 'no'} | {direction} | "
                              + " | ".join(rates) + " | " + " | ".join(ratios) + " |")
     lines += ["", "Ratios are the anchor's time over tileattn's (> 1: tileattn is faster).", "",
+              f"Memory: one head, D={result.head_dims[0]}, causal forward + backward.", "",
               "| N | implementation | peak extra memory (MB) | naive N x N matrices (MB) |",
               "|---|---|---|---|"]
     for point in result.memory:
@@ -468,12 +474,15 @@ def _plot_speed(result: BenchResult, path: str):
     for row, direction in enumerate(("forward", "forward+backward")):
         for column, causal in enumerate((False, True)):
             ax = axes[row][column]
-            for name in sorted({m.implementation for m in result.measurements}):
+            for name, d in sorted({(m.implementation, m.head_dim)
+                                   for m in result.measurements}):
                 points = [(m.n, m.flops_per_second / unit) for m in result.measurements
-                          if m.implementation == name and m.causal == causal
-                          and m.direction == direction and m.flops_per_second]
+                          if m.implementation == name and m.head_dim == d
+                          and m.causal == causal and m.direction == direction
+                          and m.flops_per_second]
+                label = name if len(result.head_dims) == 1 else f"{name} D={d}"
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=name)
+                    ax.plot(*zip(*points), marker="o", label=label)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{direction}, {'causal' if causal else 'no mask'}")
             ax.set_ylabel(unit_name)
@@ -482,7 +491,8 @@ def _plot_speed(result: BenchResult, path: str):
     for ax in axes[1]:
         ax.set_xlabel("sequence length N")
     figure.suptitle(f"tileattn {result.backend} on {result.device} ({result.dtype}, "
-                    f"B={result.batch}, H={result.heads}, D={result.head_dim})", fontsize=10)
+                    f"B={result.batch}, H={result.heads}, "
+                    f"D={', '.join(map(str, result.head_dims))})", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
