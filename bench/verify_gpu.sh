@@ -4,6 +4,7 @@
 #   the whole test suite (GPU, interop with torch/JAX CUDA arrays, and everything else),
 #   compute-sanitizer memcheck and racecheck over bench/sanitize_gpu.py,
 #   python -m tileattn check / info, and python -m tileattn bench --backend gpu --quick.
+# PYTEST_SELECT narrows the tests (e.g. PYTEST_SELECT="-k gpu"); default: all of them.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 logs=${OUT:-verify-gpu-logs}
@@ -18,7 +19,7 @@ step() {  # step NAME TIMEOUT COMMAND...: run, append its output to verify.log, 
   cat "$logs/step.log" >>"$logs/verify.log"
   tail -n "${TAIL:-4}" "$logs/step.log"
 }
-step pytest 300 python3 -m pytest tests -q -n 8 -p no:cacheprovider -rs
+step pytest 300 python3 -m pytest tests -q -n 8 -p no:cacheprovider -rs ${PYTEST_SELECT:-}
 step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_gpu.py
 step racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_gpu.py
 TAIL=12 step check 120 python3 -m tileattn check --dtype float16
