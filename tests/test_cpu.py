@@ -119,8 +119,8 @@ def test_default_blocks_are_powers_of_two_that_fit_the_caches():
     l2 = cpu_blocks.cache_sizes().l2
     for head_dim in (16, 64, 128, 256):
         for itemsize in (4, 8):
-            for kind in ("forward", "backward"):
-                blocks = cpu_blocks.default_blocks(kind, head_dim, head_dim, itemsize)
+            for kind, masked in (("forward", True), ("forward", False), ("backward", True)):
+                blocks = cpu_blocks.default_blocks(kind, head_dim, head_dim, itemsize, masked)
                 for size in (blocks.block_q, blocks.block_k):
                     assert 32 <= size <= 1024 and size & (size - 1) == 0
                 # the K and V rows of a key tile take at most half of L2
@@ -128,6 +128,8 @@ def test_default_blocks_are_powers_of_two_that_fit_the_caches():
     forward = cpu_blocks.default_blocks("forward", 64, 64, 4)
     backward = cpu_blocks.default_blocks("backward", 64, 64, 4)
     assert backward.block_q <= forward.block_q
+    # without a mask the forward takes taller query tiles (no cut diagonal to slice)
+    assert cpu_blocks.default_blocks("forward", 64, 64, 4, masked=False).block_q >= forward.block_q
 
 
 def test_cache_sizes_parse_sysfs_and_fall_back(monkeypatch, tmp_path):

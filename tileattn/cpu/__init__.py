@@ -48,11 +48,12 @@ def hardware() -> dict[str, str]:
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict[str, Blocks]:
     """The default tiles per pass for one head (more heads may get smaller query tiles:
-    `blocks.spread_over_threads`)."""
+    `blocks.spread_over_threads`); the forward's are those without a mask (a causal or
+    window mask halves its ``block_q``)."""
     itemsize = _compute_dtype(np.dtype(dtype)).itemsize
     tiles = {}
     for kind in ("forward", "backward"):
-        blocks = default_blocks(kind, head_dim, value_dim, itemsize)
+        blocks = default_blocks(kind, head_dim, value_dim, itemsize, masked=False)
         tiles[kind] = Blocks(min(blocks.block_q, n_q), min(blocks.block_k, n_k))
     return tiles
 
@@ -74,7 +75,7 @@ def _blocks(kind: str, q, v, options: AttentionOptions, n_threads: int) -> Block
     Without an override, ``block_q`` shrinks until every thread has work (`blocks.py`).
     """
     batch, n_q_heads, n_q, head_dim = q.shape
-    defaults = default_blocks(kind, head_dim, v.shape[3], q.itemsize)
+    defaults = default_blocks(kind, head_dim, v.shape[3], q.itemsize, options.is_masked)
     block_q = spread_over_threads(defaults.block_q,
                                   lambda size: batch * n_q_heads * -(-n_q // size), n_threads)
     blocks = Blocks(block_q, defaults.block_k).resolve(options.block_q, options.block_k)
