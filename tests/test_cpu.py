@@ -161,6 +161,31 @@ def test_query_tiles_shrink_until_every_thread_has_work():
     assert cpu_blocks.spread_over_threads(512, lambda size: 100, 2) == 512
 
 
+@pytest.mark.parametrize("n_q, n_k, window_left, window_right",
+                         [(1000, 1000, -1, 0), (700, 1000, -1, 0), (1000, 600, 100, 30),
+                          (512, 512, -1, -1)])
+def test_tasks_run_longest_first(n_q, n_k, window_left, window_right):
+    """The order `schedule.longest_first` deals tiles in, for query and for key tiles,
+    against kept pairs counted from `tileattn.options.keeps`."""
+    from tileattn.cpu.schedule import longest_first
+    from tileattn.options import keeps
+
+    kept = keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_q, n_k, window_left,
+                 window_right)
+    block = 128
+    for along_keys in (False, True):
+        pairs = kept.T if along_keys else kept
+        n_tiles = -(-pairs.shape[0] // block)
+        cost = [pairs[t * block:(t + 1) * block].sum() for t in range(n_tiles)]
+        if along_keys:
+            order = longest_first(n_tiles, block, n_k, n_q, window_right, window_left)
+        else:
+            order = longest_first(n_tiles, block, n_q, n_k, window_left, window_right)
+        assert sorted(order) == list(range(n_tiles))
+        costs = [cost[t] for t in order]
+        assert costs == sorted(costs, reverse=True)
+
+
 # --------------------------------------------------------------------------- layouts, dtypes
 
 

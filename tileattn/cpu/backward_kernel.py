@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import dropout
+from .schedule import claim_next, longest_first
 from .tiles import (key_span, mask_tile, row_span, tile_is_fully_kept, tile_view,
                     transform_tile)
 from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive
@@ -294,39 +295,50 @@ def backward_by_heads(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, 
 def backward_key_tiles(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                        block_q, block_k, slice_rows, n_threads):
-    """``dK`` and ``dV``, one task per (batch, kv head, key tile), dealt round-robin.
+    """``dK`` and ``dV``, one task per (batch, kv head, key tile), longest first, each
+    thread claiming the next when it is free (`schedule`; causal key tiles shrink along the
+    sequence).
 
     `dq` is only sliced, never written: `_key_tile` serves both schedules.
     """
     batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
     n_k_tiles = (n_k + block_k - 1) // block_k
-    n_tasks = batch * n_kv_heads * n_k_tiles
+    n_heads = batch * n_kv_heads
+    n_tasks = n_heads * n_k_tiles
     n_workers = min(n_threads, n_tasks)
+    tile_order = longest_first(n_k_tiles, block_k, n_k, q.shape[2], window_right, window_left)
+    next_task = np.zeros(1, np.int64)
     for worker in prange(n_workers):
         scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
-        for task in range(worker, n_tasks, n_workers):
-            b = task // (n_kv_heads * n_k_tiles)
-            kv_head = task // n_k_tiles % n_kv_heads
-            _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head,
-                      task % n_k_tiles * block_k, False, scale, softcap, alibi_slopes,
-                      window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                      block_q, block_k, slice_rows, scratch)
+        task = claim_next(next_task)
+        while task < n_tasks:
+            bkv = task % n_heads
+            _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, bkv // n_kv_heads,
+                      bkv % n_kv_heads, tile_order[task // n_heads] * block_k, False, scale,
+                      softcap, alibi_slopes, window_left, window_right, dropout_key,
+                      dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
+            task = claim_next(next_task)
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
 def backward_query_tiles(q, k, v, do, lse_log2, delta, dq, scale, softcap, alibi_slopes,
                          window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                          block_q, block_k, slice_rows, n_threads):
-    """``dQ``, one task per (batch, query head, query tile), dealt round-robin."""
+    """``dQ``, one task per (batch, query head, query tile), longest first, claimed."""
     batch, n_q_heads, n_q = q.shape[0], q.shape[1], q.shape[2]
     n_q_tiles = (n_q + block_q - 1) // block_q
-    n_tasks = batch * n_q_heads * n_q_tiles
+    n_heads = batch * n_q_heads
+    n_tasks = n_heads * n_q_tiles
     n_workers = min(n_threads, n_tasks)
+    tile_order = longest_first(n_q_tiles, block_q, n_q, k.shape[2], window_left, window_right)
+    next_task = np.zeros(1, np.int64)
     for worker in prange(n_workers):
         scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
-        for task in range(worker, n_tasks, n_workers):
-            b = task // (n_q_heads * n_q_tiles)
-            h = task // n_q_tiles % n_q_heads
-            _query_tile(q, k, v, do, lse_log2, delta, dq, b, h, task % n_q_tiles * block_q,
-                        scale, softcap, alibi_slopes, window_left, window_right, dropout_key,
-                        dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
+        task = claim_next(next_task)
+        while task < n_tasks:
+            bh = task % n_heads
+            _query_tile(q, k, v, do, lse_log2, delta, dq, bh // n_q_heads, bh % n_q_heads,
+                        tile_order[task // n_heads] * block_q, scale, softcap, alibi_slopes,
+                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                        block_q, block_k, slice_rows, scratch)
+            task = claim_next(next_task)

@@ -55,7 +55,12 @@ def _kept_pairs(row_start, row_stop, n_q, n_k, window_left, window_right):
 
 @njit
 def longest_first(n_tiles, block, n_rows, n_cols, window_left, window_right):
-    """Tile indices along the sequence, the most kept (row, key) pairs first (stable)."""
+    """Query-tile indices, the most kept (row, key) pairs first (stable).
+
+    For key tiles, swap the roles: ``longest_first(n_k_tiles, block_k, n_k, n_q,
+    window_right, window_left)`` (key ``j`` is kept by rows ``j - offset - window_right``
+    to ``j - offset + window_left``, the same band transposed).
+    """
     cost = np.empty(n_tiles, np.int64)
     for tile in range(n_tiles):
         start = tile * block
