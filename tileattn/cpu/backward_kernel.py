@@ -276,19 +276,26 @@ def _scratch(block_q, block_k, head_dim, value_dim, softcap, dtype):
 def backward_by_heads(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                       window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                       block_q, block_k, slice_rows, n_threads):
-    """All gradients, one task per (batch, kv head); `dq` must start zeroed."""
+    """All gradients, one task per (batch, kv head); `dq` must start zeroed.
+
+    The tasks cost the same, but each thread still claims the next when it is free
+    (`schedule`): on the shared machine a core slowed by other work then runs fewer heads.
+    """
     batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
     n_tasks = batch * n_kv_heads
     n_workers = min(n_threads, n_tasks)
+    next_task = np.zeros(1, np.int64)
     for worker in prange(n_workers):
         scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
-        for task in range(worker, n_tasks, n_workers):
+        task = claim_next(next_task)
+        while task < n_tasks:
             b, kv_head = task // n_kv_heads, task % n_kv_heads
             for col_start in range(0, n_k, block_k):
                 _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start,
                           True, scale, softcap, alibi_slopes, window_left, window_right,
                           dropout_key, dropout_threshold, inv_keep, block_q, block_k,
                           slice_rows, scratch)
+            task = claim_next(next_task)
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
