@@ -14,6 +14,7 @@ from tileattn import backends
 from tileattn.dropout import keep_mask
 from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close, bfloat16
+from tileattn.validation import validate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,6 +128,32 @@ def test_every_tensor_core_tile_shape(blocks):
                                       _options_of(q, options)) == tileattn.Blocks(*blocks)
     o = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", **options)
     assert_attention_close(o.get(), _golden(q, k, v, **options)[0], q.dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rows,q_in_registers", [(16, True), (32, True), (32, False)])
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
+                         ids=["causal", "every-option"])
+def test_every_tensor_core_warp_layout(head_dim, rows, q_in_registers, options):
+    """Warps of 16 or 32 query rows, Q fragments kept or re-read, on edge and masked tiles."""
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+                      np.float16)
+    arrays = [cupy.asarray(a) for a in (q, k, v)]
+    o = cupy.empty(arrays[0].shape, dtype=arrays[0].dtype)
+    lse = cupy.empty(arrays[0].shape[:3], dtype=cupy.float32)
+    attention_options = _resolved_options(q, k, v, options)
+    _launch.forward_tensor_core(*arrays, o, lse, attention_options, tileattn.Blocks(128, 64),
+                                _launch.WarpLayout(rows, q_in_registers))
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+
+
+def _resolved_options(q, k, v, options):
+    """The AttentionOptions the API would pass a backend for these keyword options."""
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    return validate(q, k, v, **{**defaults, **options}).options
 
 
 def _options_of(q, options):

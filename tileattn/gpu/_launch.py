@@ -37,6 +37,26 @@ MMA_BLOCK_Q = (64, 128)
 MMA_BLOCK_K = (32, 64, 128)
 # The fastest tiles of the sweep in bench/NOTES-gpu.md (H100, float16, N = 4096).
 MMA_DEFAULT_BLOCKS = {64: Blocks(128, 64), 128: Blocks(128, 128)}
+MMA_WARP_ROWS = (16, 32)
+
+
+@dataclass(frozen=True)
+class WarpLayout:
+    """How the forward's warps share a query tile: each owns `rows` (16 or 32) query rows,
+    and keeps its Q fragments in registers or re-reads them from shared memory."""
+
+    rows: int
+    q_in_registers: bool
+
+
+# Per head dim, the layout for the default tiles (bench/NOTES-gpu.md, v3 sweep).
+MMA_DEFAULT_LAYOUTS = {64: WarpLayout(32, True), 128: WarpLayout(16, True)}
+
+
+def warp_layout(head_dim: int, blocks: Blocks) -> WarpLayout:
+    """The default layout of the head dim when it divides the query tile, else 16 rows."""
+    layout = MMA_DEFAULT_LAYOUTS[head_dim]
+    return layout if blocks.block_q % layout.rows == 0 else WarpLayout(16, True)
 # Tensor-core backward tiles per head dim, (owned rows, streamed rows) of each kernel: the
 # dQ kernel owns query rows and streams key tiles, the dK/dV kernel the reverse. 128 owned
 # rows = 8 warps; 64 streamed rows keep S and dP at 32 registers each, which with the
@@ -223,12 +243,17 @@ def mma_shared_bytes(head_dim: int, blocks: Blocks) -> int:
     return 2 * (blocks.block_q + 4 * blocks.block_k) * (head_dim + 8)
 
 
-def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Blocks):
+def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Blocks,
+                        layout: WarpLayout | None = None):
+    """`layout`: by default `warp_layout` of the head dim (the benchmark's sweep passes
+    others)."""
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
+    layout = layout or warp_layout(head_dim, blocks)
     switches = Switches.of(options)
     defines = (("BLOCK_K", blocks.block_k), ("BLOCK_Q", blocks.block_q),
-               ("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16"))
+               ("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
+               ("Q_IN_REGISTERS", int(layout.q_in_registers)), ("WARP_ROWS", layout.rows)
                ) + switches.defines()
     shared = mma_shared_bytes(head_dim, blocks)
     function = _compile.kernel(MMA_SOURCE, "attention_forward_mma", tuple(sorted(defines)),
@@ -236,7 +261,7 @@ def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Bloc
     (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
     n_tiles = -(-n_q // blocks.block_q)
     grid = (n_tiles * batch * n_q_heads,)
-    function(grid, (blocks.block_q // 16 * 32,),
+    function(grid, (blocks.block_q // layout.rows * 32,),
              (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
               np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), *q_strides[:3],
               *k_strides[:3], *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)),

@@ -1,8 +1,13 @@
 // Tensor-core forward for float16 / bfloat16 with D = Dv in {64, 128} (sm_80 and later).
 //
 // FlashAttention-2 forward (Algorithm 1) on mma.sync.m16n8k16 (fp16/bf16 in, fp32 out):
-// * one block per (batch, head, query tile); BLOCK_Q / 16 warps, each owning 16 query rows
-//   whose Q fragments stay in registers for the whole key loop;
+// * one block per (batch, head, query tile); BLOCK_Q / WARP_ROWS warps, each owning
+//   WARP_ROWS (16 or 32) query rows. A warp of 32 rows multiplies every K and V fragment it
+//   loads twice, halving the ldmatrix traffic per mma (at 16 rows the loop is bound by
+//   shared-memory bandwidth, not by the tensor cores);
+// * Q fragments stay in registers for the whole key loop (Q_IN_REGISTERS) or are re-read
+//   from the shared Q tile for each product, which frees registers for 32-row warps at
+//   D = 128;
 // * K/V tiles stream through shared memory with cp.async, two stages: tile t+1 is in
 //   flight while tile t is multiplied;
 // * S = Q K^T lands in accumulator registers; the online softmax runs on them in the
@@ -15,15 +20,17 @@
 //   only on tiles that straddle the band edge or the end of the keys.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, BLOCK_Q, BLOCK_K,
-// LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// WARP_ROWS, Q_IN_REGISTERS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
 #include "mma.cuh"
 
-constexpr int kWarps = BLOCK_Q / 16;
+constexpr int kRowTiles = WARP_ROWS / 16;  // m16 tiles per warp
+constexpr int kWarps = BLOCK_Q / WARP_ROWS;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPitch = HEAD_DIM + 8;         // shared row pitch in 16-bit elements
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-static_assert(HEAD_DIM % 16 == 0 && BLOCK_K % 16 == 0 && BLOCK_Q % 16 == 0, "mma tiles");
+static_assert(HEAD_DIM % 16 == 0 && BLOCK_K % 16 == 0 && BLOCK_Q % WARP_ROWS == 0 &&
+                  WARP_ROWS % 16 == 0, "mma tiles");
 
 // ------------------------------------------------------------------ the kernel
 
@@ -50,8 +57,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad_row = lane / 4, quad_col = lane % 4;  // accumulator fragment coordinates
-    // This thread's two rows of every accumulator fragment: [0] and [0] + 8.
-    const i64 my_rows[2] = {row_start + warp * 16 + quad_row, row_start + warp * 16 + quad_row + 8};
+    const int warp_row0 = warp * WARP_ROWS;                // first tile row of this warp
+    // This thread's two rows of every accumulator fragment of row tile m: [m][0], [m][0] + 8.
+    i64 my_rows[kRowTiles][2];
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m) {
+        my_rows[m][0] = row_start + warp_row0 + m * 16 + quad_row;
+        my_rows[m][1] = my_rows[m][0] + 8;
+    }
 
     i64 key_first, key_stop;
     band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
@@ -78,27 +91,41 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 
     // Q fragments (A operand): lanes 0-15 address rows 0-15 at column 0, lanes 16-31 the
     // same rows at column 8, giving a0..a3 of m16n8k16 in ldmatrix's register order.
-    u32 q_fragments[HEAD_DIM / 16][4];
+#if Q_IN_REGISTERS
+    u32 q_fragments[kRowTiles][HEAD_DIM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        load_a_fragment<HEAD_DIM>(q_tile, warp * 16, kk * 16, q_fragments[kk]);
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            load_a_fragment<HEAD_DIM>(q_tile, warp_row0 + m * 16, kk * 16, q_fragments[m][kk]);
+#endif
 
-    float o_acc[HEAD_DIM / 8][4];
+    float o_acc[kRowTiles][HEAD_DIM / 8][4];
 #pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n)
-        o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.0f;
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            o_acc[m][n][0] = o_acc[m][n][1] = o_acc[m][n][2] = o_acc[m][n][3] = 0.0f;
     // Running max (base-2 units) and this thread's share of the running sum, per row.
-    float row_max[2] = {negative_infinity<float>(), negative_infinity<float>()};
-    float row_sum[2] = {0.0f, 0.0f};
+    float row_max[kRowTiles][2], row_sum[kRowTiles][2];
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m) {
+        row_max[m][0] = row_max[m][1] = negative_infinity<float>();
+        row_sum[m][0] = row_sum[m][1] = 0.0f;
+    }
 
     const float scale_log2 = scale * kLog2e;
     const float scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
     const float softcap_log2 = softcap * kLog2e;
     const float slope_log2 = ALIBI ? static_cast<float>(alibi_slopes[bh]) * kLog2e : 0.0f;
-    u32 row_states[2] = {0u, 0u};
+    u32 row_states[kRowTiles][2] = {};
     if (DROPOUT) {
-        row_states[0] = dropout_row_state(dropout_key, static_cast<u32>(bh), static_cast<u32>(my_rows[0]));
-        row_states[1] = dropout_row_state(dropout_key, static_cast<u32>(bh), static_cast<u32>(my_rows[1]));
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                row_states[m][half] = dropout_row_state(dropout_key, static_cast<u32>(bh),
+                                                        static_cast<u32>(my_rows[m][half]));
     }
 
     for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
@@ -121,18 +148,34 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 
         // S = Q K^T. B[k][n] = K[key n][dim k]: a plain ldmatrix of K's rows gives the
         // "col" B fragment; one x4 load covers two 8-key tiles.
-        float s[BLOCK_K / 8][4];
+        float s[kRowTiles][BLOCK_K / 8][4];
 #pragma unroll
-        for (int n = 0; n < BLOCK_K / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+            for (int n = 0; n < BLOCK_K / 8; ++n)
+                s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#if Q_IN_REGISTERS
+#define Q_FRAGMENT(m) q_fragments[m][kk]
+#else
+            u32 a[kRowTiles][4];
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+                load_a_fragment<HEAD_DIM>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
+#define Q_FRAGMENT(m) a[m]
+#endif
 #pragma unroll
             for (int nn = 0; nn < BLOCK_K / 16; ++nn) {
                 u32 b[4];
                 load_b_fragments<HEAD_DIM>(k_tile, nn * 16, kk * 16, b);
-                mma_16x8x16(s[2 * nn], q_fragments[kk], b[0], b[1]);
-                mma_16x8x16(s[2 * nn + 1], q_fragments[kk], b[2], b[3]);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m) {
+                    mma_16x8x16(s[m][2 * nn], Q_FRAGMENT(m), b[0], b[1]);
+                    mma_16x8x16(s[m][2 * nn + 1], Q_FRAGMENT(m), b[2], b[3]);
+                }
             }
+#undef Q_FRAGMENT
         }
 
         // Scores in base-2 units: scale, softcap, ALiBi, then the mask by select.
@@ -143,23 +186,25 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         if (LIMIT_LEFT)
             needs_mask = needs_mask || col_start < row_start + BLOCK_Q - 1 + band.offset - band.left;
 #pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
         for (int n = 0; n < BLOCK_K / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const i64 row = my_rows[e >> 1];
+                const i64 row = my_rows[m][e >> 1];
                 const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
                 float score;
                 if (SOFTCAP)
-                    score = softcap_log2 * tanhf(s[n][e] * scale_over_softcap);
+                    score = softcap_log2 * tanhf(s[m][n][e] * scale_over_softcap);
                 else
-                    score = s[n][e] * scale_log2;
+                    score = s[m][n][e] * scale_log2;
                 if (ALIBI) {
                     const i64 distance = row + band.offset - col;
                     score -= slope_log2 * static_cast<float>(distance < 0 ? -distance : distance);
                 }
                 if (needs_mask && !(col < n_k && band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(band, row, col)))
                     score = negative_infinity<float>();
-                s[n][e] = score;
+                s[m][n][e] = score;
             }
         }
 
@@ -167,42 +212,47 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         // threads of a quad share a row: max over the quad with two shuffles. Row sums
         // stay per-thread partial sums until the end, as the rescale is quad-uniform.
 #pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
         for (int half = 0; half < 2; ++half) {
             float tile_max = negative_infinity<float>();
 #pragma unroll
             for (int n = 0; n < BLOCK_K / 8; ++n)
-                tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+                tile_max = fmaxf(tile_max, fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]));
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float new_max = fmaxf(row_max[half], tile_max);
+            const float new_max = fmaxf(row_max[m][half], tile_max);
             const float safe_max = new_max == negative_infinity<float>() ? 0.0f : new_max;
-            const float rescale = exp2_approx(row_max[half] - safe_max);
-            row_max[half] = new_max;
+            const float rescale = exp2_approx(row_max[m][half] - safe_max);
+            row_max[m][half] = new_max;
             float tile_sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < BLOCK_K / 8; ++n) {
-                const float p0 = exp2_approx(s[n][2 * half] - safe_max);
-                const float p1 = exp2_approx(s[n][2 * half + 1] - safe_max);
+                const float p0 = exp2_approx(s[m][n][2 * half] - safe_max);
+                const float p1 = exp2_approx(s[m][n][2 * half + 1] - safe_max);
                 tile_sum += p0 + p1;
-                s[n][2 * half] = p0;
-                s[n][2 * half + 1] = p1;
+                s[m][n][2 * half] = p0;
+                s[m][n][2 * half + 1] = p1;
             }
-            row_sum[half] = row_sum[half] * rescale + tile_sum;
+            row_sum[m][half] = row_sum[m][half] * rescale + tile_sum;
 #pragma unroll
             for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                o_acc[n][2 * half] *= rescale;
-                o_acc[n][2 * half + 1] *= rescale;
+                o_acc[m][n][2 * half] *= rescale;
+                o_acc[m][n][2 * half + 1] *= rescale;
             }
         }
         // Dropout zeroes entries of the P that multiplies V (not of the row sum); the
         // 1 / (1 - p) factor is applied once to O at the end.
         if (DROPOUT) {
 #pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
             for (int n = 0; n < BLOCK_K / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const u32 col = static_cast<u32>(col_start + n * 8 + 2 * quad_col + (e & 1));
-                    if (!dropout_keeps(row_states[e >> 1], col, dropout_threshold)) s[n][e] = 0.0f;
+                    if (!dropout_keeps(row_states[m][e >> 1], col, dropout_threshold))
+                        s[m][n][e] = 0.0f;
                 }
         }
 
@@ -210,14 +260,18 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         // fragment of a 16x16 P block; V's B fragment needs the transposing ldmatrix.
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-            u32 a[4];
-            pack_a_fragment(s[2 * kk], s[2 * kk + 1], a);
+            u32 a[kRowTiles][4];
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) pack_a_fragment(s[m][2 * kk], s[m][2 * kk + 1], a[m]);
 #pragma unroll
             for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
                 u32 b[4];
                 load_b_fragments_transposed<HEAD_DIM>(v_tile, kk * 16, dn * 16, b);
-                mma_16x8x16(o_acc[2 * dn], a, b[0], b[1]);
-                mma_16x8x16(o_acc[2 * dn + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m) {
+                    mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);
+                    mma_16x8x16(o_acc[m][2 * dn + 1], a[m], b[2], b[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
@@ -226,21 +280,23 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     // Deferred normalisation. total == 0: the row kept no key (o = 0, lse = -inf); a NaN
     // total is not 0, so a NaN row stays NaN.
 #pragma unroll
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
-        float total = row_sum[half];
+        float total = row_sum[m][half];
         total += __shfl_xor_sync(0xffffffffu, total, 1);
         total += __shfl_xor_sync(0xffffffffu, total, 2);
-        const i64 row = my_rows[half];
+        const i64 row = my_rows[m][half];
         const float factor = total == 0.0f ? 0.0f : (DROPOUT ? dropout_scale : 1.0f) / total;
         if (row < n_q) {
             u32* o_row = reinterpret_cast<u32*>(o + (bh * n_q + row) * HEAD_DIM);
 #pragma unroll
             for (int n = 0; n < HEAD_DIM / 8; ++n)
-                o_row[n * 4 + quad_col] =
-                    pack_pair(o_acc[n][2 * half] * factor, o_acc[n][2 * half + 1] * factor);
+                o_row[n * 4 + quad_col] = pack_pair(o_acc[m][n][2 * half] * factor,
+                                                    o_acc[m][n][2 * half + 1] * factor);
             if (quad_col == 0)
                 lse[bh * n_q + row] = total == 0.0f ? negative_infinity<float>()
-                                                    : row_max[half] * kLn2 + logf(total);
+                                                    : row_max[m][half] * kLn2 + logf(total);
         }
     }
 }
