@@ -19,6 +19,7 @@ import tileattn
 from tileattn.gpu import _launch
 from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close
+from tileattn.validation import validate
 
 CASES = [
     # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options)
@@ -33,6 +34,8 @@ CASES = [
      dict(softcap=4.0, alibi_slopes=np.array([0.2, 0.3]), block_q=7, block_k=13)),
     ("float64", (1, 2, 2, 20, 25, 256, 256), dict(causal=True)),
 ]
+
+WARP_LAYOUTS = [_launch.WarpLayout(32, False), _launch.WarpLayout(32, True)]
 
 
 def main() -> int:
@@ -61,6 +64,20 @@ def main() -> int:
         path = "tensor-core" if _launch.tensor_core_blocks(dq_, dv_, _options(q, options)) \
             else "generic"
         print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} forward={path}")
+    for layout in WARP_LAYOUTS:  # the forward's layouts that no default uses
+        q, k, v = (rng.standard_normal((1, 2, n, 128)).astype(np.float16) for n in (70, 150, 150))
+        options = dict(causal=True, softcap=4.0, dropout_p=0.2, seed=3)
+        resolved = validate(q, k, v, **options, window=None, scale=None, alibi_slopes=None,
+                            block_q=None, block_k=None, deterministic=True).options
+        o = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
+        _launch.forward_tensor_core(*map(cupy.asarray, (q, k, v)), o, lse, resolved,
+                                    tileattn.Blocks(128, 64), layout)
+        golden_o, _ = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                       backend="reference", return_lse=True, **options)
+        assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+        print(f"ok float16 D=128 forward, warps of {layout.rows} rows, "
+              f"Q in registers: {layout.q_in_registers}")
     return 0
 
 

@@ -60,9 +60,10 @@ def warp_layout(head_dim: int, blocks: Blocks) -> WarpLayout:
 # Tensor-core backward tiles per head dim, (owned rows, streamed rows) of each kernel: the
 # dQ kernel owns query rows and streams key tiles, the dK/dV kernel the reverse. 128 owned
 # rows = 8 warps; 64 streamed rows keep S and dP at 32 registers each, which with the
-# dK/dV accumulators (2 x 64 at D = 128) just fits 255 registers without spilling.
-MMA_BACKWARD_TILES = {64: {"dq": (128, 64), "dkdv": (128, 64)},
-                      128: {"dq": (128, 64), "dkdv": (128, 64)}}
+# dK/dV accumulators (2 x 64 at D = 128) just fits 255 registers without spilling. The dQ
+# tiles are the fastest of bench/sweep_gpu_backward.py (bench/NOTES-gpu.md, v3).
+MMA_BACKWARD_TILES = {64: {"dq": (64, 64), "dkdv": (128, 64)},
+                      128: {"dq": (128, 128), "dkdv": (128, 64)}}
 
 _STORAGE = {"float16": "half_storage", "bfloat16": "bfloat16_storage", "float32": "float",
             "float64": "double"}
