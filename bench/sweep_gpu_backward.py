@@ -12,7 +12,6 @@ timed on the large one (CUDA events, median) beside torch's FlashAttention-2 bac
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import cupy
@@ -24,7 +23,7 @@ from tileattn.testing import assert_attention_close
 from tileattn.validation import validate
 
 from bench_gpu import Case, fa_functions, make_inputs, median_ms
-from sweep_gpu_forward import EVERY_OPTION
+from sweep_gpu_forward import EVERY_OPTION, plain_options, sweep_arguments
 
 OWNED, STREAMED = (64, 128), (32, 64, 128)
 
@@ -47,12 +46,7 @@ def check(dtype, head_dim, tiles):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--n", type=int, default=4096)
-    parser.add_argument("--repetitions", type=int, default=10)
-    parser.add_argument("--head-dims", default="64,128")
-    args = parser.parse_args()
+    args = sweep_arguments(__doc__.splitlines()[0])
     rows = []
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
@@ -71,9 +65,7 @@ def main() -> None:
                 flash_tflops = case.flops / flash_ms / 1e9
             else:
                 flash_tflops = float("nan")
-            options = validate(q, k, v, **{**EVERY_OPTION, "window": None, "softcap": None,
-                                           "alibi_slopes": None, "dropout_p": 0.0,
-                                           "seed": None, "causal": causal}).options
+            options = plain_options(q, k, v, causal)
             o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=causal)
             for tiles in candidates:
                 if not causal:

@@ -34,6 +34,23 @@ EVERY_OPTION = dict(causal=False, window=(64, 64), scale=None, softcap=5.0,
                     block_q=None, block_k=None, deterministic=True)
 
 
+def sweep_arguments(description: str):
+    """The command line both sweeps share."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--repetitions", type=int, default=10)
+    parser.add_argument("--head-dims", default="64,128")
+    return parser.parse_args()
+
+
+def plain_options(q, k, v, causal: bool):
+    """The AttentionOptions of a benchmark problem: default scale, causal or not."""
+    return validate(q, k, v, **{**EVERY_OPTION, "window": None, "softcap": None,
+                                "alibi_slopes": None, "dropout_p": 0.0, "seed": None,
+                                "causal": causal}).options
+
+
 def run(q, k, v, options, blocks, layout):
     o = cupy.empty(q.shape, dtype=q.dtype)
     lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
@@ -55,12 +72,7 @@ def check(dtype, head_dim, blocks, layout):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--n", type=int, default=4096)
-    parser.add_argument("--repetitions", type=int, default=10)
-    parser.add_argument("--head-dims", default="64,128")
-    args = parser.parse_args()
+    args = sweep_arguments(__doc__.splitlines()[0])
     rows = []
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
@@ -70,9 +82,7 @@ def main() -> None:
             flash = fa_functions(case, q, k, v, do).get("flash")
             flash_tflops = case.flops / median_ms(flash[0], args.repetitions) / 1e9 \
                 if flash else float("nan")
-            options = validate(q, k, v, **{**EVERY_OPTION, "window": None, "softcap": None,
-                                           "alibi_slopes": None, "dropout_p": 0.0,
-                                           "seed": None, "causal": causal}).options
+            options = plain_options(q, k, v, causal)
             for block_q, block_k, layout in itertools.product(
                     _launch.MMA_BLOCK_Q, _launch.MMA_BLOCK_K, LAYOUTS):
                 blocks = Blocks(block_q, block_k)
