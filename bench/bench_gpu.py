@@ -14,7 +14,8 @@ FLOPs: forward 4*B*H*Nq*Nk*D (halved when causal), backward 2.5x the forward.
 `--fa` runs FlashAttention's benchmark shapes (batch * N = 16k tokens, hidden 2048 as 32
 heads x 64 or 16 heads x 128, N = 1k..16k, causal and not, float16 and bfloat16), forward
 and forward+backward, tileattn beside torch SDPA's flash (FlashAttention-2) and cuDNN
-backends, and prints a markdown table of TFLOP/s and ratios.
+backends (and tileattn-nd: deterministic=False, the single-pass backward), and prints a
+markdown table of TFLOP/s and ratios.
 """
 
 from __future__ import annotations
@@ -287,8 +288,15 @@ def fa_functions(case: Case, q, k, v, do) -> dict:
         o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=case.causal)
         return tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=case.causal)
 
+    def ours_single_pass():
+        o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=case.causal)
+        return tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=case.causal,
+                                 deterministic=False)
+
     functions = {"tileattn": (lambda: tileattn.forward(q, k, v, backend="gpu",
-                                                       causal=case.causal), ours_both)}
+                                                       causal=case.causal), ours_both),
+                 # deterministic=False: the single-pass backward (forward is the same)
+                 "tileattn-nd": (None, ours_single_pass)}
     if torch is None:
         return functions
     tq, tk, tv, tdo = (_as_torch(a) for a in (q, k, v, do))
@@ -321,6 +329,8 @@ def run_fa(repetitions: int, dtypes) -> None:
         for name, (forward, both) in fa_functions(case, q, k, v, do).items():
             for direction, function, flops in (("fwd", forward, case.flops),
                                                ("fwd+bwd", both, 3.5 * case.flops)):
+                if function is None:
+                    continue
                 try:
                     result = function()
                 except RuntimeError as error:
@@ -344,18 +354,19 @@ def run_fa(repetitions: int, dtypes) -> None:
                       f"{tflops:7.1f} TFLOP/s", flush=True)
         del q, k, v, do, reference
         cupy.get_default_memory_pool().free_all_blocks()
-    print("\n| case | pass | tileattn | flash | cudnn | tileattn / flash | tileattn / cudnn |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| case | pass | tileattn | tileattn-nd | flash | cudnn | tileattn / flash | "
+          "tileattn-nd / flash | tileattn / cudnn |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (case_name, direction), row in results.items():
-        ours = row.get("tileattn")
 
         def cell(name):
             return f"{row[name]:.1f}" if name in row else "-"
 
-        def ratio(name):
-            return f"{ours / row[name]:.2f}" if ours and name in row else "-"
+        def ratio(name, mine="tileattn"):
+            return f"{row[mine] / row[name]:.2f}" if mine in row and name in row else "-"
         print(f"| {case_name.replace('forward ', '')} | {direction} | {cell('tileattn')} | "
-              f"{cell('flash')} | {cell('cudnn')} | {ratio('flash')} | {ratio('cudnn')} |")
+              f"{cell('tileattn-nd')} | {cell('flash')} | {cell('cudnn')} | {ratio('flash')} | "
+              f"{ratio('flash', 'tileattn-nd')} | {ratio('cudnn')} |")
 
 
 def main() -> None:

@@ -43,11 +43,12 @@ def _golden_grads(do, q, k, v, o, lse, **options):
     return tileattn.backward(*as64, o, lse, backend="reference", **options)
 
 
-def _check(q, k, v, do, **options):
+def _check(q, k, v, do, deterministic=True, **options):
     """Forward and backward on the GPU against the float64 golden model."""
     device = [cupy.asarray(a) for a in (q, k, v, do)]
     o, lse = tileattn.forward(*device[:3], backend="gpu", return_lse=True, **options)
-    grads = tileattn.backward(device[3], *device[:3], o, lse, backend="gpu", **options)
+    grads = tileattn.backward(device[3], *device[:3], o, lse, backend="gpu",
+                              deterministic=deterministic, **options)
     expected_o, expected_lse = _golden(q, k, v, **options)
     assert o.dtype == q.dtype and lse.dtype == _launch.accumulation_dtype(q.dtype)
     assert_attention_close(o.get(), expected_o, q.dtype, name="o")
@@ -114,10 +115,41 @@ def test_tensor_core_backward_is_deterministic():
                                                 (2, 2, 700, 64), np.float16))
     o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True)
     do = cupy.asarray(np.random.default_rng(6).standard_normal(o.shape).astype(np.float16))
-    first = tileattn.backward(do, q, k, v, o, lse, backend="gpu", deterministic=False)
+    first = tileattn.backward(do, q, k, v, o, lse, backend="gpu")
     second = tileattn.backward(do, q, k, v, o, lse, backend="gpu")
     for a, b in zip(first, second):
         assert cupy.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_tensor_core_single_pass_backward(dtype, head_dim, options):
+    """deterministic=False: dQ through atomics in the dK/dV kernel, same answers."""
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim), dtype)
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(dtype)
+    _check(q, k, v, do, deterministic=False, **options)
+
+
+@pytest.mark.parametrize("n_q,n_k,options", [
+    (300, 100, {"causal": True}),  # leading query rows and a whole query tile keep nothing
+    (100, 300, {"window": (10, 0)}),  # most key tiles are reached by no query
+])
+def test_tensor_core_single_pass_masked_tiles(n_q, n_k, options):
+    q, k, v = _inputs((1, 2, n_q, 64), (1, 1, n_k, 64), (1, 1, n_k, 64), np.float16, seed=n_q)
+    do = np.random.default_rng(n_k).standard_normal(q.shape).astype(np.float16)
+    _check(q, k, v, do, deterministic=False, **options)
+
+
+def test_tensor_core_single_pass_rows_with_very_negative_lse():
+    """Every score near -256, so lse is too: exp2(-lse) of the zero-padded keys past Nk
+    overflows float32, and those keys must still add nothing (not inf * 0) to dq."""
+    rng = np.random.default_rng(4)
+    q = np.full((1, 2, 130, 64), 4.0, dtype=np.float16)
+    k = (-1.0 + 0.1 * rng.standard_normal((1, 2, 70, 64))).astype(np.float16)
+    v = rng.standard_normal((1, 2, 70, 64)).astype(np.float16)
+    do = rng.standard_normal(q.shape).astype(np.float16)
+    _check(q, k, v, do, deterministic=False, scale=1.0)
 
 
 @pytest.mark.parametrize("blocks", [(64, 32), (64, 128), (128, 64), (128, 128)])

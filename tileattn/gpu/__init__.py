@@ -9,8 +9,14 @@ families the first kernel computes dQ per query tile and forms
 ``D_i = rowsum(dO_i * O_i)`` as ``sum_j P_ij dP_ij / sum_j P_ij`` from the recomputed
 probabilities (the same quantity without the rounding of the passed ``o`` to the input
 dtype, which for float16 moved dq past its tolerance; ``o`` is not read), then the second
-computes dK/dV per key tile, summing a GQA group in-block. Nothing depends on scheduling;
-``deterministic=False`` changes nothing here.
+computes dK/dV per key tile, summing a GQA group in-block. Nothing depends on scheduling.
+
+``deterministic=False`` (tensor-core backward only) runs FlashAttention-2's single pass
+instead: the first kernel only forms D, and the dK/dV kernel also adds each key tile's dQ
+share into a float32 buffer with atomics. It does 7 tile products per (query tile, key
+tile) instead of 9 and costs ``4 * B * Hq * Nq * D`` bytes of extra memory; dq then varies
+in its last bits from run to run (float additions in scheduling order). bench/NOTES-gpu.md
+has the measured speed.
 
 Kernels are compiled once per (device, dtype, head dims, tile sizes, option switches) and
 cached; the first call of a configuration pays a compile (about a second).

@@ -310,19 +310,29 @@ def tensor_core_backward_applies(q, v, options: AttentionOptions) -> bool:
             and options.block_q is None and options.block_k is None)
 
 
-def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: int) -> int:
+def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: int,
+                              single_pass: bool = False) -> int:
     """Owned rows of two operands plus two stages of two streamed operands (rows padded by
-    16 bytes); the dK/dV kernel also stages lse and D per streamed row."""
+    16 bytes); the dK/dV kernel also stages lse and D per streamed row, and in the single
+    pass the dS^T tile (owned x streamed, padded)."""
     tiles = 2 * (2 * owned + 4 * streamed) * (head_dim + 8)
-    return tiles + (2 * 2 * 4 * streamed if entry == "dkdv" else 0)
+    if entry != "dkdv":
+        return tiles
+    return tiles + 2 * 2 * 4 * streamed + (2 * owned * (streamed + 8) if single_pass else 0)
 
 
 def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None):
     """`tiles`: ``{"dq": (owned, streamed), "dkdv": (owned, streamed)}``, by default
-    `MMA_BACKWARD_TILES` of the head dim (the benchmark's sweep passes others)."""
+    `MMA_BACKWARD_TILES` of the head dim (the benchmark's sweep passes others).
+
+    ``options.deterministic`` False selects the single pass (see attention_mma_backward.cu):
+    the dQ kernel only forms D and the dK/dV kernel adds dQ into a float32 buffer with
+    atomics (B * Hq * Nq * D * 4 bytes more memory; the summation order of dq then depends
+    on scheduling, in the last bits)."""
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     tiles = tiles or MMA_BACKWARD_TILES[head_dim]
+    single_pass = not options.deterministic
     (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
         _tensor_core_layout, (q, k, v, do))
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
@@ -330,22 +340,30 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
     dq = cupy.empty(q.shape, dtype=q.dtype)
     dk = cupy.empty(k.shape, dtype=q.dtype)
     dv = cupy.empty(v.shape, dtype=q.dtype)
+    dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
     launches = (("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
-                ("dkdv", (q, k, v, do, lse, delta, dk, dv), n_k, batch * n_kv_heads))
+                ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k, batch * n_kv_heads))
     # dQ first: it stores D, which the dK/dV kernel reads.
     for entry, arrays, n_rows, heads in launches:
         owned, streamed = tiles[entry]
-        defines = (("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
-                   ("OWNED_ROWS", owned), ("STREAMED_ROWS", streamed)
+        defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
+                   ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")), ("OWNED_ROWS", owned),
+                   ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
+                   ("STREAMED_ROWS", streamed)
                    ) + Switches.of(options).defines()
-        shared = mma_backward_shared_bytes(entry, head_dim, owned, streamed)
+        shared = mma_backward_shared_bytes(entry, head_dim, owned, streamed, single_pass)
         function = _compile.kernel(MMA_BACKWARD_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
         function((-(-n_rows // owned) * heads,), (owned // 16 * 32,), arrays + common,
                  shared_mem=shared)
+    if single_pass:  # `defines` are the dK/dV kernel's: the same module
+        convert = _compile.kernel(MMA_BACKWARD_SOURCE, "attention_backward_dq_convert",
+                                  tuple(sorted(defines)), 0)
+        convert((min(4096, -(-dq.size // 512)),), (256,),
+                (dq_sum, dq, np.int64(dq.size), np.float32(options.scale)))
     return dq, dk, dv
 
 

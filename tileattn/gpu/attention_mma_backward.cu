@@ -16,6 +16,13 @@
 //   accumulator fragments of rows = keys, which are exactly the A operands of
 //   dV += P^T dO and dK += dS^T Q. No score tile goes through shared memory.
 //
+// SINGLE_PASS (deterministic=False): the dQ kernel only forms D (DELTA_ONLY), and the
+// dK/dV kernel also adds each query tile's dQ share, dS K over its keys, into a float32
+// buffer with atomics (FA2's single pass): 7 tile products instead of 9, at the price of
+// an order of float additions that depends on scheduling. dS goes through shared memory,
+// as the dQ product needs it with queries as rows; attention_backward_dq_convert scales
+// and rounds the buffer into dq.
+//
 // Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
 // t is multiplied), skip tiles outside the band and evaluate the per-score mask only on
 // tiles that straddle its edge (or the end of the keys). Probabilities are recomputed in
@@ -23,7 +30,8 @@
 // for the tensor cores, accumulation is float32.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS,
-// STREAMED_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// STREAMED_ROWS, DELTA_ONLY (dQ kernel), SINGLE_PASS (dK/dV kernel), LIMIT_LEFT,
+// LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
 #include "mma.cuh"
 
 constexpr int kWarps = OWNED_ROWS / 16;
@@ -219,6 +227,77 @@ __device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load 
     }
 }
 
+// ------------------------------------------------------------------ single pass
+
+constexpr int kDsPitch = STREAMED_ROWS + 8;  // ds_tile row pitch (16-byte pad)
+// dQ share of one query tile: warps split it into (STREAMED_ROWS / 16) row slabs x
+// kDqColumnParts column ranges.
+constexpr int kDqRowSlabs = STREAMED_ROWS / 16;
+constexpr int kDqColumnParts = kWarps / kDqRowSlabs > 0 ? kWarps / kDqRowSlabs : 1;
+constexpr int kDqColumns = HEAD_DIM / kDqColumnParts;
+static_assert(!SINGLE_PASS || (kWarps % kDqRowSlabs == 0 && kDqColumns % 16 == 0),
+              "single-pass dQ split");
+
+// This warp's 16 key rows of dS^T (accumulators, keys x STREAMED_ROWS queries), rounded to
+// the input type, into ds_tile[key][query].
+__device__ __forceinline__ void store_transposed_scores(const Accumulators<STREAMED_ROWS>& dst,
+                                                        bits16* ds_tile, int row0) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < STREAMED_ROWS / 8; ++n)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + lane / 4 + 8 * half, col = n * 8 + 2 * (lane % 4);
+            *reinterpret_cast<u32*>(ds_tile + row * kDsPitch + col) =
+                pack_pair(dst.tile[n][2 * half], dst.tile[n][2 * half + 1]);
+        }
+}
+
+// dq_head[query_start + r][c] += sum over this block's keys of dS[r][key] K[key][c], each
+// warp one 16-row slab x kDqColumns columns; A = dS from ds_tile (stored keys x queries,
+// hence the transposing ldmatrix), B = the K tile. Rows past n_q are not added.
+__device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const bits16* k_tile,
+                                                  float* dq_head, i64 query_start, i64 n_q) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int slab = warp % kDqRowSlabs, column0 = (warp / kDqRowSlabs) * kDqColumns;
+    Accumulators<kDqColumns> acc;
+    acc.clear();
+#pragma unroll
+    for (int kk = 0; kk < OWNED_ROWS / 16; ++kk) {
+        u32 a[4];
+        load_matrix_x4_transposed(
+            shared_address(ds_tile + (kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * kDsPitch +
+                           slab * 16 + ((lane >> 3) & 1) * 8),
+            a);
+#pragma unroll
+        for (int dn = 0; dn < kDqColumns / 16; ++dn) {
+            u32 b[4];
+            load_b_fragments_transposed<HEAD_DIM>(k_tile, kk * 16, column0 + dn * 16, b);
+            mma_16x8x16(acc.tile[2 * dn], a, b[0], b[1]);
+            mma_16x8x16(acc.tile[2 * dn + 1], a, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 query = query_start + slab * 16 + lane / 4 + 8 * half;
+        if (query >= n_q) continue;
+        float* row = dq_head + query * HEAD_DIM + column0 + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < kDqColumns / 8; ++n) {
+            atomicAdd(row + n * 8, acc.tile[n][2 * half]);
+            atomicAdd(row + n * 8 + 1, acc.tile[n][2 * half + 1]);
+        }
+    }
+}
+
+// dq = scale * dq_sum, rounded to the input type (the single pass's last step).
+extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bits16* dq,
+                                                         i64 count, float scale) {
+    for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count / 2;
+         i += static_cast<i64>(gridDim.x) * blockDim.x)
+        reinterpret_cast<u32*>(dq)[i] = pack_pair(scale * dq_sum[2 * i], scale * dq_sum[2 * i + 1]);
+}
+
 #define SCORE_OPTION_PARAMS                                                                  \
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
         u32 dropout_key, u32 dropout_threshold, float dropout_scale
@@ -256,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
-            dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
+            if (!DELTA_ONLY) dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
         for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
             delta[bh * n_q + row] = 0.0f;
         return;
@@ -327,6 +406,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         row_delta[half] = p_sum == 0.0f ? 0.0f : pdp_sum / p_sum;
         if (quad_col == 0 && my_rows[half] < n_q) delta[bh * n_q + my_rows[half]] = row_delta[half];
     }
+    if (DELTA_ONLY) return;
 
     // Pass 2: dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
     Accumulators<HEAD_DIM> dq_acc;
@@ -360,7 +440,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_mma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    const float* delta, bits16* dk, bits16* dv, const double* alibi_slopes, i64 n_q, i64 n_k,
+    const float* delta, bits16* dk, bits16* dv, float* dq_sum, const double* alibi_slopes,
+    i64 n_q, i64 n_k,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS) {
@@ -371,6 +452,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     bits16* do_tiles = q_tiles + 2 * STREAMED_ROWS * kPitch;    // [2][STREAMED_ROWS][kPitch]
     float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * STREAMED_ROWS * kPitch);
     float* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
+    // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][kDsPitch].
+    bits16* ds_tile = reinterpret_cast<bits16*>(delta_tiles + 2 * STREAMED_ROWS);
 
     const Band band{band_offset, window_left, window_right};
     const int n_kv_heads = n_q_heads / group_size;
@@ -461,8 +544,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                         const int e = 2 * half + column;
                         const i64 key = my_keys[half];
                         float capped_grad;
-                        const float p = probability(scores, st.tile[n][e], query_lse, query,
-                                                    key, n_k, masked, &capped_grad);
+                        float p = probability(scores, st.tile[n][e], query_lse, query, key,
+                                              n_k, masked, &capped_grad);
+                        // Keys past n_k (zero rows of K) must not reach dQ: their P is
+                        // exp2(-lse), which may overflow, and inf * 0 would be NaN.
+                        if (SINGLE_PASS && key >= n_k) p = 0.0f;
                         const float factor = dropout_factor(scores, row_state, key);
                         st.tile[n][e] = p * factor;
                         dpt.tile[n][e] =
@@ -470,7 +556,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                     }
                 }
             accumulate_product(st, do_tile, dv_acc);
+            if (SINGLE_PASS) store_transposed_scores(dpt, ds_tile, warp * 16);
             accumulate_product(dpt, q_tile, dk_acc);
+            if (SINGLE_PASS) {
+                __syncthreads();  // every warp's dS^T rows are in ds_tile
+                add_query_tile_dq(ds_tile, k_tile, dq_sum + bh * n_q * HEAD_DIM, query_start,
+                                  n_q);
+            }
         });
     }
     store_rows(dk_acc, scale, dk_head, col_start + warp * 16, n_k);
