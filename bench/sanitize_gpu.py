@@ -28,6 +28,10 @@ CASES = [
     ("float16", (1, 2, 1, 130, 90, 128, 128),
      dict(softcap=4.0, alibi_slopes=np.array([0.2, 0.3]), window=(30, 10))),
     ("float16", (1, 2, 2, 40, 40, 64, 64), dict(block_q=64, block_k=32)),
+    # the single-pass backward (dQ by atomics), with GQA and a ragged last tile
+    ("float16", (1, 4, 2, 70, 150, 64, 64),
+     dict(causal=True, dropout_p=0.2, seed=5, deterministic=False)),
+    ("float16", (1, 2, 1, 130, 90, 128, 128), dict(softcap=4.0, deterministic=False)),
     ("float32", (2, 4, 2, 70, 150, 64, 64),
      dict(causal=True, window=(40, None), dropout_p=0.2, seed=11)),
     ("float32", (1, 2, 1, 33, 47, 96, 40),
@@ -44,6 +48,8 @@ def main() -> int:
     cupy.cuda.set_allocator(None)
     rng = np.random.default_rng(0)
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
+        options = dict(options)
+        deterministic = options.pop("deterministic", True)
         q = rng.standard_normal((batch, hq, nq, d)).astype(dtype)
         k = rng.standard_normal((batch, hkv, nk, d)).astype(dtype)
         v = rng.standard_normal((batch, hkv, nk, dv)).astype(dtype)
@@ -51,7 +57,7 @@ def main() -> int:
         dq_, dk_, dv_ = (cupy.asarray(a) for a in (q, k, v))
         o, lse = tileattn.forward(dq_, dk_, dv_, backend="gpu", return_lse=True, **options)
         grads = tileattn.backward(cupy.asarray(do), dq_, dk_, dv_, o, lse, backend="gpu",
-                                  **options)
+                                  deterministic=deterministic, **options)
         cupy.cuda.Device().synchronize()
         as64 = [a.astype(np.float64) for a in (q, k, v)]
         golden_o, golden_lse = tileattn.forward(*as64, backend="reference", return_lse=True,
@@ -63,7 +69,8 @@ def main() -> int:
             assert_attention_close(grad.get(), want, q.dtype, name=name)
         path = "tensor-core" if _launch.tensor_core_blocks(dq_, dv_, _options(q, options)) \
             else "generic"
-        print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} forward={path}")
+        print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} forward={path}"
+              f"{'' if deterministic else ' backward=single-pass'}")
     for layout in WARP_LAYOUTS:  # the forward's layouts that no default uses
         q, k, v = (rng.standard_normal((1, 2, n, 128)).astype(np.float16) for n in (70, 150, 150))
         options = dict(causal=True, softcap=4.0, dropout_p=0.2, seed=3)

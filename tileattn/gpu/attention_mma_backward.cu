@@ -253,6 +253,18 @@ __device__ __forceinline__ void store_transposed_scores(const Accumulators<STREA
         }
 }
 
+// *pair += (low, high), atomically per float. sm_90 has a two-float reduction: one request
+// per pair, so the four lanes that share a row cover one 32-byte sector.
+__device__ __forceinline__ void add_pair(float* pair, float low, float high) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(pair), "f"(low), "f"(high)
+                 : "memory");
+#else
+    atomicAdd(pair, low);
+    atomicAdd(pair + 1, high);
+#endif
+}
+
 // dq_head[query_start + r][c] += sum over this block's keys of dS[r][key] K[key][c], each
 // warp one 16-row slab x kDqColumns columns; A = dS from ds_tile (stored keys x queries,
 // hence the transposing ldmatrix), B = the K tile. Rows past n_q are not added.
@@ -283,10 +295,8 @@ __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const b
         if (query >= n_q) continue;
         float* row = dq_head + query * HEAD_DIM + column0 + 2 * (lane % 4);
 #pragma unroll
-        for (int n = 0; n < kDqColumns / 8; ++n) {
-            atomicAdd(row + n * 8, acc.tile[n][2 * half]);
-            atomicAdd(row + n * 8 + 1, acc.tile[n][2 * half + 1]);
-        }
+        for (int n = 0; n < kDqColumns / 8; ++n)
+            add_pair(row + n * 8, acc.tile[n][2 * half], acc.tile[n][2 * half + 1]);
     }
 }
 
