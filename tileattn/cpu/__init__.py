@@ -123,11 +123,12 @@ def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     from .backward_kernel import (backward_by_heads, backward_key_tiles,
-                                  backward_query_tiles, row_terms_kernel)
+                                  backward_query_tiles, consistent_delta_kernel,
+                                  row_terms_kernel)
 
     dtype = _compute_dtype(q.dtype)
     do_c, q_c, k_c, v_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, lse))
-    if q.dtype.itemsize < dtype.itemsize:
+    if q.dtype.itemsize < dtype.itemsize and options.dropout_p == 0:
         # D = rowsum(dO * O) from a float16/bfloat16 O carries O's rounding (2**-11 or 2**-8
         # relative) into every dS = P (dP - D), which a sharp softmax amplifies past the
         # tolerance the float64 golden model allows (it never rounds O). Recomputing O in
@@ -147,6 +148,8 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, n_threads)
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, lse_log2)
+        if options.dropout_p > 0:  # D from the tiles instead: see consistent_delta_kernel
+            consistent_delta_kernel(q_c, k_c, v_c, do_c, lse_log2, delta, *scalars, *tiling)
         delta.flags.writeable = lse_log2.flags.writeable = False
         if _use_heads_schedule(batch, n_kv_heads, n_threads):
             dq = np.zeros(q.shape, dtype)

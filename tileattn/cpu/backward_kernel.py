@@ -61,14 +61,8 @@ def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, lse_log2, delta, bh
     """Recompute one tile: `probs` gets ``P~`` (for dV), `score_grads` ``scale * dS``."""
     n_rows, n_cols = probs.shape
     dtype = probs.dtype.type
-    natural_units = softcap > 0 or slope != 0
-    np.dot(q_scaled, k_tile.T, probs)
-    if natural_units:
-        transform_tile(probs, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right, softcap > 0)
-    elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
-                                n_q, n_k, window_left, window_right):
-        mask_tile(probs, row_start, col_start, n_q, n_k, window_left, window_right)
+    _recompute_scores(q_scaled, k_tile, probs, softcap_grad, row_start, col_start, n_q, n_k,
+                      softcap, slope, window_left, window_right)
     np.dot(do_tile, v_tile.T, score_grads)
     if dropout_threshold > 0 or softcap > 0:
         _general_score_gradients(probs, score_grads, softcap_grad, lse_log2, delta, bh,
@@ -82,6 +76,21 @@ def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, lse_log2, delta, bh
             p = _probability(probs[r, j], row_lse, dtype(0.0))
             probs[r, j] = p
             score_grads[r, j] = p * (score_grads[r, j] - row_delta) * dtype(scale)
+
+
+@njit(fastmath=FASTMATH)
+def _recompute_scores(q_scaled, k_tile, scores, softcap_grad, row_start, col_start, n_q, n_k,
+                      softcap, slope, window_left, window_right):
+    """``S`` of one tile in log2 units, SPEC steps 2-4 applied (`softcap_grad` gets
+    ``1 - tanh^2`` when there is a softcap)."""
+    n_rows, n_cols = scores.shape
+    np.dot(q_scaled, k_tile.T, scores)
+    if softcap > 0 or slope != 0:
+        transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
+                       window_left, window_right, softcap > 0)
+    elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
+                                n_q, n_k, window_left, window_right):
+        mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
 
 
 @njit(fastmath=FASTMATH)
@@ -348,4 +357,80 @@ def backward_query_tiles(q, k, v, do, lse_log2, delta, dq, scale, softcap, alibi
                         tile_order[task // n_heads] * block_q, scale, softcap, alibi_slopes,
                         window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                         block_q, block_k, slice_rows, scratch)
+            task = claim_next(next_task)
+
+
+# --------------------------------------------------------------------------- D with dropout
+
+
+@njit(fastmath=FASTMATH)
+def _query_tile_delta(q, k, v, do, lse_log2, delta, b, h, row_start, scale, softcap,
+                      alibi_slopes, window_left, window_right, dropout_key, dropout_threshold,
+                      inv_keep, block_q, block_k, scratch):
+    """``D_i = sum_j P~_ij dP_ij / sum_j P_ij`` for the rows of one query tile, from the
+    recomputed tiles (see `consistent_delta_kernel`)."""
+    q_scaled, probs_buffer, dp_buffer, softcap_buffer = scratch[0], scratch[1], scratch[2], \
+        scratch[3]
+    n_q_heads, n_q = q.shape[1], q.shape[2]
+    n_k = k.shape[2]
+    kv_head = h // (n_q_heads // k.shape[1])
+    bh = b * n_q_heads + h
+    row_stop = min(row_start + block_q, n_q)
+    n_rows = row_stop - row_start
+    slope = alibi_slopes[b, h]
+    _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale, softcap > 0 or slope != 0)
+    weighted = np.zeros(n_rows, np.float64)
+    total = np.zeros(n_rows, np.float64)
+    col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
+    for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
+        col_stop = min(col_start + block_k, n_k)
+        n_cols = col_stop - col_start
+        probs = tile_view(probs_buffer, n_rows, n_cols)
+        dp = tile_view(dp_buffer, n_rows, n_cols)
+        softcap_grad = tile_view(softcap_buffer, n_rows, n_cols) if softcap > 0 else dp
+        _recompute_scores(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop], probs,
+                          softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
+                          window_left, window_right)
+        np.dot(do[b, h, row_start:row_stop], v[b, kv_head, col_start:col_stop].T, dp)
+        for r in range(n_rows):
+            state = dropout.row_state(dropout_key, bh, row_start + r)
+            for j in range(n_cols):
+                p = _probability(probs[r, j], lse_log2[b, h, row_start + r],
+                                 probs.dtype.type(0.0))
+                total[r] += p
+                if dropout.keeps(state, col_start + j, dropout_threshold):
+                    weighted[r] += p * inv_keep * dp[r, j]
+    for r in range(n_rows):
+        delta[b, h, row_start + r] = weighted[r] / total[r] if total[r] > 0 else 0.0
+
+
+@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+def consistent_delta_kernel(q, k, v, do, lse_log2, delta, scale, softcap, alibi_slopes,
+                            window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                            block_q, block_k, slice_rows, n_threads):
+    """``D`` from the recomputed tiles, for dropout: one extra pass of two products per tile.
+
+    ``dS = P (keep dP / (1 - p) - D)`` cancels to nothing on a row whose probability sits
+    on one key, and with dropout both terms are ``1 / (1 - p)`` times larger than without.
+    ``D = rowsum(dO * O)`` and ``dP`` round independently in float32, so the cancellation
+    leaves ``eps * |dP| / (1 - p)`` behind (1.5x the float32 tolerance at p = 0.9 on a
+    sharp softmax). Summing ``D`` from the same rounded ``dP`` the tiles use makes the
+    cancellation exact, as the GPU kernels do; dividing by ``sum_j P`` also cancels the
+    rounding of lse. `slice_rows` is unused (no mask slicing: full tiles, masked in place).
+    """
+    batch, n_q_heads, n_q = q.shape[0], q.shape[1], q.shape[2]
+    n_q_tiles = (n_q + block_q - 1) // block_q
+    n_heads = batch * n_q_heads
+    n_tasks = n_heads * n_q_tiles
+    n_workers = min(n_threads, n_tasks)
+    next_task = np.zeros(1, np.int64)
+    for worker in prange(n_workers):
+        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+        task = claim_next(next_task)
+        while task < n_tasks:
+            bh = task % n_heads
+            _query_tile_delta(q, k, v, do, lse_log2, delta, bh // n_q_heads, bh % n_q_heads,
+                              (task // n_heads) * block_q, scale, softcap, alibi_slopes,
+                              window_left, window_right, dropout_key, dropout_threshold,
+                              inv_keep, block_q, block_k, scratch)
             task = claim_next(next_task)
