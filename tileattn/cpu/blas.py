@@ -4,13 +4,15 @@ The kernels call ``np.dot`` (BLAS gemm, through SciPy's BLAS, which Numba uses) 
 thread of a parallel loop. A threaded BLAS would start its own threads inside each of
 ours: on the development machine that halved the forward speed (58 against 118 GFLOP/s,
 bench/NOTES-cpu.md). threadpoolctl limits the BLAS behind SciPy to one thread for the call
-and restores it after; without threadpoolctl the kernels still run, only slower.
+and restores it after (NumPy's own BLAS, a separate library in the wheels, is left alone);
+without threadpoolctl the kernels still run, only slower.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 
 @functools.cache
@@ -20,14 +22,26 @@ def _controller():
     except ImportError:
         return None
     # The controller sees only libraries already loaded; Numba loads SciPy's BLAS lazily.
+    import scipy
     import scipy.linalg.cython_blas  # noqa: F401
 
-    return threadpoolctl.ThreadpoolController()
+    blas = threadpoolctl.ThreadpoolController().select(user_api="blas")
+    # Only the BLAS that SciPy (hence Numba's np.dot) calls: the thread count is global to a
+    # library, and NumPy's own BLAS may be running a product on another thread meanwhile.
+    # Where one library serves both (e.g. conda), limiting it is the only option.
+    scipy_dir = os.path.dirname(os.path.dirname(scipy.__file__))
+    scipy_own = [lib.filepath for lib in blas.lib_controllers
+                 if "scipy" in os.path.basename(os.path.dirname(lib.filepath))
+                 and not os.path.basename(os.path.dirname(lib.filepath)).startswith("numpy")
+                 and lib.filepath.startswith(scipy_dir)]
+    if scipy_own:
+        return blas.select(filepath=scipy_own)
+    return blas
 
 
 def single_threaded():
-    """Context manager: BLAS libraries limited to one thread (or nothing, if it cannot)."""
+    """Context manager: SciPy's BLAS limited to one thread (or nothing, if it cannot)."""
     controller = _controller()
     if controller is None:
         return contextlib.nullcontext()
-    return controller.limit(limits=1, user_api="blas")
+    return controller.limit(limits=1)
