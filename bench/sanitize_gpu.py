@@ -85,6 +85,25 @@ def main() -> int:
         assert_attention_close(o.get(), golden_o, q.dtype, name="o")
         print(f"ok float16 D=128 forward, warps of {layout.rows} rows, "
               f"Q in registers: {layout.q_in_registers}")
+    for options in ({}, {"causal": True}):  # the single pass taking turns (deterministic)
+        q, k, v, do = (rng.standard_normal((1, 4, n, 64)).astype(np.float16)
+                       for n in (130, 200, 200, 130))
+        k, v = k[:, :2], v[:, :2]
+        device = [cupy.asarray(a) for a in (do, q, k, v)]
+        o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
+        resolved = validate(q, k, v, **{**dict(causal=False, window=None, scale=None,
+                                               softcap=None, alibi_slopes=None, dropout_p=0.0,
+                                               seed=None, block_q=None, block_k=None,
+                                               deterministic=True), **options}).options
+        grads = _launch.backward_tensor_core(*device, lse, resolved, single_pass=True)
+        as64 = [a.astype(np.float64) for a in (q, k, v)]
+        golden_o, golden_lse = tileattn.forward(*as64, backend="reference", return_lse=True,
+                                                **options)
+        golden = tileattn.backward(do.astype(np.float64), *as64, golden_o, golden_lse,
+                                   backend="reference", **options)
+        for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
+            assert_attention_close(grad.get(), want, q.dtype, name=name)
+        print(f"ok float16 D=64 ordered single-pass backward {sorted(options)}")
     return 0
 
 

@@ -321,18 +321,24 @@ def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: i
     return tiles + 2 * 2 * 4 * streamed + (2 * owned * (streamed + 8) if single_pass else 0)
 
 
-def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None):
+def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None,
+                         single_pass=None):
     """`tiles`: ``{"dq": (owned, streamed), "dkdv": (owned, streamed)}``, by default
     `MMA_BACKWARD_TILES` of the head dim (the benchmark's sweep passes others).
 
-    ``options.deterministic`` False selects the single pass (see attention_mma_backward.cu):
-    the dQ kernel only forms D and the dK/dV kernel adds dQ into a float32 buffer with
-    atomics (B * Hq * Nq * D * 4 bytes more memory; the summation order of dq then depends
-    on scheduling, in the last bits)."""
+    `single_pass` (see attention_mma_backward.cu): the dQ kernel only forms D and the
+    dK/dV kernel adds dQ into a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in
+    turns when ``options.deterministic`` (bitwise reproducible), in arrival order otherwise
+    (dq's last bits then depend on scheduling). Without it the dQ kernel recomputes each
+    tile for dQ itself (9 tile products instead of 7, deterministic). Default: the single
+    pass only for ``deterministic=False``; taking turns cost more than the two products it
+    saves (bench/NOTES-gpu.md, v5), so the deterministic default is the two-kernel form.
+    """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     tiles = tiles or MMA_BACKWARD_TILES[head_dim]
-    single_pass = not options.deterministic
+    single_pass = not options.deterministic if single_pass is None else single_pass
+    ordered = single_pass and options.deterministic
     (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
         _tensor_core_layout, (q, k, v, do))
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
@@ -341,16 +347,19 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
     dk = cupy.empty(k.shape, dtype=q.dtype)
     dv = cupy.empty(v.shape, dtype=q.dtype)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
+    n_q_tiles = -(-n_q // tiles["dkdv"][1])
+    dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
     launches = (("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
-                ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k, batch * n_kv_heads))
+                ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k, batch * n_kv_heads))
     # dQ first: it stores D, which the dK/dV kernel reads.
     for entry, arrays, n_rows, heads in launches:
         owned, streamed = tiles[entry]
         defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
-                   ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")), ("OWNED_ROWS", owned),
+                   ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
+                   ("ORDERED", int(ordered and entry == "dkdv")), ("OWNED_ROWS", owned),
                    ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
                    ("STREAMED_ROWS", streamed)
                    ) + Switches.of(options).defines()

@@ -16,10 +16,13 @@
 //   accumulator fragments of rows = keys, which are exactly the A operands of
 //   dV += P^T dO and dK += dS^T Q. No score tile goes through shared memory.
 //
-// SINGLE_PASS (deterministic=False): the dQ kernel only forms D (DELTA_ONLY), and the
-// dK/dV kernel also adds each query tile's dQ share, dS K over its keys, into a float32
-// buffer with atomics (FA2's single pass): 7 tile products instead of 9, at the price of
-// an order of float additions that depends on scheduling. dS goes through shared memory,
+// SINGLE_PASS: the dQ kernel only forms D (DELTA_ONLY), and the dK/dV kernel also adds
+// each query tile's dQ share, dS K over its keys, into a float32 buffer (FA2's single
+// pass): 7 tile products instead of 9. Without ORDERED (deterministic=False) the additions
+// land in whatever order the blocks reach them. With ORDERED the key blocks of a head take
+// turns on each query tile through a counter per (head, query tile), in a fixed order, so
+// dq is bitwise reproducible; the order is the one in which the blocks arrive when they
+// run in step (see dq_turn_rank), so a block rarely waits. dS goes through shared memory,
 // as the dQ product needs it with queries as rows; attention_backward_dq_convert scales
 // and rounds the buffer into dq.
 //
@@ -30,7 +33,7 @@
 // for the tensor cores, accumulation is float32.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS,
-// STREAMED_ROWS, DELTA_ONLY (dQ kernel), SINGLE_PASS (dK/dV kernel), LIMIT_LEFT,
+// STREAMED_ROWS, DELTA_ONLY (dQ kernel), SINGLE_PASS and ORDERED (dK/dV kernel), LIMIT_LEFT,
 // LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
 #include "mma.cuh"
 
@@ -300,6 +303,47 @@ __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const b
     }
 }
 
+// ORDERED: the turn of key block `block` (of n_blocks) on query tile `tile` (of n_tiles).
+// Without a band every block visits every query tile, block b starting at tile
+// b * n_tiles / n_blocks and wrapping, so running in step the blocks reach a tile in
+// descending order from the last block that started at or before it. With a band a block
+// visits its tiles in ascending order from the first it reaches, later blocks starting
+// later (a causal diagonal), so they arrive in descending order from the last block that
+// reaches the tile. Any fixed rank is deterministic; this one keeps the waits short.
+__device__ __forceinline__ int dq_turn_rank(const Band& band, i64 tile, i64 block, i64 n_tiles,
+                                            i64 n_blocks, i64 n_q, i64 n_k) {
+    i64 top;
+    if (!LIMIT_LEFT && !LIMIT_RIGHT) {
+        top = min(n_blocks - 1, ((tile + 1) * n_blocks + n_tiles - 1) / n_tiles - 1);
+        return static_cast<int>((top - block + n_blocks) % n_blocks);
+    }
+    i64 key_first, key_stop;
+    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, tile * STREAMED_ROWS,
+                                            min((tile + 1) * STREAMED_ROWS, n_q), n_k,
+                                            &key_first, &key_stop);
+    top = (key_stop - 1) / OWNED_ROWS;
+    return static_cast<int>(top - block);
+}
+
+__device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {
+    if (threadIdx.x == 0) {
+        int current;
+        while (true) {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(current) : "l"(turn) : "memory");
+            if (current == rank) break;
+            __nanosleep(64);
+        }
+    }
+    __syncthreads();
+}
+
+// After this block's additions: they are ordered before the counter moves on.
+__device__ __forceinline__ void pass_turn(int* turn) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(turn, 1);
+}
+
 // dq = scale * dq_sum, rounded to the input type (the single pass's last step).
 extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bits16* dq,
                                                          i64 count, float scale) {
@@ -450,8 +494,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_mma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    const float* delta, bits16* dk, bits16* dv, float* dq_sum, const double* alibi_slopes,
-    i64 n_q, i64 n_k,
+    const float* delta, bits16* dk, bits16* dv, float* dq_sum, int* dq_turns,
+    const double* alibi_slopes, i64 n_q, i64 n_k,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS) {
@@ -507,6 +551,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                                           dropout_threshold, dropout_scale);
         const bits16* q_head = q + batch * q_sb + head * q_sh;
         const bits16* do_head = d_out + batch * do_sb + head * do_sh;
+        // ORDERED without a band: block `tile` starts at its own query tile and wraps.
+        const i64 n_q_tiles = (n_q + STREAMED_ROWS - 1) / STREAMED_ROWS;
+        const i64 n_k_blocks = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
+        const i64 rotation = ORDERED && !LIMIT_LEFT && !LIMIT_RIGHT ? tile * n_q_tiles / n_k_blocks : 0;
+        const auto visited_tile = [&](i64 step) { return (step + rotation) % n_q_tiles; };
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
             load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
@@ -523,9 +572,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                 copy_4_async(shared_address(destination), source, valid);
             }
         };
-        load_queries(0, tile_begin);
+        const auto load_queries_in_turn = [&](int stage, i64 step) {
+            load_queries(stage, visited_tile(step));
+        };
+        load_queries(0, visited_tile(tile_begin));
         commit_copies();
-        stream_tiles(tile_begin, tile_end, load_queries, [&](int stage, i64 query_tile) {
+        stream_tiles(tile_begin, tile_end, load_queries_in_turn, [&](int stage, i64 step) {
+            const i64 query_tile = visited_tile(step);
             const bits16* q_tile = q_tiles + stage * STREAMED_ROWS * kPitch;
             const bits16* do_tile = do_tiles + stage * STREAMED_ROWS * kPitch;
             const float* lse_tile = lse_tiles + stage * STREAMED_ROWS;
@@ -570,8 +623,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             accumulate_product(dpt, q_tile, dk_acc);
             if (SINGLE_PASS) {
                 __syncthreads();  // every warp's dS^T rows are in ds_tile
+                int* turn = dq_turns + bh * n_q_tiles + query_tile;
+                if (ORDERED)
+                    wait_for_turn(turn, dq_turn_rank(band, query_tile, tile, n_q_tiles,
+                                                     n_k_blocks, n_q, n_k));
                 add_query_tile_dq(ds_tile, k_tile, dq_sum + bh * n_q * HEAD_DIM, query_start,
                                   n_q);
+                if (ORDERED) pass_turn(turn);
             }
         });
     }
