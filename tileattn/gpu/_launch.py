@@ -37,7 +37,6 @@ MMA_BLOCK_Q = (64, 128)
 MMA_BLOCK_K = (32, 64, 128)
 # The fastest tiles of the sweep in bench/NOTES-gpu.md (H100, float16, N = 4096).
 MMA_DEFAULT_BLOCKS = {64: Blocks(128, 64), 128: Blocks(128, 128)}
-MMA_WARP_ROWS = (16, 32)
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,8 @@ def warp_layout(head_dim: int, blocks: Blocks) -> WarpLayout:
     """The default layout of the head dim when it divides the query tile, else 16 rows."""
     layout = MMA_DEFAULT_LAYOUTS[head_dim]
     return layout if blocks.block_q % layout.rows == 0 else WarpLayout(16, True)
+
+
 # Tensor-core backward tiles per head dim, (owned rows, streamed rows) of each kernel: the
 # dQ kernel owns query rows and streams key tiles, the dK/dV kernel the reverse. 128 owned
 # rows = 8 warps; 64 streamed rows keep S and dP at 32 registers each, which with the
@@ -353,7 +354,8 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
     launches = (("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
-                ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k, batch * n_kv_heads))
+                ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k,
+                 batch * n_kv_heads))
     # dQ first: it stores D, which the dK/dV kernel reads.
     for entry, arrays, n_rows, heads in launches:
         owned, streamed = tiles[entry]

@@ -329,7 +329,10 @@ __device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {
     if (threadIdx.x == 0) {
         int current;
         while (true) {
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(current) : "l"(turn) : "memory");
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];"
+                         : "=r"(current)
+                         : "l"(turn)
+                         : "memory");
             if (current == rank) break;
             __nanosleep(64);
         }
@@ -554,7 +557,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         // ORDERED without a band: block `tile` starts at its own query tile and wraps.
         const i64 n_q_tiles = (n_q + STREAMED_ROWS - 1) / STREAMED_ROWS;
         const i64 n_k_blocks = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
-        const i64 rotation = ORDERED && !LIMIT_LEFT && !LIMIT_RIGHT ? tile * n_q_tiles / n_k_blocks : 0;
+        const i64 rotation =
+            ORDERED && !LIMIT_LEFT && !LIMIT_RIGHT ? tile * n_q_tiles / n_k_blocks : 0;
         const auto visited_tile = [&](i64 step) { return (step + rotation) % n_q_tiles; };
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
