@@ -18,21 +18,7 @@ import cupy
 import numpy as np
 
 import tileattn
-
-
-class PeakBytes(cupy.cuda.MemoryHook):
-    name = "long_context_peak_bytes"
-
-    def __init__(self):
-        super().__init__()
-        self.current = self.peak = 0
-
-    def malloc_postprocess(self, **kwargs):
-        self.current += kwargs["mem_size"]
-        self.peak = max(self.peak, self.current)
-
-    def free_postprocess(self, **kwargs):
-        self.current -= kwargs["mem_size"]
+from tileattn.benchmark import cuda_peak_bytes_hook
 
 
 def timed(function):
@@ -86,7 +72,7 @@ def main() -> None:
                    .astype(cupy.float16) for _ in range(4))
     inputs = sum(a.nbytes for a in (q, k, v, do))
     cupy.cuda.Device().synchronize()
-    with PeakBytes() as hook:
+    with cuda_peak_bytes_hook() as hook:
         (o, lse), forward_s = timed(lambda: tileattn.forward(
             q, k, v, causal=causal, backend="gpu", return_lse=True))
         (dq, dk, dv), backward_s = timed(lambda: tileattn.backward(

@@ -271,10 +271,10 @@ def host_peak_extra_bytes(name: str, n: int, head_dim: int = 64, dtype="float32"
     return max(0, int(result.stdout.strip().splitlines()[-1]))
 
 
-def _cuda_peak_extra(function, inputs, causal):
-    """Peak bytes that `function` holds in CuPy's memory pool beyond its outputs (``o``,
-    ``lse``, ``dq``, ``dk``, ``dv``), counted by a memory hook on every pool allocation and
-    release during the call (the pool itself keeps freed blocks, so its size is no gauge)."""
+def cuda_peak_bytes_hook():
+    """A CuPy memory hook (use it as a context manager) whose ``peak`` attribute is the
+    highest number of bytes held in CuPy's pool at once, counted over every allocation and
+    release while it is active (the pool keeps freed blocks, so its size is no gauge)."""
     import cupy
 
     class PeakBytes(cupy.cuda.MemoryHook):
@@ -291,9 +291,17 @@ def _cuda_peak_extra(function, inputs, causal):
         def free_postprocess(self, **kwargs):
             self.current -= kwargs["mem_size"]
 
+    return PeakBytes()
+
+
+def _cuda_peak_extra(function, inputs, causal):
+    """Peak bytes that `function` holds in CuPy's memory pool beyond its outputs (``o``,
+    ``lse``, ``dq``, ``dk``, ``dv``)."""
+    import cupy
+
     q = inputs[0]
     cupy.cuda.get_current_stream().synchronize()
-    with PeakBytes() as hook:
+    with cuda_peak_bytes_hook() as hook:
         grads = function(*inputs, causal)
         cupy.cuda.get_current_stream().synchronize()
     outputs = sum(g.nbytes for g in grads) + q.nbytes + q.shape[-2] * 4  # + o and lse
