@@ -232,7 +232,7 @@ __device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load 
 
 // ------------------------------------------------------------------ single pass
 
-constexpr int kDsPitch = STREAMED_ROWS + 8;  // ds_tile row pitch (16-byte pad)
+constexpr int kDsPitch = kTilePitch<STREAMED_ROWS>;  // ds_tile row pitch (16-byte pad)
 // dQ share of one query tile: warps split it into (STREAMED_ROWS / 16) row slabs x
 // kDqColumnParts column ranges.
 constexpr int kDqRowSlabs = STREAMED_ROWS / 16;
@@ -280,10 +280,7 @@ __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const b
 #pragma unroll
     for (int kk = 0; kk < OWNED_ROWS / 16; ++kk) {
         u32 a[4];
-        load_matrix_x4_transposed(
-            shared_address(ds_tile + (kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * kDsPitch +
-                           slab * 16 + ((lane >> 3) & 1) * 8),
-            a);
+        load_a_fragment_transposed<STREAMED_ROWS>(ds_tile, slab * 16, kk * 16, a);
 #pragma unroll
         for (int dn = 0; dn < kDqColumns / 16; ++dn) {
             u32 b[4];

@@ -115,6 +115,19 @@ __device__ __forceinline__ void load_a_fragment(const bits16* tile, int row0, in
                    fragment);
 }
 
+// The A fragment (16 x 16) at rows [m0, m0 + 16), columns [k0, k0 + 16) of A = tile^T, for
+// a tile stored k-major (tile[k][m], e.g. dS^T when dQ = dS K needs dS): the transposing
+// ldmatrix, lanes 0-7 / 8-15 / 16-23 / 24-31 addressing a0..a3's 8 x 8 blocks.
+template <int Cols>
+__device__ __forceinline__ void load_a_fragment_transposed(const bits16* tile, int m0, int k0,
+                                                           u32* fragment) {
+    const int lane = threadIdx.x % 32;
+    load_matrix_x4_transposed(
+        shared_address(tile + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * kTilePitch<Cols> +
+                       m0 + ((lane >> 3) & 1) * 8),
+        fragment);
+}
+
 // B fragments of two n8 tiles when B[k][n] = tile[n][k] (the tile's rows are B's
 // columns, e.g. K in S = Q K^T): rows [n0, n0 + 16) at columns [k0, k0 + 16);
 // b[0], b[1] serve columns n0..n0+7, b[2], b[3] columns n0+8..n0+15.
