@@ -58,15 +58,21 @@ def run(q, k, v, options, blocks, layout):
     return o, lse
 
 
-def check(dtype, head_dim, blocks, layout):
+def golden_forward(dtype, head_dim):
+    """``((q, k, v), options, (o, lse))``: a small problem with every option on (GQA, ends
+    inside tiles), its AttentionOptions, and the golden model's answer."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 4, n, head_dim)).astype(dtype) for n in (200, 263, 263))
     problem = validate(q, k, v, **EVERY_OPTION)
-    o, lse = run(*map(cupy.asarray, (q, k, v)), problem.options, blocks, layout)
     golden = [x.astype(np.float64) for x in (q, k, v)]
     options = {key: value for key, value in EVERY_OPTION.items() if key != "deterministic"}
-    want_o, want_lse = tileattn.forward(*golden, backend="reference", return_lse=True,
-                                        **options)
+    return (q, k, v), problem.options, tileattn.forward(*golden, backend="reference",
+                                                        return_lse=True, **options)
+
+
+def check(dtype, head_dim, blocks, layout):
+    (q, k, v), options, (want_o, want_lse) = golden_forward(dtype, head_dim)
+    o, lse = run(*map(cupy.asarray, (q, k, v)), options, blocks, layout)
     assert_attention_close(o.get(), want_o, q.dtype, name="o")
     assert_attention_close(lse.get(), want_lse, np.float32, name="lse")
 

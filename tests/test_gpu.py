@@ -204,6 +204,58 @@ def test_every_tensor_core_warp_layout(head_dim, rows, q_in_registers, options):
     assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
 
 
+def _is_hopper():
+    return backends.availability("gpu") is None and cupy.cuda.Device().compute_capability == "90"
+
+
+hopper_only = pytest.mark.skipif(backends.availability("gpu") is not None or not _is_hopper(),
+                                 reason="the wgmma forward needs an sm_90 GPU")
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tiles", [(128, 128, 2), (64, 64, 2), (128, 64, 3), (192, 128, 2)],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
+                                     TENSOR_CORE_OPTIONS[2], TENSOR_CORE_OPTIONS[-1]],
+                         ids=["plain", "causal", "window", "every-option"])
+def test_every_wgmma_tile_shape(dtype, head_dim, tiles, options):
+    """The Hopper forward at every tile shape and stage count it is built for, on GQA,
+    Nq != Nk and sequence ends inside a tile; o and lse against the golden model."""
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+                      dtype)
+    arrays = [cupy.asarray(a) for a in (q, k, v)]
+    # NaN everywhere first (0x7fff is a NaN in float16 and bfloat16): every element written.
+    o = cupy.empty(arrays[0].shape, dtype=arrays[0].dtype)
+    o.view(cupy.uint16).fill(0x7FFF)
+    lse = cupy.full(arrays[0].shape[:3], np.nan, dtype=cupy.float32)
+    _launch.forward_wgmma(*arrays, o, lse, _resolved_options(q, k, v, options),
+                          _launch.WgmmaTiles(*tiles))
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+
+
+@hopper_only
+def test_wgmma_forward_is_the_default_on_hopper():
+    q = cupy.zeros((1, 1, 8, 64), dtype=cupy.float16)
+    assert _launch.wgmma_tiles(q, AttentionOptions()) == _launch.WGMMA_DEFAULT_TILES[64]
+    # A tile size the wgmma kernel is not built for selects the mma.sync kernel.
+    assert _launch.wgmma_tiles(q, AttentionOptions(block_k=32)) is None
+
+
+@hopper_only
+def test_wgmma_forward_long_rows_and_fully_masked_tiles():
+    """Causal with Nq > Nk (leading query tiles keep nothing) over several key tiles."""
+    q, k, v = _inputs((1, 2, 700, 128), (1, 2, 520, 128), (1, 2, 520, 128), np.float16)
+    o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), causal=True, backend="gpu",
+                              return_lse=True)
+    golden_o, golden_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+
+
 def _resolved_options(q, k, v, options):
     """The AttentionOptions the API would pass a backend for these keyword options."""
     defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,

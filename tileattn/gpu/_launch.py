@@ -26,6 +26,7 @@ from . import _compile
 
 GENERIC_SOURCE = "attention_generic.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
+WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_BACKWARD_SOURCE = "attention_mma_backward.cu"
 GENERIC_THREADS = 256
 # Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
@@ -270,6 +271,56 @@ def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Bloc
              shared_mem=shared)
 
 
+@dataclass(frozen=True)
+class WgmmaTiles:
+    """The Hopper forward's tiles: `block_q` query rows (64 per warpgroup), `block_k` keys
+    per step, `stages` K/V buffers in flight."""
+
+    block_q: int
+    block_k: int
+    stages: int
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """Q tile and `stages` K and V tiles (16-bit, unpadded: the swizzle avoids bank
+        conflicts), plus 1024 bytes to align the tiles to the swizzle's period."""
+        return 1024 + 2 * head_dim * (self.block_q + 2 * self.stages * self.block_k)
+
+
+WGMMA_BLOCK_Q = (64, 128, 192)
+WGMMA_BLOCK_K = (64, 128)
+WGMMA_DEFAULT_TILES = {64: WgmmaTiles(128, 128, 2), 128: WgmmaTiles(128, 128, 2)}
+
+
+def wgmma_tiles(q, options: AttentionOptions) -> WgmmaTiles | None:
+    """The Hopper forward's tiles when it applies (an sm_90 device, and tile sizes the
+    caller named, if any, that it is built for), else None."""
+    if int(q.device.compute_capability) != 90:
+        return None
+    default = WGMMA_DEFAULT_TILES[q.shape[3]]
+    blocks = Blocks(default.block_q, default.block_k).resolve(options.block_q, options.block_k)
+    if blocks.block_q not in WGMMA_BLOCK_Q or blocks.block_k not in WGMMA_BLOCK_K:
+        return None
+    return WgmmaTiles(blocks.block_q, blocks.block_k, default.stages)
+
+
+def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles):
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("HEAD_DIM", head_dim),
+               ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")), ("STAGES", tiles.stages)
+               ) + Switches.of(options).defines()
+    shared = tiles.shared_bytes(head_dim)
+    function = _compile.kernel(WGMMA_SOURCE, "attention_forward_wgmma", tuple(sorted(defines)),
+                               shared, arch="90a")
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
+    n_tiles = -(-n_q // tiles.block_q)
+    function((n_tiles * batch * n_q_heads,), (tiles.block_q // 64 * 128,),
+             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
+              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), *q_strides[:3],
+              *k_strides[:3], *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)),
+             shared_mem=shared)
+
+
 def forward_generic(q, k, v, o, lse, options: AttentionOptions):
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -292,7 +343,10 @@ def forward(q, k, v, options: AttentionOptions):
     o = cupy.empty((batch, n_q_heads, n_q, v.shape[3]), dtype=q.dtype)
     lse = cupy.empty((batch, n_q_heads, n_q), dtype=accumulation_dtype(q.dtype))
     blocks = tensor_core_blocks(q, v, options)
-    if blocks is not None:
+    hopper_tiles = wgmma_tiles(q, options) if blocks is not None else None
+    if hopper_tiles is not None:
+        forward_wgmma(q, k, v, o, lse, options, hopper_tiles)
+    elif blocks is not None:
         forward_tensor_core(q, k, v, o, lse, options, blocks)
     else:
         forward_generic(q, k, v, o, lse, options)

@@ -21,14 +21,12 @@
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, BLOCK_Q, BLOCK_K,
 // WARP_ROWS, Q_IN_REGISTERS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
-#include "mma.cuh"
+#include "forward_softmax.cuh"
 
 constexpr int kRowTiles = WARP_ROWS / 16;  // m16 tiles per warp
 constexpr int kWarps = BLOCK_Q / WARP_ROWS;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPitch = HEAD_DIM + 8;         // shared row pitch in 16-bit elements
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 static_assert(HEAD_DIM % 16 == 0 && BLOCK_K % 16 == 0 && BLOCK_Q % WARP_ROWS == 0 &&
                   WARP_ROWS % 16 == 0, "mma tiles");
 
@@ -52,11 +50,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     const bits16* q_head = q + batch * q_sb + head * q_sh;
     const bits16* k_head = k + batch * k_sb + kv_head * k_sh;
     const bits16* v_head = v + batch * v_sb + kv_head * v_sh;
+    bits16* o_head = o + bh * n_q * HEAD_DIM;
+    float* lse_head = lse + bh * n_q;
     const i64 row_start = tile * BLOCK_Q;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int quad_row = lane / 4, quad_col = lane % 4;  // accumulator fragment coordinates
+    const int quad_row = lane / 4;  // this thread's row in each accumulator fragment
     const int warp_row0 = warp * WARP_ROWS;                // first tile row of this warp
     // This thread's two rows of every accumulator fragment of row tile m: [m][0], [m][0] + 8.
     i64 my_rows[kRowTiles][2];
@@ -72,12 +72,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     const i64 tile_begin = key_first / BLOCK_K;
     const i64 tile_end = key_stop > key_first ? (key_stop + BLOCK_K - 1) / BLOCK_K : tile_begin;
 
-    if (tile_begin == tile_end) {  // no row of this tile keeps any key: o = 0, lse = -inf
-        for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
-             element += kThreads)
-            o[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
-        for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
-            lse[bh * n_q + row] = negative_infinity<float>();
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key
+        store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
         return;
     }
 
@@ -114,10 +110,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         row_sum[m][0] = row_sum[m][1] = 0.0f;
     }
 
-    const float scale_log2 = scale * kLog2e;
-    const float scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
-    const float softcap_log2 = softcap * kLog2e;
-    const float slope_log2 = ALIBI ? static_cast<float>(alibi_slopes[bh]) * kLog2e : 0.0f;
+    const ForwardScores scores =
+        make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
     u32 row_states[kRowTiles][2] = {};
     if (DROPOUT) {
 #pragma unroll
@@ -178,83 +172,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 #undef Q_FRAGMENT
         }
 
-        // Scores in base-2 units: scale, softcap, ALiBi, then the mask by select.
         const i64 col_start = key_tile * BLOCK_K;
-        bool needs_mask = col_start + BLOCK_K > n_k;
-        if (LIMIT_RIGHT)
-            needs_mask = needs_mask || col_start + BLOCK_K - 1 > row_start + band.offset + band.right;
-        if (LIMIT_LEFT)
-            needs_mask = needs_mask || col_start < row_start + BLOCK_Q - 1 + band.offset - band.left;
-#pragma unroll
-        for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-        for (int n = 0; n < BLOCK_K / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const i64 row = my_rows[m][e >> 1];
-                const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
-                float score;
-                if (SOFTCAP)
-                    score = softcap_log2 * tanhf(s[m][n][e] * scale_over_softcap);
-                else
-                    score = s[m][n][e] * scale_log2;
-                if (ALIBI) {
-                    const i64 distance = row + band.offset - col;
-                    score -= slope_log2 * static_cast<float>(distance < 0 ? -distance : distance);
-                }
-                if (needs_mask && !(col < n_k && band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(band, row, col)))
-                    score = negative_infinity<float>();
-                s[m][n][e] = score;
-            }
-        }
-
-        // Online softmax (FlashAttention-2 section 3.1.1) on the fragments. The four
-        // threads of a quad share a row: max over the quad with two shuffles. Row sums
-        // stay per-thread partial sums until the end, as the rescale is quad-uniform.
-#pragma unroll
-        for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float tile_max = negative_infinity<float>();
-#pragma unroll
-            for (int n = 0; n < BLOCK_K / 8; ++n)
-                tile_max = fmaxf(tile_max, fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float new_max = fmaxf(row_max[m][half], tile_max);
-            const float safe_max = new_max == negative_infinity<float>() ? 0.0f : new_max;
-            const float rescale = exp2_approx(row_max[m][half] - safe_max);
-            row_max[m][half] = new_max;
-            float tile_sum = 0.0f;
-#pragma unroll
-            for (int n = 0; n < BLOCK_K / 8; ++n) {
-                const float p0 = exp2_approx(s[m][n][2 * half] - safe_max);
-                const float p1 = exp2_approx(s[m][n][2 * half + 1] - safe_max);
-                tile_sum += p0 + p1;
-                s[m][n][2 * half] = p0;
-                s[m][n][2 * half + 1] = p1;
-            }
-            row_sum[m][half] = row_sum[m][half] * rescale + tile_sum;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                o_acc[m][n][2 * half] *= rescale;
-                o_acc[m][n][2 * half + 1] *= rescale;
-            }
-        }
-        // Dropout zeroes entries of the P that multiplies V (not of the row sum); the
-        // 1 / (1 - p) factor is applied once to O at the end.
-        if (DROPOUT) {
-#pragma unroll
-            for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-            for (int n = 0; n < BLOCK_K / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u32 col = static_cast<u32>(col_start + n * 8 + 2 * quad_col + (e & 1));
-                    if (!dropout_keeps(row_states[m][e >> 1], col, dropout_threshold))
-                        s[m][n][e] = 0.0f;
-                }
-        }
+        const bool needs_mask = key_tile_needs_mask(scores, row_start, BLOCK_Q, col_start,
+                                                    BLOCK_K);
+        scores_to_logits(s, my_rows, col_start, needs_mask, scores);
+        online_softmax_step(s, row_max, row_sum, o_acc);
+        if (DROPOUT) drop_probabilities(s, row_states, col_start, dropout_threshold);
 
         // O += P V. The S accumulators of key tiles 2kk and 2kk+1 are exactly the A
         // fragment of a 16x16 P block; V's B fragment needs the transposing ldmatrix.
@@ -277,26 +200,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
 
-    // Deferred normalisation. total == 0: the row kept no key (o = 0, lse = -inf); a NaN
-    // total is not 0, so a NaN row stays NaN.
-#pragma unroll
-    for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float total = row_sum[m][half];
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        const i64 row = my_rows[m][half];
-        const float factor = total == 0.0f ? 0.0f : (DROPOUT ? dropout_scale : 1.0f) / total;
-        if (row < n_q) {
-            u32* o_row = reinterpret_cast<u32*>(o + (bh * n_q + row) * HEAD_DIM);
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n)
-                o_row[n * 4 + quad_col] = pack_pair(o_acc[m][n][2 * half] * factor,
-                                                    o_acc[m][n][2 * half + 1] * factor);
-            if (quad_col == 0)
-                lse[bh * n_q + row] = total == 0.0f ? negative_infinity<float>()
-                                                    : row_max[m][half] * kLn2 + logf(total);
-        }
-    }
+    store_output_rows(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
 }

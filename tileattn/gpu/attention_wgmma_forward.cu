@@ -1,0 +1,175 @@
+// Hopper tensor-core forward (sm_90a) for float16 / bfloat16 with D = Dv in {64, 128}.
+//
+// The FlashAttention-2 forward of attention_mma_forward.cu moved onto warpgroup matrix
+// instructions (the FlashAttention-3 paper's first ingredient):
+// * one block per (batch, head, BLOCK_Q query rows); each warpgroup (4 warps, 128
+//   threads) owns 64 query rows, the M of wgmma.m64nNk16;
+// * S = Q K^T is one chain of HEAD_DIM / 16 wgmma with N = BLOCK_K, both operands read
+//   by the tensor cores straight from shared memory through descriptors: no ldmatrix,
+//   so the issuing warps' shared-memory bandwidth no longer bounds the loop (it did for
+//   mma.sync at 16 rows per warp, bench/NOTES-gpu.md v3);
+// * the online softmax runs on the accumulators exactly as in the mma.sync kernel (the
+//   per-warp register layout is the same; forward_softmax.cuh), and P, rounded to the
+//   input type, is the register A operand of O += P V, with V read MN-major (transposed)
+//   from shared memory;
+// * tiles are stored with the hardware's 128-byte swizzle (wgmma.cuh), K/V in STAGES
+//   buffers filled by cp.async: one barrier per key tile, after which tile t + STAGES - 1
+//   is issued into the buffer that tile t - 1 has just released;
+// * key tiles outside the band are never visited, the per-score mask runs only on tiles
+//   that straddle the band edge or the end of the keys.
+//
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, BLOCK_Q (a multiple
+// of 64), BLOCK_K (64 or 128), STAGES (>= 2), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
+// DROPOUT. Needs -arch=sm_90a.
+#include "wgmma.cuh"
+#include "forward_softmax.cuh"
+
+constexpr int kWarpgroups = BLOCK_Q / 64;
+constexpr int kThreads = kWarpgroups * 128;
+constexpr int kKeyFrags = BLOCK_K / 8;   // n8 fragments of S per warp
+constexpr int kOutFrags = HEAD_DIM / 8;  // n8 fragments of O per warp
+constexpr int kQTileBytes = kSwizzledTileBytes<BLOCK_Q, HEAD_DIM>;
+constexpr int kKvTileBytes = kSwizzledTileBytes<BLOCK_K, HEAD_DIM>;
+static_assert(BLOCK_Q % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
+                  (BLOCK_K == 64 || BLOCK_K == 128), "wgmma tiles");
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma(
+    const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
+    const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, i64 q_sb,
+    i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,
+    u32 dropout_key, u32 dropout_threshold, float dropout_scale) {
+    // The swizzle pattern repeats every 1024 bytes of address: align the tiles to it (the
+    // launch asks for 1024 bytes of slack).
+    extern __shared__ __align__(128) unsigned char shared_bytes[];
+    const u32 q_tile = (shared_address(shared_bytes) + kSwizzleAtomBytes - 1) &
+                       ~static_cast<u32>(kSwizzleAtomBytes - 1);
+    const u32 k_tiles = q_tile + kQTileBytes;                // [STAGES] swizzled K tiles
+    const u32 v_tiles = k_tiles + STAGES * kKvTileBytes;     // [STAGES] swizzled V tiles
+
+    const Band band{band_offset, window_left, window_right};
+    const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
+    const i64 bh = owned.bh;
+    const bits16* q_head = q + owned.batch * q_sb + owned.head * q_sh;
+    const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh;
+    const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh;
+    bits16* o_head = o + bh * n_q * HEAD_DIM;
+    float* lse_head = lse + bh * n_q;
+    const i64 row_start = owned.tile * BLOCK_Q;
+    const i64 row_stop = min(row_start + BLOCK_Q, n_q);
+    const ForwardScores scores =
+        make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
+
+    const int warpgroup = threadIdx.x / 128;
+    const int lane = threadIdx.x % 32;
+    // This thread's two rows of the warpgroup's 64 (warp w of the group owns 16 w ..).
+    i64 my_rows[1][2];
+    my_rows[0][0] = row_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
+    my_rows[0][1] = my_rows[0][0] + 8;
+
+    i64 key_first, key_stop;
+    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
+                                            &key_stop);
+    const i64 tile_begin = key_first / BLOCK_K;
+    const i64 tile_end = key_stop > key_first ? (key_stop + BLOCK_K - 1) / BLOCK_K : tile_begin;
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key
+        store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
+        return;
+    }
+
+    // Prologue: Q with key tile 0 in one copy group, then tiles 1 .. STAGES - 2, one group
+    // each (empty groups past the end keep the group count uniform for wait_copies).
+    load_swizzled_tile_async<BLOCK_Q, HEAD_DIM, kThreads>(q_tile, q_head, q_sn, row_start, n_q);
+#pragma unroll
+    for (int stage = 0; stage < STAGES - 1; ++stage) {
+        const i64 key_tile = tile_begin + stage;
+        if (key_tile < tile_end) {
+            load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
+                k_tiles + stage * kKvTileBytes, k_head, k_sn, key_tile * BLOCK_K, n_k);
+            load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
+                v_tiles + stage * kKvTileBytes, v_head, v_sn, key_tile * BLOCK_K, n_k);
+        }
+        commit_copies();
+    }
+
+    float o_acc[1][kOutFrags][4];
+#pragma unroll
+    for (int n = 0; n < kOutFrags; ++n)
+        o_acc[0][n][0] = o_acc[0][n][1] = o_acc[0][n][2] = o_acc[0][n][3] = 0.0f;
+    float row_max[1][2] = {{negative_infinity<float>(), negative_infinity<float>()}};
+    float row_sum[1][2] = {{0.0f, 0.0f}};
+    u32 row_states[1][2] = {};
+    if (DROPOUT) {
+        row_states[0][0] = dropout_row_state(dropout_key, static_cast<u32>(bh),
+                                             static_cast<u32>(my_rows[0][0]));
+        row_states[0][1] = dropout_row_state(dropout_key, static_cast<u32>(bh),
+                                             static_cast<u32>(my_rows[0][1]));
+    }
+    // Q's rows of this warpgroup: 64 rows x 128 bytes into every column block.
+    const u32 q_rows = q_tile + warpgroup * 64 * kSwizzleRowBytes;
+
+    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
+        const int step = static_cast<int>(key_tile - tile_begin);
+        // Tile t landed (this thread's copies), is visible to the tensor cores, and every
+        // warpgroup is done with tile t - 1, whose buffer the prefetch below refills.
+        wait_copies<STAGES - 2>();
+        fence_shared_for_async_proxy();
+        __syncthreads();
+        {
+            const i64 ahead = key_tile + STAGES - 1;
+            const int ahead_stage = (step + STAGES - 1) % STAGES;
+            if (ahead < tile_end) {
+                load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
+                    k_tiles + ahead_stage * kKvTileBytes, k_head, k_sn, ahead * BLOCK_K, n_k);
+                load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
+                    v_tiles + ahead_stage * kKvTileBytes, v_head, v_sn, ahead * BLOCK_K, n_k);
+            }
+            commit_copies();
+        }
+        const int stage = step % STAGES;
+        const u32 k_tile = k_tiles + stage * kKvTileBytes;
+        const u32 v_tile = v_tiles + stage * kKvTileBytes;
+
+        // S = Q K^T: the k-th 16-column slice of Q and K sits in column block k / 4 at byte
+        // 32 (k % 4) of each row.
+        float s[1][kKeyFrags][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const u32 column = (kk / 4) * BLOCK_Q * kSwizzleRowBytes + (kk % 4) * 32;
+            const u32 k_column = (kk / 4) * BLOCK_K * kSwizzleRowBytes + (kk % 4) * 32;
+            wgmma_ss<BLOCK_K>(s[0], swizzled_descriptor(q_rows + column, 0, kSwizzleAtomBytes),
+                              swizzled_descriptor(k_tile + k_column, 0, kSwizzleAtomBytes),
+                              kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(s[0]);
+
+        const i64 col_start = key_tile * BLOCK_K;
+        const bool needs_mask = key_tile_needs_mask(scores, row_start, BLOCK_Q, col_start,
+                                                    BLOCK_K);
+        scores_to_logits(s, my_rows, col_start, needs_mask, scores);
+        online_softmax_step(s, row_max, row_sum, o_acc);
+        if (DROPOUT) drop_probabilities(s, row_states, col_start, dropout_threshold);
+
+        // O += P V: keys 16 kk .. 16 kk + 15 are rows 16 kk .. of the V tile (2048 bytes on
+        // per step); the next 64 columns of V are one column block (BLOCK_K rows) further.
+        u32 p[BLOCK_K / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_K / 16; ++kk) pack_a_fragment(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_K / 16; ++kk)
+            wgmma_rs_transposed_b<HEAD_DIM>(
+                o_acc[0], p[kk],
+                swizzled_descriptor(v_tile + kk * 16 * kSwizzleRowBytes,
+                                    BLOCK_K * kSwizzleRowBytes, kSwizzleAtomBytes),
+                1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(o_acc[0]);
+    }
+
+    store_output_rows(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
+}

@@ -1,0 +1,187 @@
+// The element-wise half of the tensor-core forwards (attention_mma_forward.cu with
+// mma.sync, attention_wgmma_forward.cu with wgmma), shared because both hold a warp's
+// scores in the same registers: the m16n8 accumulator layout, thread (quad_row, quad_col)
+// of a warp owning rows quad_row and quad_row + 8 of each 16-row tile m and columns
+// 8 n + 2 quad_col + {0, 1} of each 8-key fragment n. Arrays are indexed [m][n][e]: e = 0, 1
+// the first row, e = 2, 3 the second.
+//
+// Scores become base-2 logits (scale * log2(e) folded into one multiply) so that the
+// online softmax (FlashAttention-2 section 3.1.1) runs on ex2.approx; the four threads of
+// a quad share a row, so row maxima take two shuffles and row sums stay per-thread partial
+// sums until the end (the rescale is quad-uniform).
+#pragma once
+#include "mma.cuh"
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The run-time score options, pre-multiplied into base-2 units.
+struct ForwardScores {
+    float scale_log2;          // scale * log2(e)
+    float scale_over_softcap;  // scale / softcap
+    float softcap_log2;        // softcap * log2(e)
+    float slope_log2;          // this head's ALiBi slope * log2(e)
+    Band band;
+    i64 n_k;
+};
+
+__device__ __forceinline__ ForwardScores make_forward_scores(float scale, float softcap,
+                                                             const double* slopes, i64 bh,
+                                                             Band band, i64 n_k) {
+    ForwardScores scores;
+    scores.scale_log2 = scale * kLog2e;
+    scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
+    scores.softcap_log2 = softcap * kLog2e;
+    scores.slope_log2 = ALIBI ? static_cast<float>(slopes[bh]) * kLog2e : 0.0f;
+    scores.band = band;
+    scores.n_k = n_k;
+    return scores;
+}
+
+// Whether the key tile [col_start, col_start + block_k) against query rows
+// [row_start, row_start + block_q) needs the per-score mask: it straddles the end of the
+// keys or an edge of the band. Tiles wholly inside skip it.
+__device__ __forceinline__ bool key_tile_needs_mask(const ForwardScores& scores, i64 row_start,
+                                                    int block_q, i64 col_start, int block_k) {
+    bool needs_mask = col_start + block_k > scores.n_k;
+    if (LIMIT_RIGHT)
+        needs_mask = needs_mask ||
+                     col_start + block_k - 1 > row_start + scores.band.offset + scores.band.right;
+    if (LIMIT_LEFT)
+        needs_mask = needs_mask ||
+                     col_start < row_start + block_q - 1 + scores.band.offset - scores.band.left;
+    return needs_mask;
+}
+
+// Raw products Q K^T -> base-2 logits: scale, softcap, ALiBi, then the mask by select.
+template <int RowTiles, int KeyFrags>
+__device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][4],
+                                                 const i64 (&rows)[RowTiles][2], i64 col_start,
+                                                 bool needs_mask, const ForwardScores& scores) {
+    const int quad_col = threadIdx.x % 4;
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+#pragma unroll
+        for (int n = 0; n < KeyFrags; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const i64 row = rows[m][e >> 1];
+                const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
+                float score;
+                if (SOFTCAP)
+                    score = scores.softcap_log2 * tanhf(s[m][n][e] * scores.scale_over_softcap);
+                else
+                    score = s[m][n][e] * scores.scale_log2;
+                if (ALIBI) {
+                    const i64 distance = row + scores.band.offset - col;
+                    score -= scores.slope_log2 *
+                             static_cast<float>(distance < 0 ? -distance : distance);
+                }
+                if (needs_mask &&
+                    !(col < scores.n_k &&
+                      band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(scores.band, row, col)))
+                    score = negative_infinity<float>();
+                s[m][n][e] = score;
+            }
+}
+
+// One online-softmax step: logits -> unnormalised probabilities in place, the running max
+// and partial sums updated, and O rescaled by exp2(old max - new max).
+template <int RowTiles, int KeyFrags, int OutFrags>
+__device__ __forceinline__ void online_softmax_step(float (&s)[RowTiles][KeyFrags][4],
+                                                    float (&row_max)[RowTiles][2],
+                                                    float (&row_sum)[RowTiles][2],
+                                                    float (&o_acc)[RowTiles][OutFrags][4]) {
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float tile_max = negative_infinity<float>();
+#pragma unroll
+            for (int n = 0; n < KeyFrags; ++n)
+                tile_max = fmaxf(tile_max, fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[m][half], tile_max);
+            const float safe_max = new_max == negative_infinity<float>() ? 0.0f : new_max;
+            const float rescale = exp2_approx(row_max[m][half] - safe_max);
+            row_max[m][half] = new_max;
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < KeyFrags; ++n) {
+                const float p0 = exp2_approx(s[m][n][2 * half] - safe_max);
+                const float p1 = exp2_approx(s[m][n][2 * half + 1] - safe_max);
+                tile_sum += p0 + p1;
+                s[m][n][2 * half] = p0;
+                s[m][n][2 * half + 1] = p1;
+            }
+            row_sum[m][half] = row_sum[m][half] * rescale + tile_sum;
+#pragma unroll
+            for (int n = 0; n < OutFrags; ++n) {
+                o_acc[m][n][2 * half] *= rescale;
+                o_acc[m][n][2 * half + 1] *= rescale;
+            }
+        }
+}
+
+// Dropout zeroes entries of the P that multiplies V (not of the row sum); the 1 / (1 - p)
+// factor is applied once to O at the end.
+template <int RowTiles, int KeyFrags>
+__device__ __forceinline__ void drop_probabilities(float (&s)[RowTiles][KeyFrags][4],
+                                                   const u32 (&row_states)[RowTiles][2],
+                                                   i64 col_start, u32 threshold) {
+    const int quad_col = threadIdx.x % 4;
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+#pragma unroll
+        for (int n = 0; n < KeyFrags; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 col = static_cast<u32>(col_start + n * 8 + 2 * quad_col + (e & 1));
+                if (!dropout_keeps(row_states[m][e >> 1], col, threshold)) s[m][n][e] = 0.0f;
+            }
+}
+
+// Deferred normalisation and the stores of o and lse. total == 0: the row kept no key
+// (o = 0, lse = -inf); a NaN total is not 0, so a NaN row stays NaN.
+template <int RowTiles, int OutFrags>
+__device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles][OutFrags][4],
+                                                  const float (&row_max)[RowTiles][2],
+                                                  const float (&row_sum)[RowTiles][2],
+                                                  const i64 (&rows)[RowTiles][2], bits16* o_head,
+                                                  float* lse_head, i64 n_q,
+                                                  float dropout_scale) {
+    const int quad_col = threadIdx.x % 4;
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float total = row_sum[m][half];
+            total += __shfl_xor_sync(0xffffffffu, total, 1);
+            total += __shfl_xor_sync(0xffffffffu, total, 2);
+            const i64 row = rows[m][half];
+            const float factor =
+                total == 0.0f ? 0.0f : (DROPOUT ? dropout_scale : 1.0f) / total;
+            if (row < n_q) {
+                u32* o_row = reinterpret_cast<u32*>(o_head + row * (OutFrags * 8));
+#pragma unroll
+                for (int n = 0; n < OutFrags; ++n)
+                    o_row[n * 4 + quad_col] = pack_pair(o_acc[m][n][2 * half] * factor,
+                                                        o_acc[m][n][2 * half + 1] * factor);
+                if (quad_col == 0)
+                    lse_head[row] = total == 0.0f ? negative_infinity<float>()
+                                                  : row_max[m][half] * kLn2 + logf(total);
+            }
+        }
+}
+
+// Every row of a query tile that keeps no key: o = 0, lse = -inf.
+template <int HeadDim, int Threads>
+__device__ __forceinline__ void store_empty_rows(bits16* o_head, float* lse_head,
+                                                 i64 row_start, i64 row_stop) {
+    for (i64 element = threadIdx.x; element < (row_stop - row_start) * HeadDim;
+         element += Threads)
+        o_head[row_start * HeadDim + element] = 0;
+    for (i64 row = row_start + threadIdx.x; row < row_stop; row += Threads)
+        lse_head[row] = negative_infinity<float>();
+}
