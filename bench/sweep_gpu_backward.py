@@ -1,6 +1,6 @@
 """Sweep of the tensor-core backward's tiles (owned rows x streamed rows per kernel).
 
-    PYTHONPATH=. python3 bench/sweep_gpu_backward.py [--dtype float16] [--n 4096]
+    PYTHONPATH=. python3 bench/sweep_gpu_backward.py [--dtype float16] [--n 4096] [--wgmma]
 
 For D = 64 (B = 4, H = 32) and D = 128 (B = 4, H = 16), causal and not: each kernel's tiles
 (owned 64 or 128 rows x streamed 32, 64 or 128 rows) are varied while the other kernel keeps
@@ -8,11 +8,16 @@ its default (`_launch.MMA_BACKWARD_TILES`). Each configuration is first checked 
 float64 golden model on a small problem with every option on, then the whole backward is
 timed on the large one (CUDA events, median) beside torch's FlashAttention-2 backward
 (derived as forward+backward minus forward, measured in the same run).
+
+--wgmma sweeps the Hopper kernels (`_launch.WGMMA_BACKWARD_TILES`: owned 64, 128 or 192
+rows, streamed 64 or 128, 2 or 3 stages) instead, beside the mma.sync two-kernel default
+and its single pass (deterministic=False) timed in the same run.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import cupy
 import numpy as np
@@ -26,17 +31,27 @@ from bench_gpu import Case, fa_functions, make_inputs, median_ms
 from sweep_gpu_forward import EVERY_OPTION, plain_options, sweep_arguments
 
 OWNED, STREAMED = (64, 128), (32, 64, 128)
+SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
 
 
-def check(dtype, head_dim, tiles):
+def wgmma_candidates(head_dim: int) -> list:
+    default = _launch.WGMMA_BACKWARD_TILES[head_dim]
+    tiles = [default, replace(default, stages=3)]
+    tiles += [replace(default, dq=t) for t in ((64, 64), (128, 128), (192, 64), (192, 128))]
+    tiles += [replace(default, dkdv=t) for t in ((64, 64), (64, 128), (128, 128), (192, 64))]
+    return [t for t in tiles if max(t.shared_bytes(e, head_dim) for e in ("dq", "dkdv"))
+            <= SHARED_LIMIT]
+
+
+def check(dtype, head_dim, tiles, backward=_launch.backward_tensor_core):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 4, n, head_dim)).astype(dtype) for n in (200, 263, 263))
     do = rng.standard_normal(q.shape).astype(dtype)
     options = {key: value for key, value in EVERY_OPTION.items() if key != "deterministic"}
     o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", return_lse=True,
                               **options)
-    grads = _launch.backward_tensor_core(*map(cupy.asarray, (do, q, k, v)), lse,
-                                         validate(q, k, v, **EVERY_OPTION).options, tiles)
+    grads = backward(*map(cupy.asarray, (do, q, k, v)), lse,
+                     validate(q, k, v, **EVERY_OPTION).options, tiles)
     golden = [x.astype(np.float64) for x in (do, q, k, v)]
     want_o, want_lse = tileattn.forward(*golden[1:], backend="reference", return_lse=True,
                                         **options)
@@ -46,14 +61,18 @@ def check(dtype, head_dim, tiles):
 
 
 def main() -> None:
-    args = sweep_arguments(__doc__.splitlines()[0])
+    args = sweep_arguments(__doc__.splitlines()[0], wgmma_flag=True)
+    backward = _launch.backward_wgmma if args.wgmma else _launch.backward_tensor_core
     rows = []
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
         default = _launch.MMA_BACKWARD_TILES[head_dim]
-        candidates = [dict(default, dq=tile) for tile in itertools.product(OWNED, STREAMED)]
-        candidates += [dict(default, dkdv=tile) for tile in itertools.product(OWNED, STREAMED)
-                       if tile != default["dkdv"]]
+        if args.wgmma:
+            candidates = wgmma_candidates(head_dim)
+        else:
+            candidates = [dict(default, dq=t) for t in itertools.product(OWNED, STREAMED)]
+            candidates += [dict(default, dkdv=t) for t in itertools.product(OWNED, STREAMED)
+                           if t != default["dkdv"]]
         for causal in (False, True):
             case = Case(args.dtype, 16384 // args.n, heads, args.n, head_dim, causal=causal,
                         direction="backward")
@@ -67,25 +86,34 @@ def main() -> None:
                 flash_tflops = float("nan")
             options = plain_options(q, k, v, causal)
             o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=causal)
+            if args.wgmma:
+                for single_pass in (False, True):
+                    ms = median_ms(lambda arrays=(do, q, k, v, lse), single_pass=single_pass:
+                                   _launch.backward_tensor_core(*arrays, options,
+                                                                single_pass=single_pass),
+                                   args.repetitions)
+                    print(f"{case.name:<42} mma.sync {'single pass' if single_pass else ''}: "
+                          f"{ms:7.3f} ms {case.flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
             for tiles in candidates:
                 if not causal:
-                    check(np.dtype(args.dtype), head_dim, tiles)
+                    check(np.dtype(args.dtype), head_dim, tiles, backward)
                 ms = median_ms(lambda arrays=(do, q, k, v, lse), tiles=tiles:
-                               _launch.backward_tensor_core(*arrays, options, tiles),
-                               args.repetitions)
+                               backward(*arrays, options, tiles), args.repetitions)
                 tflops = case.flops / ms / 1e9
-                rows.append((case.name, tiles["dq"], tiles["dkdv"], ms, tflops,
-                             tflops / flash_tflops))
-                print(f"{case.name:<42} dq {tiles['dq']} dkdv {tiles['dkdv']}: {ms:7.3f} ms "
+                described = tiles if isinstance(tiles, dict) else dict(
+                    dq=tiles.dq, dkdv=tiles.dkdv, stages=tiles.stages)
+                rows.append((case.name, described, ms, tflops, tflops / flash_tflops))
+                print(f"{case.name:<42} {described}: {ms:7.3f} ms "
                       f"{tflops:6.1f} TFLOP/s ({tflops / flash_tflops:.2f}x flash "
                       f"{flash_tflops:.1f})", flush=True)
             del q, k, v, do, o, lse
             cupy.get_default_memory_pool().free_all_blocks()
-    print("\n| case | dQ tiles | dK/dV tiles | ms | TFLOP/s | / flash |")
-    print("| --- | --- | --- | ---: | ---: | ---: |")
-    for name, dq, dkdv, ms, tflops, ratio in rows:
-        print(f"| {name} | {dq[0]}x{dq[1]} | {dkdv[0]}x{dkdv[1]} | {ms:.3f} | {tflops:.1f} | "
-              f"{ratio:.2f} |")
+    print("\n| case | dQ tiles | dK/dV tiles | stages | ms | TFLOP/s | / flash |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for name, tiles, ms, tflops, ratio in rows:
+        dq, dkdv = tiles["dq"], tiles["dkdv"]
+        print(f"| {name} | {dq[0]}x{dq[1]} | {dkdv[0]}x{dkdv[1]} | {tiles.get('stages', 2)} | "
+              f"{ms:.3f} | {tflops:.1f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -34,9 +34,12 @@ EVERY_OPTION = dict(causal=False, window=(64, 64), scale=None, softcap=5.0,
                     block_q=None, block_k=None, deterministic=True)
 
 
-def sweep_arguments(description: str):
-    """The command line both sweeps share."""
+def sweep_arguments(description: str, wgmma_flag: bool = False):
+    """The command line the sweeps share (`wgmma_flag`: the backward sweep's --wgmma)."""
     parser = argparse.ArgumentParser(description=description)
+    if wgmma_flag:
+        parser.add_argument("--wgmma", action="store_true",
+                            help="sweep the Hopper (wgmma) kernels instead of mma.sync's")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repetitions", type=int, default=10)

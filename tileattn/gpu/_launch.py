@@ -27,6 +27,7 @@ from . import _compile
 GENERIC_SOURCE = "attention_generic.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
+WGMMA_BACKWARD_SOURCE = "attention_wgmma_backward.cu"
 MMA_BACKWARD_SOURCE = "attention_mma_backward.cu"
 GENERIC_THREADS = 256
 # Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
@@ -288,7 +289,8 @@ class WgmmaTiles:
 
 WGMMA_BLOCK_Q = (64, 128, 192)
 WGMMA_BLOCK_K = (64, 128)
-WGMMA_DEFAULT_TILES = {64: WgmmaTiles(128, 128, 2), 128: WgmmaTiles(128, 128, 2)}
+# The fastest of bench/sweep_gpu_wgmma.py (bench/NOTES-gpu.md, v6): three warpgroups.
+WGMMA_DEFAULT_TILES = {64: WgmmaTiles(192, 128, 2), 128: WgmmaTiles(192, 64, 3)}
 
 
 def wgmma_tiles(q, options: AttentionOptions) -> WgmmaTiles | None:
@@ -432,7 +434,70 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
     return dq, dk, dv
 
 
+@dataclass(frozen=True)
+class WgmmaBackwardTiles:
+    """The Hopper backward's tiles: per kernel (owned rows, streamed rows), owned rows 64
+    per warpgroup, and `stages` buffers of streamed tiles."""
+
+    dq: tuple[int, int]
+    dkdv: tuple[int, int]
+    stages: int
+
+    def shared_bytes(self, entry: str, head_dim: int) -> int:
+        """Two owned tiles and `stages` of two streamed ones (16-bit, swizzled), 1024 bytes
+        of alignment slack; the dK/dV kernel also stages lse and D per streamed row."""
+        owned, streamed = getattr(self, entry)
+        tiles = 1024 + 2 * head_dim * (2 * owned + 2 * self.stages * streamed)
+        return tiles + (2 * 4 * self.stages * streamed if entry == "dkdv" else 0)
+
+
+# The fastest of bench/sweep_gpu_backward.py --wgmma (bench/NOTES-gpu.md, v7).
+WGMMA_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (128, 64), 2),
+                        128: WgmmaBackwardTiles((192, 64), (128, 64), 2)}
+
+
+def wgmma_backward_applies(q, v, options: AttentionOptions) -> bool:
+    """The Hopper backward: where the tensor-core backward applies, on an sm_90 device, for
+    the deterministic default (``deterministic=False`` keeps the mma.sync single pass)."""
+    return (tensor_core_backward_applies(q, v, options) and options.deterministic
+            and int(q.device.compute_capability) == 90)
+
+
+def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
+                   tiles: WgmmaBackwardTiles | None = None):
+    """`tiles`: by default `WGMMA_BACKWARD_TILES` of the head dim (the sweep passes others).
+    The dQ kernel runs first: it stores D, which the dK/dV kernel reads."""
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
+    (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
+        _tensor_core_layout, (q, k, v, do))
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    delta = cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32)
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=q.dtype)
+    dv = cupy.empty(v.shape, dtype=q.dtype)
+    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+              np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
+              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
+    for entry, arrays, n_rows, heads in (
+            ("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
+            ("dkdv", (q, k, v, do, lse, delta, dk, dv), n_k, batch * n_kv_heads)):
+        owned, streamed = getattr(tiles, entry)
+        defines = (("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
+                   ("OWNED_ROWS", owned), ("STAGES", tiles.stages), ("STREAMED_ROWS", streamed)
+                   ) + Switches.of(options).defines()
+        shared = tiles.shared_bytes(entry, head_dim)
+        function = _compile.kernel(WGMMA_BACKWARD_SOURCE, f"attention_backward_{entry}_wgmma",
+                                   tuple(sorted(defines)), shared, arch="90a")
+        function((-(-n_rows // owned) * heads,), (owned // 64 * 128,), arrays + common,
+                 shared_mem=shared)
+    return dq, dk, dv
+
+
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    if wgmma_backward_applies(q, v, options):
+        return backward_wgmma(do, q, k, v, lse, options)
     if tensor_core_backward_applies(q, v, options):
         return backward_tensor_core(do, q, k, v, lse, options)
     batch, n_q_heads, n_q, head_dim = q.shape

@@ -35,98 +35,13 @@
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS,
 // STREAMED_ROWS, DELTA_ONLY (dQ kernel), SINGLE_PASS and ORDERED (dK/dV kernel), LIMIT_LEFT,
 // LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
-#include "mma.cuh"
+#include "backward_scores.cuh"
 
 constexpr int kWarps = OWNED_ROWS / 16;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPitch = kTilePitch<HEAD_DIM>;
-constexpr float kLog2e = 1.4426950408889634f;
 static_assert(HEAD_DIM % 16 == 0 && OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0,
               "mma tiles");
-
-// ------------------------------------------------------------------ scores
-
-// The run-time score options, pre-multiplied into base-2 units where they scale a score.
-struct Scores {
-    float scale_log2;          // scale * log2(e)
-    float scale_over_softcap;  // scale / softcap
-    float softcap_log2;        // softcap * log2(e)
-    float slope_log2;          // this head's ALiBi slope * log2(e)
-    Band band;
-    u32 dropout_key;
-    u32 dropout_threshold;
-    float dropout_scale;
-    u32 bh;  // b * Hq + h of the query head: ALiBi slope and dropout stream
-};
-
-__device__ __forceinline__ Scores make_scores(float scale, float softcap, const double* slopes,
-                                              i64 bh, Band band, u32 dropout_key,
-                                              u32 dropout_threshold, float dropout_scale) {
-    Scores scores;
-    scores.scale_log2 = scale * kLog2e;
-    scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
-    scores.softcap_log2 = softcap * kLog2e;
-    scores.slope_log2 = ALIBI ? static_cast<float>(slopes[bh]) * kLog2e : 0.0f;
-    scores.band = band;
-    scores.dropout_key = dropout_key;
-    scores.dropout_threshold = dropout_threshold;
-    scores.dropout_scale = dropout_scale;
-    scores.bh = static_cast<u32>(bh);
-    return scores;
-}
-
-// lse in base 2, with -inf (a row that kept nothing) turned into +inf so that every P of
-// the row comes out exp2(score - inf) = 0.
-__device__ __forceinline__ float lse_base2(float lse) {
-    return lse == negative_infinity<float>() ? -negative_infinity<float>() : lse * kLog2e;
-}
-
-// Whether the tile of queries [row_start, row_start + rows) x keys [col_start,
-// col_start + cols) straddles the band edge (some but maybe not all scores masked).
-__device__ __forceinline__ bool tile_straddles_band(const Band& band, i64 row_start, int rows,
-                                                    i64 col_start, int cols) {
-    bool straddles = false;
-    if (LIMIT_RIGHT) straddles = straddles || col_start + cols - 1 > row_start + band.offset + band.right;
-    if (LIMIT_LEFT) straddles = straddles || col_start < row_start + rows - 1 + band.offset - band.left;
-    return straddles;
-}
-
-// P_ij = exp2(score_log2 - lse_log2) for the raw q.k `dot`, and d(score)/d(scaled dot)
-// (the softcap's 1 - tanh^2, else 1) in *capped_grad. `masked`: apply the band and the
-// key range to this score.
-__device__ __forceinline__ float probability(const Scores& scores, float dot, float lse_log2,
-                                             i64 query, i64 key, i64 n_k, bool masked,
-                                             float* capped_grad) {
-    float score;
-    if (SOFTCAP) {
-        const float capped = tanhf(dot * scores.scale_over_softcap);
-        score = scores.softcap_log2 * capped;
-        *capped_grad = 1.0f - capped * capped;
-    } else {
-        score = dot * scores.scale_log2;
-        *capped_grad = 1.0f;
-    }
-    if (ALIBI) {
-        const i64 distance = query + scores.band.offset - key;
-        score -= scores.slope_log2 * static_cast<float>(distance < 0 ? -distance : distance);
-    }
-    if (masked && !(key < n_k && band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(scores.band, query, key)))
-        score = negative_infinity<float>();
-    return exp2_approx(score - lse_log2);
-}
-
-// keep / (1 - dropout_p) for (query, key), the factor the forward applied to P_ij.
-__device__ __forceinline__ float dropout_factor(const Scores& scores, u32 row_state, i64 key) {
-    if (!DROPOUT) return 1.0f;
-    return dropout_keeps(row_state, static_cast<u32>(key), scores.dropout_threshold)
-               ? scores.dropout_scale
-               : 0.0f;
-}
-
-__device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
-    return DROPOUT ? dropout_row_state(scores.dropout_key, scores.bh, static_cast<u32>(query))
-                   : 0u;
-}
 
 // ------------------------------------------------------------------ products
 
@@ -352,10 +267,6 @@ extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bi
         reinterpret_cast<u32*>(dq)[i] = pack_pair(scale * dq_sum[2 * i], scale * dq_sum[2 * i + 1]);
 }
 
-#define SCORE_OPTION_PARAMS                                                                  \
-    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
-        u32 dropout_key, u32 dropout_threshold, float dropout_scale
-
 // ------------------------------------------------------------------ dQ (and D)
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma(
@@ -435,31 +346,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         Accumulators<STREAMED_ROWS> s, dp;
         two_score_products(q_tile, k_tiles + stage * STREAMED_ROWS * kPitch, do_tile,
                            v_tiles + stage * STREAMED_ROWS * kPitch, warp * 16, s, dp);
-        const bool masked = tile_is_masked(key_tile);
-#pragma unroll
-        for (int n = 0; n < STREAMED_ROWS / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const i64 key = key_tile * STREAMED_ROWS + n * 8 + 2 * quad_col + (e & 1);
-                float unused_grad;
-                const float p = probability(scores, s.tile[n][e], lse_log2[e >> 1],
-                                            my_rows[e >> 1], key, n_k, masked, &unused_grad);
-                p_sums[e >> 1] += p;
-                pdp_sums[e >> 1] +=
-                    p * dropout_factor(scores, row_states[e >> 1], key) * dp.tile[n][e];
-            }
+        add_delta_sums(scores, s.tile, dp.tile, lse_log2, my_rows, row_states,
+                       key_tile * STREAMED_ROWS, n_k, tile_is_masked(key_tile), p_sums, pdp_sums);
     });
     float row_delta[2];
+    finish_delta(p_sums, pdp_sums, row_delta);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float p_sum = p_sums[half], pdp_sum = pdp_sums[half];
-        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 1);
-        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 2);
-        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 1);
-        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 2);
-        row_delta[half] = p_sum == 0.0f ? 0.0f : pdp_sum / p_sum;
+    for (int half = 0; half < 2; ++half)
         if (quad_col == 0 && my_rows[half] < n_q) delta[bh * n_q + my_rows[half]] = row_delta[half];
-    }
     if (DELTA_ONLY) return;
 
     // Pass 2: dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
@@ -472,19 +366,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         Accumulators<STREAMED_ROWS> s, dp;
         two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kPitch,
                            warp * 16, s, dp);
-        const bool masked = tile_is_masked(key_tile);
-#pragma unroll
-        for (int n = 0; n < STREAMED_ROWS / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const i64 key = key_tile * STREAMED_ROWS + n * 8 + 2 * quad_col + (e & 1);
-                float capped_grad;
-                const float p = probability(scores, s.tile[n][e], lse_log2[e >> 1],
-                                            my_rows[e >> 1], key, n_k, masked, &capped_grad);
-                s.tile[n][e] = p * capped_grad *
-                               (dp.tile[n][e] * dropout_factor(scores, row_states[e >> 1], key) -
-                                row_delta[e >> 1]);
-            }
+        scores_to_ds(scores, s.tile, dp.tile, lse_log2, my_rows, row_states, row_delta,
+                     key_tile * STREAMED_ROWS, n_k, tile_is_masked(key_tile));
         accumulate_product(s, k_tile, dq_acc);
     });
     store_rows(dq_acc, scale, dq + bh * n_q * HEAD_DIM, row_start + warp * 16, n_q);
@@ -517,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     const i64 col_start = tile * OWNED_ROWS;
     const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int quad_row = lane / 4, quad_col = lane % 4;
+    const int quad_row = lane / 4;
     const i64 my_keys[2] = {col_start + warp * 16 + quad_row,
                             col_start + warp * 16 + quad_row + 8};
     bits16* dk_head = dk + batch_kv_head * n_k * HEAD_DIM;
@@ -588,37 +471,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             // S^T and dP^T: rows are this warp's keys, columns the tile's queries.
             Accumulators<STREAMED_ROWS> st, dpt;
             two_score_products(k_tile, q_tile, v_tile, do_tile, warp * 16, st, dpt);
-            // Queries past n_q get lse = -inf, hence P = 0; keys past n_k are not written.
-            // Neither needs the mask.
+            // Keys past n_k are not written; outside the single pass they need no mask.
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
-#pragma unroll
-            for (int n = 0; n < STREAMED_ROWS / 8; ++n)
-#pragma unroll
-                for (int column = 0; column < 2; ++column) {
-                    const int r = n * 8 + 2 * quad_col + column;
-                    const i64 query = query_start + r;
-                    const bool query_valid = query < n_q;
-                    const float query_lse = lse_base2(query_valid ? lse_tile[r]
-                                                                  : negative_infinity<float>());
-                    const float query_delta = delta_tile[r];
-                    const u32 row_state = dropout_state(scores, query);
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int e = 2 * half + column;
-                        const i64 key = my_keys[half];
-                        float capped_grad;
-                        float p = probability(scores, st.tile[n][e], query_lse, query, key,
-                                              n_k, masked, &capped_grad);
-                        // Keys past n_k (zero rows of K) must not reach dQ: their P is
-                        // exp2(-lse), which may overflow, and inf * 0 would be NaN.
-                        if (SINGLE_PASS && key >= n_k) p = 0.0f;
-                        const float factor = dropout_factor(scores, row_state, key);
-                        st.tile[n][e] = p * factor;
-                        dpt.tile[n][e] =
-                            p * capped_grad * (dpt.tile[n][e] * factor - query_delta);
-                    }
-                }
+            transposed_probabilities<STREAMED_ROWS / 8, SINGLE_PASS>(
+                scores, st.tile, dpt.tile, lse_tile, delta_tile, query_start, my_keys, n_q, n_k,
+                masked);
             accumulate_product(st, do_tile, dv_acc);
             if (SINGLE_PASS) store_transposed_scores(dpt, ds_tile, warp * 16);
             accumulate_product(dpt, q_tile, dk_acc);

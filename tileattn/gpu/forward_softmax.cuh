@@ -12,7 +12,6 @@
 #pragma once
 #include "mma.cuh"
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // The run-time score options, pre-multiplied into base-2 units.
@@ -85,13 +84,15 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
             }
 }
 
-// One online-softmax step: logits -> unnormalised probabilities in place, the running max
-// and partial sums updated, and O rescaled by exp2(old max - new max).
-template <int RowTiles, int KeyFrags, int OutFrags>
-__device__ __forceinline__ void online_softmax_step(float (&s)[RowTiles][KeyFrags][4],
-                                                    float (&row_max)[RowTiles][2],
-                                                    float (&row_sum)[RowTiles][2],
-                                                    float (&o_acc)[RowTiles][OutFrags][4]) {
+// One online-softmax step without touching O: logits -> unnormalised probabilities in
+// place, the running max and partial sums updated, and `rescale` = exp2(old max - new max),
+// the factor O still has to take (the wgmma forward applies it once the previous tile's
+// P V product, which is still running while this executes, has landed in O).
+template <int RowTiles, int KeyFrags>
+__device__ __forceinline__ void softmax_probabilities(float (&s)[RowTiles][KeyFrags][4],
+                                                      float (&row_max)[RowTiles][2],
+                                                      float (&row_sum)[RowTiles][2],
+                                                      float (&rescale)[RowTiles][2]) {
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m)
 #pragma unroll
@@ -104,7 +105,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[RowTiles][KeyFrag
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
             const float new_max = fmaxf(row_max[m][half], tile_max);
             const float safe_max = new_max == negative_infinity<float>() ? 0.0f : new_max;
-            const float rescale = exp2_approx(row_max[m][half] - safe_max);
+            rescale[m][half] = exp2_approx(row_max[m][half] - safe_max);
             row_max[m][half] = new_max;
             float tile_sum = 0.0f;
 #pragma unroll
@@ -115,13 +116,33 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[RowTiles][KeyFrag
                 s[m][n][2 * half] = p0;
                 s[m][n][2 * half + 1] = p1;
             }
-            row_sum[m][half] = row_sum[m][half] * rescale + tile_sum;
-#pragma unroll
-            for (int n = 0; n < OutFrags; ++n) {
-                o_acc[m][n][2 * half] *= rescale;
-                o_acc[m][n][2 * half + 1] *= rescale;
-            }
+            row_sum[m][half] = row_sum[m][half] * rescale[m][half] + tile_sum;
         }
+}
+
+template <int RowTiles, int OutFrags>
+__device__ __forceinline__ void rescale_output(float (&o_acc)[RowTiles][OutFrags][4],
+                                               const float (&rescale)[RowTiles][2]) {
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+#pragma unroll
+        for (int n = 0; n < OutFrags; ++n) {
+            o_acc[m][n][0] *= rescale[m][0];
+            o_acc[m][n][1] *= rescale[m][0];
+            o_acc[m][n][2] *= rescale[m][1];
+            o_acc[m][n][3] *= rescale[m][1];
+        }
+}
+
+// Both halves at once: probabilities, then O rescaled.
+template <int RowTiles, int KeyFrags, int OutFrags>
+__device__ __forceinline__ void online_softmax_step(float (&s)[RowTiles][KeyFrags][4],
+                                                    float (&row_max)[RowTiles][2],
+                                                    float (&row_sum)[RowTiles][2],
+                                                    float (&o_acc)[RowTiles][OutFrags][4]) {
+    float rescale[RowTiles][2];
+    softmax_probabilities(s, row_max, row_sum, rescale);
+    rescale_output(o_acc, rescale);
 }
 
 // Dropout zeroes entries of the P that multiplies V (not of the row sum); the 1 / (1 - p)

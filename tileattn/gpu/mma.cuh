@@ -73,6 +73,8 @@ __device__ __forceinline__ u32 pack_pair(float low, float high) {
     return packed;
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 // 2^x; -inf gives +0 and NaN stays NaN, which the masking and the NaN semantics rely on.
 __device__ __forceinline__ float exp2_approx(float x) {
     float result;

@@ -1,0 +1,354 @@
+// Hopper tensor-core backward (sm_90a) for float16 / bfloat16 with D = Dv in {64, 128}.
+//
+// The two kernels of attention_mma_backward.cu (deterministic: no atomics, dQ and dK/dV
+// each summed inside one block) moved onto warpgroup matrix instructions. Each warpgroup
+// (4 warps) owns 64 rows, the M of wgmma.m64nNk16; the element-wise work per score is the
+// mma.sync kernels' own (backward_scores.cuh), as wgmma's per-warp accumulator slice has
+// the mma.sync layout.
+//
+// * attention_backward_dq_wgmma, launched first: one block per (batch, head, OWNED_ROWS
+//   query rows), streaming STREAMED_ROWS-key tiles of K and V. Pass 1: S = Q K^T and
+//   dP = dO V^T (both operands from shared memory) give D_i = sum_j P_ij dP_ij /
+//   sum_j P_ij (why not rowsum(dO * O): bench/NOTES-gpu.md, "Backward accuracy"), stored
+//   for the second kernel; pass 2 recomputes S and dP, and dQ += dS K takes dS from
+//   registers and K MN-major (transposed) from shared memory.
+// * attention_backward_dkdv_wgmma: one block per (batch, kv head, OWNED_ROWS keys),
+//   streaming STREAMED_ROWS-query tiles of Q, dO, lse and D for every query head of its
+//   GQA group. S^T = K Q^T and dP^T = V dO^T (operands from shared memory) make P^T and
+//   dS^T accumulators with keys as rows: the register A operands of dV += P^T dO and
+//   dK += dS^T Q, whose B operands (dO, Q) are read MN-major from shared memory.
+//
+// Tiles use the 128-byte swizzle of wgmma.cuh; streamed tiles cycle through STAGES buffers
+// filled by cp.async with one barrier per tile (tile t + STAGES - 1 is issued into the
+// buffer tile t - 1 released). Tiles outside the band are skipped, the per-score mask runs
+// only on tiles that straddle its edge or the end of the keys.
+//
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS (a
+// multiple of 64), STREAMED_ROWS (64 or 128), STAGES (>= 2), LIMIT_LEFT, LIMIT_RIGHT,
+// SOFTCAP, ALIBI, DROPOUT. Needs -arch=sm_90a.
+#include "wgmma.cuh"
+#include "backward_scores.cuh"
+
+constexpr int kWarpgroups = OWNED_ROWS / 64;
+constexpr int kThreads = kWarpgroups * 128;
+constexpr int kOwnedBytes = kSwizzledTileBytes<OWNED_ROWS, HEAD_DIM>;
+constexpr int kStreamedBytes = kSwizzledTileBytes<STREAMED_ROWS, HEAD_DIM>;
+constexpr int kScoreFrags = STREAMED_ROWS / 8;  // n8 fragments of a score tile per warp
+constexpr int kOutFrags = HEAD_DIM / 8;         // n8 fragments of a gradient per warp
+static_assert(OWNED_ROWS % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
+                  (STREAMED_ROWS == 64 || STREAMED_ROWS == 128), "wgmma tiles");
+
+// ------------------------------------------------------------------ products
+
+// Byte offset of the k-th 16-column slice of a swizzled tile of `rows` rows: column block
+// k / 4, 32 bytes per slice within its 128-byte rows.
+__device__ __forceinline__ u32 slice_offset(int kk, int rows) {
+    return (kk / 4) * rows * kSwizzleRowBytes + (kk % 4) * 32;
+}
+
+// first = A1 B1^T and second = A2 B2^T for this warpgroup's 64 rows of the owned tiles
+// (a1_rows, a2_rows: the tiles' addresses advanced to those rows) against the streamed
+// tiles b1, b2 (STREAMED_ROWS rows each): S and dP, or their transposes, in one batch.
+__device__ __forceinline__ void score_products(u32 a1_rows, u32 b1, u32 a2_rows, u32 b2,
+                                               float (&first)[kScoreFrags][4],
+                                               float (&second)[kScoreFrags][4]) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        wgmma_ss<STREAMED_ROWS>(
+            first, swizzled_descriptor(a1_rows + slice_offset(kk, OWNED_ROWS), 0, kSwizzleAtomBytes),
+            swizzled_descriptor(b1 + slice_offset(kk, STREAMED_ROWS), 0, kSwizzleAtomBytes), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        wgmma_ss<STREAMED_ROWS>(
+            second, swizzled_descriptor(a2_rows + slice_offset(kk, OWNED_ROWS), 0, kSwizzleAtomBytes),
+            swizzled_descriptor(b2 + slice_offset(kk, STREAMED_ROWS), 0, kSwizzleAtomBytes), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(first);
+    wgmma_pin(second);
+}
+
+// x (a score tile's accumulators) rounded to the input type as register A fragments.
+__device__ __forceinline__ void pack_fragments(const float (&x)[kScoreFrags][4],
+                                               u32 (&a)[STREAMED_ROWS / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < STREAMED_ROWS / 16; ++kk) pack_a_fragment(x[2 * kk], x[2 * kk + 1], a[kk]);
+}
+
+// Issues out += X B for X = packed fragments (64 x STREAMED_ROWS per warpgroup) and B = the
+// streamed tile `b` (STREAMED_ROWS x HEAD_DIM, rows are the inner dimension), read
+// MN-major: rows 16 kk .. are 2048 bytes on per step, the next 64 columns one column block
+// further. Not committed: the caller commits and waits, keeping `a` intact until then.
+__device__ __forceinline__ void issue_accumulate(float (&out)[kOutFrags][4],
+                                                 const u32 (&a)[STREAMED_ROWS / 16][4], u32 b) {
+#pragma unroll
+    for (int kk = 0; kk < STREAMED_ROWS / 16; ++kk)
+        wgmma_rs_transposed_b<HEAD_DIM>(
+            out, a[kk],
+            swizzled_descriptor(b + kk * 16 * kSwizzleRowBytes, STREAMED_ROWS * kSwizzleRowBytes,
+                                kSwizzleAtomBytes),
+            1);
+}
+
+// This warp's 16 rows of accumulators (the warpgroup's rows 16 w ..), times `factor`, into
+// the contiguous (rows, HEAD_DIM) output `out` from row `row0`; rows at or past
+// `row_limit` are not written.
+__device__ __forceinline__ void store_rows(const float (&acc)[kOutFrags][4], float factor,
+                                           bits16* out, i64 row0, i64 row_limit) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = row0 + lane / 4 + half * 8;
+        if (row >= row_limit) continue;
+        u32* out_row = reinterpret_cast<u32*>(out + row * HEAD_DIM);
+#pragma unroll
+        for (int n = 0; n < kOutFrags; ++n)
+            out_row[n * 4 + lane % 4] =
+                pack_pair(acc[n][2 * half] * factor, acc[n][2 * half + 1] * factor);
+    }
+}
+
+__device__ __forceinline__ void clear(float (&acc)[kOutFrags][4]) {
+#pragma unroll
+    for (int n = 0; n < kOutFrags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// Streams tiles [tile_begin, tile_end) through STAGES buffers: `load(stage, tile)` issues a
+// tile's cp.async copies, `body(stage, tile)` uses the tile and must have waited for its
+// own wgmma before returning. One barrier per tile: after it, tile t has landed for every
+// thread and every thread is done with tile t - 1, whose buffer takes tile t + STAGES - 1.
+// The last barrier frees every buffer for whatever the caller streams next.
+template <class Load, class Body>
+__device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load load,
+                                             Body body) {
+#pragma unroll
+    for (int stage = 0; stage < STAGES - 1; ++stage) {
+        if (tile_begin + stage < tile_end) load(stage, tile_begin + stage);
+        commit_copies();
+    }
+    for (i64 tile = tile_begin; tile < tile_end; ++tile) {
+        const int step = static_cast<int>(tile - tile_begin);
+        wait_copies<STAGES - 2>();
+        fence_shared_for_async_proxy();
+        __syncthreads();
+        if (tile + STAGES - 1 < tile_end) load((step + STAGES - 1) % STAGES, tile + STAGES - 1);
+        commit_copies();
+        body(step % STAGES, tile);
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------ dQ (and D)
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma(
+    const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
+    float* delta, bits16* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+    int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
+    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
+    extern __shared__ __align__(128) unsigned char shared_bytes[];
+    const u32 q_tile = (shared_address(shared_bytes) + kSwizzleAtomBytes - 1) &
+                       ~static_cast<u32>(kSwizzleAtomBytes - 1);
+    const u32 do_tile = q_tile + kOwnedBytes;
+    const u32 k_tiles = do_tile + kOwnedBytes;             // [STAGES] swizzled K tiles
+    const u32 v_tiles = k_tiles + STAGES * kStreamedBytes;  // [STAGES] swizzled V tiles
+
+    const Band band{band_offset, window_left, window_right};
+    const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
+    const i64 bh = owned.bh;
+    const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh;
+    const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh;
+    const i64 row_start = owned.tile * OWNED_ROWS;
+    const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
+    const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
+                                      dropout_threshold, dropout_scale);
+
+    i64 key_first, key_stop;
+    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
+                                            &key_stop);
+    const i64 tile_begin = key_first / STREAMED_ROWS;
+    const i64 tile_end =
+        key_stop > key_first ? (key_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
+        for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
+             element += kThreads)
+            dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
+        for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
+            delta[bh * n_q + row] = 0.0f;
+        return;
+    }
+
+    const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
+    const i64 warp_row0 = row_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;
+    const i64 my_rows[2] = {warp_row0 + lane / 4, warp_row0 + lane / 4 + 8};
+    // Rows past n_q get lse = -inf, hence P = 0: they need no mask.
+    float lse_log2[2];
+    u32 row_states[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        lse_log2[half] = lse_base2(my_rows[half] < n_q ? lse[bh * n_q + my_rows[half]]
+                                                       : negative_infinity<float>());
+        row_states[half] = dropout_state(scores, my_rows[half]);
+    }
+
+    const auto load_keys = [&](int stage, i64 key_tile) {
+        load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+            k_tiles + stage * kStreamedBytes, k_head, k_sn, key_tile * STREAMED_ROWS, n_k);
+        load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+            v_tiles + stage * kStreamedBytes, v_head, v_sn, key_tile * STREAMED_ROWS, n_k);
+    };
+    const auto tile_is_masked = [&](i64 key_tile) {
+        const i64 col_start = key_tile * STREAMED_ROWS;
+        return col_start + STREAMED_ROWS > n_k ||
+               tile_straddles_band(band, row_start, OWNED_ROWS, col_start, STREAMED_ROWS);
+    };
+
+    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+        q_tile, q + owned.batch * q_sb + owned.head * q_sh, q_sn, row_start, n_q);
+    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+        do_tile, d_out + owned.batch * do_sb + owned.head * do_sh, do_sn, row_start, n_q);
+    commit_copies();
+    // This warpgroup's 64 rows of the owned tiles.
+    const u32 q_rows = q_tile + warpgroup * 64 * kSwizzleRowBytes;
+    const u32 do_rows = do_tile + warpgroup * 64 * kSwizzleRowBytes;
+
+    // Pass 1: D_i = sum_j P_ij dP_ij / sum_j P_ij (per-thread partial sums, then the quad).
+    float p_sums[2] = {0.0f, 0.0f}, pdp_sums[2] = {0.0f, 0.0f};
+    stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
+        float s[kScoreFrags][4], dp[kScoreFrags][4];
+        score_products(q_rows, k_tiles + stage * kStreamedBytes, do_rows,
+                       v_tiles + stage * kStreamedBytes, s, dp);
+        add_delta_sums(scores, s, dp, lse_log2, my_rows, row_states, key_tile * STREAMED_ROWS,
+                       n_k, tile_is_masked(key_tile), p_sums, pdp_sums);
+    });
+    float row_delta[2];
+    finish_delta(p_sums, pdp_sums, row_delta);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+        if (lane % 4 == 0 && my_rows[half] < n_q) delta[bh * n_q + my_rows[half]] = row_delta[half];
+
+    // Pass 2: dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
+    float dq_acc[kOutFrags][4];
+    clear(dq_acc);
+    stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
+        const u32 k_tile = k_tiles + stage * kStreamedBytes;
+        float s[kScoreFrags][4], dp[kScoreFrags][4];
+        score_products(q_rows, k_tile, do_rows, v_tiles + stage * kStreamedBytes, s, dp);
+        scores_to_ds(scores, s, dp, lse_log2, my_rows, row_states, row_delta,
+                     key_tile * STREAMED_ROWS, n_k, tile_is_masked(key_tile));
+        u32 ds[STREAMED_ROWS / 16][4];
+        pack_fragments(s, ds);
+        wgmma_fence();
+        issue_accumulate(dq_acc, ds, k_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(dq_acc);
+    });
+    store_rows(dq_acc, scale, dq + bh * n_q * HEAD_DIM, warp_row0, n_q);
+}
+
+// ------------------------------------------------------------------ dK, dV
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma(
+    const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
+    const float* delta, bits16* dk, bits16* dv, const double* alibi_slopes, i64 n_q, i64 n_k,
+    int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
+    i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
+    SCORE_OPTION_PARAMS) {
+    extern __shared__ __align__(128) unsigned char shared_bytes[];
+    const u32 k_tile = (shared_address(shared_bytes) + kSwizzleAtomBytes - 1) &
+                       ~static_cast<u32>(kSwizzleAtomBytes - 1);
+    const u32 v_tile = k_tile + kOwnedBytes;
+    const u32 q_tiles = v_tile + kOwnedBytes;                // [STAGES] swizzled Q tiles
+    const u32 do_tiles = q_tiles + STAGES * kStreamedBytes;  // [STAGES] swizzled dO tiles
+    // lse and D of each streamed query tile, [STAGES][STREAMED_ROWS] floats each.
+    float* lse_tiles = reinterpret_cast<float*>(
+        shared_bytes + (do_tiles + STAGES * kStreamedBytes - shared_address(shared_bytes)));
+    float* delta_tiles = lse_tiles + STAGES * STREAMED_ROWS;
+
+    const Band band{band_offset, window_left, window_right};
+    const int n_kv_heads = n_q_heads / group_size;
+    const KeyTile owned = key_tile_of_block(n_k, OWNED_ROWS, n_kv_heads);
+    const i64 col_start = owned.tile * OWNED_ROWS;
+    const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
+    const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
+    const i64 warp_key0 = col_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;
+    const i64 my_keys[2] = {warp_key0 + lane / 4, warp_key0 + lane / 4 + 8};
+    bits16* dk_head = dk + owned.batch_kv_head * n_k * HEAD_DIM;
+    bits16* dv_head = dv + owned.batch_kv_head * n_k * HEAD_DIM;
+
+    float dk_acc[kOutFrags][4], dv_acc[kOutFrags][4];
+    clear(dk_acc);
+    clear(dv_acc);
+    i64 row_first, row_stop;
+    band_row_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, &row_first,
+                                            &row_stop);
+    const i64 tile_begin = row_first / STREAMED_ROWS;
+    const i64 tile_end =
+        row_stop > row_first ? (row_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
+        store_rows(dk_acc, 0.0f, dk_head, warp_key0, n_k);
+        store_rows(dv_acc, 0.0f, dv_head, warp_key0, n_k);
+        return;
+    }
+
+    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+        k_tile, k + owned.batch * k_sb + owned.kv_head * k_sh, k_sn, col_start, n_k);
+    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+        v_tile, v + owned.batch * v_sb + owned.kv_head * v_sh, v_sn, col_start, n_k);
+    commit_copies();
+    // This warpgroup's 64 keys of the owned tiles.
+    const u32 k_rows = k_tile + warpgroup * 64 * kSwizzleRowBytes;
+    const u32 v_rows = v_tile + warpgroup * 64 * kSwizzleRowBytes;
+
+    for (int member = 0; member < group_size; ++member) {
+        const int head = owned.kv_head * group_size + member;
+        const i64 bh = owned.batch * n_q_heads + head;
+        const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
+                                          dropout_threshold, dropout_scale);
+        const bits16* q_head = q + owned.batch * q_sb + head * q_sh;
+        const bits16* do_head = d_out + owned.batch * do_sb + head * do_sh;
+        const auto load_queries = [&](int stage, i64 query_tile) {
+            const i64 start = query_tile * STREAMED_ROWS;
+            load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+                q_tiles + stage * kStreamedBytes, q_head, q_sn, start, n_q);
+            load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+                do_tiles + stage * kStreamedBytes, do_head, do_sn, start, n_q);
+            for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
+                const int r = i % STREAMED_ROWS;
+                const bool valid = start + r < n_q;
+                const float* source = (i < STREAMED_ROWS ? lse : delta) + bh * n_q +
+                                      (valid ? start + r : 0);
+                float* destination = (i < STREAMED_ROWS ? lse_tiles : delta_tiles) +
+                                     stage * STREAMED_ROWS + r;
+                copy_4_async(shared_address(destination), source, valid);
+            }
+        };
+        stream_tiles(tile_begin, tile_end, load_queries, [&](int stage, i64 query_tile) {
+            const u32 q_stage = q_tiles + stage * kStreamedBytes;
+            const u32 do_stage = do_tiles + stage * kStreamedBytes;
+            const i64 query_start = query_tile * STREAMED_ROWS;
+            // S^T and dP^T: rows are this warpgroup's keys, columns the tile's queries.
+            float st[kScoreFrags][4], dpt[kScoreFrags][4];
+            score_products(k_rows, q_stage, v_rows, do_stage, st, dpt);
+            // Keys past n_k are not written: they need no mask.
+            const bool masked =
+                tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
+            transposed_probabilities<kScoreFrags, false>(
+                scores, st, dpt, lse_tiles + stage * STREAMED_ROWS,
+                delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, n_q, n_k, masked);
+            u32 pt[STREAMED_ROWS / 16][4], dst[STREAMED_ROWS / 16][4];
+            pack_fragments(st, pt);
+            pack_fragments(dpt, dst);
+            wgmma_fence();
+            issue_accumulate(dv_acc, pt, do_stage);
+            issue_accumulate(dk_acc, dst, q_stage);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(dv_acc);
+            wgmma_pin(dk_acc);
+        });
+    }
+    store_rows(dk_acc, scale, dk_head, warp_key0, n_k);
+    store_rows(dv_acc, 1.0f, dv_head, warp_key0, n_k);
+}

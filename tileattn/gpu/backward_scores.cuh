@@ -1,0 +1,198 @@
+// The element-wise half of the tensor-core backwards (attention_mma_backward.cu with
+// mma.sync, attention_wgmma_backward.cu with wgmma): probabilities recomputed in base 2
+// from lse, the softcap's derivative, ALiBi, the band and dropout, per score.
+#pragma once
+#include "mma.cuh"
+
+// The run-time score options, pre-multiplied into base-2 units where they scale a score.
+struct Scores {
+    float scale_log2;          // scale * log2(e)
+    float scale_over_softcap;  // scale / softcap
+    float softcap_log2;        // softcap * log2(e)
+    float slope_log2;          // this head's ALiBi slope * log2(e)
+    Band band;
+    u32 dropout_key;
+    u32 dropout_threshold;
+    float dropout_scale;
+    u32 bh;  // b * Hq + h of the query head: ALiBi slope and dropout stream
+};
+
+__device__ __forceinline__ Scores make_scores(float scale, float softcap, const double* slopes,
+                                              i64 bh, Band band, u32 dropout_key,
+                                              u32 dropout_threshold, float dropout_scale) {
+    Scores scores;
+    scores.scale_log2 = scale * kLog2e;
+    scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
+    scores.softcap_log2 = softcap * kLog2e;
+    scores.slope_log2 = ALIBI ? static_cast<float>(slopes[bh]) * kLog2e : 0.0f;
+    scores.band = band;
+    scores.dropout_key = dropout_key;
+    scores.dropout_threshold = dropout_threshold;
+    scores.dropout_scale = dropout_scale;
+    scores.bh = static_cast<u32>(bh);
+    return scores;
+}
+
+// lse in base 2, with -inf (a row that kept nothing) turned into +inf so that every P of
+// the row comes out exp2(score - inf) = 0.
+__device__ __forceinline__ float lse_base2(float lse) {
+    return lse == negative_infinity<float>() ? -negative_infinity<float>() : lse * kLog2e;
+}
+
+// Whether the tile of queries [row_start, row_start + rows) x keys [col_start,
+// col_start + cols) straddles the band edge (some but maybe not all scores masked).
+__device__ __forceinline__ bool tile_straddles_band(const Band& band, i64 row_start, int rows,
+                                                    i64 col_start, int cols) {
+    bool straddles = false;
+    if (LIMIT_RIGHT) straddles = straddles || col_start + cols - 1 > row_start + band.offset + band.right;
+    if (LIMIT_LEFT) straddles = straddles || col_start < row_start + rows - 1 + band.offset - band.left;
+    return straddles;
+}
+
+// P_ij = exp2(score_log2 - lse_log2) for the raw q.k `dot`, and d(score)/d(scaled dot)
+// (the softcap's 1 - tanh^2, else 1) in *capped_grad. `masked`: apply the band and the
+// key range to this score.
+__device__ __forceinline__ float probability(const Scores& scores, float dot, float lse_log2,
+                                             i64 query, i64 key, i64 n_k, bool masked,
+                                             float* capped_grad) {
+    float score;
+    if (SOFTCAP) {
+        const float capped = tanhf(dot * scores.scale_over_softcap);
+        score = scores.softcap_log2 * capped;
+        *capped_grad = 1.0f - capped * capped;
+    } else {
+        score = dot * scores.scale_log2;
+        *capped_grad = 1.0f;
+    }
+    if (ALIBI) {
+        const i64 distance = query + scores.band.offset - key;
+        score -= scores.slope_log2 * static_cast<float>(distance < 0 ? -distance : distance);
+    }
+    if (masked && !(key < n_k && band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(scores.band, query, key)))
+        score = negative_infinity<float>();
+    return exp2_approx(score - lse_log2);
+}
+
+// keep / (1 - dropout_p) for (query, key), the factor the forward applied to P_ij.
+__device__ __forceinline__ float dropout_factor(const Scores& scores, u32 row_state, i64 key) {
+    if (!DROPOUT) return 1.0f;
+    return dropout_keeps(row_state, static_cast<u32>(key), scores.dropout_threshold)
+               ? scores.dropout_scale
+               : 0.0f;
+}
+
+__device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
+    return DROPOUT ? dropout_row_state(scores.dropout_key, scores.bh, static_cast<u32>(query))
+                   : 0u;
+}
+
+#define SCORE_OPTION_PARAMS                                                                  \
+    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
+        u32 dropout_key, u32 dropout_threshold, float dropout_scale
+
+
+// ------------------------------------------------------------------ per-tile element loops
+// On one warp's accumulator fragments (the m16n8 layout of mma.sync, shared by wgmma's
+// per-warp slice): Frags n8 fragments, thread (quad_row, quad_col) holding rows quad_row
+// and quad_row + 8, columns 8 n + 2 quad_col + {0, 1}.
+
+// dQ kernel, pass 1: the per-thread partial sums of P and P dP (with dropout's factor) of
+// this thread's two query rows `rows` over the key tile starting at `key_start`.
+template <int Frags>
+__device__ __forceinline__ void add_delta_sums(const Scores& scores, const float (&s)[Frags][4],
+                                               const float (&dp)[Frags][4],
+                                               const float (&lse_log2)[2],
+                                               const i64 (&rows)[2], const u32 (&row_states)[2],
+                                               i64 key_start, i64 n_k, bool masked,
+                                               float (&p_sums)[2], float (&pdp_sums)[2]) {
+    const int quad_col = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < Frags; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
+            float unused_grad;
+            const float p = probability(scores, s[n][e], lse_log2[e >> 1], rows[e >> 1], key,
+                                        n_k, masked, &unused_grad);
+            p_sums[e >> 1] += p;
+            pdp_sums[e >> 1] += p * dropout_factor(scores, row_states[e >> 1], key) * dp[n][e];
+        }
+}
+
+// D_i = sum_j P_ij dP_ij / sum_j P_ij from the partial sums (the quad's four threads share
+// a row); 0 for a row that kept nothing.
+__device__ __forceinline__ void finish_delta(const float (&p_sums)[2],
+                                             const float (&pdp_sums)[2],
+                                             float (&row_delta)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float p_sum = p_sums[half], pdp_sum = pdp_sums[half];
+        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 1);
+        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 2);
+        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 1);
+        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 2);
+        row_delta[half] = p_sum == 0.0f ? 0.0f : pdp_sum / p_sum;
+    }
+}
+
+// dQ kernel, pass 2: S -> dS = P * (dP * dropout - D) * softcap', in place.
+template <int Frags>
+__device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Frags][4],
+                                             const float (&dp)[Frags][4],
+                                             const float (&lse_log2)[2], const i64 (&rows)[2],
+                                             const u32 (&row_states)[2],
+                                             const float (&row_delta)[2], i64 key_start,
+                                             i64 n_k, bool masked) {
+    const int quad_col = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < Frags; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
+            float capped_grad;
+            const float p = probability(scores, s[n][e], lse_log2[e >> 1], rows[e >> 1], key,
+                                        n_k, masked, &capped_grad);
+            s[n][e] = p * capped_grad *
+                      (dp[n][e] * dropout_factor(scores, row_states[e >> 1], key) -
+                       row_delta[e >> 1]);
+        }
+}
+
+// dK/dV kernel: S^T -> P^T (after dropout) and dP^T -> dS^T in place, for this thread's two
+// keys `keys` against the query tile starting at `query_start`, whose lse and D sit in
+// shared memory. Queries past n_q get lse = -inf, hence P = 0. ZeroKeysPastEnd: keys past
+// n_k (zero rows of K) get P = 0 explicitly, for products that carry dS to dQ: their P is
+// exp2(-lse), which may overflow, and inf * 0 would be NaN.
+template <int Frags, bool ZeroKeysPastEnd>
+__device__ __forceinline__ void transposed_probabilities(const Scores& scores,
+                                                         float (&st)[Frags][4],
+                                                         float (&dpt)[Frags][4],
+                                                         const float* lse_tile,
+                                                         const float* delta_tile,
+                                                         i64 query_start, const i64 (&keys)[2],
+                                                         i64 n_q, i64 n_k, bool masked) {
+    const int quad_col = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < Frags; ++n)
+#pragma unroll
+        for (int column = 0; column < 2; ++column) {
+            const int r = n * 8 + 2 * quad_col + column;
+            const i64 query = query_start + r;
+            const float query_lse =
+                lse_base2(query < n_q ? lse_tile[r] : negative_infinity<float>());
+            const float query_delta = delta_tile[r];
+            const u32 row_state = dropout_state(scores, query);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int e = 2 * half + column;
+                const i64 key = keys[half];
+                float capped_grad;
+                float p = probability(scores, st[n][e], query_lse, query, key, n_k, masked,
+                                      &capped_grad);
+                if (ZeroKeysPastEnd && key >= n_k) p = 0.0f;
+                const float factor = dropout_factor(scores, row_state, key);
+                st[n][e] = p * factor;
+                dpt[n][e] = p * capped_grad * (dpt[n][e] * factor - query_delta);
+            }
+        }
+}
