@@ -35,15 +35,17 @@ SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
 
 
 def wgmma_candidates(head_dim: int) -> list:
+    """(tiles, single pass) pairs: the default in both forms, then one change at a time."""
     default = _launch.WGMMA_BACKWARD_TILES[head_dim]
     tiles = [default, replace(default, stages=3)]
-    tiles += [replace(default, dq=t) for t in ((64, 64), (128, 128), (192, 64), (192, 128))]
-    tiles += [replace(default, dkdv=t) for t in ((64, 64), (64, 128), (128, 128), (192, 64))]
-    return [t for t in tiles if max(t.shared_bytes(e, head_dim) for e in ("dq", "dkdv"))
-            <= SHARED_LIMIT]
+    tiles += [replace(default, dq=t) for t in ((64, 64), (128, 64), (128, 128))]
+    tiles += [replace(default, dkdv=t) for t in ((64, 64), (192, 64))]
+    fitting = [(t, False) for t in tiles
+               if max(t.shared_bytes(e, head_dim) for e in ("dq", "dkdv")) <= SHARED_LIMIT]
+    return [(default, True)] + fitting
 
 
-def check(dtype, head_dim, tiles, backward=_launch.backward_tensor_core):
+def check(dtype, head_dim, tiles, backward=_launch.backward_tensor_core, **keywords):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 4, n, head_dim)).astype(dtype) for n in (200, 263, 263))
     do = rng.standard_normal(q.shape).astype(dtype)
@@ -51,7 +53,7 @@ def check(dtype, head_dim, tiles, backward=_launch.backward_tensor_core):
     o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", return_lse=True,
                               **options)
     grads = backward(*map(cupy.asarray, (do, q, k, v)), lse,
-                     validate(q, k, v, **EVERY_OPTION).options, tiles)
+                     validate(q, k, v, **EVERY_OPTION).options, tiles, **keywords)
     golden = [x.astype(np.float64) for x in (do, q, k, v)]
     want_o, want_lse = tileattn.forward(*golden[1:], backend="reference", return_lse=True,
                                         **options)
@@ -70,9 +72,9 @@ def main() -> None:
         if args.wgmma:
             candidates = wgmma_candidates(head_dim)
         else:
-            candidates = [dict(default, dq=t) for t in itertools.product(OWNED, STREAMED)]
-            candidates += [dict(default, dkdv=t) for t in itertools.product(OWNED, STREAMED)
-                           if t != default["dkdv"]]
+            candidates = [(dict(default, dq=t), None) for t in itertools.product(OWNED, STREAMED)]
+            candidates += [(dict(default, dkdv=t), None)
+                           for t in itertools.product(OWNED, STREAMED) if t != default["dkdv"]]
         for causal in (False, True):
             case = Case(args.dtype, 16384 // args.n, heads, args.n, head_dim, causal=causal,
                         direction="backward")
@@ -94,26 +96,30 @@ def main() -> None:
                                    args.repetitions)
                     print(f"{case.name:<42} mma.sync {'single pass' if single_pass else ''}: "
                           f"{ms:7.3f} ms {case.flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
-            for tiles in candidates:
+            for tiles, single_pass in candidates:
+                keywords = {} if single_pass is None else {"single_pass": single_pass}
                 if not causal:
-                    check(np.dtype(args.dtype), head_dim, tiles, backward)
-                ms = median_ms(lambda arrays=(do, q, k, v, lse), tiles=tiles:
-                               backward(*arrays, options, tiles), args.repetitions)
+                    check(np.dtype(args.dtype), head_dim, tiles, backward, **keywords)
+                ms = median_ms(lambda arrays=(do, q, k, v, lse), tiles=tiles, keywords=keywords:
+                               backward(*arrays, options, tiles, **keywords), args.repetitions)
                 tflops = case.flops / ms / 1e9
                 described = tiles if isinstance(tiles, dict) else dict(
                     dq=tiles.dq, dkdv=tiles.dkdv, stages=tiles.stages)
+                if single_pass:
+                    described["single pass"] = True
                 rows.append((case.name, described, ms, tflops, tflops / flash_tflops))
                 print(f"{case.name:<42} {described}: {ms:7.3f} ms "
                       f"{tflops:6.1f} TFLOP/s ({tflops / flash_tflops:.2f}x flash "
                       f"{flash_tflops:.1f})", flush=True)
             del q, k, v, do, o, lse
             cupy.get_default_memory_pool().free_all_blocks()
-    print("\n| case | dQ tiles | dK/dV tiles | stages | ms | TFLOP/s | / flash |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    print("\n| case | dQ tiles | dK/dV tiles | stages | single pass | ms | TFLOP/s | / flash |")
+    print("| --- | --- | --- | ---: | --- | ---: | ---: | ---: |")
     for name, tiles, ms, tflops, ratio in rows:
         dq, dkdv = tiles["dq"], tiles["dkdv"]
         print(f"| {name} | {dq[0]}x{dq[1]} | {dkdv[0]}x{dkdv[1]} | {tiles.get('stages', 2)} | "
-              f"{ms:.3f} | {tflops:.1f} | {ratio:.2f} |")
+              f"{'yes' if tiles.get('single pass') else 'no'} | {ms:.3f} | {tflops:.1f} | "
+              f"{ratio:.2f} |")
 
 
 if __name__ == "__main__":

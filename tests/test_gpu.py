@@ -152,6 +152,23 @@ def test_tensor_core_single_pass_backward(dtype, head_dim, options):
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim), dtype)
     do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(dtype)
     _check(q, k, v, do, deterministic=False, **options)
+    _check_single_passes(q, k, v, do, **options)
+
+
+def _check_single_passes(q, k, v, do, **options):
+    """Each single-pass backward the device has (mma.sync; wgmma on Hopper), called
+    directly (the API may route deterministic=False elsewhere), against the golden model."""
+    device = [cupy.asarray(a) for a in (do, q, k, v)]
+    _, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
+    resolved = _resolved_options(q, k, v, {**options, "deterministic": False})
+    expected = _golden_grads(do, q, k, v, *_golden(q, k, v, **options), **options)
+    passes = {"mma": _launch.backward_tensor_core}
+    if _is_hopper():
+        passes["wgmma"] = _launch.backward_wgmma
+    for backward in passes.values():
+        grads = backward(*device, lse, resolved, single_pass=True)
+        for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+            assert_attention_close(grad.get(), want, q.dtype, name=name)
 
 
 @pytest.mark.parametrize("n_q,n_k,options", [
@@ -162,6 +179,7 @@ def test_tensor_core_single_pass_masked_tiles(n_q, n_k, options):
     q, k, v = _inputs((1, 2, n_q, 64), (1, 1, n_k, 64), (1, 1, n_k, 64), np.float16, seed=n_q)
     do = np.random.default_rng(n_k).standard_normal(q.shape).astype(np.float16)
     _check(q, k, v, do, deterministic=False, **options)
+    _check_single_passes(q, k, v, do, **options)
 
 
 def test_tensor_core_single_pass_rows_with_very_negative_lse():
@@ -173,6 +191,7 @@ def test_tensor_core_single_pass_rows_with_very_negative_lse():
     v = rng.standard_normal((1, 2, 70, 64)).astype(np.float16)
     do = rng.standard_normal(q.shape).astype(np.float16)
     _check(q, k, v, do, deterministic=False, scale=1.0)
+    _check_single_passes(q, k, v, do, scale=1.0)
 
 
 @pytest.mark.parametrize("blocks", [(64, 32), (64, 128), (128, 64), (128, 128)])
@@ -259,16 +278,21 @@ def test_wgmma_forward_long_rows_and_fully_masked_tiles():
 @hopper_only
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("tiles", [((128, 64), (128, 64), 2), ((64, 128), (64, 128), 2),
-                                   ((128, 64), (128, 64), 3)],
+@pytest.mark.parametrize("tiles", [((128, 64), (128, 64), 2), ((192, 64), (128, 64), 3),
+                                   ((64, 128), (64, 128), 2)],
                          ids=lambda t: f"dq{t[0][0]}x{t[0][1]}-dkdv{t[1][0]}x{t[1][1]}-s{t[2]}")
+@pytest.mark.parametrize("single_pass", [False, True], ids=["two-kernel", "single-pass"])
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[2], TENSOR_CORE_OPTIONS[-1]],
                          ids=["plain", "causal", "window", "every-option"])
-def test_every_wgmma_backward_tile_shape(dtype, head_dim, tiles, options):
-    """The Hopper backward at several tile shapes and stage counts, on GQA, Nq != Nk and
-    sequence ends inside tiles, from the golden model's lse (so only the backward is
-    tested); dq, dk, dv against the golden model."""
+def test_every_wgmma_backward_tile_shape(dtype, head_dim, tiles, single_pass, options):
+    """The Hopper backward (both forms) at several tile shapes and stage counts, on GQA,
+    Nq != Nk and sequence ends inside tiles, from the golden model's lse (so only the
+    backward is tested); dq, dk, dv against the golden model."""
+    (owned, streamed) = tiles[1]
+    if single_pass and (streamed != 64 or owned < head_dim):
+        pytest.skip("the single pass streams 64 queries and gives each warpgroup at most "
+                    "one 64-column block of dQ")
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
                       dtype)
     do = np.random.default_rng(1).standard_normal(q.shape).astype(dtype)
@@ -276,7 +300,7 @@ def test_every_wgmma_backward_tile_shape(dtype, head_dim, tiles, options):
     grads = _launch.backward_wgmma(*map(cupy.asarray, (do, q, k, v)),
                                    cupy.asarray(golden_lse.astype(np.float32)),
                                    _resolved_options(q, k, v, options),
-                                   _launch.WgmmaBackwardTiles(*tiles))
+                                   _launch.WgmmaBackwardTiles(*tiles), single_pass=single_pass)
     expected = _golden_grads(do, q, k, v, golden_o, golden_lse, **options)
     for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
         assert_attention_close(grad.get(), want, q.dtype, name=name)

@@ -443,30 +443,42 @@ class WgmmaBackwardTiles:
     dkdv: tuple[int, int]
     stages: int
 
-    def shared_bytes(self, entry: str, head_dim: int) -> int:
+    def shared_bytes(self, entry: str, head_dim: int, single_pass: bool = False) -> int:
         """Two owned tiles and `stages` of two streamed ones (16-bit, swizzled), 1024 bytes
-        of alignment slack; the dK/dV kernel also stages lse and D per streamed row."""
+        of alignment slack; the dK/dV kernel also stages lse and D per streamed row, and in
+        the single pass holds the dS^T tile (owned x 64, 1024-byte aligned)."""
         owned, streamed = getattr(self, entry)
         tiles = 1024 + 2 * head_dim * (2 * owned + 2 * self.stages * streamed)
-        return tiles + (2 * 4 * self.stages * streamed if entry == "dkdv" else 0)
+        if entry != "dkdv":
+            return tiles
+        return tiles + 2 * 4 * self.stages * streamed + (
+            1024 + 2 * owned * 64 if single_pass else 0)
 
 
 # The fastest of bench/sweep_gpu_backward.py --wgmma (bench/NOTES-gpu.md, v7).
-WGMMA_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (128, 64), 2),
+# Three warpgroups own 192 rows except in the dK/dV kernel at D = 128, where the dK and dV
+# accumulators need more registers than 3 x 128 threads leave (it spills).
+WGMMA_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (192, 64), 2),
                         128: WgmmaBackwardTiles((192, 64), (128, 64), 2)}
 
 
 def wgmma_backward_applies(q, v, options: AttentionOptions) -> bool:
-    """The Hopper backward: where the tensor-core backward applies, on an sm_90 device, for
-    the deterministic default (``deterministic=False`` keeps the mma.sync single pass)."""
-    return (tensor_core_backward_applies(q, v, options) and options.deterministic
+    """The Hopper backward: where the tensor-core backward applies, on an sm_90 device."""
+    return (tensor_core_backward_applies(q, v, options)
             and int(q.device.compute_capability) == 90)
 
 
 def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
-                   tiles: WgmmaBackwardTiles | None = None):
+                   tiles: WgmmaBackwardTiles | None = None, single_pass: bool = False):
     """`tiles`: by default `WGMMA_BACKWARD_TILES` of the head dim (the sweep passes others).
-    The dQ kernel runs first: it stores D, which the dK/dV kernel reads."""
+
+    The dQ kernel runs first: it stores D, which the dK/dV kernel reads. `single_pass`:
+    the dQ kernel only forms D and the dK/dV kernel adds dQ into a float32 buffer
+    (B * Hq * Nq * D * 4 bytes) with atomics, in arrival order, so dq's last bits depend
+    on scheduling. It is 8-14 % slower than the two kernels on the H100 (the atomics'
+    traffic outweighs the two products it saves; bench/NOTES-gpu.md, v7), so both
+    settings of ``deterministic`` run the two kernels by default.
+    """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
@@ -477,21 +489,29 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
     dq = cupy.empty(q.shape, dtype=q.dtype)
     dk = cupy.empty(k.shape, dtype=q.dtype)
     dv = cupy.empty(v.shape, dtype=q.dtype)
+    dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
     for entry, arrays, n_rows, heads in (
             ("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
-            ("dkdv", (q, k, v, do, lse, delta, dk, dv), n_k, batch * n_kv_heads)):
+            ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k, batch * n_kv_heads)):
         owned, streamed = getattr(tiles, entry)
-        defines = (("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
-                   ("OWNED_ROWS", owned), ("STAGES", tiles.stages), ("STREAMED_ROWS", streamed)
+        defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
+                   ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")), ("OWNED_ROWS", owned),
+                   ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
+                   ("STAGES", tiles.stages), ("STREAMED_ROWS", streamed)
                    ) + Switches.of(options).defines()
-        shared = tiles.shared_bytes(entry, head_dim)
+        shared = tiles.shared_bytes(entry, head_dim, single_pass)
         function = _compile.kernel(WGMMA_BACKWARD_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
         function((-(-n_rows // owned) * heads,), (owned // 64 * 128,), arrays + common,
                  shared_mem=shared)
+    if single_pass:  # `defines` are the dK/dV kernel's: the same module
+        convert = _compile.kernel(WGMMA_BACKWARD_SOURCE, "attention_backward_dq_convert",
+                                  tuple(sorted(defines)), 0, arch="90a")
+        convert((min(4096, -(-dq.size // 512)),), (256,),
+                (dq_sum, dq, np.int64(dq.size), np.float32(options.scale)))
     return dq, dk, dv
 
 

@@ -171,18 +171,6 @@ __device__ __forceinline__ void store_transposed_scores(const Accumulators<STREA
         }
 }
 
-// *pair += (low, high), atomically per float. sm_90 has a two-float reduction: one request
-// per pair, so the four lanes that share a row cover one 32-byte sector.
-__device__ __forceinline__ void add_pair(float* pair, float low, float high) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(pair), "f"(low), "f"(high)
-                 : "memory");
-#else
-    atomicAdd(pair, low);
-    atomicAdd(pair + 1, high);
-#endif
-}
-
 // dq_head[query_start + r][c] += sum over this block's keys of dS[r][key] K[key][c], each
 // warp one 16-row slab x kDqColumns columns; A = dS from ds_tile (stored keys x queries,
 // hence the transposing ldmatrix), B = the K tile. Rows past n_q are not added.
@@ -257,14 +245,6 @@ __device__ __forceinline__ void pass_turn(int* turn) {
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(turn, 1);
-}
-
-// dq = scale * dq_sum, rounded to the input type (the single pass's last step).
-extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bits16* dq,
-                                                         i64 count, float scale) {
-    for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count / 2;
-         i += static_cast<i64>(gridDim.x) * blockDim.x)
-        reinterpret_cast<u32*>(dq)[i] = pack_pair(scale * dq_sum[2 * i], scale * dq_sum[2 * i + 1]);
 }
 
 // ------------------------------------------------------------------ dQ (and D)

@@ -18,14 +18,23 @@
 //   dS^T accumulators with keys as rows: the register A operands of dV += P^T dO and
 //   dK += dS^T Q, whose B operands (dO, Q) are read MN-major from shared memory.
 //
+// SINGLE_PASS (deterministic=False): the dQ kernel only forms D (DELTA_ONLY), and the
+// dK/dV kernel also adds each query tile's dQ share, dS K over its keys, into a float32
+// buffer with red.global.add (FlashAttention-2's single pass): 7 tile products instead of
+// 9, dq's last bits then depend on the order of the additions. dS^T goes to a swizzled
+// shared tile (keys x queries), read MN-major as the A operand of dQ = dS K, with K's
+// owned tile MN-major as B; the 64-column blocks of dQ rotate over the warpgroups from one
+// query tile to the next. attention_backward_dq_convert scales and rounds the buffer.
+//
 // Tiles use the 128-byte swizzle of wgmma.cuh; streamed tiles cycle through STAGES buffers
 // filled by cp.async with one barrier per tile (tile t + STAGES - 1 is issued into the
 // buffer tile t - 1 released). Tiles outside the band are skipped, the per-score mask runs
 // only on tiles that straddle its edge or the end of the keys.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS (a
-// multiple of 64), STREAMED_ROWS (64 or 128), STAGES (>= 2), LIMIT_LEFT, LIMIT_RIGHT,
-// SOFTCAP, ALIBI, DROPOUT. Needs -arch=sm_90a.
+// multiple of 64), STREAMED_ROWS (64 or 128), STAGES (>= 2), DELTA_ONLY (dQ kernel),
+// SINGLE_PASS (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT. Needs
+// -arch=sm_90a.
 #include "wgmma.cuh"
 #include "backward_scores.cuh"
 
@@ -35,8 +44,12 @@ constexpr int kOwnedBytes = kSwizzledTileBytes<OWNED_ROWS, HEAD_DIM>;
 constexpr int kStreamedBytes = kSwizzledTileBytes<STREAMED_ROWS, HEAD_DIM>;
 constexpr int kScoreFrags = STREAMED_ROWS / 8;  // n8 fragments of a score tile per warp
 constexpr int kOutFrags = HEAD_DIM / 8;         // n8 fragments of a gradient per warp
+constexpr int kColumnBlocks = HEAD_DIM / kSwizzleColumns;  // 64-column blocks of a row
 static_assert(OWNED_ROWS % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
                   (STREAMED_ROWS == 64 || STREAMED_ROWS == 128), "wgmma tiles");
+// The single pass's dQ product: one wgmma M of queries, each column block to one warpgroup.
+static_assert(!SINGLE_PASS || (STREAMED_ROWS == 64 && kColumnBlocks <= kWarpgroups),
+              "single-pass dQ split");
 
 // ------------------------------------------------------------------ products
 
@@ -172,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
-            dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
+            if (!DELTA_ONLY) dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
         for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
             delta[bh * n_q + row] = 0.0f;
         return;
@@ -226,6 +239,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
 #pragma unroll
     for (int half = 0; half < 2; ++half)
         if (lane % 4 == 0 && my_rows[half] < n_q) delta[bh * n_q + my_rows[half]] = row_delta[half];
+    if (DELTA_ONLY) return;
 
     // Pass 2: dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
     float dq_acc[kOutFrags][4];
@@ -247,11 +261,60 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     store_rows(dq_acc, scale, dq + bh * n_q * HEAD_DIM, warp_row0, n_q);
 }
 
+// ------------------------------------------------------------------ the single pass's dQ
+
+// This warp's 16 key rows of dS^T (accumulators, keys x 64 queries), rounded to the input
+// type, into the swizzled tile ds_tile[key][query] (one column block).
+__device__ __forceinline__ void store_transposed_ds(const float (&dst)[kScoreFrags][4],
+                                                    unsigned char* ds_tile, int key0) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < kScoreFrags; ++n)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = key0 + lane / 4 + 8 * half, byte = (n * 8 + 2 * (lane % 4)) * 2;
+            *reinterpret_cast<u32*>(ds_tile + key * kSwizzleRowBytes +
+                                    (((byte >> 4) ^ (key % 8)) << 4) + (byte & 15)) =
+                pack_pair(dst[n][2 * half], dst[n][2 * half + 1]);
+        }
+}
+
+// Issues dq_part = dS K for the 64 queries of the tile and columns [64 block, 64 block + 64):
+// A = dS^T's tile read MN-major, B = K's owned tile, its column block `block`, MN-major.
+__device__ __forceinline__ void issue_dq_product(float (&dq_part)[kSwizzleColumns / 8][4],
+                                                 u32 ds_tile, u32 k_tile, int block) {
+#pragma unroll
+    for (int kk = 0; kk < OWNED_ROWS / 16; ++kk)
+        wgmma_ss_transposed<kSwizzleColumns>(
+            dq_part,
+            swizzled_descriptor(ds_tile + kk * 16 * kSwizzleRowBytes, 0, kSwizzleAtomBytes),
+            swizzled_descriptor(k_tile + block * OWNED_ROWS * kSwizzleRowBytes +
+                                    kk * 16 * kSwizzleRowBytes,
+                                0, kSwizzleAtomBytes),
+            kk > 0);
+}
+
+// dq_head[query][64 block + c] += dq_part (rows past n_q are not added).
+__device__ __forceinline__ void add_dq_part(const float (&dq_part)[kSwizzleColumns / 8][4],
+                                            float* dq_head, i64 query0, int block, i64 n_q) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 query = query0 + lane / 4 + 8 * half;
+        if (query >= n_q) continue;
+        float* row = dq_head + query * HEAD_DIM + block * kSwizzleColumns + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < kSwizzleColumns / 8; ++n)
+            add_pair(row + n * 8, dq_part[n][2 * half], dq_part[n][2 * half + 1]);
+    }
+}
+
 // ------------------------------------------------------------------ dK, dV
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    const float* delta, bits16* dk, bits16* dv, const double* alibi_slopes, i64 n_q, i64 n_k,
+    const float* delta, bits16* dk, bits16* dv, float* dq_sum, const double* alibi_slopes,
+    i64 n_q, i64 n_k,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS) {
@@ -265,6 +328,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     float* lse_tiles = reinterpret_cast<float*>(
         shared_bytes + (do_tiles + STAGES * kStreamedBytes - shared_address(shared_bytes)));
     float* delta_tiles = lse_tiles + STAGES * STREAMED_ROWS;
+    // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][64] swizzled, after the
+    // lse and D stages, aligned to the swizzle's period.
+    const u32 ds_tile = (do_tiles + STAGES * kStreamedBytes + 8 * STAGES * STREAMED_ROWS +
+                         kSwizzleAtomBytes - 1) & ~static_cast<u32>(kSwizzleAtomBytes - 1);
+    unsigned char* ds_bytes = shared_bytes + (ds_tile - shared_address(shared_bytes));
 
     const Band band{band_offset, window_left, window_right};
     const int n_kv_heads = n_q_heads / group_size;
@@ -334,19 +402,39 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             // Keys past n_k are not written: they need no mask.
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
-            transposed_probabilities<kScoreFrags, false>(
+            transposed_probabilities<kScoreFrags, SINGLE_PASS>(
                 scores, st, dpt, lse_tiles + stage * STREAMED_ROWS,
                 delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, n_q, n_k, masked);
             u32 pt[STREAMED_ROWS / 16][4], dst[STREAMED_ROWS / 16][4];
             pack_fragments(st, pt);
             pack_fragments(dpt, dst);
+            // SINGLE_PASS: this query tile's column block of dQ for this warpgroup, if any
+            // (block c goes to warpgroup (c + t) % warpgroups at step t, spreading D = 64's
+            // single block and D = 128's two blocks over the warpgroups).
+            int dq_block = -1;
+            if (SINGLE_PASS) {
+                store_transposed_ds(dpt, ds_bytes, warp_key0 - col_start);
+                fence_shared_for_async_proxy();
+                __syncthreads();  // every warpgroup's dS^T rows are in ds_tile
+                const int step = static_cast<int>(query_tile - tile_begin);
+#pragma unroll
+                for (int block = 0; block < kColumnBlocks; ++block)
+                    if ((block + step) % kWarpgroups == warpgroup) dq_block = block;
+            }
+            float dq_part[kSwizzleColumns / 8][4];
             wgmma_fence();
             issue_accumulate(dv_acc, pt, do_stage);
             issue_accumulate(dk_acc, dst, q_stage);
+            if (SINGLE_PASS && dq_block >= 0) issue_dq_product(dq_part, ds_tile, k_tile, dq_block);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(dv_acc);
             wgmma_pin(dk_acc);
+            if (SINGLE_PASS && dq_block >= 0) {
+                wgmma_pin(dq_part);
+                add_dq_part(dq_part, dq_sum + bh * n_q * HEAD_DIM,
+                            query_start + ((threadIdx.x / 32) % 4) * 16, dq_block, n_q);
+            }
         });
     }
     store_rows(dk_acc, scale, dk_head, warp_key0, n_k);

@@ -86,6 +86,28 @@ __device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
                    : 0u;
 }
 
+// ------------------------------------------------------------------ the single pass's dQ
+
+// *pair += (low, high), atomically per float. sm_90 has a two-float reduction: one request
+// per pair, so the four lanes that share a row cover one 32-byte sector.
+__device__ __forceinline__ void add_pair(float* pair, float low, float high) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(pair), "f"(low), "f"(high)
+                 : "memory");
+#else
+    atomicAdd(pair, low);
+    atomicAdd(pair + 1, high);
+#endif
+}
+
+// dq = scale * dq_sum, rounded to the input type (the single pass's last step).
+extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bits16* dq,
+                                                         i64 count, float scale) {
+    for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count / 2;
+         i += static_cast<i64>(gridDim.x) * blockDim.x)
+        reinterpret_cast<u32*>(dq)[i] = pack_pair(scale * dq_sum[2 * i], scale * dq_sum[2 * i + 1]);
+}
+
 #define SCORE_OPTION_PARAMS                                                                  \
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
         u32 dropout_key, u32 dropout_threshold, float dropout_scale

@@ -92,6 +92,11 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[Frags][4]) {
 // N / 8 fragments) = A B (+ d when `accumulate`), A and B from shared memory, both K-major.
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate);
+// d = A B (+ d when `accumulate`) with A and B from shared memory, both MN-major (A's rows
+// and B's columns contiguous: dQ = dS K with dS stored transposed, keys x queries).
+template <int N>
+__device__ __forceinline__ void wgmma_ss_transposed(float (&d)[N / 8][4], u64 a, u64 b,
+                                                    int accumulate);
 // d += A B with A from registers (each warp's 16 rows in the m16n8k16 A layout) and B
 // MN-major in shared memory (transposed: V's rows are the K dimension).
 template <int N>
@@ -194,4 +199,23 @@ template <> __device__ __forceinline__ void wgmma_rs_transposed_b<128>(float (&d
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+template <> __device__ __forceinline__ void wgmma_ss_transposed<64>(float (&d)[8][4], u64 a,
+                                                                 u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 1, 1; }\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(a), "l"(b), "r"(accumulate));
 }
