@@ -10,6 +10,8 @@ already come from it and NumPy users never pay for importing CuPy, torch or JAX.
 
 from __future__ import annotations
 
+import functools
+
 import sys
 
 import numpy as np
@@ -144,7 +146,14 @@ def to_device_like(array, like):
 
 def is_supported_float(dtype) -> bool:
     """float16, bfloat16 (ml_dtypes), float32, float64."""
-    return np.dtype(dtype).name in _FLOAT_KINDS
+    return dtype_name(dtype) in _FLOAT_KINDS
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_name(dtype) -> str:
+    """``np.dtype(dtype).name``, memoised: NumPy builds the name anew on every access, which
+    was a tenth of a small GPU call's host time (bench/overhead_gpu.py)."""
+    return np.dtype(dtype).name
 
 
 def full(shape, fill, dtype, memory: str, like=None):

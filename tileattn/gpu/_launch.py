@@ -16,10 +16,12 @@ Two kernel families (see the headers of the ``.cu`` files):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import cupy
 import numpy as np
 
+from ..arrays import dtype_name
 from ..dropout import dropout_key, dropout_threshold
 from ..options import UNLIMITED, AttentionOptions, Blocks
 from . import _compile
@@ -74,7 +76,7 @@ _STORAGE = {"float16": "half_storage", "bfloat16": "bfloat16_storage", "float32"
 
 def accumulation_dtype(dtype) -> np.dtype:
     """float64 for float64 inputs, float32 for every other dtype (also lse's dtype)."""
-    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)
+    return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
 
 
 def padded_dim(dim: int) -> int:
@@ -128,10 +130,22 @@ def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tup
             accum(1.0 / (1.0 - options.dropout_p)))
 
 
+@lru_cache(maxsize=None)
+def _empty(device_id: int, dtype: str):
+    """A zero-length array standing in for an unused pointer argument, one per device."""
+    with cupy.cuda.Device(device_id):
+        return cupy.empty(0, dtype=dtype)
+
+
+@lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
 def alibi_slopes(options: AttentionOptions):
     """The (B, Hq) float64 slopes on the device, or an empty stand-in when ALiBi is off."""
     if options.alibi_slopes is None:
-        return cupy.empty(0, dtype=cupy.float64)
+        return _empty(cupy.cuda.Device().id, "float64")
     return cupy.asarray(np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
 
 
@@ -148,9 +162,12 @@ def _copy_contiguous(array):
 
 def element_strides(array):
     """``(array, strides in elements)``; copies only if a stride is not a whole element."""
-    if any(stride % array.itemsize for stride in array.strides):
+    itemsize = array.itemsize
+    strides = array.strides
+    if any(stride % itemsize for stride in strides):
         array = _copy_contiguous(array)
-    return array, tuple(np.int64(stride // array.itemsize) for stride in array.strides)
+        strides = array.strides
+    return array, tuple(np.int64(stride // itemsize) for stride in strides)
 
 
 def _tensor_core_layout(array):
@@ -232,9 +249,9 @@ class GenericConfig:
 def tensor_core_blocks(q, v, options: AttentionOptions) -> Blocks | None:
     """The tensor-core kernel's tiles for this problem, or None when it does not apply."""
     head_dim = q.shape[3]
-    if q.dtype.name not in ("float16", "bfloat16") or head_dim != v.shape[3]:
+    if dtype_name(q.dtype) not in ("float16", "bfloat16") or head_dim != v.shape[3]:
         return None
-    if head_dim not in MMA_HEAD_DIMS or int(q.device.compute_capability) < 80:
+    if head_dim not in MMA_HEAD_DIMS or compute_capability(q.device.id) < 80:
         return None
     blocks = MMA_DEFAULT_BLOCKS[head_dim].resolve(options.block_q, options.block_k)
     if blocks.block_q not in MMA_BLOCK_Q or blocks.block_k not in MMA_BLOCK_K:
@@ -256,7 +273,7 @@ def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Bloc
     layout = layout or warp_layout(head_dim, blocks)
     switches = Switches.of(options)
     defines = (("BLOCK_K", blocks.block_k), ("BLOCK_Q", blocks.block_q),
-               ("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
+               ("HEAD_DIM", head_dim), ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
                ("Q_IN_REGISTERS", int(layout.q_in_registers)), ("WARP_ROWS", layout.rows)
                ) + switches.defines()
     shared = mma_shared_bytes(head_dim, blocks)
@@ -296,7 +313,7 @@ WGMMA_DEFAULT_TILES = {64: WgmmaTiles(192, 128, 2), 128: WgmmaTiles(192, 64, 3)}
 def wgmma_tiles(q, options: AttentionOptions) -> WgmmaTiles | None:
     """The Hopper forward's tiles when it applies (an sm_90 device, and tile sizes the
     caller named, if any, that it is built for), else None."""
-    if int(q.device.compute_capability) != 90:
+    if compute_capability(q.device.id) != 90:
         return None
     default = WGMMA_DEFAULT_TILES[q.shape[3]]
     blocks = Blocks(default.block_q, default.block_k).resolve(options.block_q, options.block_k)
@@ -309,7 +326,7 @@ def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("HEAD_DIM", head_dim),
-               ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")), ("STAGES", tiles.stages)
+               ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages)
                ) + Switches.of(options).defines()
     shared = tiles.shared_bytes(head_dim)
     function = _compile.kernel(WGMMA_SOURCE, "attention_forward_wgmma", tuple(sorted(defines)),
@@ -362,8 +379,8 @@ def tensor_core_backward_applies(q, v, options: AttentionOptions) -> bool:
     """The tensor-core backward runs for float16/bfloat16, D = Dv in {64, 128}, sm_80+,
     when the caller names no tile size (its tiles are its own; named sizes select the
     generic kernels, which honour any size)."""
-    return (q.dtype.name in ("float16", "bfloat16") and q.shape[3] == v.shape[3]
-            and q.shape[3] in MMA_HEAD_DIMS and int(q.device.compute_capability) >= 80
+    return (dtype_name(q.dtype) in ("float16", "bfloat16") and q.shape[3] == v.shape[3]
+            and q.shape[3] in MMA_HEAD_DIMS and compute_capability(q.device.id) >= 80
             and options.block_q is None and options.block_k is None)
 
 
@@ -416,7 +433,7 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
     for entry, arrays, n_rows, heads in launches:
         owned, streamed = tiles[entry]
         defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
-                   ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")),
+                   ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
                    ("ORDERED", int(ordered and entry == "dkdv")), ("OWNED_ROWS", owned),
                    ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
                    ("STREAMED_ROWS", streamed)
@@ -465,7 +482,7 @@ WGMMA_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (192, 64), 2),
 def wgmma_backward_applies(q, v, options: AttentionOptions) -> bool:
     """The Hopper backward: where the tensor-core backward applies, on an sm_90 device."""
     return (tensor_core_backward_applies(q, v, options)
-            and int(q.device.compute_capability) == 90)
+            and compute_capability(q.device.id) == 90)
 
 
 def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
@@ -489,7 +506,8 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
     dq = cupy.empty(q.shape, dtype=q.dtype)
     dk = cupy.empty(k.shape, dtype=q.dtype)
     dv = cupy.empty(v.shape, dtype=q.dtype)
-    dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
+    dq_sum = (cupy.zeros(dq.size, dtype=cupy.float32) if single_pass
+              else _empty(q.device.id, "float32"))
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
@@ -498,7 +516,7 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
             ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k, batch * n_kv_heads)):
         owned, streamed = getattr(tiles, entry)
         defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
-                   ("IS_BFLOAT16", int(q.dtype.name == "bfloat16")), ("OWNED_ROWS", owned),
+                   ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("OWNED_ROWS", owned),
                    ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
                    ("STAGES", tiles.stages), ("STREAMED_ROWS", streamed)
                    ) + Switches.of(options).defines()

@@ -311,6 +311,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         return col_start + STREAMED_ROWS > n_k ||
                tile_straddles_band(band, row_start, OWNED_ROWS, col_start, STREAMED_ROWS);
     };
+    const auto key_tile_mask = [&](i64 key_tile) {
+        return tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, key_tile * STREAMED_ROWS, n_k);
+    };
 
     load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(q_tile, q + batch * q_sb + head * q_sh, q_sn,
                                                     row_start, n_q);
@@ -327,7 +330,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         two_score_products(q_tile, k_tiles + stage * STREAMED_ROWS * kPitch, do_tile,
                            v_tiles + stage * STREAMED_ROWS * kPitch, warp * 16, s, dp);
         add_delta_sums(scores, s.tile, dp.tile, lse_log2, my_rows, row_states,
-                       key_tile * STREAMED_ROWS, n_k, tile_is_masked(key_tile), p_sums, pdp_sums);
+                       key_tile * STREAMED_ROWS, tile_is_masked(key_tile), key_tile_mask(key_tile),
+                       p_sums, pdp_sums);
     });
     float row_delta[2];
     finish_delta(p_sums, pdp_sums, row_delta);
@@ -347,7 +351,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kPitch,
                            warp * 16, s, dp);
         scores_to_ds(scores, s.tile, dp.tile, lse_log2, my_rows, row_states, row_delta,
-                     key_tile * STREAMED_ROWS, n_k, tile_is_masked(key_tile));
+                     key_tile * STREAMED_ROWS, tile_is_masked(key_tile),
+                     key_tile_mask(key_tile));
         accumulate_product(s, k_tile, dq_acc);
     });
     store_rows(dq_acc, scale, dq + bh * n_q * HEAD_DIM, row_start + warp * 16, n_q);
@@ -455,8 +460,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
             transposed_probabilities<STREAMED_ROWS / 8, SINGLE_PASS>(
-                scores, st.tile, dpt.tile, lse_tile, delta_tile, query_start, my_keys, n_q, n_k,
-                masked);
+                scores, st.tile, dpt.tile, lse_tile, delta_tile, query_start, my_keys, col_start,
+                n_q, n_k, masked,
+                tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));
             accumulate_product(st, do_tile, dv_acc);
             if (SINGLE_PASS) store_transposed_scores(dpt, ds_tile, warp * 16);
             accumulate_product(dpt, q_tile, dk_acc);

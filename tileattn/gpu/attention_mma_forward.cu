@@ -175,7 +175,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         const i64 col_start = key_tile * BLOCK_K;
         const bool needs_mask = key_tile_needs_mask(scores, row_start, BLOCK_Q, col_start,
                                                     BLOCK_K);
-        scores_to_logits(s, my_rows, col_start, needs_mask, scores);
+        scores_to_logits(s, my_rows, col_start, needs_mask,
+                         tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k),
+                         scores);
         online_softmax_step(s, row_max, row_sum, o_acc);
         if (DROPOUT) drop_probabilities(s, row_states, col_start, dropout_threshold);
 

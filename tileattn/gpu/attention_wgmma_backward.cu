@@ -215,6 +215,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         return col_start + STREAMED_ROWS > n_k ||
                tile_straddles_band(band, row_start, OWNED_ROWS, col_start, STREAMED_ROWS);
     };
+    const auto key_tile_mask = [&](i64 key_tile) {
+        return tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, key_tile * STREAMED_ROWS, n_k);
+    };
 
     load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
         q_tile, q + owned.batch * q_sb + owned.head * q_sh, q_sn, row_start, n_q);
@@ -232,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         score_products(q_rows, k_tiles + stage * kStreamedBytes, do_rows,
                        v_tiles + stage * kStreamedBytes, s, dp);
         add_delta_sums(scores, s, dp, lse_log2, my_rows, row_states, key_tile * STREAMED_ROWS,
-                       n_k, tile_is_masked(key_tile), p_sums, pdp_sums);
+                       tile_is_masked(key_tile), key_tile_mask(key_tile), p_sums, pdp_sums);
     });
     float row_delta[2];
     finish_delta(p_sums, pdp_sums, row_delta);
@@ -249,7 +252,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         float s[kScoreFrags][4], dp[kScoreFrags][4];
         score_products(q_rows, k_tile, do_rows, v_tiles + stage * kStreamedBytes, s, dp);
         scores_to_ds(scores, s, dp, lse_log2, my_rows, row_states, row_delta,
-                     key_tile * STREAMED_ROWS, n_k, tile_is_masked(key_tile));
+                     key_tile * STREAMED_ROWS, tile_is_masked(key_tile),
+                     key_tile_mask(key_tile));
         u32 ds[STREAMED_ROWS / 16][4];
         pack_fragments(s, ds);
         wgmma_fence();
@@ -404,7 +408,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
             transposed_probabilities<kScoreFrags, SINGLE_PASS>(
                 scores, st, dpt, lse_tiles + stage * STREAMED_ROWS,
-                delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, n_q, n_k, masked);
+                delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, col_start, n_q, n_k,
+                masked, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));
             u32 pt[STREAMED_ROWS / 16][4], dst[STREAMED_ROWS / 16][4];
             pack_fragments(st, pt);
             pack_fragments(dpt, dst);

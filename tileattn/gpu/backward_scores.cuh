@@ -50,10 +50,10 @@ __device__ __forceinline__ bool tile_straddles_band(const Band& band, i64 row_st
 }
 
 // P_ij = exp2(score_log2 - lse_log2) for the raw q.k `dot`, and d(score)/d(scaled dot)
-// (the softcap's 1 - tanh^2, else 1) in *capped_grad. `masked`: apply the band and the
-// key range to this score.
+// (the softcap's 1 - tanh^2, else 1) in *capped_grad; 0 unless `kept` (the band and the key
+// range, from a TileMask).
 __device__ __forceinline__ float probability(const Scores& scores, float dot, float lse_log2,
-                                             i64 query, i64 key, i64 n_k, bool masked,
+                                             i64 query, i64 key, bool kept,
                                              float* capped_grad) {
     float score;
     if (SOFTCAP) {
@@ -68,8 +68,7 @@ __device__ __forceinline__ float probability(const Scores& scores, float dot, fl
         const i64 distance = query + scores.band.offset - key;
         score -= scores.slope_log2 * static_cast<float>(distance < 0 ? -distance : distance);
     }
-    if (masked && !(key < n_k && band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(scores.band, query, key)))
-        score = negative_infinity<float>();
+    if (!kept) score = negative_infinity<float>();
     return exp2_approx(score - lse_log2);
 }
 
@@ -119,15 +118,19 @@ extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bi
 // and quad_row + 8, columns 8 n + 2 quad_col + {0, 1}.
 
 // dQ kernel, pass 1: the per-thread partial sums of P and P dP (with dropout's factor) of
-// this thread's two query rows `rows` over the key tile starting at `key_start`.
+// this thread's two query rows `rows` over the key tile starting at `key_start`; `mask`
+// (relative to that tile) applies when `masked`.
 template <int Frags>
 __device__ __forceinline__ void add_delta_sums(const Scores& scores, const float (&s)[Frags][4],
                                                const float (&dp)[Frags][4],
                                                const float (&lse_log2)[2],
                                                const i64 (&rows)[2], const u32 (&row_states)[2],
-                                               i64 key_start, i64 n_k, bool masked,
+                                               i64 key_start, bool masked, const TileMask& mask,
                                                float (&p_sums)[2], float (&pdp_sums)[2]) {
     const int quad_col = threadIdx.x % 4;
+    // This thread's keys are n * 8 + (e & 1) past 2 * quad_col.
+    const Window kept[2] = {mask.row_window(static_cast<int>(rows[0] - mask.row0), 2 * quad_col),
+                            mask.row_window(static_cast<int>(rows[1] - mask.row0), 2 * quad_col)};
 #pragma unroll
     for (int n = 0; n < Frags; ++n)
 #pragma unroll
@@ -135,7 +138,8 @@ __device__ __forceinline__ void add_delta_sums(const Scores& scores, const float
             const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
             float unused_grad;
             const float p = probability(scores, s[n][e], lse_log2[e >> 1], rows[e >> 1], key,
-                                        n_k, masked, &unused_grad);
+                                        !masked || kept[e >> 1].keeps(n * 8 + (e & 1)),
+                                        &unused_grad);
             p_sums[e >> 1] += p;
             pdp_sums[e >> 1] += p * dropout_factor(scores, row_states[e >> 1], key) * dp[n][e];
         }
@@ -164,8 +168,11 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
                                              const float (&lse_log2)[2], const i64 (&rows)[2],
                                              const u32 (&row_states)[2],
                                              const float (&row_delta)[2], i64 key_start,
-                                             i64 n_k, bool masked) {
+                                             bool masked, const TileMask& mask) {
     const int quad_col = threadIdx.x % 4;
+    // This thread's keys are n * 8 + (e & 1) past 2 * quad_col.
+    const Window kept[2] = {mask.row_window(static_cast<int>(rows[0] - mask.row0), 2 * quad_col),
+                            mask.row_window(static_cast<int>(rows[1] - mask.row0), 2 * quad_col)};
 #pragma unroll
     for (int n = 0; n < Frags; ++n)
 #pragma unroll
@@ -173,7 +180,8 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
             const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
             float capped_grad;
             const float p = probability(scores, s[n][e], lse_log2[e >> 1], rows[e >> 1], key,
-                                        n_k, masked, &capped_grad);
+                                        !masked || kept[e >> 1].keeps(n * 8 + (e & 1)),
+                                        &capped_grad);
             s[n][e] = p * capped_grad *
                       (dp[n][e] * dropout_factor(scores, row_states[e >> 1], key) -
                        row_delta[e >> 1]);
@@ -185,6 +193,8 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
 // shared memory. Queries past n_q get lse = -inf, hence P = 0. ZeroKeysPastEnd: keys past
 // n_k (zero rows of K) get P = 0 explicitly, for products that carry dS to dQ: their P is
 // exp2(-lse), which may overflow, and inf * 0 would be NaN.
+// `mask` is relative to (query_start, the block's first key `col0`) and applies when
+// `masked`.
 template <int Frags, bool ZeroKeysPastEnd>
 __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
                                                          float (&st)[Frags][4],
@@ -192,8 +202,12 @@ __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
                                                          const float* lse_tile,
                                                          const float* delta_tile,
                                                          i64 query_start, const i64 (&keys)[2],
-                                                         i64 n_q, i64 n_k, bool masked) {
+                                                         i64 col0, i64 n_q, i64 n_k,
+                                                         bool masked, const TileMask& mask) {
     const int quad_col = threadIdx.x % 4;
+    // This thread's queries are n * 8 + column past 2 * quad_col.
+    const Window kept[2] = {mask.column_window(static_cast<int>(keys[0] - col0), 2 * quad_col),
+                            mask.column_window(static_cast<int>(keys[1] - col0), 2 * quad_col)};
 #pragma unroll
     for (int n = 0; n < Frags; ++n)
 #pragma unroll
@@ -209,7 +223,8 @@ __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
                 const int e = 2 * half + column;
                 const i64 key = keys[half];
                 float capped_grad;
-                float p = probability(scores, st[n][e], query_lse, query, key, n_k, masked,
+                float p = probability(scores, st[n][e], query_lse, query, key,
+                                      !masked || kept[half].keeps(n * 8 + column),
                                       &capped_grad);
                 if (ZeroKeysPastEnd && key >= n_k) p = 0.0f;
                 const float factor = dropout_factor(scores, row_state, key);

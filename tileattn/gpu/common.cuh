@@ -113,6 +113,53 @@ __device__ __forceinline__ bool band_keeps(const Band& band, i64 row, i64 col) {
     return kept;
 }
 
+// An inclusive range [low, high] of tile-relative indices.
+struct Window {
+    int low;
+    int high;
+    __device__ __forceinline__ bool keeps(int x) const { return x >= low && x <= high; }
+};
+
+// The band and the end of the keys over one tile, in 32-bit coordinates relative to the
+// tile's first row `row0` and first key `col0`: the score at (row0 + r, col0 + c) is kept
+// when c < key_limit and diagonal_low <= c - r <= diagonal_high. The 64-bit bounds are
+// clamped to +-2^30, which changes no answer (tiles are far smaller than that). A thread
+// turns the mask into a Window per row it holds (or per column, transposed), so the test
+// per score is two 32-bit compares against a compile-time index.
+struct TileMask {
+    i64 row0;
+    int key_limit;
+    int diagonal_low;
+    int diagonal_high;
+
+    // Row r's kept columns, as c - column_offset.
+    __device__ __forceinline__ Window row_window(int r, int column_offset) const {
+        return {diagonal_low + r - column_offset,
+                min(diagonal_high + r, key_limit - 1) - column_offset};
+    }
+    // Column c's kept rows, as r - row_offset (none when c is past the keys).
+    __device__ __forceinline__ Window column_window(int c, int row_offset) const {
+        if (c >= key_limit) return {1, 0};
+        return {c - diagonal_high - row_offset, c - diagonal_low - row_offset};
+    }
+};
+
+__device__ __forceinline__ int clamp_to_int(i64 x) {
+    return static_cast<int>(max(min(x, static_cast<i64>(1) << 30), -(static_cast<i64>(1) << 30)));
+}
+
+template <bool LimitLeft, bool LimitRight>
+__device__ __forceinline__ TileMask tile_mask(const Band& band, i64 row0, i64 col0, i64 n_k) {
+    // diagonal = col - (row + offset) = (c - r) + (col0 - row0 - offset)
+    const i64 base = col0 - row0 - band.offset;
+    TileMask mask;
+    mask.row0 = row0;
+    mask.key_limit = clamp_to_int(n_k - col0);
+    mask.diagonal_low = LimitLeft ? clamp_to_int(-band.left - base) : -(1 << 30);
+    mask.diagonal_high = LimitRight ? clamp_to_int(band.right - base) : (1 << 30);
+    return mask;
+}
+
 // Keys [*first, *stop) that some row of [row_start, row_stop) keeps, clipped to [0, n_k).
 // The band is monotone in both indices, so the first row bounds the left edge and the
 // last row the right edge; every key tile outside this range is fully masked

@@ -52,36 +52,40 @@ __device__ __forceinline__ bool key_tile_needs_mask(const ForwardScores& scores,
     return needs_mask;
 }
 
-// Raw products Q K^T -> base-2 logits: scale, softcap, ALiBi, then the mask by select.
+// Raw products Q K^T -> base-2 logits: scale, softcap, ALiBi, then, when `needs_mask`, the
+// mask (relative to the tile at row mask.row0, key col_start) by select.
 template <int RowTiles, int KeyFrags>
 __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][4],
                                                  const i64 (&rows)[RowTiles][2], i64 col_start,
-                                                 bool needs_mask, const ForwardScores& scores) {
+                                                 bool needs_mask, const TileMask& mask,
+                                                 const ForwardScores& scores) {
     const int quad_col = threadIdx.x % 4;
 #pragma unroll
-    for (int m = 0; m < RowTiles; ++m)
+    for (int m = 0; m < RowTiles; ++m) {
+        // This thread's columns are n * 8 + (e & 1) past 2 * quad_col.
+        const Window kept[2] = {
+            mask.row_window(static_cast<int>(rows[m][0] - mask.row0), 2 * quad_col),
+            mask.row_window(static_cast<int>(rows[m][1] - mask.row0), 2 * quad_col)};
 #pragma unroll
         for (int n = 0; n < KeyFrags; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const i64 row = rows[m][e >> 1];
-                const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
                 float score;
                 if (SOFTCAP)
                     score = scores.softcap_log2 * tanhf(s[m][n][e] * scores.scale_over_softcap);
                 else
                     score = s[m][n][e] * scores.scale_log2;
                 if (ALIBI) {
-                    const i64 distance = row + scores.band.offset - col;
+                    const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
+                    const i64 distance = rows[m][e >> 1] + scores.band.offset - col;
                     score -= scores.slope_log2 *
                              static_cast<float>(distance < 0 ? -distance : distance);
                 }
-                if (needs_mask &&
-                    !(col < scores.n_k &&
-                      band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(scores.band, row, col)))
+                if (needs_mask && !kept[e >> 1].keeps(n * 8 + (e & 1)))
                     score = negative_infinity<float>();
                 s[m][n][e] = score;
             }
+    }
 }
 
 // One online-softmax step without touching O: logits -> unnormalised probabilities in

@@ -1,0 +1,54 @@
+"""Host time per call of the GPU backend: what a small problem pays beyond its kernels.
+
+    PYTHONPATH=. python3 bench/overhead_gpu.py
+
+Times `tileattn.forward` / `tileattn.backward` (backend="gpu") on a problem small enough
+that the kernels take a few microseconds, as wall time per call over many calls (the
+launches queue asynchronously, so this is the host's cost), then prints a profile of the
+forward's calls. At FlashAttention's N = 1k benchmark shapes the forward's kernel takes
+0.3-0.6 ms, so every 0.1 ms here is 15-30 % of such a call.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+
+import cupy
+import numpy as np
+
+import tileattn
+
+
+def per_call_us(function, calls: int = 2000) -> float:
+    function()
+    cupy.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        function()
+    elapsed = time.perf_counter() - start
+    cupy.cuda.Device().synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    q, k, v, do = (cupy.asarray(rng.standard_normal((1, 2, 128, 64)).astype(np.float16))
+                   for _ in range(4))
+    o, lse = tileattn.forward(q, k, v, backend="gpu", causal=True, return_lse=True)
+    forward = lambda: tileattn.forward(q, k, v, backend="gpu", causal=True)  # noqa: E731
+    backward = lambda: tileattn.backward(do, q, k, v, o, lse, backend="gpu",  # noqa: E731
+                                         causal=True)
+    print(f"forward : {per_call_us(forward):7.1f} us per call (host)")
+    print(f"backward: {per_call_us(backward):7.1f} us per call (host)")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(500):
+        forward()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
