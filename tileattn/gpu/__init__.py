@@ -1,22 +1,25 @@
 """The GPU backend (``backend="gpu"``): CUDA kernels compiled at run time with NVRTC
 through CuPy, for CuPy arrays.
 
-Forward: a fused tensor-core kernel (``mma.sync``) for float16/bfloat16 with head dims
-64 and 128, a CUDA-core kernel for everything else (float32 without TF32, float64, any
-head dim up to 256). Backward: for float16/bfloat16 with D = Dv in {64, 128} (and no tile
-size named by the caller) two tensor-core kernels, otherwise two CUDA-core ones; in both
-families the first kernel computes dQ per query tile and forms
-``D_i = rowsum(dO_i * O_i)`` as ``sum_j P_ij dP_ij / sum_j P_ij`` from the recomputed
-probabilities (the same quantity without the rounding of the passed ``o`` to the input
-dtype, which for float16 moved dq past its tolerance; ``o`` is not read), then the second
-computes dK/dV per key tile, summing a GQA group in-block. Nothing depends on scheduling.
+Forward: for float16/bfloat16 with head dims 64 and 128 a fused tensor-core kernel, on
+Hopper (sm_90) the wgmma kernel (attention_wgmma_forward.cu, compiled for sm_90a), on other
+sm_80+ GPUs the mma.sync one (attention_mma_forward.cu); a CUDA-core kernel for everything
+else (float32 without TF32, float64, any head dim up to 256). Backward: for float16/bfloat16
+with D = Dv in {64, 128} (and no tile size named by the caller) two tensor-core kernels
+(wgmma on Hopper, mma.sync elsewhere), otherwise two CUDA-core ones; in every family the
+first kernel computes dQ per query tile and forms ``D_i = rowsum(dO_i * O_i)`` as
+``sum_j P_ij dP_ij / sum_j P_ij`` from the recomputed probabilities (the same quantity
+without the rounding of the passed ``o`` to the input dtype, which for float16 moved dq
+past its tolerance; ``o`` is not read), then the second computes dK/dV per key tile,
+summing a GQA group in-block. Nothing depends on scheduling.
 
-``deterministic=False`` (tensor-core backward only) runs FlashAttention-2's single pass
+``deterministic=False`` on sm_80 GPUs other than Hopper runs FlashAttention-2's single pass
 instead: the first kernel only forms D, and the dK/dV kernel also adds each key tile's dQ
-share into a float32 buffer with atomics. It does 7 tile products per (query tile, key
-tile) instead of 9 and costs ``4 * B * Hq * Nq * D`` bytes of extra memory; dq then varies
-in its last bits from run to run (float additions in scheduling order). bench/NOTES-gpu.md
-has the measured speed.
+share into a float32 buffer with atomics (7 tile products per (query tile, key tile)
+instead of 9, ``4 * B * Hq * Nq * D`` bytes of extra memory, dq's last bits vary from run
+to run). On Hopper the two deterministic kernels are faster than the single pass (the
+atomics cost more than the two products they save), so both settings run them there.
+bench/NOTES-gpu.md has the measured speeds.
 
 Kernels are compiled once per (device, dtype, head dims, tile sizes, option switches) and
 cached; the first call of a configuration pays a compile (about a second).
@@ -81,13 +84,21 @@ def hardware() -> dict[str, str]:
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict[str, Blocks]:
-    """Default tiles: the tensor-core kernels' for float16/bfloat16 with D = Dv in {64, 128}
-    (backward: the dK/dV kernel's, keys owned by a block x queries streamed), else the
-    generic kernels' capacity for the shared-memory budget."""
+    """Default tiles on the current device: the tensor-core kernels' (wgmma on Hopper) for
+    float16/bfloat16 with D = Dv in {64, 128} (backward: the dK/dV kernel's, keys owned by a
+    block x queries streamed), else the generic kernels' capacity for the shared-memory
+    budget."""
+    import cupy
+
     from . import _launch
 
     if (np.dtype(dtype).name in ("float16", "bfloat16") and head_dim == value_dim
             and head_dim in _launch.MMA_HEAD_DIMS):
+        if _launch.compute_capability(cupy.cuda.Device().id) == 90:
+            forward = _launch.WGMMA_DEFAULT_TILES[head_dim]
+            keys_owned, queries_streamed = _launch.WGMMA_BACKWARD_TILES[head_dim].dkdv
+            return {"forward": Blocks(forward.block_q, forward.block_k),
+                    "backward": Blocks(block_q=queries_streamed, block_k=keys_owned)}
         keys_owned, queries_streamed = _launch.MMA_BACKWARD_TILES[head_dim]["dkdv"]
         return {"forward": _launch.MMA_DEFAULT_BLOCKS[head_dim],
                 "backward": Blocks(block_q=queries_streamed, block_k=keys_owned)}

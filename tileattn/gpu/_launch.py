@@ -1,16 +1,18 @@
 """Choosing a kernel configuration for a problem and launching it.
 
-Two kernel families (see the headers of the ``.cu`` files):
+Kernel families (see the headers of the ``.cu`` files):
 
-* ``attention_mma_forward.cu``: tensor-core forward for float16/bfloat16 with
-  ``D == Dv in {64, 128}`` on sm_80+. Its tiles are compile-time; it runs when the caller
-  asks for no tile size or for one it is built with (``block_q in {64, 128}``,
-  ``block_k in {32, 64, 128}``).
-* ``attention_mma_backward.cu``: tensor-core backward (a dQ kernel that also forms D, then
-  a dK/dV kernel) for the same dtypes and head dims, when the caller names no tile size.
-* ``attention_generic.cu``: CUDA-core forward and backward for every dtype and head dim. Compiled for a tile *capacity* that fits shared memory; the caller's
-  ``block_q``/``block_k`` are honoured exactly up to that capacity (and clipped to it), as
-  run-time values, so trying a block size never triggers a compile.
+* ``attention_wgmma_forward.cu`` / ``attention_wgmma_backward.cu``: Hopper (sm_90, compiled
+  for sm_90a) tensor-core forward and backward for float16/bfloat16 with
+  ``D == Dv in {64, 128}``. The forward runs when the caller names no tile size or one it
+  is built with (``block_q in {64, 128, 192}``, ``block_k in {64, 128}``), the backward when
+  the caller names none.
+* ``attention_mma_forward.cu`` / ``attention_mma_backward.cu``: the same on mma.sync for
+  sm_80+ (and on Hopper for tile sizes the wgmma forward lacks, e.g. ``block_k=32``).
+* ``attention_generic.cu``: CUDA-core forward and backward for every dtype and head dim.
+  Compiled for a tile *capacity* that fits shared memory; the caller's ``block_q``/``block_k``
+  are honoured exactly up to that capacity (and clipped to it), as run-time values, so
+  trying a block size never triggers a compile.
 """
 
 from __future__ import annotations
