@@ -73,9 +73,11 @@ def golden_forward(dtype, head_dim):
                                                         return_lse=True, **options)
 
 
-def check(dtype, head_dim, blocks, layout):
+def check(dtype, head_dim, *configuration, forward=None):
+    """`forward(q, k, v, options, *configuration) -> (o, lse)` (by default this sweep's
+    `run`) against the golden model on `golden_forward`'s problem."""
     (q, k, v), options, (want_o, want_lse) = golden_forward(dtype, head_dim)
-    o, lse = run(*map(cupy.asarray, (q, k, v)), options, blocks, layout)
+    o, lse = (forward or run)(*map(cupy.asarray, (q, k, v)), options, *configuration)
     assert_attention_close(o.get(), want_o, q.dtype, name="o")
     assert_attention_close(lse.get(), want_lse, np.float32, name="lse")
 

@@ -6,7 +6,7 @@ flash and cuDNN forwards measured in the same run.
 For D = 64 (H = 32) and D = 128 (H = 16) at batch * N = 16k, causal and not: every
 query tile (128, 192) x key tile (64, 128) x stage count (2, 3) that fits shared memory.
 Each configuration is first checked against the float64 golden model on a small problem
-with every option on (sweep_gpu_forward.check's problem), then timed on the large one
+with every option on (sweep_gpu_forward.check), then timed on the large one
 (CUDA events, median). The winners go into `_launch.WGMMA_DEFAULT_TILES`.
 """
 
@@ -18,10 +18,8 @@ import cupy
 import numpy as np
 
 from tileattn.gpu import _launch
-from tileattn.testing import assert_attention_close
-
 from bench_gpu import Case, fa_functions, make_inputs, median_ms
-from sweep_gpu_forward import golden_forward, plain_options, sweep_arguments
+from sweep_gpu_forward import check, plain_options, sweep_arguments
 
 SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
 
@@ -31,13 +29,6 @@ def run(q, k, v, options, tiles):
     lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
     _launch.forward_wgmma(q, k, v, o, lse, options, tiles)
     return o, lse
-
-
-def check(dtype, head_dim, tiles):
-    (q, k, v), options, (want_o, want_lse) = golden_forward(dtype, head_dim)
-    o, lse = run(*map(cupy.asarray, (q, k, v)), options, tiles)
-    assert_attention_close(o.get(), want_o, q.dtype, name="o")
-    assert_attention_close(lse.get(), want_lse, np.float32, name="lse")
 
 
 def main() -> None:
@@ -64,7 +55,7 @@ def main() -> None:
                 if tiles.shared_bytes(head_dim) > SHARED_LIMIT:
                     continue
                 if not causal:
-                    check(np.dtype(args.dtype), head_dim, tiles)
+                    check(np.dtype(args.dtype), head_dim, tiles, forward=run)
                 ms = median_ms(lambda q=q, k=k, v=v, tiles=tiles: run(q, k, v, options, tiles),
                                args.repetitions)
                 tflops = case.flops / ms / 1e9

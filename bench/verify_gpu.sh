@@ -19,9 +19,9 @@ step() {  # step NAME TIMEOUT COMMAND...: run, append its output to verify.log, 
   cat "$logs/step.log" >>"$logs/verify.log"
   tail -n "${TAIL:-4}" "$logs/step.log"
 }
-step pytest 300 python3 -m pytest tests -q -n 8 -p no:cacheprovider -rs ${PYTEST_SELECT:-}
-step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_gpu.py
-step racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_gpu.py
+step pytest 480 python3 -m pytest tests -q -n 12 -p no:cacheprovider -rs ${PYTEST_SELECT:-}
+step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_gpu.py
+step racecheck 240 compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_gpu.py
 TAIL=12 step check 120 python3 -m tileattn check --dtype float16
 TAIL=14 step info 60 python3 -m tileattn info --dtype float16
 TAIL=30 step bench 240 python3 -m tileattn bench --backend gpu --quick --dtype float16 --out "$logs/bench"
