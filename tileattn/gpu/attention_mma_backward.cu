@@ -271,12 +271,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
                                       dropout_threshold, dropout_scale);
 
-    i64 key_first, key_stop;
-    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
-                                            &key_stop);
-    const i64 tile_begin = key_first / STREAMED_ROWS;
-    const i64 tile_end =
-        key_stop > key_first ? (key_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    i64 tile_begin, tile_end;
+    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
+                                            &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
@@ -394,12 +391,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     Accumulators<HEAD_DIM> dk_acc, dv_acc;
     dk_acc.clear();
     dv_acc.clear();
-    i64 row_first, row_stop;
-    band_row_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, &row_first,
-                                            &row_stop);
-    const i64 tile_begin = row_first / STREAMED_ROWS;
-    const i64 tile_end =
-        row_stop > row_first ? (row_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    i64 tile_begin, tile_end;
+    query_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, STREAMED_ROWS,
+                                              &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
         store_rows(dk_acc, 0.0f, dk_head, col_start + warp * 16, n_k);
         store_rows(dv_acc, 0.0f, dv_head, col_start + warp * 16, n_k);

@@ -66,11 +66,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         my_rows[m][1] = my_rows[m][0] + 8;
     }
 
-    i64 key_first, key_stop;
-    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
-                                            &key_stop);
-    const i64 tile_begin = key_first / BLOCK_K;
-    const i64 tile_end = key_stop > key_first ? (key_stop + BLOCK_K - 1) / BLOCK_K : tile_begin;
+    i64 tile_begin, tile_end;
+    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
+                                            &tile_begin, &tile_end);
 
     if (tile_begin == tile_end) {  // no row of this tile keeps any key
         store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);

@@ -68,14 +68,12 @@ __device__ __forceinline__ void score_products(u32 a1_rows, u32 b1, u32 a2_rows,
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        wgmma_ss<STREAMED_ROWS>(
-            first, swizzled_descriptor(a1_rows + slice_offset(kk, OWNED_ROWS), 0, kSwizzleAtomBytes),
-            swizzled_descriptor(b1 + slice_offset(kk, STREAMED_ROWS), 0, kSwizzleAtomBytes), kk > 0);
+        wgmma_ss<STREAMED_ROWS>(first, k_major_descriptor(a1_rows + slice_offset(kk, OWNED_ROWS)),
+                                k_major_descriptor(b1 + slice_offset(kk, STREAMED_ROWS)), kk > 0);
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        wgmma_ss<STREAMED_ROWS>(
-            second, swizzled_descriptor(a2_rows + slice_offset(kk, OWNED_ROWS), 0, kSwizzleAtomBytes),
-            swizzled_descriptor(b2 + slice_offset(kk, STREAMED_ROWS), 0, kSwizzleAtomBytes), kk > 0);
+        wgmma_ss<STREAMED_ROWS>(second, k_major_descriptor(a2_rows + slice_offset(kk, OWNED_ROWS)),
+                                k_major_descriptor(b2 + slice_offset(kk, STREAMED_ROWS)), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_pin(first);
@@ -86,7 +84,8 @@ __device__ __forceinline__ void score_products(u32 a1_rows, u32 b1, u32 a2_rows,
 __device__ __forceinline__ void pack_fragments(const float (&x)[kScoreFrags][4],
                                                u32 (&a)[STREAMED_ROWS / 16][4]) {
 #pragma unroll
-    for (int kk = 0; kk < STREAMED_ROWS / 16; ++kk) pack_a_fragment(x[2 * kk], x[2 * kk + 1], a[kk]);
+    for (int kk = 0; kk < STREAMED_ROWS / 16; ++kk)
+        pack_a_fragment(x[2 * kk], x[2 * kk + 1], a[kk]);
 }
 
 // Issues out += X B for X = packed fragments (64 x STREAMED_ROWS per warpgroup) and B = the
@@ -99,8 +98,7 @@ __device__ __forceinline__ void issue_accumulate(float (&out)[kOutFrags][4],
     for (int kk = 0; kk < STREAMED_ROWS / 16; ++kk)
         wgmma_rs_transposed_b<HEAD_DIM>(
             out, a[kk],
-            swizzled_descriptor(b + kk * 16 * kSwizzleRowBytes, STREAMED_ROWS * kSwizzleRowBytes,
-                                kSwizzleAtomBytes),
+            mn_major_descriptor(b + kk * 16 * kSwizzleRowBytes, STREAMED_ROWS * kSwizzleRowBytes),
             1);
 }
 
@@ -176,12 +174,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
                                       dropout_threshold, dropout_scale);
 
-    i64 key_first, key_stop;
-    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
-                                            &key_stop);
-    const i64 tile_begin = key_first / STREAMED_ROWS;
-    const i64 tile_end =
-        key_stop > key_first ? (key_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    i64 tile_begin, tile_end;
+    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
+                                            &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
@@ -290,11 +285,10 @@ __device__ __forceinline__ void issue_dq_product(float (&dq_part)[kSwizzleColumn
 #pragma unroll
     for (int kk = 0; kk < OWNED_ROWS / 16; ++kk)
         wgmma_ss_transposed<kSwizzleColumns>(
-            dq_part,
-            swizzled_descriptor(ds_tile + kk * 16 * kSwizzleRowBytes, 0, kSwizzleAtomBytes),
-            swizzled_descriptor(k_tile + block * OWNED_ROWS * kSwizzleRowBytes +
+            dq_part, mn_major_descriptor(ds_tile + kk * 16 * kSwizzleRowBytes, 0),
+            mn_major_descriptor(k_tile + block * OWNED_ROWS * kSwizzleRowBytes +
                                     kk * 16 * kSwizzleRowBytes,
-                                0, kSwizzleAtomBytes),
+                                0),
             kk > 0);
 }
 
@@ -352,12 +346,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     float dk_acc[kOutFrags][4], dv_acc[kOutFrags][4];
     clear(dk_acc);
     clear(dv_acc);
-    i64 row_first, row_stop;
-    band_row_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, &row_first,
-                                            &row_stop);
-    const i64 tile_begin = row_first / STREAMED_ROWS;
-    const i64 tile_end =
-        row_stop > row_first ? (row_stop + STREAMED_ROWS - 1) / STREAMED_ROWS : tile_begin;
+    i64 tile_begin, tile_end;
+    query_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, STREAMED_ROWS,
+                                              &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
         store_rows(dk_acc, 0.0f, dk_head, warp_key0, n_k);
         store_rows(dv_acc, 0.0f, dv_head, warp_key0, n_k);

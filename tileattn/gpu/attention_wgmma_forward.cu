@@ -67,11 +67,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmm
     my_rows[0][0] = row_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;
     my_rows[0][1] = my_rows[0][0] + 8;
 
-    i64 key_first, key_stop;
-    band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, &key_first,
-                                            &key_stop);
-    const i64 tile_begin = key_first / BLOCK_K;
-    const i64 tile_end = key_stop > key_first ? (key_stop + BLOCK_K - 1) / BLOCK_K : tile_begin;
+    i64 tile_begin, tile_end;
+    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
+                                            &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key
         store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
         return;
@@ -138,9 +136,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmm
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
             const u32 column = (kk / 4) * BLOCK_Q * kSwizzleRowBytes + (kk % 4) * 32;
             const u32 k_column = (kk / 4) * BLOCK_K * kSwizzleRowBytes + (kk % 4) * 32;
-            wgmma_ss<BLOCK_K>(s[0], swizzled_descriptor(q_rows + column, 0, kSwizzleAtomBytes),
-                              swizzled_descriptor(k_tile + k_column, 0, kSwizzleAtomBytes),
-                              kk > 0);
+            wgmma_ss<BLOCK_K>(s[0], k_major_descriptor(q_rows + column),
+                              k_major_descriptor(k_tile + k_column), kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -159,14 +156,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmm
         // per step); the next 64 columns of V are one column block (BLOCK_K rows) further.
         u32 p[BLOCK_K / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_K / 16; ++kk) pack_a_fragment(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
+        for (int kk = 0; kk < BLOCK_K / 16; ++kk)
+            pack_a_fragment(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk)
             wgmma_rs_transposed_b<HEAD_DIM>(
                 o_acc[0], p[kk],
-                swizzled_descriptor(v_tile + kk * 16 * kSwizzleRowBytes,
-                                    BLOCK_K * kSwizzleRowBytes, kSwizzleAtomBytes),
+                mn_major_descriptor(v_tile + kk * 16 * kSwizzleRowBytes,
+                                    BLOCK_K * kSwizzleRowBytes),
                 1);
         wgmma_commit();
         wgmma_wait<0>();

@@ -185,6 +185,27 @@ __device__ __forceinline__ void band_row_range(const Band& band, i64 col_start, 
     *stop = max(lo, hi);
 }
 
+// The tiles of `block` keys [*begin, *end) that some row of [row_start, row_stop) keeps
+// (the tensor-core kernels' key loop; tiles outside it are fully masked).
+template <bool LimitLeft, bool LimitRight>
+__device__ __forceinline__ void key_tile_range(const Band& band, i64 row_start, i64 row_stop,
+                                               i64 n_k, int block, i64* begin, i64* end) {
+    i64 first, stop;
+    band_key_range<LimitLeft, LimitRight>(band, row_start, row_stop, n_k, &first, &stop);
+    *begin = first / block;
+    *end = stop > first ? (stop + block - 1) / block : *begin;
+}
+
+// The tiles of `block` queries [*begin, *end) that keep some key of [col_start, col_stop).
+template <bool LimitLeft, bool LimitRight>
+__device__ __forceinline__ void query_tile_range(const Band& band, i64 col_start, i64 col_stop,
+                                                 i64 n_q, int block, i64* begin, i64* end) {
+    i64 first, stop;
+    band_row_range<LimitLeft, LimitRight>(band, col_start, col_stop, n_q, &first, &stop);
+    *begin = first / block;
+    *end = stop > first ? (stop + block - 1) / block : *begin;
+}
+
 // ------------------------------------------------------------------ which tile a block owns
 // Grids are laid out as (batch * heads) x tiles, tiles fastest.
 

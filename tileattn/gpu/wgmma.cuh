@@ -61,6 +61,15 @@ __device__ __forceinline__ u64 swizzled_descriptor(u32 address, u32 leading_byte
            (static_cast<u64>(1) << 62);  // layout type 1: 128-byte swizzle
 }
 
+// The two uses: a K-major tile (Q, K, dO, V as the B of S and dP), and an MN-major tile whose
+// 64-column blocks lie `column_block_bytes` apart (0 where the operand is one block wide).
+__device__ __forceinline__ u64 k_major_descriptor(u32 address) {
+    return swizzled_descriptor(address, 0, kSwizzleAtomBytes);
+}
+__device__ __forceinline__ u64 mn_major_descriptor(u32 address, u32 column_block_bytes) {
+    return swizzled_descriptor(address, column_block_bytes, kSwizzleAtomBytes);
+}
+
 // Orders this thread's earlier register and shared accesses before the warpgroup's next
 // wgmma reads its operands (needed whenever accumulators or A fragments were written by
 // ordinary instructions since the last wgmma).
