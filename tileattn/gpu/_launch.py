@@ -397,6 +397,23 @@ def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: i
     return tiles + 2 * 2 * 4 * streamed + (2 * owned * (streamed + 8) if single_pass else 0)
 
 
+def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
+    """What both tensor-core backwards launch with: the inputs in the cp.async layout, lse
+    as float32, the outputs (D, dq, dk, dv) and the arguments after the arrays."""
+    batch, n_q_heads, n_q, _ = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
+        _tensor_core_layout, (q, k, v, do))
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    outputs = (cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32),  # D
+               cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=q.dtype),
+               cupy.empty(v.shape, dtype=q.dtype))
+    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+              np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
+              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
+    return (do, q, k, v, lse), outputs, common
+
+
 def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None,
                          single_pass=None):
     """`tiles`: ``{"dq": (owned, streamed), "dkdv": (owned, streamed)}``, by default
@@ -415,19 +432,11 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
     tiles = tiles or MMA_BACKWARD_TILES[head_dim]
     single_pass = not options.deterministic if single_pass is None else single_pass
     ordered = single_pass and options.deterministic
-    (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
-        _tensor_core_layout, (q, k, v, do))
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    delta = cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32)
-    dq = cupy.empty(q.shape, dtype=q.dtype)
-    dk = cupy.empty(k.shape, dtype=q.dtype)
-    dv = cupy.empty(v.shape, dtype=q.dtype)
+    (do, q, k, v, lse), (delta, dq, dk, dv), common = _backward_operands(do, q, k, v, lse,
+                                                                         options)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles["dkdv"][1])
     dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
-    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
-              np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
-              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
     launches = (("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
                 ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k,
                  batch * n_kv_heads))
@@ -501,18 +510,10 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
-    (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
-        _tensor_core_layout, (q, k, v, do))
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    delta = cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32)
-    dq = cupy.empty(q.shape, dtype=q.dtype)
-    dk = cupy.empty(k.shape, dtype=q.dtype)
-    dv = cupy.empty(v.shape, dtype=q.dtype)
+    (do, q, k, v, lse), (delta, dq, dk, dv), common = _backward_operands(do, q, k, v, lse,
+                                                                         options)
     dq_sum = (cupy.zeros(dq.size, dtype=cupy.float32) if single_pass
               else _empty(q.device.id, "float32"))
-    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
-              np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
-              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
     for entry, arrays, n_rows, heads in (
             ("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
             ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k, batch * n_kv_heads)):
