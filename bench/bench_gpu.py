@@ -282,6 +282,14 @@ def fa_cases(dtypes=("float16", "bfloat16")) -> list[Case]:
     return cases
 
 
+def torch_anchors(dtype: str) -> tuple:
+    """torch SDPA backends to compare with: FlashAttention-2 and cuDNN for 16-bit inputs;
+    for float32, which neither takes, the memory-efficient backend (3xTF32 on sm_80+)."""
+    if dtype == "float32":
+        return (("efficient", SDPBackend.EFFICIENT_ATTENTION),)
+    return (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
+
+
 def fa_functions(case: Case, q, k, v, do) -> dict:
     """name -> (forward, forward+backward) callables; each returns o / (dq, dk, dv)."""
     def ours_both():
@@ -301,8 +309,7 @@ def fa_functions(case: Case, q, k, v, do) -> dict:
         return functions
     tq, tk, tv, tdo = (_as_torch(a) for a in (q, k, v, do))
     tq, tk, tv = (t.detach().requires_grad_() for t in (tq, tk, tv))
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+    for name, backend in torch_anchors(case.dtype):
         def forward(backend=backend):
             with sdpa_kernel(backend), torch.no_grad():
                 return _from_torch(F.scaled_dot_product_attention(
@@ -354,9 +361,12 @@ def run_fa(repetitions: int, dtypes) -> None:
                       f"{tflops:7.1f} TFLOP/s", flush=True)
         del q, k, v, do, reference
         cupy.get_default_memory_pool().free_all_blocks()
-    print("\n| case | pass | tileattn | tileattn-nd | flash | cudnn | tileattn / flash | "
-          "tileattn-nd / flash | tileattn / cudnn |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    anchors = [name for name in ("flash", "cudnn", "efficient")
+               if any(name in row for row in results.values())]
+    print("\n| case | pass | tileattn | tileattn-nd | " + " | ".join(anchors) + " | "
+          + " | ".join(f"tileattn / {name}" for name in anchors) + " | tileattn-nd / "
+          + anchors[0] + " |" if anchors else "\n| case | pass | tileattn | tileattn-nd |")
+    print("| --- | --- |" + " ---: |" * (2 + 2 * len(anchors) + bool(anchors)))
     for (case_name, direction), row in results.items():
 
         def cell(name):
@@ -364,9 +374,11 @@ def run_fa(repetitions: int, dtypes) -> None:
 
         def ratio(name, mine="tileattn"):
             return f"{row[mine] / row[name]:.2f}" if mine in row and name in row else "-"
-        print(f"| {case_name.replace('forward ', '')} | {direction} | {cell('tileattn')} | "
-              f"{cell('tileattn-nd')} | {cell('flash')} | {cell('cudnn')} | {ratio('flash')} | "
-              f"{ratio('flash', 'tileattn-nd')} | {ratio('cudnn')} |")
+        cells = ([cell("tileattn"), cell("tileattn-nd")] + [cell(a) for a in anchors]
+                 + [ratio(a) for a in anchors]
+                 + ([ratio(anchors[0], "tileattn-nd")] if anchors else []))
+        print(f"| {case_name.replace('forward ', '')} | {direction} | " + " | ".join(cells)
+              + " |")
 
 
 def main() -> None:

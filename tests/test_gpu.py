@@ -223,6 +223,77 @@ def test_every_tensor_core_warp_layout(head_dim, rows, q_in_registers, options):
     assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
 
 
+def _float32_tiles(q, v, options):
+    tiles = _launch.tf32_tiles(cupy.asarray(q), cupy.asarray(v), _options_of(q, options))
+    if tiles is None:
+        pytest.skip("the float32 tensor-core forward needs sm_80 and its tiles' shared memory")
+    return tiles
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_float32_tensor_core_forward_matches_golden(head_dim, options):
+    """3xTF32 holds the float32 tolerance (one TF32 product per float32 product would
+    not); backward (CUDA cores) from its o and lse, end to end."""
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+                      np.float32)
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(np.float32)
+    assert _float32_tiles(q, v, options) == _launch.TF32_DEFAULT_TILES[head_dim]
+    _check(q, k, v, do, **options)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tiles", [(64, 32, 16), (64, 64, 32), (128, 32, 32), (128, 64, 16)],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
+                                     TENSOR_CORE_OPTIONS[-1]],
+                         ids=["plain", "causal", "every-option"])
+def test_every_float32_tensor_core_tile_shape(head_dim, tiles, options):
+    """Every tile shape and warp layout of the float32 forward, on GQA, Nq != Nk and
+    sequence ends inside a tile; o and lse start as NaN, so every element is written."""
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+                      np.float32)
+    tiles = _launch.Tf32Tiles(*tiles)
+    _float32_tiles(q, v, {})
+    if tiles.shared_bytes(head_dim) > _launch.shared_memory_limit(cupy.cuda.Device().id):
+        pytest.skip(f"{tiles} needs more shared memory than this GPU has")
+    arrays = [cupy.asarray(a) for a in (q, k, v)]
+    o = cupy.full(arrays[0].shape, np.nan, dtype=cupy.float32)
+    lse = cupy.full(arrays[0].shape[:3], np.nan, dtype=cupy.float32)
+    _launch.forward_tf32(*arrays, o, lse, _resolved_options(q, k, v, options), tiles)
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+
+
+def test_float32_tensor_core_forward_selection():
+    q, _, v = _inputs((1, 1, 8, 64), (1, 1, 8, 64), (1, 1, 8, 64), np.float32)
+    tiles = _float32_tiles(q, v, {})
+    assert _float32_tiles(q, v, {"block_q": 64, "block_k": 32}) == _launch.Tf32Tiles(
+        64, 32, tiles.warp_rows)
+    # Tile sizes it is not built for, other head dims, other dtypes: the CUDA-core kernel.
+    assert _launch.tf32_tiles(cupy.asarray(q), cupy.asarray(v), AttentionOptions(block_k=16)) \
+        is None
+    q40 = cupy.zeros((1, 1, 8, 40), dtype=cupy.float32)
+    assert _launch.tf32_tiles(q40, q40, AttentionOptions()) is None
+    q64 = cupy.zeros((1, 1, 8, 64), dtype=cupy.float64)
+    assert _launch.tf32_tiles(q64, q64, AttentionOptions()) is None
+
+
+def test_float32_tensor_core_non_finite_rows():
+    """A NaN query element reaches its row only; a NaN key the rows that keep it."""
+    q, k, v = _inputs((1, 2, 150, 64), (1, 2, 150, 64), (1, 2, 150, 64), np.float32)
+    _float32_tiles(q, v, {})
+    q[0, 0, 5, 3] = np.nan
+    k[0, 1, 70, 1] = np.nan
+    o = tileattn.forward(*map(cupy.asarray, (q, k, v)), causal=True, backend="gpu").get()
+    assert np.isnan(o[0, 0, 5]).all() and np.isnan(o[0, 1, 70:]).all()
+    finite = np.ones((2, 150), bool)
+    finite[0, 5] = False
+    finite[1, 70:] = False
+    assert np.isfinite(o[0][finite]).all()
+
+
 def _is_hopper():
     return backends.availability("gpu") is None and cupy.cuda.Device().compute_capability == "90"
 

@@ -3,8 +3,11 @@ through CuPy, for CuPy arrays.
 
 Forward: for float16/bfloat16 with head dims 64 and 128 a fused tensor-core kernel, on
 Hopper (sm_90) the wgmma kernel (attention_wgmma_forward.cu, compiled for sm_90a), on other
-sm_80+ GPUs the mma.sync one (attention_mma_forward.cu); a CUDA-core kernel for everything
-else (float32 without TF32, float64, any head dim up to 256). Backward: for float16/bfloat16
+sm_80+ GPUs the mma.sync one (attention_mma_forward.cu); for float32 with D = Dv in
+{64, 128} on sm_80+ a tensor-core kernel at float32 accuracy (attention_tf32_forward.cu:
+each float32 product as three TF32 products, "3xTF32", as torch's memory-efficient
+attention does; an infinite input comes out as NaN in the rows it reaches); a CUDA-core
+kernel for everything else (float64, other head dims up to 256). Backward: for float16/bfloat16
 with D = Dv in {64, 128} (and no tile size named by the caller) two tensor-core kernels
 (wgmma on Hopper, mma.sync elsewhere), otherwise two CUDA-core ones; in every family the
 first kernel computes dQ per query tile and forms ``D_i = rowsum(dO_i * O_i)`` as
@@ -86,8 +89,8 @@ def hardware() -> dict[str, str]:
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict[str, Blocks]:
     """Default tiles on the current device: the tensor-core kernels' (wgmma on Hopper) for
     float16/bfloat16 with D = Dv in {64, 128} (backward: the dK/dV kernel's, keys owned by a
-    block x queries streamed), else the generic kernels' capacity for the shared-memory
-    budget."""
+    block x queries streamed), the float32 tensor-core forward's for float32 with those
+    head dims, else the generic kernels' capacity for the shared-memory budget."""
     import cupy
 
     from . import _launch
@@ -104,4 +107,12 @@ def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict
                 "backward": Blocks(block_q=queries_streamed, block_k=keys_owned)}
     capacity = _launch.GenericConfig.for_problem(dtype, head_dim, value_dim,
                                                  AttentionOptions()).capacity
+    float32_tiles = None
+    if np.dtype(dtype).name == "float32":  # tf32_tiles reads the arrays' dtype and shapes
+        float32_tiles = _launch.tf32_tiles(cupy.empty((1, 1, 1, head_dim), dtype=dtype),
+                                           cupy.empty((1, 1, 1, value_dim), dtype=dtype),
+                                           AttentionOptions())
+    if float32_tiles is not None:
+        return {"forward": Blocks(float32_tiles.block_q, float32_tiles.block_k),
+                "backward": capacity}
     return {"forward": capacity, "backward": capacity}

@@ -9,6 +9,10 @@ Kernel families (see the headers of the ``.cu`` files):
   the caller names none.
 * ``attention_mma_forward.cu`` / ``attention_mma_backward.cu``: the same on mma.sync for
   sm_80+ (and on Hopper for tile sizes the wgmma forward lacks, e.g. ``block_k=32``).
+* ``attention_tf32_forward.cu``: float32 forward with ``D == Dv in {64, 128}`` on sm_80+
+  tensor cores at float32 accuracy (3xTF32), for the tile sizes it is built for
+  (``block_q in {64, 128}``, ``block_k in {32, 64}``) when they fit the device's shared
+  memory.
 * ``attention_generic.cu``: CUDA-core forward and backward for every dtype and head dim.
   Compiled for a tile *capacity* that fits shared memory; the caller's ``block_q``/``block_k``
   are honoured exactly up to that capacity (and clipped to it), as run-time values, so
@@ -32,6 +36,7 @@ GENERIC_SOURCE = "attention_generic.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 WGMMA_BACKWARD_SOURCE = "attention_wgmma_backward.cu"
+TF32_SOURCE = "attention_tf32_forward.cu"
 MMA_BACKWARD_SOURCE = "attention_mma_backward.cu"
 GENERIC_THREADS = 256
 # Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
@@ -142,6 +147,12 @@ def _empty(device_id: int, dtype: str):
 @lru_cache(maxsize=None)
 def compute_capability(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+@lru_cache(maxsize=None)
+def shared_memory_limit(device_id: int) -> int:
+    """The most dynamic shared memory one block of this device may opt in to."""
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"])
 
 
 def alibi_slopes(options: AttentionOptions):
@@ -342,6 +353,63 @@ def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles)
              shared_mem=shared)
 
 
+@dataclass(frozen=True)
+class Tf32Tiles:
+    """The float32 (3xTF32) forward's tiles: `block_q` query rows in warps of `warp_rows`
+    rows each, `block_k` keys per step."""
+
+    block_q: int
+    block_k: int
+    warp_rows: int
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """The Q tile and two stages of K and V tiles, float32; Q and K rows padded by 8
+        floats, V rows by 4 (attention_tf32_forward.cu says why)."""
+        return 4 * (self.block_q * (head_dim + 8) + 2 * self.block_k * (2 * head_dim + 12))
+
+
+TF32_BLOCK_Q = (64, 128)
+TF32_BLOCK_K = (32, 64)
+# The fastest of bench/sweep_gpu_tf32.py (bench/NOTES-gpu.md, v9).
+TF32_DEFAULT_TILES = {64: Tf32Tiles(128, 64, 32), 128: Tf32Tiles(128, 64, 16)}
+
+
+def tf32_tiles(q, v, options: AttentionOptions) -> Tf32Tiles | None:
+    """The float32 tensor-core forward's tiles when it applies (float32, D = Dv in
+    {64, 128}, sm_80+, tile sizes the caller named, if any, that it is built for, and
+    shared memory for them on this device), else None."""
+    head_dim = q.shape[3]
+    if (dtype_name(q.dtype) != "float32" or head_dim != v.shape[3]
+            or head_dim not in MMA_HEAD_DIMS or compute_capability(q.device.id) < 80):
+        return None
+    default = TF32_DEFAULT_TILES[head_dim]
+    blocks = Blocks(default.block_q, default.block_k).resolve(options.block_q, options.block_k)
+    if blocks.block_q not in TF32_BLOCK_Q or blocks.block_k not in TF32_BLOCK_K:
+        return None
+    rows = default.warp_rows if blocks.block_q % default.warp_rows == 0 else 16
+    tiles = Tf32Tiles(blocks.block_q, blocks.block_k, rows)
+    if tiles.shared_bytes(head_dim) > shared_memory_limit(q.device.id):
+        return None
+    return tiles
+
+
+def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles):
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("HEAD_DIM", head_dim),
+               ("WARP_ROWS", tiles.warp_rows)) + Switches.of(options).defines()
+    shared = tiles.shared_bytes(head_dim)
+    function = _compile.kernel(TF32_SOURCE, "attention_forward_tf32", tuple(sorted(defines)),
+                               shared)
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
+    n_tiles = -(-n_q // tiles.block_q)
+    function((n_tiles * batch * n_q_heads,), (tiles.block_q // tiles.warp_rows * 32,),
+             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
+              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), *q_strides[:3],
+              *k_strides[:3], *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)),
+             shared_mem=shared)
+
+
 def forward_generic(q, k, v, o, lse, options: AttentionOptions):
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -365,10 +433,13 @@ def forward(q, k, v, options: AttentionOptions):
     lse = cupy.empty((batch, n_q_heads, n_q), dtype=accumulation_dtype(q.dtype))
     blocks = tensor_core_blocks(q, v, options)
     hopper_tiles = wgmma_tiles(q, options) if blocks is not None else None
+    float32_tiles = tf32_tiles(q, v, options) if blocks is None else None
     if hopper_tiles is not None:
         forward_wgmma(q, k, v, o, lse, options, hopper_tiles)
     elif blocks is not None:
         forward_tensor_core(q, k, v, o, lse, options, blocks)
+    elif float32_tiles is not None:
+        forward_tf32(q, k, v, o, lse, options, float32_tiles)
     else:
         forward_generic(q, k, v, o, lse, options)
     return o, lse

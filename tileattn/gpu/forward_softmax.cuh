@@ -167,13 +167,22 @@ __device__ __forceinline__ void drop_probabilities(float (&s)[RowTiles][KeyFrags
             }
 }
 
+// Two adjacent outputs of a row: a 16-bit pair as one 32-bit store, a float pair as one
+// 64-bit store (the address is 8-byte aligned: an even column of an even-width row).
+__device__ __forceinline__ void store_pair(bits16* out, float low, float high) {
+    *reinterpret_cast<u32*>(out) = pack_pair(low, high);
+}
+__device__ __forceinline__ void store_pair(float* out, float low, float high) {
+    asm volatile("st.v2.f32 [%0], {%1, %2};\n" ::"l"(out), "f"(low), "f"(high) : "memory");
+}
+
 // Deferred normalisation and the stores of o and lse. total == 0: the row kept no key
 // (o = 0, lse = -inf); a NaN total is not 0, so a NaN row stays NaN.
-template <int RowTiles, int OutFrags>
+template <int RowTiles, int OutFrags, typename Out>
 __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles][OutFrags][4],
                                                   const float (&row_max)[RowTiles][2],
                                                   const float (&row_sum)[RowTiles][2],
-                                                  const i64 (&rows)[RowTiles][2], bits16* o_head,
+                                                  const i64 (&rows)[RowTiles][2], Out* o_head,
                                                   float* lse_head, i64 n_q,
                                                   float dropout_scale) {
     const int quad_col = threadIdx.x % 4;
@@ -188,11 +197,11 @@ __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles]
             const float factor =
                 total == 0.0f ? 0.0f : (DROPOUT ? dropout_scale : 1.0f) / total;
             if (row < n_q) {
-                u32* o_row = reinterpret_cast<u32*>(o_head + row * (OutFrags * 8));
+                Out* o_row = o_head + row * (OutFrags * 8) + 2 * quad_col;
 #pragma unroll
                 for (int n = 0; n < OutFrags; ++n)
-                    o_row[n * 4 + quad_col] = pack_pair(o_acc[m][n][2 * half] * factor,
-                                                        o_acc[m][n][2 * half + 1] * factor);
+                    store_pair(o_row + n * 8, o_acc[m][n][2 * half] * factor,
+                               o_acc[m][n][2 * half + 1] * factor);
                 if (quad_col == 0)
                     lse_head[row] = total == 0.0f ? negative_infinity<float>()
                                                   : row_max[m][half] * kLn2 + logf(total);
@@ -201,8 +210,8 @@ __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles]
 }
 
 // Every row of a query tile that keeps no key: o = 0, lse = -inf.
-template <int HeadDim, int Threads>
-__device__ __forceinline__ void store_empty_rows(bits16* o_head, float* lse_head,
+template <int HeadDim, int Threads, typename Out>
+__device__ __forceinline__ void store_empty_rows(Out* o_head, float* lse_head,
                                                  i64 row_start, i64 row_stop) {
     for (i64 element = threadIdx.x; element < (row_stop - row_start) * HeadDim;
          element += Threads)

@@ -1,5 +1,5 @@
 // PTX wrappers shared by the tensor-core kernels (attention_mma_forward.cu,
-// attention_mma_backward.cu): cp.async copies, ldmatrix, mma.sync.m16n8k16 and the
+// attention_mma_backward.cu, attention_tf32_forward.cu): cp.async copies, ldmatrix, mma.sync.m16n8k16 and the
 // packing of float pairs into its 16-bit operands. IS_BFLOAT16 (a -D option) picks the type.
 #pragma once
 #include "common.cuh"
@@ -89,19 +89,20 @@ __device__ __forceinline__ float exp2_approx(float x) {
 template <int Cols> constexpr int kTilePitch = Cols + 8;
 
 // Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
-// columns) into tile[Rows][Cols + 8] by `Threads` threads; rows at or past `row_limit`
-// become zeros.
-template <int Rows, int Cols, int Threads>
-__device__ __forceinline__ void load_tile_async(bits16* tile, const bits16* head,
-                                                i64 row_stride, i64 row_start, i64 row_limit) {
-    constexpr int chunks_per_row = Cols / 8;
+// columns) into tile[Rows][Pitch] (16-bit elements: Cols + 8; float tiles name theirs) by
+// `Threads` threads in 16-byte copies; rows at or past `row_limit` become zeros.
+template <int Rows, int Cols, int Threads, int Pitch = kTilePitch<Cols>, typename T>
+__device__ __forceinline__ void load_tile_async(T* tile, const T* head, i64 row_stride,
+                                                i64 row_start, i64 row_limit) {
+    constexpr int chunk_elements = 16 / sizeof(T);
+    constexpr int chunks_per_row = Cols / chunk_elements;
 #pragma unroll
     for (int chunk = threadIdx.x; chunk < Rows * chunks_per_row; chunk += Threads) {
         const int r = chunk / chunks_per_row, c = chunk % chunks_per_row;
         const i64 row = row_start + r;
         const bool valid = row < row_limit;
-        const bits16* source = valid ? head + row * row_stride + c * 8 : head;
-        copy_16_async(shared_address(tile + r * kTilePitch<Cols> + c * 8), source, valid);
+        const T* source = valid ? head + row * row_stride + c * chunk_elements : head;
+        copy_16_async(shared_address(tile + r * Pitch + c * chunk_elements), source, valid);
     }
 }
 

@@ -1,0 +1,192 @@
+// Tensor-core forward for float32 with D = Dv in {64, 128} (sm_80 and later), at float32
+// accuracy through 3xTF32 (tf32.cuh): three TF32 products per float32 product.
+//
+// The layout of attention_mma_forward.cu (FlashAttention-2, Algorithm 1) on
+// mma.sync.m16n8k8.tf32:
+// * one block per (batch, head, query tile); BLOCK_Q / WARP_ROWS warps, each owning
+//   WARP_ROWS (16 or 32) query rows; Q stays in shared memory and each warp splits its A
+//   fragments per k8 step (the split Q of a warp would need 2 x D / 2 registers per row
+//   tile, which D = 128 cannot spare beside O);
+// * K/V tiles stream through shared memory with cp.async, two stages;
+// * S = Q K^T in float32 accumulators, the online softmax on them in base-2 units; P is
+//   split and fed back as the A operand of O += P V from registers. With logical
+//   k = t, t + 4 of each k8 step standing for keys 2t, 2t + 1 (tf32.cuh), S's accumulator
+//   fragment of 8 keys is the A fragment of those 8 keys unchanged, and V's B fragment is
+//   rows 2t, 2t + 1 of the same keys;
+// * row pitches against bank conflicts: Q and K rows are D + 8 floats (the 64-bit loads of
+//   a half-warp, rows g = 0..3 at columns 2t, land 8 banks apart), V rows D + 4 floats
+//   (the 32-bit loads of rows 2t at column g land 8 banks apart);
+// * key tiles outside the band are never visited; the per-score mask runs only on tiles
+//   that straddle the band edge or the end of the keys.
+//
+// Compile-time configuration (NVRTC -D options): HEAD_DIM, BLOCK_Q, BLOCK_K, WARP_ROWS,
+// LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+#include "forward_softmax.cuh"
+#include "tf32.cuh"
+
+constexpr int kRowTiles = WARP_ROWS / 16;  // m16 tiles per warp
+constexpr int kWarps = BLOCK_Q / WARP_ROWS;
+constexpr int kThreads = kWarps * 32;
+constexpr int kQkPitch = HEAD_DIM + 8;  // floats per Q and K row in shared memory
+constexpr int kVPitch = HEAD_DIM + 4;   // floats per V row
+static_assert(HEAD_DIM % 8 == 0 && BLOCK_K % 8 == 0 && BLOCK_Q % WARP_ROWS == 0 &&
+                  WARP_ROWS % 16 == 0, "mma tiles");
+
+extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
+    const float* q, const float* k, const float* v, float* o, float* lse,
+    const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, i64 q_sb,
+    i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,
+    u32 dropout_key, u32 dropout_threshold, float dropout_scale) {
+    extern __shared__ __align__(16) float shared_floats[];
+    float* q_tile = shared_floats;                      // [BLOCK_Q][kQkPitch]
+    float* k_tiles = q_tile + BLOCK_Q * kQkPitch;       // [2][BLOCK_K][kQkPitch]
+    float* v_tiles = k_tiles + 2 * BLOCK_K * kQkPitch;  // [2][BLOCK_K][kVPitch]
+
+    const Band band{band_offset, window_left, window_right};
+    const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
+    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
+    const int head = owned.head, kv_head = owned.kv_head;
+    const float* q_head = q + batch * q_sb + head * q_sh;
+    const float* k_head = k + batch * k_sb + kv_head * k_sh;
+    const float* v_head = v + batch * v_sb + kv_head * v_sh;
+    float* o_head = o + bh * n_q * HEAD_DIM;
+    float* lse_head = lse + bh * n_q;
+    const i64 row_start = tile * BLOCK_Q;
+    const i64 row_stop = min(row_start + BLOCK_Q, n_q);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = lane / 4, thread_in_group = lane % 4;
+    const int warp_row0 = warp * WARP_ROWS;
+    i64 my_rows[kRowTiles][2];
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m) {
+        my_rows[m][0] = row_start + warp_row0 + m * 16 + group;
+        my_rows[m][1] = my_rows[m][0] + 8;
+    }
+
+    i64 tile_begin, tile_end;
+    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
+                                            &tile_begin, &tile_end);
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key
+        store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
+        return;
+    }
+
+    load_tile_async<BLOCK_Q, HEAD_DIM, kThreads, kQkPitch>(q_tile, q_head, q_sn, row_start, n_q);
+    load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kQkPitch>(k_tiles, k_head, k_sn,
+                                                           tile_begin * BLOCK_K, n_k);
+    load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kVPitch>(v_tiles, v_head, v_sn,
+                                                          tile_begin * BLOCK_K, n_k);
+    commit_copies();
+
+    float o_acc[kRowTiles][HEAD_DIM / 8][4];
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            o_acc[m][n][0] = o_acc[m][n][1] = o_acc[m][n][2] = o_acc[m][n][3] = 0.0f;
+    float row_max[kRowTiles][2], row_sum[kRowTiles][2];
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m) {
+        row_max[m][0] = row_max[m][1] = negative_infinity<float>();
+        row_sum[m][0] = row_sum[m][1] = 0.0f;
+    }
+
+    const ForwardScores scores =
+        make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
+    u32 row_states[kRowTiles][2] = {};
+    if (DROPOUT) {
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                row_states[m][half] = dropout_row_state(dropout_key, static_cast<u32>(bh),
+                                                        static_cast<u32>(my_rows[m][half]));
+    }
+
+    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
+        const int stage = static_cast<int>((key_tile - tile_begin) & 1);
+        if (key_tile + 1 < tile_end) {
+            // The other stage was last read in the previous iteration, which ended with a
+            // barrier, so it is free to refill.
+            const i64 next_row = (key_tile + 1) * BLOCK_K;
+            load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kQkPitch>(
+                k_tiles + (stage ^ 1) * BLOCK_K * kQkPitch, k_head, k_sn, next_row, n_k);
+            load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kVPitch>(
+                v_tiles + (stage ^ 1) * BLOCK_K * kVPitch, v_head, v_sn, next_row, n_k);
+            commit_copies();
+            wait_copies<1>();
+        } else {
+            wait_copies<0>();
+        }
+        __syncthreads();
+        const float* k_tile = k_tiles + stage * BLOCK_K * kQkPitch;
+        const float* v_tile = v_tiles + stage * BLOCK_K * kVPitch;
+
+        // S = Q K^T: B[k][n] = K[key n][dim k], so b0, b1 are dims 2t, 2t + 1 of key g.
+        float s[kRowTiles][BLOCK_K / 8][4];
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+            for (int n = 0; n < BLOCK_K / 8; ++n)
+                s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 8; ++kk) {
+            u32 a_big[kRowTiles][4], a_small[kRowTiles][4];
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+                load_split_a_fragment<kQkPitch>(q_tile, warp_row0 + m * 16, kk * 8, a_big[m],
+                                                a_small[m]);
+#pragma unroll
+            for (int n = 0; n < BLOCK_K / 8; ++n) {
+                float b0, b1;
+                load_shared_pair(k_tile + (n * 8 + group) * kQkPitch + kk * 8 +
+                                     2 * thread_in_group,
+                                 b0, b1);
+                const Tf32Split split0 = split_tf32(b0), split1 = split_tf32(b1);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m)
+                    mma_16x8x8_3xtf32(s[m][n], a_big[m], a_small[m], split0, split1);
+            }
+        }
+
+        const i64 col_start = key_tile * BLOCK_K;
+        const bool needs_mask = key_tile_needs_mask(scores, row_start, BLOCK_Q, col_start,
+                                                    BLOCK_K);
+        scores_to_logits(s, my_rows, col_start, needs_mask,
+                         tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k),
+                         scores);
+        online_softmax_step(s, row_max, row_sum, o_acc);
+        if (DROPOUT) drop_probabilities(s, row_states, col_start, dropout_threshold);
+
+        // O += P V over the keys of each 8-key fragment c: this thread's P entries are
+        // keys 2t, 2t + 1 of rows g, g + 8, i.e. a0 = s[0], a2 = s[1], a1 = s[2], a3 = s[3].
+#pragma unroll
+        for (int c = 0; c < BLOCK_K / 8; ++c) {
+            u32 a_big[kRowTiles][4], a_small[kRowTiles][4];
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) {
+                const float p[4] = {s[m][c][0], s[m][c][2], s[m][c][1], s[m][c][3]};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const Tf32Split split = split_tf32(p[i]);
+                    a_big[m][i] = split.big;
+                    a_small[m][i] = split.small;
+                }
+            }
+            const float* v_rows = v_tile + (c * 8 + 2 * thread_in_group) * kVPitch + group;
+#pragma unroll
+            for (int dn = 0; dn < HEAD_DIM / 8; ++dn) {
+                const Tf32Split split0 = split_tf32(v_rows[dn * 8]);
+                const Tf32Split split1 = split_tf32(v_rows[kVPitch + dn * 8]);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m)
+                    mma_16x8x8_3xtf32(o_acc[m][dn], a_big[m], a_small[m], split0, split1);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+
+    store_output_rows(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
+}
