@@ -4,7 +4,7 @@ flash and cuDNN forwards measured in the same run.
     PYTHONPATH=. python3 bench/sweep_gpu_wgmma.py [--dtype float16] [--n 4096]
 
 For D = 64 (H = 32) and D = 128 (H = 16) at batch * N = 16k, causal and not: every
-query tile (128, 192) x key tile (64, 128) x stage count (2, 3) that fits shared memory.
+query tile (64, 128, 192) x key tile (64, 128) x stage count (2, 3) that fits shared memory.
 Each configuration is first checked against the float64 golden model on a small problem
 with every option on (sweep_gpu_forward.check), then timed on the large one
 (CUDA events, median). The winners go into `_launch.WGMMA_DEFAULT_TILES`.
@@ -50,7 +50,8 @@ def main() -> None:
                      for name, function in anchors.items()}
             print(f"{case.name}: " + ", ".join(f"{name} {rate:.1f}"
                                                for name, rate in rates.items()), flush=True)
-            for block_q, block_k, stages in itertools.product((128, 192), (64, 128), (2, 3)):
+            for block_q, block_k, stages in itertools.product(_launch.WGMMA_BLOCK_Q,
+                                                              _launch.WGMMA_BLOCK_K, (2, 3)):
                 tiles = _launch.WgmmaTiles(block_q, block_k, stages)
                 if tiles.shared_bytes(head_dim) > SHARED_LIMIT:
                     continue
