@@ -31,7 +31,7 @@ class Layout:
         """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)`` and library."""
         if self.single_head:
             array = array.reshape(array.shape[2:])
-        else:
+        elif len(self.batch_shape) != 1:  # one batch dimension is the backends' layout
             array = array.reshape(self.batch_shape + (heads,) + array.shape[2:])
         return arrays.from_native(array, self.library)
 
@@ -108,6 +108,8 @@ def _check_shapes(q, k, v):
 def _to_4d(array, batch: int, single_head: bool):
     if single_head:
         return array[None, None]
+    if array.ndim == 4:  # already (B, H, N, D): no reshape (a CuPy reshape costs microseconds)
+        return array
     return array.reshape((batch,) + tuple(array.shape[-3:]))
 
 
@@ -260,8 +262,9 @@ def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
             raise TypeError(f"lse must have a floating dtype, got {named['lse'].dtype}")
         tensors["do"] = _to_4d(named["do"], batch, single_head)
         tensors["o"] = _to_4d(named["o"], batch, single_head)
-        lse_4d = named["lse"][..., None]
-        tensors["lse"] = _to_4d(lse_4d, batch, single_head)[..., 0]
+        lse = named["lse"]
+        tensors["lse"] = (lse if lse.ndim == 3 and not single_head
+                          else _to_4d(lse[..., None], batch, single_head)[..., 0])
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
                            n_k=n_k, **option_kwargs)
     return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory, library),

@@ -169,8 +169,8 @@ def _copy_contiguous(array):
     """A C-contiguous copy; 16-bit arrays are copied as uint16 bits, which works for
     bfloat16 whatever CuPy's own bfloat16 support."""
     if array.dtype.itemsize == 2:
-        return cupy.ascontiguousarray(array.view(cupy.uint16)).view(array.dtype)
-    return cupy.ascontiguousarray(array)
+        return array.view(cupy.uint16).copy(order="C").view(array.dtype)
+    return array.copy(order="C")
 
 
 def element_strides(array):
@@ -183,13 +183,85 @@ def element_strides(array):
     return array, tuple(np.int64(stride // itemsize) for stride in strides)
 
 
+@lru_cache(maxsize=256)
+def _ready_element_strides(strides: tuple, itemsize: int) -> tuple | None:
+    """The element strides of a layout cp.async reads in place (contiguous rows, every row
+    start a multiple of 8 elements from an aligned base), else None."""
+    if any(stride % itemsize for stride in strides):
+        return None
+    elements = tuple(np.int64(stride // itemsize) for stride in strides)
+    if elements[-1] != 1 or any(s % 8 for s in elements[:-1]):
+        return None
+    return elements
+
+
+def _is_ready(array) -> bool:
+    """Whether the tensor-core kernels read `array` in place (no copy)."""
+    return (_ready_element_strides(array.strides, array.itemsize) is not None
+            and array.data.ptr % 16 == 0)
+
+
 def _tensor_core_layout(array):
     """``(array, strides)`` with contiguous rows starting on 16-byte boundaries, which
     cp.async needs; copies only an array that does not already have that layout."""
-    array, strides = element_strides(array)
-    if strides[-1] != 1 or any(s % 8 for s in strides[:-1]) or array.data.ptr % 16:
-        array, strides = element_strides(_copy_contiguous(array))
-    return array, strides
+    strides = _ready_element_strides(array.strides, array.itemsize)
+    if strides is not None and array.data.ptr % 16 == 0:
+        return array, strides
+    return element_strides(_copy_contiguous(array))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch but for its array arguments, which come first: the grid, block,
+    shared memory and the scalar arguments after the arrays."""
+
+    function: object
+    grid: tuple
+    block: tuple
+    shared: int
+    arguments: tuple
+
+    def __call__(self, *arrays):
+        self.function(self.grid, self.block, arrays + self.arguments, shared_mem=self.shared)
+
+
+# Launches per problem, so that a repeated call (a training step, a benchmark) skips the
+# kernel choice, the compile-cache lookup and the building of ~25 scalar arguments: at
+# FlashAttention's N = 1k shapes the host time of a call is 15-30 % of its kernels' time
+# (bench/NOTES-gpu.md, v9). Bounded: cleared when full.
+_PLANS: dict[tuple, tuple] = {}
+_PLAN_LIMIT = 256
+
+
+def _plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None:
+    """What a problem's launches depend on besides the arrays' addresses, or None when they
+    are not cached: ALiBi slopes are an array of their own, and dropout's seed usually
+    changes with every call."""
+    if options.alibi_slopes is not None or options.dropout_p > 0:
+        return None
+    return (direction, options.window_left, options.window_right, options.scale,
+            options.softcap, options.block_q, options.block_k, options.deterministic,
+            arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays)
+
+
+def _remember(key: tuple | None, launches: tuple, *arrays) -> None:
+    """Caches `launches` under `key` when the arrays were read in place (so the strides in
+    the launches' arguments are the arrays' own)."""
+    if key is None or not all(_is_ready(a) for a in arrays):
+        return
+    if len(_PLANS) >= _PLAN_LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = launches
+
+
+def _cached(key: tuple | None, *arrays) -> tuple | None:
+    """The launches cached under `key`, if the arrays can be read in place."""
+    if key is None:
+        return None
+    launches = _PLANS.get(key)
+    if launches is None or any(a.data.ptr % 16 for a in arrays):
+        return None
+    return launches
 
 
 # --------------------------------------------------------------------------- generic tiles
@@ -277,6 +349,14 @@ def mma_shared_bytes(head_dim: int, blocks: Blocks) -> int:
     return 2 * (blocks.block_q + 4 * blocks.block_k) * (head_dim + 8)
 
 
+def _forward_arguments(options: AttentionOptions, n_q: int, n_k: int, n_q_heads: int,
+                       n_kv_heads: int, q_strides, k_strides, v_strides) -> tuple:
+    """The tensor-core forwards' arguments after (q, k, v, o, lse)."""
+    return (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+            np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3], *v_strides[:3],
+            *score_arguments(options, n_q, n_k, np.float32))
+
+
 def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Blocks,
                         layout: WarpLayout | None = None):
     """`layout`: by default `warp_layout` of the head dim (the benchmark's sweep passes
@@ -294,12 +374,12 @@ def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Bloc
                                shared)
     (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
     n_tiles = -(-n_q // blocks.block_q)
-    grid = (n_tiles * batch * n_q_heads,)
-    function(grid, (blocks.block_q // layout.rows * 32,),
-             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
-              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), *q_strides[:3],
-              *k_strides[:3], *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)),
-             shared_mem=shared)
+    launch = Launch(function, (n_tiles * batch * n_q_heads,),
+                    (blocks.block_q // layout.rows * 32,), shared,
+                    _forward_arguments(options, n_q, n_k, n_q_heads, n_kv_heads, q_strides,
+                                       k_strides, v_strides))
+    launch(q, k, v, o, lse)
+    return launch
 
 
 @dataclass(frozen=True)
@@ -346,11 +426,11 @@ def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles)
                                shared, arch="90a")
     (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
     n_tiles = -(-n_q // tiles.block_q)
-    function((n_tiles * batch * n_q_heads,), (tiles.block_q // 64 * 128,),
-             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
-              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), *q_strides[:3],
-              *k_strides[:3], *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)),
-             shared_mem=shared)
+    launch = Launch(function, (n_tiles * batch * n_q_heads,), (tiles.block_q // 64 * 128,),
+                    shared, _forward_arguments(options, n_q, n_k, n_q_heads, n_kv_heads,
+                                               q_strides, k_strides, v_strides))
+    launch(q, k, v, o, lse)
+    return launch
 
 
 @dataclass(frozen=True)
@@ -403,11 +483,12 @@ def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles):
                                shared)
     (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
     n_tiles = -(-n_q // tiles.block_q)
-    function((n_tiles * batch * n_q_heads,), (tiles.block_q // tiles.warp_rows * 32,),
-             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
-              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), *q_strides[:3],
-              *k_strides[:3], *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)),
-             shared_mem=shared)
+    launch = Launch(function, (n_tiles * batch * n_q_heads,),
+                    (tiles.block_q // tiles.warp_rows * 32,), shared,
+                    _forward_arguments(options, n_q, n_k, n_q_heads, n_kv_heads, q_strides,
+                                       k_strides, v_strides))
+    launch(q, k, v, o, lse)
+    return launch
 
 
 def forward_generic(q, k, v, o, lse, options: AttentionOptions):
@@ -418,30 +499,37 @@ def forward_generic(q, k, v, o, lse, options: AttentionOptions):
     function, shared = config.kernel("attention_forward")
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
     n_tiles = -(-n_q // blocks.block_q)
-    function((n_tiles * batch * n_q_heads,), (GENERIC_THREADS,),
-             (q, k, v, o, lse, alibi_slopes(options), np.int64(n_q), np.int64(n_k),
-              np.int32(n_q_heads), np.int32(n_q_heads // n_kv_heads), np.int32(head_dim),
-              np.int32(value_dim), np.int32(blocks.block_q), np.int32(blocks.block_k),
-              *q_strides, *k_strides, *v_strides,
-              *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype))),
-             shared_mem=shared)
+    launch = Launch(function, (n_tiles * batch * n_q_heads,), (GENERIC_THREADS,), shared,
+                    (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                     np.int32(n_q_heads // n_kv_heads), np.int32(head_dim),
+                     np.int32(value_dim), np.int32(blocks.block_q), np.int32(blocks.block_k),
+                     *q_strides, *k_strides, *v_strides,
+                     *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype))))
+    launch(q, k, v, o, lse)
+    return launch
 
 
 def forward(q, k, v, options: AttentionOptions):
     batch, n_q_heads, n_q, _ = q.shape
     o = cupy.empty((batch, n_q_heads, n_q, v.shape[3]), dtype=q.dtype)
     lse = cupy.empty((batch, n_q_heads, n_q), dtype=accumulation_dtype(q.dtype))
+    key = _plan_key("forward", options, q, k, v)
+    cached = _cached(key, q, k, v)
+    if cached is not None:
+        cached[0](q, k, v, o, lse)
+        return o, lse
     blocks = tensor_core_blocks(q, v, options)
     hopper_tiles = wgmma_tiles(q, options) if blocks is not None else None
     float32_tiles = tf32_tiles(q, v, options) if blocks is None else None
     if hopper_tiles is not None:
-        forward_wgmma(q, k, v, o, lse, options, hopper_tiles)
+        launch = forward_wgmma(q, k, v, o, lse, options, hopper_tiles)
     elif blocks is not None:
-        forward_tensor_core(q, k, v, o, lse, options, blocks)
+        launch = forward_tensor_core(q, k, v, o, lse, options, blocks)
     elif float32_tiles is not None:
-        forward_tf32(q, k, v, o, lse, options, float32_tiles)
+        launch = forward_tf32(q, k, v, o, lse, options, float32_tiles)
     else:
-        forward_generic(q, k, v, o, lse, options)
+        launch = forward_generic(q, k, v, o, lse, options)
+    _remember(key, (launch,), q, k, v)
     return o, lse
 
 
@@ -468,6 +556,14 @@ def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: i
     return tiles + 2 * 2 * 4 * streamed + (2 * owned * (streamed + 8) if single_pass else 0)
 
 
+def _backward_outputs(q, k, v) -> tuple:
+    """D (float32, one per query row), dq, dk, dv."""
+    batch, n_q_heads, n_q, _ = q.shape
+    return (cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32),
+            cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=q.dtype),
+            cupy.empty(v.shape, dtype=q.dtype))
+
+
 def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
     """What both tensor-core backwards launch with: the inputs in the cp.async layout, lse
     as float32, the outputs (D, dq, dk, dv) and the arguments after the arrays."""
@@ -476,9 +572,7 @@ def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
     (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
         _tensor_core_layout, (q, k, v, do))
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    outputs = (cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32),  # D
-               cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=q.dtype),
-               cupy.empty(v.shape, dtype=q.dtype))
+    outputs = _backward_outputs(q, k, v)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
@@ -580,11 +674,23 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
+    # Only the default configuration is cached (the sweep's tiles and the single pass are
+    # for measuring).
+    key = (_plan_key("backward", options, do, q, k, v) if tiles is None and not single_pass
+           else None)
+    cached = _cached(key, do, q, k, v)
+    if cached is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
+        delta, dq, dk, dv = _backward_outputs(q, k, v)
+        cached[0](q, k, v, do, lse, delta, dq)
+        cached[1](q, k, v, do, lse, delta, dk, dv, _empty(q.device.id, "float32"))
+        return dq, dk, dv
+    arrays_in = (do, q, k, v)
     tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
     (do, q, k, v, lse), (delta, dq, dk, dv), common = _backward_operands(do, q, k, v, lse,
                                                                          options)
     dq_sum = (cupy.zeros(dq.size, dtype=cupy.float32) if single_pass
               else _empty(q.device.id, "float32"))
+    launches = []
     for entry, arrays, n_rows, heads in (
             ("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
             ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k, batch * n_kv_heads)):
@@ -597,8 +703,10 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
         shared = tiles.shared_bytes(entry, head_dim, single_pass)
         function = _compile.kernel(WGMMA_BACKWARD_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
-        function((-(-n_rows // owned) * heads,), (owned // 64 * 128,), arrays + common,
-                 shared_mem=shared)
+        launches.append(Launch(function, (-(-n_rows // owned) * heads,), (owned // 64 * 128,),
+                               shared, common))
+        launches[-1](*arrays)
+    _remember(key, tuple(launches), *arrays_in)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
         convert = _compile.kernel(WGMMA_BACKWARD_SOURCE, "attention_backward_dq_convert",
                                   tuple(sorted(defines)), 0, arch="90a")
