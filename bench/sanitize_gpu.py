@@ -34,6 +34,7 @@ CASES = [
     ("float16", (1, 2, 1, 130, 90, 128, 128), dict(softcap=4.0, deterministic=False)),
     ("float32", (2, 4, 2, 70, 150, 64, 64),
      dict(causal=True, window=(40, None), dropout_p=0.2, seed=11)),
+    ("float32", (1, 2, 1, 130, 90, 128, 128), dict(softcap=4.0, window=(30, 10))),
     ("float32", (1, 2, 1, 33, 47, 96, 40),
      dict(softcap=4.0, alibi_slopes=np.array([0.2, 0.3]), block_q=7, block_k=13)),
     ("float64", (1, 2, 2, 20, 25, 256, 256), dict(causal=True)),
@@ -70,6 +71,8 @@ def main() -> int:
         path = "generic"
         if _launch.tensor_core_blocks(dq_, dv_, _options(q, options)):
             path = "wgmma" if _launch.wgmma_tiles(dq_, _options(q, options)) else "mma.sync"
+        elif _launch.tf32_tiles(dq_, dv_, _options(q, options)):
+            path = "3xtf32"
         print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} forward={path}"
               f"{'' if deterministic else ' backward=single-pass'}")
     for layout in WARP_LAYOUTS:  # the forward's layouts that no default uses

@@ -329,8 +329,13 @@ def test_every_wgmma_tile_shape(dtype, head_dim, tiles, options):
 
 @hopper_only
 def test_wgmma_forward_is_the_default_on_hopper():
-    q = cupy.zeros((1, 1, 8, 64), dtype=cupy.float16)
+    q = cupy.zeros((1, 1, 2048, 64), dtype=cupy.float16)
     assert _launch.wgmma_tiles(q, AttentionOptions()) == _launch.WGMMA_DEFAULT_TILES[64]
+    # Short sequences without a right band edge take the short-sequence tiles.
+    assert _launch.wgmma_tiles(q[:, :, :1024], AttentionOptions()) == \
+        _launch.WGMMA_SHORT_TILES[64]
+    assert _launch.wgmma_tiles(q[:, :, :1024], AttentionOptions(causal=True, window_right=0)) \
+        == _launch.WGMMA_DEFAULT_TILES[64]
     # A tile size the wgmma kernel is not built for selects the mma.sync kernel.
     assert _launch.wgmma_tiles(q, AttentionOptions(block_k=32)) is None
 

@@ -401,6 +401,11 @@ WGMMA_BLOCK_Q = (64, 128, 192)
 WGMMA_BLOCK_K = (64, 128)
 # The fastest of bench/sweep_gpu_wgmma.py (bench/NOTES-gpu.md, v6): three warpgroups.
 WGMMA_DEFAULT_TILES = {64: WgmmaTiles(192, 128, 2), 128: WgmmaTiles(192, 64, 3)}
+# D = 64 at Nq <= 1024 without a right edge to the band: 1024 rows are 8 tiles of 128 but
+# 5.3 of 192 (a third of the last one idle); the N = 1k sweep (bench/NOTES-gpu.md, v9)
+# measured 245 TFLOP/s for 128 x 64 with three stages against 189 for the default.
+WGMMA_SHORT_TILES = {64: WgmmaTiles(128, 64, 3)}
+SHORT_QUERIES = 1024
 
 
 def wgmma_tiles(q, options: AttentionOptions) -> WgmmaTiles | None:
@@ -409,6 +414,9 @@ def wgmma_tiles(q, options: AttentionOptions) -> WgmmaTiles | None:
     if compute_capability(q.device.id) != 90:
         return None
     default = WGMMA_DEFAULT_TILES[q.shape[3]]
+    if (q.shape[2] <= SHORT_QUERIES and options.window_right == UNLIMITED
+            and q.shape[3] in WGMMA_SHORT_TILES):
+        default = WGMMA_SHORT_TILES[q.shape[3]]
     blocks = Blocks(default.block_q, default.block_k).resolve(options.block_q, options.block_k)
     if blocks.block_q not in WGMMA_BLOCK_Q or blocks.block_k not in WGMMA_BLOCK_K:
         return None
