@@ -496,6 +496,32 @@ def test_float16_gradients_do_not_inherit_the_rounding_of_o():
         _check(q, k, v, do, scale=1.0)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_cached_launch_refuses_misaligned_arrays(dtype):
+    """A repeated problem reuses its cached launches; contiguous arrays with the same shape
+    and strides that start 2 elements into an allocation (not 16-byte aligned, so cp.async
+    cannot read them in place) must be copied, not launched from the cache."""
+    q, k, v = _inputs((1, 2, 96, 64), (1, 2, 96, 64), (1, 2, 96, 64), dtype)
+    do = np.random.default_rng(7).standard_normal(q.shape).astype(dtype)
+
+    def misaligned(array):
+        flat = cupy.zeros(array.size + 2, dtype=array.dtype)
+        view = flat[2:].reshape(array.shape)
+        view[...] = cupy.asarray(array)
+        assert view.data.ptr % 16 and view.flags.c_contiguous
+        return view
+
+    _check(q, k, v, do, causal=True)  # caches the launches of this problem
+    placed = [misaligned(a) for a in (q, k, v, do)]
+    o, lse = tileattn.forward(*placed[:3], backend="gpu", causal=True, return_lse=True)
+    grads = tileattn.backward(placed[3], *placed[:3], o, lse, backend="gpu", causal=True)
+    expected_o, expected_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(o.get(), expected_o, dtype, name="o")
+    expected = _golden_grads(do, q, k, v, expected_o, expected_lse, causal=True)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_attention_close(grad.get(), want, dtype, name=name)
+
+
 def test_block_overrides_do_not_recompile():
     q, k, v = (cupy.asarray(a) for a in _inputs((1, 2, 40, 32), (1, 2, 40, 32), (1, 2, 40, 32),
                                                 np.float32))
