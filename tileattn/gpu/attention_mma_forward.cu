@@ -94,31 +94,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
             load_a_fragment<HEAD_DIM>(q_tile, warp_row0 + m * 16, kk * 16, q_fragments[m][kk]);
 #endif
 
-    float o_acc[kRowTiles][HEAD_DIM / 8][4];
-#pragma unroll
-    for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n)
-            o_acc[m][n][0] = o_acc[m][n][1] = o_acc[m][n][2] = o_acc[m][n][3] = 0.0f;
-    // Running max (base-2 units) and this thread's share of the running sum, per row.
-    float row_max[kRowTiles][2], row_sum[kRowTiles][2];
-#pragma unroll
-    for (int m = 0; m < kRowTiles; ++m) {
-        row_max[m][0] = row_max[m][1] = negative_infinity<float>();
-        row_sum[m][0] = row_sum[m][1] = 0.0f;
-    }
-
+    // O, the running max (base-2 units) and this thread's share of the running sum, per row.
+    float o_acc[kRowTiles][HEAD_DIM / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
+    start_online_softmax(o_acc, row_max, row_sum);
     const ForwardScores scores =
         make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
-    u32 row_states[kRowTiles][2] = {};
-    if (DROPOUT) {
-#pragma unroll
-        for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                row_states[m][half] = dropout_row_state(dropout_key, static_cast<u32>(bh),
-                                                        static_cast<u32>(my_rows[m][half]));
-    }
+    u32 row_states[kRowTiles][2];
+    dropout_row_states(row_states, dropout_key, bh, my_rows);
 
     for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
         const int stage = static_cast<int>((key_tile - tile_begin) & 1);

@@ -90,19 +90,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmm
         commit_copies();
     }
 
-    float o_acc[1][kOutFrags][4];
-#pragma unroll
-    for (int n = 0; n < kOutFrags; ++n)
-        o_acc[0][n][0] = o_acc[0][n][1] = o_acc[0][n][2] = o_acc[0][n][3] = 0.0f;
-    float row_max[1][2] = {{negative_infinity<float>(), negative_infinity<float>()}};
-    float row_sum[1][2] = {{0.0f, 0.0f}};
-    u32 row_states[1][2] = {};
-    if (DROPOUT) {
-        row_states[0][0] = dropout_row_state(dropout_key, static_cast<u32>(bh),
-                                             static_cast<u32>(my_rows[0][0]));
-        row_states[0][1] = dropout_row_state(dropout_key, static_cast<u32>(bh),
-                                             static_cast<u32>(my_rows[0][1]));
-    }
+    float o_acc[1][kOutFrags][4], row_max[1][2], row_sum[1][2];
+    start_online_softmax(o_acc, row_max, row_sum);
+    u32 row_states[1][2];
+    dropout_row_states(row_states, dropout_key, bh, my_rows);
     // Q's rows of this warpgroup: 64 rows x 128 bytes into every column block.
     const u32 q_rows = q_tile + warpgroup * 64 * kSwizzleRowBytes;
 

@@ -88,6 +88,34 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
     }
 }
 
+// Before the first key tile: O = 0, running max -inf (in base-2 units), running sums 0.
+template <int RowTiles, int OutFrags>
+__device__ __forceinline__ void start_online_softmax(float (&o_acc)[RowTiles][OutFrags][4],
+                                                     float (&row_max)[RowTiles][2],
+                                                     float (&row_sum)[RowTiles][2]) {
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m) {
+#pragma unroll
+        for (int n = 0; n < OutFrags; ++n)
+            o_acc[m][n][0] = o_acc[m][n][1] = o_acc[m][n][2] = o_acc[m][n][3] = 0.0f;
+        row_max[m][0] = row_max[m][1] = negative_infinity<float>();
+        row_sum[m][0] = row_sum[m][1] = 0.0f;
+    }
+}
+
+// Dropout's hash state of each of this thread's rows (0, unused, without dropout).
+template <int RowTiles>
+__device__ __forceinline__ void dropout_row_states(u32 (&states)[RowTiles][2], u32 key, i64 bh,
+                                                   const i64 (&rows)[RowTiles][2]) {
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            states[m][half] = DROPOUT ? dropout_row_state(key, static_cast<u32>(bh),
+                                                          static_cast<u32>(rows[m][half]))
+                                      : 0u;
+}
+
 // One online-softmax step without touching O: logits -> unnormalised probabilities in
 // place, the running max and partial sums updated, and `rescale` = exp2(old max - new max),
 // the factor O still has to take (the wgmma forward applies it once the previous tile's
