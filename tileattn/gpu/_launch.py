@@ -349,20 +349,26 @@ def mma_shared_bytes(head_dim: int, blocks: Blocks) -> int:
     return 2 * (blocks.block_q + 4 * blocks.block_k) * (head_dim + 8)
 
 
-def _forward_arguments(options: AttentionOptions, n_q: int, n_k: int, n_q_heads: int,
-                       n_kv_heads: int, q_strides, k_strides, v_strides) -> tuple:
-    """The tensor-core forwards' arguments after (q, k, v, o, lse)."""
-    return (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
-            np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3], *v_strides[:3],
-            *score_arguments(options, n_q, n_k, np.float32))
+def _launch_tensor_core_forward(function, shared: int, block_q: int, threads: int, q, k, v,
+                                o, lse, options: AttentionOptions) -> Launch:
+    """Launches a tensor-core forward (one block per `block_q` query rows of a head, the
+    arguments every such kernel takes) and returns the launch."""
+    batch, n_q_heads, n_q, _ = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
+    launch = Launch(function, (-(-n_q // block_q) * batch * n_q_heads,), (threads,), shared,
+                    (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                     np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
+                     *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)))
+    launch(q, k, v, o, lse)
+    return launch
 
 
 def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Blocks,
                         layout: WarpLayout | None = None):
     """`layout`: by default `warp_layout` of the head dim (the benchmark's sweep passes
     others)."""
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    head_dim = q.shape[3]
     layout = layout or warp_layout(head_dim, blocks)
     switches = Switches.of(options)
     defines = (("BLOCK_K", blocks.block_k), ("BLOCK_Q", blocks.block_q),
@@ -372,14 +378,9 @@ def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Bloc
     shared = mma_shared_bytes(head_dim, blocks)
     function = _compile.kernel(MMA_SOURCE, "attention_forward_mma", tuple(sorted(defines)),
                                shared)
-    (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
-    n_tiles = -(-n_q // blocks.block_q)
-    launch = Launch(function, (n_tiles * batch * n_q_heads,),
-                    (blocks.block_q // layout.rows * 32,), shared,
-                    _forward_arguments(options, n_q, n_k, n_q_heads, n_kv_heads, q_strides,
-                                       k_strides, v_strides))
-    launch(q, k, v, o, lse)
-    return launch
+    return _launch_tensor_core_forward(function, shared, blocks.block_q,
+                                       blocks.block_q // layout.rows * 32, q, k, v, o, lse,
+                                       options)
 
 
 @dataclass(frozen=True)
@@ -424,21 +425,15 @@ def wgmma_tiles(q, options: AttentionOptions) -> WgmmaTiles | None:
 
 
 def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles):
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    head_dim = q.shape[3]
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("HEAD_DIM", head_dim),
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages)
                ) + Switches.of(options).defines()
     shared = tiles.shared_bytes(head_dim)
     function = _compile.kernel(WGMMA_SOURCE, "attention_forward_wgmma", tuple(sorted(defines)),
                                shared, arch="90a")
-    (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
-    n_tiles = -(-n_q // tiles.block_q)
-    launch = Launch(function, (n_tiles * batch * n_q_heads,), (tiles.block_q // 64 * 128,),
-                    shared, _forward_arguments(options, n_q, n_k, n_q_heads, n_kv_heads,
-                                               q_strides, k_strides, v_strides))
-    launch(q, k, v, o, lse)
-    return launch
+    return _launch_tensor_core_forward(function, shared, tiles.block_q,
+                                       tiles.block_q // 64 * 128, q, k, v, o, lse, options)
 
 
 @dataclass(frozen=True)
@@ -482,21 +477,15 @@ def tf32_tiles(q, v, options: AttentionOptions) -> Tf32Tiles | None:
 
 
 def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles):
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    head_dim = q.shape[3]
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("HEAD_DIM", head_dim),
                ("WARP_ROWS", tiles.warp_rows)) + Switches.of(options).defines()
     shared = tiles.shared_bytes(head_dim)
     function = _compile.kernel(TF32_SOURCE, "attention_forward_tf32", tuple(sorted(defines)),
                                shared)
-    (q, q_strides), (k, k_strides), (v, v_strides) = map(_tensor_core_layout, (q, k, v))
-    n_tiles = -(-n_q // tiles.block_q)
-    launch = Launch(function, (n_tiles * batch * n_q_heads,),
-                    (tiles.block_q // tiles.warp_rows * 32,), shared,
-                    _forward_arguments(options, n_q, n_k, n_q_heads, n_kv_heads, q_strides,
-                                       k_strides, v_strides))
-    launch(q, k, v, o, lse)
-    return launch
+    return _launch_tensor_core_forward(function, shared, tiles.block_q,
+                                       tiles.block_q // tiles.warp_rows * 32, q, k, v, o, lse,
+                                       options)
 
 
 def forward_generic(q, k, v, o, lse, options: AttentionOptions):
@@ -575,7 +564,7 @@ def _backward_outputs(q, k, v) -> tuple:
 def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
     """What both tensor-core backwards launch with: the inputs in the cp.async layout, lse
     as float32, the outputs (D, dq, dk, dv) and the arguments after the arrays."""
-    batch, n_q_heads, n_q, _ = q.shape
+    n_q_heads, n_q = q.shape[1], q.shape[2]
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
         _tensor_core_layout, (q, k, v, do))
