@@ -234,11 +234,13 @@ def _float32_tiles(q, v, options):
 @pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
 def test_float32_tensor_core_forward_matches_golden(head_dim, options):
     """3xTF32 holds the float32 tolerance (one TF32 product per float32 product would
-    not); backward (CUDA cores) from its o and lse, end to end."""
+    not), forward and backward, end to end."""
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
                       np.float32)
     do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(np.float32)
     assert _float32_tiles(q, v, options) == _launch.TF32_DEFAULT_TILES[head_dim]
+    assert _launch.tf32_backward_applies(cupy.asarray(q), cupy.asarray(v),
+                                         _options_of(q, options))
     _check(q, k, v, do, **options)
 
 

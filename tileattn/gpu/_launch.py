@@ -543,14 +543,34 @@ def tensor_core_backward_applies(q, v, options: AttentionOptions) -> bool:
 
 
 def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: int,
-                              single_pass: bool = False) -> int:
+                              single_pass: bool = False, element_size: int = 2) -> int:
     """Owned rows of two operands plus two stages of two streamed operands (rows padded by
-    16 bytes); the dK/dV kernel also stages lse and D per streamed row, and in the single
+    8 elements); the dK/dV kernel also stages lse and D per streamed row, and in the single
     pass the dS^T tile (owned x streamed, padded)."""
-    tiles = 2 * (2 * owned + 4 * streamed) * (head_dim + 8)
+    tiles = element_size * (2 * owned + 4 * streamed) * (head_dim + 8)
     if entry != "dkdv":
         return tiles
     return tiles + 2 * 2 * 4 * streamed + (2 * owned * (streamed + 8) if single_pass else 0)
+
+
+# The float32 (3xTF32) backward's tiles: 8 warps where shared memory allows (D = 64), 4 at
+# D = 128 (two owned and four streamed float32 tiles of 128 rows would need 278 KB).
+TF32_BACKWARD_TILES = {64: {"dq": (128, 64), "dkdv": (128, 64)},
+                       128: {"dq": (64, 64), "dkdv": (64, 64)}}
+
+
+def tf32_backward_applies(q, v, options: AttentionOptions) -> bool:
+    """The float32 backward on TF32 tensor cores (attention_mma_backward.cu, IS_FLOAT32):
+    float32, D = Dv in {64, 128}, sm_80+, no tile size named by the caller, and shared
+    memory for its tiles on this device."""
+    head_dim = q.shape[3]
+    if (dtype_name(q.dtype) != "float32" or head_dim != v.shape[3]
+            or head_dim not in MMA_HEAD_DIMS or compute_capability(q.device.id) < 80
+            or options.block_q is not None or options.block_k is not None):
+        return False
+    tiles = TF32_BACKWARD_TILES[head_dim]
+    return max(mma_backward_shared_bytes(entry, head_dim, *tiles[entry], element_size=4)
+               for entry in ("dq", "dkdv")) <= shared_memory_limit(q.device.id)
 
 
 def _backward_outputs(q, k, v) -> tuple:
@@ -579,7 +599,9 @@ def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
 def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None,
                          single_pass=None):
     """`tiles`: ``{"dq": (owned, streamed), "dkdv": (owned, streamed)}``, by default
-    `MMA_BACKWARD_TILES` of the head dim (the benchmark's sweep passes others).
+    `MMA_BACKWARD_TILES` (float32: `TF32_BACKWARD_TILES`) of the head dim (the benchmark's
+    sweep passes others). float32 runs on TF32 tensor cores at float32 accuracy (3xTF32)
+    and always as two kernels.
 
     `single_pass` (see attention_mma_backward.cu): the dQ kernel only forms D and the
     dK/dV kernel adds dQ into a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in
@@ -591,8 +613,10 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
-    tiles = tiles or MMA_BACKWARD_TILES[head_dim]
+    is_float32 = dtype_name(q.dtype) == "float32"
+    tiles = tiles or (TF32_BACKWARD_TILES if is_float32 else MMA_BACKWARD_TILES)[head_dim]
     single_pass = not options.deterministic if single_pass is None else single_pass
+    single_pass = single_pass and not is_float32  # float32 has no single pass
     ordered = single_pass and options.deterministic
     (do, q, k, v, lse), (delta, dq, dk, dv), common = _backward_operands(do, q, k, v, lse,
                                                                          options)
@@ -607,11 +631,13 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
         owned, streamed = tiles[entry]
         defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
+                   ("IS_FLOAT32", int(is_float32)),
                    ("ORDERED", int(ordered and entry == "dkdv")), ("OWNED_ROWS", owned),
                    ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
                    ("STREAMED_ROWS", streamed)
                    ) + Switches.of(options).defines()
-        shared = mma_backward_shared_bytes(entry, head_dim, owned, streamed, single_pass)
+        shared = mma_backward_shared_bytes(entry, head_dim, owned, streamed, single_pass,
+                                           q.dtype.itemsize)
         function = _compile.kernel(MMA_BACKWARD_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
         function((-(-n_rows // owned) * heads,), (owned // 16 * 32,), arrays + common,
@@ -715,7 +741,7 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     if wgmma_backward_applies(q, v, options):
         return backward_wgmma(do, q, k, v, lse, options)
-    if tensor_core_backward_applies(q, v, options):
+    if tensor_core_backward_applies(q, v, options) or tf32_backward_applies(q, v, options):
         return backward_tensor_core(do, q, k, v, lse, options)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]

@@ -32,14 +32,27 @@
 // base 2 from lse (ex2.approx); P (after dropout) and dS are rounded to the input type
 // for the tensor cores, accumulation is float32.
 //
-// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS,
+// IS_FLOAT32: the same kernels for float32 on TF32 tensor cores at float32 accuracy
+// (3xTF32, tf32.cuh), without the single pass (its dS^T tile goes through ldmatrix).
+//
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM, OWNED_ROWS,
 // STREAMED_ROWS, DELTA_ONLY (dQ kernel), SINGLE_PASS and ORDERED (dK/dV kernel), LIMIT_LEFT,
 // LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
 #include "backward_scores.cuh"
+#if IS_FLOAT32
+#include "tf32.cuh"
+// float32 on TF32 tensor cores at float32 accuracy (tf32.cuh): rows of D + 8 floats, so
+// that the 64-bit fragment loads of the score products are conflict-free.
+typedef float element;
+constexpr int kPitch = HEAD_DIM + 8;
+static_assert(!SINGLE_PASS, "the float32 backward runs the two kernels");
+#else
+typedef bits16 element;
+constexpr int kPitch = kTilePitch<HEAD_DIM>;
+#endif
 
 constexpr int kWarps = OWNED_ROWS / 16;
 constexpr int kThreads = kWarps * 32;
-constexpr int kPitch = kTilePitch<HEAD_DIM>;
 static_assert(HEAD_DIM % 16 == 0 && OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0,
               "mma tiles");
 
@@ -56,6 +69,60 @@ template <int Columns> struct Accumulators {
 // first += A1 B1^T and second += A2 B2^T for this warp's 16 rows [row0, row0 + 16) of the
 // row-major tiles a1, a2 (HEAD_DIM wide) against the Columns rows of b1, b2: S and dP (or
 // their transposes) in one sweep over the head dim.
+#if IS_FLOAT32
+template <int Columns>
+__device__ __forceinline__ void score_product(const float* a, const float* b, int row0,
+                                              Accumulators<Columns>& out) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 8; ++kk) {
+        u32 a_big[4], a_small[4];
+        load_split_a_fragment<kPitch>(a, row0, kk * 8, a_big, a_small);
+#pragma unroll
+        for (int n = 0; n < Columns / 8; ++n) {
+            float b0, b1;
+            load_shared_pair(b + (n * 8 + lane / 4) * kPitch + kk * 8 + 2 * (lane % 4), b0, b1);
+            mma_16x8x8_3xtf32(out.tile[n], a_big, a_small, split_tf32(b0), split_tf32(b1));
+        }
+    }
+}
+
+template <int Columns>
+__device__ __forceinline__ void two_score_products(const float* a1, const float* b1,
+                                                   const float* a2, const float* b2, int row0,
+                                                   Accumulators<Columns>& first,
+                                                   Accumulators<Columns>& second) {
+    first.clear();
+    second.clear();
+    score_product(a1, b1, row0, first);
+    score_product(a2, b2, row0, second);
+}
+
+// out += X B, X this warp's 16 x Inner accumulators, B the row-major Inner x HEAD_DIM tile
+// `b`: a C fragment's columns 2t, 2t + 1 are the A fragment's k = t, t + 4 (tf32.cuh), so
+// B's b0, b1 are rows 2t, 2t + 1.
+template <int Inner>
+__device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x, const float* b,
+                                                   Accumulators<HEAD_DIM>& out) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int c = 0; c < Inner / 8; ++c) {
+        u32 a_big[4], a_small[4];
+        const float p[4] = {x.tile[c][0], x.tile[c][2], x.tile[c][1], x.tile[c][3]};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const Tf32Split split = split_tf32(p[i]);
+            a_big[i] = split.big;
+            a_small[i] = split.small;
+        }
+        const float* rows = b + (c * 8 + 2 * (lane % 4)) * kPitch + lane / 4;
+#pragma unroll
+        for (int dn = 0; dn < HEAD_DIM / 8; ++dn)
+            mma_16x8x8_3xtf32(out.tile[dn], a_big, a_small, split_tf32(rows[dn * 8]),
+                              split_tf32(rows[kPitch + dn * 8]));
+    }
+}
+#else
 template <int Columns>
 __device__ __forceinline__ void two_score_products(const bits16* a1, const bits16* b1,
                                                    const bits16* a2, const bits16* b2,
@@ -104,22 +171,23 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
         }
     }
 }
+#endif
 
 // Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the contiguous
 // (rows, HEAD_DIM) output starting at `out` (row index relative to it); rows at or past
 // `row_limit` are not written.
 __device__ __forceinline__ void store_rows(const Accumulators<HEAD_DIM>& acc, float factor,
-                                           bits16* out, i64 row0, i64 row_limit) {
+                                           element* out, i64 row0, i64 row_limit) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const i64 row = row0 + lane / 4 + half * 8;
         if (row >= row_limit) continue;
-        u32* out_row = reinterpret_cast<u32*>(out + row * HEAD_DIM);
+        element* out_row = out + row * HEAD_DIM + 2 * (lane % 4);
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; ++n)
-            out_row[n * 4 + lane % 4] = pack_pair(acc.tile[n][2 * half] * factor,
-                                                  acc.tile[n][2 * half + 1] * factor);
+            store_pair(out_row + n * 8, acc.tile[n][2 * half] * factor,
+                       acc.tile[n][2 * half + 1] * factor);
     }
 }
 
@@ -250,22 +318,22 @@ __device__ __forceinline__ void pass_turn(int* turn) {
 // ------------------------------------------------------------------ dQ (and D)
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma(
-    const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    float* delta, bits16* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+    const element* q, const element* k, const element* v, const element* d_out, const float* lse,
+    float* delta, element* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
     int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
     i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
-    extern __shared__ __align__(16) bits16 shared_tiles[];
-    bits16* q_tile = shared_tiles;                           // [OWNED_ROWS][kPitch]
-    bits16* do_tile = q_tile + OWNED_ROWS * kPitch;          // [OWNED_ROWS][kPitch]
-    bits16* k_tiles = do_tile + OWNED_ROWS * kPitch;         // [2][STREAMED_ROWS][kPitch]
-    bits16* v_tiles = k_tiles + 2 * STREAMED_ROWS * kPitch;  // [2][STREAMED_ROWS][kPitch]
+    extern __shared__ __align__(16) element shared_tiles[];
+    element* q_tile = shared_tiles;                           // [OWNED_ROWS][kPitch]
+    element* do_tile = q_tile + OWNED_ROWS * kPitch;          // [OWNED_ROWS][kPitch]
+    element* k_tiles = do_tile + OWNED_ROWS * kPitch;         // [2][STREAMED_ROWS][kPitch]
+    element* v_tiles = k_tiles + 2 * STREAMED_ROWS * kPitch;  // [2][STREAMED_ROWS][kPitch]
 
     const Band band{band_offset, window_left, window_right};
     const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
     const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
     const int head = owned.head, kv_head = owned.kv_head;
-    const bits16* k_head = k + batch * k_sb + kv_head * k_sh;
-    const bits16* v_head = v + batch * v_sb + kv_head * v_sh;
+    const element* k_head = k + batch * k_sb + kv_head * k_sh;
+    const element* v_head = v + batch * v_sb + kv_head * v_sh;
     const i64 row_start = tile * OWNED_ROWS;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
@@ -275,9 +343,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
                                             &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
-        for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
-             element += kThreads)
-            if (!DELTA_ONLY) dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
+        for (i64 i = threadIdx.x; i < (row_stop - row_start) * HEAD_DIM; i += kThreads)
+            if (!DELTA_ONLY) dq[(bh * n_q + row_start) * HEAD_DIM + i] = 0;
         for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
             delta[bh * n_q + row] = 0.0f;
         return;
@@ -298,9 +365,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     }
 
     const auto load_keys = [&](int stage, i64 key_tile) {
-        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
             k_tiles + stage * STREAMED_ROWS * kPitch, k_head, k_sn, key_tile * STREAMED_ROWS, n_k);
-        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
             v_tiles + stage * STREAMED_ROWS * kPitch, v_head, v_sn, key_tile * STREAMED_ROWS, n_k);
     };
     const auto tile_is_masked = [&](i64 key_tile) {
@@ -312,9 +379,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         return tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, key_tile * STREAMED_ROWS, n_k);
     };
 
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(q_tile, q + batch * q_sb + head * q_sh, q_sn,
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(q_tile, q + batch * q_sb + head * q_sh, q_sn,
                                                     row_start, n_q);
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(
         do_tile, d_out + batch * do_sb + head * do_sh, do_sn, row_start, n_q);
     commit_copies();
     load_keys(0, tile_begin);
@@ -343,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     load_keys(0, tile_begin);
     commit_copies();
     stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
-        const bits16* k_tile = k_tiles + stage * STREAMED_ROWS * kPitch;
+        const element* k_tile = k_tiles + stage * STREAMED_ROWS * kPitch;
         Accumulators<STREAMED_ROWS> s, dp;
         two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kPitch,
                            warp * 16, s, dp);
@@ -358,17 +425,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
 // ------------------------------------------------------------------ dK, dV
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_mma(
-    const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    const float* delta, bits16* dk, bits16* dv, float* dq_sum, int* dq_turns,
+    const element* q, const element* k, const element* v, const element* d_out, const float* lse,
+    const float* delta, element* dk, element* dv, float* dq_sum, int* dq_turns,
     const double* alibi_slopes, i64 n_q, i64 n_k,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS) {
-    extern __shared__ __align__(16) bits16 shared_tiles[];
-    bits16* k_tile = shared_tiles;                              // [OWNED_ROWS][kPitch]
-    bits16* v_tile = k_tile + OWNED_ROWS * kPitch;              // [OWNED_ROWS][kPitch]
-    bits16* q_tiles = v_tile + OWNED_ROWS * kPitch;             // [2][STREAMED_ROWS][kPitch]
-    bits16* do_tiles = q_tiles + 2 * STREAMED_ROWS * kPitch;    // [2][STREAMED_ROWS][kPitch]
+    extern __shared__ __align__(16) element shared_tiles[];
+    element* k_tile = shared_tiles;                              // [OWNED_ROWS][kPitch]
+    element* v_tile = k_tile + OWNED_ROWS * kPitch;              // [OWNED_ROWS][kPitch]
+    element* q_tiles = v_tile + OWNED_ROWS * kPitch;             // [2][STREAMED_ROWS][kPitch]
+    element* do_tiles = q_tiles + 2 * STREAMED_ROWS * kPitch;    // [2][STREAMED_ROWS][kPitch]
     float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * STREAMED_ROWS * kPitch);
     float* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
     // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][kDsPitch].
@@ -385,8 +452,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     const int quad_row = lane / 4;
     const i64 my_keys[2] = {col_start + warp * 16 + quad_row,
                             col_start + warp * 16 + quad_row + 8};
-    bits16* dk_head = dk + batch_kv_head * n_k * HEAD_DIM;
-    bits16* dv_head = dv + batch_kv_head * n_k * HEAD_DIM;
+    element* dk_head = dk + batch_kv_head * n_k * HEAD_DIM;
+    element* dv_head = dv + batch_kv_head * n_k * HEAD_DIM;
 
     Accumulators<HEAD_DIM> dk_acc, dv_acc;
     dk_acc.clear();
@@ -400,9 +467,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         return;
     }
 
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(k_tile, k + batch * k_sb + kv_head * k_sh,
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(k_tile, k + batch * k_sb + kv_head * k_sh,
                                                     k_sn, col_start, n_k);
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(v_tile, v + batch * v_sb + kv_head * v_sh,
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(v_tile, v + batch * v_sb + kv_head * v_sh,
                                                     v_sn, col_start, n_k);
     commit_copies();
 
@@ -411,8 +478,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         const i64 bh = batch * n_q_heads + head;
         const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
                                           dropout_threshold, dropout_scale);
-        const bits16* q_head = q + batch * q_sb + head * q_sh;
-        const bits16* do_head = d_out + batch * do_sb + head * do_sh;
+        const element* q_head = q + batch * q_sb + head * q_sh;
+        const element* do_head = d_out + batch * do_sb + head * do_sh;
         // ORDERED without a band: block `tile` starts at its own query tile and wraps.
         const i64 n_q_tiles = (n_q + STREAMED_ROWS - 1) / STREAMED_ROWS;
         const i64 n_k_blocks = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
@@ -421,9 +488,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         const auto visited_tile = [&](i64 step) { return (step + rotation) % n_q_tiles; };
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
-            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
                 q_tiles + stage * STREAMED_ROWS * kPitch, q_head, q_sn, start, n_q);
-            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
+            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
                 do_tiles + stage * STREAMED_ROWS * kPitch, do_head, do_sn, start, n_q);
             for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
                 const int r = i % STREAMED_ROWS;
@@ -442,8 +509,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         commit_copies();
         stream_tiles(tile_begin, tile_end, load_queries_in_turn, [&](int stage, i64 step) {
             const i64 query_tile = visited_tile(step);
-            const bits16* q_tile = q_tiles + stage * STREAMED_ROWS * kPitch;
-            const bits16* do_tile = do_tiles + stage * STREAMED_ROWS * kPitch;
+            const element* q_tile = q_tiles + stage * STREAMED_ROWS * kPitch;
+            const element* do_tile = do_tiles + stage * STREAMED_ROWS * kPitch;
             const float* lse_tile = lse_tiles + stage * STREAMED_ROWS;
             const float* delta_tile = delta_tiles + stage * STREAMED_ROWS;
             const i64 query_start = query_tile * STREAMED_ROWS;
@@ -458,9 +525,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                 n_q, n_k, masked,
                 tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));
             accumulate_product(st, do_tile, dv_acc);
-            if (SINGLE_PASS) store_transposed_scores(dpt, ds_tile, warp * 16);
+#if SINGLE_PASS
+            store_transposed_scores(dpt, ds_tile, warp * 16);
+#endif
             accumulate_product(dpt, q_tile, dk_acc);
-            if (SINGLE_PASS) {
+#if SINGLE_PASS
+            {
                 __syncthreads();  // every warp's dS^T rows are in ds_tile
                 int* turn = dq_turns + bh * n_q_tiles + query_tile;
                 if (ORDERED)
@@ -470,6 +540,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                                   n_q);
                 if (ORDERED) pass_turn(turn);
             }
+#endif
         });
     }
     store_rows(dk_acc, scale, dk_head, col_start + warp * 16, n_k);

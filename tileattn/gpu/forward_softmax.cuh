@@ -195,15 +195,6 @@ __device__ __forceinline__ void drop_probabilities(float (&s)[RowTiles][KeyFrags
             }
 }
 
-// Two adjacent outputs of a row: a 16-bit pair as one 32-bit store, a float pair as one
-// 64-bit store (the address is 8-byte aligned: an even column of an even-width row).
-__device__ __forceinline__ void store_pair(bits16* out, float low, float high) {
-    *reinterpret_cast<u32*>(out) = pack_pair(low, high);
-}
-__device__ __forceinline__ void store_pair(float* out, float low, float high) {
-    asm volatile("st.v2.f32 [%0], {%1, %2};\n" ::"l"(out), "f"(low), "f"(high) : "memory");
-}
-
 // Deferred normalisation and the stores of o and lse. total == 0: the row kept no key
 // (o = 0, lse = -inf); a NaN total is not 0, so a NaN row stays NaN.
 template <int RowTiles, int OutFrags, typename Out>

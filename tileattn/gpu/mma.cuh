@@ -73,6 +73,15 @@ __device__ __forceinline__ u32 pack_pair(float low, float high) {
     return packed;
 }
 
+// Two adjacent outputs of a row: a 16-bit pair as one 32-bit store, a float pair as one
+// 64-bit store (the address is 8-byte aligned: an even column of an even-width row).
+__device__ __forceinline__ void store_pair(bits16* out, float low, float high) {
+    *reinterpret_cast<u32*>(out) = pack_pair(low, high);
+}
+__device__ __forceinline__ void store_pair(float* out, float low, float high) {
+    asm volatile("st.v2.f32 [%0], {%1, %2};\n" ::"l"(out), "f"(low), "f"(high) : "memory");
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x; -inf gives +0 and NaN stays NaN, which the masking and the NaN semantics rely on.
