@@ -69,9 +69,10 @@ def main() -> int:
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, q.dtype, name=name)
         path = "generic"
-        if _launch.tensor_core_blocks(dq_, dv_, _options(q, options)):
-            path = "wgmma" if _launch.wgmma_tiles(dq_, _options(q, options)) else "mma.sync"
-        elif _launch.tf32_tiles(dq_, dv_, _options(q, options)):
+        resolved = _options(q, options)
+        if _launch.tensor_core_blocks(dq_, dv_, resolved):
+            path = "wgmma" if _launch.wgmma_tiles(dq_, dk_, resolved) else "mma.sync"
+        elif _launch.tf32_tiles(dq_, dv_, resolved):
             path = "3xtf32"
         print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} forward={path}"
               f"{'' if deterministic else ' backward=single-pass'}")

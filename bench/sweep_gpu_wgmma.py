@@ -4,7 +4,9 @@ flash and cuDNN forwards measured in the same run.
     PYTHONPATH=. python3 bench/sweep_gpu_wgmma.py [--dtype float16] [--n 4096]
 
 For D = 64 (H = 32) and D = 128 (H = 16) at batch * N = 16k, causal and not: every
-query tile (64, 128, 192) x key tile (64, 128) x stage count (2, 3) that fits shared memory.
+query tile (64, 128, 192) x key tile (64, 128) x stage count (2, 3) that fits shared memory,
+each with registers capped for one block per multiprocessor and, where shared memory
+holds more, for 512 threads per multiprocessor (blocks_per_sm = 256 / query tile).
 Each configuration is first checked against the float64 golden model on a small problem
 with every option on (sweep_gpu_forward.check), then timed on the large one
 (CUDA events, median). The winners go into `_launch.WGMMA_DEFAULT_TILES`.
@@ -22,6 +24,7 @@ from bench_gpu import Case, fa_functions, make_inputs, median_ms
 from sweep_gpu_forward import check, plain_options, sweep_arguments
 
 SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
+SM_SHARED = 228 * 1024  # per multiprocessor, with 1 KiB of it reserved per resident block
 
 
 def run(q, k, v, options, tiles):
@@ -50,10 +53,13 @@ def main() -> None:
                      for name, function in anchors.items()}
             print(f"{case.name}: " + ", ".join(f"{name} {rate:.1f}"
                                                for name, rate in rates.items()), flush=True)
-            for block_q, block_k, stages in itertools.product(_launch.WGMMA_BLOCK_Q,
-                                                              _launch.WGMMA_BLOCK_K, (2, 3)):
-                tiles = _launch.WgmmaTiles(block_q, block_k, stages)
-                if tiles.shared_bytes(head_dim) > SHARED_LIMIT:
+            for block_q, block_k, stages, dense in itertools.product(
+                    _launch.WGMMA_BLOCK_Q, _launch.WGMMA_BLOCK_K, (2, 3), (False, True)):
+                tiles = _launch.WgmmaTiles(block_q, block_k, stages,
+                                           256 // block_q if dense else 1)
+                resident = tiles.blocks_per_sm * (tiles.shared_bytes(head_dim) + 1024)
+                if (tiles.shared_bytes(head_dim) > SHARED_LIMIT or resident > SM_SHARED
+                        or (dense and tiles.blocks_per_sm == 1)):
                     continue
                 if not causal:
                     check(np.dtype(args.dtype), head_dim, tiles, forward=run)
@@ -61,16 +67,18 @@ def main() -> None:
                                args.repetitions)
                 tflops = case.flops / ms / 1e9
                 rows.append((case.name, tiles, tflops, rates))
-                print(f"  {block_q}x{block_k} stages {stages}: {tflops:6.1f} TFLOP/s "
+                print(f"  {block_q}x{block_k} stages {stages} x{tiles.blocks_per_sm}: "
+                      f"{tflops:6.1f} TFLOP/s "
                       f"({tflops / rates.get('flash', np.nan):.2f}x flash)", flush=True)
             del q, k, v, do
             cupy.get_default_memory_pool().free_all_blocks()
-    print("\n| case | tiles | stages | TFLOP/s | / flash | / cudnn | / mma.sync |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| case | tiles | stages | blocks/SM | TFLOP/s | / flash | / cudnn | / mma.sync |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, tiles, tflops, rates in rows:
         ratios = " | ".join(f"{tflops / rates[a]:.2f}" if a in rates else "-"
                             for a in ("flash", "cudnn", "mma.sync"))
-        print(f"| {name} | {tiles.block_q}x{tiles.block_k} | {tiles.stages} | {tflops:.1f} | "
+        print(f"| {name} | {tiles.block_q}x{tiles.block_k} | {tiles.stages} | "
+              f"{tiles.blocks_per_sm} | {tflops:.1f} | "
               f"{ratios} |")
 
 

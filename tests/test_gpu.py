@@ -307,7 +307,8 @@ hopper_only = pytest.mark.skipif(backends.availability("gpu") is not None or not
 @hopper_only
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("tiles", [(128, 128, 2), (64, 64, 3), (128, 64, 4), (192, 64, 3)],
+@pytest.mark.parametrize("tiles", [(128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 3), (128, 64, 4),
+                                   (192, 64, 3), (192, 128, 2)],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[2], TENSOR_CORE_OPTIONS[-1]],
@@ -331,15 +332,24 @@ def test_every_wgmma_tile_shape(dtype, head_dim, tiles, options):
 
 @hopper_only
 def test_wgmma_forward_is_the_default_on_hopper():
-    q = cupy.zeros((1, 1, 2048, 64), dtype=cupy.float16)
-    assert _launch.wgmma_tiles(q, AttentionOptions()) == _launch.WGMMA_DEFAULT_TILES[64]
-    # Short sequences without a right band edge take the short-sequence tiles.
-    assert _launch.wgmma_tiles(q[:, :, :1024], AttentionOptions()) == \
-        _launch.WGMMA_SHORT_TILES[64]
-    assert _launch.wgmma_tiles(q[:, :, :1024], AttentionOptions(causal=True, window_right=0)) \
-        == _launch.WGMMA_DEFAULT_TILES[64]
+    q = cupy.zeros((1, 1, 8192, 64), dtype=cupy.float16)
+    plain, causal = AttentionOptions(), AttentionOptions(causal=True, window_right=0)
+    assert _launch.wgmma_tiles(q, q, plain) == _launch.WGMMA_DEFAULT_TILES[64]
+    # Up to WGMMA_SHORT_TILES' key count, causal or not: two blocks per multiprocessor.
+    max_keys, short = _launch.WGMMA_SHORT_TILES[64]
+    for options in (plain, causal):
+        assert _launch.wgmma_tiles(q, q[:, :, :max_keys], options) == short
+    assert short.blocks_per_sm == 2
+    assert _launch.wgmma_tiles(q, q[:, :, :max_keys + 1], causal) == \
+        _launch.WGMMA_DEFAULT_TILES[64]
+    # Softcap, ALiBi or dropout: the tiles that spill least with them.
+    assert _launch.wgmma_tiles(q, q[:, :, :1024], AttentionOptions(softcap=5.0)) == \
+        _launch.WGMMA_SCORE_OPTION_TILES[64]
+    # Named tiles: the default's stages, one block per multiprocessor.
+    assert _launch.wgmma_tiles(q, q, AttentionOptions(block_q=64)) == \
+        _launch.WgmmaTiles(64, 128, 2)
     # A tile size the wgmma kernel is not built for selects the mma.sync kernel.
-    assert _launch.wgmma_tiles(q, AttentionOptions(block_k=32)) is None
+    assert _launch.wgmma_tiles(q, q, AttentionOptions(block_k=32)) is None
 
 
 @hopper_only

@@ -386,11 +386,13 @@ def forward_tensor_core(q, k, v, o, lse, options: AttentionOptions, blocks: Bloc
 @dataclass(frozen=True)
 class WgmmaTiles:
     """The Hopper forward's tiles: `block_q` query rows (64 per warpgroup), `block_k` keys
-    per step, `stages` K/V buffers in flight."""
+    per step, `stages` K/V buffers in flight, registers capped for `blocks_per_sm` resident
+    blocks."""
 
     block_q: int
     block_k: int
     stages: int
+    blocks_per_sm: int = 1
 
     def shared_bytes(self, head_dim: int) -> int:
         """Q tile and `stages` K and V tiles (16-bit, unpadded: the swizzle avoids bank
@@ -400,33 +402,45 @@ class WgmmaTiles:
 
 WGMMA_BLOCK_Q = (64, 128, 192)
 WGMMA_BLOCK_K = (64, 128)
-# The fastest of bench/sweep_gpu_wgmma.py (bench/NOTES-gpu.md, v6): three warpgroups.
-WGMMA_DEFAULT_TILES = {64: WgmmaTiles(192, 128, 2), 128: WgmmaTiles(192, 64, 3)}
-# D = 64 at Nq <= 1024 without a right edge to the band: 1024 rows are 8 tiles of 128 but
-# 5.3 of 192 (a third of the last one idle); the N = 1k sweep (bench/NOTES-gpu.md, v9)
-# measured 245 TFLOP/s for 128 x 64 with three stages against 189 for the default.
-WGMMA_SHORT_TILES = {64: WgmmaTiles(128, 64, 3)}
-SHORT_QUERIES = 1024
+# The fastest of bench/sweep_gpu_wgmma.py at N = 1k .. 16k (bench/NOTES-gpu.md, v10), for
+# scores without softcap, ALiBi or dropout: three warpgroups, 128-key tiles.
+WGMMA_DEFAULT_TILES = {64: WgmmaTiles(192, 128, 2), 128: WgmmaTiles(192, 128, 2)}
+# Up to this many keys, two blocks of 128 query rows per multiprocessor (registers capped at
+# 128): a block's prologue (Q and the first K/V tiles) and epilogue are a larger share of
+# a short row of key tiles, and the second block's main loop covers them.
+WGMMA_SHORT_TILES = {64: (4096, WgmmaTiles(128, 128, 2, 2)),
+                     128: (1024, WgmmaTiles(128, 64, 2, 2))}
+# Softcap, ALiBi and dropout add registers per score, which the tiles above pay in spills
+# (ptxas, D = 128, 192 x 128: 148 bytes with all three; 192 x 64 x 3: 8): v9's tiles.
+WGMMA_SCORE_OPTION_TILES = {64: WgmmaTiles(192, 128, 2), 128: WgmmaTiles(192, 64, 3)}
 
 
-def wgmma_tiles(q, options: AttentionOptions) -> WgmmaTiles | None:
+def wgmma_default_tiles(head_dim: int, n_k: int, options: AttentionOptions) -> WgmmaTiles:
+    switches = Switches.of(options)
+    if switches.softcap or switches.alibi or switches.dropout:
+        return WGMMA_SCORE_OPTION_TILES[head_dim]
+    max_keys, short = WGMMA_SHORT_TILES[head_dim]
+    return short if n_k <= max_keys else WGMMA_DEFAULT_TILES[head_dim]
+
+
+def wgmma_tiles(q, k, options: AttentionOptions) -> WgmmaTiles | None:
     """The Hopper forward's tiles when it applies (an sm_90 device, and tile sizes the
     caller named, if any, that it is built for), else None."""
     if compute_capability(q.device.id) != 90:
         return None
-    default = WGMMA_DEFAULT_TILES[q.shape[3]]
-    if (q.shape[2] <= SHORT_QUERIES and options.window_right == UNLIMITED
-            and q.shape[3] in WGMMA_SHORT_TILES):
-        default = WGMMA_SHORT_TILES[q.shape[3]]
+    default = wgmma_default_tiles(q.shape[3], k.shape[2], options)
     blocks = Blocks(default.block_q, default.block_k).resolve(options.block_q, options.block_k)
     if blocks.block_q not in WGMMA_BLOCK_Q or blocks.block_k not in WGMMA_BLOCK_K:
         return None
-    return WgmmaTiles(blocks.block_q, blocks.block_k, default.stages)
+    if blocks == Blocks(default.block_q, default.block_k):
+        return default
+    return WgmmaTiles(blocks.block_q, blocks.block_k, default.stages)  # one block per SM
 
 
 def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles):
     head_dim = q.shape[3]
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("HEAD_DIM", head_dim),
+               ("BLOCKS_PER_SM", tiles.blocks_per_sm),
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages)
                ) + Switches.of(options).defines()
     shared = tiles.shared_bytes(head_dim)
@@ -516,7 +530,7 @@ def forward(q, k, v, options: AttentionOptions):
         cached[0](q, k, v, o, lse)
         return o, lse
     blocks = tensor_core_blocks(q, v, options)
-    hopper_tiles = wgmma_tiles(q, options) if blocks is not None else None
+    hopper_tiles = wgmma_tiles(q, k, options) if blocks is not None else None
     float32_tiles = tf32_tiles(q, v, options) if blocks is None else None
     if hopper_tiles is not None:
         launch = forward_wgmma(q, k, v, o, lse, options, hopper_tiles)

@@ -19,7 +19,9 @@
 //   that straddle the band edge or the end of the keys.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, BLOCK_Q (a multiple
-// of 64), BLOCK_K (64 or 128), STAGES (>= 2), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
+// of 64), BLOCK_K (64 or 128), STAGES (>= 2), BLOCKS_PER_SM (the residency the registers
+// are capped for: 2 lets a second block's main loop cover one block's prologue and
+// epilogue, which short sequences pay per block), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
 // DROPOUT. Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "forward_softmax.cuh"
@@ -33,7 +35,7 @@ constexpr int kKvTileBytes = kSwizzledTileBytes<BLOCK_K, HEAD_DIM>;
 static_assert(BLOCK_Q % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
                   (BLOCK_K == 64 || BLOCK_K == 128), "wgmma tiles");
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma(
+extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_forward_wgmma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
     const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, i64 q_sb,
     i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
