@@ -42,7 +42,12 @@ def wgmma_candidates(head_dim: int) -> list:
     tiles += [replace(default, dkdv=t) for t in ((64, 64), (192, 64))]
     fitting = [(t, False) for t in tiles
                if max(t.shared_bytes(e, head_dim) for e in ("dq", "dkdv")) <= SHARED_LIMIT]
-    return [(default, True)] + fitting
+    # The single pass: D = 64 splits dQ over the warpgroups by keys (any owned rows), D = 128
+    # by column blocks (128 owned keys).
+    single = {default, replace(default, dkdv=(128, 64))}
+    if head_dim == 64:
+        single.add(replace(default, dq=(128, 64)))
+    return [(t, True) for t in sorted(single, key=repr) if head_dim in (64, t.dkdv[0])] + fitting
 
 
 def check(dtype, head_dim, tiles, backward=_launch.backward_tensor_core, **keywords):

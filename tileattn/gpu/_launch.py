@@ -676,13 +676,14 @@ class WgmmaBackwardTiles:
     def shared_bytes(self, entry: str, head_dim: int, single_pass: bool = False) -> int:
         """Two owned tiles and `stages` of two streamed ones (16-bit, swizzled), 1024 bytes
         of alignment slack; the dK/dV kernel also stages lse and D per streamed row, and in
-        the single pass holds the dS^T tile (owned x 64, 1024-byte aligned)."""
+        the single pass holds the dS^T tile (owned x 64, 1024-byte aligned) and a dQ staging
+        block per warpgroup (64 x 64 floats)."""
         owned, streamed = getattr(self, entry)
         tiles = 1024 + 2 * head_dim * (2 * owned + 2 * self.stages * streamed)
         if entry != "dkdv":
             return tiles
         return tiles + 2 * 4 * self.stages * streamed + (
-            1024 + 2 * owned * 64 if single_pass else 0)
+            1024 + 2 * owned * 64 + owned * 64 * 4 if single_pass else 0)
 
 
 # The fastest of bench/sweep_gpu_backward.py --wgmma (bench/NOTES-gpu.md, v7).
@@ -704,10 +705,11 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
 
     The dQ kernel runs first: it stores D, which the dK/dV kernel reads. `single_pass`:
     the dQ kernel only forms D and the dK/dV kernel adds dQ into a float32 buffer
-    (B * Hq * Nq * D * 4 bytes) with atomics, in arrival order, so dq's last bits depend
-    on scheduling. It is 8-14 % slower than the two kernels on the H100 (the atomics'
-    traffic outweighs the two products it saves; bench/NOTES-gpu.md, v7), so both
-    settings of ``deterministic`` run the two kernels by default.
+    (B * Hq * Nq rounded up to 64 * D * 4 bytes) by bulk reductions, in arrival order, so
+    dq's last bits depend on scheduling. It is 9-22 % slower than the two kernels on the
+    H100 (its per-tile dS^T store, barriers and staging outweigh the two products it
+    saves; bench/NOTES-gpu.md, v7 and v10), so both settings of ``deterministic`` run the
+    two kernels by default.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
@@ -725,8 +727,10 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
     tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
     (do, q, k, v, lse), (delta, dq, dk, dv), common = _backward_operands(do, q, k, v, lse,
                                                                          options)
-    dq_sum = (cupy.zeros(dq.size, dtype=cupy.float32) if single_pass
-              else _empty(q.device.id, "float32"))
+    # The single pass's dQ buffer: (batch x head, query tile of 64, column block of 64)
+    # blocks of 64 x 64 floats, one bulk reduction's destination each.
+    dq_sum = (cupy.zeros(batch * n_q_heads * -(-n_q // 64) * 64 * head_dim, dtype=cupy.float32)
+              if single_pass else _empty(q.device.id, "float32"))
     launches = []
     for entry, arrays, n_rows, heads in (
             ("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
@@ -745,10 +749,10 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
         launches[-1](*arrays)
     _remember(key, tuple(launches), *arrays_in)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
-        convert = _compile.kernel(WGMMA_BACKWARD_SOURCE, "attention_backward_dq_convert",
+        unblock = _compile.kernel(WGMMA_BACKWARD_SOURCE, "attention_backward_dq_unblock",
                                   tuple(sorted(defines)), 0, arch="90a")
-        convert((min(4096, -(-dq.size // 512)),), (256,),
-                (dq_sum, dq, np.int64(dq.size), np.float32(options.scale)))
+        unblock((min(4096, -(-dq.size // 512)),), (256,),
+                (dq_sum, dq, np.int64(n_q), np.int64(dq.size), np.float32(options.scale)))
     return dq, dk, dv
 
 

@@ -20,11 +20,12 @@
 //
 // SINGLE_PASS (deterministic=False): the dQ kernel only forms D (DELTA_ONLY), and the
 // dK/dV kernel also adds each query tile's dQ share, dS K over its keys, into a float32
-// buffer with red.global.add (FlashAttention-2's single pass): 7 tile products instead of
-// 9, dq's last bits then depend on the order of the additions. dS^T goes to a swizzled
-// shared tile (keys x queries), read MN-major as the A operand of dQ = dS K, with K's
-// owned tile MN-major as B; the 64-column blocks of dQ rotate over the warpgroups from one
-// query tile to the next. attention_backward_dq_convert scales and rounds the buffer.
+// buffer (FlashAttention-2's single pass): 7 tile products instead of 9, dq's last bits
+// then depend on the order of the additions. dS^T goes to a swizzled shared tile (keys x
+// queries), read MN-major as the A operand of dQ = dS K, with K's owned tile MN-major as B;
+// each warpgroup's share (kSplitKeys below) goes to the buffer as bulk reductions
+// (cp.reduce.async.bulk) from a staging block in shared memory.
+// attention_backward_dq_convert scales and rounds the buffer.
 //
 // Tiles use the 128-byte swizzle of wgmma.cuh; streamed tiles cycle through STAGES buffers
 // filled by cp.async with one barrier per tile (tile t + STAGES - 1 is issued into the
@@ -47,8 +48,15 @@ constexpr int kOutFrags = HEAD_DIM / 8;         // n8 fragments of a gradient pe
 constexpr int kColumnBlocks = HEAD_DIM / kSwizzleColumns;  // 64-column blocks of a row
 static_assert(OWNED_ROWS % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
                   (STREAMED_ROWS == 64 || STREAMED_ROWS == 128), "wgmma tiles");
-// The single pass's dQ product: one wgmma M of queries, each column block to one warpgroup.
-static_assert(!SINGLE_PASS || (STREAMED_ROWS == 64 && kColumnBlocks <= kWarpgroups),
+// The single pass's share of dQ = dS K per warpgroup and query tile (one wgmma M of
+// queries): with as many 64-column blocks as warpgroups (D = 128 over 128 keys) warpgroup w
+// takes block w over all owned keys; with one block (D = 64) each takes its own 64 keys (and
+// the buffer gets one addition per 64 keys). Every warpgroup issues the same wgmma chain
+// every tile: a wgmma under a branch that differs between warpgroups is serialised by
+// ptxas (C7520), and with it v7b's single pass spilled 300-800 bytes.
+constexpr bool kSplitKeys = kColumnBlocks == 1;
+constexpr int kDqKeys = kSplitKeys ? 64 : OWNED_ROWS;  // the dQ product's K
+static_assert(!SINGLE_PASS || (STREAMED_ROWS == 64 && (kSplitKeys || kColumnBlocks == kWarpgroups)),
               "single-pass dQ split");
 
 // ------------------------------------------------------------------ products
@@ -278,32 +286,56 @@ __device__ __forceinline__ void store_transposed_ds(const float (&dst)[kScoreFra
         }
 }
 
-// Issues dq_part = dS K for the 64 queries of the tile and columns [64 block, 64 block + 64):
-// A = dS^T's tile read MN-major, B = K's owned tile, its column block `block`, MN-major.
+// Issues dq_part = dS K for the 64 queries of the tile, over kDqKeys keys from `ds_rows`
+// (dS^T's tile at the first of those keys, read MN-major) and `k_rows` (K's owned tile at the
+// same key, in the column block of dq_part, MN-major).
 __device__ __forceinline__ void issue_dq_product(float (&dq_part)[kSwizzleColumns / 8][4],
-                                                 u32 ds_tile, u32 k_tile, int block) {
+                                                 u32 ds_rows, u32 k_rows) {
 #pragma unroll
-    for (int kk = 0; kk < OWNED_ROWS / 16; ++kk)
+    for (int kk = 0; kk < kDqKeys / 16; ++kk)
         wgmma_ss_transposed<kSwizzleColumns>(
-            dq_part, mn_major_descriptor(ds_tile + kk * 16 * kSwizzleRowBytes, 0),
-            mn_major_descriptor(k_tile + block * OWNED_ROWS * kSwizzleRowBytes +
-                                    kk * 16 * kSwizzleRowBytes,
-                                0),
-            kk > 0);
+            dq_part, mn_major_descriptor(ds_rows + kk * 16 * kSwizzleRowBytes, 0),
+            mn_major_descriptor(k_rows + kk * 16 * kSwizzleRowBytes, 0), kk > 0);
 }
 
-// dq_head[query][64 block + c] += dq_part (rows past n_q are not added).
-__device__ __forceinline__ void add_dq_part(const float (&dq_part)[kSwizzleColumns / 8][4],
-                                            float* dq_head, i64 query0, int block, i64 n_q) {
+// dQ shares leave through shared memory: the warpgroup stages its 64 x 64 float block and
+// one thread hands it to the TMA unit as one bulk reduction into dq_sum, so the float
+// additions run in L2 without holding the warps (red.global from registers did:
+// bench/NOTES-gpu.md, v10). dq_sum is blocked to match: (batch x head, query tile of 64,
+// column block), 64 x 64 floats each, contiguous; attention_backward_dq_unblock reads it.
+constexpr int kStagedBytes = 64 * kSwizzleColumns * 4;  // per warpgroup
+
+// This warp's 16 rows of dq_part into the warpgroup's staging block (rows of 256 bytes).
+__device__ __forceinline__ void stage_dq_part(const float (&dq_part)[kSwizzleColumns / 8][4],
+                                              unsigned char* staged) {
     const int lane = threadIdx.x % 32;
+    const int row0 = ((threadIdx.x / 32) % 4) * 16 + lane / 4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const i64 query = query0 + lane / 4 + 8 * half;
-        if (query >= n_q) continue;
-        float* row = dq_head + query * HEAD_DIM + block * kSwizzleColumns + 2 * (lane % 4);
+        float2* row = reinterpret_cast<float2*>(staged) + (row0 + 8 * half) * kSwizzleColumns / 2;
 #pragma unroll
         for (int n = 0; n < kSwizzleColumns / 8; ++n)
-            add_pair(row + n * 8, dq_part[n][2 * half], dq_part[n][2 * half + 1]);
+            row[n * 4 + lane % 4] = make_float2(dq_part[n][2 * half], dq_part[n][2 * half + 1]);
+    }
+}
+
+// The first 64 x 64 block of dq_sum's blocked layout for (bh, query tile), column block 0.
+__device__ __forceinline__ float* dq_sum_block(float* dq_sum, i64 bh, i64 query_tile, i64 n_q) {
+    const i64 n_tiles = (n_q + 63) / 64;
+    return dq_sum + (bh * n_tiles + query_tile) * kColumnBlocks * 64 * kSwizzleColumns;
+}
+
+// dq = scale * dq_sum (blocked), rounded to the input type: the single pass's last step.
+extern "C" __global__ void attention_backward_dq_unblock(const float* dq_sum, bits16* dq,
+                                                         i64 n_q, i64 count, float scale) {
+    for (i64 pair = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; pair < count / 2;
+         pair += static_cast<i64>(gridDim.x) * blockDim.x) {
+        const i64 i = 2 * pair, bh = i / (n_q * HEAD_DIM), row = (i / HEAD_DIM) % n_q;
+        const int column = static_cast<int>(i % HEAD_DIM);
+        const float* block = dq_sum_block(const_cast<float*>(dq_sum), bh, row / 64, n_q) +
+                             (column / kSwizzleColumns) * 64 * kSwizzleColumns;
+        const float* at = block + (row % 64) * kSwizzleColumns + column % kSwizzleColumns;
+        reinterpret_cast<u32*>(dq)[pair] = pack_pair(scale * at[0], scale * at[1]);
     }
 }
 
@@ -331,6 +363,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     const u32 ds_tile = (do_tiles + STAGES * kStreamedBytes + 8 * STAGES * STREAMED_ROWS +
                          kSwizzleAtomBytes - 1) & ~static_cast<u32>(kSwizzleAtomBytes - 1);
     unsigned char* ds_bytes = shared_bytes + (ds_tile - shared_address(shared_bytes));
+    // SINGLE_PASS: each warpgroup's dQ staging block, after dS^T.
+    const u32 staged =
+        ds_tile + OWNED_ROWS * kSwizzleRowBytes + (threadIdx.x / 128) * kStagedBytes;
+    unsigned char* staged_bytes = shared_bytes + (staged - shared_address(shared_bytes));
 
     const Band band{band_offset, window_left, window_right};
     const int n_kv_heads = n_q_heads / group_size;
@@ -404,35 +440,42 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             u32 pt[STREAMED_ROWS / 16][4], dst[STREAMED_ROWS / 16][4];
             pack_fragments(st, pt);
             pack_fragments(dpt, dst);
-            // SINGLE_PASS: this query tile's column block of dQ for this warpgroup, if any
-            // (block c goes to warpgroup (c + t) % warpgroups at step t, spreading D = 64's
-            // single block and D = 128's two blocks over the warpgroups).
-            int dq_block = -1;
+            // SINGLE_PASS: dS^T to shared memory for this warpgroup's share of dQ.
             if (SINGLE_PASS) {
                 store_transposed_ds(dpt, ds_bytes, warp_key0 - col_start);
                 fence_shared_for_async_proxy();
-                __syncthreads();  // every warpgroup's dS^T rows are in ds_tile
-                const int step = static_cast<int>(query_tile - tile_begin);
-#pragma unroll
-                for (int block = 0; block < kColumnBlocks; ++block)
-                    if ((block + step) % kWarpgroups == warpgroup) dq_block = block;
+                bulk_wait_read<0>();  // the last tile's staged dQ rows are read: reusable
+                // Its own keys' rows of dS^T, or every warpgroup's.
+                if (kSplitKeys) warpgroup_sync(); else __syncthreads();
             }
+            const int dq_block = kSplitKeys ? 0 : warpgroup;
+            const int dq_key0 = kSplitKeys ? warpgroup * 64 : 0;
             float dq_part[kSwizzleColumns / 8][4];
             wgmma_fence();
             issue_accumulate(dv_acc, pt, do_stage);
             issue_accumulate(dk_acc, dst, q_stage);
-            if (SINGLE_PASS && dq_block >= 0) issue_dq_product(dq_part, ds_tile, k_tile, dq_block);
+            if (SINGLE_PASS)
+                issue_dq_product(dq_part, ds_tile + dq_key0 * kSwizzleRowBytes,
+                                 k_tile + (dq_block * OWNED_ROWS + dq_key0) * kSwizzleRowBytes);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(dv_acc);
             wgmma_pin(dk_acc);
-            if (SINGLE_PASS && dq_block >= 0) {
+            if (SINGLE_PASS) {
                 wgmma_pin(dq_part);
-                add_dq_part(dq_part, dq_sum + bh * n_q * HEAD_DIM,
-                            query_start + ((threadIdx.x / 32) % 4) * 16, dq_block, n_q);
+                stage_dq_part(dq_part, staged_bytes);
+                fence_shared_for_async_proxy();
+                warpgroup_sync();
+                if (threadIdx.x % 128 == 0) {
+                    bulk_reduce_add(dq_sum_block(dq_sum, bh, query_tile, n_q) +
+                                        dq_block * 64 * kSwizzleColumns,
+                                    staged, kStagedBytes);
+                    bulk_commit();
+                }
             }
         });
     }
+    if (SINGLE_PASS) bulk_wait<0>();  // the staging blocks outlive their reductions
     store_rows(dk_acc, scale, dk_head, warp_key0, n_k);
     store_rows(dv_acc, 1.0f, dv_head, warp_key0, n_k);
 }

@@ -88,6 +88,31 @@ __device__ __forceinline__ void fence_shared_for_async_proxy() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Bulk reduction by the TMA unit: dst[0 .. bytes / 4) += the floats at shared address src,
+// performed in L2 without holding the issuing warp. `bytes` is a multiple of 16 and both
+// addresses are 16-byte aligned. The source may be rewritten only after
+// bulk_wait_read<0>() in the issuing thread (groups are per thread).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// This thread's bulk groups but the newest `Pending` have read their source.
+template <int Pending> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(Pending) : "memory");
+}
+// This thread's bulk groups but the newest `Pending` are complete (written).
+template <int Pending> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+// A barrier for this thread's warpgroup alone (named barrier 1 + warpgroup; 0 is
+// __syncthreads').
+__device__ __forceinline__ void warpgroup_sync() {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(threadIdx.x / 128 + 1) : "memory");
+}
+
 // Pins accumulator registers in place around wgmma: without it the compiler may move
 // a value between an asynchronous wgmma's issue and its wait.
 template <int Frags>
