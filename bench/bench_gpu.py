@@ -230,7 +230,9 @@ def validate_small(case: Case):
     assert_attention_close(o.get(), golden_o, host[0].dtype, name="o")
     if case.direction == "backward":
         grads = tileattn.backward(do, q, k, v, o, lse, backend="gpu", **small.options)
-        golden = tileattn.backward(host[3].astype(np.float64), *as64, golden_o, golden_lse,
+        # SPEC: D = rowsum(do * o) from the o the backward is given.
+        golden = tileattn.backward(host[3].astype(np.float64), *as64,
+                                   o.get().astype(np.float64), golden_lse,
                                    backend="reference", causal=case.causal)
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, host[0].dtype, name=name)
@@ -272,12 +274,17 @@ def run_case(case: Case, repetitions: int) -> list[tuple]:
 # --------------------------------------------------------------------------- FA shapes
 
 
-def fa_cases(dtypes=("float16", "bfloat16")) -> list[Case]:
+FA_SEQUENCE_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+
+
+def fa_cases(dtypes=("float16", "bfloat16"), lengths=FA_SEQUENCE_LENGTHS,
+             head_dims=(64, 128)) -> list[Case]:
     cases = []
     for dtype in dtypes:
-        for head_dim, heads in ((64, 32), (128, 16)):
+        for head_dim in head_dims:
+            heads = 2048 // head_dim
             for causal in (False, True):
-                for n in (1024, 2048, 4096, 8192, 16384):
+                for n in lengths:
                     cases.append(Case(dtype, 16384 // n, heads, n, head_dim, causal=causal))
     return cases
 
@@ -290,8 +297,9 @@ def torch_anchors(dtype: str) -> tuple:
     return (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
 
 
-def fa_functions(case: Case, q, k, v, do) -> dict:
-    """name -> (forward, forward+backward) callables; each returns o / (dq, dk, dv)."""
+def fa_functions(case: Case, q, k, v, do, nondeterministic: bool = True) -> dict:
+    """name -> (forward, forward+backward) callables; each returns o / (dq, dk, dv).
+    `nondeterministic`: also tileattn-nd, the backward with deterministic=False."""
     def ours_both():
         o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=case.causal)
         return tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=case.causal)
@@ -302,9 +310,9 @@ def fa_functions(case: Case, q, k, v, do) -> dict:
                                  deterministic=False)
 
     functions = {"tileattn": (lambda: tileattn.forward(q, k, v, backend="gpu",
-                                                       causal=case.causal), ours_both),
-                 # deterministic=False: the single-pass backward (forward is the same)
-                 "tileattn-nd": (None, ours_single_pass)}
+                                                       causal=case.causal), ours_both)}
+    if nondeterministic:  # deterministic=False (the forward is the same)
+        functions["tileattn-nd"] = (None, ours_single_pass)
     if torch is None:
         return functions
     tq, tk, tv, tdo = (_as_torch(a) for a in (q, k, v, do))
@@ -324,16 +332,18 @@ def fa_functions(case: Case, q, k, v, do) -> dict:
     return functions
 
 
-def run_fa(repetitions: int, dtypes) -> None:
+def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64, 128),
+           nondeterministic: bool = True) -> None:
     """Times FA's shapes; checks every implementation against float64 on one head first
     (N <= 4096: the check's N x N float64 products are what limits it)."""
     results = {}  # (case name, direction) -> {implementation: TFLOP/s}
-    for case in fa_cases(dtypes):
+    for case in fa_cases(dtypes, lengths, head_dims):
         validate_small(replace(case, direction="backward"))
         q, k, v, do = make_inputs(case)
         reference = float64_reference(q, k, v, do, case.causal, heads=1) if case.n <= 4096 \
             else None
-        for name, (forward, both) in fa_functions(case, q, k, v, do).items():
+        for name, (forward, both) in fa_functions(case, q, k, v, do,
+                                                  nondeterministic).items():
             for direction, function, flops in (("fwd", forward, case.flops),
                                                ("fwd+bwd", both, 3.5 * case.flops)):
                 if function is None:
@@ -389,12 +399,19 @@ def main() -> None:
     parser.add_argument("--fa", action="store_true",
                         help="FlashAttention's benchmark shapes only (TFLOP/s table)")
     parser.add_argument("--fa-dtypes", default="float16,bfloat16")
+    parser.add_argument("--fa-n", default=",".join(map(str, FA_SEQUENCE_LENGTHS)),
+                        help="sequence lengths of the FA shapes (comma-separated)")
+    parser.add_argument("--fa-head-dims", default="64,128")
+    parser.add_argument("--no-nd", action="store_true",
+                        help="leave out tileattn-nd (deterministic=False)")
     args = parser.parse_args()
     device = cupy.cuda.Device()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(device.id)['name'].decode()}, "
           f"CuPy {cupy.__version__}, torch {torch.__version__ if torch else 'absent'}")
     if args.fa:
-        run_fa(args.repetitions, args.fa_dtypes.split(","))
+        run_fa(args.repetitions, args.fa_dtypes.split(","),
+               tuple(map(int, args.fa_n.split(","))),
+               tuple(map(int, args.fa_head_dims.split(","))), not args.no_nd)
         return
     cases = [c for c in CASES if args.only in c.name]
     if args.sweep:

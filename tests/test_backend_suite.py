@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import tileattn
 from tileattn.dropout import keep_mask
-from tileattn.testing import AttentionProblem, assert_attention_close, attention_problems
+from tileattn.testing import (AttentionProblem, assert_attention_close, attention_error,
+                              attention_problems)
 
 
 def golden_forward(problem: AttentionProblem):
@@ -22,9 +23,11 @@ def golden_forward(problem: AttentionProblem):
 
 
 def golden_backward(problem: AttentionProblem, o, lse):
+    """The golden gradients for the `o` the backend under test is given (SPEC: its
+    ``D = rowsum(do * o)``); the golden model recomputes everything else from q, k, v."""
     do = problem.do.astype(np.float64)
-    return tileattn.backward(do, *problem.as_float64(), o, lse, **problem.options,
-                             backend="reference")
+    return tileattn.backward(do, *problem.as_float64(), np.asarray(o, np.float64), lse,
+                             **problem.options, backend="reference")
 
 
 def check_forward(backend, problem: AttentionProblem):
@@ -39,12 +42,15 @@ def check_forward(backend, problem: AttentionProblem):
 
 
 def check_backward(backend, problem: AttentionProblem, lse_magnitude: float = 0.0):
-    o, lse = backend.forward(problem.q, problem.k, problem.v, **problem.options,
-                             return_lse=True)
+    """The backward alone, as the function of its inputs that SPEC defines: it is given
+    the golden o and lse rounded as a forward returns them (the forward has tests of its
+    own), and judged against the golden gradients for that o (``D = rowsum(do * o)``)."""
+    expected_o, expected_lse = golden_forward(problem)
+    o = expected_o.astype(problem.dtype)
+    lse = expected_lse.astype(np.float64 if problem.dtype == np.float64 else np.float32)
     grads = backend.backward(problem.do, problem.q, problem.k, problem.v, o, lse,
                              **problem.options)
-    expected_o, expected_lse = golden_forward(problem)
-    expected = golden_backward(problem, expected_o, expected_lse)
+    expected = golden_backward(problem, o, lse)
     for name, grad, want, like in zip(("dq", "dk", "dv"), grads, expected,
                                       (problem.q, problem.k, problem.v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
@@ -192,6 +198,26 @@ def test_large_float32_scores_do_not_overflow(backend):
     check_forward(backend, AttentionProblem(q, k, v, np.ones_like(o), options))
     check_backward(backend, AttentionProblem(q, k, v, np.ones_like(o), options),
                    lse_magnitude=float(np.abs(lse).max()))
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(np.float32, 16), (np.float16, 64)])
+def test_backward_takes_D_from_the_given_o(backend, dtype, head_dim):
+    """SPEC: ``D = rowsum(do * o)`` from the o passed in. With o moved by 5 % the
+    gradients follow the golden model given that o, and miss the ones for the unmoved o
+    (a backward that rebuilt D from the recomputed tiles would do the reverse)."""
+    q, k, v = random_inputs((2, 3, 70, head_dim), (2, 3, 90, head_dim), (2, 3, 90, head_dim),
+                            dtype=dtype, seed=4)
+    do = np.random.default_rng(5).standard_normal(q.shape).astype(dtype)
+    o, lse = backend.forward(q, k, v, causal=True, return_lse=True)
+    moved = (o.astype(np.float32) * 1.05).astype(dtype)
+    grads = backend.backward(do, q, k, v, moved, lse, causal=True)
+    problem = AttentionProblem(q, k, v, do, {"causal": True})
+    for name, grad, want, unmoved in zip(("dq", "dk", "dv"), grads,
+                                         golden_backward(problem, moved, lse),
+                                         golden_backward(problem, o, lse)):
+        assert_attention_close(grad, want, dtype, name=name)
+        if name == "dq":
+            assert attention_error(grad, unmoved, dtype) > 1.0
 
 
 def test_non_finite_query_row_stays_in_its_row(backend):

@@ -36,10 +36,11 @@ def _golden(q, k, v, **options):
     return tileattn.forward(q64, k64, v64, backend="reference", return_lse=True, **options)
 
 
-def _golden_grads(do, q, k, v, **options):
-    q64, k64, v64, do64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v, do))
-    o, lse = tileattn.forward(q64, k64, v64, backend="reference", return_lse=True, **options)
-    return tileattn.backward(do64, q64, k64, v64, o, lse, backend="reference", **options)
+def _golden_grads(do, q, k, v, o, **options):
+    """The golden gradients for the `o` the CPU backward was given (its D = rowsum(do * o))."""
+    q64, k64, v64, do64, o64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v, do, o))
+    lse = tileattn.forward(q64, k64, v64, backend="reference", return_lse=True, **options)[1]
+    return tileattn.backward(do64, q64, k64, v64, o64, lse, backend="reference", **options)
 
 
 # --------------------------------------------------------------------------- threads, cache
@@ -75,7 +76,7 @@ def test_eight_python_threads_at_once_get_correct_results():
         options = {"causal": index % 2 == 1}
         assert_attention_close(o, _golden(q, k, v, **options)[0], np.float32, name="o")
         for name, grad, golden in zip(("dq", "dk", "dv"), grads,
-                                      _golden_grads(np.ones_like(o), q, k, v, **options)):
+                                      _golden_grads(np.ones_like(o), q, k, v, o, **options)):
             assert_attention_close(grad, golden, np.float32, name=name)
 
 
@@ -221,7 +222,7 @@ def test_non_contiguous_and_negative_stride_inputs():
     grads = tileattn.backward(do_view, q_view, k_view, v_view, o[:, :, ::-1][:, :, ::-1],
                               lse, causal=True, backend="cpu")
     for name, grad, golden in zip(("dq", "dk", "dv"), grads,
-                                  _golden_grads(do_view, q_view, k_view, v_view,
+                                  _golden_grads(do_view, q_view, k_view, v_view, o,
                                                 causal=True)):
         assert_attention_close(grad, golden, np.float32, name=name)
     for original, after in zip(before, (q_view, k_view, v_view, do)):
@@ -250,7 +251,7 @@ def test_half_precision_inputs(dtype):
     assert_attention_close(lse, expected_lse, dtype, name="lse")
     grads = tileattn.backward(do, q, k, v, o, lse, backend="cpu", **options)
     for name, grad, like, golden in zip(("dq", "dk", "dv"), grads, (q, k, v),
-                                        _golden_grads(do, q, k, v, **options)):
+                                        _golden_grads(do, q, k, v, o, **options)):
         assert grad.dtype == dtype and grad.shape == like.shape
         assert_attention_close(grad, golden, dtype, name=name)
 
@@ -271,7 +272,7 @@ def test_both_backward_schedules_agree_with_the_golden_model_and_are_determinist
         for a, b in zip(first, second):
             np.testing.assert_array_equal(a, b)
         for name, grad, golden in zip(("dq", "dk", "dv"), first,
-                                      _golden_grads(do, q, k, v, **options)):
+                                      _golden_grads(do, q, k, v, o, **options)):
             assert_attention_close(grad, golden, np.float32, name=name)
 
 

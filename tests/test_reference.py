@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import tileattn
 from tileattn import dropout
 from tileattn.options import AttentionOptions, keeps
-from tileattn.reference import dense_backward, dense_forward, tiled_backward, tiled_forward
+from tileattn.reference import (dense_backward, dense_forward, dense_probabilities,
+                                tiled_backward, tiled_forward)
 from tileattn.testing import assert_attention_close, attention_problems
 from tileattn.validation import validate
 
@@ -52,7 +53,7 @@ def test_dense_backward_matches_finite_differences(kwargs):
     v = rng.standard_normal((1, 2, 5, 2))
     do = rng.standard_normal((1, 4, 6, 2))
     q4, k4, v4, options = options_for((q, k, v), **kwargs)
-    grads = dense_backward(do, q4, k4, v4, options)
+    grads = dense_backward(do, q4, k4, v4, dense_forward(q4, k4, v4, options)[0], options)
 
     def loss(q_, k_, v_):
         return float(np.sum(dense_forward(q_, k_, v_, options)[0] * do))
@@ -84,8 +85,32 @@ def test_tiled_form_equals_dense_form(problem, block_q, block_k):
     assert_attention_close(tiled_lse, lse, np.float64, name="lse")
     for name, tiled, dense in zip(("dq", "dk", "dv"),
                                   tiled_backward(do, q, k, v, o, lse, opts, block_q, block_k),
-                                  dense_backward(do, q, k, v, opts)):
+                                  dense_backward(do, q, k, v, o, opts)):
         assert_attention_close(tiled, dense, np.float64, name=name)
+
+
+def test_dense_backward_takes_D_from_the_given_o():
+    """SPEC: ``D_i = rowsum(do_i * o_i)`` with the ``o`` passed in. Moving ``o`` by ``e``
+    moves ``D`` by ``rowsum(do * e)``, hence ``dS = P (dP - D)`` by ``-P rowsum(do * e)``:
+    dq by ``-scale rowsum(do * e) (P K)``, dk by ``-scale P^T (rowsum(do * e) Q)``, and dv
+    not at all."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(shape) for shape in ((1, 2, 5, 4), (1, 1, 6, 4), (1, 1, 6, 3)))
+    do = rng.standard_normal((1, 2, 5, 3))
+    q4, k4, v4, options = options_for((q, k, v), causal=True, scale=0.7)
+    o = dense_forward(q4, k4, v4, options)[0]
+    moved = o + 1e-3 * rng.standard_normal(o.shape)
+    exact, shifted = dense_backward(do, q4, k4, v4, o, options), dense_backward(
+        do, q4, k4, v4, moved, options)
+    probs = dense_probabilities(q4, k4, options)[0]
+    delta_shift = np.sum(do * (moved - o), axis=-1, keepdims=True)
+    k_rep = np.repeat(k4, 2, axis=1)
+    np.testing.assert_allclose(shifted[0] - exact[0], -0.7 * delta_shift * (probs @ k_rep),
+                               atol=1e-13)
+    dk_shift = -0.7 * np.swapaxes(probs, -1, -2) @ (delta_shift * q4)
+    np.testing.assert_allclose(shifted[1] - exact[1], dk_shift.sum(axis=1, keepdims=True),
+                               atol=1e-13)
+    np.testing.assert_array_equal(shifted[2], exact[2])
 
 
 # --------------------------------------------------------------------------- hand-worked

@@ -95,6 +95,11 @@ def run_check(*, batch=1, heads=4, seq_len=512, head_dim=64, dtype="float32", ca
         (dq_, dk_, dv_), bwd_seconds = _timed(_synchronised(
             lambda: backward(do_, q_, k_, v_, o, lse, **options, backend=name), memory),
             repeats)
+        # The backward is judged against the golden gradients for the o it was given
+        # (SPEC: D = rowsum(do * o)).
+        golden_grads = backward(golden_inputs[3], *golden_inputs[:3],
+                                _to_host(o).astype(np.float64), golden_lse, **options,
+                                backend="reference")
         errors = [attention_error(_to_host(a), b, dtype) for a, b in zip(
             (o, lse, dq_, dk_, dv_), (golden_o, golden_lse, *golden_grads))]
         ok = all(e <= 1.0 for e in errors)

@@ -8,7 +8,9 @@ Two forms of the same function:
 
   ``O = P~ V`` with ``P~ = P * keep / (1 - dropout_p)``, so
   ``dV = P~^T dO``, ``dP~ = dO V^T``, ``dP = dP~ * keep / (1 - dropout_p)``;
-  softmax gives ``dS = P * (dP - D)`` with ``D = rowsum(P * dP) = rowsum(dO * O)``;
+  softmax gives ``dS = P * (dP - D)`` with ``D = rowsum(P * dP) = rowsum(dO * O)``,
+  formed from the ``o`` the caller passes, as SPEC's backward says (and as
+  FlashAttention-2, FlashAttention-3 and cuDNN do);
   softcap ``s = c tanh(r / c)`` gives ``dR = dS * (1 - tanh(r / c)^2)``; and
   ``r = scale * Q K^T`` gives ``dQ = scale dR K``, ``dK = scale dR^T Q``.
   ALiBi and masks are constants: no gradient flows through them.
@@ -132,16 +134,18 @@ def dense_forward(q, k, v, options: AttentionOptions):
     return probs @ _repeat_kv(v, q.shape[1]), lse
 
 
-def dense_backward(do, q, k, v, options: AttentionOptions):
-    """Golden backward: ``dq, dk, dv`` in float64, from the inputs alone (recomputes O)."""
-    do, q, k, v = _as_float64(do, q, k, v)
+def dense_backward(do, q, k, v, o, options: AttentionOptions):
+    """Golden backward: ``dq, dk, dv`` in float64, with ``D = rowsum(do * o)`` from the
+    given `o` (SPEC). With the exact ``o`` of `dense_forward` this is the exact gradient;
+    with an ``o`` rounded to a 16-bit type it is the gradient every FlashAttention-style
+    backward computes from that ``o``, which is what the kernels are judged against."""
+    do, q, k, v, o = _as_float64(do, q, k, v, o)
     n_kv_heads, n_q_heads = k.shape[1], q.shape[1]
     probs, _, softcap_grad = dense_probabilities(q, k, options)
     n_q, n_k = probs.shape[2:]
     dropout = _dropout_scale(np.arange(n_q), np.arange(n_k), *probs.shape[:2], options)
     dropped = probs if dropout is None else probs * dropout
     k_rep, v_rep = _repeat_kv(k, n_q_heads), _repeat_kv(v, n_q_heads)
-    o = dropped @ v_rep
     dv = np.swapaxes(dropped, -1, -2) @ do
     dp = do @ np.swapaxes(v_rep, -1, -2)
     if dropout is not None:
@@ -255,5 +259,5 @@ def forward(q, k, v, options: AttentionOptions):
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
-    dq, dk, dv = dense_backward(do, q, k, v, options)
+    dq, dk, dv = dense_backward(do, q, k, v, o, options)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

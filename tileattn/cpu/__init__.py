@@ -123,23 +123,14 @@ def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     from .backward_kernel import (backward_by_heads, backward_key_tiles,
-                                  backward_query_tiles, consistent_delta_kernel,
-                                  row_terms_kernel)
+                                  backward_query_tiles, row_terms_kernel)
 
     dtype = _compute_dtype(q.dtype)
-    do_c, q_c, k_c, v_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, lse))
-    if q.dtype.itemsize < dtype.itemsize and options.dropout_p == 0:
-        # D = rowsum(dO * O) from a float16/bfloat16 O carries O's rounding (2**-11 or 2**-8
-        # relative) into every dS = P (dP - D), which a sharp softmax amplifies past the
-        # tolerance the float64 golden model allows (it never rounds O). Recomputing O in
-        # float32 costs one forward pass and removes that error.
-        o_c = _forward(q_c, k_c, v_c, options)[0]
-    else:
-        o_c = _read_only(o, dtype)
+    do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
     batch, n_q_heads, n_q, _ = q.shape
     n_kv_heads = k.shape[1]
     delta = np.empty((batch, n_q_heads, n_q), dtype)
-    lse_log2 = np.empty((batch, n_q_heads, n_q), dtype)
+    safe_lse = np.empty((batch, n_q_heads, n_q), dtype)
     dk = np.empty(k.shape, dtype)
     dv = np.empty(v.shape, dtype)
     n_threads = numba.get_num_threads()
@@ -147,18 +138,16 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     scalars = _option_scalars(options, batch, n_q_heads)
     tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, n_threads)
     with _kernel_lock, blas.single_threaded():
-        row_terms_kernel(do_c, o_c, lse_c, delta, lse_log2)
-        if options.dropout_p > 0:  # D from the tiles instead: see consistent_delta_kernel
-            consistent_delta_kernel(q_c, k_c, v_c, do_c, lse_log2, delta, *scalars, *tiling)
-        delta.flags.writeable = lse_log2.flags.writeable = False
+        row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
+        delta.flags.writeable = safe_lse.flags.writeable = False
         if _use_heads_schedule(batch, n_kv_heads, n_threads):
             dq = np.zeros(q.shape, dtype)
-            backward_by_heads(q_c, k_c, v_c, do_c, lse_log2, delta, dq, dk, dv, *scalars,
+            backward_by_heads(q_c, k_c, v_c, do_c, safe_lse, delta, dq, dk, dv, *scalars,
                               *tiling)
         else:
             dq = np.empty(q.shape, dtype)
-            backward_key_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dq, dk, dv, *scalars,
+            backward_key_tiles(q_c, k_c, v_c, do_c, safe_lse, delta, dq, dk, dv, *scalars,
                                *tiling)
-            backward_query_tiles(q_c, k_c, v_c, do_c, lse_log2, delta, dq, *scalars, *tiling)
+            backward_query_tiles(q_c, k_c, v_c, do_c, safe_lse, delta, dq, *scalars, *tiling)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

@@ -34,10 +34,11 @@ from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def row_terms_kernel(do, out, lse, delta, lse_log2):
-    """``delta = rowsum(dO * O)`` and ``lse`` in log2 units, +inf for rows with no kept key.
+def row_terms_kernel(do, out, lse, delta, safe_lse):
+    """``delta = rowsum(dO * O)`` from the given O (SPEC), and ``lse`` with +inf for rows
+    with no kept key.
 
-    +inf (not -inf) makes ``2**(s - lse)`` vanish on such rows: their scores are all -inf
+    +inf (not -inf) makes ``exp(s - lse)`` vanish on such rows: their scores are all -inf
     and ``-inf - -inf`` would be NaN.
     """
     batch, n_heads, n_q, value_dim = do.shape
@@ -50,11 +51,11 @@ def row_terms_kernel(do, out, lse, delta, lse_log2):
                 total += do[b, h, i, d] * out[b, h, i, d]
             delta[b, h, i] = total
             row_lse = lse[b, h, i]
-            lse_log2[b, h, i] = np.inf if row_lse == -np.inf else row_lse * dtype(LOG2_E)
+            safe_lse[b, h, i] = np.inf if row_lse == -np.inf else row_lse
 
 
 @njit(fastmath=FASTMATH)
-def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, lse_log2, delta, bh, row_start,
+def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, safe_lse, delta, bh, row_start,
                           col_start, n_q, n_k, scale, softcap, slope, window_left,
                           window_right, dropout_key, dropout_threshold, inv_keep, probs,
                           score_grads, softcap_grad):
@@ -65,15 +66,15 @@ def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, lse_log2, delta, bh
                       softcap, slope, window_left, window_right)
     np.dot(do_tile, v_tile.T, score_grads)
     if dropout_threshold > 0 or softcap > 0:
-        _general_score_gradients(probs, score_grads, softcap_grad, lse_log2, delta, bh,
+        _general_score_gradients(probs, score_grads, softcap_grad, safe_lse, delta, bh,
                                  row_start, col_start, scale, softcap, dropout_key,
                                  dropout_threshold, inv_keep)
         return
-    # The common case in one vectorised pass: P = 2**(S - lse), scale * P * (dP - D).
+    # The common case in one vectorised pass: P = exp(S - lse), scale * P * (dP - D).
     for r in range(n_rows):
-        row_lse, row_delta = lse_log2[r], delta[r]
+        row_lse, row_delta = safe_lse[r], delta[r]
         for j in range(n_cols):
-            p = _probability(probs[r, j], row_lse, dtype(0.0))
+            p = _probability(probs[r, j], row_lse, dtype(0.0), dtype(LOG2_E))
             probs[r, j] = p
             score_grads[r, j] = p * (score_grads[r, j] - row_delta) * dtype(scale)
 
@@ -81,38 +82,45 @@ def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, lse_log2, delta, bh
 @njit(fastmath=FASTMATH)
 def _recompute_scores(q_scaled, k_tile, scores, softcap_grad, row_start, col_start, n_q, n_k,
                       softcap, slope, window_left, window_right):
-    """``S`` of one tile in log2 units, SPEC steps 2-4 applied (`softcap_grad` gets
+    """``S`` of one tile in natural units, SPEC steps 2-4 applied (`softcap_grad` gets
     ``1 - tanh^2`` when there is a softcap)."""
     n_rows, n_cols = scores.shape
     np.dot(q_scaled, k_tile.T, scores)
     if softcap > 0 or slope != 0:
         transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right, softcap > 0)
+                       window_left, window_right, softcap > 0, False)
     elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
                                 n_q, n_k, window_left, window_right):
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
 
 
 @njit(fastmath=FASTMATH)
-def _probability(score, row_lse, zero):
-    """``2**(S - lse)``. ``S - lse <= 0`` up to rounding; clamping at `zero` (keeping NaN)
-    makes a wrong `lse` from the caller give bounded probabilities instead of an overflow."""
+def _probability(score, row_lse, zero, log2_e):
+    """``exp(S - lse)``. ``S - lse <= 0`` up to rounding; clamping at `zero` (keeping NaN)
+    makes a wrong `lse` from the caller give bounded probabilities instead of an overflow.
+    `zero` and `log2_e` come in the tile's dtype, so float32 stays float32.
+
+    The difference is taken in natural units and only then scaled to log2 units: near the
+    row maximum ``S`` and ``lse`` are close, so it is exact, whereas rounding ``S * log2(e)``
+    first costs half an ulp of ``|S|`` per score (5e-4 at scores near 1e4 in float32), a
+    different error on every key of a row, which ``dS = P (dP - D)`` then no longer sums
+    to zero over (test_large_float32_scores_do_not_overflow)."""
     x = score - row_lse
-    return exp2_nonpositive(zero if x > zero else x)
+    return exp2_nonpositive((zero if x > zero else x) * log2_e)
 
 
 @njit(fastmath=FASTMATH)
-def _general_score_gradients(probs, score_grads, softcap_grad, lse_log2, delta, bh, row_start,
+def _general_score_gradients(probs, score_grads, softcap_grad, safe_lse, delta, bh, row_start,
                              col_start, scale, softcap, dropout_key, dropout_threshold,
                              inv_keep):
     """The same with dropout and/or softcap (``dS`` times ``1 - tanh^2``)."""
     n_rows, n_cols = probs.shape
     dtype = probs.dtype.type
     for r in range(n_rows):
-        row_lse, row_delta = lse_log2[r], delta[r]
+        row_lse, row_delta = safe_lse[r], delta[r]
         state = dropout.row_state(dropout_key, bh, row_start + r)
         for j in range(n_cols):
-            p = _probability(probs[r, j], row_lse, dtype(0.0))
+            p = _probability(probs[r, j], row_lse, dtype(0.0), dtype(LOG2_E))
             dp = score_grads[r, j]
             if dropout_threshold > 0:
                 if dropout.keeps(state, col_start + j, dropout_threshold):
@@ -130,10 +138,10 @@ def _general_score_gradients(probs, score_grads, softcap_grad, lse_log2, delta, 
 
 
 @njit(fastmath=FASTMATH)
-def _scale_query_tile(q_tile, q_scaled, scale, natural_units):
-    """The query tile times ``scale`` (times log2(e) too unless the transform adds it)."""
+def _scale_query_tile(q_tile, q_scaled, scale):
+    """The query tile times ``scale``: scores in natural units (see `_probability`)."""
     dtype = q_tile.dtype.type
-    factor = dtype(scale) if natural_units else dtype(scale * LOG2_E)
+    factor = dtype(scale)
     for r in range(q_tile.shape[0]):
         for d in range(q_tile.shape[1]):
             q_scaled[r, d] = q_tile[r, d] * factor
@@ -176,7 +184,7 @@ def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_co
 
 
 @njit(fastmath=FASTMATH)
-def _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_stop,
+def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                     col_start, col_stop, q_scaled, dk_tile, dv_tile, dq_tile, want_key_grads,
                     want_query_grads, scale, softcap, slope, window_left, window_right,
                     dropout_key, dropout_threshold, inv_keep, slice_rows, scratch):
@@ -201,7 +209,7 @@ def _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_
         first, last = slice_start - row_start, slice_stop - row_start
         _tile(q_scaled[first:last], q[b, h, slice_start:slice_stop],
               do[b, h, slice_start:slice_stop], k[b, kv_head, cols_lo:cols_hi],
-              v[b, kv_head, cols_lo:cols_hi], lse_log2[b, h, slice_start:slice_stop],
+              v[b, kv_head, cols_lo:cols_hi], safe_lse[b, h, slice_start:slice_stop],
               delta[b, h, slice_start:slice_stop], dk_tile[cols_lo - col_start:
                                                            cols_hi - col_start],
               dv_tile[cols_lo - col_start:cols_hi - col_start], dq_tile[first:last],
@@ -211,7 +219,7 @@ def _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_
 
 
 @njit(fastmath=FASTMATH)
-def _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start, accumulate_dq,
+def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start, accumulate_dq,
               scale, softcap, alibi_slopes, window_left, window_right, dropout_key,
               dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch):
     """All tiles of key tile `col_start` over the query heads sharing `kv_head`.
@@ -232,9 +240,8 @@ def _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start, a
         slope = alibi_slopes[b, h]
         for row_start in range(max(row_lo, 0) // block_q * block_q, row_hi, block_q):
             row_stop = min(row_start + block_q, n_q)
-            _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale,
-                              softcap > 0 or slope != 0)
-            _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_stop,
+            _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale)
+            _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                             col_start, col_stop, q_scaled, dk_tile, dv_tile,
                             dq[b, h, row_start:row_stop], True, accumulate_dq, scale, softcap,
                             slope, window_left, window_right, dropout_key, dropout_threshold,
@@ -244,7 +251,7 @@ def _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start, a
 
 
 @njit(fastmath=FASTMATH)
-def _query_tile(q, k, v, do, lse_log2, delta, dq, b, h, row_start, scale, softcap,
+def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, scale, softcap,
                 alibi_slopes, window_left, window_right, dropout_key, dropout_threshold,
                 inv_keep, block_q, block_k, slice_rows, scratch):
     """``dQ`` of one query tile, summed over its key tiles."""
@@ -254,13 +261,13 @@ def _query_tile(q, k, v, do, lse_log2, delta, dq, b, h, row_start, scale, softca
     kv_head = h // (n_q_heads // k.shape[1])
     row_stop = min(row_start + block_q, n_q)
     slope = alibi_slopes[b, h]
-    _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale, softcap > 0 or slope != 0)
+    _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale)
     dq_tile = dq_acc[:row_stop - row_start]
     dq_tile[:] = 0
     col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
     for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
         col_stop = min(col_start + block_k, n_k)
-        _tile_or_slices(q, k, v, do, lse_log2, delta, b, h, kv_head, row_start, row_stop,
+        _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                         col_start, col_stop, q_scaled, unused_key_grads, unused_key_grads,
                         dq_tile, False, True, scale, softcap, slope, window_left,
                         window_right, dropout_key, dropout_threshold, inv_keep, slice_rows,
@@ -282,7 +289,7 @@ def _scratch(block_q, block_k, head_dim, value_dim, softcap, dtype):
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def backward_by_heads(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, alibi_slopes,
+def backward_by_heads(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                       window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                       block_q, block_k, slice_rows, n_threads):
     """All gradients, one task per (batch, kv head); `dq` must start zeroed.
@@ -300,7 +307,7 @@ def backward_by_heads(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, 
         while task < n_tasks:
             b, kv_head = task // n_kv_heads, task % n_kv_heads
             for col_start in range(0, n_k, block_k):
-                _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, b, kv_head, col_start,
+                _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
                           True, scale, softcap, alibi_slopes, window_left, window_right,
                           dropout_key, dropout_threshold, inv_keep, block_q, block_k,
                           slice_rows, scratch)
@@ -308,7 +315,7 @@ def backward_by_heads(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, 
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def backward_key_tiles(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap, alibi_slopes,
+def backward_key_tiles(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                        block_q, block_k, slice_rows, n_threads):
     """``dK`` and ``dV``, one task per (batch, kv head, key tile), longest first, each
@@ -329,7 +336,7 @@ def backward_key_tiles(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap,
         task = claim_next(next_task)
         while task < n_tasks:
             bkv = task % n_heads
-            _key_tile(q, k, v, do, lse_log2, delta, dq, dk, dv, bkv // n_kv_heads,
+            _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, bkv // n_kv_heads,
                       bkv % n_kv_heads, tile_order[task // n_heads] * block_k, False, scale,
                       softcap, alibi_slopes, window_left, window_right, dropout_key,
                       dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
@@ -337,7 +344,7 @@ def backward_key_tiles(q, k, v, do, lse_log2, delta, dq, dk, dv, scale, softcap,
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def backward_query_tiles(q, k, v, do, lse_log2, delta, dq, scale, softcap, alibi_slopes,
+def backward_query_tiles(q, k, v, do, safe_lse, delta, dq, scale, softcap, alibi_slopes,
                          window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                          block_q, block_k, slice_rows, n_threads):
     """``dQ``, one task per (batch, query head, query tile), longest first, claimed."""
@@ -353,84 +360,8 @@ def backward_query_tiles(q, k, v, do, lse_log2, delta, dq, scale, softcap, alibi
         task = claim_next(next_task)
         while task < n_tasks:
             bh = task % n_heads
-            _query_tile(q, k, v, do, lse_log2, delta, dq, bh // n_q_heads, bh % n_q_heads,
+            _query_tile(q, k, v, do, safe_lse, delta, dq, bh // n_q_heads, bh % n_q_heads,
                         tile_order[task // n_heads] * block_q, scale, softcap, alibi_slopes,
                         window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                         block_q, block_k, slice_rows, scratch)
-            task = claim_next(next_task)
-
-
-# --------------------------------------------------------------------------- D with dropout
-
-
-@njit(fastmath=FASTMATH)
-def _query_tile_delta(q, k, v, do, lse_log2, delta, b, h, row_start, scale, softcap,
-                      alibi_slopes, window_left, window_right, dropout_key, dropout_threshold,
-                      inv_keep, block_q, block_k, scratch):
-    """``D_i = sum_j P~_ij dP_ij / sum_j P_ij`` for the rows of one query tile, from the
-    recomputed tiles (see `consistent_delta_kernel`)."""
-    q_scaled, probs_buffer, dp_buffer, softcap_buffer = scratch[0], scratch[1], scratch[2], \
-        scratch[3]
-    n_q_heads, n_q = q.shape[1], q.shape[2]
-    n_k = k.shape[2]
-    kv_head = h // (n_q_heads // k.shape[1])
-    bh = b * n_q_heads + h
-    row_stop = min(row_start + block_q, n_q)
-    n_rows = row_stop - row_start
-    slope = alibi_slopes[b, h]
-    _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale, softcap > 0 or slope != 0)
-    weighted = np.zeros(n_rows, np.float64)
-    total = np.zeros(n_rows, np.float64)
-    col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
-    for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
-        col_stop = min(col_start + block_k, n_k)
-        n_cols = col_stop - col_start
-        probs = tile_view(probs_buffer, n_rows, n_cols)
-        dp = tile_view(dp_buffer, n_rows, n_cols)
-        softcap_grad = tile_view(softcap_buffer, n_rows, n_cols) if softcap > 0 else dp
-        _recompute_scores(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop], probs,
-                          softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                          window_left, window_right)
-        np.dot(do[b, h, row_start:row_stop], v[b, kv_head, col_start:col_stop].T, dp)
-        for r in range(n_rows):
-            state = dropout.row_state(dropout_key, bh, row_start + r)
-            for j in range(n_cols):
-                p = _probability(probs[r, j], lse_log2[b, h, row_start + r],
-                                 probs.dtype.type(0.0))
-                total[r] += p
-                if dropout.keeps(state, col_start + j, dropout_threshold):
-                    weighted[r] += p * inv_keep * dp[r, j]
-    for r in range(n_rows):
-        delta[b, h, row_start + r] = weighted[r] / total[r] if total[r] > 0 else 0.0
-
-
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def consistent_delta_kernel(q, k, v, do, lse_log2, delta, scale, softcap, alibi_slopes,
-                            window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                            block_q, block_k, slice_rows, n_threads):
-    """``D`` from the recomputed tiles, for dropout: one extra pass of two products per tile.
-
-    ``dS = P (keep dP / (1 - p) - D)`` cancels to nothing on a row whose probability sits
-    on one key, and with dropout both terms are ``1 / (1 - p)`` times larger than without.
-    ``D = rowsum(dO * O)`` and ``dP`` round independently in float32, so the cancellation
-    leaves ``eps * |dP| / (1 - p)`` behind (1.5x the float32 tolerance at p = 0.9 on a
-    sharp softmax). Summing ``D`` from the same rounded ``dP`` the tiles use makes the
-    cancellation exact, as the GPU kernels do; dividing by ``sum_j P`` also cancels the
-    rounding of lse. `slice_rows` is unused (no mask slicing: full tiles, masked in place).
-    """
-    batch, n_q_heads, n_q = q.shape[0], q.shape[1], q.shape[2]
-    n_q_tiles = (n_q + block_q - 1) // block_q
-    n_heads = batch * n_q_heads
-    n_tasks = n_heads * n_q_tiles
-    n_workers = min(n_threads, n_tasks)
-    next_task = np.zeros(1, np.int64)
-    for worker in prange(n_workers):
-        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
-        task = claim_next(next_task)
-        while task < n_tasks:
-            bh = task % n_heads
-            _query_tile_delta(q, k, v, do, lse_log2, delta, bh // n_q_heads, bh % n_q_heads,
-                              (task // n_heads) * block_q, scale, softcap, alibi_slopes,
-                              window_left, window_right, dropout_key, dropout_threshold,
-                              inv_keep, block_q, block_k, scratch)
             task = claim_next(next_task)

@@ -85,11 +85,13 @@ def mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
 
 @njit(fastmath=FASTMATH)
 def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                   window_left, window_right, want_softcap_grad):
-    """SPEC steps 2-4 on natural-unit scores, in place, ending in log2 units.
+                   window_left, window_right, want_softcap_grad, log2_units):
+    """SPEC steps 2-4 on natural-unit scores, in place, ending in log2 units when
+    `log2_units` (the forward's online softmax), else natural (the backward's).
 
-    `softcap` 0 and `slope` 0 switch those steps off. With `want_softcap_grad`, also writes ``d capped / d raw = 1 - tanh^2`` (0 where masked,
-    so a NaN score there cannot reach the gradient).
+    `softcap` 0 and `slope` 0 switch those steps off. With `want_softcap_grad`, also writes
+    ``d capped / d raw = 1 - tanh^2`` (0 where masked, so a NaN score there cannot reach the
+    gradient).
     """
     n_rows, n_cols = scores.shape
     dtype = scores.dtype.type
@@ -109,7 +111,7 @@ def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap
                     softcap_grad[r, j] = dtype(1.0) - capped * capped
             if alibi_slope != 0:
                 x -= alibi_slope * dtype(abs(row + offset - (col_start + j)))
-            scores[r, j] = x * dtype(LOG2_E)
+            scores[r, j] = x * dtype(LOG2_E) if log2_units else x
         for j in range(lo):
             scores[r, j] = minus_inf
         for j in range(hi, n_cols):

@@ -13,6 +13,8 @@ Kernel families (see the headers of the ``.cu`` files):
   tensor cores at float32 accuracy (3xTF32), for the tile sizes it is built for
   (``block_q in {64, 128}``, ``block_k in {32, 64}``) when they fit the device's shared
   memory.
+* ``attention_backward_delta.cu``: every backward's ``D = rowsum(dO * o)``, launched
+  before its dQ and dK/dV kernels.
 * ``attention_generic.cu``: CUDA-core forward and backward for every dtype and head dim.
   Compiled for a tile *capacity* that fits shared memory; the caller's ``block_q``/``block_k``
   are honoured exactly up to that capacity (and clipped to it), as run-time values, so
@@ -38,6 +40,7 @@ WGMMA_SOURCE = "attention_wgmma_forward.cu"
 WGMMA_BACKWARD_SOURCE = "attention_wgmma_backward.cu"
 TF32_SOURCE = "attention_tf32_forward.cu"
 MMA_BACKWARD_SOURCE = "attention_mma_backward.cu"
+DELTA_SOURCE = "attention_backward_delta.cu"
 GENERIC_THREADS = 256
 # Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
 # more blocks per SM on every CUDA GPU and needs no opt-in; tiles stop shrinking at 16x16
@@ -280,7 +283,7 @@ def _generic_shared_bytes(accum_size: int, head_pad: int, value_pad: int,
         "attention_backward_dkdv": accum_size * (kv + q_do + 2 * block_q * score_pitch
                                                  + 2 * block_q),
         "attention_backward_dq": accum_size * (kv + q_do + block_q * score_pitch
-                                               + 3 * block_q),
+                                               + 2 * block_q),
     }
 
 
@@ -588,16 +591,48 @@ def tf32_backward_applies(q, v, options: AttentionOptions) -> bool:
 
 
 def _backward_outputs(q, k, v) -> tuple:
-    """D (float32, one per query row), dq, dk, dv."""
-    batch, n_q_heads, n_q, _ = q.shape
-    return (cupy.empty(batch * n_q_heads * n_q, dtype=cupy.float32),
-            cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=q.dtype),
+    """dq, dk, dv (uninitialised; every element is written)."""
+    return (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=q.dtype),
             cupy.empty(v.shape, dtype=q.dtype))
+
+
+DELTA_THREADS = 256
+
+
+def _delta_launch(do, o) -> tuple:
+    """``(launch, do, o)``: attention_backward_delta for these arrays (copied only if a
+    stride is not a whole element), to be called as ``launch(do, o, delta)``."""
+    batch, n_heads, n_q, value_dim = o.shape
+    (do, do_strides), (o, o_strides) = element_strides(do), element_strides(o)
+    accum = accumulation_dtype(o.dtype)
+    defines = (("ACCUM", "double" if accum == np.float64 else "float"),
+               ("STORAGE", _STORAGE[dtype_name(o.dtype)]))
+    function = _compile.kernel(DELTA_SOURCE, "attention_backward_delta", defines)
+    n_rows = batch * n_heads * n_q
+    blocks = max(1, min(-(-n_rows // (DELTA_THREADS // 32)), 16384))  # then grid-stride
+    launch = Launch(function, (blocks,), (DELTA_THREADS,), 0,
+                    (np.int64(n_rows), np.int32(n_heads), np.int64(n_q), np.int32(value_dim),
+                     *do_strides, *o_strides))
+    return launch, do, o
+
+
+def _new_delta(o):
+    """D's buffer: one value per query row, in the accumulation dtype."""
+    return cupy.empty(o.shape[0] * o.shape[1] * o.shape[2], dtype=accumulation_dtype(o.dtype))
+
+
+def row_deltas(do, o):
+    """``D = rowsum(do * o)`` per query row, flat ``(B * Hq * Nq,)``, accumulation dtype:
+    SPEC's D, which every backward below reads."""
+    launch, do, o = _delta_launch(do, o)
+    delta = _new_delta(o)
+    launch(do, o, delta)
+    return delta
 
 
 def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
     """What both tensor-core backwards launch with: the inputs in the cp.async layout, lse
-    as float32, the outputs (D, dq, dk, dv) and the arguments after the arrays."""
+    as float32, the outputs (dq, dk, dv) and the arguments after the arrays."""
     n_q_heads, n_q = q.shape[1], q.shape[2]
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     (q, q_strides), (k, k_strides), (v, v_strides), (do, do_strides) = map(
@@ -610,20 +645,20 @@ def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
     return (do, q, k, v, lse), outputs, common
 
 
-def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None,
+def backward_tensor_core(do, q, k, v, o, lse, options: AttentionOptions, tiles=None,
                          single_pass=None):
     """`tiles`: ``{"dq": (owned, streamed), "dkdv": (owned, streamed)}``, by default
     `MMA_BACKWARD_TILES` (float32: `TF32_BACKWARD_TILES`) of the head dim (the benchmark's
     sweep passes others). float32 runs on TF32 tensor cores at float32 accuracy (3xTF32)
     and always as two kernels.
 
-    `single_pass` (see attention_mma_backward.cu): the dQ kernel only forms D and the
-    dK/dV kernel adds dQ into a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in
-    turns when ``options.deterministic`` (bitwise reproducible), in arrival order otherwise
-    (dq's last bits then depend on scheduling). Without it the dQ kernel recomputes each
-    tile for dQ itself (9 tile products instead of 7, deterministic). Default: the single
-    pass only for ``deterministic=False``; taking turns cost more than the two products it
-    saves (bench/NOTES-gpu.md, v5), so the deterministic default is the two-kernel form.
+    `single_pass` (see attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ
+    into a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in turns when
+    ``options.deterministic`` (bitwise reproducible), in arrival order otherwise (dq's last
+    bits then depend on scheduling). Without it the dQ kernel recomputes each tile for dQ
+    itself (7 tile products instead of 5, deterministic). Default: the single pass only for
+    ``deterministic=False``; taking turns cost more than the products it saves
+    (bench/NOTES-gpu.md, v5), so the deterministic default is the two-kernel form.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
@@ -632,23 +667,22 @@ def backward_tensor_core(do, q, k, v, lse, options: AttentionOptions, tiles=None
     single_pass = not options.deterministic if single_pass is None else single_pass
     single_pass = single_pass and not is_float32  # float32 has no single pass
     ordered = single_pass and options.deterministic
-    (do, q, k, v, lse), (delta, dq, dk, dv), common = _backward_operands(do, q, k, v, lse,
-                                                                         options)
+    delta = row_deltas(do, o)
+    (do, q, k, v, lse), (dq, dk, dv), common = _backward_operands(do, q, k, v, lse, options)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles["dkdv"][1])
     dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
-    launches = (("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
-                ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k,
-                 batch * n_kv_heads))
-    # dQ first: it stores D, which the dK/dV kernel reads.
+    launches = ((("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),)
+                if not single_pass else ()) + (
+        ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k,
+         batch * n_kv_heads),)
     for entry, arrays, n_rows, heads in launches:
         owned, streamed = tiles[entry]
-        defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
+        defines = (("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
                    ("IS_FLOAT32", int(is_float32)),
-                   ("ORDERED", int(ordered and entry == "dkdv")), ("OWNED_ROWS", owned),
-                   ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
-                   ("STREAMED_ROWS", streamed)
+                   ("ORDERED", int(ordered)), ("OWNED_ROWS", owned),
+                   ("SINGLE_PASS", int(single_pass)), ("STREAMED_ROWS", streamed)
                    ) + Switches.of(options).defines()
         shared = mma_backward_shared_bytes(entry, head_dim, owned, streamed, single_pass,
                                            q.dtype.itemsize)
@@ -699,46 +733,52 @@ def wgmma_backward_applies(q, v, options: AttentionOptions) -> bool:
             and compute_capability(q.device.id) == 90)
 
 
-def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
+def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions,
                    tiles: WgmmaBackwardTiles | None = None, single_pass: bool = False):
     """`tiles`: by default `WGMMA_BACKWARD_TILES` of the head dim (the sweep passes others).
 
-    The dQ kernel runs first: it stores D, which the dK/dV kernel reads. `single_pass`:
-    the dQ kernel only forms D and the dK/dV kernel adds dQ into a float32 buffer
+    D = rowsum(do * o) first, then the dQ and the dK/dV kernels, which both read it.
+    `single_pass`: no dQ kernel; the dK/dV kernel adds dQ into a float32 buffer
     (B * Hq * Nq rounded up to 64 * D * 4 bytes) by bulk reductions, in arrival order, so
-    dq's last bits depend on scheduling. It is 9-22 % slower than the two kernels on the
-    H100 (its per-tile dS^T store, barriers and staging outweigh the two products it
-    saves; bench/NOTES-gpu.md, v7 and v10), so both settings of ``deterministic`` run the
+    dq's last bits depend on scheduling. It is slower than the two kernels on the H100
+    (its per-tile dS^T store, barriers and staging outweigh the products it saves;
+    bench/NOTES-gpu.md, v7, v10 and v11), so both settings of ``deterministic`` run the
     two kernels by default.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     # Only the default configuration is cached (the sweep's tiles and the single pass are
     # for measuring).
-    key = (_plan_key("backward", options, do, q, k, v) if tiles is None and not single_pass
+    key = (_plan_key("backward", options, do, q, k, v, o) if tiles is None and not single_pass
            else None)
-    cached = _cached(key, do, q, k, v)
+    cached = _cached(key, do, q, k, v, o)
     if cached is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
-        delta, dq, dk, dv = _backward_outputs(q, k, v)
-        cached[0](q, k, v, do, lse, delta, dq)
-        cached[1](q, k, v, do, lse, delta, dk, dv, _empty(q.device.id, "float32"))
+        delta = _new_delta(o)
+        dq, dk, dv = _backward_outputs(q, k, v)
+        cached[0](do, o, delta)
+        cached[1](q, k, v, do, lse, delta, dq)
+        cached[2](q, k, v, do, lse, delta, dk, dv, _empty(q.device.id, "float32"))
         return dq, dk, dv
-    arrays_in = (do, q, k, v)
+    arrays_in = (do, q, k, v, o)
     tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
-    (do, q, k, v, lse), (delta, dq, dk, dv), common = _backward_operands(do, q, k, v, lse,
-                                                                         options)
+    delta_launch, do_rows, o_rows = _delta_launch(do, o)
+    delta = _new_delta(o)
+    delta_launch(do_rows, o_rows, delta)
+    launches = [delta_launch]
+    (do, q, k, v, lse), (dq, dk, dv), common = _backward_operands(do, q, k, v, lse, options)
     # The single pass's dQ buffer: (batch x head, query tile of 64, column block of 64)
     # blocks of 64 x 64 floats, one bulk reduction's destination each.
     dq_sum = (cupy.zeros(batch * n_q_heads * -(-n_q // 64) * 64 * head_dim, dtype=cupy.float32)
               if single_pass else _empty(q.device.id, "float32"))
-    launches = []
     for entry, arrays, n_rows, heads in (
             ("dq", (q, k, v, do, lse, delta, dq), n_q, batch * n_q_heads),
             ("dkdv", (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k, batch * n_kv_heads)):
+        if single_pass and entry == "dq":
+            continue
         owned, streamed = getattr(tiles, entry)
-        defines = (("DELTA_ONLY", int(single_pass and entry == "dq")), ("HEAD_DIM", head_dim),
+        defines = (("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("OWNED_ROWS", owned),
-                   ("SINGLE_PASS", int(single_pass and entry == "dkdv")),
+                   ("SINGLE_PASS", int(single_pass)),
                    ("STAGES", tiles.stages), ("STREAMED_ROWS", streamed)
                    ) + Switches.of(options).defines()
         shared = tiles.shared_bytes(entry, head_dim, single_pass)
@@ -758,24 +798,20 @@ def backward_wgmma(do, q, k, v, lse, options: AttentionOptions,
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     if wgmma_backward_applies(q, v, options):
-        return backward_wgmma(do, q, k, v, lse, options)
+        return backward_wgmma(do, q, k, v, o, lse, options)
     if tensor_core_backward_applies(q, v, options) or tf32_backward_applies(q, v, options):
-        return backward_tensor_core(do, q, k, v, lse, options)
+        return backward_tensor_core(do, q, k, v, o, lse, options)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     accum = accumulation_dtype(q.dtype)
     config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
     blocks = config.blocks(options)
+    delta = row_deltas(do, o)
     if lse.dtype != accum:
         lse = lse.astype(accum)
     (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-    # D_i is rebuilt from the recomputed P by the dQ kernel (see attention_generic.cu), so
-    # `o` is not read: its rounding to the input dtype would otherwise reach dq.
-    delta = cupy.empty(batch * n_q_heads * n_q, dtype=accum)
-    dq = cupy.empty(q.shape, dtype=q.dtype)
-    dk = cupy.empty(k.shape, dtype=q.dtype)
-    dv = cupy.empty(v.shape, dtype=q.dtype)
+    dq, dk, dv = _backward_outputs(q, k, v)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
               np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,

@@ -303,9 +303,9 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 }
 
 // ================================================================== backward
-// FlashAttention-2 Algorithm 2 with P recomputed from lse. dQ (launched first): one block
-// per (batch, head, query tile) looping over key tiles twice, first for D_i, then for dQ;
-// it stores D for the second kernel. dK/dV: one block per (batch, kv head, key tile),
+// FlashAttention-2 Algorithm 2 with P recomputed from lse and D = rowsum(dO * o) from
+// attention_backward_delta.cu. dQ: one block per (batch, head, query tile) looping over
+// the key tiles the band reaches. dK/dV: one block per (batch, kv head, key tile),
 // looping over every query head of its GQA group and every query tile that the band
 // reaches, so dK/dV sum over the group without atomics. Both are deterministic.
 
@@ -488,7 +488,7 @@ __device__ void backward_dkdv_tile(
 template <class C>
 __device__ void backward_dq_tile(
     const typename C::T* q, const typename C::T* k, const typename C::T* v,
-    const typename C::T* d_out, const typename C::Acc* lse, typename C::Acc* delta,
+    const typename C::T* d_out, const typename C::Acc* lse, const typename C::Acc* delta,
     typename C::T* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
     int group_size, int head_dim, int value_dim, int block_q, int block_k,
     HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
@@ -503,8 +503,7 @@ __device__ void backward_dq_tile(
     Acc* dscores = do_tile + C::block_q * C::value_pitch;     // [block_q][score_pitch]
     Acc* lse_tile = dscores + C::block_q * C::score_pitch;    // [block_q]
     Acc* delta_tile = lse_tile + C::block_q;                  // [block_q]
-    Acc* p_sums = delta_tile + C::block_q;                    // [block_q]
-    require_shared_bytes(sizeof(Acc) * (p_sums + C::block_q - k_tile));
+    require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
 
     const QueryTile owned = query_tile_of_block(n_q, block_q, n_q_heads, group_size);
     const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
@@ -521,7 +520,7 @@ __device__ void backward_dq_tile(
     load_tile<C, C::block_q, C::value_dim_pad>(
         do_tile, d_out + batch * do_strides.batch + head * do_strides.head, do_strides,
         row_start, rows, value_dim);
-    load_row_stats<C>(lse_tile, delta_tile, lse, nullptr, batch, head, bh, n_q, row_start,
+    load_row_stats<C>(lse_tile, delta_tile, lse, delta, batch, head, bh, n_q, row_start,
                       rows, lse_batch_stride, lse_head_stride, lse_row_stride);
 
     constexpr int dq_per_thread = C::block_q * C::head_dim_pad / C::threads;
@@ -535,68 +534,7 @@ __device__ void backward_dq_tile(
     const i64 tile_begin = key_first / block_k;
     const i64 tile_end = key_stop > key_first ? (key_stop + block_k - 1) / block_k : tile_begin;
 
-    // Pass 1: D_i = sum_j P_ij dP_ij / sum_j P_ij, which is rowsum(dO_i * O_i) for the
-    // exact O. The o the caller passes is rounded to the input dtype: for float16 with
-    // peaked attention that rounding alone moved dq past the float16 tolerance. Dividing by
-    // the recomputed row sum cancels the error that lse's own rounding puts in every P of a
-    // row alike (with float32 scores near 1e4 that error is 6e-4, and dq then cancels
-    // dP - D to far less). Costs two more tile products per tile, about a quarter more.
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = threadIdx.x; r < C::block_q; r += C::threads) p_sums[r] = 0;
-    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
-        const i64 col_start = key_tile * block_k;
-        const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
-        __syncthreads();
-        load_tile<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides, col_start, cols,
-                                                  head_dim);
-        load_tile<C, C::block_k, C::value_dim_pad>(v_tile, v_head, v_strides, col_start, cols,
-                                                   value_dim);
-        __syncthreads();
-        constexpr int count = ScoreSlots<C>::count;
-        const int c = threadIdx.x % C::block_k, r0 = threadIdx.x / C::block_k;
-        Acc dots[count], dps[count], terms[count];
-        dot_slots<C, C::head_dim_pad, C::head_pitch>(q_tile, k_tile + c * C::head_pitch, r0,
-                                                     dots);
-        dot_slots<C, C::value_dim_pad, C::value_pitch>(do_tile, v_tile + c * C::value_pitch,
-                                                       r0, dps);
-#pragma unroll
-        for (int i = 0; i < count; ++i) {
-            const int r = r0 + i * ScoreSlots<C>::row_step;
-            Acc p = 0, keep = 0, unused_ds;
-            if (r < rows && c < cols)
-                probability_and_grad<C>(dots[i], dps[i], lse_tile[r], Acc(0), row_start + r,
-                                        col_start + c, bh, slope, options, &p, &keep,
-                                        &unused_ds);
-            terms[i] = p * keep * dps[i];
-            dscores[r * C::score_pitch + c] = p;
-        }
-        // Row sums through shared memory, one warp per row, in a fixed order.
-        for (int round = 0; round < 2; ++round) {
-            Acc* sums = round == 0 ? p_sums : delta_tile;
-            __syncthreads();
-            for (int r = warp; r < C::block_q; r += C::warps) {
-                Acc sum = 0;
-                for (int j = lane; j < C::block_k; j += 32) sum += dscores[r * C::score_pitch + j];
-                sum = warp_sum(sum);
-                if (lane == 0) sums[r] += sum;
-            }
-            __syncthreads();
-            if (round == 0) {
-#pragma unroll
-                for (int i = 0; i < count; ++i)
-                    dscores[(r0 + i * ScoreSlots<C>::row_step) * C::score_pitch + c] = terms[i];
-            }
-        }
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < C::block_q; r += C::threads)
-        delta_tile[r] = p_sums[r] == Acc(0) ? Acc(0) : delta_tile[r] / p_sums[r];
-    __syncthreads();
-    // The dK/dV kernel, launched next, reads D from here.
-    for (int r = threadIdx.x; r < rows; r += C::threads)
-        delta[bh * n_q + row_start + r] = delta_tile[r];
-
-    // Pass 2: dQ.
+    // dQ += dS K over the key tiles (D = rowsum(dO * o) from attention_backward_delta.cu).
     for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
         const i64 col_start = key_tile * block_k;
         const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
@@ -666,7 +604,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv(
 
 extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(
     const STORAGE* q, const STORAGE* k, const STORAGE* v, const STORAGE* d_out,
-    const ACCUM* lse, ACCUM* delta, STORAGE* dq, const double* alibi_slopes, i64 n_q,
+    const ACCUM* lse, const ACCUM* delta, STORAGE* dq, const double* alibi_slopes, i64 n_q,
     i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
     int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,

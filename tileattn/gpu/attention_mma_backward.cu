@@ -3,12 +3,10 @@
 // FlashAttention-2 backward (Algorithm 2) on mma.sync.m16n8k16, split in two kernels so
 // that nothing is accumulated by atomics (deterministic, and no float32 dQ buffer):
 //
-// * attention_backward_dq_mma, launched first: one block per (batch, head, OWNED_ROWS
-//   query rows), each warp owning 16 rows, streaming STREAMED_ROWS-key tiles of K and V.
-//   Pass 1 forms D_i = sum_j P_ij dP_ij / sum_j P_ij (S = Q K^T, dP = dO V^T; see
-//   "Backward accuracy" in bench/NOTES-gpu.md for why not rowsum(dO * O) from the passed
-//   o) and stores it for the second kernel; pass 2 recomputes S and dP and accumulates
-//   dQ += dS K, dS fed from the accumulators as the A operand.
+// * attention_backward_dq_mma: one block per (batch, head, OWNED_ROWS query rows), each
+//   warp owning 16 rows, streaming STREAMED_ROWS-key tiles of K and V: S = Q K^T and
+//   dP = dO V^T, then dQ += dS K, dS fed from the accumulators as the A operand.
+//   D = rowsum(dO * o) comes from attention_backward_delta.cu, launched before both.
 // * attention_backward_dkdv_mma: one block per (batch, kv head, OWNED_ROWS keys), each
 //   warp owning 16 keys, streaming STREAMED_ROWS-query tiles of Q, dO, lse and D for every
 //   query head of its GQA group (so dK/dV sum the group in registers). It computes the
@@ -16,9 +14,8 @@
 //   accumulator fragments of rows = keys, which are exactly the A operands of
 //   dV += P^T dO and dK += dS^T Q. No score tile goes through shared memory.
 //
-// SINGLE_PASS: the dQ kernel only forms D (DELTA_ONLY), and the dK/dV kernel also adds
-// each query tile's dQ share, dS K over its keys, into a float32 buffer (FA2's single
-// pass): 7 tile products instead of 9. Without ORDERED (deterministic=False) the additions
+// SINGLE_PASS: no dQ kernel; the dK/dV kernel also adds each query tile's dQ share, dS K
+// over its keys, into a float32 buffer (FA2's single pass): 5 tile products instead of 7. Without ORDERED (deterministic=False) the additions
 // land in whatever order the blocks reach them. With ORDERED the key blocks of a head take
 // turns on each query tile through a counter per (head, query tile), in a fixed order, so
 // dq is bitwise reproducible; the order is the one in which the blocks arrive when they
@@ -36,8 +33,8 @@
 // (3xTF32, tf32.cuh), without the single pass (its dS^T tile goes through ldmatrix).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM, OWNED_ROWS,
-// STREAMED_ROWS, DELTA_ONLY (dQ kernel), SINGLE_PASS and ORDERED (dK/dV kernel), LIMIT_LEFT,
-// LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// STREAMED_ROWS, SINGLE_PASS and ORDERED (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
+// ALIBI, DROPOUT.
 #include "backward_scores.cuh"
 #if IS_FLOAT32
 #include "tf32.cuh"
@@ -315,11 +312,11 @@ __device__ __forceinline__ void pass_turn(int* turn) {
     if (threadIdx.x == 0) atomicAdd(turn, 1);
 }
 
-// ------------------------------------------------------------------ dQ (and D)
+// ------------------------------------------------------------------ dQ
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma(
     const element* q, const element* k, const element* v, const element* d_out, const float* lse,
-    float* delta, element* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+    const float* delta, element* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
     int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
     i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
     extern __shared__ __align__(16) element shared_tiles[];
@@ -342,11 +339,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
                                             &tile_begin, &tile_end);
-    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0
         for (i64 i = threadIdx.x; i < (row_stop - row_start) * HEAD_DIM; i += kThreads)
-            if (!DELTA_ONLY) dq[(bh * n_q + row_start) * HEAD_DIM + i] = 0;
-        for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
-            delta[bh * n_q + row] = 0.0f;
+            dq[(bh * n_q + row_start) * HEAD_DIM + i] = 0;
         return;
     }
 
@@ -355,12 +350,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const i64 my_rows[2] = {row_start + warp * 16 + quad_row,
                             row_start + warp * 16 + quad_row + 8};
     // Rows past n_q get lse = -inf, hence P = 0: they need no mask.
-    float lse_log2[2];
+    float lse_log2[2], row_delta[2];
     u32 row_states[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        lse_log2[half] = lse_base2(my_rows[half] < n_q ? lse[bh * n_q + my_rows[half]]
-                                                       : negative_infinity<float>());
+        const bool valid = my_rows[half] < n_q;
+        lse_log2[half] = lse_base2(valid ? lse[bh * n_q + my_rows[half]]
+                                         : negative_infinity<float>());
+        row_delta[half] = valid ? delta[bh * n_q + my_rows[half]] : 0.0f;
         row_states[half] = dropout_state(scores, my_rows[half]);
     }
 
@@ -384,27 +381,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(
         do_tile, d_out + batch * do_sb + head * do_sh, do_sn, row_start, n_q);
     commit_copies();
-    load_keys(0, tile_begin);
-    commit_copies();
 
-    // Pass 1: D_i = sum_j P_ij dP_ij / sum_j P_ij (per-thread partial sums, then the quad).
-    float p_sums[2] = {0.0f, 0.0f}, pdp_sums[2] = {0.0f, 0.0f};
-    stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
-        Accumulators<STREAMED_ROWS> s, dp;
-        two_score_products(q_tile, k_tiles + stage * STREAMED_ROWS * kPitch, do_tile,
-                           v_tiles + stage * STREAMED_ROWS * kPitch, warp * 16, s, dp);
-        add_delta_sums(scores, s.tile, dp.tile, lse_log2, my_rows, row_states,
-                       key_tile * STREAMED_ROWS, tile_is_masked(key_tile), key_tile_mask(key_tile),
-                       p_sums, pdp_sums);
-    });
-    float row_delta[2];
-    finish_delta(p_sums, pdp_sums, row_delta);
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-        if (quad_col == 0 && my_rows[half] < n_q) delta[bh * n_q + my_rows[half]] = row_delta[half];
-    if (DELTA_ONLY) return;
-
-    // Pass 2: dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
+    // dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
     Accumulators<HEAD_DIM> dq_acc;
     dq_acc.clear();
     load_keys(0, tile_begin);

@@ -6,26 +6,25 @@
 // mma.sync kernels' own (backward_scores.cuh), as wgmma's per-warp accumulator slice has
 // the mma.sync layout.
 //
-// * attention_backward_dq_wgmma, launched first: one block per (batch, head, OWNED_ROWS
-//   query rows), streaming STREAMED_ROWS-key tiles of K and V. Pass 1: S = Q K^T and
-//   dP = dO V^T (both operands from shared memory) give D_i = sum_j P_ij dP_ij /
-//   sum_j P_ij (why not rowsum(dO * O): bench/NOTES-gpu.md, "Backward accuracy"), stored
-//   for the second kernel; pass 2 recomputes S and dP, and dQ += dS K takes dS from
-//   registers and K MN-major (transposed) from shared memory.
+// * attention_backward_dq_wgmma: one block per (batch, head, OWNED_ROWS query rows),
+//   streaming STREAMED_ROWS-key tiles of K and V: S = Q K^T and dP = dO V^T (both operands
+//   from shared memory), then dQ += dS K with dS from registers and K MN-major
+//   (transposed) from shared memory. D = rowsum(dO * o) comes from
+//   attention_backward_delta.cu, launched before both kernels.
 // * attention_backward_dkdv_wgmma: one block per (batch, kv head, OWNED_ROWS keys),
 //   streaming STREAMED_ROWS-query tiles of Q, dO, lse and D for every query head of its
 //   GQA group. S^T = K Q^T and dP^T = V dO^T (operands from shared memory) make P^T and
 //   dS^T accumulators with keys as rows: the register A operands of dV += P^T dO and
 //   dK += dS^T Q, whose B operands (dO, Q) are read MN-major from shared memory.
 //
-// SINGLE_PASS (deterministic=False): the dQ kernel only forms D (DELTA_ONLY), and the
-// dK/dV kernel also adds each query tile's dQ share, dS K over its keys, into a float32
-// buffer (FlashAttention-2's single pass): 7 tile products instead of 9, dq's last bits
-// then depend on the order of the additions. dS^T goes to a swizzled shared tile (keys x
-// queries), read MN-major as the A operand of dQ = dS K, with K's owned tile MN-major as B;
-// each warpgroup's share (kSplitKeys below) goes to the buffer as bulk reductions
-// (cp.reduce.async.bulk) from a staging block in shared memory.
-// attention_backward_dq_convert scales and rounds the buffer.
+// SINGLE_PASS (measured, not the default): no dQ kernel; the dK/dV kernel also adds each
+// query tile's dQ share, dS K over its keys, into a float32 buffer (FlashAttention-2's
+// single pass): 5 tile products instead of 7, dq's last bits then depend on the order of
+// the additions. dS^T goes to a swizzled shared tile (keys x queries), read MN-major as
+// the A operand of dQ = dS K, with K's owned tile MN-major as B; each warpgroup's share
+// (kSplitKeys below) goes to the buffer as bulk reductions (cp.reduce.async.bulk) from a
+// staging block in shared memory. attention_backward_dq_unblock scales and rounds the
+// buffer.
 //
 // Tiles use the 128-byte swizzle of wgmma.cuh; streamed tiles cycle through STAGES buffers
 // filled by cp.async with one barrier per tile (tile t + STAGES - 1 is issued into the
@@ -33,9 +32,8 @@
 // only on tiles that straddle its edge or the end of the keys.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS (a
-// multiple of 64), STREAMED_ROWS (64 or 128), STAGES (>= 2), DELTA_ONLY (dQ kernel),
-// SINGLE_PASS (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT. Needs
-// -arch=sm_90a.
+// multiple of 64), STREAMED_ROWS (64 or 128), STAGES (>= 2), SINGLE_PASS (dK/dV kernel),
+// LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT. Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "backward_scores.cuh"
 
@@ -158,11 +156,11 @@ __device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load 
     __syncthreads();
 }
 
-// ------------------------------------------------------------------ dQ (and D)
+// ------------------------------------------------------------------ dQ
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    float* delta, bits16* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
+    const float* delta, bits16* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
     int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
     i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
     extern __shared__ __align__(128) unsigned char shared_bytes[];
@@ -185,12 +183,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
                                             &tile_begin, &tile_end);
-    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0, D = 0
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
-            if (!DELTA_ONLY) dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
-        for (i64 row = row_start + threadIdx.x; row < row_stop; row += kThreads)
-            delta[bh * n_q + row] = 0.0f;
+            dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
         return;
     }
 
@@ -198,12 +194,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const i64 warp_row0 = row_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;
     const i64 my_rows[2] = {warp_row0 + lane / 4, warp_row0 + lane / 4 + 8};
     // Rows past n_q get lse = -inf, hence P = 0: they need no mask.
-    float lse_log2[2];
+    float lse_log2[2], row_delta[2];
     u32 row_states[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        lse_log2[half] = lse_base2(my_rows[half] < n_q ? lse[bh * n_q + my_rows[half]]
-                                                       : negative_infinity<float>());
+        const bool valid = my_rows[half] < n_q;
+        lse_log2[half] = lse_base2(valid ? lse[bh * n_q + my_rows[half]]
+                                         : negative_infinity<float>());
+        row_delta[half] = valid ? delta[bh * n_q + my_rows[half]] : 0.0f;
         row_states[half] = dropout_state(scores, my_rows[half]);
     }
 
@@ -231,23 +229,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const u32 q_rows = q_tile + warpgroup * 64 * kSwizzleRowBytes;
     const u32 do_rows = do_tile + warpgroup * 64 * kSwizzleRowBytes;
 
-    // Pass 1: D_i = sum_j P_ij dP_ij / sum_j P_ij (per-thread partial sums, then the quad).
-    float p_sums[2] = {0.0f, 0.0f}, pdp_sums[2] = {0.0f, 0.0f};
-    stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
-        float s[kScoreFrags][4], dp[kScoreFrags][4];
-        score_products(q_rows, k_tiles + stage * kStreamedBytes, do_rows,
-                       v_tiles + stage * kStreamedBytes, s, dp);
-        add_delta_sums(scores, s, dp, lse_log2, my_rows, row_states, key_tile * STREAMED_ROWS,
-                       tile_is_masked(key_tile), key_tile_mask(key_tile), p_sums, pdp_sums);
-    });
-    float row_delta[2];
-    finish_delta(p_sums, pdp_sums, row_delta);
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-        if (lane % 4 == 0 && my_rows[half] < n_q) delta[bh * n_q + my_rows[half]] = row_delta[half];
-    if (DELTA_ONLY) return;
-
-    // Pass 2: dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
+    // dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
     float dq_acc[kOutFrags][4];
     clear(dq_acc);
     stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {

@@ -117,51 +117,7 @@ extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bi
 // per-warp slice): Frags n8 fragments, thread (quad_row, quad_col) holding rows quad_row
 // and quad_row + 8, columns 8 n + 2 quad_col + {0, 1}.
 
-// dQ kernel, pass 1: the per-thread partial sums of P and P dP (with dropout's factor) of
-// this thread's two query rows `rows` over the key tile starting at `key_start`; `mask`
-// (relative to that tile) applies when `masked`.
-template <int Frags>
-__device__ __forceinline__ void add_delta_sums(const Scores& scores, const float (&s)[Frags][4],
-                                               const float (&dp)[Frags][4],
-                                               const float (&lse_log2)[2],
-                                               const i64 (&rows)[2], const u32 (&row_states)[2],
-                                               i64 key_start, bool masked, const TileMask& mask,
-                                               float (&p_sums)[2], float (&pdp_sums)[2]) {
-    const int quad_col = threadIdx.x % 4;
-    // This thread's keys are n * 8 + (e & 1) past 2 * quad_col.
-    const Window kept[2] = {mask.row_window(static_cast<int>(rows[0] - mask.row0), 2 * quad_col),
-                            mask.row_window(static_cast<int>(rows[1] - mask.row0), 2 * quad_col)};
-#pragma unroll
-    for (int n = 0; n < Frags; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
-            float unused_grad;
-            const float p = probability(scores, s[n][e], lse_log2[e >> 1], rows[e >> 1], key,
-                                        !masked || kept[e >> 1].keeps(n * 8 + (e & 1)),
-                                        &unused_grad);
-            p_sums[e >> 1] += p;
-            pdp_sums[e >> 1] += p * dropout_factor(scores, row_states[e >> 1], key) * dp[n][e];
-        }
-}
-
-// D_i = sum_j P_ij dP_ij / sum_j P_ij from the partial sums (the quad's four threads share
-// a row); 0 for a row that kept nothing.
-__device__ __forceinline__ void finish_delta(const float (&p_sums)[2],
-                                             const float (&pdp_sums)[2],
-                                             float (&row_delta)[2]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float p_sum = p_sums[half], pdp_sum = pdp_sums[half];
-        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 1);
-        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 2);
-        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 1);
-        pdp_sum += __shfl_xor_sync(0xffffffffu, pdp_sum, 2);
-        row_delta[half] = p_sum == 0.0f ? 0.0f : pdp_sum / p_sum;
-    }
-}
-
-// dQ kernel, pass 2: S -> dS = P * (dP * dropout - D) * softcap', in place.
+// dQ kernel: S -> dS = P * (dP * dropout - D) * softcap', in place.
 template <int Frags>
 __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Frags][4],
                                              const float (&dp)[Frags][4],
