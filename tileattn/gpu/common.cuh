@@ -207,7 +207,13 @@ __device__ __forceinline__ void query_tile_range(const Band& band, i64 col_start
 }
 
 // ------------------------------------------------------------------ which tile a block owns
-// Grids are laid out as (batch * heads) x tiles, tiles fastest.
+// Grids hold tiles x (batch * heads) blocks, tile-major: every head's first tile comes
+// before any head's second. Under a causal band the tiles of a head differ in length, so
+// each kernel orders them longest first; tile-major makes that order global, so the
+// grid's tail is the shortest tile of every head rather than all tiles of the last heads
+// (v11 in bench/NOTES-gpu.md). A head's tiles are then spread over the whole grid, which
+// costs no bandwidth: the blocks of a head stream the same K/V (or Q/dO) in step, so L2
+// serves most of their reads.
 
 struct QueryTile {
     i64 bh;  // flat (batch, query head): the dropout hash's head index
@@ -217,14 +223,14 @@ struct QueryTile {
     i64 tile;
 };
 
-// Query-tile kernels run later tiles first: under a causal band they see the most keys, so
-// the longest blocks start earliest and the grid's tail is short ones.
+// Query-tile kernels run later tiles first: under a causal band they see the most keys.
 __device__ __forceinline__ QueryTile query_tile_of_block(i64 n_q, int block_q, int n_q_heads,
                                                          int group_size) {
     const i64 n_tiles = (n_q + block_q - 1) / block_q;
+    const i64 n_heads = gridDim.x / n_tiles;  // batch * query heads
     QueryTile owned;
-    owned.bh = static_cast<i64>(blockIdx.x) / n_tiles;
-    owned.tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) % n_tiles;
+    owned.bh = static_cast<i64>(blockIdx.x) % n_heads;
+    owned.tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) / n_heads;
     owned.batch = owned.bh / n_q_heads;
     owned.head = static_cast<int>(owned.bh % n_q_heads);
     owned.kv_head = owned.head / group_size;
@@ -238,12 +244,19 @@ struct KeyTile {
     i64 tile;
 };
 
-// Key-tile kernels (dK/dV) own one kv head's key tile and loop over its query heads.
+// Key-tile kernels (dK/dV) own one kv head's key tile and loop over its query heads; the
+// first key tiles see the most queries under a causal band, so they run first.
+// `kTileMajor` false keeps each head's tiles together (tiles fastest): the ordered single
+// pass (attention_mma_backward.cu) ranks its blocks' turns by that launch order.
+template <bool kTileMajor = true>
 __device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads) {
     const i64 n_tiles = (n_k + block_k - 1) / block_k;
+    const i64 n_heads = gridDim.x / n_tiles;  // batch * kv heads
     KeyTile owned;
-    owned.batch_kv_head = static_cast<i64>(blockIdx.x) / n_tiles;
-    owned.tile = static_cast<i64>(blockIdx.x) % n_tiles;
+    owned.batch_kv_head = kTileMajor ? static_cast<i64>(blockIdx.x) % n_heads
+                                     : static_cast<i64>(blockIdx.x) / n_tiles;
+    owned.tile = kTileMajor ? static_cast<i64>(blockIdx.x) / n_heads
+                            : static_cast<i64>(blockIdx.x) % n_tiles;
     owned.batch = owned.batch_kv_head / n_kv_heads;
     owned.kv_head = static_cast<int>(owned.batch_kv_head % n_kv_heads);
     return owned;
