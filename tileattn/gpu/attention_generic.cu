@@ -177,9 +177,7 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
     Acc* row_rescale = row_sum + C::block_q;                    // [block_q]
     require_shared_bytes(sizeof(Acc) * (row_rescale + C::block_q - q_tile));
 
-    const QueryTile owned = query_tile_of_block(
-        n_q, block_q, n_q_heads, group_size,
-        n_k * (head_dim + value_dim) * static_cast<i64>(sizeof(typename C::T)));
+    const QueryTile owned = query_tile_of_block(n_q, block_q, n_q_heads, group_size);
     const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
     const int head = owned.head, kv_head = owned.kv_head;
     const typename C::T* q_head = q + batch * q_strides.batch + head * q_strides.head;
@@ -410,9 +408,7 @@ __device__ void backward_dkdv_tile(
     require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
 
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyTile owned = key_tile_of_block(
-        n_k, block_k, n_kv_heads,
-        n_q * (head_dim + value_dim) * static_cast<i64>(sizeof(typename C::T)) * group_size);
+    const KeyTile owned = key_tile_of_block(n_k, block_k, n_kv_heads);
     const i64 batch_kv_head = owned.batch_kv_head, tile = owned.tile, batch = owned.batch;
     const int kv_head = owned.kv_head;
     const i64 col_start = tile * block_k;
@@ -509,9 +505,7 @@ __device__ void backward_dq_tile(
     Acc* delta_tile = lse_tile + C::block_q;                  // [block_q]
     require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
 
-    const QueryTile owned = query_tile_of_block(
-        n_q, block_q, n_q_heads, group_size,
-        n_k * (head_dim + value_dim) * static_cast<i64>(sizeof(typename C::T)));
+    const QueryTile owned = query_tile_of_block(n_q, block_q, n_q_heads, group_size);
     const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
     const int head = owned.head, kv_head = owned.kv_head;
     const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head;

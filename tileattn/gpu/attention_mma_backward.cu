@@ -326,8 +326,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     element* v_tiles = k_tiles + 2 * STREAMED_ROWS * kPitch;  // [2][STREAMED_ROWS][kPitch]
 
     const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(
-        n_q, OWNED_ROWS, n_q_heads, group_size, n_k * 2 * HEAD_DIM * static_cast<i64>(sizeof(element)));
+    const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
     const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
     const int head = owned.head, kv_head = owned.kv_head;
     const element* k_head = k + batch * k_sb + kv_head * k_sh;
@@ -422,9 +421,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 
     const Band band{band_offset, window_left, window_right};
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyTile owned = key_tile_of_block<!ORDERED>(
-        n_k, OWNED_ROWS, n_kv_heads,
-        n_q * 2 * HEAD_DIM * static_cast<i64>(sizeof(element)) * group_size);
+    const KeyTile owned = key_tile_of_block<!ORDERED>(n_k, OWNED_ROWS, n_kv_heads);
     const i64 batch_kv_head = owned.batch_kv_head, tile = owned.tile, batch = owned.batch;
     const int kv_head = owned.kv_head;
     const i64 col_start = tile * OWNED_ROWS;

@@ -44,8 +44,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     bits16* v_tiles = k_tiles + 2 * BLOCK_K * kPitch;  // [2][BLOCK_K][kPitch]
 
     const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(
-        n_q, BLOCK_Q, n_q_heads, group_size, n_k * 2 * HEAD_DIM * static_cast<i64>(sizeof(bits16)));
+    const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
     const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
     const int head = owned.head, kv_head = owned.kv_head;
     const bits16* q_head = q + batch * q_sb + head * q_sh;

@@ -171,8 +171,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const u32 v_tiles = k_tiles + STAGES * kStreamedBytes;  // [STAGES] swizzled V tiles
 
     const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(
-        n_q, OWNED_ROWS, n_q_heads, group_size, n_k * 2 * HEAD_DIM * static_cast<i64>(sizeof(bits16)));
+    const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
     const i64 bh = owned.bh;
     const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh;
     const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh;
@@ -353,8 +352,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
 
     const Band band{band_offset, window_left, window_right};
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyTile owned = key_tile_of_block(
-        n_k, OWNED_ROWS, n_kv_heads, n_q * 2 * HEAD_DIM * static_cast<i64>(sizeof(bits16)) * group_size);
+    const KeyTile owned = key_tile_of_block(n_k, OWNED_ROWS, n_kv_heads);
     const i64 col_start = owned.tile * OWNED_ROWS;
     const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
     const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;

@@ -50,8 +50,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     const u32 v_tiles = k_tiles + STAGES * kKvTileBytes;     // [STAGES] swizzled V tiles
 
     const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(
-        n_q, BLOCK_Q, n_q_heads, group_size, n_k * 2 * HEAD_DIM * static_cast<i64>(sizeof(bits16)));
+    const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
     const i64 bh = owned.bh;
     const bits16* q_head = q + owned.batch * q_sb + owned.head * q_sh;
     const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh;

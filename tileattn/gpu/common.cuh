@@ -207,36 +207,13 @@ __device__ __forceinline__ void query_tile_range(const Band& band, i64 col_start
 }
 
 // ------------------------------------------------------------------ which tile a block owns
-// Grids hold tiles x heads blocks (heads: batch * query heads, or batch * kv heads), laid
-// out in groups of heads, each group tile-major: every head of a group has its first tile
-// launched before any head of the group has its second. Under a causal band the tiles of
-// a head differ in length and each kernel orders them longest first, so within a group
-// the long tiles start early and the group ends on short ones instead of on every tile of
-// its last head. A group holds as many heads as keep what its blocks stream (K/V, or
-// Q/dO) within kHeadGroupBytes, so the blocks running at once share their heads' tiles in
-// L2: with every head in one group, short sequences (many heads, few tiles each) made
-// each running block stream another head from DRAM (forward D=128, N=1k: 262 -> 246
-// TFLOP/s; bench/NOTES-gpu.md, v11).
-constexpr i64 kHeadGroupBytes = 16ll << 20;
-
-struct GridSlot {
-    int head;  // flat head index
-    int rank;  // the tile's place in its head's launch order, 0 first
-};
-
-// This block's head and rank; `streamed_bytes`: what one block streams from its head. In
-// 32 bits (grid sizes are), which keeps the kernels' register use as before.
-__device__ __forceinline__ GridSlot grid_slot(int n_tiles, i64 streamed_bytes) {
-    const int n_heads = static_cast<int>(gridDim.x) / n_tiles;
-    const int group = static_cast<int>(
-        max(static_cast<i64>(1),
-            min(static_cast<i64>(n_heads), kHeadGroupBytes / max(streamed_bytes, static_cast<i64>(1)))));
-    const int block = static_cast<int>(blockIdx.x);
-    const int first_head = block / (group * n_tiles) * group;
-    const int heads_here = min(group, n_heads - first_head);
-    const int within = block - first_head * n_tiles;
-    return GridSlot{first_head + within % heads_here, within / heads_here};
-}
+// Grids hold tiles x (batch * heads) blocks, tile-major: every head's first tile comes
+// before any head's second. Under a causal band the tiles of a head differ in length, so
+// each kernel orders them longest first; tile-major makes that order global, so the
+// grid's tail is the shortest tile of every head rather than all tiles of the last heads
+// (v11 in bench/NOTES-gpu.md). A head's tiles are then spread over the whole grid, which
+// costs no bandwidth: the blocks of a head stream the same K/V (or Q/dO) in step, so L2
+// serves most of their reads.
 
 struct QueryTile {
     i64 bh;  // flat (batch, query head): the dropout hash's head index
@@ -247,14 +224,13 @@ struct QueryTile {
 };
 
 // Query-tile kernels run later tiles first: under a causal band they see the most keys.
-// `streamed_bytes`: the K and V bytes a block reads (every key of its head).
 __device__ __forceinline__ QueryTile query_tile_of_block(i64 n_q, int block_q, int n_q_heads,
-                                                         int group_size, i64 streamed_bytes) {
-    const int n_tiles = static_cast<int>((n_q + block_q - 1) / block_q);
-    const GridSlot slot = grid_slot(n_tiles, streamed_bytes);
+                                                         int group_size) {
+    const i64 n_tiles = (n_q + block_q - 1) / block_q;
+    const i64 n_heads = gridDim.x / n_tiles;  // batch * query heads
     QueryTile owned;
-    owned.bh = slot.head;
-    owned.tile = n_tiles - 1 - slot.rank;
+    owned.bh = static_cast<i64>(blockIdx.x) % n_heads;
+    owned.tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) / n_heads;
     owned.batch = owned.bh / n_q_heads;
     owned.head = static_cast<int>(owned.bh % n_q_heads);
     owned.kv_head = owned.head / group_size;
@@ -270,22 +246,17 @@ struct KeyTile {
 
 // Key-tile kernels (dK/dV) own one kv head's key tile and loop over its query heads; the
 // first key tiles see the most queries under a causal band, so they run first.
-// `streamed_bytes`: the Q and dO bytes a block reads (every query row of its GQA group).
-// `kGrouped` false keeps each head's tiles together (tiles fastest): the ordered single
+// `kTileMajor` false keeps each head's tiles together (tiles fastest): the ordered single
 // pass (attention_mma_backward.cu) ranks its blocks' turns by that launch order.
-template <bool kGrouped = true>
-__device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads,
-                                                     i64 streamed_bytes) {
-    const int n_tiles = static_cast<int>((n_k + block_k - 1) / block_k);
+template <bool kTileMajor = true>
+__device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads) {
+    const i64 n_tiles = (n_k + block_k - 1) / block_k;
+    const i64 n_heads = gridDim.x / n_tiles;  // batch * kv heads
     KeyTile owned;
-    if (kGrouped) {
-        const GridSlot slot = grid_slot(n_tiles, streamed_bytes);
-        owned.batch_kv_head = slot.head;
-        owned.tile = slot.rank;
-    } else {
-        owned.batch_kv_head = static_cast<i64>(blockIdx.x) / n_tiles;
-        owned.tile = static_cast<i64>(blockIdx.x) % n_tiles;
-    }
+    owned.batch_kv_head = kTileMajor ? static_cast<i64>(blockIdx.x) % n_heads
+                                     : static_cast<i64>(blockIdx.x) / n_tiles;
+    owned.tile = kTileMajor ? static_cast<i64>(blockIdx.x) / n_heads
+                            : static_cast<i64>(blockIdx.x) % n_tiles;
     owned.batch = owned.batch_kv_head / n_kv_heads;
     owned.kv_head = static_cast<int>(owned.batch_kv_head % n_kv_heads);
     return owned;
