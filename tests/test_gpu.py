@@ -355,6 +355,24 @@ def test_wgmma_forward_is_the_default_on_hopper():
 
 
 @hopper_only
+def test_named_wgmma_tiles_fit_shared_memory():
+    """A tile size named by the caller keeps the default's stages only where they fit: at
+    D = 128 with ALiBi (three stages) 192 x 128 would need 241 KiB (found by hypothesis:
+    CUDA_ERROR_INVALID_VALUE raising the kernel's shared-memory limit)."""
+    q, k, v = _inputs((1, 1, 300, 128), (1, 1, 260, 128), (1, 1, 260, 128), np.float16)
+    options = {"alibi_slopes": np.array([0.4]), "block_k": 128}
+    tiles = _launch.wgmma_tiles(cupy.asarray(q), cupy.asarray(k),
+                                _resolved_options(q, k, v, options))
+    assert tiles is not None and tiles.stages == 2
+    assert tiles.shared_bytes(128) <= _launch.shared_memory_limit(cupy.cuda.Device().id)
+    o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", return_lse=True,
+                              **options)
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+
+
+@hopper_only
 def test_wgmma_forward_long_rows_and_fully_masked_tiles():
     """Causal with Nq > Nk (leading query tiles keep nothing) over several key tiles."""
     q, k, v = _inputs((1, 2, 700, 128), (1, 2, 520, 128), (1, 2, 520, 128), np.float16)

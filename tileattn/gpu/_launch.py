@@ -437,7 +437,14 @@ def wgmma_tiles(q, k, options: AttentionOptions) -> WgmmaTiles | None:
         return None
     if blocks == Blocks(default.block_q, default.block_k):
         return default
-    return WgmmaTiles(blocks.block_q, blocks.block_k, default.stages)  # one block per SM
+    # One block per SM, with the default's stages where they fit the device's shared
+    # memory, else fewer (192 x 128 at D = 128 with a score option's three stages needs
+    # 241 KiB), else the mma.sync kernel.
+    tiles = WgmmaTiles(blocks.block_q, blocks.block_k, default.stages)
+    limit = shared_memory_limit(q.device.id)
+    while tiles.shared_bytes(q.shape[3]) > limit and tiles.stages > 2:
+        tiles = WgmmaTiles(tiles.block_q, tiles.block_k, tiles.stages - 1)
+    return tiles if tiles.shared_bytes(q.shape[3]) <= limit else None
 
 
 def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles):
