@@ -373,20 +373,20 @@ def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64,
         cupy.get_default_memory_pool().free_all_blocks()
     anchors = [name for name in ("flash", "cudnn", "efficient")
                if any(name in row for row in results.values())]
-    print("\n| case | pass | tileattn | tileattn-nd | " + " | ".join(anchors) + " | "
-          + " | ".join(f"tileattn / {name}" for name in anchors) + " | tileattn-nd / "
-          + anchors[0] + " |" if anchors else "\n| case | pass | tileattn | tileattn-nd |")
-    print("| --- | --- |" + " ---: |" * (2 + 2 * len(anchors) + bool(anchors)))
+    ours = ["tileattn"] + (["tileattn-nd"] if nondeterministic else [])
+    ratios = [("tileattn", a) for a in anchors] + (
+        [("tileattn-nd", anchors[0])] if nondeterministic and anchors else [])
+    columns = ours + anchors + [f"{mine} / {name}" for mine, name in ratios]
+    print("\n| case | pass | " + " | ".join(columns) + " |")
+    print("| --- | --- |" + " ---: |" * (len(ours) + len(anchors) + len(ratios)))
     for (case_name, direction), row in results.items():
 
         def cell(name):
             return f"{row[name]:.1f}" if name in row else "-"
 
-        def ratio(name, mine="tileattn"):
+        def ratio(mine, name):
             return f"{row[mine] / row[name]:.2f}" if mine in row and name in row else "-"
-        cells = ([cell("tileattn"), cell("tileattn-nd")] + [cell(a) for a in anchors]
-                 + [ratio(a) for a in anchors]
-                 + ([ratio(anchors[0], "tileattn-nd")] if anchors else []))
+        cells = [cell(name) for name in ours + anchors] + [ratio(*r) for r in ratios]
         print(f"| {case_name.replace('forward ', '')} | {direction} | " + " | ".join(cells)
               + " |")
 

@@ -116,9 +116,11 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
 
     Pass the same options as to `forward`, and its `o` and `lse` (``return_lse=True``).
     Tiles of the probabilities are recomputed from `lse`; nothing of size Nq x Nk is stored.
-    The row term ``D_i = rowsum(do_i * o_i)`` is the exact forward output's; a backend may
-    form it without the rounding that `o` carries in a 16-bit dtype (the GPU backend computes
-    it from the recomputed probabilities, the CPU backend recomputes `o` in float32).
+    The row term ``D_i = rowsum(do_i * o_i)`` is formed from the `o` passed here (SPEC; as
+    FlashAttention-2, -3 and cuDNN do), so the result is the exact gradient for that `o`:
+    with the exact forward output it is the exact gradient of `forward`, and a 16-bit `o`'s
+    rounding reaches ``dq`` through ``D`` (on sharply peaked attention by up to about the
+    dtype's tolerance).
 
     Parameters
     ----------

@@ -7,21 +7,20 @@ sm_80+ GPUs the mma.sync one (attention_mma_forward.cu); for float32 with D = Dv
 {64, 128} on sm_80+ a tensor-core kernel at float32 accuracy (attention_tf32_forward.cu:
 each float32 product as three TF32 products, "3xTF32", as torch's memory-efficient
 attention does; an infinite input comes out as NaN in the rows it reaches); a CUDA-core
-kernel for everything else (float64, other head dims up to 256). Backward: for float16/bfloat16
-with D = Dv in {64, 128} (and no tile size named by the caller) two tensor-core kernels
-(wgmma on Hopper, mma.sync elsewhere), otherwise two CUDA-core ones; in every family the
-first kernel computes dQ per query tile and forms ``D_i = rowsum(dO_i * O_i)`` as
-``sum_j P_ij dP_ij / sum_j P_ij`` from the recomputed probabilities (the same quantity
-without the rounding of the passed ``o`` to the input dtype, which for float16 moved dq
-past its tolerance; ``o`` is not read), then the second computes dK/dV per key tile,
-summing a GQA group in-block. Nothing depends on scheduling.
+kernel for everything else (float64, other head dims up to 256). Backward: first
+``D_i = rowsum(dO_i * o_i)`` from the passed ``o`` (attention_backward_delta.cu, SPEC's D),
+then for float16/bfloat16 with D = Dv in {64, 128} (and no tile size named by the caller)
+two tensor-core kernels (wgmma on Hopper, mma.sync elsewhere), for float32 with those head
+dims two 3xTF32 ones, otherwise two CUDA-core ones: the first computes dQ per query tile,
+the second dK/dV per key tile, summing a GQA group in-block; 7 tile products per (query
+tile, key tile). Nothing depends on scheduling.
 
 ``deterministic=False`` on sm_80 GPUs other than Hopper runs FlashAttention-2's single pass
-instead: the first kernel only forms D, and the dK/dV kernel also adds each key tile's dQ
-share into a float32 buffer with atomics (7 tile products per (query tile, key tile)
-instead of 9, ``4 * B * Hq * Nq * D`` bytes of extra memory, dq's last bits vary from run
-to run). On Hopper the two deterministic kernels are faster than the single pass (the
-atomics cost more than the two products they save), so both settings run them there.
+instead: no dQ kernel; the dK/dV kernel also adds each key tile's dQ share into a float32
+buffer with atomics (5 tile products per (query tile, key tile) instead of 7,
+``4 * B * Hq * Nq * D`` bytes of extra memory, dq's last bits vary from run to run). On
+Hopper the two deterministic kernels are faster than the single pass (its dS^T staging and
+barriers cost more than the products it saves), so both settings run them there.
 bench/NOTES-gpu.md has the measured speeds.
 
 Kernels are compiled once per (device, dtype, head dims, tile sizes, option switches) and
