@@ -640,13 +640,14 @@ def _new_delta(o):
     return cupy.empty(o.shape[0] * o.shape[1] * o.shape[2], dtype=accumulation_dtype(o.dtype))
 
 
-def row_deltas(do, o):
-    """``D = rowsum(do * o)`` per query row, flat ``(B * Hq * Nq,)``, accumulation dtype:
-    SPEC's D, which every backward below reads."""
+def row_deltas(do, o) -> tuple:
+    """``(delta, launch)``: ``D = rowsum(do * o)`` per query row, flat ``(B * Hq * Nq,)``,
+    accumulation dtype (SPEC's D, which every backward below reads), and the launch that
+    computed it, for a backward that caches its launches."""
     launch, do, o = _delta_launch(do, o)
     delta = _new_delta(o)
     launch(do, o, delta)
-    return delta
+    return delta, launch
 
 
 def _backward_operands(do, q, k, v, lse, options: AttentionOptions):
@@ -686,7 +687,7 @@ def backward_tensor_core(do, q, k, v, o, lse, options: AttentionOptions, tiles=N
     single_pass = not options.deterministic if single_pass is None else single_pass
     single_pass = single_pass and not is_float32  # float32 has no single pass
     ordered = single_pass and options.deterministic
-    delta = row_deltas(do, o)
+    delta = row_deltas(do, o)[0]
     (do, q, k, v, lse), (dq, dk, dv), common = _backward_operands(do, q, k, v, lse, options)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles["dkdv"][1])
@@ -780,9 +781,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions,
         return dq, dk, dv
     arrays_in = (do, q, k, v, o)
     tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
-    delta_launch, do_rows, o_rows = _delta_launch(do, o)
-    delta = _new_delta(o)
-    delta_launch(do_rows, o_rows, delta)
+    delta, delta_launch = row_deltas(do, o)
     launches = [delta_launch]
     (do, q, k, v, lse), (dq, dk, dv), common = _backward_operands(do, q, k, v, lse, options)
     # The single pass's dQ buffer: (batch x head, query tile of 64, column block of 64)
@@ -825,7 +824,7 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     accum = accumulation_dtype(q.dtype)
     config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
     blocks = config.blocks(options)
-    delta = row_deltas(do, o)
+    delta = row_deltas(do, o)[0]
     if lse.dtype != accum:
         lse = lse.astype(accum)
     (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))

@@ -211,9 +211,10 @@ __device__ __forceinline__ void query_tile_range(const Band& band, i64 col_start
 // before any head's second. Under a causal band the tiles of a head differ in length, so
 // each kernel orders them longest first; tile-major makes that order global, so the
 // grid's tail is the shortest tile of every head rather than all tiles of the last heads
-// (v11 in bench/NOTES-gpu.md). A head's tiles are then spread over the whole grid, which
-// costs no bandwidth: the blocks of a head stream the same K/V (or Q/dO) in step, so L2
-// serves most of their reads.
+// (v11 in bench/NOTES-gpu.md). A head's tiles are then spread over the whole grid: with
+// fewer heads than resident blocks the blocks of a head stream the same K/V (or Q/dO) in
+// step and share it in L2, but with more (N = 1k: 512 heads) each running block streams a
+// head of its own, which cost the non-causal forward there (D=128: 262 -> 246 TFLOP/s).
 
 struct QueryTile {
     i64 bh;  // flat (batch, query head): the dropout hash's head index
