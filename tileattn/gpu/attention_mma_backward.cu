@@ -421,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 
     const Band band{band_offset, window_left, window_right};
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyTile owned = key_tile_of_block<!ORDERED>(n_k, OWNED_ROWS, n_kv_heads);
+    const KeyTile owned = key_tile_of_block<kBandedGrid && !ORDERED>(n_k, OWNED_ROWS, n_kv_heads);
     const i64 batch_kv_head = owned.batch_kv_head, tile = owned.tile, batch = owned.batch;
     const int kv_head = owned.kv_head;
     const i64 col_start = tile * OWNED_ROWS;

@@ -207,14 +207,18 @@ __device__ __forceinline__ void query_tile_range(const Band& band, i64 col_start
 }
 
 // ------------------------------------------------------------------ which tile a block owns
-// Grids hold tiles x (batch * heads) blocks, tile-major: every head's first tile comes
-// before any head's second. Under a causal band the tiles of a head differ in length, so
-// each kernel orders them longest first; tile-major makes that order global, so the
-// grid's tail is the shortest tile of every head rather than all tiles of the last heads
-// (v11 in bench/NOTES-gpu.md). A head's tiles are then spread over the whole grid: with
-// fewer heads than resident blocks the blocks of a head stream the same K/V (or Q/dO) in
-// step and share it in L2, but with more (N = 1k: 512 heads) each running block streams a
-// head of its own, which cost the non-causal forward there (D=128: 262 -> 246 TFLOP/s).
+// Under a band (causal or a window: LIMIT_LEFT or LIMIT_RIGHT) the tiles of a head differ
+// in length and each kernel orders them longest first; there grids are tile-major (every
+// head's first tile before any head's second), so the grid's tail is the shortest tile of
+// every head rather than all tiles of the last heads (causal backward +5-10 %, v11 in
+// bench/NOTES-gpu.md). Without a band the tiles are equal and grids stay head-major
+// (tiles fastest): the blocks running at once then share a few heads' K/V in L2, which
+// tile-major order lost at N = 1k (forward D=128 262 -> 246 TFLOP/s).
+#if defined(LIMIT_LEFT) && defined(LIMIT_RIGHT)
+constexpr bool kBandedGrid = LIMIT_LEFT || LIMIT_RIGHT;
+#else
+constexpr bool kBandedGrid = false;
+#endif
 
 struct QueryTile {
     i64 bh;  // flat (batch, query head): the dropout hash's head index
@@ -229,9 +233,10 @@ __device__ __forceinline__ QueryTile query_tile_of_block(i64 n_q, int block_q, i
                                                          int group_size) {
     const i64 n_tiles = (n_q + block_q - 1) / block_q;
     const i64 n_heads = gridDim.x / n_tiles;  // batch * query heads
+    const i64 block = blockIdx.x;
     QueryTile owned;
-    owned.bh = static_cast<i64>(blockIdx.x) % n_heads;
-    owned.tile = n_tiles - 1 - static_cast<i64>(blockIdx.x) / n_heads;
+    owned.bh = kBandedGrid ? block % n_heads : block / n_tiles;
+    owned.tile = n_tiles - 1 - (kBandedGrid ? block / n_heads : block % n_tiles);
     owned.batch = owned.bh / n_q_heads;
     owned.head = static_cast<int>(owned.bh % n_q_heads);
     owned.kv_head = owned.head / group_size;
@@ -247,9 +252,9 @@ struct KeyTile {
 
 // Key-tile kernels (dK/dV) own one kv head's key tile and loop over its query heads; the
 // first key tiles see the most queries under a causal band, so they run first.
-// `kTileMajor` false keeps each head's tiles together (tiles fastest): the ordered single
-// pass (attention_mma_backward.cu) ranks its blocks' turns by that launch order.
-template <bool kTileMajor = true>
+// The ordered single pass (attention_mma_backward.cu) ranks its blocks' turns by the
+// head-major launch order, so it asks for `kTileMajor` false under a band too.
+template <bool kTileMajor = kBandedGrid>
 __device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads) {
     const i64 n_tiles = (n_k + block_k - 1) / block_k;
     const i64 n_heads = gridDim.x / n_tiles;  // batch * kv heads
