@@ -9,6 +9,10 @@ the float64 golden model (same kernels, same options), and every implementation 
 benchmark problem itself against a float64 CuPy computation of a few heads. Timing: CUDA
 events around each call, warm-up first, median of the repetitions; the inputs (>= 64 MiB
 each at the main size) exceed the 50 MB L2, so repetitions do not run from cache.
+`--fa` times as FlashAttention's own benchmark does (torch.utils.benchmark's
+`Timer.timeit`: calls back to back, the host's work for one call overlapping the kernels
+of the one before) unless `--timing per-call`, which times each call from an idle GPU, so
+that the host time before the launch counts too (bench/overhead_gpu.py measures that).
 FLOPs: forward 4*B*H*Nq*Nk*D (halved when causal), backward 2.5x the forward.
 
 `--fa` runs FlashAttention's benchmark shapes (batch * N = 16k tokens, hidden 2048 as 32
@@ -218,6 +222,27 @@ def median_ms(function, repetitions: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def back_to_back_ms(function, repetitions: int, warmup: int = 2, rounds: int = 3) -> float:
+    """Milliseconds per call of `repetitions` calls queued back to back (FlashAttention's
+    benchmark method), the median of `rounds` such runs."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(rounds):
+        cupy.cuda.Device().synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(repetitions):
+            function()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / repetitions)
+    return statistics.median(times)
+
+
+TIMINGS = {"back-to-back": back_to_back_ms, "per-call": median_ms}
+
+
 def validate_small(case: Case):
     """tileattn with the case's kernels on a small problem against the golden model."""
     small = replace(case, batch=1, heads=2, n=300)
@@ -333,9 +358,11 @@ def fa_functions(case: Case, q, k, v, do, nondeterministic: bool = True) -> dict
 
 
 def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64, 128),
-           nondeterministic: bool = True) -> None:
-    """Times FA's shapes; checks every implementation against float64 on one head first
-    (N <= 4096: the check's N x N float64 products are what limits it)."""
+           nondeterministic: bool = True, timing: str = "back-to-back") -> None:
+    """Times FA's shapes (`timing`: a key of `TIMINGS`); checks every implementation
+    against float64 on one head first (N <= 4096: the check's N x N float64 products are
+    what limits it)."""
+    measure = TIMINGS[timing]
     results = {}  # (case name, direction) -> {implementation: TFLOP/s}
     for case in fa_cases(dtypes, lengths, head_dims):
         validate_small(replace(case, direction="backward"))
@@ -364,7 +391,7 @@ def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64,
                               f"{direction}; not timed")
                         continue
                 del result
-                ms = median_ms(function, repetitions, warmup=2)
+                ms = measure(function, repetitions, warmup=2)
                 tflops = flops / ms / 1e9
                 results.setdefault((case.name, direction), {})[name] = tflops
                 print(f"  {case.name:<44} {direction:<8} {name:<9} {ms:9.3f} ms "
@@ -404,14 +431,18 @@ def main() -> None:
     parser.add_argument("--fa-head-dims", default="64,128")
     parser.add_argument("--no-nd", action="store_true",
                         help="leave out tileattn-nd (deterministic=False)")
+    parser.add_argument("--timing", choices=tuple(TIMINGS), default="back-to-back",
+                        help="--fa: calls back to back (FlashAttention's benchmark) or each "
+                             "from an idle GPU (host time included)")
     args = parser.parse_args()
     device = cupy.cuda.Device()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(device.id)['name'].decode()}, "
           f"CuPy {cupy.__version__}, torch {torch.__version__ if torch else 'absent'}")
     if args.fa:
+        print(f"timing: {args.timing}, {args.repetitions} calls")
         run_fa(args.repetitions, args.fa_dtypes.split(","),
                tuple(map(int, args.fa_n.split(","))),
-               tuple(map(int, args.fa_head_dims.split(","))), not args.no_nd)
+               tuple(map(int, args.fa_head_dims.split(","))), not args.no_nd, args.timing)
         return
     cases = [c for c in CASES if args.only in c.name]
     if args.sweep:

@@ -6,12 +6,15 @@ For D = 64 (B = 4, H = 32) and D = 128 (B = 4, H = 16), causal and not: each ker
 (owned 64 or 128 rows x streamed 32, 64 or 128 rows) are varied while the other kernel keeps
 its default (`_launch.MMA_BACKWARD_TILES`). Each configuration is first checked against the
 float64 golden model on a small problem with every option on, then the whole backward is
-timed on the large one (CUDA events, median) beside torch's FlashAttention-2 backward
+timed on the large one beside torch's FlashAttention-2 backward
 (derived as forward+backward minus forward, measured in the same run).
 
---wgmma sweeps the Hopper kernels (`_launch.WGMMA_BACKWARD_TILES`: owned 64, 128 or 192
-rows, streamed 64 or 128, 2 or 3 stages) instead, beside the mma.sync two-kernel default
-and its single pass (deterministic=False) timed in the same run.
+--wgmma sweeps the Hopper kernels instead: every dQ tile (owned 128 or 192 queries x
+streamed 64 or 128 keys) with every dK/dV tile (owned 128 or 192 keys x 64 queries) that
+builds without spilling, at the default's stages, plus the default with 3 stages
+(`_launch.WGMMA_BACKWARD_TILES` and `_launch.WGMMA_SHORT_BACKWARD_TILES` hold the winners);
+`--alternatives` adds the mma.sync two-kernel default and the single passes
+(deterministic=False). Timing: calls back to back (bench_gpu.back_to_back_ms).
 """
 
 from __future__ import annotations
@@ -27,21 +30,28 @@ from tileattn.gpu import _launch
 from tileattn.testing import assert_attention_close
 from tileattn.validation import validate
 
-from bench_gpu import Case, fa_functions, make_inputs, median_ms
+from bench_gpu import Case, back_to_back_ms, fa_functions, make_inputs
 from sweep_gpu_forward import EVERY_OPTION, plain_options, sweep_arguments
 
 OWNED, STREAMED = (64, 128), (32, 64, 128)
 SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
 
 
-def wgmma_candidates(head_dim: int) -> list:
-    """(tiles, single pass) pairs: the default in both forms, then one change at a time."""
+# dK/dV blocks of 192 keys spill at D = 128 (v7 in bench/NOTES-gpu.md).
+WGMMA_DKDV_OWNED = {64: (128, 192), 128: (128,)}
+
+
+def wgmma_candidates(head_dim: int, alternatives: bool = False) -> list:
+    """(tiles, single pass) pairs: every dQ x dK/dV tile pair at the default's stages and
+    the default with 3 stages; with `alternatives` also the single passes."""
     default = _launch.WGMMA_BACKWARD_TILES[head_dim]
-    tiles = [default, replace(default, stages=3)]
-    tiles += [replace(default, dq=t) for t in ((64, 64), (128, 64), (128, 128))]
-    tiles += [replace(default, dkdv=t) for t in ((64, 64), (192, 64))]
+    tiles = [replace(default, dq=dq, dkdv=(owned, 64))
+             for dq in ((128, 64), (128, 128), (192, 64))
+             for owned in WGMMA_DKDV_OWNED[head_dim]] + [replace(default, stages=3)]
     fitting = [(t, False) for t in tiles
                if max(t.shared_bytes(e, head_dim) for e in ("dq", "dkdv")) <= SHARED_LIMIT]
+    if not alternatives:
+        return fitting
     # The single pass: D = 64 splits dQ over the warpgroups by keys (any owned rows), D = 128
     # by column blocks (128 owned keys).
     single = {default, replace(default, dkdv=(128, 64))}
@@ -74,7 +84,7 @@ def main() -> None:
         heads = 2048 // head_dim
         default = _launch.MMA_BACKWARD_TILES[head_dim]
         if args.wgmma:
-            candidates = wgmma_candidates(head_dim)
+            candidates = wgmma_candidates(head_dim, args.alternatives)
         else:
             candidates = [(dict(default, dq=t), None) for t in itertools.product(OWNED, STREAMED)]
             candidates += [(dict(default, dkdv=t), None)
@@ -85,27 +95,28 @@ def main() -> None:
             q, k, v, do = make_inputs(case)
             flash = fa_functions(case, q, k, v, do).get("flash")
             if flash:
-                flash_ms = median_ms(flash[1], args.repetitions) - median_ms(
+                flash_ms = back_to_back_ms(flash[1], args.repetitions) - back_to_back_ms(
                     flash[0], args.repetitions)
                 flash_tflops = case.flops / flash_ms / 1e9
             else:
                 flash_tflops = float("nan")
             options = plain_options(q, k, v, causal)
             o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=causal)
-            if args.wgmma:
+            if args.wgmma and args.alternatives:
                 for single_pass in (False, True):
-                    ms = median_ms(lambda arrays=(do, q, k, v, o, lse), single_pass=single_pass:
-                                   _launch.backward_tensor_core(*arrays, options,
-                                                                single_pass=single_pass),
-                                   args.repetitions)
+                    ms = back_to_back_ms(
+                        lambda arrays=(do, q, k, v, o, lse), single_pass=single_pass:
+                        _launch.backward_tensor_core(*arrays, options, single_pass=single_pass),
+                        args.repetitions)
                     print(f"{case.name:<42} mma.sync {'single pass' if single_pass else ''}: "
                           f"{ms:7.3f} ms {case.flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
             for tiles, single_pass in candidates:
                 keywords = {} if single_pass is None else {"single_pass": single_pass}
                 if not causal:
                     check(np.dtype(args.dtype), head_dim, tiles, backward, **keywords)
-                ms = median_ms(lambda arrays=(do, q, k, v, o, lse), tiles=tiles, keywords=keywords:
-                               backward(*arrays, options, tiles, **keywords), args.repetitions)
+                ms = back_to_back_ms(
+                    lambda arrays=(do, q, k, v, o, lse), tiles=tiles, keywords=keywords:
+                    backward(*arrays, options, tiles, **keywords), args.repetitions)
                 tflops = case.flops / ms / 1e9
                 described = tiles if isinstance(tiles, dict) else dict(
                     dq=tiles.dq, dkdv=tiles.dkdv, stages=tiles.stages)

@@ -40,6 +40,8 @@ def sweep_arguments(description: str, wgmma_flag: bool = False):
     if wgmma_flag:
         parser.add_argument("--wgmma", action="store_true",
                             help="sweep the Hopper (wgmma) kernels instead of mma.sync's")
+        parser.add_argument("--alternatives", action="store_true",
+                            help="--wgmma: also the mma.sync kernels and the single passes")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repetitions", type=int, default=10)

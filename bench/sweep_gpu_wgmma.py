@@ -9,7 +9,7 @@ each with registers capped for one block per multiprocessor and, where shared me
 holds more, for 512 threads per multiprocessor (blocks_per_sm = 256 / query tile).
 Each configuration is first checked against the float64 golden model on a small problem
 with every option on (sweep_gpu_forward.check), then timed on the large one
-(CUDA events, median). The winners go into `_launch.WGMMA_DEFAULT_TILES`.
+(calls back to back, bench_gpu.back_to_back_ms). The winners go into `_launch.WGMMA_DEFAULT_TILES`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import cupy
 import numpy as np
 
 from tileattn.gpu import _launch
-from bench_gpu import Case, fa_functions, make_inputs, median_ms
+from bench_gpu import Case, back_to_back_ms, fa_functions, make_inputs
 from sweep_gpu_forward import check, plain_options, sweep_arguments
 
 SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
@@ -49,7 +49,7 @@ def main() -> None:
             anchors["mma.sync"] = lambda q=q, k=k, v=v: _launch.forward_tensor_core(
                 q, k, v, cupy.empty(q.shape, q.dtype), cupy.empty(q.shape[:3], cupy.float32),
                 options, mma_blocks)
-            rates = {name: case.flops / median_ms(function, args.repetitions) / 1e9
+            rates = {name: case.flops / back_to_back_ms(function, args.repetitions) / 1e9
                      for name, function in anchors.items()}
             print(f"{case.name}: " + ", ".join(f"{name} {rate:.1f}"
                                                for name, rate in rates.items()), flush=True)
@@ -63,8 +63,9 @@ def main() -> None:
                     continue
                 if not causal:
                     check(np.dtype(args.dtype), head_dim, tiles, forward=run)
-                ms = median_ms(lambda q=q, k=k, v=v, tiles=tiles: run(q, k, v, options, tiles),
-                               args.repetitions)
+                ms = back_to_back_ms(
+                    lambda q=q, k=k, v=v, tiles=tiles: run(q, k, v, options, tiles),
+                    args.repetitions)
                 tflops = case.flops / ms / 1e9
                 rows.append((case.name, tiles, tflops, rates))
                 print(f"  {block_q}x{block_k} stages {stages} x{tiles.blocks_per_sm}: "
