@@ -11,8 +11,8 @@ timed on the large one beside torch's FlashAttention-2 backward
 
 --wgmma sweeps the Hopper kernels instead: every dQ tile (owned 128 or 192 queries x
 streamed 64 or 128 keys) with every dK/dV tile (owned 128 or 192 keys x 64 queries) that
-builds without spilling, at the default's stages, plus the default with 3 stages
-(`_launch.WGMMA_BACKWARD_TILES` and `_launch.WGMMA_SHORT_BACKWARD_TILES` hold the winners);
+builds without spilling, with 2 stages, plus the default with 3 stages
+(`_launch.WGMMA_BACKWARD_TILES` and `_launch.WGMMA_BANDED_BACKWARD_TILES` hold the winners);
 `--alternatives` adds the mma.sync two-kernel default and the single passes
 (deterministic=False). Timing: calls back to back (bench_gpu.back_to_back_ms).
 """
@@ -45,7 +45,7 @@ def wgmma_candidates(head_dim: int, alternatives: bool = False) -> list:
     """(tiles, single pass) pairs: every dQ x dK/dV tile pair at the default's stages and
     the default with 3 stages; with `alternatives` also the single passes."""
     default = _launch.WGMMA_BACKWARD_TILES[head_dim]
-    tiles = [replace(default, dq=dq, dkdv=(owned, 64))
+    tiles = [replace(default, dq=dq, dkdv=(owned, 64), stages=2)
              for dq in ((128, 64), (128, 128), (192, 64))
              for owned in WGMMA_DKDV_OWNED[head_dim]] + [replace(default, stages=3)]
     fitting = [(t, False) for t in tiles

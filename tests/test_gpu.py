@@ -355,6 +355,19 @@ def test_wgmma_forward_is_the_default_on_hopper():
 
 
 @hopper_only
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_wgmma_backward_tiles_fit_shared_memory(single_pass):
+    """Every default backward tiling (with and without a band) fits one block's shared
+    memory, in the single pass too."""
+    limit = _launch.shared_memory_limit(cupy.cuda.Device().id)
+    for table in (_launch.WGMMA_BACKWARD_TILES, _launch.WGMMA_BANDED_BACKWARD_TILES):
+        for head_dim, tiles in table.items():
+            for entry in ("dq", "dkdv"):
+                assert tiles.shared_bytes(entry, head_dim, single_pass) <= limit, \
+                    (head_dim, tiles, entry)
+
+
+@hopper_only
 def test_named_wgmma_tiles_fit_shared_memory():
     """A tile size named by the caller keeps the default's stages only where they fit: at
     D = 128 with ALiBi (three stages) 192 x 128 would need 241 KiB (found by hypothesis:

@@ -740,11 +740,22 @@ class WgmmaBackwardTiles:
             1024 + 2 * owned * 64 + owned * 64 * 4 if single_pass else 0)
 
 
-# The fastest of bench/sweep_gpu_backward.py --wgmma (bench/NOTES-gpu.md, v7).
+# The fastest of bench/sweep_gpu_backward.py --wgmma (bench/NOTES-gpu.md, v7 and v12).
 # Three warpgroups own 192 rows except in the dK/dV kernel at D = 128, where the dK and dV
-# accumulators need more registers than 3 x 128 threads leave (it spills).
+# accumulators need more registers than 3 x 128 threads leave (it spills). The stage count
+# differs with a band (causal or a window): at N = 1k and 2k a third stage made the banded
+# D = 64 backward 4-5 % faster and the D = 128 one 8-10 % slower, the unbanded D = 128 one
+# 3-4 % faster (v12).
 WGMMA_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (192, 64), 2),
-                        128: WgmmaBackwardTiles((192, 64), (128, 64), 2)}
+                        128: WgmmaBackwardTiles((192, 64), (128, 64), 3)}
+WGMMA_BANDED_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (192, 64), 3),
+                               128: WgmmaBackwardTiles((192, 64), (128, 64), 2)}
+
+
+def wgmma_backward_tiles(head_dim: int, options: AttentionOptions) -> WgmmaBackwardTiles:
+    """The Hopper backward's default tiles for a head dim, with or without a band."""
+    table = WGMMA_BANDED_BACKWARD_TILES if options.is_masked else WGMMA_BACKWARD_TILES
+    return table[head_dim]
 
 
 def wgmma_backward_applies(q, v, options: AttentionOptions) -> bool:
@@ -755,7 +766,7 @@ def wgmma_backward_applies(q, v, options: AttentionOptions) -> bool:
 
 def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions,
                    tiles: WgmmaBackwardTiles | None = None, single_pass: bool = False):
-    """`tiles`: by default `WGMMA_BACKWARD_TILES` of the head dim (the sweep passes others).
+    """`tiles`: by default `wgmma_backward_tiles` (the sweep passes others).
 
     D = rowsum(do * o) first, then the dQ and the dK/dV kernels, which both read it.
     `single_pass`: no dQ kernel; the dK/dV kernel adds dQ into a float32 buffer
@@ -780,7 +791,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions,
         cached[2](q, k, v, do, lse, delta, dk, dv, _empty(q.device.id, "float32"))
         return dq, dk, dv
     arrays_in = (do, q, k, v, o)
-    tiles = tiles or WGMMA_BACKWARD_TILES[head_dim]
+    tiles = tiles or wgmma_backward_tiles(head_dim, options)
     delta, delta_launch = row_deltas(do, o)
     launches = [delta_launch]
     (do, q, k, v, lse), (dq, dk, dv), common = _backward_operands(do, q, k, v, lse, options)
