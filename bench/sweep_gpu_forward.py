@@ -46,6 +46,8 @@ def sweep_arguments(description: str, wgmma_flag: bool = False):
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--block-q", default="",
+                        help="only these query tiles (comma-separated; default all)")
     return parser.parse_args()
 
 

@@ -4,12 +4,13 @@ flash and cuDNN forwards measured in the same run.
     PYTHONPATH=. python3 bench/sweep_gpu_wgmma.py [--dtype float16] [--n 4096]
 
 For D = 64 (H = 32) and D = 128 (H = 16) at batch * N = 16k, causal and not: every
-query tile (64, 128, 192) x key tile (64, 128) x stage count (2, 3) that fits shared memory,
-each with registers capped for one block per multiprocessor and, where shared memory
-holds more, for 512 threads per multiprocessor (blocks_per_sm = 256 / query tile).
-Each configuration is first checked against the float64 golden model on a small problem
-with every option on (sweep_gpu_forward.check), then timed on the large one
-(calls back to back, bench_gpu.back_to_back_ms). The winners go into `_launch.WGMMA_DEFAULT_TILES`.
+query tile (64, 128, 192, 256; `--block-q` picks some) x key tile (64, 128) x stage count
+(2, 3) that fits shared memory and registers, each with registers capped for one block per
+multiprocessor and, where shared memory holds more, for 512 threads per multiprocessor
+(blocks_per_sm = 256 / query tile). Each configuration is first checked against the
+float64 golden model on a small problem with every option on (sweep_gpu_forward.check),
+then timed on the large one (calls back to back, bench_gpu.back_to_back_ms). The winners
+go into `_launch.WGMMA_DEFAULT_TILES` and `_launch.WGMMA_SHORT_TILES`.
 """
 
 from __future__ import annotations
@@ -53,13 +54,15 @@ def main() -> None:
                      for name, function in anchors.items()}
             print(f"{case.name}: " + ", ".join(f"{name} {rate:.1f}"
                                                for name, rate in rates.items()), flush=True)
+            block_qs = (tuple(map(int, args.block_q.split(","))) if args.block_q
+                        else _launch.WGMMA_BLOCK_Q)
             for block_q, block_k, stages, dense in itertools.product(
-                    _launch.WGMMA_BLOCK_Q, _launch.WGMMA_BLOCK_K, (2, 3), (False, True)):
+                    block_qs, _launch.WGMMA_BLOCK_K, (2, 3), (False, True)):
                 tiles = _launch.WgmmaTiles(block_q, block_k, stages,
                                            256 // block_q if dense else 1)
                 resident = tiles.blocks_per_sm * (tiles.shared_bytes(head_dim) + 1024)
                 if (tiles.shared_bytes(head_dim) > SHARED_LIMIT or resident > SM_SHARED
-                        or (dense and tiles.blocks_per_sm == 1)):
+                        or (dense and tiles.blocks_per_sm == 1) or not tiles.builds(head_dim)):
                     continue
                 if not causal:
                     check(np.dtype(args.dtype), head_dim, tiles, forward=run)

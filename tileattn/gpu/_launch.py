@@ -402,8 +402,15 @@ class WgmmaTiles:
         conflicts), plus 1024 bytes to align the tiles to the swizzle's period."""
         return 1024 + 2 * head_dim * (self.block_q + 2 * self.stages * self.block_k)
 
+    def builds(self, head_dim: int) -> bool:
+        """Whether the registers allow it: 512 threads per multiprocessor (four warpgroups,
+        in one block or two) leave 128 a thread, too few for D = 128's accumulators beside
+        128-key scores (NVRTC refuses with C7512: wgmma serialised)."""
+        threads_per_sm = self.block_q // 64 * 128 * self.blocks_per_sm
+        return threads_per_sm < 512 or head_dim * self.block_k <= 8192
 
-WGMMA_BLOCK_Q = (64, 128, 192)
+
+WGMMA_BLOCK_Q = (64, 128, 192, 256)
 WGMMA_BLOCK_K = (64, 128)
 # The fastest of bench/sweep_gpu_wgmma.py at N = 1k .. 16k (bench/NOTES-gpu.md, v10), for
 # scores without softcap, ALiBi or dropout: three warpgroups, 128-key tiles.
@@ -433,7 +440,8 @@ def wgmma_tiles(q, k, options: AttentionOptions) -> WgmmaTiles | None:
         return None
     default = wgmma_default_tiles(q.shape[3], k.shape[2], options)
     blocks = Blocks(default.block_q, default.block_k).resolve(options.block_q, options.block_k)
-    if blocks.block_q not in WGMMA_BLOCK_Q or blocks.block_k not in WGMMA_BLOCK_K:
+    if (blocks.block_q not in WGMMA_BLOCK_Q or blocks.block_k not in WGMMA_BLOCK_K
+            or not WgmmaTiles(blocks.block_q, blocks.block_k, 2).builds(q.shape[3])):
         return None
     if blocks == Blocks(default.block_q, default.block_k):
         return default
