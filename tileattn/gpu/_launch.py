@@ -752,8 +752,8 @@ class WgmmaBackwardTiles:
 # Three warpgroups own 192 rows except in the dK/dV kernel at D = 128, where the dK and dV
 # accumulators need more registers than 3 x 128 threads leave (it spills). The stage count
 # differs with a band (causal or a window): at N = 1k and 2k a third stage made the banded
-# D = 64 backward 4-5 % faster and the D = 128 one 8-10 % slower, the unbanded D = 128 one
-# 3-4 % faster (v12).
+# D = 64 backward 4-5 % faster and the D = 128 one 8-10 % slower (its dK/dV kernel then
+# spills, ptxas: 232 bytes), the unbanded D = 128 one 3-4 % faster (v12).
 WGMMA_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (192, 64), 2),
                         128: WgmmaBackwardTiles((192, 64), (128, 64), 3)}
 WGMMA_BANDED_BACKWARD_TILES = {64: WgmmaBackwardTiles((192, 64), (192, 64), 3),
