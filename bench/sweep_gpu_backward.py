@@ -4,10 +4,12 @@
 
 For D = 64 (B = 4, H = 32) and D = 128 (B = 4, H = 16), causal and not: each kernel's tiles
 (owned 64 or 128 rows x streamed 32, 64 or 128 rows) are varied while the other kernel keeps
-its default (`_launch.MMA_BACKWARD_TILES`). Each configuration is first checked against the
-float64 golden model on a small problem with every option on, then the whole backward is
-timed on the large one beside torch's FlashAttention-2 backward
-(derived as forward+backward minus forward, measured in the same run).
+its default (`_launch.MMA_BACKWARD_TILES`; float32, the 3xTF32 kernels: owned 64, 128 or 192
+x streamed 16, 32 or 64 around `_launch.TF32_BACKWARD_TILES`, where shared memory holds
+them). Each configuration is first checked against the float64 golden model on a small
+problem with every option on, then the whole backward is timed on the large one beside
+torch's FlashAttention-2 backward (float32: its memory-efficient backward), derived as
+forward+backward minus forward, measured in the same run.
 
 --wgmma sweeps the Hopper kernels instead: every dQ tile (owned 128 or 192 queries x
 streamed 64 or 128 keys) with every dK/dV tile (owned 128 or 192 keys x 64 queries) that
@@ -34,6 +36,9 @@ from bench_gpu import Case, back_to_back_ms, fa_functions, make_inputs
 from sweep_gpu_forward import EVERY_OPTION, plain_options, sweep_arguments
 
 OWNED, STREAMED = (64, 128), (32, 64, 128)
+# float32 (3xTF32) tiles take twice the shared memory of 16-bit ones: more owned rows (more
+# warps) with fewer streamed ones.
+FLOAT32_OWNED, FLOAT32_STREAMED = (64, 128, 192), (16, 32, 64)
 SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
 
 
@@ -60,6 +65,21 @@ def wgmma_candidates(head_dim: int, alternatives: bool = False) -> list:
     return [(t, True) for t in sorted(single, key=repr) if head_dim in (64, t.dkdv[0])] + fitting
 
 
+def mma_candidates(dtype: str, head_dim: int) -> list:
+    """Each mma.sync kernel's tiles varied while the other keeps its default, where shared
+    memory holds them."""
+    float32 = dtype == "float32"
+    default = (_launch.TF32_BACKWARD_TILES if float32 else _launch.MMA_BACKWARD_TILES)[head_dim]
+    sizes = list(itertools.product(*((FLOAT32_OWNED, FLOAT32_STREAMED) if float32
+                                     else (OWNED, STREAMED))))
+    candidates = [dict(default, dq=t) for t in sizes]
+    candidates += [dict(default, dkdv=t) for t in sizes if t != default["dkdv"]]
+    return [tiles for tiles in candidates
+            if max(_launch.mma_backward_shared_bytes(entry, head_dim, *tiles[entry],
+                                                     element_size=4 if float32 else 2)
+                   for entry in ("dq", "dkdv")) <= SHARED_LIMIT]
+
+
 def check(dtype, head_dim, tiles, backward=_launch.backward_tensor_core, **keywords):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 4, n, head_dim)).astype(dtype) for n in (200, 263, 263))
@@ -82,24 +102,23 @@ def main() -> None:
     rows = []
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
-        default = _launch.MMA_BACKWARD_TILES[head_dim]
         if args.wgmma:
             candidates = wgmma_candidates(head_dim, args.alternatives)
         else:
-            candidates = [(dict(default, dq=t), None) for t in itertools.product(OWNED, STREAMED)]
-            candidates += [(dict(default, dkdv=t), None)
-                           for t in itertools.product(OWNED, STREAMED) if t != default["dkdv"]]
+            candidates = [(tiles, None) for tiles in mma_candidates(args.dtype, head_dim)]
         for causal in (False, True):
             case = Case(args.dtype, 16384 // args.n, heads, args.n, head_dim, causal=causal,
                         direction="backward")
             q, k, v, do = make_inputs(case)
-            flash = fa_functions(case, q, k, v, do).get("flash")
-            if flash:
-                flash_ms = back_to_back_ms(flash[1], args.repetitions) - back_to_back_ms(
-                    flash[0], args.repetitions)
-                flash_tflops = case.flops / flash_ms / 1e9
+            # float32's anchor: torch's memory-efficient kernel (3xTF32 too); flash has none.
+            anchor_name = "efficient" if args.dtype == "float32" else "flash"
+            anchor = fa_functions(case, q, k, v, do).get(anchor_name)
+            if anchor:
+                anchor_ms = back_to_back_ms(anchor[1], args.repetitions) - back_to_back_ms(
+                    anchor[0], args.repetitions)
+                anchor_tflops = case.flops / anchor_ms / 1e9
             else:
-                flash_tflops = float("nan")
+                anchor_tflops = float("nan")
             options = plain_options(q, k, v, causal)
             o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=causal)
             if args.wgmma and args.alternatives:
@@ -122,13 +141,13 @@ def main() -> None:
                     dq=tiles.dq, dkdv=tiles.dkdv, stages=tiles.stages)
                 if single_pass:
                     described["single pass"] = True
-                rows.append((case.name, described, ms, tflops, tflops / flash_tflops))
+                rows.append((case.name, described, ms, tflops, tflops / anchor_tflops))
                 print(f"{case.name:<42} {described}: {ms:7.3f} ms "
-                      f"{tflops:6.1f} TFLOP/s ({tflops / flash_tflops:.2f}x flash "
-                      f"{flash_tflops:.1f})", flush=True)
+                      f"{tflops:6.1f} TFLOP/s ({tflops / anchor_tflops:.2f}x {anchor_name} "
+                      f"{anchor_tflops:.1f})", flush=True)
             del q, k, v, do, o, lse
             cupy.get_default_memory_pool().free_all_blocks()
-    print("\n| case | dQ tiles | dK/dV tiles | stages | single pass | ms | TFLOP/s | / flash |")
+    print("\n| case | dQ tiles | dK/dV tiles | stages | single pass | ms | TFLOP/s | / anchor |")
     print("| --- | --- | --- | ---: | --- | ---: | ---: | ---: |")
     for name, tiles, ms, tflops, ratio in rows:
         dq, dkdv = tiles["dq"], tiles["dkdv"]
