@@ -4,7 +4,7 @@
 
 For D = 64 (B = 4, H = 32) and D = 128 (B = 4, H = 16), causal and not: each kernel's tiles
 (owned 64 or 128 rows x streamed 32, 64 or 128 rows) are varied while the other kernel keeps
-its default (`_launch.MMA_BACKWARD_TILES`; float32, the 3xTF32 kernels: owned 64, 128 or 192
+its default (`_launch.MMA_BACKWARD_TILES`; float32, the 3xTF32 kernels: owned 64 or 128
 x streamed 16, 32 or 64 around `_launch.TF32_BACKWARD_TILES`, where shared memory holds
 them). Each configuration is first checked against the float64 golden model on a small
 problem with every option on, then the whole backward is timed on the large one beside
@@ -37,8 +37,9 @@ from sweep_gpu_forward import EVERY_OPTION, plain_options, sweep_arguments
 
 OWNED, STREAMED = (64, 128), (32, 64, 128)
 # float32 (3xTF32) tiles take twice the shared memory of 16-bit ones: more owned rows (more
-# warps) with fewer streamed ones.
-FLOAT32_OWNED, FLOAT32_STREAMED = (64, 128, 192), (16, 32, 64)
+# warps) with fewer streamed ones. (192 owned rows do not build: the single pass's dQ split
+# needs the warp count to divide the head dim, and the kernel compiles it either way.)
+FLOAT32_OWNED, FLOAT32_STREAMED = (64, 128), (16, 32, 64)
 SHARED_LIMIT = 227 * 1024  # sm_90's opt-in limit per block
 
 
@@ -132,7 +133,11 @@ def main() -> None:
             for tiles, single_pass in candidates:
                 keywords = {} if single_pass is None else {"single_pass": single_pass}
                 if not causal:
-                    check(np.dtype(args.dtype), head_dim, tiles, backward, **keywords)
+                    try:
+                        check(np.dtype(args.dtype), head_dim, tiles, backward, **keywords)
+                    except AssertionError as error:  # a wrong kernel is reported, not timed
+                        print(f"{case.name:<42} {tiles}: WRONG, {error}", flush=True)
+                        continue
                 ms = back_to_back_ms(
                     lambda arrays=(do, q, k, v, o, lse), tiles=tiles, keywords=keywords:
                     backward(*arrays, options, tiles, **keywords), args.repetitions)

@@ -585,10 +585,12 @@ def mma_backward_shared_bytes(entry: str, head_dim: int, owned: int, streamed: i
     return tiles + 2 * 2 * 4 * streamed + (2 * owned * (streamed + 8) if single_pass else 0)
 
 
-# The float32 (3xTF32) backward's tiles: 8 warps where shared memory allows (D = 64), 4 at
-# D = 128 (two owned and four streamed float32 tiles of 128 rows would need 278 KB).
+# The float32 (3xTF32) backward's tiles: 8 warps (128 owned rows). At D = 128 float32 tiles
+# of 128 owned and 64 streamed rows would need 278 KB of shared memory; 32 streamed rows fit,
+# and twice the warps of 64 x 64 tiles made the backward 10-15 % faster (bench/NOTES-gpu.md,
+# v13).
 TF32_BACKWARD_TILES = {64: {"dq": (128, 64), "dkdv": (128, 64)},
-                       128: {"dq": (64, 64), "dkdv": (64, 64)}}
+                       128: {"dq": (128, 32), "dkdv": (128, 32)}}
 
 
 def tf32_backward_applies(q, v, options: AttentionOptions) -> bool:
