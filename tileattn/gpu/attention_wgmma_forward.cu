@@ -34,9 +34,10 @@ constexpr int kQTileBytes = kSwizzledTileBytes<BLOCK_Q, HEAD_DIM>;
 constexpr int kKvTileBytes = kSwizzledTileBytes<BLOCK_K, HEAD_DIM>;
 static_assert(BLOCK_Q % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
                   (BLOCK_K == 64 || BLOCK_K == 128), "wgmma tiles");
-// Whether a warpgroup skips the key tiles its own rows do not reach (see the kernel).
+// Whether a warpgroup skips the key tiles its own rows do not reach: under a band, and not
+// under the 128-register cap of 512 threads per multiprocessor (see the kernel).
 constexpr bool kWarpgroupSkips =
-    kWarpgroups > 1 && BLOCKS_PER_SM == 1 && (LIMIT_LEFT || LIMIT_RIGHT);
+    kWarpgroups > 1 && kWarpgroups * BLOCKS_PER_SM < 4 && (LIMIT_LEFT || LIMIT_RIGHT);
 
 extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_forward_wgmma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
@@ -99,19 +100,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     // warpgroup's own 64 rows reach. The others are fully masked for it (the first
     // warpgroup's share of a causal diagonal's last key tile); it skips their products and
     // softmax and keeps only the barrier and its share of the copies, leaving the tensor
-    // cores to the other warpgroups. Only in blocks with the multiprocessor's registers to
-    // themselves: under the 128-register cap of two blocks the step bounds cost spills
-    // (ptxas, D = 128 causal: 68 bytes instead of 28) and the N = 1k causal forward lost
-    // 3-7 %, where 192 x 128 tiles at N = 2k gained 3-7 % (bench/NOTES-gpu.md, v13).
+    // cores to the other warpgroups. Not where 512 threads share a multiprocessor (two
+    // blocks of 128 rows, or 256-row blocks): under that 128-register cap the step bounds
+    // cost spills (ptxas, D = 128 causal: 68 bytes instead of 28) and the N = 1k causal
+    // forward lost 3-7 %, where 192 x 128 tiles at N = 2k gained 3-7 % (bench/NOTES-gpu.md,
+    // v13).
     int wg_first = 0, wg_stop = static_cast<int>(tile_end - tile_begin);
     if (kWarpgroupSkips) {
-        const i64 wg_row_start = min(row_start + warpgroup * 64, row_stop - 1);
-        const i64 wg_row_stop = min(row_start + warpgroup * 64 + 64, row_stop);
-        i64 first, stop;
-        band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, wg_row_start, wg_row_stop, n_k, &first,
-                                                &stop);
-        if (LIMIT_LEFT) wg_first = static_cast<int>(first / BLOCK_K - tile_begin);
-        if (LIMIT_RIGHT) wg_stop = static_cast<int>((stop + BLOCK_K - 1) / BLOCK_K - tile_begin);
+        const i64 wg_row_start = row_start + warpgroup * 64;
+        if (wg_row_start >= row_stop) {  // all rows past the end (a head's last tile)
+            wg_stop = 0;
+        } else {
+            i64 first, stop;
+            band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, wg_row_start,
+                                                    min(wg_row_start + 64, row_stop), n_k,
+                                                    &first, &stop);
+            if (LIMIT_LEFT) wg_first = static_cast<int>(first / BLOCK_K - tile_begin);
+            if (LIMIT_RIGHT)
+                wg_stop = static_cast<int>((stop + BLOCK_K - 1) / BLOCK_K - tile_begin);
+        }
     }
 
     float o_acc[1][kOutFrags][4], row_max[1][2], row_sum[1][2];
