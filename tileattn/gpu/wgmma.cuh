@@ -27,21 +27,33 @@ template <int Rows, int Cols> constexpr int kSwizzledTileBytes = Rows * Cols * 2
 // Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
 // columns) into the swizzled tile at shared address `tile` by `Threads` threads; rows at or
 // past `row_limit` become zeros (0 * NaN would otherwise reach the products).
+// Each thread keeps one 16-byte column chunk and walks the rows `kRowStep` apart. The step
+// is a multiple of the swizzle's 8-row period, so the chunk's swizzled position is the same
+// on every row and a copy costs an address add and a bounds compare; the trip count is a
+// compile-time constant, so the loop unrolls without a remainder loop (a loop over
+// chunk = threadIdx.x, threadIdx.x + Threads, ... compiled to both, with spills, in the
+// two-block forward: bench/NOTES-gpu.md, v13).
 template <int Rows, int Cols, int Threads>
 __device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16* head,
                                                          i64 row_stride, i64 row_start,
                                                          i64 row_limit) {
     static_assert(Cols % kSwizzleColumns == 0, "column blocks of 64");
     constexpr int chunks_per_row = Cols / 8;
+    constexpr int kRowStep = Threads / chunks_per_row;
+    static_assert(Threads % chunks_per_row == 0 && kRowStep % 8 == 0,
+                  "whole swizzle periods per step");
+    const int c = threadIdx.x % chunks_per_row, r0 = threadIdx.x / chunks_per_row;
+    const u32 first = tile + (c / 8) * (Rows * kSwizzleRowBytes) + r0 * kSwizzleRowBytes +
+                      (((c % 8) ^ (r0 % 8)) << 4);
+    const bits16* column = head + c * 8;
 #pragma unroll
-    for (int chunk = threadIdx.x; chunk < Rows * chunks_per_row; chunk += Threads) {
-        const int r = chunk / chunks_per_row, c = chunk % chunks_per_row;
+    for (int step = 0; step < (Rows + kRowStep - 1) / kRowStep; ++step) {
+        const int r = r0 + step * kRowStep;
+        if (Rows % kRowStep != 0 && r >= Rows) break;
         const i64 row = row_start + r;
         const bool valid = row < row_limit;
-        const bits16* source = valid ? head + row * row_stride + c * 8 : head;
-        const u32 destination = tile + (c / 8) * (Rows * kSwizzleRowBytes) +
-                                r * kSwizzleRowBytes + (((c % 8) ^ (r % 8)) << 4);
-        copy_16_async(destination, source, valid);
+        copy_16_async(first + step * kRowStep * kSwizzleRowBytes,
+                      valid ? column + row * row_stride : head, valid);
     }
 }
 
