@@ -104,7 +104,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     // blocks of 128 rows, or 256-row blocks): under that 128-register cap the step bounds
     // cost spills (ptxas, D = 128 causal: 68 bytes instead of 28) and the N = 1k causal
     // forward lost 3-7 %, where 192 x 128 tiles at N = 2k gained 3-7 % (bench/NOTES-gpu.md,
-    // v13).
+    // v13). That was before v13b's tile copies freed registers (the bounds now cost 0 -> 12
+    // bytes there): worth measuring again.
     int wg_first = 0, wg_stop = static_cast<int>(tile_end - tile_begin);
     if (kWarpgroupSkips) {
         const i64 wg_row_start = row_start + warpgroup * 64;

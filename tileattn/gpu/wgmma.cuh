@@ -32,7 +32,7 @@ template <int Rows, int Cols> constexpr int kSwizzledTileBytes = Rows * Cols * 2
 // on every row and a copy costs an address add and a bounds compare; the trip count is a
 // compile-time constant, so the loop unrolls without a remainder loop (a loop over
 // chunk = threadIdx.x, threadIdx.x + Threads, ... compiled to both, with spills, in the
-// two-block forward: bench/NOTES-gpu.md, v13).
+// two-block forward: bench/NOTES-gpu.md, v13b).
 template <int Rows, int Cols, int Threads>
 __device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16* head,
                                                          i64 row_stride, i64 row_start,
