@@ -25,14 +25,14 @@ constexpr int kSwizzleAtomBytes = 1024;  // 8 rows: the period of the swizzle pa
 template <int Rows, int Cols> constexpr int kSwizzledTileBytes = Rows * Cols * 2;
 
 // Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
-// columns) into the swizzled tile at shared address `tile` by `Threads` threads; rows at or
-// past `row_limit` become zeros (0 * NaN would otherwise reach the products).
-// Each thread keeps one 16-byte column chunk and walks the rows `kRowStep` apart. The step
-// is a multiple of the swizzle's 8-row period, so the chunk's swizzled position is the same
-// on every row and a copy costs an address add and a bounds compare; the trip count is a
-// compile-time constant, so the loop unrolls without a remainder loop (a loop over
-// chunk = threadIdx.x, threadIdx.x + Threads, ... compiled to both, with spills, in the
-// two-block forward: bench/NOTES-gpu.md, v13b).
+// columns) into the swizzled tile at shared address `tile` by the block's threads 0 ..
+// Threads - 1; rows at or past `row_limit` become zeros (0 * NaN would otherwise reach the
+// products). Each thread keeps one 16-byte column chunk and walks the rows `kRowStep`
+// apart. The step is a multiple of the swizzle's 8-row period, so the chunk's swizzled
+// position is the same on every row and a copy costs an address add and a bounds compare;
+// the trip count is a compile-time constant, so the loop unrolls without a remainder loop
+// (a loop over chunk = threadIdx.x, threadIdx.x + Threads, ... compiled to both, with
+// spills, in the two-block forward: bench/NOTES-gpu.md, v13b).
 template <int Rows, int Cols, int Threads>
 __device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16* head,
                                                          i64 row_stride, i64 row_start,
