@@ -220,6 +220,21 @@ constexpr bool kBandedGrid = LIMIT_LEFT || LIMIT_RIGHT;
 constexpr bool kBandedGrid = false;
 #endif
 
+// This block's flat head and tile in a grid of `n_tiles` tiles per head: tile-major (every
+// head's first tile, then every head's second, ...) or head-major (tiles fastest).
+struct GridCell {
+    i64 head;
+    i64 tile;
+};
+
+template <bool kTileMajor>
+__device__ __forceinline__ GridCell grid_cell(i64 n_tiles) {
+    const i64 n_heads = gridDim.x / n_tiles;
+    const i64 block = blockIdx.x;
+    return {kTileMajor ? block % n_heads : block / n_tiles,
+            kTileMajor ? block / n_heads : block % n_tiles};
+}
+
 struct QueryTile {
     i64 bh;  // flat (batch, query head): the dropout hash's head index
     i64 batch;
@@ -232,11 +247,10 @@ struct QueryTile {
 __device__ __forceinline__ QueryTile query_tile_of_block(i64 n_q, int block_q, int n_q_heads,
                                                          int group_size) {
     const i64 n_tiles = (n_q + block_q - 1) / block_q;
-    const i64 n_heads = gridDim.x / n_tiles;  // batch * query heads
-    const i64 block = blockIdx.x;
+    const GridCell cell = grid_cell<kBandedGrid>(n_tiles);
     QueryTile owned;
-    owned.bh = kBandedGrid ? block % n_heads : block / n_tiles;
-    owned.tile = n_tiles - 1 - (kBandedGrid ? block / n_heads : block % n_tiles);
+    owned.bh = cell.head;
+    owned.tile = n_tiles - 1 - cell.tile;
     owned.batch = owned.bh / n_q_heads;
     owned.head = static_cast<int>(owned.bh % n_q_heads);
     owned.kv_head = owned.head / group_size;
@@ -256,13 +270,10 @@ struct KeyTile {
 // head-major launch order, so it asks for `kTileMajor` false under a band too.
 template <bool kTileMajor = kBandedGrid>
 __device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads) {
-    const i64 n_tiles = (n_k + block_k - 1) / block_k;
-    const i64 n_heads = gridDim.x / n_tiles;  // batch * kv heads
+    const GridCell cell = grid_cell<kTileMajor>((n_k + block_k - 1) / block_k);
     KeyTile owned;
-    owned.batch_kv_head = kTileMajor ? static_cast<i64>(blockIdx.x) % n_heads
-                                     : static_cast<i64>(blockIdx.x) / n_tiles;
-    owned.tile = kTileMajor ? static_cast<i64>(blockIdx.x) / n_heads
-                            : static_cast<i64>(blockIdx.x) % n_tiles;
+    owned.batch_kv_head = cell.head;
+    owned.tile = cell.tile;
     owned.batch = owned.batch_kv_head / n_kv_heads;
     owned.kv_head = static_cast<int>(owned.batch_kv_head % n_kv_heads);
     return owned;
