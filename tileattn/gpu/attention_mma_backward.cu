@@ -349,17 +349,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const int quad_row = lane / 4, quad_col = lane % 4;
     const i64 my_rows[2] = {row_start + warp * 16 + quad_row,
                             row_start + warp * 16 + quad_row + 8};
-    // Rows past n_q get lse = -inf, hence P = 0: they need no mask.
     float lse_log2[2], row_delta[2];
     u32 row_states[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const bool valid = my_rows[half] < n_q;
-        lse_log2[half] = lse_base2(valid ? lse[bh * n_q + my_rows[half]]
-                                         : negative_infinity<float>());
-        row_delta[half] = valid ? delta[bh * n_q + my_rows[half]] : 0.0f;
-        row_states[half] = dropout_state(scores, my_rows[half]);
-    }
+    load_query_row_terms(scores, lse, delta, bh, n_q, my_rows, lse_log2, row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
         load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(

@@ -85,6 +85,23 @@ __device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
                    : 0u;
 }
 
+// A dQ kernel's terms for the two query rows `rows` a thread holds: lse in base 2, D and the
+// dropout state. Rows past n_q get lse = -inf, hence P = 0: they need no mask.
+__device__ __forceinline__ void load_query_row_terms(const Scores& scores, const float* lse,
+                                                     const float* delta, i64 bh, i64 n_q,
+                                                     const i64 (&rows)[2], float (&lse_log2)[2],
+                                                     float (&row_delta)[2],
+                                                     u32 (&row_states)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const bool valid = rows[half] < n_q;
+        lse_log2[half] = lse_base2(valid ? lse[bh * n_q + rows[half]]
+                                         : negative_infinity<float>());
+        row_delta[half] = valid ? delta[bh * n_q + rows[half]] : 0.0f;
+        row_states[half] = dropout_state(scores, rows[half]);
+    }
+}
+
 // ------------------------------------------------------------------ the single pass's dQ
 
 // *pair += (low, high), atomically per float. sm_90 has a two-float reduction: one request
