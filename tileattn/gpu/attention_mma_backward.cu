@@ -15,13 +15,13 @@
 //   dV += P^T dO and dK += dS^T Q. No score tile goes through shared memory.
 //
 // SINGLE_PASS: no dQ kernel; the dK/dV kernel also adds each query tile's dQ share, dS K
-// over its keys, into a float32 buffer (FA2's single pass): 5 tile products instead of 7. Without ORDERED (deterministic=False) the additions
-// land in whatever order the blocks reach them. With ORDERED the key blocks of a head take
-// turns on each query tile through a counter per (head, query tile), in a fixed order, so
-// dq is bitwise reproducible; the order is the one in which the blocks arrive when they
-// run in step (see dq_turn_rank), so a block rarely waits. dS goes through shared memory,
-// as the dQ product needs it with queries as rows; attention_backward_dq_convert scales
-// and rounds the buffer into dq.
+// over its keys, into a float32 buffer (FA2's single pass): 5 tile products instead of 7.
+// Without ORDERED (deterministic=False) the additions land in whatever order the blocks
+// reach them. With ORDERED the key blocks of a head take turns on each query tile through
+// a counter per (head, query tile), in a fixed order, so dq is bitwise reproducible; the
+// order is the one in which the blocks arrive when they run in step (see dq_turn_rank), so
+// a block rarely waits. dS goes through shared memory, as the dQ product needs it with
+// queries as rows; attention_backward_dq_convert scales and rounds the buffer into dq.
 //
 // Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
 // t is multiplied), skip tiles outside the band and evaluate the per-score mask only on
