@@ -60,11 +60,9 @@ def main() -> int:
         grads = tileattn.backward(cupy.asarray(do), dq_, dk_, dv_, o, lse, backend="gpu",
                                   deterministic=deterministic, **options)
         cupy.cuda.Device().synchronize()
-        as64 = [a.astype(np.float64) for a in (q, k, v)]
-        golden_o, golden_lse = tileattn.forward(*as64, backend="reference", return_lse=True,
-                                                **options)
-        golden = tileattn.backward(do.astype(np.float64), *as64, o.get().astype(np.float64),
-                                   golden_lse, backend="reference", **options)
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True, **options)
+        golden = _golden_grads(do, q, k, v, o, golden_lse, **options)
         assert_attention_close(o.get(), golden_o, q.dtype, name="o")
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, q.dtype, name=name)
@@ -83,10 +81,7 @@ def main() -> int:
         padded = cupy.zeros(do.shape[:-1] + (65,), dtype=dtype)  # rows 65 elements apart
         padded[..., 1:] = cupy.asarray(do)
         grads = tileattn.backward(padded[..., 1:], *device, o, lse, backend="gpu", causal=True)
-        golden = tileattn.backward(do.astype(np.float64), *(a.astype(np.float64) for a in
-                                                             (q, k, v)),
-                                   o.get().astype(np.float64), lse.get(), backend="reference",
-                                   causal=True)
+        golden = _golden_grads(do, q, k, v, o, lse, causal=True)
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, q.dtype, name=name)
         print(f"ok {dtype} backward with a strided dO (D by one warp per row)")
@@ -115,9 +110,7 @@ def main() -> int:
                                                seed=None, block_q=None, block_k=None,
                                                deterministic=True), **options}).options
         grads = _launch.backward_tensor_core(*device, o, lse, resolved, single_pass=True)
-        as64 = [a.astype(np.float64) for a in (q, k, v)]
-        golden = tileattn.backward(do.astype(np.float64), *as64, o.get().astype(np.float64),
-                                   lse.get(), backend="reference", **options)
+        golden = _golden_grads(do, q, k, v, o, lse, **options)
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, q.dtype, name=name)
         print(f"ok float16 D=64 ordered single-pass backward {sorted(options)}")
@@ -134,15 +127,20 @@ def main() -> int:
         backwards = {"mma.sync": _launch.backward_tensor_core}
         if cupy.cuda.Device().compute_capability == "90":
             backwards["wgmma"] = _launch.backward_wgmma
-        as64 = [a.astype(np.float64) for a in (q, k, v)]
-        golden = tileattn.backward(do.astype(np.float64), *as64, o.get().astype(np.float64),
-                                   lse.get(), backend="reference", **options)
+        golden = _golden_grads(do, q, k, v, o, lse, **options)
         for name, backward in backwards.items():
             grads = backward(*device, o, lse, resolved, single_pass=True)
             for grad_name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
                 assert_attention_close(grad.get(), want, q.dtype, name=grad_name)
             print(f"ok float16 D={head_dim} {name} single-pass backward (dQ added in arrival order)")
     return 0
+
+
+def _golden_grads(do, q, k, v, o, lse, **options):
+    """The golden dq, dk, dv for the `o` (and `lse`, host or device) the GPU backward was
+    given (SPEC: D = rowsum(do * o))."""
+    host = [cupy.asnumpy(a).astype(np.float64) for a in (do, q, k, v, o)]
+    return tileattn.backward(*host, cupy.asnumpy(lse), backend="reference", **options)
 
 
 def _options(q, options):
