@@ -62,7 +62,7 @@ def availability() -> str | None:
 def forward(q, k, v, options: AttentionOptions):
     """``(o, lse)`` for CuPy arrays ``q (B, Hq, Nq, D)``, ``k (B, Hkv, Nk, D)``,
     ``v (B, Hkv, Nk, Dv)``; see `tileattn.backends` for the contract."""
-    from . import forward as launch_forward
+    from . import launch_forward
 
     with q.device:
         return launch_forward.forward(q, k, v, options)
@@ -70,7 +70,7 @@ def forward(q, k, v, options: AttentionOptions):
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     """``(dq, dk, dv)`` for CuPy arrays; see `tileattn.backends` for the contract."""
-    from . import backward as launch_backward
+    from . import launch_backward
 
     with q.device:
         return launch_backward.backward(do, q, k, v, o, lse, options)
@@ -121,7 +121,7 @@ def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
     """Default tiles on the current device: the forward's query x key tile, and the
     backward's dK/dV kernel's (keys owned by a block x queries streamed); the generic
     kernels' capacity where they run."""
-    from .forward import GenericConfig
+    from .launch_forward import GenericConfig
     from .tiles import choose_backward, choose_forward
 
     options = options or AttentionOptions()

@@ -244,6 +244,8 @@ __device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load 
 }
 
 // ------------------------------------------------------------------ single pass
+// Compiled only for it: its dQ split needs head dims of 16 or more.
+#if SINGLE_PASS
 
 constexpr int kDsPitch = kTilePitch<STREAMED_ROWS>;  // ds_tile row pitch (16-byte pad)
 // dQ share of one query tile: warps split it into (STREAMED_ROWS / 16) row slabs x
@@ -344,6 +346,7 @@ __device__ __forceinline__ void pass_turn(int* turn) {
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(turn, 1);
 }
+#endif
 
 // ------------------------------------------------------------------ dQ
 

@@ -8,7 +8,9 @@ typedef unsigned short bits16;
 
 // A head dim rounded up to the tensor cores' K step (16 for 16-bit inputs, 8 for TF32): the
 // width of its shared tiles and accumulators. The padding columns hold zeros.
-constexpr int padded_width(int dim, int step) { return (dim + step - 1) / step * step; }
+__host__ __device__ constexpr int padded_width(int dim, int step) {
+    return (dim + step - 1) / step * step;
+}
 
 // ------------------------------------------------------------------ PTX wrappers
 

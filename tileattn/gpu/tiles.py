@@ -15,9 +15,10 @@ Families (the ``.cu`` files' headers say how each works):
 Each tensor-core table is a list of rows, the first that matches a problem wins. A row
 matches on the padded head dims (`Widths`: D and Dv rounded up to the tensor cores' K
 step), on the number of keys and on the score options; its note says which sweep chose
-it (bench/NOTES-gpu.md has the sweeps). A row whose tiles do not fit the device's shared
-memory is passed over. A new head dim needs no code: every width up to 256 is a template
-instantiation of the same kernels, and the rows cover them by ranges.
+it (bench/NOTES-gpu.md has the sweeps; bench/experiments/sweep_gpu_tiles.py runs them).
+A row whose tiles do not fit the device's shared memory is passed over. A new head dim
+needs no code: every width up to 256 is a template instantiation of the same kernels, and
+the rows cover them by ranges.
 
 `choose_forward` and `choose_backward` are the one place a family is chosen; `describe`
 says what they chose and why, for ``python -m tileattn info``. Nothing here imports CuPy.
@@ -224,9 +225,9 @@ class Row:
     note: str
 
 
-# Hopper forward. D <= 64 and 64 < D <= 128 are the v10-v13b sweeps at D = 64 and 128
-# (bench/sweep_gpu_wgmma.py); the other widths start from the registers ptxas reports per
-# width (bench/NOTES-gpu.md, v14) until a head-dim sweep replaces them.
+# Hopper forward. D <= 64 and 64 < D <= 128 are the v10-v13b sweeps at D = 64 and 128; the
+# other widths start from the registers ptxas reports per width (bench/NOTES-gpu.md, v14)
+# until bench/experiments/sweep_gpu_tiles.py measures them.
 WGMMA_FORWARD = [
     Row(When(64, score_options=True), WgmmaTiles(192, 128, 2),
         "v9: softcap/ALiBi/dropout at D=64, three warpgroups"),
@@ -244,8 +245,8 @@ WGMMA_FORWARD = [
         "v14: D<=256, two warpgroups, 236 registers (ptxas); two stages fill 193 KiB"),
 ]
 
-# Hopper backward. D <= 64 and <= 128: v7/v12 sweeps (bench/sweep_gpu_backward.py --wgmma);
-# the stage count differs with a band (v12). Wider: dK and dV split where D + Dv > 256,
+# Hopper backward. D <= 64 and <= 128: the v7/v12 sweeps; the stage count differs with a
+# band (v12). Wider: dK and dV split where D + Dv > 256,
 # whose accumulators no longer fit beside the score tiles (v14, ptxas).
 WGMMA_BACKWARD = [
     Row(When(64, banded=True), WgmmaBackwardTiles((192, 64), (192, 64), 3),
@@ -264,8 +265,7 @@ WGMMA_BACKWARD = [
 ]
 
 # mma.sync forward (sm_80+; on Hopper for named tile sizes the wgmma kernel lacks). D = 64 and
-# 128: v3 sweep (bench/sweep_gpu_forward.py). Wider: Q re-read from shared memory, which
-# frees the registers O needs.
+# 128: the v3 sweep. Wider: Q re-read from shared memory, which frees the registers O needs.
 MMA_FORWARD = [
     Row(When(64), MmaTiles(128, 64, 32, True), "v3: D=64, 32-row warps, +12-30 %"),
     Row(When(128), MmaTiles(128, 128, 16, True), "v3: D=128"),

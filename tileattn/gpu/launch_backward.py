@@ -9,7 +9,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..options import AttentionOptions
 from . import _compile
-from .forward import GENERIC_THREADS, GenericConfig
+from .launch_forward import GENERIC_THREADS, GenericConfig
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, empty, plan_key, problem_of, remember,
                        score_arguments, tensor_core_operands)
