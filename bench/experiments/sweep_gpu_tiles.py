@@ -54,9 +54,8 @@ def candidates(family: str, direction: str):
         for block_q, block_k, rows in itertools.product((64, 128), (32, 64), (16, 32)):
             yield tiles.Tf32Tiles(block_q, block_k, rows)
     else:
-        for dq, dkdv, split in itertools.product(
-                ((128, 64), (64, 64), (128, 32), (64, 32)),
-                ((128, 64), (64, 64), (128, 32), (64, 32)), (False, True)):
+        sizes = ((128, 64), (64, 64), (128, 32), (64, 32), (32, 32), (128, 16), (64, 16))
+        for dq, dkdv, split in itertools.product(sizes, sizes, (False, True)):
             yield tiles.MmaBackwardTiles(dq, dkdv, split)
 
 
@@ -98,6 +97,20 @@ def check(choice, direction, case: Case) -> None:
         assert_attention_close(grad.get(), want, q.dtype, name=name)
 
 
+def _checked(job) -> str | None:
+    """check() in a worker process (it compiles the configuration's kernels, with every option
+    and without, into the disk caches): None when right, else why not."""
+    choice, direction, case = job
+    try:
+        check(choice, direction, case)
+        q, k, v, do = make_inputs(replace(case, batch=1, heads=1))
+        run(choice, direction, q, k, v, do, _options(q, k, v, causal=case.causal))
+        cupy.cuda.Device().synchronize()
+        return None
+    except Exception as error:  # a configuration the compiler refuses, or a wrong one
+        return str(error).splitlines()[0][:160]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("wgmma", "mma", "tf32"), default="wgmma")
@@ -124,6 +137,7 @@ def main() -> None:
             chosen = (tiles.choose_forward(problem) if args.direction == "forward"
                       else tiles.choose_backward(problem))
             results = []
+            configs = []
             for config in candidates(args.family, args.direction):
                 if args.direction == "forward":
                     fits = config.shared_bytes(widths) <= limit
@@ -133,16 +147,21 @@ def main() -> None:
                     fits = all((config.shared_bytes(e, widths, part=p) if args.family == "wgmma"
                                 else config.shared_bytes(e, widths, element, part=p)) <= limit
                                for e in ("dq", "dkdv") for p in parts)
-                if not fits:
+                if fits:
+                    configs.append(config)
+            # Checked (and compiled) in parallel first, then timed one by one.
+            import multiprocessing
+
+            with multiprocessing.get_context("spawn").Pool(16) as pool:
+                verdicts = pool.map(_checked, [(tiles.Choice(args.family, c), args.direction,
+                                                case) for c in configs])
+            for config, verdict in zip(configs, verdicts):
+                if verdict is not None:
+                    print(f"  skipped {config}: {verdict}")
                     continue
                 choice = tiles.Choice(args.family, config)
-                try:
-                    check(choice, args.direction, case)
-                    ms = back_to_back_ms(lambda: run(choice, args.direction, q, k, v, do,
-                                                     options), args.repetitions)
-                except Exception as error:  # a configuration the compiler refuses, or wrong
-                    print(f"  skipped {config}: {str(error).splitlines()[0][:120]}")
-                    continue
+                ms = back_to_back_ms(lambda: run(choice, args.direction, q, k, v, do, options),
+                                     args.repetitions)
                 tflops = flops_factor * case.flops / ms / 1e9
                 results.append((tflops, config))
                 print(f"| {head_dim} | {value_dim} | {causal} | {n} | {config} | "
