@@ -77,8 +77,10 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     block_q, block_k : int, optional
         Tile sizes; any positive int. Default: chosen by the backend for the cache size.
     backend : {"auto", "cpu", "gpu", "reference"}
-        "auto" is the GPU for CuPy arrays and the CPU (Numba) backend for host arrays,
-        falling back to the NumPy reference when Numba is not installed.
+        "auto" is the GPU backend for CuPy arrays and the CPU (Numba) backend for host
+        arrays; when that backend cannot run it raises `tileattn.BackendUnavailableError`
+        naming the pip extra that installs it. It never picks "reference", the O(N^2)-memory
+        golden model, which runs only when asked for by name.
     return_lse : bool
         Also return ``lse``, the natural-log logsumexp of each row's scores (for `backward`).
 
