@@ -61,7 +61,9 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     k : array, shape (*batch, Hkv, Nk, D) or (Nk, D); ``Hq % Hkv == 0`` (GQA/MQA)
     v : array, shape (*batch, Hkv, Nk, Dv) or (Nk, Dv)
         One floating dtype for all three (float16, bfloat16, float32, float64), all NumPy
-        (host) or all CuPy (GPU). Any strides. Never modified.
+        (host) or all CuPy (GPU). Any strides. Never modified. Any byte order, mixed too:
+        arrays not in the machine's byte order (``'>f8'`` on x86) are copied once into it
+        here, then computed in their dtype's precision like native ones.
     causal : bool
         Keep key ``j`` for row ``i`` only when ``j <= i + Nk - Nq``. Same as ``window=(left, 0)``.
     window : (left, right) or None
@@ -86,7 +88,7 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
 
     Returns
     -------
-    o : array, shape (*batch, Hq, Nq, Dv), dtype of q
+    o : array, shape (*batch, Hq, Nq, Dv), dtype of q in native byte order
     lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
     """
     problem = validate(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
@@ -135,7 +137,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
 
     Returns
     -------
-    dq : like q;  dk : like k;  dv : like v
+    dq : like q;  dk : like k;  dv : like v  (dtypes in native byte order)
         For GQA/MQA, ``dk`` and ``dv`` sum over the query heads that share a kv head.
     """
     problem = validate(q, k, v, do=do, o=o, lse=lse, causal=causal, window=window, scale=scale,

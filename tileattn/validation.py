@@ -246,7 +246,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
     named = {"q": q, "k": k, "v": v}
     if do is not None:
         named.update(do=do, o=o, lse=lse)
-    named = {name: arrays.to_native(a) for name, a in named.items()}
+    named = {name: arrays.to_native_byte_order(arrays.to_native(a))
+             for name, a in named.items()}
     memory = _check_memory(named)
     q, k, v = named["q"], named["k"], named["v"]
     dtype = _check_dtypes({name: named[name] for name in ("q", "k", "v")})
