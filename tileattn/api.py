@@ -73,9 +73,19 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
         When positive, scores become ``softcap * tanh(scores / softcap)``.
     alibi_slopes : array of shape (Hq,) or (*batch, Hq), optional
         Adds ``-slope * |i + Nk - Nq - j|`` to each score.
+
+        `scale`, `softcap` and each slope must be 0 or survive the compute dtype (float32
+        for 16/32-bit inputs, float64 for float64): a nonzero value that rounds to zero or
+        to a subnormal there (``softcap=1e-46`` with float32), or that overflows once
+        multiplied by log2(e) (or, for softcap, ``scale / softcap``), raises a ValueError
+        naming it and its rounded value, since backends would treat it differently.
     dropout_p : float in [0, 1)
         Drops probabilities with the counter-based hash of `tileattn.dropout`, so every
-        backend drops the same entries for the same `seed` (required when dropout_p > 0).
+        backend drops the same entries for the same `seed` (required when dropout_p > 0),
+        and scales the kept ones by ``1 / (1 - dropout_p)``. The hash drops an entry when
+        its 32 random bits fall below ``floor(dropout_p * 2**32)``, so a
+        ``0 < dropout_p < 2**-32`` drops nothing: every backend treats it as 0 (no
+        dropout, no rescale).
     block_q, block_k : int, optional
         Tile sizes; any positive int. Default: chosen by the backend for the cache size.
     backend : {"auto", "cpu", "gpu", "reference"}

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import arrays
 from .backends import REGISTRY
+from .dropout import dropout_threshold
 from .options import UNLIMITED, AttentionOptions
 
 
@@ -127,10 +128,45 @@ def _check_real(name, value):
     if type(value) is not float and (isinstance(value, bool)
                                      or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float64, such as 10**400
+        raise ValueError(f"{name} must be finite, got {value!r}, which overflows float64") \
+            from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """SPEC "Precision": float64 inputs are computed in float64, every other dtype in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+_LOG2_E = math.log2(math.e)
+
+
+def _check_in_compute_dtype(name, value: float, dtype: np.dtype):
+    """A nonzero scalar option must stay a normal, finite number in the compute dtype, and so
+    must its product with log2(e): the kernels fold log2(e) into the scale, the softcap and
+    the ALiBi slopes (their softmax uses exp2), and the GPU compiles with flush-to-zero, so a
+    subnormal one acts as 0. A softcap that rounded to 0 was ignored by the CPU forward while
+    its backward read a buffer it had not filled."""
+    if value == 0:
+        return
+    compute = compute_dtype(dtype)
+    info = np.finfo(compute)
+    largest = float(info.max)  # a Python float: comparing with info.max casts to compute
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = float(compute.type(value))
+    where = f"in {compute.name}, the compute dtype of {np.dtype(dtype).name} inputs"
+    if abs(rounded) < info.tiny:
+        raise ValueError(f"{name}={value!r} vanishes {where}: it rounds to {rounded!r}, below "
+                         f"the smallest normal {compute.name} {float(info.tiny):.6g}")
+    if abs(value) * _LOG2_E > largest:
+        raise ValueError(f"{name}={value!r} overflows {where}: {name} * log2(e) = "
+                         f"{abs(value) * _LOG2_E:.6g}, which the kernels use, exceeds the "
+                         f"largest {compute.name} {largest:.6g}")
 
 
 def _normalise_window(window, causal: bool, n_q: int, n_k: int):
@@ -156,7 +192,7 @@ def _normalise_window(window, causal: bool, n_q: int, n_k: int):
     return left, right
 
 
-def _normalise_alibi(slopes, batch_shape, n_q_heads):
+def _normalise_alibi(slopes, batch_shape, n_q_heads, dtype):
     if slopes is None:
         return None
     slopes = np.asarray(arrays.to_host(slopes))
@@ -168,37 +204,66 @@ def _normalise_alibi(slopes, batch_shape, n_q_heads):
                          f"{allowed[1]}, got {slopes.shape}")
     batch = math.prod(batch_shape)
     slopes = slopes.astype(np.float64)
+    for index, slope in np.ndenumerate(slopes):
+        if not math.isfinite(slope):
+            raise ValueError(f"alibi_slopes must be finite, got {slope} at index {index}")
+        _check_in_compute_dtype(f"alibi_slopes[{', '.join(map(str, index))}]", float(slope),
+                                dtype)
     if slopes.shape == (n_q_heads,):
         return np.ascontiguousarray(np.broadcast_to(slopes, (batch, n_q_heads)))
     return slopes.reshape(batch, n_q_heads)
 
 
+def _normalise_dropout(dropout_p, seed):
+    """``(dropout_p, seed)`` as every backend reads them: the effective dropout.
+
+    The dropout hash keeps an entry when its 32 random bits reach ``floor(p * 2**32)``
+    (`tileattn.dropout`), so a ``0 < p < 2**-32`` drops nothing. Such a p is off on every
+    backend: nothing dropped and no ``1 / (1 - p)`` rescale (the CPU kernels skipped the
+    rescale while the golden model applied it). Any larger p drops and rescales by
+    ``1 / (1 - p)`` as SPEC says. The seed is 0 whenever dropout is off.
+    """
+    dropout_p = _check_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and seed is None:
+        raise ValueError("seed must be an int when dropout_p > 0 (backward needs the same "
+                         "seed to drop the same entries), got None")
+    if seed is not None:
+        seed = _check_int("seed", seed, minimum=0)
+        if seed >= 2**64:
+            raise ValueError(f"seed must be < 2**64, got {seed}")
+    if dropout_threshold(dropout_p) == 0:
+        return 0.0, 0
+    return dropout_p, seed
+
+
 def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
-                 block_k, deterministic, batch_shape, n_q_heads, head_dim, n_q,
-                 n_k) -> AttentionOptions:
-    """Check every keyword option and fold them into one `AttentionOptions`."""
+                 block_k, deterministic, batch_shape, n_q_heads, head_dim, n_q, n_k,
+                 dtype) -> AttentionOptions:
+    """Check every keyword option and fold them into one `AttentionOptions`; `dtype` is the
+    inputs' (scalar options must survive its compute dtype)."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     window_left, window_right = _normalise_window(window, bool(causal), n_q, n_k)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_real("scale", scale)
+    _check_in_compute_dtype("scale", scale, dtype)
     if softcap is None:
         softcap = 0.0
     else:
         softcap = _check_real("softcap", softcap)
         if softcap < 0:
             raise ValueError(f"softcap must be >= 0 (0 or None disables it), got {softcap}")
-    dropout_p = _check_real("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0:
-        if seed is None:
-            raise ValueError("seed must be an int when dropout_p > 0 (backward needs the same "
-                             "seed to drop the same entries), got None")
-        seed = _check_int("seed", seed, minimum=0)
-        if seed >= 2**64:
-            raise ValueError(f"seed must be < 2**64, got {seed}")
-    else:
-        seed = 0 if seed is None else _check_int("seed", seed, minimum=0)
+        _check_in_compute_dtype("softcap", softcap, dtype)
+        compute = compute_dtype(dtype)
+        largest = float(np.finfo(compute).max)
+        # The GPU kernels divide by the cap once, as scale / softcap, in the compute dtype.
+        if softcap > 0 and abs(scale) / softcap > largest:
+            raise ValueError(
+                f"softcap={softcap!r} is too small for scale={scale!r} in {compute.name}, the "
+                f"compute dtype of {np.dtype(dtype).name} inputs: scale / softcap = "
+                f"{abs(scale) / softcap:.6g} exceeds the largest {compute.name} {largest:.6g}")
+    dropout_p, seed = _normalise_dropout(dropout_p, seed)
     if block_q is not None:
         block_q = _check_int("block_q", block_q, minimum=1)
     if block_k is not None:
@@ -207,7 +272,8 @@ def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, see
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     return AttentionOptions(
         causal=bool(causal), window_left=window_left, window_right=window_right, scale=scale,
-        softcap=softcap, alibi_slopes=_normalise_alibi(alibi_slopes, batch_shape, n_q_heads),
+        softcap=softcap,
+        alibi_slopes=_normalise_alibi(alibi_slopes, batch_shape, n_q_heads, dtype),
         dropout_p=dropout_p, seed=seed, block_q=block_q, block_k=block_k,
         deterministic=bool(deterministic))
 
@@ -270,7 +336,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
         tensors["lse"] = (lse if lse.ndim == 3 and not single_head
                           else _to_4d(lse[..., None], batch, single_head)[..., 0])
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
-                           n_k=n_k, **option_kwargs)
+                           n_k=n_k, dtype=dtype, **option_kwargs)
     return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory, library),
                    options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
                    n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v)
