@@ -1,11 +1,14 @@
-"""How the caller's arrays are laid out in memory: byte order and strides.
+"""How the caller's arrays are laid out in memory: byte order, strides, and flash-attn's
+``(batch, seqlen, heads, dim)`` order (``layout="bshd"``).
 
-Every test runs once per backend (the `backend` fixture). A layout changes where the numbers
+Most tests run once per backend (the `backend` fixture). A layout changes where the numbers
 live, never the computation, so results must equal those of the same numbers in native,
-C-contiguous arrays exactly, bit for bit.
+C-contiguous ``(batch, heads, seqlen, dim)`` arrays exactly, bit for bit.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -103,3 +106,93 @@ def test_any_strides_give_the_contiguous_result(backend, kind):
         assert not view.flags.c_contiguous
         np.testing.assert_array_equal(backend.to_host(view), array)
     assert_identical(run_both_passes(backend, *views), run_both_passes(backend, *arrays))
+
+
+# --------------------------------------------------------------------------- layout="bshd"
+
+
+def sequence_first(array):
+    """A C-contiguous ``(*batch, N, H, D)`` copy of a ``(*batch, H, N, D)`` array, as a
+    flash-attn user holds it."""
+    return np.ascontiguousarray(array.swapaxes(-3, -2))
+
+
+def problem_of_shape(batch_shape, seed=1):
+    rng = np.random.default_rng(seed)
+    shapes = ((4, 13, 8), (2, 17, 8), (2, 17, 5), (4, 13, 5))
+    return tuple(rng.standard_normal(batch_shape + shape).astype(np.float32)
+                 for shape in shapes)
+
+
+@pytest.mark.parametrize("batch_shape", [(2,), (), (2, 3)])
+def test_bshd_equals_the_transposed_bhsd_call(backend, batch_shape):
+    q, k, v, do = problem_of_shape(batch_shape)
+    expected = run_both_passes(backend, q, k, v, do)
+    q_s, k_s, v_s, do_s = (sequence_first(a) for a in (q, k, v, do))
+    o, lse = backend.forward(q_s, k_s, v_s, return_lse=True, layout="bshd", **OPTIONS)
+    assert o.shape == q_s.shape[:-1] + (5,) and lse.shape == q.shape[:-1]
+    grads = backend.backward(do_s, q_s, k_s, v_s, o, lse, layout="bshd", **OPTIONS)
+    assert [g.shape for g in grads] == [q_s.shape, k_s.shape, v_s.shape]
+    swapped = (expected[0].swapaxes(-3, -2), expected[1]) + tuple(
+        g.swapaxes(-3, -2) for g in expected[2:])
+    assert_identical((o, lse) + tuple(grads), swapped)
+
+
+def test_bshd_reaches_the_backend_as_views(backend, monkeypatch):
+    """The backend gets the caller's memory, axes swapped by strides: no copy on the way."""
+    xp = pytest.importorskip("cupy") if backend.memory == "cuda" else np
+    module = tileattn.backends.load(backend.name)
+    received = {}
+
+    def spy(name):
+        original = getattr(module, name)
+
+        def recorded(*arrays):
+            received[name] = arrays
+            return original(*arrays)
+        return recorded
+
+    monkeypatch.setattr(module, "forward", spy("forward"))
+    monkeypatch.setattr(module, "backward", spy("backward"))
+    q, k, v, do = (xp.asarray(sequence_first(a)) for a in problem_of_shape((2,)))
+    o, lse = tileattn.forward(q, k, v, return_lse=True, layout="bshd", backend=backend.name)
+    tileattn.backward(do, q, k, v, o, lse, layout="bshd", backend=backend.name)
+    for name, given, seen in zip("qkv", (q, k, v), received["forward"]):
+        assert xp.shares_memory(seen, given), name
+        assert seen.strides == given.swapaxes(1, 2).strides, name
+    for name, given, seen in zip(("do", "q", "k", "v", "o"), (do, q, k, v, o),
+                                 received["backward"]):
+        assert xp.shares_memory(seen, given), name
+        assert seen.strides == given.swapaxes(1, 2).strides, name
+
+
+def test_two_dimensional_arrays_mean_the_same_in_both_layouts():
+    q, k, v, _ = problem_of_shape((), seed=3)
+    q, k, v = q[0], k[0], v[0]
+    for backend in ("reference", "cpu"):
+        np.testing.assert_array_equal(
+            tileattn.forward(q, k, v, layout="bshd", backend=backend),
+            tileattn.forward(q, k, v, backend=backend))
+
+
+@pytest.mark.parametrize("layout", ["BSHD", "bsdh", None, ["bshd"]])
+def test_unknown_layouts_are_rejected(layout):
+    q, k, v, do = problem_of_shape((2,))
+    match = r"layout must be 'bhsd' \(batch, heads, seqlen, dim\) or 'bshd' .* got "
+    with pytest.raises(ValueError, match=match + re.escape(repr(layout))):
+        tileattn.forward(q, k, v, layout=layout)
+    with pytest.raises(ValueError, match=match):
+        tileattn.backward(do, q, k, v, do, do[..., 0], layout=layout)
+
+
+def test_bshd_shape_errors_show_the_callers_shapes():
+    q, k, v, do = (sequence_first(a) for a in problem_of_shape((2,)))
+    with pytest.raises(ValueError, match=r"k head dim must equal q head dim D=8, got 7 "
+                                         r"\(q shape \(2, 13, 4, 8\), k shape \(2, 17, 2, 7\)\)"):
+        tileattn.forward(q, k[..., :7], v, layout="bshd")
+    o, lse = tileattn.forward(q, k, v, layout="bshd", return_lse=True)
+    with pytest.raises(ValueError, match=r"do must have shape \(2, 13, 4, 5\) \(layout='bshd'\), "
+                                         r"got \(2, 4, 13, 5\)"):
+        tileattn.backward(do.swapaxes(1, 2), q, k, v, o, lse, layout="bshd")
+    with pytest.raises(ValueError, match=r"lse must have shape \(2, 4, 13\), got \(2, 13, 4\)"):
+        tileattn.backward(do, q, k, v, o, lse.swapaxes(1, 2), layout="bshd")

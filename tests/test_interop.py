@@ -78,6 +78,53 @@ def test_torch_autograd_agrees_with_torch_sdpa():
         torch.testing.assert_close(a, b)
 
 
+def test_torch_autograd_reads_flash_attn_layout():
+    """layout="bshd": the same o and gradients as the (batch, heads, seqlen, dim) call,
+    transposed, to the bit."""
+    torch = pytest.importorskip("torch")
+    from tileattn.torch import attention
+
+    arrays = numpy_problem()
+    do = torch.from_numpy(np.random.default_rng(3).standard_normal((2, 4, 12, 8))
+                          .astype(np.float32))
+    heads_first = [torch.from_numpy(a).requires_grad_() for a in arrays]
+    sequence_first = [torch.from_numpy(a).transpose(1, 2).contiguous().requires_grad_()
+                      for a in arrays]
+    o = attention(*heads_first, **OPTIONS)
+    o.backward(do)
+    o_bshd = attention(*sequence_first, layout="bshd", **OPTIONS)
+    assert o_bshd.shape == (2, 12, 4, 8)
+    o_bshd.backward(do.transpose(1, 2))
+    assert torch.equal(o_bshd, o.transpose(1, 2))
+    for name, ours, theirs in zip("qkv", sequence_first, heads_first):
+        assert torch.equal(ours.grad, theirs.grad.transpose(1, 2)), f"d{name}"
+
+
+def test_jax_grad_reads_flash_attn_layout():
+    jax = pytest.importorskip("jax")
+    from tileattn.jax import attention
+
+    arrays = numpy_problem()
+    do = np.random.default_rng(4).standard_normal((2, 4, 12, 8)).astype(np.float32)
+
+    def loss(layout, do):
+        return jax.jit(lambda q, k, v: jax.numpy.sum(
+            attention(q, k, v, layout=layout, **OPTIONS) * do))
+
+    heads_first = [jax.numpy.asarray(a) for a in arrays]
+    sequence_first = [jax.numpy.asarray(a.swapaxes(1, 2)) for a in arrays]
+    grads = jax.grad(loss("bhsd", do), argnums=(0, 1, 2))(*heads_first)
+    grads_bshd = jax.grad(loss("bshd", do.swapaxes(1, 2)), argnums=(0, 1, 2))(*sequence_first)
+    o = attention(*heads_first, **OPTIONS)
+    o_bshd = attention(*sequence_first, layout="bshd", **OPTIONS)
+    np.testing.assert_array_equal(np.asarray(o_bshd), np.asarray(o).swapaxes(1, 2))
+    for name, ours, theirs in zip("qkv", grads_bshd, grads):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs).swapaxes(1, 2),
+                                      err_msg=f"d{name}")
+    with pytest.raises(ValueError, match=r"layout must be 'bhsd' .* got 'sbhd'"):
+        attention(*sequence_first, layout="sbhd")
+
+
 def test_jax_arrays_in_jax_arrays_out():
     jax = pytest.importorskip("jax")
     q, k, v = (jax.numpy.asarray(a) for a in numpy_problem())

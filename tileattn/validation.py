@@ -19,6 +19,9 @@ from .dropout import dropout_threshold
 from .options import UNLIMITED, AttentionOptions
 
 
+LAYOUTS = ("bhsd", "bshd")
+
+
 @dataclass
 class Layout:
     """How the caller's shapes map onto the backends' ``(B, H, N, D)`` layout."""
@@ -27,18 +30,38 @@ class Layout:
     single_head: bool  # the caller passed 2-D ``(N, D)`` arrays
     memory: str  # "host" or "cuda"
     library: str  # where the caller's q came from: results go back there
+    sequence_first: bool = False  # layout="bshd": the caller's arrays are (*batch, N, H, D)
 
-    def restore(self, array, heads: int):
-        """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)`` and library."""
+    def restore(self, array, heads: int, *, is_lse: bool = False):
+        """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)`` (or, for
+        ``layout="bshd"``, a ``(*batch, N, H, ...)`` view; lse keeps ``(*batch, H, N)``)
+        and library."""
         if self.single_head:
             array = array.reshape(array.shape[2:])
         elif len(self.batch_shape) != 1:  # one batch dimension is the backends' layout
             array = array.reshape(self.batch_shape + (heads,) + array.shape[2:])
+        if self.sequence_first and not self.single_head and not is_lse:
+            array = array.swapaxes(-3, -2)
         return arrays.from_native(array, self.library)
 
 
-def _describe(array) -> str:
-    return f"shape {tuple(array.shape)}"
+def check_layout(layout) -> bool:
+    """True for ``"bshd"``, the sequence-first layout of flash-attn."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError("layout must be 'bhsd' (batch, heads, seqlen, dim) or 'bshd' "
+                         f"(batch, seqlen, heads, dim; flash-attn's), got {layout!r}")
+    return layout == "bshd"
+
+
+def _swap_heads_and_sequence(array):
+    """A ``(*batch, N, H, D)`` array as the ``(*batch, H, N, D)`` view the backends read:
+    swapaxes only changes strides, so the caller's memory is never copied. 2-D ``(N, D)``
+    arrays have no head axis and are the same in both layouts."""
+    return array.swapaxes(-3, -2) if array.ndim >= 3 else array
+
+
+def _describe(shape) -> str:
+    return f"shape {tuple(shape)}"
 
 
 def _check_dtypes(named_arrays: dict) -> np.dtype:
@@ -70,14 +93,16 @@ def _check_memory(named_arrays: dict) -> str:
     return memory
 
 
-def _check_shapes(q, k, v):
-    """Returns ``(batch_shape, Hq, Hkv, Nq, Nk, D, Dv, single_head)``."""
+def _check_shapes(q, k, v, shapes: dict):
+    """Returns ``(batch_shape, Hq, Hkv, Nq, Nk, D, Dv, single_head)``; messages show
+    `shapes`, the caller's shapes in the caller's layout."""
     if q.ndim < 2:
-        raise ValueError(f"q must have at least 2 dimensions (N, D), got {_describe(q)}")
+        raise ValueError("q must have at least 2 dimensions (N, D), got "
+                         f"{_describe(shapes['q'])}")
     for name, array in (("k", k), ("v", v)):
         if array.ndim != q.ndim:
             raise ValueError(f"{name}.ndim must equal q.ndim ({q.ndim}), got {name} "
-                             f"{_describe(array)} and q {_describe(q)}")
+                             f"{_describe(shapes[name])} and q {_describe(shapes['q'])}")
     single_head = q.ndim == 2
     if single_head:
         q, k, v = q[None], k[None], v[None]
@@ -90,7 +115,7 @@ def _check_shapes(q, k, v):
     n_kv_heads, n_k, d_k = k.shape[-3:]
     if d_k != d:
         raise ValueError(f"k head dim must equal q head dim D={d}, got {d_k} "
-                         f"(q {_describe(q)}, k {_describe(k)})")
+                         f"(q {_describe(shapes['q'])}, k {_describe(shapes['k'])})")
     if v.shape[-3] != n_kv_heads:
         raise ValueError(f"v heads must equal k heads Hkv={n_kv_heads}, got {v.shape[-3]}")
     if v.shape[-2] != n_k:
@@ -306,27 +331,36 @@ class Problem:
         return batch == 0 or self.n_q_heads == 0 or self.n_q == 0 or self.n_k == 0
 
 
-def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
+def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd",
+             **option_kwargs) -> Problem:
     """Check the arrays and options of a forward (``do`` is None) or backward call."""
+    sequence_first = check_layout(layout)
     library = arrays.library_of(q)
     named = {"q": q, "k": k, "v": v}
     if do is not None:
         named.update(do=do, o=o, lse=lse)
     named = {name: arrays.to_native_byte_order(arrays.to_native(a))
              for name, a in named.items()}
+    shapes = {name: tuple(a.shape) for name, a in named.items()}
+    if sequence_first:  # lse is (*batch, H, N) in both layouts, as flash-attn's softmax_lse
+        named = {name: a if name == "lse" else _swap_heads_and_sequence(a)
+                 for name, a in named.items()}
     memory = _check_memory(named)
     q, k, v = named["q"], named["k"], named["v"]
     dtype = _check_dtypes({name: named[name] for name in ("q", "k", "v")})
-    batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(q, k, v)
+    batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(
+        q, k, v, shapes)
     batch = math.prod(batch_shape)
     tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
     if do is not None:
-        out_shape = (n_q, d_v) if single_head else batch_shape + (n_q_heads, n_q, d_v)
-        lse_shape = out_shape[:-1]
+        out_shape = (n_q, d_v) if single_head else batch_shape + (
+            (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
+        lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
         for name, expected in (("do", out_shape), ("o", out_shape), ("lse", lse_shape)):
-            if tuple(named[name].shape) != expected:
-                raise ValueError(f"{name} must have shape {expected}, got "
-                                 f"{tuple(named[name].shape)}")
+            if shapes[name] != expected:
+                read_as = " (layout='bshd')" if sequence_first and name != "lse" else ""
+                raise ValueError(f"{name} must have shape {expected}{read_as}, "
+                                 f"got {shapes[name]}")
         _check_dtypes({"q": q, "do": named["do"], "o": named["o"]})
         if not arrays.is_supported_float(named["lse"].dtype):
             raise TypeError(f"lse must have a floating dtype, got {named['lse'].dtype}")
@@ -337,6 +371,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
                           else _to_4d(lse[..., None], batch, single_head)[..., 0])
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
                            n_k=n_k, dtype=dtype, **option_kwargs)
-    return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory, library),
+    return Problem(tensors=tensors,
+                   layout=Layout(batch_shape, single_head, memory, library, sequence_first),
                    options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
                    n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v)
