@@ -109,8 +109,20 @@ def time_in_turns(functions: dict, memory: str, rounds: int) -> dict:
     return {name: pick(values) for name, values in times.items()}
 
 
+def draw_progress(done: int, total: int, label: str, stream=None):
+    """Redraw a one-line progress bar (on stderr by default); ends the line when done.
+    Its signature is the ``progress(done, total, label)`` that backends' ``warmup`` call."""
+    stream = stream or sys.stderr
+    width = 30
+    filled = int(width * done / max(total, 1))
+    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    if done >= total:
+        stream.write("\n")
+    stream.flush()
+
+
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on stderr, advanced one step at a time."""
 
     def __init__(self, total: int, enabled: bool = True):
         self.total, self.done, self.enabled = total, 0, enabled
@@ -118,13 +130,7 @@ class Progress:
     def step(self, label: str):
         self.done += 1
         if self.enabled:
-            width = 30
-            filled = int(width * self.done / max(self.total, 1))
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total} {label:<40}")
-            sys.stderr.flush()
-            if self.done == self.total:
-                sys.stderr.write("\n")
+            draw_progress(self.done, self.total, label)
 
 
 # --------------------------------------------------------------------------- implementations
@@ -189,6 +195,13 @@ def _inputs(memory, batch, heads, n, head_dim, dtype, seed=0):
 
         arrays = [cupy.asarray(a) for a in arrays]
     return arrays
+
+
+def benchmark_bytes(batch, heads, n, head_dim, itemsize) -> int:
+    """The arrays one timed problem holds on the host: q, k, v, do and o, dq, dk, dv, plus
+    float32 or float64 working copies of as many (the CPU backend's contiguous inputs and
+    the anchors' outputs)."""
+    return 16 * batch * heads * n * head_dim * max(itemsize, 4)
 
 
 def naive_bytes(batch, heads, n, itemsize) -> int:
@@ -311,6 +324,13 @@ def _cuda_peak_extra(function, inputs, causal):
 # --------------------------------------------------------------------------- the sweep
 
 
+def default_sizes(memory: str, quick: bool) -> list:
+    """The sequence lengths timed when the caller names none."""
+    if memory == "host":
+        return [256, 512, 1024] if quick else [1024, 2048, 4096, 8192]
+    return [1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
+
+
 def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dims=(64,),
               batch=1, heads=None, sizes=None, memory_sizes=None, rounds=None, blocks=None,
               progress=True, print_fn=print) -> BenchResult:
@@ -320,10 +340,10 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
     module = backends.load(backend)
     memory = module.MEMORY
     dtype = np.dtype(dtype)
-    heads = heads or (8 if memory == "host" else 32)
+    if heads is None:
+        heads = 8 if memory == "host" else 32
     if sizes is None:
-        sizes = ([256, 512, 1024] if quick else [1024, 2048, 4096, 8192]) if memory == "host" \
-            else ([1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 16384])
+        sizes = default_sizes(memory, quick)
     if memory_sizes is None:
         memory_sizes = [1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]
     rounds = rounds or (3 if quick else 5)
