@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -57,3 +59,28 @@ def test_bench_writes_json_markdown_and_plots(tmp_path):
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "speed.png").stat().st_size > 1000
         assert (tmp_path / "memory.png").stat().st_size > 1000
+
+
+ROOT = Path(__file__).parents[1]
+
+
+def readme_commands(section: str) -> list:
+    """The ```bash blocks of one README section, each as a list of its lines."""
+    text = (ROOT / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [block.strip().splitlines() for block in re.findall(r"```bash\n(.*?)```", body,
+                                                                re.S)]
+
+
+def test_ci_runs_the_readmes_test_command():
+    """Quickstart's second command is what CI runs, character for character; the first
+    installs tileattn and runs the main job."""
+    install_and_check, install_and_test = readme_commands("Quickstart")
+    assert install_and_check == ["pip install . && python -m tileattn check"]
+    assert len(install_and_test) == 1 and "python -m pytest" in install_and_test[0]
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert ci_lines[-1] == install_and_test[0]
+    # The adapters' libraries are part of it: their tests must run in CI, not skip.
+    assert "torch==2.13.0" in install_and_test[0] and "jax" in install_and_test[0]
+    assert 'export CI="${CI:-true}"' in ci_lines
