@@ -163,7 +163,7 @@ def _check_real(name, value):
     return value
 
 
-def compute_dtype(dtype) -> np.dtype:
+def _compute_dtype(dtype) -> np.dtype:
     """SPEC "Precision": float64 inputs are computed in float64, every other dtype in float32."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
@@ -179,7 +179,7 @@ def _check_in_compute_dtype(name, value: float, dtype: np.dtype):
     its backward read a buffer it had not filled."""
     if value == 0:
         return
-    compute = compute_dtype(dtype)
+    compute = _compute_dtype(dtype)
     info = np.finfo(compute)
     largest = float(info.max)  # a Python float: comparing with info.max casts to compute
     with np.errstate(over="ignore", under="ignore"):
@@ -217,6 +217,25 @@ def _normalise_window(window, causal: bool, n_q: int, n_k: int):
     return left, right
 
 
+def _check_slopes(slopes: np.ndarray, dtype):
+    """Every slope finite and, as `_check_in_compute_dtype` says, 0 or a normal number of
+    the compute dtype; checked for all slopes at once (no Python loop per head)."""
+    not_finite = ~np.isfinite(slopes)
+    if not_finite.any():
+        index = tuple(int(i) for i in np.argwhere(not_finite)[0])
+        raise ValueError(f"alibi_slopes must be finite, got {slopes[index]} at index {index}")
+    compute = _compute_dtype(dtype)
+    info = np.finfo(compute)
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = np.abs(slopes.astype(compute)).astype(np.float64)
+    degenerate = (slopes != 0) & ((rounded < info.tiny)
+                                  | (np.abs(slopes) * _LOG2_E > float(info.max)))
+    if degenerate.any():
+        index = tuple(int(i) for i in np.argwhere(degenerate)[0])
+        _check_in_compute_dtype(f"alibi_slopes[{', '.join(map(str, index))}]",
+                                float(slopes[index]), dtype)
+
+
 def _normalise_alibi(slopes, batch_shape, n_q_heads, dtype):
     if slopes is None:
         return None
@@ -229,11 +248,7 @@ def _normalise_alibi(slopes, batch_shape, n_q_heads, dtype):
                          f"{allowed[1]}, got {slopes.shape}")
     batch = math.prod(batch_shape)
     slopes = slopes.astype(np.float64)
-    for index, slope in np.ndenumerate(slopes):
-        if not math.isfinite(slope):
-            raise ValueError(f"alibi_slopes must be finite, got {slope} at index {index}")
-        _check_in_compute_dtype(f"alibi_slopes[{', '.join(map(str, index))}]", float(slope),
-                                dtype)
+    _check_slopes(slopes, dtype)
     if slopes.shape == (n_q_heads,):
         return np.ascontiguousarray(np.broadcast_to(slopes, (batch, n_q_heads)))
     return slopes.reshape(batch, n_q_heads)
@@ -280,7 +295,7 @@ def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, see
         if softcap < 0:
             raise ValueError(f"softcap must be >= 0 (0 or None disables it), got {softcap}")
         _check_in_compute_dtype("softcap", softcap, dtype)
-        compute = compute_dtype(dtype)
+        compute = _compute_dtype(dtype)
         largest = float(np.finfo(compute).max)
         # The GPU kernels divide by the cap once, as scale / softcap, in the compute dtype.
         if softcap > 0 and abs(scale) / softcap > largest:
