@@ -95,7 +95,8 @@ def _parser():
         "bench", help="correctness check, then speed and memory against N vs the anchors")
     bench.add_argument("--backend", choices=FAST_BACKENDS, default=None,
                        help="default: gpu when available, else cpu")
-    bench.add_argument("--quick", action="store_true", help="a smaller sweep (a few minutes)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smaller sweep (about a minute on 2 cores)")
     bench.add_argument("--out", default=None,
                        help="folder for bench-BACKEND.json, bench-BACKEND.md and the plots "
                             "speed-BACKEND.png and memory-BACKEND.png")
