@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/bench_gpu.py            # the table
     PYTHONPATH=. python3 bench/bench_gpu.py --sweep    # also every tensor-core tile shape
     PYTHONPATH=. python3 bench/bench_gpu.py --fa       # FlashAttention's benchmark shapes
+    PYTHONPATH=. python3 bench/bench_gpu.py --head-dims  # every head dim (FA's layout)
 
 Every implementation is validated before it is timed: tileattn on a small problem against
 the float64 golden model (same kernels, same options), and every implementation on the
@@ -13,7 +14,14 @@ each at the main size) exceed the 50 MB L2, so repetitions do not run from cache
 `Timer.timeit`: calls back to back, the host's work for one call overlapping the kernels
 of the one before) unless `--timing per-call`, which times each call from an idle GPU, so
 that the host time before the launch counts too (bench/overhead_gpu.py measures that).
-FLOPs: forward 4*B*H*Nq*Nk*D (halved when causal), backward 2.5x the forward.
+FLOPs: forward 4*B*H*Nq*Nk*D (halved when causal), backward 2.5x the forward; where
+Dv != D, 2*B*H*Nq*Nk*(D + Dv).
+
+`--head-dims` runs the same table over the head dims of real models (D = 32 .. 256 and
+(D, Dv) = (192, 128), (128, 64)) at FlashAttention's layout (batch * N = 16k tokens, hidden
+about 2048, N = 1k, 4k, 16k). FlashAttention-2 has no Dv != D: there it runs Dv = D, more
+work than tileattn's, and the table says so. cuDNN runs Dv != D where it takes it. The
+ratio columns are anchor time / tileattn time.
 
 `--fa` runs FlashAttention's benchmark shapes (batch * N = 16k tokens, hidden 2048 as 32
 heads x 64 or 16 heads x 128, N = 1k..16k, causal and not, float16 and bfloat16), forward
@@ -33,7 +41,7 @@ import cupy
 import numpy as np
 
 import tileattn
-from tileattn.gpu import _launch
+from tileattn.gpu import tiles
 from tileattn.testing import assert_attention_close, bfloat16
 
 try:
@@ -55,16 +63,22 @@ class Case:
     direction: str = "forward"
     block_q: int | None = None
     block_k: int | None = None
+    value_dim: int | None = None  # None: Dv = D
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
 
     @property
     def name(self) -> str:
         blocks = f" {self.block_q}x{self.block_k}" if self.block_q else ""
+        dv = f" Dv{self.dv}" if self.dv != self.head_dim else ""
         return (f"{self.direction} {self.dtype} B{self.batch} H{self.heads} N{self.n} "
-                f"D{self.head_dim}{' causal' if self.causal else ''}{blocks}")
+                f"D{self.head_dim}{dv}{' causal' if self.causal else ''}{blocks}")
 
     @property
     def flops(self) -> float:
-        forward = 4 * self.batch * self.heads * self.n * self.n * self.head_dim
+        forward = 2 * self.batch * self.heads * self.n * self.n * (self.head_dim + self.dv)
         forward /= 2 if self.causal else 1
         return forward * (2.5 if self.direction == "backward" else 1.0)
 
@@ -99,10 +113,12 @@ def _to_dtype(x, dtype: str):
 
 
 def make_inputs(case: Case, seed: int = 0):
+    """q, k, v, do (v and do with Dv columns)."""
     cupy.random.seed(seed)
     shape = (case.batch, case.heads, case.n, case.head_dim)
-    return [_to_dtype(cupy.random.standard_normal(shape, dtype=cupy.float32), case.dtype)
-            for _ in range(4)]  # q, k, v, do
+    value_shape = shape[:3] + (case.dv,)
+    return [_to_dtype(cupy.random.standard_normal(s, dtype=cupy.float32), case.dtype)
+            for s in (shape, shape, value_shape, value_shape)]
 
 
 def _as_float64(x):
@@ -335,42 +351,103 @@ def fa_functions(case: Case, q, k, v, do, nondeterministic: bool = True) -> dict
                                  deterministic=False)
 
     functions = {"tileattn": (lambda: tileattn.forward(q, k, v, backend="gpu",
-                                                       causal=case.causal), ours_both)}
+                                                       causal=case.causal), ours_both, False)}
     if nondeterministic:  # deterministic=False (the forward is the same)
-        functions["tileattn-nd"] = (None, ours_single_pass)
+        functions["tileattn-nd"] = (None, ours_single_pass, False)
     if torch is None:
         return functions
     tq, tk, tv, tdo = (_as_torch(a) for a in (q, k, v, do))
     tq, tk, tv = (t.detach().requires_grad_() for t in (tq, tk, tv))
     for name, backend in torch_anchors(case.dtype):
-        def forward(backend=backend):
+        # FlashAttention-2 takes no Dv != D: it runs Dv = D (more work than ours), and so
+        # does any backend that refuses the real shapes.
+        equal_dims = case.dv != case.head_dim and (name == "flash" or not _accepts(
+            backend, tq[:1, :1, :64], tk[:1, :1, :64], tv[:1, :1, :64], case.causal))
+        bv, bdo = tv, tdo
+        if equal_dims:
+            bv = tk.detach().clone().requires_grad_()
+            bdo = tq.detach().clone()
+            name = f"{name}@Dv=D"
+
+        def forward(backend=backend, bv=bv):
             with sdpa_kernel(backend), torch.no_grad():
                 return _from_torch(F.scaled_dot_product_attention(
-                    tq, tk, tv, is_causal=case.causal), q.dtype)
+                    tq, tk, bv, is_causal=case.causal), q.dtype)
 
-        def both(backend=backend):
+        def both(backend=backend, bv=bv, bdo=bdo):
             with sdpa_kernel(backend):
-                out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal)
-                grads = torch.autograd.grad(out, (tq, tk, tv), tdo)
+                out = F.scaled_dot_product_attention(tq, tk, bv, is_causal=case.causal)
+                grads = torch.autograd.grad(out, (tq, tk, bv), bdo)
             return tuple(_from_torch(g, q.dtype) for g in grads)
-        functions[name] = (forward, both)
+        functions[name] = (forward, both, equal_dims)
     return functions
 
 
+def _accepts(backend, q, k, v, causal: bool) -> bool:
+    """Whether a torch SDPA backend runs these shapes (forward and backward)."""
+    try:
+        with sdpa_kernel(backend):
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+        return True
+    except RuntimeError:
+        return False
+
+
+HEAD_DIM_SWEEP = (32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 256, (192, 128), (128, 64))
+
+
+def head_dim_cases(dtypes=("float16", "bfloat16"), lengths=(1024, 4096, 16384),
+                   dims=HEAD_DIM_SWEEP) -> list[Case]:
+    """FA's layout (batch * N = 16k tokens, hidden about 2048) at every head dim."""
+    cases = []
+    for dtype in dtypes:
+        for dim in dims:
+            head_dim, value_dim = dim if isinstance(dim, tuple) else (dim, dim)
+            heads = max(1, round(2048 / head_dim))
+            for causal in (False, True):
+                for n in lengths:
+                    cases.append(Case(dtype, 16384 // n, heads, n, head_dim, causal=causal,
+                                      value_dim=value_dim))
+    return cases
+
+
+def precompile(cases: list[Case], workers: int = 16) -> None:
+    """Compiles every case's kernels in `workers` processes (a problem of one head with the
+    case's N needs the same kernels), so that the timed process loads them from the disk
+    caches instead of compiling one after another."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.map(_compile_case, cases)
+
+
+def _compile_case(case: Case) -> None:
+    small = replace(case, batch=1, heads=1)
+    q, k, v, do = make_inputs(small)
+    o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=case.causal)
+    tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=case.causal)
+    cupy.cuda.Device().synchronize()
+
+
 def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64, 128),
-           nondeterministic: bool = True, timing: str = "back-to-back") -> None:
-    """Times FA's shapes (`timing`: a key of `TIMINGS`); checks every implementation
-    against float64 on one head first (N <= 4096: the check's N x N float64 products are
-    what limits it)."""
+           nondeterministic: bool = True, timing: str = "back-to-back",
+           cases: list[Case] | None = None) -> None:
+    """Times FA's shapes, or `cases` (`timing`: a key of `TIMINGS`); checks every
+    implementation against float64 on one head first (N <= 4096: the check's N x N float64
+    products are what limits it)."""
     measure = TIMINGS[timing]
     results = {}  # (case name, direction) -> {implementation: TFLOP/s}
-    for case in fa_cases(dtypes, lengths, head_dims):
+    cases = cases if cases is not None else fa_cases(dtypes, lengths, head_dims)
+    for case in cases:
         validate_small(replace(case, direction="backward"))
         q, k, v, do = make_inputs(case)
         reference = float64_reference(q, k, v, do, case.causal, heads=1) if case.n <= 4096 \
             else None
-        for name, (forward, both) in fa_functions(case, q, k, v, do,
-                                                  nondeterministic).items():
+        for name, (forward, both, equal_dims) in fa_functions(case, q, k, v, do,
+                                                              nondeterministic).items():
+            # Timed as the case's FLOPs, so that the TFLOP/s columns compare times; an
+            # anchor that ran Dv = D did more work than that (its column says so).
             for direction, function, flops in (("fwd", forward, case.flops),
                                                ("fwd+bwd", both, 3.5 * case.flops)):
                 if function is None:
@@ -380,7 +457,7 @@ def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64,
                 except RuntimeError as error:
                     print(f"  {name}: failed on {case.name}: {str(error).splitlines()[0]}")
                     continue
-                if reference is not None:
+                if reference is not None and not equal_dims:
                     if direction == "fwd":
                         error = relative_error(result[0, :1], reference[0])
                     else:
@@ -398,9 +475,16 @@ def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64,
                       f"{tflops:7.1f} TFLOP/s", flush=True)
         del q, k, v, do, reference
         cupy.get_default_memory_pool().free_all_blocks()
-    anchors = [name for name in ("flash", "cudnn", "efficient")
+    anchors = [name for name in ("flash", "flash@Dv=D", "cudnn", "cudnn@Dv=D", "efficient")
                if any(name in row for row in results.values())]
     ours = ["tileattn"] + (["tileattn-nd"] if nondeterministic else [])
+    worst = {}
+    for (case_name, direction), row in results.items():
+        for anchor in anchors:
+            if "tileattn" in row and anchor in row:
+                ratio = row["tileattn"] / row[anchor]
+                key = (anchor.split("@")[0], direction)
+                worst[key] = min(worst.get(key, (ratio, case_name)), (ratio, case_name))
     ratios = [("tileattn", a) for a in anchors] + (
         [("tileattn-nd", anchors[0])] if nondeterministic and anchors else [])
     columns = ours + anchors + [f"{mine} / {name}" for mine, name in ratios]
@@ -416,6 +500,8 @@ def run_fa(repetitions: int, dtypes, lengths=FA_SEQUENCE_LENGTHS, head_dims=(64,
         cells = [cell(name) for name in ours + anchors] + [ratio(*r) for r in ratios]
         print(f"| {case_name.replace('forward ', '')} | {direction} | " + " | ".join(cells)
               + " |")
+    for (anchor, direction), (ratio, case_name) in sorted(worst.items()):
+        print(f"worst tileattn / {anchor} {direction}: {ratio:.2f} ({case_name})")
 
 
 def main() -> None:
@@ -429,6 +515,11 @@ def main() -> None:
     parser.add_argument("--fa-n", default=",".join(map(str, FA_SEQUENCE_LENGTHS)),
                         help="sequence lengths of the FA shapes (comma-separated)")
     parser.add_argument("--fa-head-dims", default="64,128")
+    parser.add_argument("--head-dims", action="store_true",
+                        help="every head dim at FA's layout (N = 1k, 4k, 16k) vs FA2 and cuDNN")
+    parser.add_argument("--dims", default=None,
+                        help="--head-dims: D or D:Dv values, comma-separated (default: all)")
+    parser.add_argument("--n", default="1024,4096,16384", help="--head-dims: sequence lengths")
     parser.add_argument("--no-nd", action="store_true",
                         help="leave out tileattn-nd (deterministic=False)")
     parser.add_argument("--timing", choices=tuple(TIMINGS), default="back-to-back",
@@ -438,6 +529,15 @@ def main() -> None:
     device = cupy.cuda.Device()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(device.id)['name'].decode()}, "
           f"CuPy {cupy.__version__}, torch {torch.__version__ if torch else 'absent'}")
+    if args.head_dims:
+        dims = HEAD_DIM_SWEEP if args.dims is None else tuple(
+            tuple(map(int, d.split(":"))) if ":" in d else int(d) for d in args.dims.split(","))
+        cases = head_dim_cases(args.fa_dtypes.split(","), tuple(map(int, args.n.split(","))),
+                               dims)
+        precompile(cases)
+        print(f"timing: {args.timing}, {args.repetitions} calls")
+        run_fa(args.repetitions, (), nondeterministic=False, timing=args.timing, cases=cases)
+        return
     if args.fa:
         print(f"timing: {args.timing}, {args.repetitions} calls")
         run_fa(args.repetitions, args.fa_dtypes.split(","),
@@ -447,8 +547,8 @@ def main() -> None:
     cases = [c for c in CASES if args.only in c.name]
     if args.sweep:
         for head_dim, heads in ((64, 32), (128, 16)):
-            for block_q in _launch.MMA_BLOCK_Q:
-                for block_k in _launch.MMA_BLOCK_K:
+            for block_q in tiles.MMA_BLOCK_Q:
+                for block_k in tiles.MMA_BLOCK_K:
                     cases.append(Case("float16", 4, heads, 4096, head_dim, block_q=block_q,
                                       block_k=block_k))
     table = []

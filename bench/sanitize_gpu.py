@@ -16,9 +16,9 @@ import cupy
 import numpy as np
 
 import tileattn
-from tileattn.gpu import _launch
-from tileattn.options import AttentionOptions
-from tileattn.testing import assert_attention_close
+from tileattn.gpu import launch_backward, launch_forward, tiles
+from tileattn.gpu.operands import problem_of
+from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
 
 CASES = [
@@ -38,9 +38,18 @@ CASES = [
     ("float32", (1, 2, 1, 33, 47, 96, 40),
      dict(softcap=4.0, alibi_slopes=np.array([0.2, 0.3]), block_q=7, block_k=13)),
     ("float64", (1, 2, 2, 20, 25, 256, 256), dict(causal=True)),
+    # head dims padded in shared memory, Dv != D, dK and dV in two kernels, narrow copies
+    ("float16", (1, 4, 2, 70, 150, 80, 80), dict(causal=True, dropout_p=0.2, seed=3)),
+    ("bfloat16", (1, 2, 1, 130, 90, 40, 40), dict(window=(30, 10), softcap=4.0)),
+    ("float16", (1, 2, 2, 70, 100, 192, 128), dict(causal=True)),
+    ("float16", (1, 2, 1, 70, 100, 256, 256), dict(alibi_slopes=np.array([0.2, 0.3]))),
+    ("float16", (1, 2, 2, 50, 77, 100, 100), dict(causal=True)),
+    ("float16", (1, 2, 2, 50, 77, 33, 33), dict(window=(20, 5))),
+    ("float32", (1, 2, 1, 70, 100, 160, 160), dict(causal=True, softcap=3.0)),
+    ("float32", (1, 2, 2, 50, 77, 36, 100), dict(window=(30, 10))),
 ]
 
-WARP_LAYOUTS = [_launch.WarpLayout(32, False), _launch.WarpLayout(32, True)]
+MMA_LAYOUTS = [tiles.MmaTiles(128, 64, 32, False), tiles.MmaTiles(128, 64, 32, True)]
 
 
 def main() -> int:
@@ -51,6 +60,7 @@ def main() -> int:
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
         options = dict(options)
         deterministic = options.pop("deterministic", True)
+        dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
         q = rng.standard_normal((batch, hq, nq, d)).astype(dtype)
         k = rng.standard_normal((batch, hkv, nk, d)).astype(dtype)
         v = rng.standard_normal((batch, hkv, nk, dv)).astype(dtype)
@@ -66,14 +76,11 @@ def main() -> int:
         assert_attention_close(o.get(), golden_o, q.dtype, name="o")
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, q.dtype, name=name)
-        path = "generic"
-        resolved = _options(q, options)
-        if _launch.tensor_core_blocks(dq_, dv_, resolved):
-            path = "wgmma" if _launch.wgmma_tiles(dq_, dk_, resolved) else "mma.sync"
-        elif _launch.tf32_tiles(dq_, dv_, resolved):
-            path = "3xtf32"
-        print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} forward={path}"
-              f"{'' if deterministic else ' backward=single-pass'}")
+        problem = problem_of(dq_, dk_, dv_, _resolved(q, k, v, options))
+        forward, backward = tiles.choose_forward(problem), tiles.choose_backward(problem)
+        print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} "
+              f"forward={forward.family} {forward.tiles} backward={backward.family} "
+              f"{backward.tiles}{'' if deterministic else ' (deterministic=False)'}")
     for dtype in ("float16", "float32"):  # D from rows the vector kernel cannot read
         q, k, v, do = (rng.standard_normal((1, 2, 70, 64)).astype(dtype) for _ in range(4))
         device = [cupy.asarray(a) for a in (q, k, v)]
@@ -85,19 +92,15 @@ def main() -> int:
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, q.dtype, name=name)
         print(f"ok {dtype} backward with a strided dO (D by one warp per row)")
-    for layout in WARP_LAYOUTS:  # the forward's layouts that no default uses
+    for layout in MMA_LAYOUTS:  # the mma.sync forward's layouts that no default uses
         q, k, v = (rng.standard_normal((1, 2, n, 128)).astype(np.float16) for n in (70, 150, 150))
         options = dict(causal=True, softcap=4.0, dropout_p=0.2, seed=3)
-        resolved = validate(q, k, v, **options, window=None, scale=None, alibi_slopes=None,
-                            block_q=None, block_k=None, deterministic=True).options
-        o = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
-        _launch.forward_tensor_core(*map(cupy.asarray, (q, k, v)), o, lse, resolved,
-                                    tileattn.Blocks(128, 64), layout)
+        o, _ = launch_forward.run(tiles.Choice("mma", layout), *map(cupy.asarray, (q, k, v)),
+                                  _resolved(q, k, v, options))
         golden_o, _ = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                        backend="reference", return_lse=True, **options)
         assert_attention_close(o.get(), golden_o, q.dtype, name="o")
-        print(f"ok float16 D=128 forward, warps of {layout.rows} rows, "
+        print(f"ok float16 D=128 mma.sync forward, warps of {layout.warp_rows} rows, "
               f"Q in registers: {layout.q_in_registers}")
     for options in ({}, {"causal": True}):  # the single pass taking turns (deterministic)
         q, k, v, do = (rng.standard_normal((1, 4, n, 64)).astype(np.float16)
@@ -105,11 +108,8 @@ def main() -> int:
         k, v = k[:, :2], v[:, :2]
         device = [cupy.asarray(a) for a in (do, q, k, v)]
         o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
-        resolved = validate(q, k, v, **{**dict(causal=False, window=None, scale=None,
-                                               softcap=None, alibi_slopes=None, dropout_p=0.0,
-                                               seed=None, block_q=None, block_k=None,
-                                               deterministic=True), **options}).options
-        grads = _launch.backward_tensor_core(*device, o, lse, resolved, single_pass=True)
+        grads = launch_backward.backward_mma(*device, o, lse, _resolved(q, k, v, options),
+                                             SINGLE_PASS_TILES["mma"][64], single_pass=True)
         golden = _golden_grads(do, q, k, v, o, lse, **options)
         for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
             assert_attention_close(grad.get(), want, q.dtype, name=name)
@@ -121,15 +121,15 @@ def main() -> int:
         options = dict(causal=True, dropout_p=0.2, seed=9)
         device = [cupy.asarray(a) for a in (do, q, k, v)]
         o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
-        resolved = validate(q, k, v, **options, window=None, scale=None, softcap=None,
-                            alibi_slopes=None, block_q=None, block_k=None,
-                            deterministic=False).options
-        backwards = {"mma.sync": _launch.backward_tensor_core}
+        resolved = _resolved(q, k, v, {**options, "deterministic": False})
+        backwards = {"mma.sync": launch_backward.backward_mma}
         if cupy.cuda.Device().compute_capability == "90":
-            backwards["wgmma"] = _launch.backward_wgmma
+            backwards["wgmma"] = launch_backward.backward_wgmma
         golden = _golden_grads(do, q, k, v, o, lse, **options)
         for name, backward in backwards.items():
-            grads = backward(*device, o, lse, resolved, single_pass=True)
+            family = "wgmma" if name == "wgmma" else "mma"
+            grads = backward(*device, o, lse, resolved, SINGLE_PASS_TILES[family][head_dim],
+                             single_pass=True)
             for grad_name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
                 assert_attention_close(grad.get(), want, q.dtype, name=grad_name)
             print(f"ok float16 D={head_dim} {name} single-pass backward (dQ added in arrival order)")
@@ -143,9 +143,20 @@ def _golden_grads(do, q, k, v, o, lse, **options):
     return tileattn.backward(*host, cupy.asnumpy(lse), backend="reference", **options)
 
 
-def _options(q, options):
-    """What `tensor_core_blocks` reads of the options: the caller's tile sizes."""
-    return AttentionOptions(block_q=options.get("block_q"), block_k=options.get("block_k"))
+# The single pass's tiles: the two-kernel defaults of D = 64 and 128.
+SINGLE_PASS_TILES = {
+    "mma": {64: tiles.MmaBackwardTiles((64, 64), (128, 64)),
+            128: tiles.MmaBackwardTiles((128, 128), (128, 64))},
+    "wgmma": {64: tiles.WgmmaBackwardTiles((192, 64), (192, 64), 2),
+              128: tiles.WgmmaBackwardTiles((192, 64), (128, 64), 3)},
+}
+
+
+def _resolved(q, k, v, options):
+    """The AttentionOptions the API would pass a backend for these keyword options."""
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    return validate(q, k, v, **{**defaults, **options}).options
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""GPU-specific tests: the tensor-core path, layouts, the compile cache, bfloat16.
+"""GPU-specific tests: every kernel family and head dim, layouts, the compile cache, bfloat16.
 
 The option-by-option correctness of every backend lives in test_backend_suite.py; this file
-covers what only the GPU backend has. Everything skips cleanly without CuPy or a GPU.
+covers what only the GPU backend has: each family (wgmma, mma.sync, 3xTF32, generic) run
+directly with its tiles, at every head dim the tables cover. Everything skips cleanly
+without CuPy or a GPU.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import pytest
 import tileattn
 from tileattn import backends
 from tileattn.dropout import keep_mask
+from tileattn.gpu import tiles as tile_tables
+from tileattn.gpu.tiles import (Choice, MmaBackwardTiles, MmaTiles, Problem, Tf32Tiles,
+                                WgmmaBackwardTiles, WgmmaTiles)
 from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
@@ -25,7 +30,10 @@ pytestmark = [
 if backends.availability("gpu") is None:
     import cupy
 
-    from tileattn.gpu import _compile, _launch
+    from tileattn.gpu import _compile
+    from tileattn.gpu import launch_backward as gpu_backward
+    from tileattn.gpu import launch_forward as gpu_forward
+    from tileattn.gpu.operands import accumulation_dtype, problem_of, shared_memory_limit
 
 
 def _inputs(shape_q, shape_k, shape_v, dtype, seed=0):
@@ -51,7 +59,7 @@ def _check(q, k, v, do, deterministic=True, **options):
     grads = tileattn.backward(device[3], *device[:3], o, lse, backend="gpu",
                               deterministic=deterministic, **options)
     expected_o, expected_lse = _golden(q, k, v, **options)
-    assert o.dtype == q.dtype and lse.dtype == _launch.accumulation_dtype(q.dtype)
+    assert o.dtype == q.dtype and lse.dtype == accumulation_dtype(q.dtype)
     assert_attention_close(o.get(), expected_o, q.dtype, name="o")
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
     expected = _golden_grads(do, q, k, v, o.get(), expected_lse, **options)
@@ -61,6 +69,60 @@ def _check(q, k, v, do, deterministic=True, **options):
 
 def _half_dtypes():
     return [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() is not None else [])
+
+
+def _resolved_options(q, k, v, options):
+    """The AttentionOptions the API would pass a backend for these keyword options."""
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    return validate(q, k, v, **{**defaults, **options}).options
+
+
+def _choices(q, k, v, options):
+    problem = problem_of(*map(cupy.asarray, (q, k, v)), _resolved_options(q, k, v, options))
+    return tile_tables.choose_forward(problem), tile_tables.choose_backward(problem)
+
+
+def _is_hopper():
+    return backends.availability("gpu") is None and cupy.cuda.Device().compute_capability == "90"
+
+
+hopper_only = pytest.mark.skipif(backends.availability("gpu") is not None or not _is_hopper(),
+                                 reason="the wgmma kernels need an sm_90 GPU")
+
+
+def _fits(tiles, widths, *entries, element_size=2):
+    limit = shared_memory_limit(cupy.cuda.Device().id)
+    if not entries:
+        return tiles.shared_bytes(widths) <= limit
+    parts = (1, 2) if tiles.split else (0,)
+    if isinstance(tiles, WgmmaBackwardTiles):
+        return all(tiles.shared_bytes(e, widths, part=p) <= limit for e in entries for p in parts)
+    return all(tiles.shared_bytes(e, widths, element_size, part=p) <= limit
+               for e in entries for p in parts)
+
+
+def _forward_with(choice, q, k, v, options):
+    """o and lse of one family and tile configuration, run directly, against the golden
+    model; the outputs start as NaN, so every element must be written."""
+    arrays = [cupy.asarray(a) for a in (q, k, v)]
+    o, lse = gpu_forward.run(choice, *arrays, _resolved_options(q, k, v, options))
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+
+
+def _backward_with(choice, q, k, v, do, options):
+    """dq, dk, dv of one family and tile configuration, run directly from the golden model's
+    o and lse (so only the backward is tested), against the golden model."""
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    given_o = golden_o.astype(q.dtype)
+    grads = gpu_backward.run(choice, *map(cupy.asarray, (do, q, k, v, given_o)),
+                             cupy.asarray(golden_lse.astype(np.float32)),
+                             _resolved_options(q, k, v, options))
+    expected = _golden_grads(do, q, k, v, given_o, golden_lse, **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_attention_close(grad.get(), want, q.dtype, name=name)
 
 
 TENSOR_CORE_OPTIONS = [
@@ -73,29 +135,85 @@ TENSOR_CORE_OPTIONS = [
     {"softcap": 5.0, "alibi_slopes": np.linspace(0.1, 0.4, 4), "window": (64, 64),
      "dropout_p": 0.1, "seed": 7},
 ]
+OPTION_IDS = lambda o: ",".join(o) or "plain"  # noqa: E731
+
+# The head dims of real models (diffusion U-Nets 40/80/160, small language models 80/96,
+# Gemma 256, multi-head latent attention 192/128), dims that are not a multiple of 16 or of 8
+# (padded in shared memory), an odd one (read in 2-byte pieces) and Dv != D both ways.
+HEAD_DIMS = [(32, 32), (40, 40), (48, 48), (64, 64), (72, 72), (80, 80), (96, 96),
+             (100, 100), (112, 112), (128, 128), (160, 160), (192, 192), (256, 256),
+             (192, 128), (128, 64), (64, 128), (33, 33), (24, 200)]
+DIM_IDS = lambda d: f"D{d[0]}" + (f"-Dv{d[1]}" if d[1] != d[0] else "")  # noqa: E731
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=DIM_IDS)
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
+                                     TENSOR_CORE_OPTIONS[-1]], ids=["plain", "causal", "every"])
+def test_every_head_dim_runs_on_tensor_cores(dtype, dims, options):
+    """The default path at every head dim: a tensor-core family both ways, right answers."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim), dtype)
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(dtype)
+    forward_choice, backward_choice = _choices(q, k, v, options)
+    expected = "wgmma" if _is_hopper() else "mma"
+    assert forward_choice.family == expected and backward_choice.family == expected
+    _check(q, k, v, do, **options)
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=DIM_IDS)
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
+                         ids=["causal", "every"])
+def test_every_head_dim_on_mma_sync(dims, options):
+    """The mma.sync family at every head dim (on Hopper the default is wgmma, so this keeps
+    the sm_80 path tested there too), with its own table's tiles."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
+                      np.float16)
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(np.float16)
+    widths = tile_tables.Widths.padded(head_dim, value_dim, 16)
+    problem = Problem(80, shared_memory_limit(cupy.cuda.Device().id), "float16", head_dim,
+                      value_dim, 263)
+    forward_choice = tile_tables.choose_forward(problem)
+    backward_choice = tile_tables.choose_backward(problem)
+    assert forward_choice.family == "mma" and backward_choice.family == "mma"
+    assert _fits(forward_choice.tiles, widths)
+    _forward_with(forward_choice, q, k, v, options)
+    _backward_with(backward_choice, q, k, v, do, options)
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=DIM_IDS)
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
+                                     TENSOR_CORE_OPTIONS[-1]], ids=["plain", "causal", "every"])
+def test_every_head_dim_float32_on_tensor_cores(dims, options):
+    """float32 on 3xTF32 at every head dim, forward and backward, end to end: 3xTF32 holds
+    the float32 tolerance (one TF32 product per float32 product would not)."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
+                      np.float32)
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(np.float32)
+    forward_choice, backward_choice = _choices(q, k, v, options)
+    assert forward_choice.family == "tf32" and backward_choice.family == "tf32"
+    _check(q, k, v, do, **options)
 
 
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=OPTION_IDS)
 def test_tensor_core_matches_golden(dtype, head_dim, options):
-    """The tensor-core forward and backward, end to end."""
+    """The tensor-core forward and backward, end to end, with every option."""
     # GQA (4 query heads on 2 kv heads), Nq != Nk, neither a multiple of any tile.
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim), dtype)
     do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(dtype)
-    assert _launch.tensor_core_blocks(cupy.asarray(q), cupy.asarray(v), _options_of(q, options))
-    assert _launch.tensor_core_backward_applies(cupy.asarray(q), cupy.asarray(v),
-                                                _options_of(q, options))
+    assert all(c.family != "generic" for c in _choices(q, k, v, options))
     _check(q, k, v, do, **options)
 
 
-def test_tensor_core_backward_applies_without_tile_sizes():
-    q, _, v = (cupy.asarray(a) for a in _inputs((1, 1, 8, 64), (1, 1, 8, 64), (1, 1, 8, 64),
-                                                np.float16))
-    assert _launch.tensor_core_backward_applies(q, v, AttentionOptions())
-    assert not _launch.tensor_core_backward_applies(q, v, AttentionOptions(block_q=64))
-    assert not _launch.tensor_core_backward_applies(q.astype(cupy.float32), v,
-                                                    AttentionOptions())
+def test_named_tile_sizes_select_the_generic_backward():
+    q, k, v = _inputs((1, 1, 8, 64), (1, 1, 8, 64), (1, 1, 8, 64), np.float16)
+    assert _choices(q, k, v, {})[1].family != "generic"
+    assert _choices(q, k, v, {"block_q": 64})[1].family == "generic"
+    assert _choices(*(a.astype(np.float64) for a in (q, k, v)), {})[1].family == "generic"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -122,6 +240,17 @@ def test_tensor_core_backward_is_deterministic():
         assert cupy.array_equal(a, b)
 
 
+MMA_TABLE_TILES = {64: MmaBackwardTiles((64, 64), (128, 64)),
+                   128: MmaBackwardTiles((128, 128), (128, 64))}
+
+
+def _mma_single_pass(q, k, v, do, options, tiles):
+    device = [cupy.asarray(a) for a in (do, q, k, v)]
+    o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
+    resolved = _resolved_options(q, k, v, options)
+    return gpu_backward.backward_mma(*device, o, lse, resolved, tiles, single_pass=True), o, lse
+
+
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (300, 40)},
                                      {"window": (200, None)}],
                          ids=["plain", "causal", "window", "left-window"])
@@ -130,13 +259,9 @@ def test_ordered_single_pass_is_deterministic_and_exact(options):
     turns differently): bitwise the same run after run, and right."""
     q, k, v = _inputs((2, 8, 700, 64), (2, 2, 900, 64), (2, 2, 900, 64), np.float16)
     do = np.random.default_rng(6).standard_normal(q.shape).astype(np.float16)
-    device = [cupy.asarray(a) for a in (do, q, k, v)]
-    o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
-    resolved = _resolved_options(q, k, v, options)
-    assert resolved.deterministic
-    first = _launch.backward_tensor_core(*device, o, lse, resolved, single_pass=True)
+    first, o, lse = _mma_single_pass(q, k, v, do, options, MMA_TABLE_TILES[64])
     for _ in range(3):
-        again = _launch.backward_tensor_core(*device, o, lse, resolved, single_pass=True)
+        again, _, _ = _mma_single_pass(q, k, v, do, options, MMA_TABLE_TILES[64])
         for a, b in zip(first, again):
             assert cupy.array_equal(a, b)
     expected = _golden_grads(do, q, k, v, o.get(), lse.get(), **options)
@@ -144,31 +269,35 @@ def test_ordered_single_pass_is_deterministic_and_exact(options):
         assert_attention_close(grad.get(), want, q.dtype, name=name)
 
 
+def _check_single_passes(q, k, v, do, **options):
+    """Each single-pass backward the device has (mma.sync; wgmma on Hopper), called
+    directly (the API may route deterministic=False elsewhere), against the golden model."""
+    head_dim = q.shape[-1]
+    device = [cupy.asarray(a) for a in (do, q, k, v)]
+    o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
+    resolved = _resolved_options(q, k, v, {**options, "deterministic": False})
+    expected = _golden_grads(do, q, k, v, o.get(), lse.get(), **options)
+    runs = [lambda: gpu_backward.backward_mma(*device, o, lse, resolved,
+                                              MMA_TABLE_TILES[head_dim], single_pass=True)]
+    if _is_hopper():
+        wgmma_tiles = {64: WgmmaBackwardTiles((192, 64), (192, 64), 2),
+                       128: WgmmaBackwardTiles((192, 64), (128, 64), 3)}[head_dim]
+        runs.append(lambda: gpu_backward.backward_wgmma(*device, o, lse, resolved, wgmma_tiles,
+                                                        single_pass=True))
+    for run in runs:
+        for name, grad, want in zip(("dq", "dk", "dv"), run(), expected):
+            assert_attention_close(grad.get(), want, q.dtype, name=name)
+
+
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=OPTION_IDS)
 def test_tensor_core_single_pass_backward(dtype, head_dim, options):
     """deterministic=False: dQ through atomics in the dK/dV kernel, same answers."""
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim), dtype)
     do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(dtype)
     _check(q, k, v, do, deterministic=False, **options)
     _check_single_passes(q, k, v, do, **options)
-
-
-def _check_single_passes(q, k, v, do, **options):
-    """Each single-pass backward the device has (mma.sync; wgmma on Hopper), called
-    directly (the API may route deterministic=False elsewhere), against the golden model."""
-    device = [cupy.asarray(a) for a in (do, q, k, v)]
-    o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
-    resolved = _resolved_options(q, k, v, {**options, "deterministic": False})
-    expected = _golden_grads(do, q, k, v, o.get(), lse.get(), **options)
-    passes = {"mma": _launch.backward_tensor_core}
-    if _is_hopper():
-        passes["wgmma"] = _launch.backward_wgmma
-    for backward in passes.values():
-        grads = backward(*device, o, lse, resolved, single_pass=True)
-        for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
-            assert_attention_close(grad.get(), want, q.dtype, name=name)
 
 
 @pytest.mark.parametrize("n_q,n_k,options", [
@@ -195,97 +324,64 @@ def test_tensor_core_single_pass_rows_with_very_negative_lse():
 
 
 @pytest.mark.parametrize("blocks", [(64, 32), (64, 128), (128, 64), (128, 128)])
-def test_every_tensor_core_tile_shape(blocks):
+def test_every_named_tensor_core_tile_shape(blocks):
+    """Tile sizes the caller names: the wgmma forward where it is built for them, else the
+    mma.sync one, never the generic kernel."""
     q, k, v = _inputs((1, 2, 130, 64), (1, 2, 301, 64), (1, 2, 301, 64), np.float16)
     options = {"causal": True, "block_q": blocks[0], "block_k": blocks[1]}
-    assert _launch.tensor_core_blocks(cupy.asarray(q), cupy.asarray(v),
-                                      _options_of(q, options)) == tileattn.Blocks(*blocks)
+    choice = _choices(q, k, v, options)[0]
+    assert choice.family in ("wgmma", "mma")
+    assert (choice.tiles.block_q, choice.tiles.block_k) == blocks
     o = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", **options)
     assert_attention_close(o.get(), _golden(q, k, v, **options)[0], q.dtype)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("rows,q_in_registers", [(16, True), (32, True), (32, False)])
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
                          ids=["causal", "every-option"])
-def test_every_tensor_core_warp_layout(head_dim, rows, q_in_registers, options):
+def test_every_mma_warp_layout(head_dim, rows, q_in_registers, options):
     """Warps of 16 or 32 query rows, Q fragments kept or re-read, on edge and masked tiles."""
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
                       np.float16)
-    arrays = [cupy.asarray(a) for a in (q, k, v)]
-    o = cupy.empty(arrays[0].shape, dtype=arrays[0].dtype)
-    lse = cupy.empty(arrays[0].shape[:3], dtype=cupy.float32)
-    attention_options = _resolved_options(q, k, v, options)
-    _launch.forward_tensor_core(*arrays, o, lse, attention_options, tileattn.Blocks(128, 64),
-                                _launch.WarpLayout(rows, q_in_registers))
-    golden_o, golden_lse = _golden(q, k, v, **options)
-    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
-    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+    _forward_with(Choice("mma", MmaTiles(128, 64, rows, q_in_registers)), q, k, v, options)
 
 
-def _float32_tiles(q, v, options):
-    tiles = _launch.tf32_tiles(cupy.asarray(q), cupy.asarray(v), _options_of(q, options))
-    if tiles is None:
-        pytest.skip("the float32 tensor-core forward needs sm_80 and its tiles' shared memory")
-    return tiles
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("options", TENSOR_CORE_OPTIONS, ids=lambda o: ",".join(o) or "plain")
-def test_float32_tensor_core_forward_matches_golden(head_dim, options):
-    """3xTF32 holds the float32 tolerance (one TF32 product per float32 product would
-    not), forward and backward, end to end."""
-    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
-                      np.float32)
-    do = np.random.default_rng(1).standard_normal((2, 4, 200, head_dim)).astype(np.float32)
-    assert _float32_tiles(q, v, options) == _launch.TF32_DEFAULT_TILES[head_dim]
-    assert _launch.tf32_backward_applies(cupy.asarray(q), cupy.asarray(v),
-                                         _options_of(q, options))
-    _check(q, k, v, do, **options)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (80, 80), (192, 128)], ids=DIM_IDS)
 @pytest.mark.parametrize("tiles", [(64, 32, 16), (64, 64, 32), (128, 32, 32), (128, 64, 16)],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[-1]],
                          ids=["plain", "causal", "every-option"])
-def test_every_float32_tensor_core_tile_shape(head_dim, tiles, options):
+def test_every_float32_tensor_core_tile_shape(dims, tiles, options):
     """Every tile shape and warp layout of the float32 forward, on GQA, Nq != Nk and
-    sequence ends inside a tile; o and lse start as NaN, so every element is written."""
-    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+    sequence ends inside a tile."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
                       np.float32)
-    tiles = _launch.Tf32Tiles(*tiles)
-    _float32_tiles(q, v, {})
-    if tiles.shared_bytes(head_dim) > _launch.shared_memory_limit(cupy.cuda.Device().id):
+    tiles = Tf32Tiles(*tiles)
+    if not _fits(tiles, tile_tables.Widths.padded(head_dim, value_dim, 8)):
         pytest.skip(f"{tiles} needs more shared memory than this GPU has")
-    arrays = [cupy.asarray(a) for a in (q, k, v)]
-    o = cupy.full(arrays[0].shape, np.nan, dtype=cupy.float32)
-    lse = cupy.full(arrays[0].shape[:3], np.nan, dtype=cupy.float32)
-    _launch.forward_tf32(*arrays, o, lse, _resolved_options(q, k, v, options), tiles)
-    golden_o, golden_lse = _golden(q, k, v, **options)
-    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
-    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+    _forward_with(Choice("tf32", tiles), q, k, v, options)
 
 
 def test_float32_tensor_core_forward_selection():
-    q, _, v = _inputs((1, 1, 8, 64), (1, 1, 8, 64), (1, 1, 8, 64), np.float32)
-    tiles = _float32_tiles(q, v, {})
-    assert _float32_tiles(q, v, {"block_q": 64, "block_k": 32}) == _launch.Tf32Tiles(
-        64, 32, tiles.warp_rows)
-    # Tile sizes it is not built for, other head dims, other dtypes: the CUDA-core kernel.
-    assert _launch.tf32_tiles(cupy.asarray(q), cupy.asarray(v), AttentionOptions(block_k=16)) \
-        is None
-    q40 = cupy.zeros((1, 1, 8, 40), dtype=cupy.float32)
-    assert _launch.tf32_tiles(q40, q40, AttentionOptions()) is None
-    q64 = cupy.zeros((1, 1, 8, 64), dtype=cupy.float64)
-    assert _launch.tf32_tiles(q64, q64, AttentionOptions()) is None
+    q, k, v = _inputs((1, 1, 8, 64), (1, 1, 8, 64), (1, 1, 8, 64), np.float32)
+    choice = _choices(q, k, v, {})[0]
+    assert choice.family == "tf32"
+    named = _choices(q, k, v, {"block_q": 64, "block_k": 32})[0]
+    assert named == Choice("tf32", Tf32Tiles(64, 32, choice.tiles.warp_rows), named.note)
+    # Tile sizes it is not built for, float64, head dims above 256: the CUDA-core kernel.
+    assert _choices(q, k, v, {"block_k": 16})[0].family == "generic"
+    q64 = q.astype(np.float64)
+    assert _choices(q64, q64, q64, {})[0].family == "generic"
+    wide = np.zeros((1, 1, 8, 264), np.float32)
+    assert _choices(wide, wide, wide, {})[0].family == "generic"
 
 
 def test_float32_tensor_core_non_finite_rows():
     """A NaN query element reaches its row only; a NaN key the rows that keep it."""
     q, k, v = _inputs((1, 2, 150, 64), (1, 2, 150, 64), (1, 2, 150, 64), np.float32)
-    _float32_tiles(q, v, {})
     q[0, 0, 5, 3] = np.nan
     k[0, 1, 70, 1] = np.nan
     o = tileattn.forward(*map(cupy.asarray, (q, k, v)), causal=True, backend="gpu").get()
@@ -296,75 +392,63 @@ def test_float32_tensor_core_non_finite_rows():
     assert np.isfinite(o[0][finite]).all()
 
 
-def _is_hopper():
-    return backends.availability("gpu") is None and cupy.cuda.Device().compute_capability == "90"
-
-
-hopper_only = pytest.mark.skipif(backends.availability("gpu") is not None or not _is_hopper(),
-                                 reason="the wgmma forward needs an sm_90 GPU")
+def test_every_table_row_fits_and_covers_every_width():
+    """Each tensor-core family serves every head-dim pair up to 256 on this device (some row
+    matches and fits), for every band and score-option setting, both directions."""
+    limit = shared_memory_limit(cupy.cuda.Device().id)
+    capability = int(cupy.cuda.Device().compute_capability)
+    for dtype in ("float16", "float32"):
+        for head_dim in range(8, 257, 8):
+            for value_dim in {head_dim, 64, 128, 256}:
+                for banded in (False, True):
+                    for score_options in (False, True):
+                        problem = Problem(capability, limit, dtype, head_dim, value_dim, 4096,
+                                          score_options=score_options, banded=banded)
+                        for choice in (tile_tables.choose_forward(problem),
+                                       tile_tables.choose_backward(problem)):
+                            assert choice.family != "generic", (problem, choice)
 
 
 @hopper_only
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (80, 80), (40, 40), (256, 256)],
+                         ids=DIM_IDS)
 @pytest.mark.parametrize("tiles", [(128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 3), (128, 64, 4),
                                    (192, 64, 3), (192, 128, 2), (256, 64, 2)],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[2], TENSOR_CORE_OPTIONS[-1]],
                          ids=["plain", "causal", "window", "every-option"])
-def test_every_wgmma_tile_shape(dtype, head_dim, tiles, options):
+def test_every_wgmma_tile_shape(dtype, dims, tiles, options):
     """The Hopper forward at every tile shape and stage count it is built for, on GQA,
     Nq != Nk and sequence ends inside a tile; o and lse against the golden model."""
-    if not _launch.WgmmaTiles(*tiles).builds(head_dim):
-        pytest.skip("128 registers cannot hold D=128's 128-key accumulators (ptxas C7512)")
-    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+    head_dim, value_dim = dims
+    tiles = WgmmaTiles(*tiles)
+    widths = tile_tables.Widths.padded(head_dim, value_dim, 16)
+    if tiles.threads * tiles.blocks_per_sm >= 512 and widths.widest * tiles.block_k > 8192:
+        pytest.skip("128 registers cannot hold wide accumulators beside 128-key scores")
+    if tiles.blocks_per_sm == 2 and widths.widest > 128:
+        pytest.skip("two blocks per SM leave too few registers for D > 128")
+    if not _fits(tiles, widths):
+        pytest.skip(f"{tiles} needs more shared memory than this GPU has")
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
                       dtype)
-    arrays = [cupy.asarray(a) for a in (q, k, v)]
-    # NaN everywhere first (0x7fff is a NaN in float16 and bfloat16): every element written.
-    o = cupy.empty(arrays[0].shape, dtype=arrays[0].dtype)
-    o.view(cupy.uint16).fill(0x7FFF)
-    lse = cupy.full(arrays[0].shape[:3], np.nan, dtype=cupy.float32)
-    _launch.forward_wgmma(*arrays, o, lse, _resolved_options(q, k, v, options),
-                          _launch.WgmmaTiles(*tiles))
-    golden_o, golden_lse = _golden(q, k, v, **options)
-    assert_attention_close(o.get(), golden_o, q.dtype, name="o")
-    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+    _forward_with(Choice("wgmma", tiles), q, k, v, options)
 
 
 @hopper_only
 def test_wgmma_forward_is_the_default_on_hopper():
-    q = cupy.zeros((1, 1, 8192, 64), dtype=cupy.float16)
-    plain, causal = AttentionOptions(), AttentionOptions(causal=True, window_right=0)
-    assert _launch.wgmma_tiles(q, q, plain) == _launch.WGMMA_DEFAULT_TILES[64]
-    # Up to WGMMA_SHORT_TILES' key count, causal or not: two blocks per multiprocessor.
-    max_keys, short = _launch.WGMMA_SHORT_TILES[64]
-    for options in (plain, causal):
-        assert _launch.wgmma_tiles(q, q[:, :, :max_keys], options) == short
-    assert short.blocks_per_sm == 2
-    assert _launch.wgmma_tiles(q, q[:, :, :max_keys + 1], causal) == \
-        _launch.WGMMA_DEFAULT_TILES[64]
-    # Softcap, ALiBi or dropout: the tiles that spill least with them.
-    assert _launch.wgmma_tiles(q, q[:, :, :1024], AttentionOptions(softcap=5.0)) == \
-        _launch.WGMMA_SCORE_OPTION_TILES[64]
-    # Named tiles: the default's stages, one block per multiprocessor.
-    assert _launch.wgmma_tiles(q, q, AttentionOptions(block_q=64)) == \
-        _launch.WgmmaTiles(64, 128, 2)
-    # A tile size the wgmma kernel is not built for selects the mma.sync kernel.
-    assert _launch.wgmma_tiles(q, q, AttentionOptions(block_k=32)) is None
-
-
-@hopper_only
-@pytest.mark.parametrize("single_pass", [False, True])
-def test_wgmma_backward_tiles_fit_shared_memory(single_pass):
-    """Every default backward tiling (with and without a band) fits one block's shared
-    memory, in the single pass too."""
-    limit = _launch.shared_memory_limit(cupy.cuda.Device().id)
-    for table in (_launch.WGMMA_BACKWARD_TILES, _launch.WGMMA_BANDED_BACKWARD_TILES):
-        for head_dim, tiles in table.items():
-            for entry in ("dq", "dkdv"):
-                assert tiles.shared_bytes(entry, head_dim, single_pass) <= limit, \
-                    (head_dim, tiles, entry)
+    limit = shared_memory_limit(cupy.cuda.Device().id)
+    for head_dim in (32, 64, 80, 128, 160, 256):
+        for n_k in (512, 8192):
+            problem = Problem(90, limit, "float16", head_dim, head_dim, n_k)
+            assert tile_tables.choose_forward(problem).family == "wgmma"
+    # Named tiles: the default's stages, one block per multiprocessor; a tile size the wgmma
+    # kernel is not built for selects the mma.sync kernel.
+    named = Problem(90, limit, "float16", 64, 64, 8192, block_q=64)
+    assert tile_tables.choose_forward(named).tiles == WgmmaTiles(64, 128, 2)
+    named = Problem(90, limit, "float16", 64, 64, 8192, block_k=32)
+    assert tile_tables.choose_forward(named).family == "mma"
 
 
 @hopper_only
@@ -374,10 +458,8 @@ def test_named_wgmma_tiles_fit_shared_memory():
     CUDA_ERROR_INVALID_VALUE raising the kernel's shared-memory limit)."""
     q, k, v = _inputs((1, 1, 300, 128), (1, 1, 260, 128), (1, 1, 260, 128), np.float16)
     options = {"alibi_slopes": np.array([0.4]), "block_k": 128}
-    tiles = _launch.wgmma_tiles(cupy.asarray(q), cupy.asarray(k),
-                                _resolved_options(q, k, v, options))
-    assert tiles is not None and tiles.stages == 2
-    assert tiles.shared_bytes(128) <= _launch.shared_memory_limit(cupy.cuda.Device().id)
+    choice = _choices(q, k, v, options)[0]
+    assert choice.family == "wgmma" and choice.tiles.stages == 2
     o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", return_lse=True,
                               **options)
     golden_o, golden_lse = _golden(q, k, v, **options)
@@ -398,65 +480,63 @@ def test_wgmma_forward_long_rows_and_fully_masked_tiles():
 
 @hopper_only
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (96, 96), (192, 128), (256, 256)],
+                         ids=DIM_IDS)
 @pytest.mark.parametrize("tiles", [((128, 64), (128, 64), 2), ((192, 64), (128, 64), 3),
-                                   ((64, 128), (64, 128), 2), ((192, 64), (192, 64), 2)],
-                         ids=lambda t: f"dq{t[0][0]}x{t[0][1]}-dkdv{t[1][0]}x{t[1][1]}-s{t[2]}")
+                                   ((64, 128), (64, 128), 2), ((192, 64), (192, 64), 2),
+                                   ((128, 32), (128, 32), 2, True), ((128, 64), (128, 64), 2, True)],
+                         ids=lambda t: (f"dq{t[0][0]}x{t[0][1]}-dkdv{t[1][0]}x{t[1][1]}-s{t[2]}"
+                                        + ("-split" if len(t) > 3 else "")))
 @pytest.mark.parametrize("single_pass", [False, True], ids=["two-kernel", "single-pass"])
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[2], TENSOR_CORE_OPTIONS[-1]],
                          ids=["plain", "causal", "window", "every-option"])
-def test_every_wgmma_backward_tile_shape(dtype, head_dim, tiles, single_pass, options):
-    """The Hopper backward (both forms) at several tile shapes and stage counts, on GQA,
-    Nq != Nk and sequence ends inside tiles, from the golden model's lse (so only the
-    backward is tested); dq, dk, dv against the golden model."""
-    (owned, streamed) = tiles[1]
-    if single_pass and (streamed != 64 or head_dim not in (64, owned)):
+def test_every_wgmma_backward_tile_shape(dtype, dims, tiles, single_pass, options):
+    """The Hopper backward (both forms, dK and dV together or apart) at several tile shapes
+    and stage counts, on GQA, Nq != Nk and sequence ends inside tiles."""
+    head_dim, value_dim = dims
+    tiles = WgmmaBackwardTiles(*tiles)
+    owned, streamed = tiles.dkdv
+    widths = tile_tables.Widths.padded(head_dim, value_dim, 16)
+    if single_pass and (tiles.split or streamed != 64 or head_dim != value_dim
+                        or head_dim not in (64, owned)):
         pytest.skip("the single pass streams 64 queries and splits dQ over its warpgroups by "
                     "keys (D = 64) or by 64-column blocks, one each (D = owned keys)")
-    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+    if not tiles.split and widths.head + widths.value > 256:
+        pytest.skip("dK and dV together need more registers than D + Dv > 256 leave")
+    if owned > 128 and widths.widest > 128:
+        pytest.skip("three warpgroups leave too few registers for D > 128")
+    if not _fits(tiles, widths, "dq", "dkdv"):
+        pytest.skip(f"{tiles} needs more shared memory than this GPU has")
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
                       dtype)
-    do = np.random.default_rng(1).standard_normal(q.shape).astype(dtype)
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(dtype)
     golden_o, golden_lse = _golden(q, k, v, **options)
     given_o = golden_o.astype(dtype)
-    grads = _launch.backward_wgmma(*map(cupy.asarray, (do, q, k, v, given_o)),
-                                   cupy.asarray(golden_lse.astype(np.float32)),
-                                   _resolved_options(q, k, v, options),
-                                   _launch.WgmmaBackwardTiles(*tiles), single_pass=single_pass)
+    grads = gpu_backward.backward_wgmma(*map(cupy.asarray, (do, q, k, v, given_o)),
+                                        cupy.asarray(golden_lse.astype(np.float32)),
+                                        _resolved_options(q, k, v, options), tiles,
+                                        single_pass=single_pass)
     expected = _golden_grads(do, q, k, v, given_o, golden_lse, **options)
     for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
         assert_attention_close(grad.get(), want, q.dtype, name=name)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (80, 80), (256, 256), (192, 128)],
+                         ids=DIM_IDS)
+@pytest.mark.parametrize("split", [False, True], ids=["dkdv", "dk-dv-apart"])
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
                          ids=["causal", "every-option"])
-def test_mma_two_kernel_backward(head_dim, options):
-    """The mma.sync two-kernel backward called directly (on Hopper the default routes to
-    the wgmma kernels, so this keeps the sm_80 path tested there too)."""
-    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, head_dim),
+def test_mma_two_kernel_backward(dims, split, options):
+    """The mma.sync two-kernel backward called directly, dK and dV together or apart."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
                       np.float16)
-    do = np.random.default_rng(1).standard_normal(q.shape).astype(np.float16)
-    golden_o, golden_lse = _golden(q, k, v, **options)
-    given_o = golden_o.astype(np.float16)
-    grads = _launch.backward_tensor_core(*map(cupy.asarray, (do, q, k, v, given_o)),
-                                         cupy.asarray(golden_lse.astype(np.float32)),
-                                         _resolved_options(q, k, v, options), single_pass=False)
-    expected = _golden_grads(do, q, k, v, given_o, golden_lse, **options)
-    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
-        assert_attention_close(grad.get(), want, q.dtype, name=name)
-
-
-def _resolved_options(q, k, v, options):
-    """The AttentionOptions the API would pass a backend for these keyword options."""
-    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
-                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
-    return validate(q, k, v, **{**defaults, **options}).options
-
-
-def _options_of(q, options):
-    """What `tensor_core_blocks` reads of the options: the caller's tile sizes."""
-    return AttentionOptions(block_q=options.get("block_q"), block_k=options.get("block_k"))
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(np.float16)
+    tiles = MmaBackwardTiles((64, 32), (64, 32), split=split)
+    if not split and head_dim + value_dim > 256:
+        pytest.skip("dK and dV together spill beyond D + Dv = 256")
+    _backward_with(Choice("mma", tiles), q, k, v, do, options)
 
 
 def test_tensor_core_fully_masked_rows():
@@ -547,8 +627,9 @@ def test_float16_peaked_attention_gradients():
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_cached_launch_refuses_misaligned_arrays(dtype):
     """A repeated problem reuses its cached launches; contiguous arrays with the same shape
-    and strides that start 2 elements into an allocation (not 16-byte aligned, so cp.async
-    cannot read them in place) must be copied, not launched from the cache."""
+    and strides that start 2 elements into an allocation (not 16-byte aligned, so 16-byte
+    cp.async copies cannot read them) must be read with narrower copies, not launched from
+    the cache."""
     q, k, v = _inputs((1, 2, 96, 64), (1, 2, 96, 64), (1, 2, 96, 64), dtype)
     do = np.random.default_rng(7).standard_normal(q.shape).astype(dtype)
 
@@ -573,9 +654,11 @@ def test_cached_launch_refuses_misaligned_arrays(dtype):
 def test_block_overrides_do_not_recompile():
     q, k, v = (cupy.asarray(a) for a in _inputs((1, 2, 40, 32), (1, 2, 40, 32), (1, 2, 40, 32),
                                                 np.float32))
-    tileattn.forward(q, k, v, backend="gpu")
+    # Tile sizes no tensor-core kernel is built for run the generic kernel, which takes them
+    # at run time: the first compiles it, the others reuse it.
+    tileattn.forward(q, k, v, backend="gpu", block_q=1, block_k=1)
     compiled = _compile.compiled_count()
-    for block_q, block_k in [(1, 1), (3, 7), (16, 5), (4096, 4096)]:
+    for block_q, block_k in [(3, 7), (16, 5), (4096, 4096)]:
         tileattn.forward(q, k, v, backend="gpu", block_q=block_q, block_k=block_k)
     assert _compile.compiled_count() == compiled
 

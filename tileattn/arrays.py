@@ -166,7 +166,7 @@ def is_supported_float(dtype) -> bool:
 @functools.lru_cache(maxsize=None)
 def dtype_name(dtype) -> str:
     """``np.dtype(dtype).name``, memoised: NumPy builds the name anew on every access, which
-    was a tenth of a small GPU call's host time (bench/overhead_gpu.py)."""
+    was a tenth of a small GPU call's host time (bench/experiments/overhead_gpu.py)."""
     return np.dtype(dtype).name
 
 

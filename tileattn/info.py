@@ -1,7 +1,8 @@
 """``python -m tileattn info``: what can run here, on what, with which tiles, moving what.
 
 Lists each backend and, when it cannot run, why; the device and the cache or shared-memory
-sizes a backend detected; the block sizes it would choose for a given shape; and the
+sizes a backend detected; for the GPU, the kernel family and tile-table row each direction
+runs and why (`tileattn.gpu.tiles`); the block sizes it would choose for a given shape; and the
 modelled main-memory traffic of naive vs tiled attention for those blocks
 (`tileattn.traffic.memory_traffic`).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends
+from .options import UNLIMITED, AttentionOptions
 from .traffic import memory_traffic
 
 
@@ -18,13 +20,14 @@ def _megabytes(n_bytes: int) -> str:
     return f"{n_bytes / 1e6:,.1f} MB"
 
 
-def describe(*, seq_len=4096, n_k=None, head_dim=64, heads=8, batch=1, dtype="float32",
-             causal=True, print_fn=print):
+def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, batch=1,
+             dtype="float32", causal=True, print_fn=print):
     """Print the report for one shape (see the module doc)."""
     n_k = seq_len if n_k is None else n_k
+    value_dim = head_dim if value_dim is None else value_dim
     dtype = np.dtype(dtype)
     print_fn(f"tileattn info for q ({batch}, {heads}, {seq_len}, {head_dim}), Nk={n_k}, "
-             f"{dtype.name}, causal={causal}\n")
+             f"Dv={value_dim}, {dtype.name}, causal={causal}\n")
     for name in backends.REGISTRY:
         reason = backends.availability(name)
         if reason is not None:
@@ -39,7 +42,12 @@ def describe(*, seq_len=4096, n_k=None, head_dim=64, heads=8, batch=1, dtype="fl
         if tile_sizes is None:
             print_fn("  tiles: none (materialises the whole score matrix)\n")
             continue
-        tiles = tile_sizes(seq_len, n_k, head_dim, head_dim, dtype)
+        kernels = getattr(module, "describe", None)
+        if kernels is not None:
+            options = AttentionOptions(window_right=0 if causal else UNLIMITED)
+            for direction, line in kernels(n_k, head_dim, value_dim, dtype, options).items():
+                print_fn(f"  {direction} kernel: {line}")
+        tiles = tile_sizes(seq_len, n_k, head_dim, value_dim, dtype)
         print_fn("  tiles for this shape: " + ", ".join(
             f"{direction} block_q={blocks.block_q} block_k={blocks.block_k}"
             for direction, blocks in tiles.items()))

@@ -1,27 +1,30 @@
 """The GPU backend (``backend="gpu"``): CUDA kernels compiled at run time with NVRTC
 through CuPy, for CuPy arrays.
 
-Forward: for float16/bfloat16 with head dims 64 and 128 a fused tensor-core kernel, on
-Hopper (sm_90) the wgmma kernel (attention_wgmma_forward.cu, compiled for sm_90a), on other
-sm_80+ GPUs the mma.sync one (attention_mma_forward.cu); for float32 with D = Dv in
-{64, 128} on sm_80+ a tensor-core kernel at float32 accuracy (attention_tf32_forward.cu:
-each float32 product as three TF32 products, "3xTF32", as torch's memory-efficient
-attention does; an infinite input comes out as NaN in the rows it reaches); a CUDA-core
-kernel for everything else (float64, other head dims up to 256). Backward: first
-``D_i = rowsum(dO_i * o_i)`` from the passed ``o`` (attention_backward_delta.cu, SPEC's D),
-then for float16/bfloat16 with D = Dv in {64, 128} (and no tile size named by the caller)
-two tensor-core kernels (wgmma on Hopper, mma.sync elsewhere), for float32 with those head
-dims two 3xTF32 ones, otherwise two CUDA-core ones: the first computes dQ per query tile,
-the second dK/dV per key tile, summing a GQA group in-block; 7 tile products per (query
-tile, key tile). Nothing depends on scheduling.
+Four kernel families; `tiles` chooses one per problem and direction from its table, and
+``python -m tileattn info`` (or `describe`) shows the choice:
 
-``deterministic=False`` on sm_80 GPUs other than Hopper runs FlashAttention-2's single pass
-instead: no dQ kernel; the dK/dV kernel also adds each key tile's dQ share into a float32
-buffer with atomics (5 tile products per (query tile, key tile) instead of 7,
+* float16/bfloat16 on Hopper (sm_90): wgmma tensor-core kernels (attention_wgmma_*.cu);
+* float16/bfloat16 on other sm_80+ GPUs: mma.sync ones (attention_mma_*.cu);
+* float32 on sm_80+: the mma.sync kernels on TF32 tensor cores at float32 accuracy
+  ("3xTF32": each float32 product as three TF32 products, as torch's memory-efficient
+  attention does; an infinite input comes out as NaN in the rows it reaches);
+* everything else (float64, head dims above 256, older GPUs, tile sizes the caller names
+  that no tensor-core kernel is built for): CUDA-core kernels (attention_generic.cu).
+
+The tensor-core kernels take every D and Dv up to 256 (Dv != D included): head dims are
+zero-padded in shared memory to the tensor cores' K step (16, or 8 for TF32), and the
+caller's arrays are read in place with the widest copies their alignment allows.
+
+Backward: first ``D_i = rowsum(dO_i * o_i)`` from the passed ``o``
+(attention_backward_delta.cu, SPEC's D), then a dQ kernel per query tile and a dK/dV kernel
+per key tile that sums a GQA group in-block (two, dK and dV apart, where both accumulators
+do not fit the registers): 7 tile products per (query tile, key tile), nothing depending on
+scheduling. ``deterministic=False`` on sm_80 GPUs other than Hopper runs FlashAttention-2's
+single pass instead (no dQ kernel; dQ added into a float32 buffer with atomics, 5 products,
 ``4 * B * Hq * Nq * D`` bytes of extra memory, dq's last bits vary from run to run). On
-Hopper the two deterministic kernels are faster than the single pass (its dS^T staging and
-barriers cost more than the products it saves), so both settings run them there.
-bench/NOTES-gpu.md has the measured speeds.
+Hopper the two deterministic kernels are faster than the single pass, so both settings run
+them there. bench/NOTES-gpu.md has the measured speeds.
 
 Kernels are compiled once per (device, dtype, head dims, tile sizes, option switches) and
 cached; the first call of a configuration pays a compile (about a second). The launches of
@@ -59,18 +62,18 @@ def availability() -> str | None:
 def forward(q, k, v, options: AttentionOptions):
     """``(o, lse)`` for CuPy arrays ``q (B, Hq, Nq, D)``, ``k (B, Hkv, Nk, D)``,
     ``v (B, Hkv, Nk, Dv)``; see `tileattn.backends` for the contract."""
-    from . import _launch
+    from . import launch_forward
 
     with q.device:
-        return _launch.forward(q, k, v, options)
+        return launch_forward.forward(q, k, v, options)
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     """``(dq, dk, dv)`` for CuPy arrays; see `tileattn.backends` for the contract."""
-    from . import _launch
+    from . import launch_backward
 
     with q.device:
-        return _launch.backward(do, q, k, v, o, lse, options)
+        return launch_backward.backward(do, q, k, v, o, lse, options)
 
 
 def hardware() -> dict[str, str]:
@@ -88,33 +91,48 @@ def hardware() -> dict[str, str]:
     }
 
 
-def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict[str, Blocks]:
-    """Default tiles on the current device: the tensor-core kernels' (wgmma on Hopper) for
-    float16/bfloat16 with D = Dv in {64, 128} (backward: the dK/dV kernel's, keys owned by a
-    block x queries streamed), the float32 tensor-core forward's for float32 with those
-    head dims, else the generic kernels' capacity for the shared-memory budget."""
+def _problem(n_k: int, head_dim: int, value_dim: int, dtype, options: AttentionOptions):
     import cupy
 
-    from . import _launch
+    from .operands import compute_capability, shared_memory_limit
+    from .tiles import Problem
 
-    if (np.dtype(dtype).name in ("float16", "bfloat16") and head_dim == value_dim
-            and head_dim in _launch.MMA_HEAD_DIMS):
-        if _launch.compute_capability(cupy.cuda.Device().id) == 90:
-            forward = _launch.WGMMA_DEFAULT_TILES[head_dim]
-            keys_owned, queries_streamed = _launch.WGMMA_BACKWARD_TILES[head_dim].dkdv
-            return {"forward": Blocks(forward.block_q, forward.block_k),
-                    "backward": Blocks(block_q=queries_streamed, block_k=keys_owned)}
-        keys_owned, queries_streamed = _launch.MMA_BACKWARD_TILES[head_dim]["dkdv"]
-        return {"forward": _launch.MMA_DEFAULT_BLOCKS[head_dim],
-                "backward": Blocks(block_q=queries_streamed, block_k=keys_owned)}
-    capacity = _launch.GenericConfig.for_problem(dtype, head_dim, value_dim,
-                                                 AttentionOptions()).capacity
-    float32_tiles = None
-    if np.dtype(dtype).name == "float32":  # tf32_tiles reads the arrays' dtype and shapes
-        float32_tiles = _launch.tf32_tiles(cupy.empty((1, 1, 1, head_dim), dtype=dtype),
-                                           cupy.empty((1, 1, 1, value_dim), dtype=dtype),
-                                           AttentionOptions())
-    if float32_tiles is not None:
-        return {"forward": Blocks(float32_tiles.block_q, float32_tiles.block_k),
-                "backward": capacity}
-    return {"forward": capacity, "backward": capacity}
+    device = cupy.cuda.Device().id
+    return Problem(capability=compute_capability(device),
+                   shared_limit=shared_memory_limit(device), dtype=np.dtype(dtype).name,
+                   head_dim=head_dim, value_dim=value_dim, n_k=n_k,
+                   score_options=(options.softcap > 0 or options.alibi_slopes is not None
+                                  or options.dropout_p > 0),
+                   banded=options.is_masked, block_q=options.block_q, block_k=options.block_k)
+
+
+def describe(n_k: int, head_dim: int, value_dim: int, dtype,
+             options: AttentionOptions | None = None) -> dict[str, str]:
+    """The kernel family and tile-table row each direction runs for this shape on the current
+    device, and why (`tiles.describe`)."""
+    from .tiles import describe as describe_choice
+
+    return describe_choice(_problem(n_k, head_dim, value_dim, dtype,
+                                    options or AttentionOptions()))
+
+
+def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
+               options: AttentionOptions | None = None) -> dict[str, Blocks]:
+    """Default tiles on the current device: the forward's query x key tile, and the
+    backward's dK/dV kernel's (keys owned by a block x queries streamed); the generic
+    kernels' capacity where they run."""
+    from .launch_forward import GenericConfig
+    from .tiles import choose_backward, choose_forward
+
+    options = options or AttentionOptions()
+    problem = _problem(n_k, head_dim, value_dim, dtype, options)
+    capacity = GenericConfig.for_problem(dtype, head_dim, value_dim, options).capacity
+    forward_choice, backward_choice = choose_forward(problem), choose_backward(problem)
+    forward_tiles = (capacity if forward_choice.tiles is None
+                     else Blocks(forward_choice.tiles.block_q, forward_choice.tiles.block_k))
+    if backward_choice.tiles is None:
+        backward_tiles = capacity
+    else:
+        keys_owned, queries_streamed = backward_choice.tiles.dkdv
+        backward_tiles = Blocks(block_q=queries_streamed, block_k=keys_owned)
+    return {"forward": forward_tiles, "backward": backward_tiles}

@@ -1,4 +1,4 @@
-// Tensor-core backward for float16 / bfloat16 with D = Dv in {64, 128} (sm_80 and later).
+// Tensor-core backward for float16 / bfloat16, any D and Dv up to 256 (sm_80 and later).
 //
 // FlashAttention-2 backward (Algorithm 2) on mma.sync.m16n8k16, split in two kernels so
 // that nothing is accumulated by atomics (deterministic, and no float32 dQ buffer):
@@ -32,26 +32,40 @@
 // IS_FLOAT32: the same kernels for float32 on TF32 tensor cores at float32 accuracy
 // (3xTF32, tf32.cuh), without the single pass (its dS^T tile goes through ldmatrix).
 //
-// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM, OWNED_ROWS,
-// STREAMED_ROWS, SINGLE_PASS and ORDERED (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
-// ALIBI, DROPOUT.
+// DKDV_PART (as in attention_wgmma_backward.cu): 1 runs only the dV half of the dK/dV
+// kernel, 2 only the dK half, 0 both; wide head dims split so that each half's accumulators
+// fit the registers. Head dims are zero-padded in shared memory to the tensor cores' K step.
+//
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
+// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED and DKDV_PART (dK/dV
+// kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
 #include "backward_scores.cuh"
 #if IS_FLOAT32
 #include "tf32.cuh"
-// float32 on TF32 tensor cores at float32 accuracy (tf32.cuh): rows of D + 8 floats, so
-// that the 64-bit fragment loads of the score products are conflict-free.
+// float32 on TF32 tensor cores at float32 accuracy (tf32.cuh): rows of the width + 8 floats,
+// so that the 64-bit fragment loads of the score products are conflict-free.
 typedef float element;
-constexpr int kPitch = HEAD_DIM + 8;
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 8);
+constexpr int kValueWidth = padded_width(VALUE_DIM, 8);
+template <int Width> constexpr int kPitchOf = Width + 8;
 static_assert(!SINGLE_PASS, "the float32 backward runs the two kernels");
 #else
 typedef bits16 element;
-constexpr int kPitch = kTilePitch<HEAD_DIM>;
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);
+constexpr int kValueWidth = padded_width(VALUE_DIM, 16);
+template <int Width> constexpr int kPitchOf = kTilePitch<Width>;
 #endif
+// Row pitches of the Q / K (head width) and dO / V (value width) tiles.
+constexpr int kQkPitch = kPitchOf<kHeadWidth>;
+constexpr int kVPitch = kPitchOf<kValueWidth>;
 
 constexpr int kWarps = OWNED_ROWS / 16;
 constexpr int kThreads = kWarps * 32;
-static_assert(HEAD_DIM % 16 == 0 && OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0,
-              "mma tiles");
+static_assert(OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0, "mma tiles");
+static_assert(!SINGLE_PASS || (HEAD_DIM == VALUE_DIM && HEAD_DIM % 16 == 0 && DKDV_PART == 0),
+              "the single pass serves D = Dv, multiples of 16");
+constexpr bool kComputesDv = DKDV_PART != 2;
+constexpr bool kComputesDk = DKDV_PART != 1;
 
 // ------------------------------------------------------------------ products
 
@@ -67,12 +81,14 @@ template <int Columns> struct Accumulators {
 // row-major tiles a1, a2 (HEAD_DIM wide) against the Columns rows of b1, b2: S and dP (or
 // their transposes) in one sweep over the head dim.
 #if IS_FLOAT32
-template <int Columns>
+// out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b.
+template <int Width, int Columns>
 __device__ __forceinline__ void score_product(const float* a, const float* b, int row0,
                                               Accumulators<Columns>& out) {
     const int lane = threadIdx.x % 32;
+    constexpr int kPitch = kPitchOf<Width>;
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 8; ++kk) {
+    for (int kk = 0; kk < Width / 8; ++kk) {
         u32 a_big[4], a_small[4];
         load_split_a_fragment<kPitch>(a, row0, kk * 8, a_big, a_small);
 #pragma unroll
@@ -85,22 +101,30 @@ __device__ __forceinline__ void score_product(const float* a, const float* b, in
 }
 
 template <int Columns>
+__device__ __forceinline__ void one_score_product(const float* a1, const float* b1, int row0,
+                                                  Accumulators<Columns>& first) {
+    first.clear();
+    score_product<kHeadWidth>(a1, b1, row0, first);
+}
+
+template <int Columns>
 __device__ __forceinline__ void two_score_products(const float* a1, const float* b1,
                                                    const float* a2, const float* b2, int row0,
                                                    Accumulators<Columns>& first,
                                                    Accumulators<Columns>& second) {
     first.clear();
     second.clear();
-    score_product(a1, b1, row0, first);
-    score_product(a2, b2, row0, second);
+    score_product<kHeadWidth>(a1, b1, row0, first);
+    score_product<kValueWidth>(a2, b2, row0, second);
 }
 
-// out += X B, X this warp's 16 x Inner accumulators, B the row-major Inner x HEAD_DIM tile
+// out += X B, X this warp's 16 x Inner accumulators, B the row-major Inner x Width tile
 // `b`: a C fragment's columns 2t, 2t + 1 are the A fragment's k = t, t + 4 (tf32.cuh), so
 // B's b0, b1 are rows 2t, 2t + 1.
-template <int Inner>
+template <int Inner, int Width>
 __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x, const float* b,
-                                                   Accumulators<HEAD_DIM>& out) {
+                                                   Accumulators<Width>& out) {
+    constexpr int kPitch = kPitchOf<Width>;
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int c = 0; c < Inner / 8; ++c) {
@@ -114,12 +138,37 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
         }
         const float* rows = b + (c * 8 + 2 * (lane % 4)) * kPitch + lane / 4;
 #pragma unroll
-        for (int dn = 0; dn < HEAD_DIM / 8; ++dn)
+        for (int dn = 0; dn < Width / 8; ++dn)
             mma_16x8x8_3xtf32(out.tile[dn], a_big, a_small, split_tf32(rows[dn * 8]),
                               split_tf32(rows[kPitch + dn * 8]));
     }
 }
 #else
+// out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b.
+template <int Width, int Columns>
+__device__ __forceinline__ void score_product(const bits16* a, const bits16* b, int row0,
+                                              Accumulators<Columns>& out) {
+#pragma unroll
+    for (int kk = 0; kk < Width / 16; ++kk) {
+        u32 a_fragment[4];
+        load_a_fragment<Width>(a, row0, kk * 16, a_fragment);
+#pragma unroll
+        for (int nn = 0; nn < Columns / 16; ++nn) {
+            u32 b_fragments[4];
+            load_b_fragments<Width>(b, nn * 16, kk * 16, b_fragments);
+            mma_16x8x16(out.tile[2 * nn], a_fragment, b_fragments[0], b_fragments[1]);
+            mma_16x8x16(out.tile[2 * nn + 1], a_fragment, b_fragments[2], b_fragments[3]);
+        }
+    }
+}
+
+template <int Columns>
+__device__ __forceinline__ void one_score_product(const bits16* a1, const bits16* b1, int row0,
+                                                  Accumulators<Columns>& first) {
+    first.clear();
+    score_product<kHeadWidth>(a1, b1, row0, first);
+}
+
 template <int Columns>
 __device__ __forceinline__ void two_score_products(const bits16* a1, const bits16* b1,
                                                    const bits16* a2, const bits16* b2,
@@ -127,42 +176,24 @@ __device__ __forceinline__ void two_score_products(const bits16* a1, const bits1
                                                    Accumulators<Columns>& second) {
     first.clear();
     second.clear();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        u32 a[4];
-        load_a_fragment<HEAD_DIM>(a1, row0, kk * 16, a);
-#pragma unroll
-        for (int nn = 0; nn < Columns / 16; ++nn) {
-            u32 b[4];
-            load_b_fragments<HEAD_DIM>(b1, nn * 16, kk * 16, b);
-            mma_16x8x16(first.tile[2 * nn], a, b[0], b[1]);
-            mma_16x8x16(first.tile[2 * nn + 1], a, b[2], b[3]);
-        }
-        load_a_fragment<HEAD_DIM>(a2, row0, kk * 16, a);
-#pragma unroll
-        for (int nn = 0; nn < Columns / 16; ++nn) {
-            u32 b[4];
-            load_b_fragments<HEAD_DIM>(b2, nn * 16, kk * 16, b);
-            mma_16x8x16(second.tile[2 * nn], a, b[0], b[1]);
-            mma_16x8x16(second.tile[2 * nn + 1], a, b[2], b[3]);
-        }
-    }
+    score_product<kHeadWidth>(a1, b1, row0, first);
+    score_product<kValueWidth>(a2, b2, row0, second);
 }
 
 // out += X B for X = this warp's 16 x Inner accumulators (rounded to the input type) and
-// B = the row-major Inner x HEAD_DIM tile `b`.
-template <int Inner>
+// B = the row-major Inner x Width tile `b`.
+template <int Inner, int Width>
 __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
                                                    const bits16* b,
-                                                   Accumulators<HEAD_DIM>& out) {
+                                                   Accumulators<Width>& out) {
 #pragma unroll
     for (int kk = 0; kk < Inner / 16; ++kk) {
         u32 a[4];
         pack_a_fragment(x.tile[2 * kk], x.tile[2 * kk + 1], a);
 #pragma unroll
-        for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
+        for (int dn = 0; dn < Width / 16; ++dn) {
             u32 fragments[4];
-            load_b_fragments_transposed<HEAD_DIM>(b, kk * 16, dn * 16, fragments);
+            load_b_fragments_transposed<Width>(b, kk * 16, dn * 16, fragments);
             mma_16x8x16(out.tile[2 * dn], a, fragments[0], fragments[1]);
             mma_16x8x16(out.tile[2 * dn + 1], a, fragments[2], fragments[3]);
         }
@@ -171,20 +202,22 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
 #endif
 
 // Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the contiguous
-// (rows, HEAD_DIM) output starting at `out` (row index relative to it); rows at or past
-// `row_limit` are not written.
-__device__ __forceinline__ void store_rows(const Accumulators<HEAD_DIM>& acc, float factor,
+// (rows, Dim) output starting at `out` (row index relative to it); rows at or past
+// `row_limit` and the padding columns are not written.
+template <int Dim, int Width>
+__device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, float factor,
                                            element* out, i64 row0, i64 row_limit) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const i64 row = row0 + lane / 4 + half * 8;
         if (row >= row_limit) continue;
-        element* out_row = out + row * HEAD_DIM + 2 * (lane % 4);
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n)
-            store_pair(out_row + n * 8, acc.tile[n][2 * half] * factor,
-                       acc.tile[n][2 * half + 1] * factor);
+        for (int n = 0; n < Width / 8; ++n)
+            if (n * 8 < Dim)
+                store_row_pair<Dim>(out + row * Dim, n * 8 + 2 * (lane % 4),
+                                    acc.tile[n][2 * half] * factor,
+                                    acc.tile[n][2 * half + 1] * factor);
     }
 }
 
@@ -211,13 +244,15 @@ __device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load 
 }
 
 // ------------------------------------------------------------------ single pass
+// Compiled only for it: its dQ split needs head dims of 16 or more.
+#if SINGLE_PASS
 
 constexpr int kDsPitch = kTilePitch<STREAMED_ROWS>;  // ds_tile row pitch (16-byte pad)
 // dQ share of one query tile: warps split it into (STREAMED_ROWS / 16) row slabs x
 // kDqColumnParts column ranges.
 constexpr int kDqRowSlabs = STREAMED_ROWS / 16;
 constexpr int kDqColumnParts = kWarps / kDqRowSlabs > 0 ? kWarps / kDqRowSlabs : 1;
-constexpr int kDqColumns = HEAD_DIM / kDqColumnParts;
+constexpr int kDqColumns = kHeadWidth / kDqColumnParts;
 static_assert(!SINGLE_PASS || (kWarps % kDqRowSlabs == 0 && kDqColumns % 16 == 0),
               "single-pass dQ split");
 
@@ -252,7 +287,7 @@ __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const b
 #pragma unroll
         for (int dn = 0; dn < kDqColumns / 16; ++dn) {
             u32 b[4];
-            load_b_fragments_transposed<HEAD_DIM>(k_tile, kk * 16, column0 + dn * 16, b);
+            load_b_fragments_transposed<kHeadWidth>(k_tile, kk * 16, column0 + dn * 16, b);
             mma_16x8x16(acc.tile[2 * dn], a, b[0], b[1]);
             mma_16x8x16(acc.tile[2 * dn + 1], a, b[2], b[3]);
         }
@@ -311,6 +346,7 @@ __device__ __forceinline__ void pass_turn(int* turn) {
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(turn, 1);
 }
+#endif
 
 // ------------------------------------------------------------------ dQ
 
@@ -320,10 +356,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
     i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
     extern __shared__ __align__(16) element shared_tiles[];
-    element* q_tile = shared_tiles;                           // [OWNED_ROWS][kPitch]
-    element* do_tile = q_tile + OWNED_ROWS * kPitch;          // [OWNED_ROWS][kPitch]
-    element* k_tiles = do_tile + OWNED_ROWS * kPitch;         // [2][STREAMED_ROWS][kPitch]
-    element* v_tiles = k_tiles + 2 * STREAMED_ROWS * kPitch;  // [2][STREAMED_ROWS][kPitch]
+    element* q_tile = shared_tiles;                             // [OWNED_ROWS][kQkPitch]
+    element* do_tile = q_tile + OWNED_ROWS * kQkPitch;          // [OWNED_ROWS][kVPitch]
+    element* k_tiles = do_tile + OWNED_ROWS * kVPitch;          // [2][STREAMED_ROWS][kQkPitch]
+    element* v_tiles = k_tiles + 2 * STREAMED_ROWS * kQkPitch;  // [2][STREAMED_ROWS][kVPitch]
 
     const Band band{band_offset, window_left, window_right};
     const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
@@ -354,10 +390,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     load_query_row_terms(scores, lse, delta, bh, n_q, my_rows, lse_log2, row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
-        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
-            k_tiles + stage * STREAMED_ROWS * kPitch, k_head, k_sn, key_tile * STREAMED_ROWS, n_k);
-        load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
-            v_tiles + stage * STREAMED_ROWS * kPitch, v_head, v_sn, key_tile * STREAMED_ROWS, n_k);
+        load_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+            k_tiles + stage * STREAMED_ROWS * kQkPitch, k_head, k_sn, key_tile * STREAMED_ROWS,
+            n_k);
+        load_tile_async<STREAMED_ROWS, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+            v_tiles + stage * STREAMED_ROWS * kVPitch, v_head, v_sn, key_tile * STREAMED_ROWS,
+            n_k);
     };
     const auto tile_is_masked = [&](i64 key_tile) {
         const i64 col_start = key_tile * STREAMED_ROWS;
@@ -368,28 +406,28 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         return tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, key_tile * STREAMED_ROWS, n_k);
     };
 
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(q_tile, q + batch * q_sb + head * q_sh, q_sn,
-                                                    row_start, n_q);
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+        q_tile, q + batch * q_sb + head * q_sh, q_sn, row_start, n_q);
+    load_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
         do_tile, d_out + batch * do_sb + head * do_sh, do_sn, row_start, n_q);
     commit_copies();
 
     // dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
-    Accumulators<HEAD_DIM> dq_acc;
+    Accumulators<kHeadWidth> dq_acc;
     dq_acc.clear();
     load_keys(0, tile_begin);
     commit_copies();
     stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
-        const element* k_tile = k_tiles + stage * STREAMED_ROWS * kPitch;
+        const element* k_tile = k_tiles + stage * STREAMED_ROWS * kQkPitch;
         Accumulators<STREAMED_ROWS> s, dp;
-        two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kPitch,
+        two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kVPitch,
                            warp * 16, s, dp);
         scores_to_ds(scores, s.tile, dp.tile, lse_log2, my_rows, row_states, row_delta,
                      key_tile * STREAMED_ROWS, tile_is_masked(key_tile),
                      key_tile_mask(key_tile));
         accumulate_product(s, k_tile, dq_acc);
     });
-    store_rows(dq_acc, scale, dq + bh * n_q * HEAD_DIM, row_start + warp * 16, n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale, dq + bh * n_q * HEAD_DIM, row_start + warp * 16, n_q);
 }
 
 // ------------------------------------------------------------------ dK, dV
@@ -402,11 +440,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS) {
     extern __shared__ __align__(16) element shared_tiles[];
-    element* k_tile = shared_tiles;                              // [OWNED_ROWS][kPitch]
-    element* v_tile = k_tile + OWNED_ROWS * kPitch;              // [OWNED_ROWS][kPitch]
-    element* q_tiles = v_tile + OWNED_ROWS * kPitch;             // [2][STREAMED_ROWS][kPitch]
-    element* do_tiles = q_tiles + 2 * STREAMED_ROWS * kPitch;    // [2][STREAMED_ROWS][kPitch]
-    float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * STREAMED_ROWS * kPitch);
+    element* k_tile = shared_tiles;                               // [OWNED_ROWS][kQkPitch]
+    element* v_tile = k_tile + OWNED_ROWS * kQkPitch;             // [OWNED_ROWS][kVPitch]
+    // [2][STREAMED_ROWS][kQkPitch]; the dV-only part holds no V tile.
+    element* q_tiles = v_tile + (kComputesDk ? OWNED_ROWS * kVPitch : 0);
+    element* do_tiles = q_tiles + 2 * STREAMED_ROWS * kQkPitch;   // [2][STREAMED_ROWS][kVPitch]
+    float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * STREAMED_ROWS * kVPitch);
     float* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
     // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][kDsPitch].
     bits16* ds_tile = reinterpret_cast<bits16*>(delta_tiles + 2 * STREAMED_ROWS);
@@ -423,24 +462,27 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     const i64 my_keys[2] = {col_start + warp * 16 + quad_row,
                             col_start + warp * 16 + quad_row + 8};
     element* dk_head = dk + batch_kv_head * n_k * HEAD_DIM;
-    element* dv_head = dv + batch_kv_head * n_k * HEAD_DIM;
+    element* dv_head = dv + batch_kv_head * n_k * VALUE_DIM;
 
-    Accumulators<HEAD_DIM> dk_acc, dv_acc;
-    dk_acc.clear();
-    dv_acc.clear();
+    // The part's accumulators (the other part's are never touched: no registers).
+    Accumulators<kHeadWidth> dk_acc;
+    Accumulators<kValueWidth> dv_acc;
+    if (kComputesDk) dk_acc.clear();
+    if (kComputesDv) dv_acc.clear();
     i64 tile_begin, tile_end;
     query_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, STREAMED_ROWS,
                                               &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
-        store_rows(dk_acc, 0.0f, dk_head, col_start + warp * 16, n_k);
-        store_rows(dv_acc, 0.0f, dv_head, col_start + warp * 16, n_k);
+        if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, 0.0f, dk_head, col_start + warp * 16, n_k);
+        if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 0.0f, dv_head, col_start + warp * 16, n_k);
         return;
     }
 
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(k_tile, k + batch * k_sb + kv_head * k_sh,
-                                                    k_sn, col_start, n_k);
-    load_tile_async<OWNED_ROWS, HEAD_DIM, kThreads, kPitch>(v_tile, v + batch * v_sb + kv_head * v_sh,
-                                                    v_sn, col_start, n_k);
+    load_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+        k_tile, k + batch * k_sb + kv_head * k_sh, k_sn, col_start, n_k);
+    if (kComputesDk)
+        load_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+            v_tile, v + batch * v_sb + kv_head * v_sh, v_sn, col_start, n_k);
     commit_copies();
 
     for (int member = 0; member < group_size; ++member) {
@@ -458,10 +500,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         const auto visited_tile = [&](i64 step) { return (step + rotation) % n_q_tiles; };
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
-            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
-                q_tiles + stage * STREAMED_ROWS * kPitch, q_head, q_sn, start, n_q);
-            load_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads, kPitch>(
-                do_tiles + stage * STREAMED_ROWS * kPitch, do_head, do_sn, start, n_q);
+            load_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+                q_tiles + stage * STREAMED_ROWS * kQkPitch, q_head, q_sn, start, n_q);
+            load_tile_async<STREAMED_ROWS, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+                do_tiles + stage * STREAMED_ROWS * kVPitch, do_head, do_sn, start, n_q);
             for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
                 const int r = i % STREAMED_ROWS;
                 const bool valid = start + r < n_q;
@@ -479,14 +521,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         commit_copies();
         stream_tiles(tile_begin, tile_end, load_queries_in_turn, [&](int stage, i64 step) {
             const i64 query_tile = visited_tile(step);
-            const element* q_tile = q_tiles + stage * STREAMED_ROWS * kPitch;
-            const element* do_tile = do_tiles + stage * STREAMED_ROWS * kPitch;
+            const element* q_tile = q_tiles + stage * STREAMED_ROWS * kQkPitch;
+            const element* do_tile = do_tiles + stage * STREAMED_ROWS * kVPitch;
             const float* lse_tile = lse_tiles + stage * STREAMED_ROWS;
             const float* delta_tile = delta_tiles + stage * STREAMED_ROWS;
             const i64 query_start = query_tile * STREAMED_ROWS;
             // S^T and dP^T: rows are this warp's keys, columns the tile's queries.
             Accumulators<STREAMED_ROWS> st, dpt;
-            two_score_products(k_tile, q_tile, v_tile, do_tile, warp * 16, st, dpt);
+            if (kComputesDk)
+                two_score_products(k_tile, q_tile, v_tile, do_tile, warp * 16, st, dpt);
+            else
+                one_score_product(k_tile, q_tile, warp * 16, st);
             // Keys past n_k are not written; outside the single pass they need no mask.
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
@@ -494,11 +539,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                 scores, st.tile, dpt.tile, lse_tile, delta_tile, query_start, my_keys, col_start,
                 n_q, n_k, masked,
                 tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));
-            accumulate_product(st, do_tile, dv_acc);
+            if (kComputesDv) accumulate_product(st, do_tile, dv_acc);
 #if SINGLE_PASS
             store_transposed_scores(dpt, ds_tile, warp * 16);
 #endif
-            accumulate_product(dpt, q_tile, dk_acc);
+            if (kComputesDk) accumulate_product(dpt, q_tile, dk_acc);
 #if SINGLE_PASS
             {
                 __syncthreads();  // every warp's dS^T rows are in ds_tile
@@ -513,6 +558,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 #endif
         });
     }
-    store_rows(dk_acc, scale, dk_head, col_start + warp * 16, n_k);
-    store_rows(dv_acc, 1.0f, dv_head, col_start + warp * 16, n_k);
+    if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, scale, dk_head, col_start + warp * 16, n_k);
+    if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 1.0f, dv_head, col_start + warp * 16, n_k);
 }

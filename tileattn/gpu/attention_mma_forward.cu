@@ -1,4 +1,4 @@
-// Tensor-core forward for float16 / bfloat16 with D = Dv in {64, 128} (sm_80 and later).
+// Tensor-core forward for float16 / bfloat16, any D and Dv up to 256 (sm_80 and later).
 //
 // FlashAttention-2 forward (Algorithm 1) on mma.sync.m16n8k16 (fp16/bf16 in, fp32 out):
 // * one block per (batch, head, query tile); BLOCK_Q / WARP_ROWS warps, each owning
@@ -17,18 +17,35 @@
 // * shared rows are padded by 16 bytes so the 8 rows an ldmatrix reads hit 8 different
 //   bank groups (a swizzle would save the padding; issue 5 may want it for TMA);
 // * key tiles outside the band are never visited, and the per-score mask is evaluated
-//   only on tiles that straddle the band edge or the end of the keys.
+//   only on tiles that straddle the band edge or the end of the keys;
+// * head dims that are not a multiple of 16 are zero-padded to one in shared memory (the
+//   caller's rows are read in place, in copies of COPY_BYTES).
 //
-// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, BLOCK_Q, BLOCK_K,
-// WARP_ROWS, Q_IN_REGISTERS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
+// COPY_BYTES, BLOCK_Q, BLOCK_K, WARP_ROWS, Q_IN_REGISTERS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
+// ALIBI, DROPOUT.
 #include "forward_softmax.cuh"
 
 constexpr int kRowTiles = WARP_ROWS / 16;  // m16 tiles per warp
 constexpr int kWarps = BLOCK_Q / WARP_ROWS;
 constexpr int kThreads = kWarps * 32;
-constexpr int kPitch = HEAD_DIM + 8;         // shared row pitch in 16-bit elements
-static_assert(HEAD_DIM % 16 == 0 && BLOCK_K % 16 == 0 && BLOCK_Q % WARP_ROWS == 0 &&
-                  WARP_ROWS % 16 == 0, "mma tiles");
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);    // Q and K tile columns
+constexpr int kValueWidth = padded_width(VALUE_DIM, 16);  // V tile and O columns
+constexpr int kQkPitch = kTilePitch<kHeadWidth>;          // shared row pitches (elements)
+constexpr int kVPitch = kTilePitch<kValueWidth>;
+static_assert(BLOCK_K % 16 == 0 && BLOCK_Q % WARP_ROWS == 0 && WARP_ROWS % 16 == 0,
+              "mma tiles");
+
+// Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
+__device__ __forceinline__ void load_key_tiles(bits16* k_tile, bits16* v_tile,
+                                               const bits16* k_head, i64 k_sn,
+                                               const bits16* v_head, i64 v_sn, i64 row,
+                                               i64 n_k) {
+    load_tile_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+        k_tile, k_head, k_sn, row, n_k);
+    load_tile_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+        v_tile, v_head, v_sn, row, n_k);
+}
 
 // ------------------------------------------------------------------ the kernel
 
@@ -39,9 +56,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,
     u32 dropout_key, u32 dropout_threshold, float dropout_scale) {
     extern __shared__ __align__(16) bits16 shared_tiles[];
-    bits16* q_tile = shared_tiles;                     // [BLOCK_Q][kPitch]
-    bits16* k_tiles = q_tile + BLOCK_Q * kPitch;       // [2][BLOCK_K][kPitch]
-    bits16* v_tiles = k_tiles + 2 * BLOCK_K * kPitch;  // [2][BLOCK_K][kPitch]
+    bits16* q_tile = shared_tiles;                       // [BLOCK_Q][kQkPitch]
+    bits16* k_tiles = q_tile + BLOCK_Q * kQkPitch;       // [2][BLOCK_K][kQkPitch]
+    bits16* v_tiles = k_tiles + 2 * BLOCK_K * kQkPitch;  // [2][BLOCK_K][kVPitch]
 
     const Band band{band_offset, window_left, window_right};
     const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
@@ -50,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     const bits16* q_head = q + batch * q_sb + head * q_sh;
     const bits16* k_head = k + batch * k_sb + kv_head * k_sh;
     const bits16* v_head = v + batch * v_sb + kv_head * v_sh;
-    bits16* o_head = o + bh * n_q * HEAD_DIM;
+    bits16* o_head = o + bh * n_q * VALUE_DIM;
     float* lse_head = lse + bh * n_q;
     const i64 row_start = tile * BLOCK_Q;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
@@ -71,14 +88,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
                                             &tile_begin, &tile_end);
 
     if (tile_begin == tile_end) {  // no row of this tile keeps any key
-        store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
+        store_empty_rows<VALUE_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
         return;
     }
 
-    load_tile_async<BLOCK_Q, HEAD_DIM, kThreads>(q_tile, q_head, q_sn, row_start, n_q);
+    load_tile_async<BLOCK_Q, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+        q_tile, q_head, q_sn, row_start, n_q);
     commit_copies();
-    load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(k_tiles, k_head, k_sn, tile_begin * BLOCK_K, n_k);
-    load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(v_tiles, v_head, v_sn, tile_begin * BLOCK_K, n_k);
+    load_key_tiles(k_tiles, v_tiles, k_head, k_sn, v_head, v_sn, tile_begin * BLOCK_K, n_k);
     commit_copies();
     wait_copies<1>();
     __syncthreads();
@@ -86,16 +103,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     // Q fragments (A operand): lanes 0-15 address rows 0-15 at column 0, lanes 16-31 the
     // same rows at column 8, giving a0..a3 of m16n8k16 in ldmatrix's register order.
 #if Q_IN_REGISTERS
-    u32 q_fragments[kRowTiles][HEAD_DIM / 16][4];
+    u32 q_fragments[kRowTiles][kHeadWidth / 16][4];
 #pragma unroll
     for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            load_a_fragment<HEAD_DIM>(q_tile, warp_row0 + m * 16, kk * 16, q_fragments[m][kk]);
+        for (int kk = 0; kk < kHeadWidth / 16; ++kk)
+            load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16, q_fragments[m][kk]);
 #endif
 
     // O, the running max (base-2 units) and this thread's share of the running sum, per row.
-    float o_acc[kRowTiles][HEAD_DIM / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
+    float o_acc[kRowTiles][kValueWidth / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
     start_online_softmax(o_acc, row_max, row_sum);
     const ForwardScores scores =
         make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
@@ -107,18 +124,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         if (key_tile + 1 < tile_end) {
             // The other stage was last read in the previous iteration, which ended with a
             // barrier, so it is free to refill.
-            load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(k_tiles + (stage ^ 1) * BLOCK_K * kPitch, k_head, k_sn,
-                                     (key_tile + 1) * BLOCK_K, n_k);
-            load_tile_async<BLOCK_K, HEAD_DIM, kThreads>(v_tiles + (stage ^ 1) * BLOCK_K * kPitch, v_head, v_sn,
-                                     (key_tile + 1) * BLOCK_K, n_k);
+            load_key_tiles(k_tiles + (stage ^ 1) * BLOCK_K * kQkPitch,
+                           v_tiles + (stage ^ 1) * BLOCK_K * kVPitch, k_head, k_sn, v_head, v_sn,
+                           (key_tile + 1) * BLOCK_K, n_k);
             commit_copies();
             wait_copies<1>();
         } else {
             wait_copies<0>();
         }
         __syncthreads();
-        const bits16* k_tile = k_tiles + stage * BLOCK_K * kPitch;
-        const bits16* v_tile = v_tiles + stage * BLOCK_K * kPitch;
+        const bits16* k_tile = k_tiles + stage * BLOCK_K * kQkPitch;
+        const bits16* v_tile = v_tiles + stage * BLOCK_K * kVPitch;
 
         // S = Q K^T. B[k][n] = K[key n][dim k]: a plain ldmatrix of K's rows gives the
         // "col" B fragment; one x4 load covers two 8-key tiles.
@@ -129,20 +145,20 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
             for (int n = 0; n < BLOCK_K / 8; ++n)
                 s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        for (int kk = 0; kk < kHeadWidth / 16; ++kk) {
 #if Q_IN_REGISTERS
 #define Q_FRAGMENT(m) q_fragments[m][kk]
 #else
             u32 a[kRowTiles][4];
 #pragma unroll
             for (int m = 0; m < kRowTiles; ++m)
-                load_a_fragment<HEAD_DIM>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
+                load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
 #define Q_FRAGMENT(m) a[m]
 #endif
 #pragma unroll
             for (int nn = 0; nn < BLOCK_K / 16; ++nn) {
                 u32 b[4];
-                load_b_fragments<HEAD_DIM>(k_tile, nn * 16, kk * 16, b);
+                load_b_fragments<kHeadWidth>(k_tile, nn * 16, kk * 16, b);
 #pragma unroll
                 for (int m = 0; m < kRowTiles; ++m) {
                     mma_16x8x16(s[m][2 * nn], Q_FRAGMENT(m), b[0], b[1]);
@@ -169,9 +185,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 #pragma unroll
             for (int m = 0; m < kRowTiles; ++m) pack_a_fragment(s[m][2 * kk], s[m][2 * kk + 1], a[m]);
 #pragma unroll
-            for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
+            for (int dn = 0; dn < kValueWidth / 16; ++dn) {
                 u32 b[4];
-                load_b_fragments_transposed<HEAD_DIM>(v_tile, kk * 16, dn * 16, b);
+                load_b_fragments_transposed<kValueWidth>(v_tile, kk * 16, dn * 16, b);
 #pragma unroll
                 for (int m = 0; m < kRowTiles; ++m) {
                     mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);
@@ -182,5 +198,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
 
-    store_output_rows(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
+    store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
 }

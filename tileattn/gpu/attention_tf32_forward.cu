@@ -1,4 +1,4 @@
-// Tensor-core forward for float32 with D = Dv in {64, 128} (sm_80 and later), at float32
+// Tensor-core forward for float32, any D and Dv up to 256 (sm_80 and later), at float32
 // accuracy through 3xTF32 (tf32.cuh): three TF32 products per float32 product.
 //
 // The layout of attention_mma_forward.cu (FlashAttention-2, Algorithm 1) on
@@ -17,20 +17,33 @@
 //   a half-warp, rows g = 0..3 at columns 2t, land 8 banks apart), V rows D + 4 floats
 //   (the 32-bit loads of rows 2t at column g land 8 banks apart);
 // * key tiles outside the band are never visited; the per-score mask runs only on tiles
-//   that straddle the band edge or the end of the keys.
+//   that straddle the band edge or the end of the keys;
+// * head dims that are not a multiple of 8 are zero-padded to one in shared memory.
 //
-// Compile-time configuration (NVRTC -D options): HEAD_DIM, BLOCK_Q, BLOCK_K, WARP_ROWS,
-// LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// Compile-time configuration (NVRTC -D options): HEAD_DIM, VALUE_DIM, COPY_BYTES, BLOCK_Q,
+// BLOCK_K, WARP_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
 #include "forward_softmax.cuh"
 #include "tf32.cuh"
 
 constexpr int kRowTiles = WARP_ROWS / 16;  // m16 tiles per warp
 constexpr int kWarps = BLOCK_Q / WARP_ROWS;
 constexpr int kThreads = kWarps * 32;
-constexpr int kQkPitch = HEAD_DIM + 8;  // floats per Q and K row in shared memory
-constexpr int kVPitch = HEAD_DIM + 4;   // floats per V row
-static_assert(HEAD_DIM % 8 == 0 && BLOCK_K % 8 == 0 && BLOCK_Q % WARP_ROWS == 0 &&
-                  WARP_ROWS % 16 == 0, "mma tiles");
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 8);    // Q and K tile columns
+constexpr int kValueWidth = padded_width(VALUE_DIM, 8);  // V tile and O columns
+constexpr int kQkPitch = kHeadWidth + 8;  // floats per Q and K row in shared memory
+constexpr int kVPitch = kValueWidth + 4;  // floats per V row
+static_assert(BLOCK_K % 8 == 0 && BLOCK_Q % WARP_ROWS == 0 && WARP_ROWS % 16 == 0,
+              "mma tiles");
+
+// Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
+__device__ __forceinline__ void load_key_tiles(float* k_tile, float* v_tile, const float* k_head,
+                                               i64 k_sn, const float* v_head, i64 v_sn,
+                                               i64 row, i64 n_k) {
+    load_tile_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+        k_tile, k_head, k_sn, row, n_k);
+    load_tile_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+        v_tile, v_head, v_sn, row, n_k);
+}
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     const float* q, const float* k, const float* v, float* o, float* lse,
@@ -50,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     const float* q_head = q + batch * q_sb + head * q_sh;
     const float* k_head = k + batch * k_sb + kv_head * k_sh;
     const float* v_head = v + batch * v_sb + kv_head * v_sh;
-    float* o_head = o + bh * n_q * HEAD_DIM;
+    float* o_head = o + bh * n_q * VALUE_DIM;
     float* lse_head = lse + bh * n_q;
     const i64 row_start = tile * BLOCK_Q;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
@@ -69,19 +82,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
                                             &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key
-        store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
+        store_empty_rows<VALUE_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
         return;
     }
 
-    load_tile_async<BLOCK_Q, HEAD_DIM, kThreads, kQkPitch>(q_tile, q_head, q_sn, row_start, n_q);
-    load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kQkPitch>(k_tiles, k_head, k_sn,
-                                                           tile_begin * BLOCK_K, n_k);
-    load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kVPitch>(v_tiles, v_head, v_sn,
-                                                          tile_begin * BLOCK_K, n_k);
+    load_tile_async<BLOCK_Q, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+        q_tile, q_head, q_sn, row_start, n_q);
+    load_key_tiles(k_tiles, v_tiles, k_head, k_sn, v_head, v_sn, tile_begin * BLOCK_K, n_k);
     commit_copies();
 
     // O, the running max (base-2 units) and this thread's share of the running sum, per row.
-    float o_acc[kRowTiles][HEAD_DIM / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
+    float o_acc[kRowTiles][kValueWidth / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
     start_online_softmax(o_acc, row_max, row_sum);
     const ForwardScores scores =
         make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
@@ -94,10 +105,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
             // The other stage was last read in the previous iteration, which ended with a
             // barrier, so it is free to refill.
             const i64 next_row = (key_tile + 1) * BLOCK_K;
-            load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kQkPitch>(
-                k_tiles + (stage ^ 1) * BLOCK_K * kQkPitch, k_head, k_sn, next_row, n_k);
-            load_tile_async<BLOCK_K, HEAD_DIM, kThreads, kVPitch>(
-                v_tiles + (stage ^ 1) * BLOCK_K * kVPitch, v_head, v_sn, next_row, n_k);
+            load_key_tiles(k_tiles + (stage ^ 1) * BLOCK_K * kQkPitch,
+                           v_tiles + (stage ^ 1) * BLOCK_K * kVPitch, k_head, k_sn, v_head, v_sn,
+                           next_row, n_k);
             commit_copies();
             wait_copies<1>();
         } else {
@@ -115,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
             for (int n = 0; n < BLOCK_K / 8; ++n)
                 s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 8; ++kk) {
+        for (int kk = 0; kk < kHeadWidth / 8; ++kk) {
             u32 a_big[kRowTiles][4], a_small[kRowTiles][4];
 #pragma unroll
             for (int m = 0; m < kRowTiles; ++m)
@@ -160,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
             }
             const float* v_rows = v_tile + (c * 8 + 2 * thread_in_group) * kVPitch + group;
 #pragma unroll
-            for (int dn = 0; dn < HEAD_DIM / 8; ++dn) {
+            for (int dn = 0; dn < kValueWidth / 8; ++dn) {
                 const Tf32Split split0 = split_tf32(v_rows[dn * 8]);
                 const Tf32Split split1 = split_tf32(v_rows[kVPitch + dn * 8]);
 #pragma unroll
@@ -171,5 +181,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
 
-    store_output_rows(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
+    store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
 }

@@ -1,4 +1,4 @@
-// Hopper tensor-core backward (sm_90a) for float16 / bfloat16 with D = Dv in {64, 128}.
+// Hopper tensor-core backward (sm_90a) for float16 / bfloat16, any D and Dv up to 256.
 //
 // The two kernels of attention_mma_backward.cu (deterministic: no atomics, dQ and dK/dV
 // each summed inside one block) moved onto warpgroup matrix instructions. Each warpgroup
@@ -26,26 +26,48 @@
 // staging block in shared memory. attention_backward_dq_unblock scales and rounds the
 // buffer.
 //
-// Tiles use the 128-byte swizzle of wgmma.cuh; streamed tiles cycle through STAGES buffers
+// DKDV_PART splits the dK/dV kernel where D + Dv leave too few registers for both
+// accumulators beside the score tiles (D = Dv = 128 is the widest pair that fits): 1 runs
+// only dV += P^T dO (S^T, no dP^T), 2 only dK += dS^T Q; 0 both. The split costs the
+// second kernel's recomputed S^T, one tile product in eight.
+//
+// Head dims that are not a multiple of 16 are zero-padded in shared memory, as in the
+// forward (attention_wgmma_forward.cu).
+//
+// Tiles use the swizzles of wgmma.cuh; streamed tiles cycle through STAGES buffers
 // filled by cp.async with one barrier per tile (tile t + STAGES - 1 is issued into the
 // buffer tile t - 1 released). Tiles outside the band are skipped, the per-score mask runs
 // only on tiles that straddle its edge or the end of the keys.
 //
-// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, OWNED_ROWS (a
-// multiple of 64), STREAMED_ROWS (64 or 128), STAGES (>= 2), SINGLE_PASS (dK/dV kernel),
-// LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT. Needs -arch=sm_90a.
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
+// COPY_BYTES, OWNED_ROWS (a multiple of 64), STREAMED_ROWS (a multiple of 16 up to 256),
+// STAGES (>= 2), SINGLE_PASS and DKDV_PART (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
+// ALIBI, DROPOUT. Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "backward_scores.cuh"
 
 constexpr int kWarpgroups = OWNED_ROWS / 64;
 constexpr int kThreads = kWarpgroups * 128;
-constexpr int kOwnedBytes = kSwizzledTileBytes<OWNED_ROWS, HEAD_DIM>;
-constexpr int kStreamedBytes = kSwizzledTileBytes<STREAMED_ROWS, HEAD_DIM>;
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);    // Q, K and dQ, dK columns
+constexpr int kValueWidth = padded_width(VALUE_DIM, 16);  // V, dO and dV columns
+using QkSwizzle = Swizzled<kHeadWidth>;
+using VSwizzle = Swizzled<kValueWidth>;
+// Owned and streamed tiles of Q / K (head width) and of dO / V (value width).
+constexpr int kOwnedHeadBytes = kSwizzledTileBytes<OWNED_ROWS, kHeadWidth>;
+constexpr int kOwnedValueBytes = kSwizzledTileBytes<OWNED_ROWS, kValueWidth>;
+constexpr int kStreamedHeadBytes = kSwizzledTileBytes<STREAMED_ROWS, kHeadWidth>;
+constexpr int kStreamedValueBytes = kSwizzledTileBytes<STREAMED_ROWS, kValueWidth>;
 constexpr int kScoreFrags = STREAMED_ROWS / 8;  // n8 fragments of a score tile per warp
-constexpr int kOutFrags = HEAD_DIM / 8;         // n8 fragments of a gradient per warp
-constexpr int kColumnBlocks = HEAD_DIM / kSwizzleColumns;  // 64-column blocks of a row
-static_assert(OWNED_ROWS % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
-                  (STREAMED_ROWS == 64 || STREAMED_ROWS == 128), "wgmma tiles");
+static_assert(OWNED_ROWS % 64 == 0 && STAGES >= 2 && STREAMED_ROWS % 16 == 0 &&
+                  STREAMED_ROWS <= 256, "wgmma tiles");
+constexpr bool kComputesDv = DKDV_PART != 2;
+constexpr bool kComputesDk = DKDV_PART != 1;
+// The single pass's dQ blocks are 64 columns of the 128-byte swizzle.
+static_assert(!SINGLE_PASS || (HEAD_DIM == VALUE_DIM && HEAD_DIM % 64 == 0 && DKDV_PART == 0),
+              "the single pass serves D = Dv, multiples of 64");
+constexpr int kSwizzleColumns = 64;
+constexpr int kSwizzleRowBytes = 128;
+constexpr int kColumnBlocks = kHeadWidth / kSwizzleColumns;  // 64-column blocks of a row
 // The single pass's share of dQ = dS K per warpgroup and query tile (one wgmma M of
 // queries): with as many 64-column blocks as warpgroups (D = 128 over 128 keys) warpgroup w
 // takes block w over all owned keys; with one block (D = 64) each takes its own 64 keys (and
@@ -59,31 +81,42 @@ static_assert(!SINGLE_PASS || (STREAMED_ROWS == 64 && (kSplitKeys || kColumnBloc
 
 // ------------------------------------------------------------------ products
 
-// Byte offset of the k-th 16-column slice of a swizzled tile of `rows` rows: column block
-// k / 4, 32 bytes per slice within its 128-byte rows.
-__device__ __forceinline__ u32 slice_offset(int kk, int rows) {
-    return (kk / 4) * rows * kSwizzleRowBytes + (kk % 4) * 32;
+// Issues out = A B^T for this warpgroup's 64 rows of an owned tile (a_rows: the tile's
+// address advanced to those rows) against a streamed tile b (STREAMED_ROWS rows), both
+// Width columns wide (K-major): S (Q K^T over the head width) or dP (dO V^T over the value
+// width), or their transposes. Not committed.
+template <int Width>
+__device__ __forceinline__ void issue_score_product(u32 a_rows, u32 b,
+                                                    float (&out)[kScoreFrags][4]) {
+    using S = Swizzled<Width>;
+#pragma unroll
+    for (int kk = 0; kk < Width / 16; ++kk)
+        wgmma_ss<STREAMED_ROWS>(out, k_major_descriptor<Width>(a_rows + S::slice(kk, OWNED_ROWS)),
+                                k_major_descriptor<Width>(b + S::slice(kk, STREAMED_ROWS)), kk > 0);
 }
 
-// first = A1 B1^T and second = A2 B2^T for this warpgroup's 64 rows of the owned tiles
-// (a1_rows, a2_rows: the tiles' addresses advanced to those rows) against the streamed
-// tiles b1, b2 (STREAMED_ROWS rows each): S and dP, or their transposes, in one batch.
+// first = A1 B1^T over the head width and second = A2 B2^T over the value width, in one
+// batch: S and dP, or their transposes.
 __device__ __forceinline__ void score_products(u32 a1_rows, u32 b1, u32 a2_rows, u32 b2,
                                                float (&first)[kScoreFrags][4],
                                                float (&second)[kScoreFrags][4]) {
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        wgmma_ss<STREAMED_ROWS>(first, k_major_descriptor(a1_rows + slice_offset(kk, OWNED_ROWS)),
-                                k_major_descriptor(b1 + slice_offset(kk, STREAMED_ROWS)), kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        wgmma_ss<STREAMED_ROWS>(second, k_major_descriptor(a2_rows + slice_offset(kk, OWNED_ROWS)),
-                                k_major_descriptor(b2 + slice_offset(kk, STREAMED_ROWS)), kk > 0);
+    issue_score_product<kHeadWidth>(a1_rows, b1, first);
+    issue_score_product<kValueWidth>(a2_rows, b2, second);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_pin(first);
     wgmma_pin(second);
+}
+
+// first = A1 B1^T alone (the dV-only part needs no dP^T).
+__device__ __forceinline__ void score_product(u32 a1_rows, u32 b1,
+                                              float (&first)[kScoreFrags][4]) {
+    wgmma_fence();
+    issue_score_product<kHeadWidth>(a1_rows, b1, first);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(first);
 }
 
 // x (a score tile's accumulators) rounded to the input type as register A fragments.
@@ -95,40 +128,43 @@ __device__ __forceinline__ void pack_fragments(const float (&x)[kScoreFrags][4],
 }
 
 // Issues out += X B for X = packed fragments (64 x STREAMED_ROWS per warpgroup) and B = the
-// streamed tile `b` (STREAMED_ROWS x HEAD_DIM, rows are the inner dimension), read
-// MN-major: rows 16 kk .. are 2048 bytes on per step, the next 64 columns one column block
-// further. Not committed: the caller commits and waits, keeping `a` intact until then.
-__device__ __forceinline__ void issue_accumulate(float (&out)[kOutFrags][4],
+// streamed tile `b` (STREAMED_ROWS x Width, rows are the inner dimension), read MN-major:
+// rows 16 kk .. per step, the next column block STREAMED_ROWS rows further. Not committed:
+// the caller commits and waits, keeping `a` intact until then.
+template <int Width>
+__device__ __forceinline__ void issue_accumulate(float (&out)[Width / 8][4],
                                                  const u32 (&a)[STREAMED_ROWS / 16][4], u32 b) {
+    using S = Swizzled<Width>;
 #pragma unroll
     for (int kk = 0; kk < STREAMED_ROWS / 16; ++kk)
-        wgmma_rs_transposed_b<HEAD_DIM>(
+        wgmma_rs_transposed_b<Width>(
             out, a[kk],
-            mn_major_descriptor(b + kk * 16 * kSwizzleRowBytes, STREAMED_ROWS * kSwizzleRowBytes),
+            mn_major_descriptor<Width>(b + kk * 16 * S::kRowBytes, STREAMED_ROWS * S::kRowBytes),
             1);
 }
 
 // This warp's 16 rows of accumulators (the warpgroup's rows 16 w ..), times `factor`, into
-// the contiguous (rows, HEAD_DIM) output `out` from row `row0`; rows at or past
-// `row_limit` are not written.
-__device__ __forceinline__ void store_rows(const float (&acc)[kOutFrags][4], float factor,
+// the contiguous (rows, Dim) output `out` from row `row0`; rows at or past `row_limit` and
+// the padding columns are not written.
+template <int Dim, int Frags>
+__device__ __forceinline__ void store_rows(const float (&acc)[Frags][4], float factor,
                                            bits16* out, i64 row0, i64 row_limit) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const i64 row = row0 + lane / 4 + half * 8;
         if (row >= row_limit) continue;
-        u32* out_row = reinterpret_cast<u32*>(out + row * HEAD_DIM);
 #pragma unroll
-        for (int n = 0; n < kOutFrags; ++n)
-            out_row[n * 4 + lane % 4] =
-                pack_pair(acc[n][2 * half] * factor, acc[n][2 * half + 1] * factor);
+        for (int n = 0; n < Frags; ++n)
+            if (n * 8 < Dim)
+                store_row_pair<Dim>(out + row * Dim, n * 8 + 2 * (lane % 4),
+                                    acc[n][2 * half] * factor, acc[n][2 * half + 1] * factor);
     }
 }
 
-__device__ __forceinline__ void clear(float (&acc)[kOutFrags][4]) {
+template <int Frags> __device__ __forceinline__ void clear(float (&acc)[Frags][4]) {
 #pragma unroll
-    for (int n = 0; n < kOutFrags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int n = 0; n < Frags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
 // Streams tiles [tile_begin, tile_end) through STAGES buffers: `load(stage, tile)` issues a
@@ -164,11 +200,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
     i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
     extern __shared__ __align__(128) unsigned char shared_bytes[];
-    const u32 q_tile = (shared_address(shared_bytes) + kSwizzleAtomBytes - 1) &
-                       ~static_cast<u32>(kSwizzleAtomBytes - 1);
-    const u32 do_tile = q_tile + kOwnedBytes;
-    const u32 k_tiles = do_tile + kOwnedBytes;             // [STAGES] swizzled K tiles
-    const u32 v_tiles = k_tiles + STAGES * kStreamedBytes;  // [STAGES] swizzled V tiles
+    const u32 q_tile = (shared_address(shared_bytes) + kTileAlignment - 1) &
+                       ~static_cast<u32>(kTileAlignment - 1);
+    const u32 do_tile = q_tile + kOwnedHeadBytes;
+    const u32 k_tiles = do_tile + kOwnedValueBytes;             // [STAGES] swizzled K tiles
+    const u32 v_tiles = k_tiles + STAGES * kStreamedHeadBytes;  // [STAGES] swizzled V tiles
 
     const Band band{band_offset, window_left, window_right};
     const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
@@ -198,10 +234,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     load_query_row_terms(scores, lse, delta, bh, n_q, my_rows, lse_log2, row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
-        load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
-            k_tiles + stage * kStreamedBytes, k_head, k_sn, key_tile * STREAMED_ROWS, n_k);
-        load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
-            v_tiles + stage * kStreamedBytes, v_head, v_sn, key_tile * STREAMED_ROWS, n_k);
+        load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
+            k_tiles + stage * kStreamedHeadBytes, k_head, k_sn, key_tile * STREAMED_ROWS, n_k);
+        load_swizzled_tile_async<STREAMED_ROWS, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
+            v_tiles + stage * kStreamedValueBytes, v_head, v_sn, key_tile * STREAMED_ROWS, n_k);
     };
     const auto tile_is_masked = [&](i64 key_tile) {
         const i64 col_start = key_tile * STREAMED_ROWS;
@@ -212,34 +248,34 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         return tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, key_tile * STREAMED_ROWS, n_k);
     };
 
-    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
         q_tile, q + owned.batch * q_sb + owned.head * q_sh, q_sn, row_start, n_q);
-    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+    load_swizzled_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
         do_tile, d_out + owned.batch * do_sb + owned.head * do_sh, do_sn, row_start, n_q);
     commit_copies();
     // This warpgroup's 64 rows of the owned tiles.
-    const u32 q_rows = q_tile + warpgroup * 64 * kSwizzleRowBytes;
-    const u32 do_rows = do_tile + warpgroup * 64 * kSwizzleRowBytes;
+    const u32 q_rows = q_tile + warpgroup * 64 * QkSwizzle::kRowBytes;
+    const u32 do_rows = do_tile + warpgroup * 64 * VSwizzle::kRowBytes;
 
     // dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
-    float dq_acc[kOutFrags][4];
+    float dq_acc[kHeadWidth / 8][4];
     clear(dq_acc);
     stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
-        const u32 k_tile = k_tiles + stage * kStreamedBytes;
+        const u32 k_tile = k_tiles + stage * kStreamedHeadBytes;
         float s[kScoreFrags][4], dp[kScoreFrags][4];
-        score_products(q_rows, k_tile, do_rows, v_tiles + stage * kStreamedBytes, s, dp);
+        score_products(q_rows, k_tile, do_rows, v_tiles + stage * kStreamedValueBytes, s, dp);
         scores_to_ds(scores, s, dp, lse_log2, my_rows, row_states, row_delta,
                      key_tile * STREAMED_ROWS, tile_is_masked(key_tile),
                      key_tile_mask(key_tile));
         u32 ds[STREAMED_ROWS / 16][4];
         pack_fragments(s, ds);
         wgmma_fence();
-        issue_accumulate(dq_acc, ds, k_tile);
+        issue_accumulate<kHeadWidth>(dq_acc, ds, k_tile);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(dq_acc);
     });
-    store_rows(dq_acc, scale, dq + bh * n_q * HEAD_DIM, warp_row0, n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale, dq + bh * n_q * HEAD_DIM, warp_row0, n_q);
 }
 
 // ------------------------------------------------------------------ the single pass's dQ
@@ -268,8 +304,8 @@ __device__ __forceinline__ void issue_dq_product(float (&dq_part)[kSwizzleColumn
 #pragma unroll
     for (int kk = 0; kk < kDqKeys / 16; ++kk)
         wgmma_ss_transposed<kSwizzleColumns>(
-            dq_part, mn_major_descriptor(ds_rows + kk * 16 * kSwizzleRowBytes, 0),
-            mn_major_descriptor(k_rows + kk * 16 * kSwizzleRowBytes, 0), kk > 0);
+            dq_part, mn_major_descriptor<kSwizzleColumns>(ds_rows + kk * 16 * kSwizzleRowBytes, 0),
+            mn_major_descriptor<kSwizzleColumns>(k_rows + kk * 16 * kSwizzleRowBytes, 0), kk > 0);
 }
 
 // dQ shares leave through shared memory: the warpgroup stages its 64 x 64 float block and
@@ -323,19 +359,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS) {
     extern __shared__ __align__(128) unsigned char shared_bytes[];
-    const u32 k_tile = (shared_address(shared_bytes) + kSwizzleAtomBytes - 1) &
-                       ~static_cast<u32>(kSwizzleAtomBytes - 1);
-    const u32 v_tile = k_tile + kOwnedBytes;
-    const u32 q_tiles = v_tile + kOwnedBytes;                // [STAGES] swizzled Q tiles
-    const u32 do_tiles = q_tiles + STAGES * kStreamedBytes;  // [STAGES] swizzled dO tiles
+    const u32 k_tile = (shared_address(shared_bytes) + kTileAlignment - 1) &
+                       ~static_cast<u32>(kTileAlignment - 1);
+    const u32 v_tile = k_tile + kOwnedHeadBytes;
+    // [STAGES] swizzled Q tiles; the dV-only part holds no V tile.
+    const u32 q_tiles = v_tile + (kComputesDk ? kOwnedValueBytes : 0);
+    const u32 do_tiles = q_tiles + STAGES * kStreamedHeadBytes;  // [STAGES] swizzled dO tiles
+    const u32 stats = do_tiles + STAGES * kStreamedValueBytes;
     // lse and D of each streamed query tile, [STAGES][STREAMED_ROWS] floats each.
-    float* lse_tiles = reinterpret_cast<float*>(
-        shared_bytes + (do_tiles + STAGES * kStreamedBytes - shared_address(shared_bytes)));
+    float* lse_tiles = reinterpret_cast<float*>(shared_bytes + (stats - shared_address(shared_bytes)));
     float* delta_tiles = lse_tiles + STAGES * STREAMED_ROWS;
     // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][64] swizzled, after the
     // lse and D stages, aligned to the swizzle's period.
-    const u32 ds_tile = (do_tiles + STAGES * kStreamedBytes + 8 * STAGES * STREAMED_ROWS +
-                         kSwizzleAtomBytes - 1) & ~static_cast<u32>(kSwizzleAtomBytes - 1);
+    const u32 ds_tile = (stats + 8 * STAGES * STREAMED_ROWS + kTileAlignment - 1) &
+                        ~static_cast<u32>(kTileAlignment - 1);
     unsigned char* ds_bytes = shared_bytes + (ds_tile - shared_address(shared_bytes));
     // SINGLE_PASS: each warpgroup's dQ staging block, after dS^T.
     const u32 staged =
@@ -351,28 +388,30 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     const i64 warp_key0 = col_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;
     const i64 my_keys[2] = {warp_key0 + lane / 4, warp_key0 + lane / 4 + 8};
     bits16* dk_head = dk + owned.batch_kv_head * n_k * HEAD_DIM;
-    bits16* dv_head = dv + owned.batch_kv_head * n_k * HEAD_DIM;
+    bits16* dv_head = dv + owned.batch_kv_head * n_k * VALUE_DIM;
 
-    float dk_acc[kOutFrags][4], dv_acc[kOutFrags][4];
-    clear(dk_acc);
-    clear(dv_acc);
+    // The part's accumulators (the other part's are never touched: no registers).
+    float dk_acc[kHeadWidth / 8][4], dv_acc[kValueWidth / 8][4];
+    if (kComputesDk) clear(dk_acc);
+    if (kComputesDv) clear(dv_acc);
     i64 tile_begin, tile_end;
     query_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, STREAMED_ROWS,
                                               &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
-        store_rows(dk_acc, 0.0f, dk_head, warp_key0, n_k);
-        store_rows(dv_acc, 0.0f, dv_head, warp_key0, n_k);
+        if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, 0.0f, dk_head, warp_key0, n_k);
+        if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 0.0f, dv_head, warp_key0, n_k);
         return;
     }
 
-    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
+    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
         k_tile, k + owned.batch * k_sb + owned.kv_head * k_sh, k_sn, col_start, n_k);
-    load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kThreads>(
-        v_tile, v + owned.batch * v_sb + owned.kv_head * v_sh, v_sn, col_start, n_k);
+    if (kComputesDk)
+        load_swizzled_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
+            v_tile, v + owned.batch * v_sb + owned.kv_head * v_sh, v_sn, col_start, n_k);
     commit_copies();
     // This warpgroup's 64 keys of the owned tiles.
-    const u32 k_rows = k_tile + warpgroup * 64 * kSwizzleRowBytes;
-    const u32 v_rows = v_tile + warpgroup * 64 * kSwizzleRowBytes;
+    const u32 k_rows = k_tile + warpgroup * 64 * QkSwizzle::kRowBytes;
+    const u32 v_rows = v_tile + warpgroup * 64 * VSwizzle::kRowBytes;
 
     for (int member = 0; member < group_size; ++member) {
         const int head = owned.kv_head * group_size + member;
@@ -383,10 +422,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
         const bits16* do_head = d_out + owned.batch * do_sb + head * do_sh;
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
-            load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
-                q_tiles + stage * kStreamedBytes, q_head, q_sn, start, n_q);
-            load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kThreads>(
-                do_tiles + stage * kStreamedBytes, do_head, do_sn, start, n_q);
+            load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
+                q_tiles + stage * kStreamedHeadBytes, q_head, q_sn, start, n_q);
+            load_swizzled_tile_async<STREAMED_ROWS, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
+                do_tiles + stage * kStreamedValueBytes, do_head, do_sn, start, n_q);
             for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
                 const int r = i % STREAMED_ROWS;
                 const bool valid = start + r < n_q;
@@ -398,12 +437,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             }
         };
         stream_tiles(tile_begin, tile_end, load_queries, [&](int stage, i64 query_tile) {
-            const u32 q_stage = q_tiles + stage * kStreamedBytes;
-            const u32 do_stage = do_tiles + stage * kStreamedBytes;
+            const u32 q_stage = q_tiles + stage * kStreamedHeadBytes;
+            const u32 do_stage = do_tiles + stage * kStreamedValueBytes;
             const i64 query_start = query_tile * STREAMED_ROWS;
             // S^T and dP^T: rows are this warpgroup's keys, columns the tile's queries.
             float st[kScoreFrags][4], dpt[kScoreFrags][4];
-            score_products(k_rows, q_stage, v_rows, do_stage, st, dpt);
+            if (kComputesDk)
+                score_products(k_rows, q_stage, v_rows, do_stage, st, dpt);
+            else
+                score_product(k_rows, q_stage, st);
             // Keys past n_k are not written: they need no mask.
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
@@ -412,8 +454,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
                 delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, col_start, n_q, n_k,
                 masked, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));
             u32 pt[STREAMED_ROWS / 16][4], dst[STREAMED_ROWS / 16][4];
-            pack_fragments(st, pt);
-            pack_fragments(dpt, dst);
+            if (kComputesDv) pack_fragments(st, pt);
+            if (kComputesDk) pack_fragments(dpt, dst);
             // SINGLE_PASS: dS^T to shared memory for this warpgroup's share of dQ.
             if (SINGLE_PASS) {
                 store_transposed_ds(dpt, ds_bytes, warp_key0 - col_start);
@@ -426,15 +468,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             const int dq_key0 = kSplitKeys ? warpgroup * 64 : 0;
             float dq_part[kSwizzleColumns / 8][4];
             wgmma_fence();
-            issue_accumulate(dv_acc, pt, do_stage);
-            issue_accumulate(dk_acc, dst, q_stage);
+            if (kComputesDv) issue_accumulate<kValueWidth>(dv_acc, pt, do_stage);
+            if (kComputesDk) issue_accumulate<kHeadWidth>(dk_acc, dst, q_stage);
             if (SINGLE_PASS)
                 issue_dq_product(dq_part, ds_tile + dq_key0 * kSwizzleRowBytes,
                                  k_tile + (dq_block * OWNED_ROWS + dq_key0) * kSwizzleRowBytes);
             wgmma_commit();
             wgmma_wait<0>();
-            wgmma_pin(dv_acc);
-            wgmma_pin(dk_acc);
+            if (kComputesDv) wgmma_pin(dv_acc);
+            if (kComputesDk) wgmma_pin(dk_acc);
             if (SINGLE_PASS) {
                 wgmma_pin(dq_part);
                 stage_dq_part(dq_part, staged_bytes);
@@ -450,6 +492,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
         });
     }
     if (SINGLE_PASS) bulk_wait<0>();  // the staging blocks outlive their reductions
-    store_rows(dk_acc, scale, dk_head, warp_key0, n_k);
-    store_rows(dv_acc, 1.0f, dv_head, warp_key0, n_k);
+    if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, scale, dk_head, warp_key0, n_k);
+    if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 1.0f, dv_head, warp_key0, n_k);
 }

@@ -1,4 +1,4 @@
-// Hopper tensor-core forward (sm_90a) for float16 / bfloat16 with D = Dv in {64, 128}.
+// Hopper tensor-core forward (sm_90a) for float16 / bfloat16, any D and Dv up to 256.
 //
 // The FlashAttention-2 forward of attention_mma_forward.cu moved onto warpgroup matrix
 // instructions (the FlashAttention-3 paper's first ingredient):
@@ -12,14 +12,18 @@
 //   per-warp register layout is the same; forward_softmax.cuh), and P, rounded to the
 //   input type, is the register A operand of O += P V, with V read MN-major (transposed)
 //   from shared memory;
-// * tiles are stored with the hardware's 128-byte swizzle (wgmma.cuh), K/V in STAGES
-//   buffers filled by cp.async: one barrier per key tile, after which tile t + STAGES - 1
-//   is issued into the buffer that tile t - 1 has just released;
+// * tiles are stored with the hardware's swizzle (wgmma.cuh), K/V in STAGES buffers filled
+//   by cp.async: one barrier per key tile, after which tile t + STAGES - 1 is issued into
+//   the buffer that tile t - 1 has just released;
+// * head dims that are not a multiple of 16 are zero-padded to one in shared memory (the
+//   caller's arrays are read in place, in copies of COPY_BYTES where rows are not 16-byte
+//   aligned): the padding adds nothing to Q K^T, and O's padding columns are not stored;
 // * key tiles outside the band are never visited, the per-score mask runs only on tiles
 //   that straddle the band edge or the end of the keys.
 //
-// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, BLOCK_Q (a multiple
-// of 64), BLOCK_K (64 or 128), STAGES (>= 2), BLOCKS_PER_SM (the residency the registers
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM and VALUE_DIM (D and
+// Dv, up to 256), COPY_BYTES (16, 8 or 4), BLOCK_Q (a multiple of 64), BLOCK_K (a multiple
+// of 16 up to 256), STAGES (>= 2), BLOCKS_PER_SM (the residency the registers
 // are capped for: 2 lets a second block's main loop cover one block's prologue and
 // epilogue, which short sequences pay per block), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
 // DROPOUT. Needs -arch=sm_90a.
@@ -28,16 +32,31 @@
 
 constexpr int kWarpgroups = BLOCK_Q / 64;
 constexpr int kThreads = kWarpgroups * 128;
-constexpr int kKeyFrags = BLOCK_K / 8;   // n8 fragments of S per warp
-constexpr int kOutFrags = HEAD_DIM / 8;  // n8 fragments of O per warp
-constexpr int kQTileBytes = kSwizzledTileBytes<BLOCK_Q, HEAD_DIM>;
-constexpr int kKvTileBytes = kSwizzledTileBytes<BLOCK_K, HEAD_DIM>;
-static_assert(BLOCK_Q % 64 == 0 && HEAD_DIM % 64 == 0 && STAGES >= 2 &&
-                  (BLOCK_K == 64 || BLOCK_K == 128), "wgmma tiles");
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);    // Q and K tile columns
+constexpr int kValueWidth = padded_width(VALUE_DIM, 16);  // V tile and O columns
+using QkSwizzle = Swizzled<kHeadWidth>;
+using VSwizzle = Swizzled<kValueWidth>;
+constexpr int kKeyFrags = BLOCK_K / 8;       // n8 fragments of S per warp
+constexpr int kOutFrags = kValueWidth / 8;   // n8 fragments of O per warp
+constexpr int kQTileBytes = kSwizzledTileBytes<BLOCK_Q, kHeadWidth>;
+constexpr int kKTileBytes = kSwizzledTileBytes<BLOCK_K, kHeadWidth>;
+constexpr int kVTileBytes = kSwizzledTileBytes<BLOCK_K, kValueWidth>;
+static_assert(BLOCK_Q % 64 == 0 && STAGES >= 2 && BLOCK_K % 16 == 0 && BLOCK_K <= 256,
+              "wgmma tiles");
 // Whether a warpgroup skips the key tiles its own rows do not reach: under a band, and not
 // under the 128-register cap of 512 threads per multiprocessor (see the kernel).
 constexpr bool kWarpgroupSkips =
     kWarpgroups > 1 && kWarpgroups * BLOCKS_PER_SM < 4 && (LIMIT_LEFT || LIMIT_RIGHT);
+
+// Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
+__device__ __forceinline__ void load_key_tiles(u32 k_tile, u32 v_tile, const bits16* k_head,
+                                               i64 k_sn, const bits16* v_head, i64 v_sn,
+                                               i64 row, i64 n_k) {
+    load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
+        k_tile, k_head, k_sn, row, n_k);
+    load_swizzled_tile_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
+        v_tile, v_head, v_sn, row, n_k);
+}
 
 extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_forward_wgmma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
@@ -48,10 +67,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     // The swizzle pattern repeats every 1024 bytes of address: align the tiles to it (the
     // launch asks for 1024 bytes of slack).
     extern __shared__ __align__(128) unsigned char shared_bytes[];
-    const u32 q_tile = (shared_address(shared_bytes) + kSwizzleAtomBytes - 1) &
-                       ~static_cast<u32>(kSwizzleAtomBytes - 1);
-    const u32 k_tiles = q_tile + kQTileBytes;                // [STAGES] swizzled K tiles
-    const u32 v_tiles = k_tiles + STAGES * kKvTileBytes;     // [STAGES] swizzled V tiles
+    const u32 q_tile = (shared_address(shared_bytes) + kTileAlignment - 1) &
+                       ~static_cast<u32>(kTileAlignment - 1);
+    const u32 k_tiles = q_tile + kQTileBytes;               // [STAGES] swizzled K tiles
+    const u32 v_tiles = k_tiles + STAGES * kKTileBytes;     // [STAGES] swizzled V tiles
 
     const Band band{band_offset, window_left, window_right};
     const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
@@ -59,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     const bits16* q_head = q + owned.batch * q_sb + owned.head * q_sh;
     const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh;
     const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh;
-    bits16* o_head = o + bh * n_q * HEAD_DIM;
+    bits16* o_head = o + bh * n_q * VALUE_DIM;
     float* lse_head = lse + bh * n_q;
     const i64 row_start = owned.tile * BLOCK_Q;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
@@ -77,21 +96,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
                                             &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key
-        store_empty_rows<HEAD_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
+        store_empty_rows<VALUE_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
         return;
     }
 
     // Prologue: Q with key tile 0 in one copy group, then tiles 1 .. STAGES - 2, one group
     // each (empty groups past the end keep the group count uniform for wait_copies).
-    load_swizzled_tile_async<BLOCK_Q, HEAD_DIM, kThreads>(q_tile, q_head, q_sn, row_start, n_q);
+    load_swizzled_tile_async<BLOCK_Q, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
+        q_tile, q_head, q_sn, row_start, n_q);
 #pragma unroll
     for (int stage = 0; stage < STAGES - 1; ++stage) {
         const i64 key_tile = tile_begin + stage;
         if (key_tile < tile_end) {
-            load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
-                k_tiles + stage * kKvTileBytes, k_head, k_sn, key_tile * BLOCK_K, n_k);
-            load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
-                v_tiles + stage * kKvTileBytes, v_head, v_sn, key_tile * BLOCK_K, n_k);
+            load_key_tiles(k_tiles + stage * kKTileBytes, v_tiles + stage * kVTileBytes,
+                           k_head, k_sn, v_head, v_sn, key_tile * BLOCK_K, n_k);
         }
         commit_copies();
     }
@@ -126,8 +144,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     start_online_softmax(o_acc, row_max, row_sum);
     u32 row_states[1][2];
     dropout_row_states(row_states, dropout_key, bh, my_rows);
-    // Q's rows of this warpgroup: 64 rows x 128 bytes into every column block.
-    const u32 q_rows = q_tile + warpgroup * 64 * kSwizzleRowBytes;
+    // Q's rows of this warpgroup: 64 rows into every column block.
+    const u32 q_rows = q_tile + warpgroup * 64 * QkSwizzle::kRowBytes;
 
     for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
         const int step = static_cast<int>(key_tile - tile_begin);
@@ -140,29 +158,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
             const i64 ahead = key_tile + STAGES - 1;
             const int ahead_stage = (step + STAGES - 1) % STAGES;
             if (ahead < tile_end) {
-                load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
-                    k_tiles + ahead_stage * kKvTileBytes, k_head, k_sn, ahead * BLOCK_K, n_k);
-                load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kThreads>(
-                    v_tiles + ahead_stage * kKvTileBytes, v_head, v_sn, ahead * BLOCK_K, n_k);
+                load_key_tiles(k_tiles + ahead_stage * kKTileBytes,
+                               v_tiles + ahead_stage * kVTileBytes, k_head, k_sn, v_head, v_sn,
+                               ahead * BLOCK_K, n_k);
             }
             commit_copies();
         }
         if (kWarpgroupSkips && (step < wg_first || step >= wg_stop)) continue;  // per warpgroup
         const int stage = step % STAGES;
-        const u32 k_tile = k_tiles + stage * kKvTileBytes;
-        const u32 v_tile = v_tiles + stage * kKvTileBytes;
+        const u32 k_tile = k_tiles + stage * kKTileBytes;
+        const u32 v_tile = v_tiles + stage * kVTileBytes;
 
-        // S = Q K^T: the k-th 16-column slice of Q and K sits in column block k / 4 at byte
-        // 32 (k % 4) of each row.
+        // S = Q K^T over the 16-column slices of Q and K.
         float s[1][kKeyFrags][4];
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            const u32 column = (kk / 4) * BLOCK_Q * kSwizzleRowBytes + (kk % 4) * 32;
-            const u32 k_column = (kk / 4) * BLOCK_K * kSwizzleRowBytes + (kk % 4) * 32;
-            wgmma_ss<BLOCK_K>(s[0], k_major_descriptor(q_rows + column),
-                              k_major_descriptor(k_tile + k_column), kk > 0);
-        }
+        for (int kk = 0; kk < kHeadWidth / 16; ++kk)
+            wgmma_ss<BLOCK_K>(s[0],
+                              k_major_descriptor<kHeadWidth>(q_rows + QkSwizzle::slice(kk, BLOCK_Q)),
+                              k_major_descriptor<kHeadWidth>(k_tile + QkSwizzle::slice(kk, BLOCK_K)),
+                              kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(s[0]);
@@ -176,8 +191,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         online_softmax_step(s, row_max, row_sum, o_acc);
         if (DROPOUT) drop_probabilities(s, row_states, col_start, dropout_threshold);
 
-        // O += P V: keys 16 kk .. 16 kk + 15 are rows 16 kk .. of the V tile (2048 bytes on
-        // per step); the next 64 columns of V are one column block (BLOCK_K rows) further.
+        // O += P V: keys 16 kk .. 16 kk + 15 are rows 16 kk .. of the V tile; V's next
+        // column block is BLOCK_K rows further.
         u32 p[BLOCK_K / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk)
@@ -185,15 +200,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk)
-            wgmma_rs_transposed_b<HEAD_DIM>(
+            wgmma_rs_transposed_b<kValueWidth>(
                 o_acc[0], p[kk],
-                mn_major_descriptor(v_tile + kk * 16 * kSwizzleRowBytes,
-                                    BLOCK_K * kSwizzleRowBytes),
+                mn_major_descriptor<kValueWidth>(v_tile + kk * 16 * VSwizzle::kRowBytes,
+                                                 BLOCK_K * VSwizzle::kRowBytes),
                 1);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(o_acc[0]);
     }
 
-    store_output_rows(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
+    store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
 }

@@ -195,9 +195,10 @@ __device__ __forceinline__ void drop_probabilities(float (&s)[RowTiles][KeyFrags
             }
 }
 
-// Deferred normalisation and the stores of o and lse. total == 0: the row kept no key
-// (o = 0, lse = -inf); a NaN total is not 0, so a NaN row stays NaN.
-template <int RowTiles, int OutFrags, typename Out>
+// Deferred normalisation and the stores of o (rows of ValueDim columns; OutFrags * 8 >=
+// ValueDim accumulator columns) and lse. total == 0: the row kept no key (o = 0,
+// lse = -inf); a NaN total is not 0, so a NaN row stays NaN.
+template <int ValueDim, int RowTiles, int OutFrags, typename Out>
 __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles][OutFrags][4],
                                                   const float (&row_max)[RowTiles][2],
                                                   const float (&row_sum)[RowTiles][2],
@@ -216,11 +217,13 @@ __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles]
             const float factor =
                 total == 0.0f ? 0.0f : (DROPOUT ? dropout_scale : 1.0f) / total;
             if (row < n_q) {
-                Out* o_row = o_head + row * (OutFrags * 8) + 2 * quad_col;
+                Out* o_row = o_head + row * ValueDim;
 #pragma unroll
                 for (int n = 0; n < OutFrags; ++n)
-                    store_pair(o_row + n * 8, o_acc[m][n][2 * half] * factor,
-                               o_acc[m][n][2 * half + 1] * factor);
+                    if (n * 8 < ValueDim)
+                        store_row_pair<ValueDim>(o_row, n * 8 + 2 * quad_col,
+                                                 o_acc[m][n][2 * half] * factor,
+                                                 o_acc[m][n][2 * half + 1] * factor);
                 if (quad_col == 0)
                     lse_head[row] = total == 0.0f ? negative_infinity<float>()
                                                   : row_max[m][half] * kLn2 + logf(total);
@@ -228,13 +231,13 @@ __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles]
         }
 }
 
-// Every row of a query tile that keeps no key: o = 0, lse = -inf.
-template <int HeadDim, int Threads, typename Out>
+// Every row of a query tile that keeps no key: o = 0 (ValueDim columns a row), lse = -inf.
+template <int ValueDim, int Threads, typename Out>
 __device__ __forceinline__ void store_empty_rows(Out* o_head, float* lse_head,
                                                  i64 row_start, i64 row_stop) {
-    for (i64 element = threadIdx.x; element < (row_stop - row_start) * HeadDim;
+    for (i64 element = threadIdx.x; element < (row_stop - row_start) * ValueDim;
          element += Threads)
-        o_head[row_start * HeadDim + element] = 0;
+        o_head[row_start * ValueDim + element] = 0;
     for (i64 row = row_start + threadIdx.x; row < row_stop; row += Threads)
         lse_head[row] = negative_infinity<float>();
 }

@@ -6,6 +6,12 @@
 
 typedef unsigned short bits16;
 
+// A head dim rounded up to the tensor cores' K step (16 for 16-bit inputs, 8 for TF32): the
+// width of its shared tiles and accumulators. The padding columns hold zeros.
+__host__ __device__ constexpr int padded_width(int dim, int step) {
+    return (dim + step - 1) / step * step;
+}
+
 // ------------------------------------------------------------------ PTX wrappers
 
 __device__ __forceinline__ u32 shared_address(const void* pointer) {
@@ -82,6 +88,29 @@ __device__ __forceinline__ void store_pair(float* out, float low, float high) {
     asm volatile("st.v2.f32 [%0], {%1, %2};\n" ::"l"(out), "f"(low), "f"(high) : "memory");
 }
 
+// Columns [col, col + 2) of an output row of ValueDim columns (rows of a padded tile have
+// columns past ValueDim, which are dropped): one 32- or 64-bit store where the pair lies
+// inside the row and the row width keeps it aligned, else element by element.
+template <int ValueDim>
+__device__ __forceinline__ void store_row_pair(bits16* row, int col, float low, float high) {
+    if constexpr (ValueDim % 2 == 0) {
+        if (col < ValueDim) store_pair(row + col, low, high);
+    } else {
+        const u32 packed = pack_pair(low, high);
+        if (col < ValueDim) row[col] = static_cast<bits16>(packed & 0xffffu);
+        if (col + 1 < ValueDim) row[col + 1] = static_cast<bits16>(packed >> 16);
+    }
+}
+template <int ValueDim>
+__device__ __forceinline__ void store_row_pair(float* row, int col, float low, float high) {
+    if constexpr (ValueDim % 2 == 0) {
+        if (col < ValueDim) store_pair(row + col, low, high);
+    } else {
+        if (col < ValueDim) row[col] = low;
+        if (col + 1 < ValueDim) row[col + 1] = high;
+    }
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x; -inf gives +0 and NaN stays NaN, which the masking and the NaN semantics rely on.
@@ -97,21 +126,59 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 template <int Cols> constexpr int kTilePitch = Cols + 8;
 
+// The shared-memory bytes [address, address + ChunkBytes) from `source`, asynchronously,
+// zeros when `valid == false`. 16-byte copies bypass L1; narrower ones (head dims that are
+// not a multiple of 8, rows that are not 16-byte aligned) need the L1 path.
+// 2-byte pieces (an odd head dim) have no asynchronous copy: they are loaded and stored
+// in place, so such tiles arrive without overlap (correct, and rare).
+template <int ChunkBytes>
+__device__ __forceinline__ void copy_chunk_async(u32 destination, const void* source,
+                                                 bool valid) {
+    const int source_bytes = valid ? ChunkBytes : 0;
+    if constexpr (ChunkBytes == 2) {
+        const unsigned short value = valid ? *static_cast<const unsigned short*>(source) : 0;
+        asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(destination), "h"(value) : "memory");
+    } else if constexpr (ChunkBytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination),
+                     "l"(source), "r"(source_bytes));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(destination),
+                     "l"(source), "n"(ChunkBytes), "r"(source_bytes));
+}
+
+// 16 bytes of a row into shared memory: columns [col, col + 8) of `row_pointer`, in pieces of
+// ChunkBytes; columns at or past Columns (the padding of the head dim) and whole rows past
+// the end (`row_valid` false) become zeros, since 0 * NaN would otherwise reach the products.
+template <int Columns, int Width, int ChunkBytes, typename T>
+__device__ __forceinline__ void copy_row_chunk(u32 destination, const T* row_pointer,
+                                               const T* fallback, int col, bool row_valid) {
+    constexpr int kElements = ChunkBytes / sizeof(T);
+#pragma unroll
+    for (int piece = 0; piece < 16 / ChunkBytes; ++piece) {
+        const int first = col + piece * kElements;
+        const bool valid = row_valid && (Columns == Width || first < Columns);
+        copy_chunk_async<ChunkBytes>(destination + piece * ChunkBytes,
+                                     valid ? row_pointer + first : fallback, valid);
+    }
+}
+
 // Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
-// columns) into tile[Rows][Pitch] (16-bit elements: Cols + 8; float tiles name theirs) by
-// `Threads` threads in 16-byte copies; rows at or past `row_limit` become zeros.
-template <int Rows, int Cols, int Threads, int Pitch = kTilePitch<Cols>, typename T>
+// columns, Columns of them) into tile[Rows][Pitch] (Width <= Pitch columns used: Columns
+// and zero padding) by `Threads` threads in 16-byte chunks, each in copies of ChunkBytes;
+// rows at or past `row_limit` become zeros.
+template <int Rows, int Columns, int Width, int Threads, int Pitch, int ChunkBytes, typename T>
 __device__ __forceinline__ void load_tile_async(T* tile, const T* head, i64 row_stride,
                                                 i64 row_start, i64 row_limit) {
     constexpr int chunk_elements = 16 / sizeof(T);
-    constexpr int chunks_per_row = Cols / chunk_elements;
+    constexpr int chunks_per_row = Width / chunk_elements;
+    static_assert(Width % chunk_elements == 0 && Width <= Pitch, "whole chunks per row");
 #pragma unroll
     for (int chunk = threadIdx.x; chunk < Rows * chunks_per_row; chunk += Threads) {
         const int r = chunk / chunks_per_row, c = chunk % chunks_per_row;
         const i64 row = row_start + r;
-        const bool valid = row < row_limit;
-        const T* source = valid ? head + row * row_stride + c * chunk_elements : head;
-        copy_16_async(shared_address(tile + r * Pitch + c * chunk_elements), source, valid);
+        copy_row_chunk<Columns, Width, ChunkBytes>(
+            shared_address(tile + r * Pitch + c * chunk_elements), head + row * row_stride, head,
+            c * chunk_elements, row < row_limit);
     }
 }
 

@@ -17,69 +17,112 @@
 #define WGMMA_TYPES ".f32.f16.f16"
 #endif
 
-constexpr int kSwizzleRowBytes = 128;   // one row of a column block
-constexpr int kSwizzleColumns = 64;     // 16-bit elements per column block
-constexpr int kSwizzleAtomBytes = 1024;  // 8 rows: the period of the swizzle pattern
+// A tile of Width columns (a multiple of 16) is stored in column blocks of
+// Swizzled<Width>::kColumns elements, the widest of 64, 32 and 16 that divides Width, with
+// the matching hardware swizzle (128, 64 or 32 bytes a row). Within each group of 8 rows the
+// 16-byte chunk c of row r sits at chunk c ^ ((r * kRowBytes / 128) % (kRowBytes / 16)):
+// address bits 4.. XOR bits 7.., the pattern the tensor cores decode. Every column block
+// then covers the whole 8-row period, so a wgmma operand of N = Width columns (MN-major) or
+// K = 16-column slices (K-major) is a canonical layout for any Width, and no column of a
+// padded head dim is wasted beyond the next multiple of 16.
+template <int Width> struct Swizzled {
+    static_assert(Width % 16 == 0 && Width <= 256, "tile widths are multiples of 16");
+    static constexpr int kColumns = Width % 64 == 0 ? 64 : Width % 32 == 0 ? 32 : 16;
+    static constexpr int kRowBytes = kColumns * 2;
+    static constexpr int kAtomBytes = 8 * kRowBytes;  // the pattern's period: 8 rows
+    static constexpr int kChunks = kColumns / 8;      // 16-byte chunks per row of a block
+    // The descriptor's layout type: 1 = 128-byte, 2 = 64-byte, 3 = 32-byte swizzle.
+    static constexpr u64 kMode = kRowBytes == 128 ? 1 : kRowBytes == 64 ? 2 : 3;
+    // The chunk a row's chunk c lands on.
+    static __device__ __forceinline__ int chunk(int c, int row) {
+        return c ^ ((row * kRowBytes >> 7) & (kChunks - 1));
+    }
+    // Byte offset of the k-th 16-column slice of a tile of `rows` rows: its column block,
+    // then 32 bytes per slice within the block's rows.
+    static __device__ __forceinline__ u32 slice(int kk, int rows) {
+        return (kk * 16 / kColumns) * rows * kRowBytes + (kk * 16 % kColumns) * 2;
+    }
+};
 
-// Bytes of a swizzled tile of Rows x Cols 16-bit elements.
-template <int Rows, int Cols> constexpr int kSwizzledTileBytes = Rows * Cols * 2;
+// Bytes of a swizzled tile of Rows x Width 16-bit elements (the 1024-byte alignment of
+// every tile keeps each column block on its swizzle period).
+template <int Rows, int Width> constexpr int kSwizzledTileBytes = Rows * Width * 2;
+constexpr int kTileAlignment = 1024;
 
 // Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
-// columns) into the swizzled tile at shared address `tile` by the block's threads 0 ..
-// Threads - 1; rows at or past `row_limit` become zeros (0 * NaN would otherwise reach the
-// products). Each thread keeps one 16-byte column chunk and walks the rows `kRowStep`
-// apart. The step is a multiple of the swizzle's 8-row period, so the chunk's swizzled
-// position is the same on every row and a copy costs an address add and a bounds compare;
-// the trip count is a compile-time constant, so the loop unrolls without a remainder loop
-// (a loop over chunk = threadIdx.x, threadIdx.x + Threads, ... compiled to both, with
-// spills, in the two-block forward: bench/NOTES-gpu.md, v13b).
-template <int Rows, int Cols, int Threads>
+// columns, Columns of them) into the swizzled Rows x Width tile at shared address `tile` by
+// the block's threads 0 .. Threads - 1; rows at or past `row_limit` and the columns past
+// Columns become zeros. ChunkBytes (16, 8, 4 or 2) is the widest copy the rows' alignment
+// allows (2 for an odd head dim).
+//
+// When the threads split evenly over a row's chunks, each thread keeps one chunk and walks
+// the rows `kRowStep` apart; the step is a multiple of the swizzle's 8-row period, so the
+// chunk's swizzled position is the same on every row and a copy costs an address add and
+// a bounds compare, with a compile-time trip count (a loop over chunk = threadIdx.x,
+// threadIdx.x + Threads, ... compiled to a remainder loop, with spills, in the two-block
+// forward: bench/NOTES-gpu.md, v13b). Other widths walk the chunks in that order, with the
+// division by the compile-time chunk count unrolled the same way.
+template <int Rows, int Columns, int Width, int Threads, int ChunkBytes = 16>
 __device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16* head,
                                                          i64 row_stride, i64 row_start,
                                                          i64 row_limit) {
-    static_assert(Cols % kSwizzleColumns == 0, "column blocks of 64");
-    constexpr int chunks_per_row = Cols / 8;
-    constexpr int kRowStep = Threads / chunks_per_row;
-    static_assert(Threads % chunks_per_row == 0 && kRowStep % 8 == 0,
-                  "whole swizzle periods per step");
-    const int c = threadIdx.x % chunks_per_row, r0 = threadIdx.x / chunks_per_row;
-    const u32 first = tile + (c / 8) * (Rows * kSwizzleRowBytes) + r0 * kSwizzleRowBytes +
-                      (((c % 8) ^ (r0 % 8)) << 4);
-    const bits16* column = head + c * 8;
+    using S = Swizzled<Width>;
+    constexpr int kRowChunks = Width / 8;
+    constexpr bool kFixedChunk = Threads % kRowChunks == 0 && (Threads / kRowChunks) % 8 == 0;
+    if constexpr (kFixedChunk) {
+        constexpr int kRowStep = Threads / kRowChunks;
+        const int c = threadIdx.x % kRowChunks, r0 = threadIdx.x / kRowChunks;
+        const u32 first = tile + (c / S::kChunks) * (Rows * S::kRowBytes) +
+                          r0 * S::kRowBytes + (S::chunk(c % S::kChunks, r0) << 4);
 #pragma unroll
-    for (int step = 0; step < (Rows + kRowStep - 1) / kRowStep; ++step) {
-        const int r = r0 + step * kRowStep;
-        if (Rows % kRowStep != 0 && r >= Rows) break;
-        const i64 row = row_start + r;
-        const bool valid = row < row_limit;
-        copy_16_async(first + step * kRowStep * kSwizzleRowBytes,
-                      valid ? column + row * row_stride : head, valid);
+        for (int step = 0; step < (Rows + kRowStep - 1) / kRowStep; ++step) {
+            const int r = r0 + step * kRowStep;
+            if (Rows % kRowStep != 0 && r >= Rows) break;
+            const i64 row = row_start + r;
+            copy_row_chunk<Columns, Width, ChunkBytes>(
+                first + step * kRowStep * S::kRowBytes, head + row * row_stride, head, c * 8,
+                row < row_limit);
+        }
+    } else {
+        constexpr int kTotal = Rows * kRowChunks;
+#pragma unroll
+        for (int step = 0; step < (kTotal + Threads - 1) / Threads; ++step) {
+            const int i = threadIdx.x + step * Threads;
+            if (kTotal % Threads != 0 && i >= kTotal) break;
+            const int r = i / kRowChunks, c = i % kRowChunks;
+            const i64 row = row_start + r;
+            copy_row_chunk<Columns, Width, ChunkBytes>(
+                tile + (c / S::kChunks) * (Rows * S::kRowBytes) + r * S::kRowBytes +
+                    (S::chunk(c % S::kChunks, r) << 4),
+                head + row * row_stride, head, c * 8, row < row_limit);
+        }
     }
 }
 
-// A wgmma shared-memory matrix descriptor with the 128-byte swizzle: start address,
-// leading- and stride-dimension byte offsets (PTX ISA, "Matrix Descriptor Format").
+// A wgmma shared-memory matrix descriptor for a swizzled tile: start address, leading- and
+// stride-dimension byte offsets, layout type (PTX ISA, "Matrix Descriptor Format").
 //  * K-major operands (Q, K: rows are M or N, the 16-element K slice is contiguous):
-//    `stride_bytes` = 1024 steps between 8-row groups; the leading offset is unused.
-//    The k-th 16-column slice of a column block starts 32 * k bytes further on, which the
-//    hardware's address-based swizzle resolves.
+//    `stride_bytes` = one swizzle period (8 rows) between 8-row groups; the leading
+//    offset is unused. A slice's start is Swizzled::slice bytes in, which the hardware's
+//    address-based swizzle resolves.
 //  * MN-major operands (V in O = P V: rows are K, N is contiguous): `leading_bytes` steps
-//    between 64-column blocks, `stride_bytes` = 1024 between 8-row groups of K.
-__device__ __forceinline__ u64 swizzled_descriptor(u32 address, u32 leading_bytes,
-                                                   u32 stride_bytes) {
+//    between column blocks, `stride_bytes` = one period between 8-row groups of K.
+template <int Width>
+__device__ __forceinline__ u64 swizzled_descriptor(u32 address, u32 leading_bytes) {
+    using S = Swizzled<Width>;
     return static_cast<u64>((address & 0x3FFFF) >> 4) |
            (static_cast<u64>((leading_bytes >> 4) & 0x3FFF) << 16) |
-           (static_cast<u64>((stride_bytes >> 4) & 0x3FFF) << 32) |
-           (static_cast<u64>(1) << 62);  // layout type 1: 128-byte swizzle
+           (static_cast<u64>((S::kAtomBytes >> 4) & 0x3FFF) << 32) | (S::kMode << 62);
 }
 
-// The two uses: a K-major tile (Q, K, dO, V as the B of S and dP), and an MN-major tile whose
-// 64-column blocks lie `column_block_bytes` apart (0 where the operand is one block wide).
-__device__ __forceinline__ u64 k_major_descriptor(u32 address) {
-    return swizzled_descriptor(address, 0, kSwizzleAtomBytes);
+// The two uses: a K-major tile of Width columns (Q, K, dO, V as the B of S and dP), and an
+// MN-major one whose column blocks lie `column_block_bytes` apart.
+template <int Width> __device__ __forceinline__ u64 k_major_descriptor(u32 address) {
+    return swizzled_descriptor<Width>(address, 0);
 }
+template <int Width>
 __device__ __forceinline__ u64 mn_major_descriptor(u32 address, u32 column_block_bytes) {
-    return swizzled_descriptor(address, column_block_bytes, kSwizzleAtomBytes);
+    return swizzled_descriptor<Width>(address, column_block_bytes);
 }
 
 // Orders this thread's earlier register and shared accesses before the warpgroup's next
@@ -149,119 +192,92 @@ template <int N>
 __device__ __forceinline__ void wgmma_rs_transposed_b(float (&d)[N / 8][4], const u32 (&a)[4],
                                                       u64 b, int accumulate);
 
-template <> __device__ __forceinline__ void wgmma_ss<64>(float (&d)[8][4], u64 a, u64 b,
-                                                      int accumulate) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0; }\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
+// The instructions for every N a kernel uses (multiples of 16 up to 256). Inline PTX names
+// its operands by number, outputs first, so each N needs its register list spelled out;
+// the lists below grow by one n8 fragment (four registers) a line, and each instantiation
+// names the numbers of the operands that follow its N / 2 accumulators.
+#define WGMMA_R4(a, b, c, d) "%" #a ", %" #b ", %" #c ", %" #d
+#define WGMMA_REGS_2 WGMMA_R4(0, 1, 2, 3) ", " WGMMA_R4(4, 5, 6, 7)
+#define WGMMA_REGS_4 WGMMA_REGS_2 ", " WGMMA_R4(8, 9, 10, 11) ", " WGMMA_R4(12, 13, 14, 15)
+#define WGMMA_REGS_6 WGMMA_REGS_4 ", " WGMMA_R4(16, 17, 18, 19) ", " WGMMA_R4(20, 21, 22, 23)
+#define WGMMA_REGS_8 WGMMA_REGS_6 ", " WGMMA_R4(24, 25, 26, 27) ", " WGMMA_R4(28, 29, 30, 31)
+#define WGMMA_REGS_10 WGMMA_REGS_8 ", " WGMMA_R4(32, 33, 34, 35) ", " WGMMA_R4(36, 37, 38, 39)
+#define WGMMA_REGS_12 WGMMA_REGS_10 ", " WGMMA_R4(40, 41, 42, 43) ", " WGMMA_R4(44, 45, 46, 47)
+#define WGMMA_REGS_14 WGMMA_REGS_12 ", " WGMMA_R4(48, 49, 50, 51) ", " WGMMA_R4(52, 53, 54, 55)
+#define WGMMA_REGS_16 WGMMA_REGS_14 ", " WGMMA_R4(56, 57, 58, 59) ", " WGMMA_R4(60, 61, 62, 63)
+#define WGMMA_REGS_18 WGMMA_REGS_16 ", " WGMMA_R4(64, 65, 66, 67) ", " WGMMA_R4(68, 69, 70, 71)
+#define WGMMA_REGS_20 WGMMA_REGS_18 ", " WGMMA_R4(72, 73, 74, 75) ", " WGMMA_R4(76, 77, 78, 79)
+#define WGMMA_REGS_22 WGMMA_REGS_20 ", " WGMMA_R4(80, 81, 82, 83) ", " WGMMA_R4(84, 85, 86, 87)
+#define WGMMA_REGS_24 WGMMA_REGS_22 ", " WGMMA_R4(88, 89, 90, 91) ", " WGMMA_R4(92, 93, 94, 95)
+#define WGMMA_REGS_26 WGMMA_REGS_24 ", " WGMMA_R4(96, 97, 98, 99) ", " WGMMA_R4(100, 101, 102, 103)
+#define WGMMA_REGS_28 WGMMA_REGS_26 ", " WGMMA_R4(104, 105, 106, 107) ", " WGMMA_R4(108, 109, 110, 111)
+#define WGMMA_REGS_30 WGMMA_REGS_28 ", " WGMMA_R4(112, 113, 114, 115) ", " WGMMA_R4(116, 117, 118, 119)
+#define WGMMA_REGS_32 WGMMA_REGS_30 ", " WGMMA_R4(120, 121, 122, 123) ", " WGMMA_R4(124, 125, 126, 127)
 
-template <> __device__ __forceinline__ void wgmma_rs_transposed_b<64>(float (&d)[8][4],
-                                                                    const u32 (&a)[4], u64 b,
-                                                                    int accumulate) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 1; }\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
+#define WGMMA_D(f) "+f"(d[f][0]), "+f"(d[f][1]), "+f"(d[f][2]), "+f"(d[f][3])
+#define WGMMA_ACC_2 WGMMA_D(0), WGMMA_D(1)
+#define WGMMA_ACC_4 WGMMA_ACC_2, WGMMA_D(2), WGMMA_D(3)
+#define WGMMA_ACC_6 WGMMA_ACC_4, WGMMA_D(4), WGMMA_D(5)
+#define WGMMA_ACC_8 WGMMA_ACC_6, WGMMA_D(6), WGMMA_D(7)
+#define WGMMA_ACC_10 WGMMA_ACC_8, WGMMA_D(8), WGMMA_D(9)
+#define WGMMA_ACC_12 WGMMA_ACC_10, WGMMA_D(10), WGMMA_D(11)
+#define WGMMA_ACC_14 WGMMA_ACC_12, WGMMA_D(12), WGMMA_D(13)
+#define WGMMA_ACC_16 WGMMA_ACC_14, WGMMA_D(14), WGMMA_D(15)
+#define WGMMA_ACC_18 WGMMA_ACC_16, WGMMA_D(16), WGMMA_D(17)
+#define WGMMA_ACC_20 WGMMA_ACC_18, WGMMA_D(18), WGMMA_D(19)
+#define WGMMA_ACC_22 WGMMA_ACC_20, WGMMA_D(20), WGMMA_D(21)
+#define WGMMA_ACC_24 WGMMA_ACC_22, WGMMA_D(22), WGMMA_D(23)
+#define WGMMA_ACC_26 WGMMA_ACC_24, WGMMA_D(24), WGMMA_D(25)
+#define WGMMA_ACC_28 WGMMA_ACC_26, WGMMA_D(26), WGMMA_D(27)
+#define WGMMA_ACC_30 WGMMA_ACC_28, WGMMA_D(28), WGMMA_D(29)
+#define WGMMA_ACC_32 WGMMA_ACC_30, WGMMA_D(30), WGMMA_D(31)
 
-template <> __device__ __forceinline__ void wgmma_ss<128>(float (&d)[16][4], u64 a, u64 b,
-                                                      int accumulate) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0; }\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
+// N, its fragment count F = N / 8, and the numbers of the operands after the 4 F
+// accumulators: %4F, %4F+1, ... (the shared-memory forms take two descriptors and the
+// flag; the register form four A registers, the descriptor and the flag).
+#define WGMMA_SHAPE(N, F, O0, O1, O2, O3, O4, O5)                                          \
+    template <>                                                                             \
+    __device__ __forceinline__ void wgmma_ss<N>(float (&d)[F][4], u64 a, u64 b,             \
+                                                int accumulate) {                           \
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, " O2 ", 0;\n"                          \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16" WGMMA_TYPES               \
+                     " {" WGMMA_REGS_##F "}, " O0 ", " O1 ", p, 1, 1, 0, 0; }\n"            \
+                     : WGMMA_ACC_##F                                                        \
+                     : "l"(a), "l"(b), "r"(accumulate));                                    \
+    }                                                                                       \
+    template <>                                                                             \
+    __device__ __forceinline__ void wgmma_ss_transposed<N>(float (&d)[F][4], u64 a, u64 b,  \
+                                                           int accumulate) {                \
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, " O2 ", 0;\n"                          \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16" WGMMA_TYPES               \
+                     " {" WGMMA_REGS_##F "}, " O0 ", " O1 ", p, 1, 1, 1, 1; }\n"            \
+                     : WGMMA_ACC_##F                                                        \
+                     : "l"(a), "l"(b), "r"(accumulate));                                    \
+    }                                                                                       \
+    template <>                                                                             \
+    __device__ __forceinline__ void wgmma_rs_transposed_b<N>(                               \
+        float (&d)[F][4], const u32 (&a)[4], u64 b, int accumulate) {                       \
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, " O5 ", 0;\n"                          \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16" WGMMA_TYPES               \
+                     " {" WGMMA_REGS_##F "}, {" O0 ", " O1 ", " O2 ", " O3 "}, " O4         \
+                     ", p, 1, 1, 1; }\n"                                                    \
+                     : WGMMA_ACC_##F                                                        \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)); \
+    }
 
-template <> __device__ __forceinline__ void wgmma_rs_transposed_b<128>(float (&d)[16][4],
-                                                                    const u32 (&a)[4], u64 b,
-                                                                    int accumulate) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 1; }\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-template <> __device__ __forceinline__ void wgmma_ss_transposed<64>(float (&d)[8][4], u64 a,
-                                                                 u64 b, int accumulate) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 1, 1; }\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
+WGMMA_SHAPE(16, 2, "%8", "%9", "%10", "%11", "%12", "%13")
+WGMMA_SHAPE(32, 4, "%16", "%17", "%18", "%19", "%20", "%21")
+WGMMA_SHAPE(48, 6, "%24", "%25", "%26", "%27", "%28", "%29")
+WGMMA_SHAPE(64, 8, "%32", "%33", "%34", "%35", "%36", "%37")
+WGMMA_SHAPE(80, 10, "%40", "%41", "%42", "%43", "%44", "%45")
+WGMMA_SHAPE(96, 12, "%48", "%49", "%50", "%51", "%52", "%53")
+WGMMA_SHAPE(112, 14, "%56", "%57", "%58", "%59", "%60", "%61")
+WGMMA_SHAPE(128, 16, "%64", "%65", "%66", "%67", "%68", "%69")
+WGMMA_SHAPE(144, 18, "%72", "%73", "%74", "%75", "%76", "%77")
+WGMMA_SHAPE(160, 20, "%80", "%81", "%82", "%83", "%84", "%85")
+WGMMA_SHAPE(176, 22, "%88", "%89", "%90", "%91", "%92", "%93")
+WGMMA_SHAPE(192, 24, "%96", "%97", "%98", "%99", "%100", "%101")
+WGMMA_SHAPE(208, 26, "%104", "%105", "%106", "%107", "%108", "%109")
+WGMMA_SHAPE(224, 28, "%112", "%113", "%114", "%115", "%116", "%117")
+WGMMA_SHAPE(240, 30, "%120", "%121", "%122", "%123", "%124", "%125")
+WGMMA_SHAPE(256, 32, "%128", "%129", "%130", "%131", "%132", "%133")

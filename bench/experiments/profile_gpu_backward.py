@@ -1,6 +1,6 @@
 """Each kernel of the default GPU backward timed alone, on FlashAttention's shapes.
 
-    PYTHONPATH=. python3 bench/profile_gpu_backward.py [--dtype float16] [--n 1024,4096,16384]
+    PYTHONPATH=. python3 bench/experiments/profile_gpu_backward.py [--dtype float16] [--n 1024,4096,16384]
 
 Runs `tileattn.backward` once per shape (validated against the float64 golden model on a
 small problem first), takes the launches it cached for that problem (D = rowsum(dO * o),
@@ -20,9 +20,9 @@ import sys
 import cupy
 
 import tileattn
-from tileattn.gpu import _launch
+from tileattn.gpu import launch_backward, operands
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_gpu import Case, fa_functions, make_inputs, median_ms, validate_small  # noqa: E402
 
 KERNELS = (("D", 0), ("dQ", 3), ("dK/dV", 4))  # name, tile products
@@ -31,10 +31,10 @@ KERNELS = (("D", 0), ("dQ", 3), ("dK/dV", 4))  # name, tile products
 def cached_backward_launches(q, k, v, do, o, lse, causal):
     """The launches `tileattn.backward` cached for this problem (the last backward plan)."""
     tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=causal)
-    keys = [key for key in _launch._PLANS if key[0] == "backward"]
+    keys = [key for key in operands._PLANS if key[0] == "backward"]
     if not keys:
         raise RuntimeError("the backward cached no launches (not the Hopper path?)")
-    return _launch._PLANS[keys[-1]]
+    return operands._PLANS[keys[-1]].launches
 
 
 def main() -> None:
@@ -56,10 +56,10 @@ def main() -> None:
                 o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True,
                                           causal=causal)
                 launches = cached_backward_launches(q, k, v, do, o, lse, causal)
-                delta = _launch._new_delta(o)
-                dq, dk, dv = _launch._backward_outputs(q, k, v)
+                delta = launch_backward._new_delta(o)
+                dq, dk, dv = launch_backward._outputs(q, k, v)
                 arguments = ((do, o, delta), (q, k, v, do, lse, delta, dq),
-                             (q, k, v, do, lse, delta, dk, dv, _launch._empty(q.device.id,
+                             (q, k, v, do, lse, delta, dk, dv, operands.empty(q.device.id,
                                                                               "float32")))
                 times = [median_ms(lambda launch=launch, arrays=arrays: launch(*arrays),
                                    args.repetitions) for launch, arrays in zip(launches,

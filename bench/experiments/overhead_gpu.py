@@ -1,6 +1,6 @@
 """Host time per call of the GPU backend: what a small problem pays beyond its kernels.
 
-    PYTHONPATH=. python3 bench/overhead_gpu.py
+    PYTHONPATH=. python3 bench/experiments/overhead_gpu.py
 
 Times `tileattn.forward` / `tileattn.backward` (backend="gpu") on a problem small enough
 that the kernels take a few microseconds, as wall time per call over many calls (the

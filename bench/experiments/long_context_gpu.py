@@ -1,6 +1,6 @@
 """One head, N = 1,048,576, D = 128, float16: forward and backward on the GPU (issue 5).
 
-    PYTHONPATH=. python3 bench/long_context_gpu.py [--n 1048576] [--causal] [--rows 4]
+    PYTHONPATH=. python3 bench/experiments/long_context_gpu.py [--n 1048576] [--causal] [--rows 4]
 
 Reports the time of the forward and of the backward (CUDA events, after a warm-up on a
 small problem so no compile is timed), TFLOP/s with FlashAttention's FLOP count, and the peak

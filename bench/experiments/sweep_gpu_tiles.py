@@ -1,0 +1,160 @@
+"""Sweep of a kernel family's tiles at any head dims: the experiment behind tileattn/gpu/tiles.py.
+
+    PYTHONPATH=. python3 bench/experiments/sweep_gpu_tiles.py --family wgmma --direction forward \
+        --dims 80,96,160 [--dtype float16] [--n 1024,4096]
+
+For each head dim (D or D:Dv), causal and not, and sequence length (batch * N = 16k tokens,
+hidden about 2048), every candidate configuration of the family is first checked against
+the float64 golden model on a small problem with every option on, then timed on the large
+one (calls back to back, bench_gpu.back_to_back_ms) beside the row the table chooses now.
+Candidates that do not fit shared memory, or that the compiler refuses, are reported and
+skipped. The winners become rows of the family's table, each with a note naming this sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from dataclasses import replace
+
+import cupy
+import numpy as np
+
+from tileattn.gpu import launch_backward, launch_forward, tiles
+from tileattn.gpu.operands import problem_of, shared_memory_limit
+from tileattn.testing import assert_attention_close
+from tileattn.validation import validate
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_gpu import Case, back_to_back_ms, make_inputs  # noqa: E402
+
+EVERY_OPTION = dict(causal=True, window=(100, None), softcap=4.0,
+                    alibi_slopes=None, dropout_p=0.1, seed=7)
+
+
+def candidates(family: str, direction: str):
+    """Every configuration worth timing for a family and direction."""
+    if family == "wgmma" and direction == "forward":
+        for block_q, block_k, stages, per_sm in itertools.product(
+                (64, 128, 192), (64, 128), (2, 3), (1, 2)):
+            if per_sm == 1 or block_q <= 128:
+                yield tiles.WgmmaTiles(block_q, block_k, stages, per_sm)
+    elif family == "wgmma":
+        for dq, dkdv, stages, split in itertools.product(
+                ((128, 64), (192, 64), (128, 32), (64, 64)),
+                ((128, 64), (192, 64), (128, 32), (64, 64)), (2, 3), (False, True)):
+            yield tiles.WgmmaBackwardTiles(dq, dkdv, stages, split)
+    elif direction == "forward" and family == "mma":
+        for block_q, block_k, rows, in_registers in itertools.product(
+                (64, 128), (32, 64, 128), (16, 32), (True, False)):
+            yield tiles.MmaTiles(block_q, block_k, rows, in_registers)
+    elif direction == "forward":
+        for block_q, block_k, rows in itertools.product((64, 128), (32, 64), (16, 32)):
+            yield tiles.Tf32Tiles(block_q, block_k, rows)
+    else:
+        for dq, dkdv, split in itertools.product(
+                ((128, 64), (64, 64), (128, 32), (64, 32)),
+                ((128, 64), (64, 64), (128, 32), (64, 32)), (False, True)):
+            yield tiles.MmaBackwardTiles(dq, dkdv, split)
+
+
+def _options(q, k, v, **options):
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    return validate(q, k, v, **{**defaults, **options}).options
+
+
+def run(choice, direction, q, k, v, do, options):
+    o, lse = launch_forward.run(choice if direction == "forward" else
+                                tiles.choose_forward(problem_of(q, k, v, options)),
+                                q, k, v, options)
+    if direction == "forward":
+        return o, lse
+    return launch_backward.run(choice, do, q, k, v, o, lse, options)
+
+
+def check(choice, direction, case: Case) -> None:
+    """The configuration against the float64 golden model, every option on."""
+    import tileattn
+
+    small = replace(case, batch=1, heads=2, n=300)
+    q, k, v, do = make_inputs(small, seed=1)
+    options = dict(EVERY_OPTION, alibi_slopes=np.array([0.2, 0.3]))
+    host = [a.get().astype(np.float64) for a in (q, k, v, do)]
+    resolved = _options(*host[:3], **options)
+    result = run(choice, direction, q, k, v, do, resolved)
+    golden_o, golden_lse = tileattn.forward(*host[:3], backend="reference", return_lse=True,
+                                            **options)
+    if direction == "forward":
+        assert_attention_close(result[0].get(), golden_o, q.dtype, name="o")
+        return
+    o = launch_forward.run(tiles.choose_forward(problem_of(q, k, v, resolved)), q, k, v,
+                           resolved)[0]
+    golden = tileattn.backward(host[3], *host[:3], o.get().astype(np.float64), golden_lse,
+                               backend="reference", **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), result, golden):
+        assert_attention_close(grad.get(), want, q.dtype, name=name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("wgmma", "mma", "tf32"), default="wgmma")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--dims", default="80,96,160", help="D or D:Dv, comma-separated")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--n", default="1024,4096")
+    parser.add_argument("--repetitions", type=int, default=5)
+    args = parser.parse_args()
+    limit = shared_memory_limit(cupy.cuda.Device().id)
+    flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
+    print("| D | Dv | causal | N | tiles | TFLOP/s | table's row |")
+    print("| ---: | ---: | --- | ---: | --- | ---: | --- |")
+    for dim in args.dims.split(","):
+        head_dim, value_dim = map(int, dim.split(":")) if ":" in dim else (int(dim),) * 2
+        step = 8 if args.family == "tf32" else 16
+        widths = tiles.Widths.padded(head_dim, value_dim, step)
+        for causal, n in itertools.product((False, True), map(int, args.n.split(","))):
+            case = Case(args.dtype, 16384 // n, max(1, round(2048 / head_dim)), n, head_dim,
+                        causal=causal, value_dim=value_dim)
+            q, k, v, do = make_inputs(case)
+            options = _options(q, k, v, causal=causal)
+            problem = problem_of(q, k, v, options)
+            chosen = (tiles.choose_forward(problem) if args.direction == "forward"
+                      else tiles.choose_backward(problem))
+            results = []
+            for config in candidates(args.family, args.direction):
+                if args.direction == "forward":
+                    fits = config.shared_bytes(widths) <= limit
+                else:
+                    element = 4 if args.family == "tf32" else 2
+                    parts = (1, 2) if config.split else (0,)
+                    fits = all((config.shared_bytes(e, widths, part=p) if args.family == "wgmma"
+                                else config.shared_bytes(e, widths, element, part=p)) <= limit
+                               for e in ("dq", "dkdv") for p in parts)
+                if not fits:
+                    continue
+                choice = tiles.Choice(args.family, config)
+                try:
+                    check(choice, args.direction, case)
+                    ms = back_to_back_ms(lambda: run(choice, args.direction, q, k, v, do,
+                                                     options), args.repetitions)
+                except Exception as error:  # a configuration the compiler refuses, or wrong
+                    print(f"  skipped {config}: {str(error).splitlines()[0][:120]}")
+                    continue
+                tflops = flops_factor * case.flops / ms / 1e9
+                results.append((tflops, config))
+                print(f"| {head_dim} | {value_dim} | {causal} | {n} | {config} | "
+                      f"{tflops:.1f} | {'<- table' if config == chosen.tiles else ''} |",
+                      flush=True)
+            if results:
+                best = max(results, key=lambda r: r[0])
+                print(f"best D={head_dim} Dv={value_dim} causal={causal} N={n}: "
+                      f"{best[1]} {best[0]:.1f} TFLOP/s; table: {chosen.tiles}", flush=True)
+            del q, k, v, do
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()

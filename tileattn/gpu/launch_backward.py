@@ -1,0 +1,249 @@
+"""Launching the backward: ``D = rowsum(dO * o)`` first (attention_backward_delta.cu), then
+the family that `tiles.choose_backward` picked, each launcher only reading its row."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from ..arrays import dtype_name
+from ..options import AttentionOptions
+from . import _compile
+from .launch_forward import GENERIC_THREADS, GenericConfig
+from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
+                       element_strides, empty, plan_key, problem_of, remember,
+                       score_arguments, tensor_core_operands)
+from .tiles import Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, choose_backward
+
+WGMMA_SOURCE = "attention_wgmma_backward.cu"
+MMA_SOURCE = "attention_mma_backward.cu"
+DELTA_SOURCE = "attention_backward_delta.cu"
+DELTA_THREADS = 256
+
+
+def _outputs(q, k, v) -> tuple:
+    """dq, dk, dv (uninitialised; every element is written)."""
+    return (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=q.dtype),
+            cupy.empty(v.shape, dtype=q.dtype))
+
+
+# --------------------------------------------------------------------------- D
+
+
+def _delta_launch(do, o) -> tuple:
+    """``(launch, do, o)``: attention_backward_delta for these arrays (copied only if a
+    stride is not a whole element), to be called as ``launch(do, o, delta)``. Contiguous,
+    16-byte aligned rows take the kernel that reads 16 bytes a lane."""
+    batch, n_heads, n_q, value_dim = o.shape
+    (do, do_strides), (o, o_strides) = element_strides(do), element_strides(o)
+    accum = accumulation_dtype(o.dtype)
+    defines = (("ACCUM", "double" if accum == np.float64 else "float"),
+               ("STORAGE", STORAGE[dtype_name(o.dtype)]))
+    n_rows = batch * n_heads * n_q
+    shape = (np.int64(n_rows), np.int32(n_heads), np.int64(n_q), np.int32(value_dim))
+    per_vector = 16 // o.dtype.itemsize
+    if (value_dim % per_vector == 0
+            and all(strides[3] == 1 and all(s % per_vector == 0 for s in strides[:3])
+                    and array.data.ptr % 16 == 0
+                    for array, strides in ((do, do_strides), (o, o_strides)))):
+        row_lanes = min(32, 1 << (value_dim // per_vector - 1).bit_length())
+        function = _compile.kernel(DELTA_SOURCE, "attention_backward_delta_vectors", defines)
+        blocks = max(1, min(-(-n_rows * row_lanes // DELTA_THREADS), 16384))
+        launch = Launch(function, (blocks,), (DELTA_THREADS,), 0,
+                        shape + (np.int32(row_lanes),) + do_strides[:3] + o_strides[:3])
+    else:
+        function = _compile.kernel(DELTA_SOURCE, "attention_backward_delta", defines)
+        blocks = max(1, min(-(-n_rows // (DELTA_THREADS // 32)), 16384))  # then grid-stride
+        launch = Launch(function, (blocks,), (DELTA_THREADS,), 0,
+                        shape + do_strides + o_strides)
+    return launch, do, o
+
+
+def _new_delta(o):
+    """D's buffer: one value per query row, in the accumulation dtype."""
+    return cupy.empty(o.shape[0] * o.shape[1] * o.shape[2], dtype=accumulation_dtype(o.dtype))
+
+
+def row_deltas(do, o) -> tuple:
+    """``(delta, launch)``: ``D = rowsum(do * o)`` per query row, flat ``(B * Hq * Nq,)``,
+    accumulation dtype (SPEC's D, which every backward below reads), and its launch."""
+    launch, do, o = _delta_launch(do, o)
+    delta = _new_delta(o)
+    launch(do, o, delta)
+    return delta, launch
+
+
+# --------------------------------------------------------------------------- tensor cores
+
+
+def _operands(do, q, k, v, lse, options: AttentionOptions):
+    """What the tensor-core backwards launch with: the inputs read in place, lse as float32,
+    the outputs (dq, dk, dv), the arguments after the arrays and the copy width."""
+    n_q_heads, n_q = q.shape[1], q.shape[2]
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    (q, k, v, do), (q_strides, k_strides, v_strides, do_strides), copy_bytes = (
+        tensor_core_operands(q, k, v, do))
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    outputs = _outputs(q, k, v)
+    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+              np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
+              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
+    return (do, q, k, v, lse), outputs, common, copy_bytes
+
+
+def _dkdv_parts(split: bool) -> tuple:
+    """The DKDV_PART values of the dK/dV launches: both at once, or dV and dK apart."""
+    return (1, 2) if split else (0,)
+
+
+def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaBackwardTiles,
+                   single_pass: bool = False):
+    """D = rowsum(do * o) first, then the dQ and the dK/dV kernels, which both read it.
+
+    `single_pass` (measured, not the default): no dQ kernel; the dK/dV kernel adds dQ into
+    a float32 buffer (B * Hq * Nq rounded up to 64 * D * 4 bytes) by bulk reductions, in
+    arrival order, so dq's last bits depend on scheduling. It is slower than the two kernels
+    on the H100 (bench/NOTES-gpu.md, v7, v10 and v11), so both settings of
+    ``deterministic`` run the two kernels by default.
+    """
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    key = plan_key("backward", options, do, q, k, v, o) if not single_pass else None
+    launches = cached(key, do, q, k, v, o)
+    if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
+        delta = _new_delta(o)
+        dq, dk, dv = _outputs(q, k, v)
+        launches[0](do, o, delta)
+        launches[1](q, k, v, do, lse, delta, dq)
+        for launch in launches[2:]:
+            launch(q, k, v, do, lse, delta, dk, dv, empty(q.device.id, "float32"))
+        return dq, dk, dv
+    arrays_in = (do, q, k, v, o)
+    delta, delta_launch = row_deltas(do, o)
+    launches = [delta_launch]
+    (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options)
+    widths = Widths.padded(head_dim, v.shape[3], 16)
+    # The single pass's dQ buffer: (batch x head, query tile of 64, column block of 64)
+    # blocks of 64 x 64 floats, one bulk reduction's destination each.
+    dq_sum = (cupy.zeros(batch * n_q_heads * -(-n_q // 64) * 64 * head_dim, dtype=cupy.float32)
+              if single_pass else empty(q.device.id, "float32"))
+    kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
+                                        batch * n_q_heads)])
+    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k,
+                 batch * n_kv_heads) for part in _dkdv_parts(tiles.split)]
+    for entry, part, arrays, n_rows, heads in kernels:
+        owned, streamed = getattr(tiles, entry)
+        defines = (("COPY_BYTES", copy_bytes), ("DKDV_PART", part), ("HEAD_DIM", head_dim),
+                   ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
+                   ("OWNED_ROWS", owned), ("SINGLE_PASS", int(single_pass)),
+                   ("STAGES", tiles.stages), ("STREAMED_ROWS", streamed),
+                   ("VALUE_DIM", v.shape[3])) + Switches.of(options).defines()
+        shared = tiles.shared_bytes(entry, widths, single_pass, part)
+        function = _compile.kernel(WGMMA_SOURCE, f"attention_backward_{entry}_wgmma",
+                                   tuple(sorted(defines)), shared, arch="90a")
+        launches.append(Launch(function, (-(-n_rows // owned) * heads,), (owned // 64 * 128,),
+                               shared, common))
+        launches[-1](*arrays)
+    remember(key, tuple(launches), copy_bytes, *arrays_in)
+    if single_pass:  # `defines` are the dK/dV kernel's: the same module
+        unblock = _compile.kernel(WGMMA_SOURCE, "attention_backward_dq_unblock",
+                                  tuple(sorted(defines)), 0, arch="90a")
+        unblock((min(4096, -(-dq.size // 512)),), (256,),
+                (dq_sum, dq, np.int64(n_q), np.int64(dq.size), np.float32(options.scale)))
+    return dq, dk, dv
+
+
+def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackwardTiles,
+                 single_pass: bool | None = None):
+    """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32).
+
+    `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
+    a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in turns when
+    ``options.deterministic`` (bitwise reproducible), in arrival order otherwise. Without
+    it the dQ kernel recomputes each tile for dQ itself (7 tile products instead of 5,
+    deterministic). Default: the single pass only for ``deterministic=False`` where it
+    serves the problem (16-bit, D = Dv a multiple of 16, dK and dV in one kernel); taking
+    turns cost more than the products it saves (bench/NOTES-gpu.md, v5).
+    """
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    is_float32 = dtype_name(q.dtype) == "float32"
+    can_single = (not is_float32 and head_dim == value_dim and head_dim % 16 == 0
+                  and not tiles.split)
+    single_pass = (not options.deterministic if single_pass is None else single_pass)
+    single_pass = single_pass and can_single
+    ordered = single_pass and options.deterministic
+    delta = row_deltas(do, o)[0]
+    (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options)
+    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
+    dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
+    n_q_tiles = -(-n_q // tiles.dkdv[1])
+    dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
+    kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
+                                        batch * n_q_heads)])
+    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k,
+                 batch * n_kv_heads) for part in _dkdv_parts(tiles.split)]
+    for entry, part, arrays, n_rows, heads in kernels:
+        owned, streamed = getattr(tiles, entry)
+        defines = (("COPY_BYTES", copy_bytes), ("DKDV_PART", part), ("HEAD_DIM", head_dim),
+                   ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
+                   ("IS_FLOAT32", int(is_float32)), ("ORDERED", int(ordered)),
+                   ("OWNED_ROWS", owned), ("SINGLE_PASS", int(single_pass)),
+                   ("STREAMED_ROWS", streamed), ("VALUE_DIM", value_dim)
+                   ) + Switches.of(options).defines()
+        shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
+        function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
+                                   tuple(sorted(defines)), shared)
+        function((-(-n_rows // owned) * heads,), (owned // 16 * 32,), arrays + common,
+                 shared_mem=shared)
+    if single_pass:  # `defines` are the dK/dV kernel's: the same module
+        convert = _compile.kernel(MMA_SOURCE, "attention_backward_dq_convert",
+                                  tuple(sorted(defines)), 0)
+        convert((min(4096, -(-dq.size // 512)),), (256,),
+                (dq_sum, dq, np.int64(dq.size), np.float32(options.scale)))
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- generic
+
+
+def backward_generic(do, q, k, v, o, lse, options: AttentionOptions):
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    accum = accumulation_dtype(q.dtype)
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    blocks = config.blocks(options)
+    delta = row_deltas(do, o)[0]
+    if lse.dtype != accum:
+        lse = lse.astype(accum)
+    (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
+    dq, dk, dv = _outputs(q, k, v)
+    common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+              np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
+              np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,
+              *v_strides, *do_strides, *lse_strides,
+              *score_arguments(options, n_q, n_k, accum))
+    function, shared = config.kernel("attention_backward_dq")
+    function((-(-n_q // blocks.block_q) * batch * n_q_heads,), (GENERIC_THREADS,),
+             (q, k, v, do, lse, delta, dq) + common, shared_mem=shared)
+    function, shared = config.kernel("attention_backward_dkdv")
+    function((-(-n_k // blocks.block_k) * batch * n_kv_heads,), (GENERIC_THREADS,),
+             (q, k, v, do, lse, delta, dk, dv) + common, shared_mem=shared)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions):
+    """``(dq, dk, dv)`` with the family and tiles of `choice` (the sweeps pass their own)."""
+    if choice.family == "wgmma":
+        return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles)
+    if choice.family in ("mma", "tf32"):
+        return backward_mma(do, q, k, v, o, lse, options, choice.tiles)
+    return backward_generic(do, q, k, v, o, lse, options)
+
+
+def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    return run(choose_backward(problem_of(q, k, v, options)), do, q, k, v, o, lse, options)

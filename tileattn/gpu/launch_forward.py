@@ -1,0 +1,206 @@
+"""Launching the forward: the family and tiles come from `tiles.choose_forward`; each
+launcher here only turns its row into compile-time defines, a grid and arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from ..arrays import dtype_name
+from ..options import AttentionOptions, Blocks
+from . import _compile
+from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
+                       element_strides, plan_key, problem_of, remember, score_arguments,
+                       tensor_core_operands)
+from .tiles import Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_forward
+
+WGMMA_SOURCE = "attention_wgmma_forward.cu"
+MMA_SOURCE = "attention_mma_forward.cu"
+TF32_SOURCE = "attention_tf32_forward.cu"
+GENERIC_SOURCE = "attention_generic.cu"
+GENERIC_THREADS = 256
+# Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
+# more blocks per SM on every CUDA GPU and needs no opt-in; tiles stop shrinking at 16x16
+# (the smallest that splits evenly over 256 threads), which for D = 256 needs the opt-in.
+GENERIC_SHARED_TARGET = 48 * 1024
+
+
+def _dims_defines(q, v, copy_bytes: int) -> tuple:
+    return (("COPY_BYTES", copy_bytes), ("HEAD_DIM", q.shape[3]), ("VALUE_DIM", v.shape[3]))
+
+
+def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k, v, o, lse,
+                        strides, options: AttentionOptions) -> Launch:
+    """Launches a tensor-core forward (one block per `block_q` query rows of a head, the
+    arguments every such kernel takes) and returns the launch."""
+    batch, n_q_heads, n_q, _ = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    q_strides, k_strides, v_strides = strides
+    launch = Launch(function, (-(-n_q // block_q) * batch * n_q_heads,), (threads,), shared,
+                    (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                     np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
+                     *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)))
+    launch(q, k, v, o, lse)
+    return launch
+
+
+def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles) -> tuple:
+    (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
+    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
+               ("BLOCKS_PER_SM", tiles.blocks_per_sm),
+               ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages)
+               ) + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
+    shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], 16))
+    function = _compile.kernel(WGMMA_SOURCE, "attention_forward_wgmma", tuple(sorted(defines)),
+                               shared, arch="90a")
+    return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
+                               strides, options), copy_bytes
+
+
+def forward_mma(q, k, v, o, lse, options: AttentionOptions, tiles: MmaTiles) -> tuple:
+    (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
+    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
+               ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
+               ("Q_IN_REGISTERS", int(tiles.q_in_registers)), ("WARP_ROWS", tiles.warp_rows)
+               ) + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
+    shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], 16))
+    function = _compile.kernel(MMA_SOURCE, "attention_forward_mma", tuple(sorted(defines)),
+                               shared)
+    return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
+                               strides, options), copy_bytes
+
+
+def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles) -> tuple:
+    (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
+    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
+               ("WARP_ROWS", tiles.warp_rows)
+               ) + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
+    shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], 8))
+    function = _compile.kernel(TF32_SOURCE, "attention_forward_tf32", tuple(sorted(defines)),
+                               shared)
+    return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
+                               strides, options), copy_bytes
+
+
+# --------------------------------------------------------------------------- generic
+
+
+def padded_dim(dim: int) -> int:
+    """A head dim rounded up to a power of two >= 16 (the generic kernels' tile width)."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def _generic_shared_bytes(accum_size: int, head_pad: int, value_pad: int,
+                          block_q: int, block_k: int) -> dict[str, int]:
+    """Dynamic shared memory of each generic kernel, mirroring the layouts in
+    attention_generic.cu (each kernel checks it got at least this much)."""
+    head_pitch, value_pitch, score_pitch = head_pad + 1, value_pad + 1, block_k + 1
+    kv = block_k * (head_pitch + value_pitch)
+    q_do = block_q * (head_pitch + value_pitch)
+    return {
+        "attention_forward": accum_size * (block_q * head_pitch + kv + block_q * score_pitch
+                                           + 3 * block_q),
+        "attention_backward_dkdv": accum_size * (kv + q_do + 2 * block_q * score_pitch
+                                                 + 2 * block_q),
+        "attention_backward_dq": accum_size * (kv + q_do + block_q * score_pitch
+                                               + 2 * block_q),
+    }
+
+
+@dataclass(frozen=True)
+class GenericConfig:
+    """One compiled configuration of attention_generic.cu: its tile *capacity* fits the
+    shared-memory target; the caller's tile sizes run up to it as run-time values."""
+
+    dtype: str
+    head_pad: int
+    value_pad: int
+    capacity: Blocks
+    switches: Switches
+
+    @classmethod
+    def for_problem(cls, dtype, head_dim: int, value_dim: int,
+                    options: AttentionOptions) -> "GenericConfig":
+        head_pad, value_pad = padded_dim(head_dim), padded_dim(value_dim)
+        accum_size = accumulation_dtype(dtype).itemsize
+        block_q = block_k = 64
+        while (max(_generic_shared_bytes(accum_size, head_pad, value_pad, block_q,
+                                         block_k).values()) > GENERIC_SHARED_TARGET
+               and max(block_q, block_k) > 16):
+            if block_q >= block_k:
+                block_q //= 2
+            else:
+                block_k //= 2
+        return cls(np.dtype(dtype).name, head_pad, value_pad, Blocks(block_q, block_k),
+                   Switches.of(options))
+
+    def blocks(self, options: AttentionOptions) -> Blocks:
+        """The caller's tile sizes, clipped to this configuration's capacity."""
+        wanted = self.capacity.resolve(options.block_q, options.block_k)
+        return Blocks(min(wanted.block_q, self.capacity.block_q),
+                      min(wanted.block_k, self.capacity.block_k))
+
+    def kernel(self, entry: str):
+        accum = accumulation_dtype(self.dtype)
+        shared = _generic_shared_bytes(accum.itemsize, self.head_pad, self.value_pad,
+                                       self.capacity.block_q, self.capacity.block_k)[entry]
+        defines = (("ACCUM", "double" if accum == np.float64 else "float"),
+                   ("BLOCK_K", self.capacity.block_k), ("BLOCK_Q", self.capacity.block_q),
+                   ("HEAD_DIM_PAD", self.head_pad), ("STORAGE", STORAGE[self.dtype]),
+                   ("THREADS", GENERIC_THREADS),
+                   ("VALUE_DIM_PAD", self.value_pad)) + self.switches.defines()
+        return _compile.kernel(GENERIC_SOURCE, entry, tuple(sorted(defines)), shared), shared
+
+
+def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None) -> tuple:
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    blocks = config.blocks(options)
+    function, shared = config.kernel("attention_forward")
+    (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
+    n_tiles = -(-n_q // blocks.block_q)
+    launch = Launch(function, (n_tiles * batch * n_q_heads,), (GENERIC_THREADS,), shared,
+                    (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                     np.int32(n_q_heads // n_kv_heads), np.int32(head_dim),
+                     np.int32(value_dim), np.int32(blocks.block_q), np.int32(blocks.block_k),
+                     *q_strides, *k_strides, *v_strides,
+                     *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype))))
+    launch(q, k, v, o, lse)
+    return launch, 1
+
+
+# --------------------------------------------------------------------------- dispatch
+
+# Each launcher returns ``(launch, alignment)``: the launch, to be cached, and the address
+# alignment (bytes) its copies assume.
+_LAUNCHERS = {"wgmma": forward_wgmma, "mma": forward_mma, "tf32": forward_tf32,
+              "generic": forward_generic}
+
+
+def _outputs(q, v):
+    batch, n_q_heads, n_q, _ = q.shape
+    return (cupy.empty((batch, n_q_heads, n_q, v.shape[3]), dtype=q.dtype),
+            cupy.empty((batch, n_q_heads, n_q), dtype=accumulation_dtype(q.dtype)))
+
+
+def run(choice: Choice, q, k, v, options: AttentionOptions):
+    """``(o, lse)`` with the family and tiles of `choice` (tests and sweeps name theirs)."""
+    o, lse = _outputs(q, v)
+    _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)
+    return o, lse
+
+
+def forward(q, k, v, options: AttentionOptions):
+    key = plan_key("forward", options, q, k, v)
+    launches = cached(key, q, k, v)
+    o, lse = _outputs(q, v)
+    if launches is not None:
+        launches[0](q, k, v, o, lse)
+        return o, lse
+    choice = choose_forward(problem_of(q, k, v, options))
+    launch, alignment = _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)
+    remember(key, (launch,), alignment, q, k, v)
+    return o, lse

@@ -1,0 +1,219 @@
+"""What every launch needs besides its kernel: the arrays as the kernels read them, the
+scalar score arguments, the device's limits, and the cache of a problem's launches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import cupy
+import numpy as np
+
+from ..arrays import dtype_name
+from ..dropout import dropout_key, dropout_threshold
+from ..options import UNLIMITED, AttentionOptions
+from .tiles import Problem
+
+STORAGE = {"float16": "half_storage", "bfloat16": "bfloat16_storage", "float32": "float",
+           "float64": "double"}
+
+
+def accumulation_dtype(dtype) -> np.dtype:
+    """float64 for float64 inputs, float32 for every other dtype (also lse's dtype)."""
+    return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
+
+
+@lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+@lru_cache(maxsize=None)
+def shared_memory_limit(device_id: int) -> int:
+    """The most dynamic shared memory one block of this device may opt in to."""
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"])
+
+
+def problem_of(q, k, v, options: AttentionOptions) -> Problem:
+    """The `tiles.Problem` of these arrays on their device."""
+    switches = Switches.of(options)
+    device = q.device.id
+    return Problem(capability=compute_capability(device),
+                   shared_limit=shared_memory_limit(device), dtype=dtype_name(q.dtype),
+                   head_dim=q.shape[3], value_dim=v.shape[3], n_k=k.shape[2],
+                   score_options=switches.softcap or switches.alibi or switches.dropout,
+                   banded=options.is_masked, block_q=options.block_q, block_k=options.block_k)
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The options that select code at compile time (an off option costs nothing)."""
+
+    limit_left: bool
+    limit_right: bool
+    softcap: bool
+    alibi: bool
+    dropout: bool
+
+    @classmethod
+    def of(cls, options: AttentionOptions) -> "Switches":
+        return cls(limit_left=options.window_left != UNLIMITED,
+                   limit_right=options.window_right != UNLIMITED,
+                   softcap=options.softcap > 0, alibi=options.alibi_slopes is not None,
+                   dropout=options.dropout_p > 0)
+
+    def defines(self) -> tuple:
+        return (("ALIBI", int(self.alibi)), ("DROPOUT", int(self.dropout)),
+                ("LIMIT_LEFT", int(self.limit_left)), ("LIMIT_RIGHT", int(self.limit_right)),
+                ("SOFTCAP", int(self.softcap)))
+
+
+def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tuple:
+    """The run-time score options in the kernels' parameter order.
+
+    Window sides are clamped to ``Nq + Nk``: a wider window keeps the same keys, and the
+    clamp keeps the kernels' 64-bit band arithmetic far from overflow.
+    """
+    accum = np.dtype(accum).type
+    reach = n_q + n_k
+
+    def side(value):
+        return np.int64(0 if value == UNLIMITED else min(value, reach))
+
+    dropping = options.dropout_p > 0
+    return (accum(options.scale), accum(options.softcap if options.softcap > 0 else 1.0),
+            np.int64(n_k - n_q), side(options.window_left), side(options.window_right),
+            np.uint32(dropout_key(options.seed) if dropping else 0),
+            np.uint32(dropout_threshold(options.dropout_p) if dropping else 0),
+            accum(1.0 / (1.0 - options.dropout_p)))
+
+
+@lru_cache(maxsize=None)
+def empty(device_id: int, dtype: str):
+    """A zero-length array standing in for an unused pointer argument, one per device."""
+    with cupy.cuda.Device(device_id):
+        return cupy.empty(0, dtype=dtype)
+
+
+def alibi_slopes(options: AttentionOptions):
+    """The (B, Hq) float64 slopes on the device, or an empty stand-in when ALiBi is off."""
+    if options.alibi_slopes is None:
+        return empty(cupy.cuda.Device().id, "float64")
+    return cupy.asarray(np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def _copy_contiguous(array):
+    """A C-contiguous copy; 16-bit arrays are copied as uint16 bits, which works for
+    bfloat16 whatever CuPy's own bfloat16 support."""
+    if array.dtype.itemsize == 2:
+        return array.view(cupy.uint16).copy(order="C").view(array.dtype)
+    return array.copy(order="C")
+
+
+def element_strides(array):
+    """``(array, strides in elements)``; copies only if a stride is not a whole element."""
+    itemsize = array.itemsize
+    if any(stride % itemsize for stride in array.strides):
+        array = _copy_contiguous(array)
+    return array, tuple(np.int64(stride // itemsize) for stride in array.strides)
+
+
+def _alignment(value: int) -> int:
+    """The largest of 16, 8, 4, 2, 1 that divides `value`."""
+    value = abs(int(value))
+    for size in (16, 8, 4, 2):
+        if value % size == 0:
+            return size
+    return 1
+
+
+def row_alignment(array) -> int:
+    """The widest copy (bytes, at most 16) that every row of `array` allows: its address,
+    its batch, head and row strides and its row's length in bytes all divide by it."""
+    alignment = _alignment(array.data.ptr)
+    for stride in array.strides[:3]:
+        alignment = min(alignment, _alignment(stride))
+    return min(alignment, _alignment(array.shape[3] * array.itemsize))
+
+
+def tensor_core_operands(*arrays):
+    """``(arrays, strides, copy_bytes)``: the arrays with contiguous rows (each is read in
+    place unless its last axis is strided, which tensor cores cannot take), their element
+    strides and the widest copy all of their rows allow."""
+    ready = []
+    for array in arrays:
+        if array.strides[3] != array.itemsize:
+            array = _copy_contiguous(array)
+        ready.append(element_strides(array))
+    copy_bytes = min(row_alignment(array) for array, _ in ready)
+    return [a for a, _ in ready], [s for _, s in ready], copy_bytes
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch but for its array arguments, which come first: the grid, block,
+    shared memory and the scalar arguments after the arrays."""
+
+    function: object
+    grid: tuple
+    block: tuple
+    shared: int
+    arguments: tuple
+
+    def __call__(self, *arrays):
+        self.function(self.grid, self.block, arrays + self.arguments, shared_mem=self.shared)
+
+
+# --------------------------------------------------------------------------- launch cache
+
+# Launches per problem, so that a repeated call (a training step, a benchmark) skips the
+# kernel choice, the compile-cache lookup and the building of ~25 scalar arguments: at
+# FlashAttention's N = 1k shapes the host time of a call is 15-30 % of its kernels' time
+# (bench/NOTES-gpu.md, v9). Bounded: cleared when full.
+_PLANS: dict[tuple, "Plan"] = {}
+_PLAN_LIMIT = 256
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A problem's launches and the address alignment (bytes) their copies assume."""
+
+    launches: tuple
+    alignment: int
+
+
+def plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None:
+    """What a problem's launches depend on besides the arrays' addresses, or None when they
+    are not cached: ALiBi slopes are an array of their own, and dropout's seed usually
+    changes with every call."""
+    if options.alibi_slopes is not None or options.dropout_p > 0:
+        return None
+    return (direction, options.window_left, options.window_right, options.scale,
+            options.softcap, options.block_q, options.block_k, options.deterministic,
+            arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays)
+
+
+def remember(key: tuple | None, launches: tuple, alignment: int, *arrays) -> None:
+    """Caches `launches` under `key` when the arrays were read in place (so the strides in
+    the launches' arguments are the arrays' own)."""
+    if key is None or any(a.strides[3] != a.itemsize for a in arrays):
+        return
+    if len(_PLANS) >= _PLAN_LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = Plan(launches, alignment)
+
+
+def cached(key: tuple | None, *arrays) -> tuple | None:
+    """The launches cached under `key`, if the arrays' addresses allow their copies."""
+    if key is None:
+        return None
+    plan = _PLANS.get(key)
+    if plan is None or any(a.data.ptr % plan.alignment for a in arrays):
+        return None
+    return plan.launches

@@ -1,0 +1,469 @@
+"""Which kernel family runs a problem, and with which tiles: one table per family.
+
+Families (the ``.cu`` files' headers say how each works):
+
+* ``wgmma``: Hopper (sm_90) tensor cores, float16/bfloat16 (attention_wgmma_forward.cu,
+  attention_wgmma_backward.cu);
+* ``mma``: mma.sync tensor cores on sm_80 and later, float16/bfloat16
+  (attention_mma_forward.cu, attention_mma_backward.cu);
+* ``tf32``: float32 at float32 accuracy on TF32 tensor cores, sm_80 and later
+  (attention_tf32_forward.cu, attention_mma_backward.cu with IS_FLOAT32);
+* ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64, head
+  dims above 256, GPUs before sm_80, and tile sizes the caller names that no tensor-core
+  configuration is built for.
+
+Each tensor-core table is a list of rows, the first that matches a problem wins. A row
+matches on the padded head dims (`Widths`: D and Dv rounded up to the tensor cores' K
+step), on the number of keys and on the score options; its note says which sweep chose
+it (bench/NOTES-gpu.md has the sweeps; bench/experiments/sweep_gpu_tiles.py runs them).
+A row whose tiles do not fit the device's shared memory is passed over. A new head dim
+needs no code: every width up to 256 is a template instantiation of the same kernels, and
+the rows cover them by ranges.
+
+`choose_forward` and `choose_backward` are the one place a family is chosen; `describe`
+says what they chose and why, for ``python -m tileattn info``. Nothing here imports CuPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_TENSOR_CORE_DIM = 256  # above it the generic kernels run (documented in the README)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the choice depends on: the device's compute capability (90 for sm_90), its
+    shared memory per block, the dtype's name, D and Dv, Nk, the score options that cost
+    registers (softcap, ALiBi, dropout), whether a band (causal or window) masks tiles, and
+    the tile sizes the caller named, if any."""
+
+    capability: int
+    shared_limit: int
+    dtype: str
+    head_dim: int
+    value_dim: int
+    n_k: int
+    score_options: bool = False
+    banded: bool = False
+    block_q: int | None = None
+    block_k: int | None = None
+
+    @property
+    def named_blocks(self) -> bool:
+        return self.block_q is not None or self.block_k is not None
+
+
+def padded(dim: int, step: int) -> int:
+    """A head dim rounded up to the tensor cores' K step (the kernels' padded_width)."""
+    return -(-dim // step) * step
+
+
+@dataclass(frozen=True)
+class Widths:
+    """D and Dv padded to the K step of a family: 16 for 16-bit inputs, 8 for TF32."""
+
+    head: int
+    value: int
+
+    @classmethod
+    def of(cls, problem: Problem, step: int) -> "Widths":
+        return cls.padded(problem.head_dim, problem.value_dim, step)
+
+    @classmethod
+    def padded(cls, head_dim: int, value_dim: int, step: int) -> "Widths":
+        return cls(padded(head_dim, step), padded(value_dim, step))
+
+    @property
+    def widest(self) -> int:
+        return max(self.head, self.value)
+
+
+@dataclass(frozen=True)
+class When:
+    """A row's condition: padded widths up to `max_width` (both D and Dv) and, where given,
+    up to `max_sum` for D + Dv; at most `max_keys` keys; score options and a band as
+    given (None: either)."""
+
+    max_width: int
+    max_sum: int = 2 * MAX_TENSOR_CORE_DIM
+    max_keys: int | None = None
+    score_options: bool | None = None
+    banded: bool | None = None
+
+    def matches(self, problem: Problem, widths: Widths) -> bool:
+        return (widths.widest <= self.max_width
+                and widths.head + widths.value <= self.max_sum
+                and (self.max_keys is None or problem.n_k <= self.max_keys)
+                and (self.score_options is None or self.score_options == problem.score_options)
+                and (self.banded is None or self.banded == problem.banded))
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class WgmmaTiles:
+    """The Hopper forward: `block_q` query rows (64 per warpgroup), `block_k` keys per step,
+    `stages` K/V buffers in flight, registers capped for `blocks_per_sm` resident blocks."""
+
+    block_q: int
+    block_k: int
+    stages: int
+    blocks_per_sm: int = 1
+
+    @property
+    def threads(self) -> int:
+        return self.block_q // 64 * 128
+
+    def shared_bytes(self, widths: Widths) -> int:
+        """Q tile and `stages` K and V tiles (16-bit, swizzled, unpadded rows), plus 1024
+        bytes to align the tiles to the swizzle's period."""
+        return 1024 + 2 * (self.block_q * widths.head
+                           + self.stages * self.block_k * (widths.head + widths.value))
+
+
+@dataclass(frozen=True)
+class WgmmaBackwardTiles:
+    """The Hopper backward: per kernel (owned rows, streamed rows), owned rows 64 per
+    warpgroup, `stages` buffers of streamed tiles; `split` runs dK and dV as two kernels
+    (DKDV_PART) where both accumulators would not fit the registers."""
+
+    dq: tuple[int, int]
+    dkdv: tuple[int, int]
+    stages: int
+    split: bool = False
+
+    def shared_bytes(self, entry: str, widths: Widths, single_pass: bool = False,
+                     part: int = 0) -> int:
+        """Owned and `stages` streamed tiles (16-bit, swizzled), 1024 bytes of alignment
+        slack; the dK/dV kernel also stages lse and D per streamed row, holds no V tile in
+        its dV-only part, and in the single pass the dS^T tile (owned x 64, 1024-byte
+        aligned) and a dQ staging block per warpgroup (64 x 64 floats)."""
+        owned, streamed = getattr(self, entry)
+        stream = 2 * self.stages * streamed * (widths.head + widths.value)
+        if entry != "dkdv":
+            return 1024 + 2 * owned * (widths.head + widths.value) + stream
+        owned_bytes = 2 * owned * (widths.head + (widths.value if part != 1 else 0))
+        return 1024 + owned_bytes + stream + 2 * 4 * self.stages * streamed + (
+            1024 + 2 * owned * 64 + owned * 64 * 4 if single_pass else 0)
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    """The mma.sync forward: `block_q` query rows in warps of `warp_rows` (16 or 32) rows
+    each, Q fragments in registers or re-read from shared memory, `block_k` keys per step."""
+
+    block_q: int
+    block_k: int
+    warp_rows: int = 16
+    q_in_registers: bool = True
+
+    @property
+    def threads(self) -> int:
+        return self.block_q // self.warp_rows * 32
+
+    def shared_bytes(self, widths: Widths) -> int:
+        """Q tile plus two stages of K and V tiles, rows padded by 8 elements (16 bytes)."""
+        return 2 * ((self.block_q + 2 * self.block_k) * (widths.head + 8)
+                    + 2 * self.block_k * (widths.value + 8))
+
+
+@dataclass(frozen=True)
+class Tf32Tiles:
+    """The float32 (3xTF32) forward: `block_q` query rows in warps of `warp_rows` rows each,
+    `block_k` keys per step."""
+
+    block_q: int
+    block_k: int
+    warp_rows: int
+
+    @property
+    def threads(self) -> int:
+        return self.block_q // self.warp_rows * 32
+
+    def shared_bytes(self, widths: Widths) -> int:
+        """The Q tile and two stages of K and V tiles, float32; Q and K rows padded by 8
+        floats, V rows by 4 (attention_tf32_forward.cu says why)."""
+        return 4 * ((self.block_q + 2 * self.block_k) * (widths.head + 8)
+                    + 2 * self.block_k * (widths.value + 4))
+
+
+@dataclass(frozen=True)
+class MmaBackwardTiles:
+    """The mma.sync / 3xTF32 backward: per kernel (owned rows, streamed rows), 16 owned rows
+    per warp; `split` as in `WgmmaBackwardTiles`."""
+
+    dq: tuple[int, int]
+    dkdv: tuple[int, int]
+    split: bool = False
+
+    def shared_bytes(self, entry: str, widths: Widths, element_size: int,
+                     single_pass: bool = False, part: int = 0) -> int:
+        """Owned tiles plus two stages of streamed ones, rows padded by 8 elements; the
+        dK/dV kernel also stages lse and D per streamed row (no V tile in its dV-only
+        part), and in the single pass the dS^T tile (owned x streamed, padded)."""
+        owned, streamed = getattr(self, entry)
+        head_pitch, value_pitch = widths.head + 8, widths.value + 8
+        stream = 2 * streamed * (head_pitch + value_pitch)
+        if entry != "dkdv":
+            return element_size * (owned * (head_pitch + value_pitch) + stream)
+        owned_elements = owned * (head_pitch + (value_pitch if part != 1 else 0))
+        return (element_size * (owned_elements + stream) + 2 * 2 * 4 * streamed
+                + (2 * owned * (streamed + 8) if single_pass else 0))
+
+
+# --------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a family's table: when it applies, its tiles, and why they won."""
+
+    when: When
+    tiles: object
+    note: str
+
+
+# Hopper forward. D <= 64 and 64 < D <= 128 are the v10-v13b sweeps at D = 64 and 128; the
+# other widths start from the registers ptxas reports per width (bench/NOTES-gpu.md, v14)
+# until bench/experiments/sweep_gpu_tiles.py measures them.
+WGMMA_FORWARD = [
+    Row(When(64, score_options=True), WgmmaTiles(192, 128, 2),
+        "v9: softcap/ALiBi/dropout at D=64, three warpgroups"),
+    Row(When(64, max_keys=4096), WgmmaTiles(128, 128, 2, 2),
+        "v10: N<=4k at D=64, two blocks per SM cover a block's prologue"),
+    Row(When(64), WgmmaTiles(192, 128, 2), "v10: D=64 N=1k-16k, three warpgroups"),
+    Row(When(128, score_options=True), WgmmaTiles(192, 64, 3),
+        "v9: score options at D=128 spill with 128-key tiles (ptxas: 148 bytes)"),
+    Row(When(128, max_keys=1024), WgmmaTiles(128, 64, 2, 2),
+        "v10: N<=1k at D=128, two blocks per SM"),
+    Row(When(128), WgmmaTiles(192, 128, 2), "v10: D=128 N=2k-16k, three warpgroups"),
+    Row(When(192), WgmmaTiles(128, 64, 3),
+        "v14: D<=192, two warpgroups; O's 96 registers leave no room for 128-key scores"),
+    Row(When(256), WgmmaTiles(128, 64, 2),
+        "v14: D<=256, two warpgroups, 236 registers (ptxas); two stages fill 193 KiB"),
+]
+
+# Hopper backward. D <= 64 and <= 128: the v7/v12 sweeps; the stage count differs with a
+# band (v12). Wider: dK and dV split where D + Dv > 256,
+# whose accumulators no longer fit beside the score tiles (v14, ptxas).
+WGMMA_BACKWARD = [
+    Row(When(64, banded=True), WgmmaBackwardTiles((192, 64), (192, 64), 3),
+        "v12: banded D=64, a third stage +4-5 %"),
+    Row(When(64), WgmmaBackwardTiles((192, 64), (192, 64), 2), "v7: D=64"),
+    Row(When(128, banded=True), WgmmaBackwardTiles((192, 64), (128, 64), 2),
+        "v12: banded D=128, a third stage spills the dK/dV kernel"),
+    Row(When(128), WgmmaBackwardTiles((192, 64), (128, 64), 3),
+        "v12: D=128, three stages +3-4 %"),
+    Row(When(192, max_sum=256), WgmmaBackwardTiles((128, 64), (128, 64), 2),
+        "v14: D+Dv<=256 beyond 128, one dK/dV kernel"),
+    Row(When(192), WgmmaBackwardTiles((128, 64), (128, 64), 2, split=True),
+        "v14: D<=192, dK and dV in two kernels (ptxas: 222-236 registers each)"),
+    Row(When(256), WgmmaBackwardTiles((128, 32), (128, 32), 2, split=True),
+        "v14: D<=256, 32 streamed rows fit 193 KiB of shared memory"),
+]
+
+# mma.sync forward (sm_80+; on Hopper for named tile sizes the wgmma kernel lacks). D = 64 and
+# 128: the v3 sweep. Wider: Q re-read from shared memory, which frees the registers O needs.
+MMA_FORWARD = [
+    Row(When(64), MmaTiles(128, 64, 32, True), "v3: D=64, 32-row warps, +12-30 %"),
+    Row(When(128), MmaTiles(128, 128, 16, True), "v3: D=128"),
+    Row(When(128), MmaTiles(128, 64, 16, True),
+        "v14: D=128 where 128x128 tiles exceed shared memory (sm_80: 163 KiB)"),
+    Row(When(256), MmaTiles(64, 64, 16, False), "v14: D<=256, Q from shared memory"),
+    Row(When(256), MmaTiles(64, 32, 16, False), "v14: D<=256 in sm_80's 163 KiB"),
+]
+
+MMA_BACKWARD = [
+    Row(When(64), MmaBackwardTiles((64, 64), (128, 64)), "v3: D=64"),
+    Row(When(128), MmaBackwardTiles((128, 128), (128, 64)), "v3: D=128"),
+    Row(When(128), MmaBackwardTiles((64, 64), (64, 64)),
+        "v14: D=128 where v3's tiles exceed shared memory"),
+    Row(When(256, max_sum=256), MmaBackwardTiles((64, 64), (64, 64)), "v14: D+Dv<=256"),
+    Row(When(256), MmaBackwardTiles((64, 32), (64, 32), split=True),
+        "v14: D+Dv>256, dK and dV in two kernels"),
+    Row(When(256), MmaBackwardTiles((32, 32), (32, 32), split=True),
+        "v14: D+Dv>256 in sm_80's 163 KiB"),
+]
+
+# float32 on 3xTF32 (sm_80+): v9 (forward) and v13 (backward) sweeps at D = 64 and 128.
+TF32_FORWARD = [
+    Row(When(64), Tf32Tiles(128, 64, 32), "v9: D=64"),
+    Row(When(128), Tf32Tiles(128, 64, 16), "v9: D=128"),
+    Row(When(256), Tf32Tiles(64, 32, 16), "v14: D<=256, fits 201 KiB"),
+    Row(When(256), Tf32Tiles(32, 16, 16), "v14: D<=256 in sm_80's 163 KiB"),
+]
+
+TF32_BACKWARD = [
+    Row(When(64), MmaBackwardTiles((128, 64), (128, 64)), "v13: D=64, 8 warps"),
+    Row(When(128), MmaBackwardTiles((128, 32), (128, 32)),
+        "v13: D=128, 32 streamed rows fit 278 KB of tiles into 227 KiB"),
+    Row(When(192, max_sum=256), MmaBackwardTiles((64, 32), (64, 32)), "v14: D+Dv<=256"),
+    Row(When(192), MmaBackwardTiles((64, 32), (64, 32), split=True), "v14: D<=192"),
+    Row(When(256), MmaBackwardTiles((32, 32), (32, 32), split=True),
+        "v14: D<=256, the tiles that fit shared memory"),
+    Row(When(256), MmaBackwardTiles((16, 16), (16, 16), split=True),
+        "v14: D<=256 in sm_80's 163 KiB"),
+]
+
+# Tile sizes a caller may name that a tensor-core forward is built for.
+WGMMA_BLOCK_Q = (64, 128, 192, 256)
+WGMMA_BLOCK_K = (64, 128)
+MMA_BLOCK_Q = (64, 128)
+MMA_BLOCK_K = (32, 64, 128)
+TF32_BLOCK_Q = (64, 128)
+TF32_BLOCK_K = (32, 64)
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A family, its configuration (None for the generic kernels, which size their own
+    tiles) and why: the row's note, or the reason a tensor-core family does not apply."""
+
+    family: str
+    tiles: object = None
+    note: str = ""
+    considered: tuple = field(default=(), compare=False)
+
+
+def _tensor_core_dims(problem: Problem) -> str | None:
+    """Why no tensor-core family serves these head dims, or None."""
+    if max(problem.head_dim, problem.value_dim) > MAX_TENSOR_CORE_DIM:
+        return f"head dim above {MAX_TENSOR_CORE_DIM}"
+    return None
+
+
+def _first_fitting(table, problem: Problem, widths: Widths, fits) -> Row | None:
+    for row in table:
+        if row.when.matches(problem, widths) and fits(row.tiles):
+            return row
+    return None
+
+
+def _generic(reason: str) -> Choice:
+    return Choice("generic", None, reason)
+
+
+def wgmma_named_tiles(problem: Problem, default: WgmmaTiles) -> WgmmaTiles | None:
+    """The Hopper forward with the caller's tile sizes where it is built for them: one block
+    per SM, the default's stages where they fit shared memory, else fewer."""
+    block_q = problem.block_q or default.block_q
+    block_k = problem.block_k or default.block_k
+    if block_q not in WGMMA_BLOCK_Q or block_k not in WGMMA_BLOCK_K:
+        return None
+    widths = Widths.of(problem, 16)
+    # 512 threads per SM leave 128 registers a thread: too few for wide accumulators beside
+    # 128-key scores (NVRTC refuses with C7512: wgmma serialised).
+    if block_q >= 256 and widths.widest * block_k > 8192:
+        return None
+    if (block_q, block_k) == (default.block_q, default.block_k):
+        return default
+    tiles = WgmmaTiles(block_q, block_k, default.stages)
+    while tiles.shared_bytes(widths) > problem.shared_limit and tiles.stages > 2:
+        tiles = WgmmaTiles(block_q, block_k, tiles.stages - 1)
+    return tiles if tiles.shared_bytes(widths) <= problem.shared_limit else None
+
+
+def choose_forward(problem: Problem) -> Choice:
+    """The forward's family and tiles for `problem`."""
+    reason = _tensor_core_dims(problem)
+    if reason is not None:
+        return _generic(reason)
+    if problem.dtype in ("float16", "bfloat16"):
+        if problem.capability < 80:
+            return _generic("tensor-core kernels need sm_80 or later")
+        widths = Widths.of(problem, 16)
+        if problem.capability == 90:
+            row = _first_fitting(WGMMA_FORWARD, problem, widths,
+                                 lambda t: t.shared_bytes(widths) <= problem.shared_limit)
+            if row is not None:
+                if not problem.named_blocks:
+                    return Choice("wgmma", row.tiles, row.note)
+                named = wgmma_named_tiles(problem, row.tiles)
+                if named is not None:
+                    return Choice("wgmma", named, "tile sizes named by the caller")
+        row = _first_fitting(MMA_FORWARD, problem, widths,
+                             lambda t: t.shared_bytes(widths) <= problem.shared_limit)
+        if row is None:
+            return _generic("no mma.sync tiles fit this device's shared memory")
+        if not problem.named_blocks:
+            return Choice("mma", row.tiles, row.note)
+        block_q = problem.block_q or row.tiles.block_q
+        block_k = problem.block_k or row.tiles.block_k
+        if block_q not in MMA_BLOCK_Q or block_k not in MMA_BLOCK_K:
+            return _generic(f"no tensor-core forward is built for block_q={block_q}, "
+                            f"block_k={block_k}")
+        warp_rows = row.tiles.warp_rows if block_q % row.tiles.warp_rows == 0 else 16
+        tiles = MmaTiles(block_q, block_k, warp_rows, row.tiles.q_in_registers)
+        if tiles.shared_bytes(widths) > problem.shared_limit:
+            return _generic("the named tiles exceed this device's shared memory")
+        return Choice("mma", tiles, "tile sizes named by the caller")
+    if problem.dtype == "float32":
+        if problem.capability < 80:
+            return _generic("TF32 tensor cores need sm_80 or later")
+        widths = Widths.of(problem, 8)
+        row = _first_fitting(TF32_FORWARD, problem, widths,
+                             lambda t: t.shared_bytes(widths) <= problem.shared_limit)
+        if row is None:
+            return _generic("no 3xTF32 tiles fit this device's shared memory")
+        if not problem.named_blocks:
+            return Choice("tf32", row.tiles, row.note)
+        block_q = problem.block_q or row.tiles.block_q
+        block_k = problem.block_k or row.tiles.block_k
+        if block_q not in TF32_BLOCK_Q or block_k not in TF32_BLOCK_K:
+            return _generic(f"no 3xTF32 forward is built for block_q={block_q}, "
+                            f"block_k={block_k}")
+        warp_rows = row.tiles.warp_rows if block_q % row.tiles.warp_rows == 0 else 16
+        tiles = Tf32Tiles(block_q, block_k, warp_rows)
+        if tiles.shared_bytes(widths) > problem.shared_limit:
+            return _generic("the named tiles exceed this device's shared memory")
+        return Choice("tf32", tiles, "tile sizes named by the caller")
+    return _generic(f"{problem.dtype} runs on CUDA cores")
+
+
+def choose_backward(problem: Problem) -> Choice:
+    """The backward's family and tiles for `problem`. Tile sizes named by the caller select
+    the generic kernels, which honour any size."""
+    reason = _tensor_core_dims(problem)
+    if reason is not None:
+        return _generic(reason)
+    if problem.named_blocks:
+        return _generic("tile sizes named by the caller (the generic kernels honour any)")
+    if problem.dtype in ("float16", "bfloat16"):
+        if problem.capability < 80:
+            return _generic("tensor-core kernels need sm_80 or later")
+        widths = Widths.of(problem, 16)
+        if problem.capability == 90:
+            row = _first_fitting(WGMMA_BACKWARD, problem, widths, lambda t: all(
+                t.shared_bytes(entry, widths, part=part) <= problem.shared_limit
+                for entry in ("dq", "dkdv") for part in ((1, 2) if t.split else (0,))))
+            if row is not None:
+                return Choice("wgmma", row.tiles, row.note)
+        table, element_size, family = MMA_BACKWARD, 2, "mma"
+    elif problem.dtype == "float32":
+        if problem.capability < 80:
+            return _generic("TF32 tensor cores need sm_80 or later")
+        widths = Widths.of(problem, 8)
+        table, element_size, family = TF32_BACKWARD, 4, "tf32"
+    else:
+        return _generic(f"{problem.dtype} runs on CUDA cores")
+    row = _first_fitting(table, problem, widths, lambda t: all(
+        t.shared_bytes(entry, widths, element_size, part=part) <= problem.shared_limit
+        for entry in ("dq", "dkdv") for part in ((1, 2) if t.split else (0,))))
+    if row is None:
+        return _generic(f"no {family} backward tiles fit this device's shared memory")
+    return Choice(family, row.tiles, row.note)
+
+
+def describe(problem: Problem) -> dict[str, str]:
+    """One line per direction: the family, its tiles and the row's note."""
+    lines = {}
+    for direction, choice in (("forward", choose_forward(problem)),
+                              ("backward", choose_backward(problem))):
+        tiles = "" if choice.tiles is None else f" {choice.tiles}"
+        lines[direction] = f"{choice.family}{tiles} ({choice.note})"
+    return lines
