@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,11 +128,68 @@ def test_errors_leave_inputs_untouched():
         np.testing.assert_array_equal(a, b)
 
 
-def test_auto_picks_an_available_host_backend():
+def test_auto_picks_the_cpu_backend_for_host_arrays():
     o = tileattn.forward(*arrays())
     assert o.shape == (2, 4, 8, 8)
-    assert backends.choose_auto("host") in ("cpu", "reference")
-    assert backends.choose_auto("cuda") == "gpu"
+    assert backends.choose_auto("host") == "cpu"
+
+
+def _cpu_backend_missing(monkeypatch):
+    """Make the CPU backend unavailable as it is without Numba, and the golden model fail
+    the test if anything runs it."""
+    entry = backends.BackendEntry("cpu", "tileattn.cpu", "cpu", "not_a_module_tileattn_needs")
+    monkeypatch.setitem(backends.REGISTRY, "cpu", entry)
+    monkeypatch.delitem(backends._loaded, "cpu", raising=False)
+    reference = backends.load("reference")
+
+    def golden_model_must_not_run(*args):
+        raise AssertionError("backend='auto' ran the O(N^2) golden model")
+
+    monkeypatch.setattr(reference, "forward", golden_model_must_not_run)
+    monkeypatch.setattr(reference, "backward", golden_model_must_not_run)
+
+
+def test_auto_never_falls_back_to_the_golden_model(monkeypatch):
+    _cpu_backend_missing(monkeypatch)
+    q, k, v = arrays()
+    expected = (r"backend='auto' has no fast backend for host \(NumPy\) arrays: "
+                r"backend='cpu' needs not_a_module_tileattn_needs, which is not installed: "
+                r"pip install 'tileattn\[cpu\]'.*backend='reference'")
+    with pytest.raises(tileattn.BackendUnavailableError, match=expected):
+        tileattn.forward(q, k, v)
+    o = np.zeros((2, 4, 8, 8), np.float32)
+    with pytest.raises(tileattn.BackendUnavailableError, match=expected):
+        tileattn.backward(o, q, k, v, o, np.zeros((2, 4, 8), np.float32))
+    with pytest.raises(tileattn.BackendUnavailableError, match=expected):
+        backends.choose_auto("host")
+
+
+def test_auto_without_numba_raises_and_names_the_extra():
+    """The real thing, in a fresh process where ``import numba`` fails."""
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "import numpy as np, tileattn\n"
+            "q = np.ones((1, 1, 4, 8), np.float32)\n"
+            "try:\n"
+            "    tileattn.forward(q, q, q)\n"
+            "except tileattn.BackendUnavailableError as error:\n"
+            "    print('raised:', error)\n"
+            "print('available:', tileattn.available())\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert "raised: backend='auto' has no fast backend" in result.stdout
+    assert "pip install 'tileattn[cpu]'" in result.stdout
+    assert "available: ['reference']" in result.stdout
+
+
+def test_a_plain_install_includes_the_cpu_backend():
+    """numba, scipy and threadpoolctl are plain dependencies; the `cpu` extra stays as an
+    alias for old install commands."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as handle:
+        project = tomllib.load(handle)["project"]
+    names = {re.split(r"[<>=\[]", requirement)[0] for requirement in project["dependencies"]}
+    assert {"numpy", "numba", "scipy", "threadpoolctl"} <= names
+    assert set(project["optional-dependencies"]["cpu"]) <= set(project["dependencies"])
 
 
 def test_list_inputs_are_accepted_as_host_arrays():

@@ -1,12 +1,24 @@
 """Results come back in the caller's array library; autograd adapters for torch and JAX.
 
-Each test skips when its library is not installed; CI installs both (CPU builds).
+Each test skips when its library is not installed, except in CI (``CI`` set), whose test
+command installs both (CPU builds): there a missing one fails the test instead, so the
+adapters cannot go untested unnoticed.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import numpy as np
 import pytest
+
+
+def require(name: str):
+    """The module `name`; skips the test without it, fails it in CI."""
+    if os.environ.get("CI"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
 
 import tileattn
 from tileattn.testing import assert_attention_close
@@ -31,7 +43,7 @@ def golden(q, k, v, do):
 
 
 def test_torch_tensors_in_torch_tensors_out():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     q, k, v = (torch.from_numpy(a) for a in numpy_problem())
     o, lse = tileattn.forward(q, k, v, return_lse=True, **OPTIONS)
     assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)
@@ -41,15 +53,15 @@ def test_torch_tensors_in_torch_tensors_out():
 
 
 def test_torch_bfloat16_round_trips():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("ml_dtypes")
+    torch = require("torch")
+    require("ml_dtypes")
     q, k, v = (torch.from_numpy(a).to(torch.bfloat16) for a in numpy_problem())
     o = tileattn.forward(q, k, v)
     assert o.dtype == torch.bfloat16 and o.shape == (2, 4, 12, 8)
 
 
 def test_torch_autograd_matches_golden_gradients():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     from tileattn.torch import attention
 
     arrays = numpy_problem()
@@ -64,7 +76,7 @@ def test_torch_autograd_matches_golden_gradients():
 
 
 def test_torch_autograd_agrees_with_torch_sdpa():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     from tileattn.torch import attention
 
     q, k, v = (torch.from_numpy(a).double().requires_grad_() for a in numpy_problem(
@@ -78,8 +90,55 @@ def test_torch_autograd_agrees_with_torch_sdpa():
         torch.testing.assert_close(a, b)
 
 
+def test_torch_autograd_reads_flash_attn_layout():
+    """layout="bshd": the same o and gradients as the (batch, heads, seqlen, dim) call,
+    transposed, to the bit."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    arrays = numpy_problem()
+    do = torch.from_numpy(np.random.default_rng(3).standard_normal((2, 4, 12, 8))
+                          .astype(np.float32))
+    heads_first = [torch.from_numpy(a).requires_grad_() for a in arrays]
+    sequence_first = [torch.from_numpy(a).transpose(1, 2).contiguous().requires_grad_()
+                      for a in arrays]
+    o = attention(*heads_first, **OPTIONS)
+    o.backward(do)
+    o_bshd = attention(*sequence_first, layout="bshd", **OPTIONS)
+    assert o_bshd.shape == (2, 12, 4, 8)
+    o_bshd.backward(do.transpose(1, 2))
+    assert torch.equal(o_bshd, o.transpose(1, 2))
+    for name, ours, theirs in zip("qkv", sequence_first, heads_first):
+        assert torch.equal(ours.grad, theirs.grad.transpose(1, 2)), f"d{name}"
+
+
+def test_jax_grad_reads_flash_attn_layout():
+    jax = require("jax")
+    from tileattn.jax import attention
+
+    arrays = numpy_problem()
+    do = np.random.default_rng(4).standard_normal((2, 4, 12, 8)).astype(np.float32)
+
+    def loss(layout, do):
+        return jax.jit(lambda q, k, v: jax.numpy.sum(
+            attention(q, k, v, layout=layout, **OPTIONS) * do))
+
+    heads_first = [jax.numpy.asarray(a) for a in arrays]
+    sequence_first = [jax.numpy.asarray(a.swapaxes(1, 2)) for a in arrays]
+    grads = jax.grad(loss("bhsd", do), argnums=(0, 1, 2))(*heads_first)
+    grads_bshd = jax.grad(loss("bshd", do.swapaxes(1, 2)), argnums=(0, 1, 2))(*sequence_first)
+    o = attention(*heads_first, **OPTIONS)
+    o_bshd = attention(*sequence_first, layout="bshd", **OPTIONS)
+    np.testing.assert_array_equal(np.asarray(o_bshd), np.asarray(o).swapaxes(1, 2))
+    for name, ours, theirs in zip("qkv", grads_bshd, grads):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs).swapaxes(1, 2),
+                                      err_msg=f"d{name}")
+    with pytest.raises(ValueError, match=r"layout must be 'bhsd' .* got 'sbhd'"):
+        attention(*sequence_first, layout="sbhd")
+
+
 def test_jax_arrays_in_jax_arrays_out():
-    jax = pytest.importorskip("jax")
+    jax = require("jax")
     q, k, v = (jax.numpy.asarray(a) for a in numpy_problem())
     o = tileattn.forward(q, k, v, **OPTIONS)
     assert isinstance(o, jax.Array)
@@ -88,7 +147,7 @@ def test_jax_arrays_in_jax_arrays_out():
 
 
 def test_jax_grad_under_jit_matches_golden_gradients():
-    jax = pytest.importorskip("jax")
+    jax = require("jax")
     from tileattn.jax import attention
 
     arrays = numpy_problem()
@@ -135,7 +194,7 @@ def _gpu_or_skip():
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "float32"])
 def test_torch_cuda_tensors_stay_on_the_gpu_and_train(dtype_name):
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     _gpu_or_skip()
     from tileattn.torch import attention
 
@@ -149,7 +208,7 @@ def test_torch_cuda_tensors_stay_on_the_gpu_and_train(dtype_name):
     host = [t.detach().float().cpu().numpy() for t in (q, k, v, do)]
     expected_o, expected_grads = golden(*host)
     tolerance_dtype = np.float32 if dtype_name == "float32" else (
-        np.float16 if dtype_name == "float16" else pytest.importorskip("ml_dtypes").bfloat16)
+        np.float16 if dtype_name == "float16" else require("ml_dtypes").bfloat16)
     assert_attention_close(o.detach().float().cpu().numpy(), expected_o, tolerance_dtype)
     for name, tensor, want in zip("qkv", (q, k, v), expected_grads):
         assert tensor.grad.device.type == "cuda"
@@ -158,7 +217,7 @@ def test_torch_cuda_tensors_stay_on_the_gpu_and_train(dtype_name):
 
 
 def test_jax_gpu_arrays_come_back_as_jax_arrays():
-    jax = pytest.importorskip("jax")
+    jax = require("jax")
     _gpu_or_skip()
     if not any(d.platform in ("gpu", "cuda") for d in jax.devices()):
         pytest.skip("JAX sees no GPU")

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 
-from tileattn import anchors
-from tileattn.benchmark import attention_flops, markdown_report, run_bench
+from tileattn import anchors, benchmark
+from tileattn.__main__ import main
+from tileattn.benchmark import (BenchResult, MemoryPoint, attention_flops, markdown_report,
+                                memory_figure, naive_bytes, naive_skip_note, output_files,
+                                run_bench)
 
 
 def test_info_lists_backends_blocks_and_traffic():
@@ -41,7 +47,8 @@ def test_naive_anchor_is_attention():
         np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-12)
 
 
-def test_bench_writes_json_markdown_and_plots(tmp_path):
+def test_bench_writes_json_markdown_and_plots(tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmark, "SETTLE_SECONDS", 0.0)  # only the files matter here
     result = run_bench(backend="cpu", sizes=[128], memory_sizes=[256], out=str(tmp_path),
                        head_dims=(16, 32),
                        heads=2, progress=False, print_fn=lambda *a: None)
@@ -50,10 +57,84 @@ def test_bench_writes_json_markdown_and_plots(tmp_path):
     assert all(m.seconds and m.seconds > 0 for m in result.measurements)
     assert {m.head_dim for m in result.measurements} == {16, 32}
     assert {p.implementation for p in result.memory} == {"tileattn-cpu", "numpy-naive"}
-    saved = json.loads((tmp_path / "results.json").read_text())
+    saved = json.loads((tmp_path / "bench-cpu.json").read_text())
     assert saved["backend"] == "cpu" and len(saved["measurements"]) == len(result.measurements)
-    report = (tmp_path / "results.md").read_text()
+    report = (tmp_path / "bench-cpu.md").read_text()
     assert report == markdown_report(result) + "\n" and "vs numpy-naive" in report
     if importlib.util.find_spec("matplotlib"):
-        assert (tmp_path / "speed.png").stat().st_size > 1000
-        assert (tmp_path / "memory.png").stat().st_size > 1000
+        assert (tmp_path / "speed-cpu.png").stat().st_size > 1000
+        assert (tmp_path / "memory-cpu.png").stat().st_size > 1000
+
+
+def test_naive_skips_say_they_come_from_the_memory_model():
+    """At N = 16384 the report said "out of memory" where 21 GB were free: the naive run
+    was skipped by the model, and the note must say so, with the modelled bytes."""
+    modelled = naive_bytes(1, 1, 16384, 4)
+    assert naive_skip_note(modelled, 6 * modelled) is None
+    assert naive_skip_note(modelled, 6_000_000_000) == (
+        "not run: the memory model gives 6.4 GB (3 x 2.15 GB of N x N matrices), over the "
+        "6.0 GB budget (a quarter of the memory); not measured")
+
+
+def test_memory_plot_keeps_zero_megabytes():
+    """A log axis dropped tileattn's 0 MB points; the axis is linear near 0 now."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    result = BenchResult("cpu", "test", "float32", 1, 1, [64], memory=[
+        MemoryPoint("tileattn-cpu", 1024, 0, naive_bytes(1, 1, 1024, 4)),
+        MemoryPoint("tileattn-cpu", 4096, 2_000_000, naive_bytes(1, 1, 4096, 4)),
+        MemoryPoint("numpy-naive", 1024, 8_000_000, naive_bytes(1, 1, 1024, 4)),
+        MemoryPoint("numpy-naive", 4096, None, naive_bytes(1, 1, 4096, 4), "not run: ...")])
+    figure = memory_figure(result)
+    ax = figure.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["tileattn-cpu (measured)"].get_ydata()) == [0.0, 2.0]
+    assert list(lines["naive: not run, the model says it would not fit"].get_xdata()) == [4096]
+    assert ax.get_yscale() == "symlog" and ax.get_ylim()[0] == 0
+    assert "linear below" in ax.get_ylabel()
+
+ROOT = Path(__file__).parents[1]
+
+
+def readme_commands(section: str) -> list:
+    """The ```bash blocks of one README section, each as a list of its lines."""
+    text = (ROOT / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [block.strip().splitlines() for block in re.findall(r"```bash\n(.*?)```", body,
+                                                                re.S)]
+
+
+def test_ci_runs_the_readmes_test_command():
+    """Quickstart's second command is what CI runs, character for character; the first
+    installs tileattn and runs the main job."""
+    install_and_check, install_and_test = readme_commands("Quickstart")
+    assert install_and_check == ["pip install . && python -m tileattn check"]
+    assert len(install_and_test) == 1 and "python -m pytest" in install_and_test[0]
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert ci_lines[-1] == install_and_test[0]
+    # The adapters' libraries are part of it: their tests must run in CI, not skip.
+    assert "torch==2.13.0" in install_and_test[0] and "jax" in install_and_test[0]
+    assert 'export CI="${CI:-true}"' in ci_lines
+
+
+def test_the_readmes_bench_commands_write_the_files_the_readme_names(tmp_path, monkeypatch):
+    """The README's docs/ came from ``python -m tileattn bench --backend cpu --out docs``;
+    that command (here its quick variant, into a temporary folder) must write every file
+    the README names under docs/, and docs/ must hold just those."""
+    readme = (ROOT / "README.md").read_text()
+    assert "`python -m tileattn bench --backend cpu --out docs`" in readme
+    named = set(re.findall(r"docs/([\w.-]+\.(?:md|json|png))", readme))
+    assert named == set(output_files("cpu").values())
+    assert {path.name for path in (ROOT / "docs").iterdir()} == named
+    monkeypatch.setattr(benchmark, "SETTLE_SECONDS", 0.0)  # only the files matter here
+    # A budget that the naive run at the quick sweep's largest N (16384) exceeds.
+    monkeypatch.setattr(benchmark, "_naive_budget", lambda memory: 1_000_000_000)
+    out = tmp_path / "docs"
+    assert main(["bench", "--backend", "cpu", "--quick", "--sizes", "64", "--out",
+                 str(out)]) == 0
+    assert {path.name for path in out.iterdir()} == named
+    report = (out / "bench-cpu.md").read_text()
+    assert "| 16384 | numpy-naive | — not run: the memory model gives 6.4 GB" in report

@@ -52,7 +52,7 @@ def _run(module, function_name: str, problem: Problem):
 
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
             dropout_p=0.0, seed=None, block_q=None, block_k=None, backend="auto",
-            return_lse=False):
+            return_lse=False, layout="bhsd"):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     Parameters
@@ -60,8 +60,12 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     q : array, shape (*batch, Hq, Nq, D) or (Nq, D)
     k : array, shape (*batch, Hkv, Nk, D) or (Nk, D); ``Hq % Hkv == 0`` (GQA/MQA)
     v : array, shape (*batch, Hkv, Nk, Dv) or (Nk, Dv)
+        (With ``layout="bshd"``: ``(*batch, Nq, Hq, D)``, ``(*batch, Nk, Hkv, D)`` and
+        ``(*batch, Nk, Hkv, Dv)``.)
         One floating dtype for all three (float16, bfloat16, float32, float64), all NumPy
-        (host) or all CuPy (GPU). Any strides. Never modified.
+        (host) or all CuPy (GPU). Any strides. Never modified. Any byte order, mixed too:
+        arrays not in the machine's byte order (``'>f8'`` on x86) are copied once into it
+        here, then computed in their dtype's precision like native ones.
     causal : bool
         Keep key ``j`` for row ``i`` only when ``j <= i + Nk - Nq``. Same as ``window=(left, 0)``.
     window : (left, right) or None
@@ -71,25 +75,46 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
         When positive, scores become ``softcap * tanh(scores / softcap)``.
     alibi_slopes : array of shape (Hq,) or (*batch, Hq), optional
         Adds ``-slope * |i + Nk - Nq - j|`` to each score.
+
+        `scale`, `softcap` and each slope must be 0 or survive the compute dtype (float32
+        for 16/32-bit inputs, float64 for float64): a nonzero value that rounds to zero or
+        to a subnormal there (``softcap=1e-46`` with float32), or that overflows once
+        multiplied by log2(e) (or, for softcap, ``scale / softcap``), raises a ValueError
+        naming it and its rounded value, since backends would treat it differently.
     dropout_p : float in [0, 1)
         Drops probabilities with the counter-based hash of `tileattn.dropout`, so every
-        backend drops the same entries for the same `seed` (required when dropout_p > 0).
+        backend drops the same entries for the same `seed` (required when dropout_p > 0),
+        and scales the kept ones by ``1 / (1 - dropout_p)``. The hash drops an entry when
+        its 32 random bits fall below ``floor(dropout_p * 2**32)``, so a
+        ``0 < dropout_p < 2**-32`` drops nothing: every backend treats it as 0 (no
+        dropout, no rescale).
     block_q, block_k : int, optional
         Tile sizes; any positive int. Default: chosen by the backend for the cache size.
     backend : {"auto", "cpu", "gpu", "reference"}
-        "auto" is the GPU for CuPy arrays and the CPU (Numba) backend for host arrays,
-        falling back to the NumPy reference when Numba is not installed.
+        "auto" is the GPU backend for CuPy arrays and the CPU (Numba) backend for host
+        arrays; when that backend cannot run it raises `tileattn.BackendUnavailableError`
+        naming the pip extra that installs it. It never picks "reference", the O(N^2)-memory
+        golden model, which runs only when asked for by name.
     return_lse : bool
         Also return ``lse``, the natural-log logsumexp of each row's scores (for `backward`).
+    layout : {"bhsd", "bshd"}
+        The order of the heads and sequence axes: "bhsd" (default) is
+        ``(*batch, heads, seqlen, dim)``; "bshd" is ``(*batch, seqlen, heads, dim)``, the
+        layout of flash-attn's ``flash_attn_func``. "bshd" arrays are read as strided views
+        (``swapaxes``), never copied, and `o` comes back in "bshd" as a view of a
+        "bhsd" buffer (``np.ascontiguousarray`` / ``.contiguous()`` packs it). `lse` is
+        ``(*batch, Hq, Nq)`` in both layouts, as flash-attn's ``softmax_lse``. 2-D
+        ``(N, D)`` arrays have no head axis and mean the same in both.
 
     Returns
     -------
-    o : array, shape (*batch, Hq, Nq, Dv), dtype of q
+    o : array, shape (*batch, Hq, Nq, Dv) (bshd: (*batch, Nq, Hq, Dv)), dtype of q in native
+        byte order
     lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
     """
     problem = validate(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                       block_q=block_q, block_k=block_k, deterministic=True)
+                       block_q=block_q, block_k=block_k, deterministic=True, layout=layout)
     module = _resolve_backend(backend, problem.layout.memory)
     batch = problem.tensors["q"].shape[0]
     if problem.is_empty:
@@ -103,7 +128,7 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     o = problem.layout.restore(o, problem.n_q_heads)
     if not return_lse:
         return o
-    return o, problem.layout.restore(lse, problem.n_q_heads)
+    return o, problem.layout.restore(lse, problem.n_q_heads, is_lse=True)
 
 
 forward.__doc__ += _CAUSAL_PICTURE
@@ -111,7 +136,7 @@ forward.__doc__ += _CAUSAL_PICTURE
 
 def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, softcap=None,
              alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
-             backend="auto", deterministic=True):
+             backend="auto", deterministic=True, layout="bhsd"):
     """Gradients of `forward`: the exact vector-Jacobian product for output gradient `do`.
 
     Pass the same options as to `forward`, and its `o` and `lse` (``return_lse=True``).
@@ -124,22 +149,25 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
 
     Parameters
     ----------
-    do, o : array, shape (*batch, Hq, Nq, Dv), dtype of q
+    do, o : array, shape (*batch, Hq, Nq, Dv) (bshd: (*batch, Nq, Hq, Dv)), dtype of q
     q, k, v : as in `forward`
-    lse : array, shape (*batch, Hq, Nq)
+    lse : array, shape (*batch, Hq, Nq) in both layouts
     deterministic : bool
         True (default): the result does not depend on thread scheduling. False lets a backend
         use a faster variant that documents what it gives up.
+    layout : {"bhsd", "bshd"}
+        As in `forward`: with "bshd", `do`, `o`, `q`, `k`, `v` are read as views and the
+        gradients come back as "bshd" views.
 
     Returns
     -------
-    dq : like q;  dk : like k;  dv : like v
+    dq : like q;  dk : like k;  dv : like v  (same layout; dtypes in native byte order)
         For GQA/MQA, ``dk`` and ``dv`` sum over the query heads that share a kv head.
     """
     problem = validate(q, k, v, do=do, o=o, lse=lse, causal=causal, window=window, scale=scale,
                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                        seed=seed, block_q=block_q, block_k=block_k,
-                       deterministic=deterministic)
+                       deterministic=deterministic, layout=layout)
     module = _resolve_backend(backend, problem.layout.memory)
     if problem.is_empty:
         memory, tensors = problem.layout.memory, problem.tensors

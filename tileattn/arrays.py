@@ -98,6 +98,20 @@ def to_native(array):
     return _other_to_native(array)
 
 
+def to_native_byte_order(array):
+    """`array` in the machine's byte order, copied once if it is not (``'>f8'`` on x86).
+
+    The API calls this on every input, so that dtypes compare by kind and precision, not by
+    byte order, and every backend sees native dtypes: a backend asking ``dtype == float64``
+    of a big-endian float64 array got False and computed it in float32. Results come back
+    in the native-order version of the input dtype. CuPy, torch and JAX arrays are always
+    native, so only host arrays can pay this copy."""
+    dtype = array.dtype
+    if dtype.isnative:
+        return array
+    return array.astype(dtype.newbyteorder("="))
+
+
 # --------------------------------------------------------------------------- back to the caller
 
 

@@ -6,8 +6,11 @@ attention, and PyTorch's ``scaled_dot_product_attention`` when torch is installe
 GFLOP/s (TFLOP/s on the GPU) with FlashAttention's FLOP count (forward ``4 B H Nq Nk D``,
 halved when causal; backward 2.5x forward) and each anchor's time over tileattn's (> 1 means
 tileattn is faster). Peak extra memory is measured against N, each point in a fresh process
-on the host, so the naive O(N^2) curve can be seen running out of memory while tileattn's
-stays linear. Writes ``results.json``, ``results.md`` and PNG plots into ``--out``.
+on the host, so the naive O(N^2) curve can be seen growing while tileattn's stays flat; a
+naive run that the memory model says would not fit is not attempted, and the report says so
+with the modelled bytes. Writes `output_files` (``bench-BACKEND.json``, ``bench-BACKEND.md``,
+``speed-BACKEND.png``, ``memory-BACKEND.png``) into ``--out``, so that CPU and GPU results
+can sit side by side in one folder.
 
 Method. On each benchmark problem tileattn's result is first compared with every anchor's
 (at the dtype's tolerance), then the implementations take turns, one call each per round.
@@ -51,7 +54,7 @@ class Measurement:
     n: int
     causal: bool
     direction: str  # "forward" or "forward+backward"
-    seconds: float | None  # None when it could not run (out of memory)
+    seconds: float | None  # None when not run (the memory model says it would not fit)
     flops_per_second: float | None
     note: str = ""
 
@@ -109,8 +112,20 @@ def time_in_turns(functions: dict, memory: str, rounds: int) -> dict:
     return {name: pick(values) for name, values in times.items()}
 
 
+def draw_progress(done: int, total: int, label: str, stream=None):
+    """Redraw a one-line progress bar (on stderr by default); ends the line when done.
+    Its signature is the ``progress(done, total, label)`` that backends' ``warmup`` call."""
+    stream = stream or sys.stderr
+    width = 30
+    filled = int(width * done / max(total, 1))
+    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    if done >= total:
+        stream.write("\n")
+    stream.flush()
+
+
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on stderr, advanced one step at a time."""
 
     def __init__(self, total: int, enabled: bool = True):
         self.total, self.done, self.enabled = total, 0, enabled
@@ -118,13 +133,7 @@ class Progress:
     def step(self, label: str):
         self.done += 1
         if self.enabled:
-            width = 30
-            filled = int(width * self.done / max(self.total, 1))
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total} {label:<40}")
-            sys.stderr.flush()
-            if self.done == self.total:
-                sys.stderr.write("\n")
+            draw_progress(self.done, self.total, label)
 
 
 # --------------------------------------------------------------------------- implementations
@@ -191,9 +200,31 @@ def _inputs(memory, batch, heads, n, head_dim, dtype, seed=0):
     return arrays
 
 
+def benchmark_bytes(batch, heads, n, head_dim, itemsize) -> int:
+    """The arrays one timed problem holds on the host: q, k, v, do and o, dq, dk, dv, plus
+    float32 or float64 working copies of as many (the CPU backend's contiguous inputs and
+    the anchors' outputs)."""
+    return 16 * batch * heads * n * head_dim * max(itemsize, 4)
+
+
 def naive_bytes(batch, heads, n, itemsize) -> int:
     """What naive attention must hold at once: the scores and probabilities, N x N each."""
     return 2 * batch * heads * n * n * itemsize
+
+
+# The naive forward + backward holds about three times `naive_bytes` (the backward adds dP
+# and dS beside P), so it is run only where that fits the budget of `_naive_budget`.
+NAIVE_HEADROOM = 3
+
+
+def naive_skip_note(modelled: int, budget: int) -> str | None:
+    """Why the naive anchor is not run for `modelled` bytes of N x N matrices, or None when
+    it fits: a decision of the memory model, not a measured out-of-memory error."""
+    if modelled * NAIVE_HEADROOM <= budget:
+        return None
+    return (f"not run: the memory model gives {modelled * NAIVE_HEADROOM / 1e9:.1f} GB "
+            f"({NAIVE_HEADROOM} x {modelled / 1e9:.2f} GB of N x N matrices), over the "
+            f"{budget / 1e9:.1f} GB budget (a quarter of the memory); not measured")
 
 
 def check_agreement(table: dict, ours: str, inputs, causal: bool, direction: str, dtype):
@@ -311,6 +342,13 @@ def _cuda_peak_extra(function, inputs, causal):
 # --------------------------------------------------------------------------- the sweep
 
 
+def default_sizes(memory: str, quick: bool) -> list:
+    """The sequence lengths timed when the caller names none."""
+    if memory == "host":
+        return [256, 512, 1024] if quick else [1024, 2048, 4096, 8192]
+    return [1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
+
+
 def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dims=(64,),
               batch=1, heads=None, sizes=None, memory_sizes=None, rounds=None, blocks=None,
               progress=True, print_fn=print) -> BenchResult:
@@ -320,10 +358,10 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
     module = backends.load(backend)
     memory = module.MEMORY
     dtype = np.dtype(dtype)
-    heads = heads or (8 if memory == "host" else 32)
+    if heads is None:
+        heads = 8 if memory == "host" else 32
     if sizes is None:
-        sizes = ([256, 512, 1024] if quick else [1024, 2048, 4096, 8192]) if memory == "host" \
-            else ([1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 16384])
+        sizes = default_sizes(memory, quick)
     if memory_sizes is None:
         memory_sizes = [1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]
     rounds = rounds or (3 if quick else 5)
@@ -336,12 +374,12 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
                          batch=batch, heads=heads, head_dims=head_dims)
     ours = f"tileattn-{backend}"
     budget_bytes = _naive_budget(memory)
-    naive_fits = {n: naive_bytes(batch, heads, n, dtype.itemsize) * 3 <= budget_bytes
-                  for n in sizes}
+    naive_skips = {n: naive_skip_note(naive_bytes(batch, heads, n, dtype.itemsize),
+                                      budget_bytes) for n in sizes}
     bar = Progress(len(head_dims) * len(sizes) * 4 + len(memory_sizes) * 2, progress)
     for head_dim, n in ((d, n) for d in head_dims for n in sizes):
         inputs = _inputs(memory, batch, heads, n, head_dim, dtype)
-        table = implementations(backend, memory, blocks, with_naive=naive_fits[n])
+        table = implementations(backend, memory, blocks, with_naive=naive_skips[n] is None)
         for causal in (False, True):
             for index, direction in enumerate(("forward", "forward+backward")):
                 bar.step(f"D={head_dim} N={n} {'causal' if causal else 'full'} {direction}")
@@ -353,17 +391,17 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
                 for name, value in seconds.items():
                     result.measurements.append(Measurement(name, head_dim, n, causal,
                                                            direction, value, flops / value))
-                if not naive_fits[n]:
+                if naive_skips[n] is not None:
                     result.measurements.append(Measurement(
                         _naive_name(memory), head_dim, n, causal, direction, None, None,
-                        "skipped: O(N^2) memory"))
+                        naive_skips[n]))
     for n in memory_sizes:
         modelled = naive_bytes(1, 1, n, dtype.itemsize)
         for name in (ours, _naive_name(memory)):
             bar.step(f"memory {name} N={n}")
-            if name != ours and modelled * 3 > budget_bytes:
-                result.memory.append(MemoryPoint(name, n, None, modelled,
-                                                 "out of memory: needs the N x N matrices"))
+            skip = naive_skip_note(modelled, budget_bytes)
+            if name != ours and skip is not None:
+                result.memory.append(MemoryPoint(name, n, None, modelled, skip))
                 continue
             if memory == "host":
                 peak = host_peak_extra_bytes(name, n, head_dims[0], dtype, True, backend)
@@ -457,21 +495,30 @@ def markdown_report(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def output_files(backend: str) -> dict:
+    """The files `write_outputs` writes for `backend`, by kind; named per backend so that
+    CPU and GPU results can share a folder (the README's docs/ holds these)."""
+    return {"json": f"bench-{backend}.json", "markdown": f"bench-{backend}.md",
+            "speed": f"speed-{backend}.png", "memory": f"memory-{backend}.png"}
+
+
 def write_outputs(result: BenchResult, report: str, out: str, print_fn=print):
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as handle:
+    files = output_files(result.backend)
+    with open(os.path.join(out, files["json"]), "w") as handle:
         json.dump(asdict(result), handle, indent=1)
-    with open(os.path.join(out, "results.md"), "w") as handle:
+    with open(os.path.join(out, files["markdown"]), "w") as handle:
         handle.write(report + "\n")
     try:
         import matplotlib
     except ImportError:
-        print_fn("matplotlib is not installed (pip install 'tileattn[bench]'): no plots")
+        print_fn(f"wrote {files['json']} and {files['markdown']} to {out}; matplotlib is not "
+                 "installed (pip install 'tileattn[bench]'): no plots")
         return
     matplotlib.use("Agg")
-    _plot_speed(result, os.path.join(out, "speed.png"))
-    _plot_memory(result, os.path.join(out, "memory.png"))
-    print_fn(f"wrote results.json, results.md, speed.png and memory.png to {out}")
+    _plot_speed(result, os.path.join(out, files["speed"]))
+    _plot_memory(result, os.path.join(out, files["memory"]))
+    print_fn(f"wrote {', '.join(files.values())} to {out}")
 
 
 def _plot_speed(result: BenchResult, path: str):
@@ -506,31 +553,48 @@ def _plot_speed(result: BenchResult, path: str):
     plt.close(figure)
 
 
+# The memory plot's y axis is linear below this many MB and logarithmic above: tileattn's
+# extra memory can be exactly 0 (a log axis dropped those points) while the naive matrices
+# reach tens of GB.
+MEMORY_PLOT_LINEAR_MB = 1.0
+
+
 def _plot_memory(result: BenchResult, path: str):
+    import matplotlib.pyplot as plt
+
+    figure = memory_figure(result)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def memory_figure(result: BenchResult):
+    """The memory plot: measured peak extra memory against N, the naive model, the RAM."""
     import matplotlib.pyplot as plt
 
     figure, ax = plt.subplots(figsize=(7, 5))
     for name in sorted({p.implementation for p in result.memory}):
         points = [(p.n, p.peak_extra_bytes / 1e6) for p in result.memory
-                  if p.implementation == name and p.peak_extra_bytes]
+                  if p.implementation == name and p.peak_extra_bytes is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=f"{name} (measured)")
     modelled = sorted({(p.n, p.modelled_naive_bytes / 1e6) for p in result.memory})
     ax.plot(*zip(*modelled), linestyle="--", color="gray", label="naive N x N matrices (model)")
-    out_of_memory = [(p.n, p.modelled_naive_bytes / 1e6) for p in result.memory
-                     if p.peak_extra_bytes is None]
-    if out_of_memory:
-        ax.plot(*zip(*out_of_memory), linestyle="none", marker="x", color="black",
-                markersize=9, label="naive: out of memory (not run)")
+    not_run = [(p.n, p.modelled_naive_bytes / 1e6) for p in result.memory
+               if p.peak_extra_bytes is None]
+    if not_run:
+        ax.plot(*zip(*not_run), linestyle="none", marker="x", color="black", markersize=9,
+                label="naive: not run, the model says it would not fit")
     on_gpu = result.backend == "gpu"
     budget = _naive_budget("cuda" if on_gpu else "host") * 4 / 1e6
     ax.axhline(budget, color="red", linewidth=0.8, label="GPU memory" if on_gpu else "RAM")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    ax.set_yscale("symlog", linthresh=MEMORY_PLOT_LINEAR_MB)
+    highest = max([budget] + [megabytes for _, megabytes in modelled])
+    ax.set_ylim(0, highest * 4)  # room above the top markers on the log part
     ax.set_xlabel("sequence length N (one head, causal, forward + backward)")
-    ax.set_ylabel("peak memory beyond inputs and outputs (MB)")
+    ax.set_ylabel(f"peak memory beyond inputs and outputs (MB)\n"
+                  f"linear below {MEMORY_PLOT_LINEAR_MB:g} MB, log above")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure

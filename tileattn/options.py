@@ -49,8 +49,13 @@ class AttentionOptions:
         ``0.0`` means off, else ``s = softcap * tanh(s / softcap)``.
     alibi_slopes : numpy.ndarray or None
         float64, shape ``(B, Hq)`` over the flattened batch, host memory.
+
+        Each of scale, softcap and the slopes is 0 or a normal number of the compute dtype
+        whose product with log2(e) (and ``scale / softcap``) is finite there.
     dropout_p : float
-        In ``[0, 1)``.
+        The effective dropout, in ``[0, 1)``: 0 when the caller's ``dropout_p`` is below
+        ``2**-32`` (the hash cannot drop anything at that rate), so backends never see
+        a dropout that drops nothing but rescales.
     seed : int
         In ``[0, 2**64)``; 0 when dropout is off.
     block_q, block_k : int or None

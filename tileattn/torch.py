@@ -33,13 +33,15 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
               alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
-              backend="auto", deterministic=True):
-    """Differentiable `tileattn.forward` on torch tensors ``(*batch, H, N, D)``.
+              backend="auto", deterministic=True, layout="bhsd"):
+    """Differentiable `tileattn.forward` on torch tensors ``(*batch, H, N, D)``, or
+    ``(*batch, N, H, D)`` with ``layout="bshd"`` (flash-attn's ``flash_attn_func`` layout).
 
     Same options as `tileattn.forward`; `deterministic` applies to the backward pass.
-    Returns ``o``, a tensor of q's dtype on q's device.
+    Returns ``o``, a tensor of q's dtype on q's device, in q's layout; with "bshd" it and
+    the gradients are strided views of "bhsd" buffers (``.contiguous()`` packs them).
     """
     options = dict(causal=causal, window=window, scale=scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                   block_q=block_q, block_k=block_k, backend=backend)
+                   block_q=block_q, block_k=block_k, backend=backend, layout=layout)
     return _Attention.apply(q, k, v, options, deterministic)

@@ -15,7 +15,11 @@ import numpy as np
 
 from . import arrays
 from .backends import REGISTRY
+from .dropout import dropout_threshold
 from .options import UNLIMITED, AttentionOptions
+
+
+LAYOUTS = ("bhsd", "bshd")
 
 
 @dataclass
@@ -26,18 +30,38 @@ class Layout:
     single_head: bool  # the caller passed 2-D ``(N, D)`` arrays
     memory: str  # "host" or "cuda"
     library: str  # where the caller's q came from: results go back there
+    sequence_first: bool = False  # layout="bshd": the caller's arrays are (*batch, N, H, D)
 
-    def restore(self, array, heads: int):
-        """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)`` and library."""
+    def restore(self, array, heads: int, *, is_lse: bool = False):
+        """Back from ``(B, H, N, ...)`` to the caller's ``(*batch, H, N, ...)`` (or, for
+        ``layout="bshd"``, a ``(*batch, N, H, ...)`` view; lse keeps ``(*batch, H, N)``)
+        and library."""
         if self.single_head:
             array = array.reshape(array.shape[2:])
         elif len(self.batch_shape) != 1:  # one batch dimension is the backends' layout
             array = array.reshape(self.batch_shape + (heads,) + array.shape[2:])
+        if self.sequence_first and not self.single_head and not is_lse:
+            array = array.swapaxes(-3, -2)
         return arrays.from_native(array, self.library)
 
 
-def _describe(array) -> str:
-    return f"shape {tuple(array.shape)}"
+def check_layout(layout) -> bool:
+    """True for ``"bshd"``, the sequence-first layout of flash-attn."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError("layout must be 'bhsd' (batch, heads, seqlen, dim) or 'bshd' "
+                         f"(batch, seqlen, heads, dim; flash-attn's), got {layout!r}")
+    return layout == "bshd"
+
+
+def _swap_heads_and_sequence(array):
+    """A ``(*batch, N, H, D)`` array as the ``(*batch, H, N, D)`` view the backends read:
+    swapaxes only changes strides, so the caller's memory is never copied. 2-D ``(N, D)``
+    arrays have no head axis and are the same in both layouts."""
+    return array.swapaxes(-3, -2) if array.ndim >= 3 else array
+
+
+def _describe(shape) -> str:
+    return f"shape {tuple(shape)}"
 
 
 def _check_dtypes(named_arrays: dict) -> np.dtype:
@@ -69,14 +93,16 @@ def _check_memory(named_arrays: dict) -> str:
     return memory
 
 
-def _check_shapes(q, k, v):
-    """Returns ``(batch_shape, Hq, Hkv, Nq, Nk, D, Dv, single_head)``."""
+def _check_shapes(q, k, v, shapes: dict):
+    """Returns ``(batch_shape, Hq, Hkv, Nq, Nk, D, Dv, single_head)``; messages show
+    `shapes`, the caller's shapes in the caller's layout."""
     if q.ndim < 2:
-        raise ValueError(f"q must have at least 2 dimensions (N, D), got {_describe(q)}")
+        raise ValueError("q must have at least 2 dimensions (N, D), got "
+                         f"{_describe(shapes['q'])}")
     for name, array in (("k", k), ("v", v)):
         if array.ndim != q.ndim:
             raise ValueError(f"{name}.ndim must equal q.ndim ({q.ndim}), got {name} "
-                             f"{_describe(array)} and q {_describe(q)}")
+                             f"{_describe(shapes[name])} and q {_describe(shapes['q'])}")
     single_head = q.ndim == 2
     if single_head:
         q, k, v = q[None], k[None], v[None]
@@ -89,7 +115,7 @@ def _check_shapes(q, k, v):
     n_kv_heads, n_k, d_k = k.shape[-3:]
     if d_k != d:
         raise ValueError(f"k head dim must equal q head dim D={d}, got {d_k} "
-                         f"(q {_describe(q)}, k {_describe(k)})")
+                         f"(q {_describe(shapes['q'])}, k {_describe(shapes['k'])})")
     if v.shape[-3] != n_kv_heads:
         raise ValueError(f"v heads must equal k heads Hkv={n_kv_heads}, got {v.shape[-3]}")
     if v.shape[-2] != n_k:
@@ -127,10 +153,45 @@ def _check_real(name, value):
     if type(value) is not float and (isinstance(value, bool)
                                      or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float64, such as 10**400
+        raise ValueError(f"{name} must be finite, got {value!r}, which overflows float64") \
+            from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def _compute_dtype(dtype) -> np.dtype:
+    """SPEC "Precision": float64 inputs are computed in float64, every other dtype in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+_LOG2_E = math.log2(math.e)
+
+
+def _check_in_compute_dtype(name, value: float, dtype: np.dtype):
+    """A nonzero scalar option must stay a normal, finite number in the compute dtype, and so
+    must its product with log2(e): the kernels fold log2(e) into the scale, the softcap and
+    the ALiBi slopes (their softmax uses exp2), and the GPU compiles with flush-to-zero, so a
+    subnormal one acts as 0. A softcap that rounded to 0 was ignored by the CPU forward while
+    its backward read a buffer it had not filled."""
+    if value == 0:
+        return
+    compute = _compute_dtype(dtype)
+    info = np.finfo(compute)
+    largest = float(info.max)  # a Python float: comparing with info.max casts to compute
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = float(compute.type(value))
+    where = f"in {compute.name}, the compute dtype of {np.dtype(dtype).name} inputs"
+    if abs(rounded) < info.tiny:
+        raise ValueError(f"{name}={value!r} vanishes {where}: it rounds to {rounded!r}, below "
+                         f"the smallest normal {compute.name} {float(info.tiny):.6g}")
+    if abs(value) * _LOG2_E > largest:
+        raise ValueError(f"{name}={value!r} overflows {where}: {name} * log2(e) = "
+                         f"{abs(value) * _LOG2_E:.6g}, which the kernels use, exceeds the "
+                         f"largest {compute.name} {largest:.6g}")
 
 
 def _normalise_window(window, causal: bool, n_q: int, n_k: int):
@@ -156,7 +217,26 @@ def _normalise_window(window, causal: bool, n_q: int, n_k: int):
     return left, right
 
 
-def _normalise_alibi(slopes, batch_shape, n_q_heads):
+def _check_slopes(slopes: np.ndarray, dtype):
+    """Every slope finite and, as `_check_in_compute_dtype` says, 0 or a normal number of
+    the compute dtype; checked for all slopes at once (no Python loop per head)."""
+    not_finite = ~np.isfinite(slopes)
+    if not_finite.any():
+        index = tuple(int(i) for i in np.argwhere(not_finite)[0])
+        raise ValueError(f"alibi_slopes must be finite, got {slopes[index]} at index {index}")
+    compute = _compute_dtype(dtype)
+    info = np.finfo(compute)
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = np.abs(slopes.astype(compute)).astype(np.float64)
+    degenerate = (slopes != 0) & ((rounded < info.tiny)
+                                  | (np.abs(slopes) * _LOG2_E > float(info.max)))
+    if degenerate.any():
+        index = tuple(int(i) for i in np.argwhere(degenerate)[0])
+        _check_in_compute_dtype(f"alibi_slopes[{', '.join(map(str, index))}]",
+                                float(slopes[index]), dtype)
+
+
+def _normalise_alibi(slopes, batch_shape, n_q_heads, dtype):
     if slopes is None:
         return None
     slopes = np.asarray(arrays.to_host(slopes))
@@ -168,37 +248,62 @@ def _normalise_alibi(slopes, batch_shape, n_q_heads):
                          f"{allowed[1]}, got {slopes.shape}")
     batch = math.prod(batch_shape)
     slopes = slopes.astype(np.float64)
+    _check_slopes(slopes, dtype)
     if slopes.shape == (n_q_heads,):
         return np.ascontiguousarray(np.broadcast_to(slopes, (batch, n_q_heads)))
     return slopes.reshape(batch, n_q_heads)
 
 
+def _normalise_dropout(dropout_p, seed):
+    """``(dropout_p, seed)`` as every backend reads them: the effective dropout.
+
+    The dropout hash keeps an entry when its 32 random bits reach ``floor(p * 2**32)``
+    (`tileattn.dropout`), so a ``0 < p < 2**-32`` drops nothing. Such a p is off on every
+    backend: nothing dropped and no ``1 / (1 - p)`` rescale (the CPU kernels skipped the
+    rescale while the golden model applied it). Any larger p drops and rescales by
+    ``1 / (1 - p)`` as SPEC says. The seed is 0 whenever dropout is off.
+    """
+    dropout_p = _check_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and seed is None:
+        raise ValueError("seed must be an int when dropout_p > 0 (backward needs the same "
+                         "seed to drop the same entries), got None")
+    if seed is not None:
+        seed = _check_int("seed", seed, minimum=0)
+        if seed >= 2**64:
+            raise ValueError(f"seed must be < 2**64, got {seed}")
+    if dropout_threshold(dropout_p) == 0:
+        return 0.0, 0
+    return dropout_p, seed
+
+
 def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
-                 block_k, deterministic, batch_shape, n_q_heads, head_dim, n_q,
-                 n_k) -> AttentionOptions:
-    """Check every keyword option and fold them into one `AttentionOptions`."""
+                 block_k, deterministic, batch_shape, n_q_heads, head_dim, n_q, n_k,
+                 dtype) -> AttentionOptions:
+    """Check every keyword option and fold them into one `AttentionOptions`; `dtype` is the
+    inputs' (scalar options must survive its compute dtype)."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     window_left, window_right = _normalise_window(window, bool(causal), n_q, n_k)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_real("scale", scale)
+    _check_in_compute_dtype("scale", scale, dtype)
     if softcap is None:
         softcap = 0.0
     else:
         softcap = _check_real("softcap", softcap)
         if softcap < 0:
             raise ValueError(f"softcap must be >= 0 (0 or None disables it), got {softcap}")
-    dropout_p = _check_real("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0:
-        if seed is None:
-            raise ValueError("seed must be an int when dropout_p > 0 (backward needs the same "
-                             "seed to drop the same entries), got None")
-        seed = _check_int("seed", seed, minimum=0)
-        if seed >= 2**64:
-            raise ValueError(f"seed must be < 2**64, got {seed}")
-    else:
-        seed = 0 if seed is None else _check_int("seed", seed, minimum=0)
+        _check_in_compute_dtype("softcap", softcap, dtype)
+        compute = _compute_dtype(dtype)
+        largest = float(np.finfo(compute).max)
+        # The GPU kernels divide by the cap once, as scale / softcap, in the compute dtype.
+        if softcap > 0 and abs(scale) / softcap > largest:
+            raise ValueError(
+                f"softcap={softcap!r} is too small for scale={scale!r} in {compute.name}, the "
+                f"compute dtype of {np.dtype(dtype).name} inputs: scale / softcap = "
+                f"{abs(scale) / softcap:.6g} exceeds the largest {compute.name} {largest:.6g}")
+    dropout_p, seed = _normalise_dropout(dropout_p, seed)
     if block_q is not None:
         block_q = _check_int("block_q", block_q, minimum=1)
     if block_k is not None:
@@ -207,7 +312,8 @@ def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, see
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     return AttentionOptions(
         causal=bool(causal), window_left=window_left, window_right=window_right, scale=scale,
-        softcap=softcap, alibi_slopes=_normalise_alibi(alibi_slopes, batch_shape, n_q_heads),
+        softcap=softcap,
+        alibi_slopes=_normalise_alibi(alibi_slopes, batch_shape, n_q_heads, dtype),
         dropout_p=dropout_p, seed=seed, block_q=block_q, block_k=block_k,
         deterministic=bool(deterministic))
 
@@ -240,26 +346,36 @@ class Problem:
         return batch == 0 or self.n_q_heads == 0 or self.n_q == 0 or self.n_k == 0
 
 
-def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
+def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd",
+             **option_kwargs) -> Problem:
     """Check the arrays and options of a forward (``do`` is None) or backward call."""
+    sequence_first = check_layout(layout)
     library = arrays.library_of(q)
     named = {"q": q, "k": k, "v": v}
     if do is not None:
         named.update(do=do, o=o, lse=lse)
-    named = {name: arrays.to_native(a) for name, a in named.items()}
+    named = {name: arrays.to_native_byte_order(arrays.to_native(a))
+             for name, a in named.items()}
+    shapes = {name: tuple(a.shape) for name, a in named.items()}
+    if sequence_first:  # lse is (*batch, H, N) in both layouts, as flash-attn's softmax_lse
+        named = {name: a if name == "lse" else _swap_heads_and_sequence(a)
+                 for name, a in named.items()}
     memory = _check_memory(named)
     q, k, v = named["q"], named["k"], named["v"]
     dtype = _check_dtypes({name: named[name] for name in ("q", "k", "v")})
-    batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(q, k, v)
+    batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(
+        q, k, v, shapes)
     batch = math.prod(batch_shape)
     tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
     if do is not None:
-        out_shape = (n_q, d_v) if single_head else batch_shape + (n_q_heads, n_q, d_v)
-        lse_shape = out_shape[:-1]
+        out_shape = (n_q, d_v) if single_head else batch_shape + (
+            (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
+        lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
         for name, expected in (("do", out_shape), ("o", out_shape), ("lse", lse_shape)):
-            if tuple(named[name].shape) != expected:
-                raise ValueError(f"{name} must have shape {expected}, got "
-                                 f"{tuple(named[name].shape)}")
+            if shapes[name] != expected:
+                read_as = " (layout='bshd')" if sequence_first and name != "lse" else ""
+                raise ValueError(f"{name} must have shape {expected}{read_as}, "
+                                 f"got {shapes[name]}")
         _check_dtypes({"q": q, "do": named["do"], "o": named["o"]})
         if not arrays.is_supported_float(named["lse"].dtype):
             raise TypeError(f"lse must have a floating dtype, got {named['lse'].dtype}")
@@ -269,7 +385,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, **option_kwargs) -> Problem:
         tensors["lse"] = (lse if lse.ndim == 3 and not single_head
                           else _to_4d(lse[..., None], batch, single_head)[..., 0])
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
-                           n_k=n_k, **option_kwargs)
-    return Problem(tensors=tensors, layout=Layout(batch_shape, single_head, memory, library),
+                           n_k=n_k, dtype=dtype, **option_kwargs)
+    return Problem(tensors=tensors,
+                   layout=Layout(batch_shape, single_head, memory, library, sequence_first),
                    options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
                    n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v)

@@ -1,0 +1,198 @@
+"""How the caller's arrays are laid out in memory: byte order, strides, and flash-attn's
+``(batch, seqlen, heads, dim)`` order (``layout="bshd"``).
+
+Most tests run once per backend (the `backend` fixture). A layout changes where the numbers
+live, never the computation, so results must equal those of the same numbers in native,
+C-contiguous ``(batch, heads, seqlen, dim)`` arrays exactly, bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import tileattn
+
+OPTIONS = dict(causal=True, softcap=3.0, window=(6, None), block_q=4, block_k=8)
+
+
+def problem(dtype=np.float64, seed=0):
+    """q (2, 4, 13, 8), GQA k and v (2, 2, 17, 8 / 5), do like o; C-contiguous, native."""
+    rng = np.random.default_rng(seed)
+    shapes = ((2, 4, 13, 8), (2, 2, 17, 8), (2, 2, 17, 5), (2, 4, 13, 5))
+    return tuple(rng.standard_normal(shape).astype(dtype) for shape in shapes)
+
+
+def run_both_passes(backend, q, k, v, do):
+    o, lse = backend.forward(q, k, v, return_lse=True, **OPTIONS)
+    grads = backend.backward(do, q, k, v, o, lse, **OPTIONS)
+    return (o, lse) + tuple(grads)
+
+
+def assert_identical(actual, expected):
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), actual, expected):
+        assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def host_only(backend):
+    if backend.memory == "cuda":
+        pytest.skip("byte order is a host-array matter: CuPy arrays are always native")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_non_native_byte_order_is_computed_in_its_precision(backend, dtype):
+    """A big-endian float64 array was computed in float32 (a backend's ``dtype == float64``
+    is False for ``'>f8'`` on x86) and its lse came back float32."""
+    host_only(backend)
+    native = problem(np.dtype(dtype))
+    swapped = tuple(a.astype(a.dtype.newbyteorder()) for a in native)
+    assert not swapped[0].dtype.isnative
+    results = run_both_passes(backend, *swapped)
+    assert_identical(results, run_both_passes(backend, *native))
+    assert results[0].dtype == np.dtype(dtype) and results[0].dtype.isnative
+    assert results[1].dtype == (np.float64 if dtype == "float64" else np.float32)
+
+
+def test_mixed_byte_orders_are_one_dtype(backend):
+    host_only(backend)
+    q, k, v, do = problem()
+    big_k, big_do = k.astype(">f8"), do.astype(">f8")
+    o, lse = backend.forward(q, big_k, v, return_lse=True, **OPTIONS)
+    big_o, big_lse = o.astype(">f8"), lse.astype(">f8")
+    mixed = (o, lse) + tuple(backend.backward(big_do, q, big_k, v, big_o, big_lse, **OPTIONS))
+    assert_identical(mixed, run_both_passes(backend, q, k, v, do))
+
+
+def test_byte_order_mismatch_of_different_precisions_names_the_dtypes():
+    q, k, v, _ = problem()
+    with pytest.raises(TypeError, match=r"k.dtype must equal q.dtype \(float64\), got float32"):
+        tileattn.forward(q.astype(">f8"), k.astype("<f4"), v, backend="reference")
+
+
+def strided_views(arrays, xp):
+    """The same numbers as `arrays`, in array module `xp`'s memory (NumPy or CuPy), behind
+    four kinds of strides."""
+    def reversed_axes(a):  # negative strides on the sequence and feature axes
+        return xp.ascontiguousarray(xp.asarray(a[..., ::-1, ::-1]))[..., ::-1, ::-1]
+
+    def every_other_element(a):  # a non-unit stride on the last axis
+        wide = xp.zeros(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+        wide[..., ::2] = xp.asarray(a)
+        return wide[..., ::2]
+
+    def heads_inner(a):  # a (B, N, H, D) buffer seen as (B, H, N, D)
+        return xp.ascontiguousarray(xp.asarray(a).swapaxes(1, 2)).swapaxes(1, 2)
+
+    def big_endian_reversed(a):  # negative strides and non-native byte order together
+        return reversed_axes(a.astype(a.dtype.newbyteorder()))
+
+    return {"negative": [reversed_axes(a) for a in arrays],
+            "odd": [every_other_element(a) for a in arrays],
+            "transposed": [heads_inner(a) for a in arrays],
+            "big-endian negative": [big_endian_reversed(a) for a in arrays]}
+
+
+@pytest.mark.parametrize("kind", ["negative", "odd", "transposed", "big-endian negative"])
+def test_any_strides_give_the_contiguous_result(backend, kind):
+    if kind == "big-endian negative":
+        host_only(backend)
+    xp = pytest.importorskip("cupy") if backend.memory == "cuda" else np
+    arrays = problem(np.float32)
+    views = strided_views(arrays, xp)[kind]
+    for view, array in zip(views, arrays):
+        assert not view.flags.c_contiguous
+        np.testing.assert_array_equal(backend.to_host(view), array)
+    assert_identical(run_both_passes(backend, *views), run_both_passes(backend, *arrays))
+
+
+# --------------------------------------------------------------------------- layout="bshd"
+
+
+def sequence_first(array):
+    """A C-contiguous ``(*batch, N, H, D)`` copy of a ``(*batch, H, N, D)`` array, as a
+    flash-attn user holds it."""
+    return np.ascontiguousarray(array.swapaxes(-3, -2))
+
+
+def problem_of_shape(batch_shape, seed=1):
+    rng = np.random.default_rng(seed)
+    shapes = ((4, 13, 8), (2, 17, 8), (2, 17, 5), (4, 13, 5))
+    return tuple(rng.standard_normal(batch_shape + shape).astype(np.float32)
+                 for shape in shapes)
+
+
+@pytest.mark.parametrize("batch_shape", [(2,), (), (2, 3)])
+def test_bshd_equals_the_transposed_bhsd_call(backend, batch_shape):
+    q, k, v, do = problem_of_shape(batch_shape)
+    expected = run_both_passes(backend, q, k, v, do)
+    q_s, k_s, v_s, do_s = (sequence_first(a) for a in (q, k, v, do))
+    o, lse = backend.forward(q_s, k_s, v_s, return_lse=True, layout="bshd", **OPTIONS)
+    assert o.shape == q_s.shape[:-1] + (5,) and lse.shape == q.shape[:-1]
+    grads = backend.backward(do_s, q_s, k_s, v_s, o, lse, layout="bshd", **OPTIONS)
+    assert [g.shape for g in grads] == [q_s.shape, k_s.shape, v_s.shape]
+    swapped = (expected[0].swapaxes(-3, -2), expected[1]) + tuple(
+        g.swapaxes(-3, -2) for g in expected[2:])
+    assert_identical((o, lse) + tuple(grads), swapped)
+
+
+def test_bshd_reaches_the_backend_as_views(backend, monkeypatch):
+    """The backend gets the caller's memory, axes swapped by strides: no copy on the way."""
+    xp = pytest.importorskip("cupy") if backend.memory == "cuda" else np
+    module = tileattn.backends.load(backend.name)
+    received = {}
+
+    def spy(name):
+        original = getattr(module, name)
+
+        def recorded(*arrays):
+            received[name] = arrays
+            return original(*arrays)
+        return recorded
+
+    monkeypatch.setattr(module, "forward", spy("forward"))
+    monkeypatch.setattr(module, "backward", spy("backward"))
+    q, k, v, do = (xp.asarray(sequence_first(a)) for a in problem_of_shape((2,)))
+    o, lse = tileattn.forward(q, k, v, return_lse=True, layout="bshd", backend=backend.name)
+    tileattn.backward(do, q, k, v, o, lse, layout="bshd", backend=backend.name)
+    for name, given, seen in zip("qkv", (q, k, v), received["forward"]):
+        assert xp.shares_memory(seen, given), name
+        assert seen.strides == given.swapaxes(1, 2).strides, name
+    for name, given, seen in zip(("do", "q", "k", "v", "o"), (do, q, k, v, o),
+                                 received["backward"]):
+        assert xp.shares_memory(seen, given), name
+        assert seen.strides == given.swapaxes(1, 2).strides, name
+
+
+def test_two_dimensional_arrays_mean_the_same_in_both_layouts():
+    q, k, v, _ = problem_of_shape((), seed=3)
+    q, k, v = q[0], k[0], v[0]
+    for backend in ("reference", "cpu"):
+        np.testing.assert_array_equal(
+            tileattn.forward(q, k, v, layout="bshd", backend=backend),
+            tileattn.forward(q, k, v, backend=backend))
+
+
+@pytest.mark.parametrize("layout", ["BSHD", "bsdh", None, ["bshd"]])
+def test_unknown_layouts_are_rejected(layout):
+    q, k, v, do = problem_of_shape((2,))
+    match = r"layout must be 'bhsd' \(batch, heads, seqlen, dim\) or 'bshd' .* got "
+    with pytest.raises(ValueError, match=match + re.escape(repr(layout))):
+        tileattn.forward(q, k, v, layout=layout)
+    with pytest.raises(ValueError, match=match):
+        tileattn.backward(do, q, k, v, do, do[..., 0], layout=layout)
+
+
+def test_bshd_shape_errors_show_the_callers_shapes():
+    q, k, v, do = (sequence_first(a) for a in problem_of_shape((2,)))
+    with pytest.raises(ValueError, match=r"k head dim must equal q head dim D=8, got 7 "
+                                         r"\(q shape \(2, 13, 4, 8\), k shape \(2, 17, 2, 7\)\)"):
+        tileattn.forward(q, k[..., :7], v, layout="bshd")
+    o, lse = tileattn.forward(q, k, v, layout="bshd", return_lse=True)
+    with pytest.raises(ValueError, match=r"do must have shape \(2, 13, 4, 5\) \(layout='bshd'\), "
+                                         r"got \(2, 4, 13, 5\)"):
+        tileattn.backward(do.swapaxes(1, 2), q, k, v, o, lse, layout="bshd")
+    with pytest.raises(ValueError, match=r"lse must have shape \(2, 4, 13\), got \(2, 13, 4\)"):
+        tileattn.backward(do, q, k, v, o, lse.swapaxes(1, 2), layout="bshd")
