@@ -56,7 +56,9 @@ BAD_ARGUMENTS = (
        (["check", "--head-dim", "10000000"], "GB for the golden model")]
     + shape_argument_cases("info")
     + [(["info", "--seq-len", str(INFO_MAX_SEQ_LEN + 1)],
-        f"argument --seq-len: at most {INFO_MAX_SEQ_LEN}")]
+        f"argument --seq-len: at most {INFO_MAX_SEQ_LEN}"),
+       (["info", "--value-dim", "0"], "argument --value-dim: must be a positive integer, got 0"),
+       (["info", "--value-dim", "x"], "argument --value-dim: must be a positive integer")]
     + [(["bench", "--backend", value], f"argument --backend: invalid choice: '{value}'")
        for value in ("nope", "reference", "auto")]
     + [(["bench", "--backend"], "argument --backend: expected one argument"),
@@ -197,6 +199,10 @@ def test_info_reports_every_value_given(capsys):
                                 capsys)
     assert status == 0, err
     assert "q (2, 3, 1, 1), Nk=1, " in out and "float16, causal=False" in out
+    status, out, err = run_main(["info", "--seq-len", "8", "--head-dim", "192",
+                                 "--value-dim", "128"], capsys)
+    assert status == 0, err
+    assert "q (1, 8, 8, 192), Nk=8, Dv=128, " in out
 
 
 # --------------------------------------------------------------------------- warmup

@@ -90,6 +90,8 @@ def _parser():
     info = commands.add_parser(
         "info", help="backends, device, cache sizes, chosen tiles, modelled memory traffic")
     _shape_arguments(info, 4096, 8, max_seq_len=INFO_MAX_SEQ_LEN)
+    info.add_argument("--value-dim", type=_positive_int, default=None,
+                      help="Dv (default: the head dim)")
 
     bench = commands.add_parser(
         "bench", help="correctness check, then speed and memory against N vs the anchors")
@@ -167,8 +169,8 @@ def _info(parser, args) -> int:
     if args.seq_len > INFO_MAX_SEQ_LEN:
         parser.error(f"argument --seq-len: at most {INFO_MAX_SEQ_LEN} (the traffic model "
                      f"walks every row in Python), got {args.seq_len}")
-    describe(seq_len=args.seq_len, head_dim=args.head_dim, heads=args.heads,
-             batch=args.batch, dtype=_dtype(args.dtype), causal=args.causal)
+    describe(seq_len=args.seq_len, head_dim=args.head_dim, value_dim=args.value_dim,
+             heads=args.heads, batch=args.batch, dtype=_dtype(args.dtype), causal=args.causal)
     return 0
 
 
