@@ -46,42 +46,40 @@ def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k,
     return launch
 
 
-def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles) -> tuple:
+def _forward_on_tensor_cores(source: str, entry: str, family_defines: tuple, step: int,
+                             arch: str | None, q, k, v, o, lse, options: AttentionOptions,
+                             tiles) -> tuple:
+    """A tensor-core forward of `tiles` (widths padded to `step`), the arrays read in place
+    with the widest copies their rows allow: ``(launch, copy bytes)``."""
     (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
-    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
-               ("BLOCKS_PER_SM", tiles.blocks_per_sm),
-               ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages)
-               ) + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
-    shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], 16))
-    function = _compile.kernel(WGMMA_SOURCE, "attention_forward_wgmma", tuple(sorted(defines)),
-                               shared, arch="90a")
+    defines = family_defines + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
+    shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], step))
+    function = _compile.kernel(source, entry, tuple(sorted(defines)), shared, arch=arch)
     return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
                                strides, options), copy_bytes
+
+
+def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles) -> tuple:
+    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
+               ("BLOCKS_PER_SM", tiles.blocks_per_sm),
+               ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages))
+    return _forward_on_tensor_cores(WGMMA_SOURCE, "attention_forward_wgmma", defines, 16, "90a",
+                                    q, k, v, o, lse, options, tiles)
 
 
 def forward_mma(q, k, v, o, lse, options: AttentionOptions, tiles: MmaTiles) -> tuple:
-    (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
-               ("Q_IN_REGISTERS", int(tiles.q_in_registers)), ("WARP_ROWS", tiles.warp_rows)
-               ) + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
-    shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], 16))
-    function = _compile.kernel(MMA_SOURCE, "attention_forward_mma", tuple(sorted(defines)),
-                               shared)
-    return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
-                               strides, options), copy_bytes
+               ("Q_IN_REGISTERS", int(tiles.q_in_registers)), ("WARP_ROWS", tiles.warp_rows))
+    return _forward_on_tensor_cores(MMA_SOURCE, "attention_forward_mma", defines, 16, None,
+                                    q, k, v, o, lse, options, tiles)
 
 
 def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles) -> tuple:
-    (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
-               ("WARP_ROWS", tiles.warp_rows)
-               ) + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
-    shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], 8))
-    function = _compile.kernel(TF32_SOURCE, "attention_forward_tf32", tuple(sorted(defines)),
-                               shared)
-    return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
-                               strides, options), copy_bytes
+               ("WARP_ROWS", tiles.warp_rows))
+    return _forward_on_tensor_cores(TF32_SOURCE, "attention_forward_tf32", defines, 8, None,
+                                    q, k, v, o, lse, options, tiles)
 
 
 # --------------------------------------------------------------------------- generic

@@ -375,6 +375,25 @@ def wgmma_named_tiles(problem: Problem, default: WgmmaTiles) -> WgmmaTiles | Non
     return tiles if tiles.shared_bytes(widths) <= problem.shared_limit else None
 
 
+def _with_named_blocks(family: str, row: Row, problem: Problem, widths: Widths, block_qs,
+                       block_ks, build) -> Choice:
+    """The row's tiles, or the caller's tile sizes where the family is built for them (with
+    the row's warp layout where it divides the query tile): ``build(block_q, block_k,
+    warp_rows)`` makes the tiles."""
+    if not problem.named_blocks:
+        return Choice(family, row.tiles, row.note)
+    block_q = problem.block_q or row.tiles.block_q
+    block_k = problem.block_k or row.tiles.block_k
+    if block_q not in block_qs or block_k not in block_ks:
+        return _generic(f"no {family} forward is built for block_q={block_q}, "
+                        f"block_k={block_k}")
+    warp_rows = row.tiles.warp_rows if block_q % row.tiles.warp_rows == 0 else 16
+    tiles = build(block_q, block_k, warp_rows)
+    if tiles.shared_bytes(widths) > problem.shared_limit:
+        return _generic("the named tiles exceed this device's shared memory")
+    return Choice(family, tiles, "tile sizes named by the caller")
+
+
 def choose_forward(problem: Problem) -> Choice:
     """The forward's family and tiles for `problem`."""
     reason = _tensor_core_dims(problem)
@@ -397,18 +416,10 @@ def choose_forward(problem: Problem) -> Choice:
                              lambda t: t.shared_bytes(widths) <= problem.shared_limit)
         if row is None:
             return _generic("no mma.sync tiles fit this device's shared memory")
-        if not problem.named_blocks:
-            return Choice("mma", row.tiles, row.note)
-        block_q = problem.block_q or row.tiles.block_q
-        block_k = problem.block_k or row.tiles.block_k
-        if block_q not in MMA_BLOCK_Q or block_k not in MMA_BLOCK_K:
-            return _generic(f"no tensor-core forward is built for block_q={block_q}, "
-                            f"block_k={block_k}")
-        warp_rows = row.tiles.warp_rows if block_q % row.tiles.warp_rows == 0 else 16
-        tiles = MmaTiles(block_q, block_k, warp_rows, row.tiles.q_in_registers)
-        if tiles.shared_bytes(widths) > problem.shared_limit:
-            return _generic("the named tiles exceed this device's shared memory")
-        return Choice("mma", tiles, "tile sizes named by the caller")
+        return _with_named_blocks(
+            "mma", row, problem, widths, MMA_BLOCK_Q, MMA_BLOCK_K,
+            lambda block_q, block_k, rows: MmaTiles(block_q, block_k, rows,
+                                                    row.tiles.q_in_registers))
     if problem.dtype == "float32":
         if problem.capability < 80:
             return _generic("TF32 tensor cores need sm_80 or later")
@@ -417,18 +428,8 @@ def choose_forward(problem: Problem) -> Choice:
                              lambda t: t.shared_bytes(widths) <= problem.shared_limit)
         if row is None:
             return _generic("no 3xTF32 tiles fit this device's shared memory")
-        if not problem.named_blocks:
-            return Choice("tf32", row.tiles, row.note)
-        block_q = problem.block_q or row.tiles.block_q
-        block_k = problem.block_k or row.tiles.block_k
-        if block_q not in TF32_BLOCK_Q or block_k not in TF32_BLOCK_K:
-            return _generic(f"no 3xTF32 forward is built for block_q={block_q}, "
-                            f"block_k={block_k}")
-        warp_rows = row.tiles.warp_rows if block_q % row.tiles.warp_rows == 0 else 16
-        tiles = Tf32Tiles(block_q, block_k, warp_rows)
-        if tiles.shared_bytes(widths) > problem.shared_limit:
-            return _generic("the named tiles exceed this device's shared memory")
-        return Choice("tf32", tiles, "tile sizes named by the caller")
+        return _with_named_blocks("tf32", row, problem, widths, TF32_BLOCK_Q, TF32_BLOCK_K,
+                                  Tf32Tiles)
     return _generic(f"{problem.dtype} runs on CUDA cores")
 
 
