@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import dropout
+from .kept_products import redo_non_finite_columns, redo_non_finite_rows
 from .schedule import claim_next, longest_first
 from .tiles import (key_span, mask_tile, row_span, tile_is_fully_kept, tile_view,
                     transform_tile)
@@ -170,16 +171,29 @@ def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_co
                           row_start, col_start, n_q, n_k, scale, softcap, slope, window_left,
                           window_right, dropout_key, dropout_threshold, inv_keep, probs, grads,
                           softcap_grad)
+    # A tile the mask cuts multiplies masked entries (0, or NaN on a NaN row) too; see
+    # `kept_products` for why redoing the non-finite rows of each product is exact.
+    fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
+                                    col_start + n_cols, n_q, n_k, window_left, window_right)
     if want_key_grads:
         product = tile_view(product_buffer, n_cols, value_dim)
         np.dot(probs.T, do_rows, product)
+        if not fully_kept:
+            redo_non_finite_columns(probs, do_rows, product, row_start, col_start, n_q, n_k,
+                                    window_left, window_right)
         _add_into(dv_cols, product)
         product = tile_view(product_buffer, n_cols, head_dim)
         np.dot(grads.T, q_rows, product)
+        if not fully_kept:
+            redo_non_finite_columns(grads, q_rows, product, row_start, col_start, n_q, n_k,
+                                    window_left, window_right)
         _add_into(dk_cols, product)
     if want_query_grads:
         product = tile_view(product_buffer, n_rows, head_dim)
         np.dot(grads, k_cols, product)
+        if not fully_kept:
+            redo_non_finite_rows(grads, k_cols, product, row_start, col_start, n_q, n_k,
+                                 window_left, window_right)
         _add_into(dq_rows, product)
 
 

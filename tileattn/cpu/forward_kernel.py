@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import dropout
+from .kept_products import redo_non_finite_rows
 from .schedule import claim_next, longest_first
 from .tiles import key_span, mask_tile, tile_is_fully_kept, tile_view, transform_tile
 from .vector_math import FASTMATH, LN_2, LOG2_E, exp2_nonpositive, maximum
@@ -67,11 +68,12 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
     scores = tile_view(scores_buffer, n_rows, n_cols)
     np.dot(q_scaled, k_tile.T, scores)
+    fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
+                                    col_start + n_cols, n_q, n_k, window_left, window_right)
     if softcap > 0 or slope != 0:
         transform_tile(scores, scores, row_start, col_start, n_q, n_k, softcap, slope,
                        window_left, window_right, False, True)
-    elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
-                                n_q, n_k, window_left, window_right):
+    elif not fully_kept:
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
     _softmax_update(scores, row_max, row_sum, rescale)
     if dropout_threshold > 0:
@@ -79,6 +81,9 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
                        inv_keep)
     pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
     np.dot(scores, v_tile, pv)
+    if not fully_kept:
+        redo_non_finite_rows(scores, v_tile, pv, row_start, col_start, n_q, n_k, window_left,
+                             window_right)
     for r in range(n_rows):
         for d in range(pv.shape[1]):
             acc[r, d] = acc[r, d] * rescale[r] + pv[r, d]
