@@ -89,7 +89,7 @@ def _recompute_scores(q_scaled, k_tile, scores, softcap_grad, row_start, col_sta
     np.dot(q_scaled, k_tile.T, scores)
     if softcap > 0 or slope != 0:
         transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right, softcap > 0, False)
+                       window_left, window_right, softcap > 0)
     elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
                                 n_q, n_k, window_left, window_right):
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)

@@ -15,19 +15,27 @@ from . import dropout
 from .kept_products import redo_non_finite_rows
 from .schedule import claim_next, longest_first
 from .tiles import key_span, mask_tile, tile_is_fully_kept, tile_view, transform_tile
-from .vector_math import FASTMATH, LN_2, LOG2_E, exp2_nonpositive, maximum
+from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive, maximum
 
 
 @njit(fastmath=FASTMATH)
 def _softmax_update(scores, row_max, row_sum, rescale):
-    """Online softmax over one tile (FlashAttention-2 section 3.1.1), scores in log2 units.
+    """Online softmax over one tile (FlashAttention-2 section 3.1.1), natural-unit scores.
 
-    Turns `scores` into unnormalised probabilities ``2**(s - m_new)`` in place, rescales
-    `row_sum` by ``2**(m_old - m_new)`` and adds the tile's row sums; the accumulator's
+    Turns `scores` into unnormalised probabilities ``exp(s - m_new)`` in place, rescales
+    `row_sum` by ``exp(m_old - m_new)`` and adds the tile's row sums; the accumulator's
     factor goes to `rescale`, applied in the same pass that adds ``P V``.
+
+    ``exp(x)`` is ``exp2(x * log2(e))`` with ``x = s - m`` formed first: near the maximum
+    that difference is exact, so the scores, the row maximum and hence ``lse`` carry exactly
+    the rounding of the scores that the backward recomputes the same way. Folding
+    ``log2(e)`` into the query instead (one multiply per score fewer) gave scores whose
+    rounding differs from the backward's by an ulp of ``|s|``: float32 dv at |s| ~ 2e4
+    came out 1.2-2.4x its tolerance (bench/NOTES-cpu.md, session 4).
     """
     n_rows, n_cols = scores.shape
     dtype = scores.dtype.type
+    log2_e = dtype(LOG2_E)
     for r in range(n_rows):
         new_max = row_max[r]
         for j in range(n_cols):
@@ -36,10 +44,10 @@ def _softmax_update(scores, row_max, row_sum, rescale):
         # would be NaN. Its probabilities are exp2(-inf) = 0. A NaN score makes the max NaN,
         # and with it the whole row, as in the golden model.
         safe_max = dtype(0.0) if new_max == -np.inf else new_max
-        rescale[r] = exp2_nonpositive(row_max[r] - safe_max)
+        rescale[r] = exp2_nonpositive((row_max[r] - safe_max) * log2_e)
         tile_sum = dtype(0.0)
         for j in range(n_cols):
-            p = exp2_nonpositive(scores[r, j] - safe_max)
+            p = exp2_nonpositive((scores[r, j] - safe_max) * log2_e)
             scores[r, j] = p
             tile_sum += p
         row_sum[r] = row_sum[r] * rescale[r] + tile_sum
@@ -72,7 +80,7 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
                                     col_start + n_cols, n_q, n_k, window_left, window_right)
     if softcap > 0 or slope != 0:
         transform_tile(scores, scores, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right, False, True)
+                       window_left, window_right, False)
     elif not fully_kept:
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
     _softmax_update(scores, row_max, row_sum, rescale)
@@ -97,9 +105,9 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
     n_rows = q_tile.shape[0]
     dtype = q_tile.dtype.type
     bh = b * lse.shape[1] + h
-    # Without softcap or ALiBi, log2(e) rides along with the scale on the query tile; with
-    # either, the transform needs natural-unit scores and converts them itself.
-    q_factor = dtype(scale) if softcap > 0 or slope != 0 else dtype(scale * LOG2_E)
+    # The same scaled query as the backward's (`backward_kernel._scale_query_tile`), so both
+    # passes round every score alike.
+    q_factor = dtype(scale)
     for r in range(n_rows):
         for d in range(q_tile.shape[1]):
             q_scaled[r, d] = q_tile[r, d] * q_factor
@@ -141,7 +149,7 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
             inverse = dtype(1.0) / total
             for d in range(out.shape[3]):
                 out[b, h, row_start + r, d] = acc[r, d] * inverse
-            lse[b, h, row_start + r] = (row_max[r] + np.log2(total)) * dtype(LN_2)
+            lse[b, h, row_start + r] = row_max[r] + np.log(total)
         elif total == 0:
             # No kept key (SPEC): output 0, lse -inf.
             out[b, h, row_start + r, :] = 0
