@@ -125,6 +125,49 @@ def test_import_tileattn_does_not_import_numba():
     assert done.stdout.strip() == "False"
 
 
+def test_small_problems_run_on_one_thread_and_large_ones_on_every_allowed_thread():
+    import numba
+
+    from tileattn.cpu import threads
+
+    assert threads.threads_for(1e6) == 1
+    assert threads.threads_for(1e12) == numba.get_num_threads()
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        assert threads.threads_for(1e12) == 1  # numba.set_num_threads still limits tileattn
+    finally:
+        numba.set_num_threads(previous)
+
+
+def test_run_gives_every_task_to_exactly_one_thread_and_reraises_errors():
+    from tileattn.cpu import threads
+
+    def claim(next_task):
+        with lock:
+            task = int(next_task[0])
+            next_task[0] += 1
+        return task
+
+    lock = threading.Lock()
+    done = []
+
+    def kernel(n_tasks, next_task):
+        task = claim(next_task)
+        while task < n_tasks:
+            done.append(task)
+            task = claim(next_task)
+
+    threads.run(kernel, 4, 50)
+    assert sorted(done) == list(range(50))
+
+    def failing(next_task):
+        raise ValueError("from a kernel")
+
+    with pytest.raises(ValueError, match="from a kernel"):
+        threads.run(failing, 2)
+
+
 # --------------------------------------------------------------------------- block sizes
 
 

@@ -24,27 +24,27 @@ a fixed order):
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from . import dropout
 from .kept_products import redo_non_finite_columns, redo_non_finite_rows
-from .schedule import claim_next, longest_first
+from .schedule import claim_next
 from .tiles import (key_span, mask_tile, row_span, tile_is_fully_kept, tile_view,
                     transform_tile)
 from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def row_terms_kernel(do, out, lse, delta, safe_lse):
     """``delta = rowsum(dO * O)`` from the given O (SPEC), and ``lse`` with +inf for rows
-    with no kept key.
+    with no kept key. One thread: a pass over dO and O, under 1% of the backward.
 
     +inf (not -inf) makes ``exp(s - lse)`` vanish on such rows: their scores are all -inf
     and ``-inf - -inf`` would be NaN.
     """
     batch, n_heads, n_q, value_dim = do.shape
     dtype = delta.dtype.type
-    for bh in prange(batch * n_heads):
+    for bh in range(batch * n_heads):
         b, h = bh // n_heads, bh % n_heads
         for i in range(n_q):
             total = dtype(0.0)
@@ -156,6 +156,15 @@ def _add_into(target, addend):
 
 
 @njit(fastmath=FASTMATH)
+def _copy_into(target, source):
+    """``target[:] = source`` for equal shapes. A loop, because Numba's array assignment
+    compiles its shape-mismatch error message, 2.3 s of every cold start (session 4)."""
+    for r in range(source.shape[0]):
+        for d in range(source.shape[1]):
+            target[r, d] = source[r, d]
+
+
+@njit(fastmath=FASTMATH)
 def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_cols, dv_cols,
           dq_rows, want_key_grads, want_query_grads, bh, row_start, col_start, n_q, n_k,
           scale, softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
@@ -260,8 +269,8 @@ def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start, a
                             dq[b, h, row_start:row_stop], True, accumulate_dq, scale, softcap,
                             slope, window_left, window_right, dropout_key, dropout_threshold,
                             inv_keep, slice_rows, scratch)
-    dk[b, kv_head, col_start:col_stop] = dk_tile
-    dv[b, kv_head, col_start:col_stop] = dv_tile
+    _copy_into(dk[b, kv_head, col_start:col_stop], dk_tile)
+    _copy_into(dv[b, kv_head, col_start:col_stop], dv_tile)
 
 
 @njit(fastmath=FASTMATH)
@@ -286,7 +295,7 @@ def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, scale, softca
                         dq_tile, False, True, scale, softcap, slope, window_left,
                         window_right, dropout_key, dropout_threshold, inv_keep, slice_rows,
                         scratch)
-    dq[b, h, row_start:row_stop] = dq_tile
+    _copy_into(dq[b, h, row_start:row_stop], dq_tile)
 
 
 @njit(fastmath=FASTMATH)
@@ -302,80 +311,74 @@ def _scratch(block_q, block_k, head_dim, value_dim, softcap, dtype):
             np.empty((block_k, value_dim), dtype))
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def backward_by_heads(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                       window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                      block_q, block_k, slice_rows, n_threads):
-    """All gradients, one task per (batch, kv head); `dq` must start zeroed.
+                      block_q, block_k, slice_rows, next_task):
+    """All gradients, one task per (batch, kv head); `dq` must start zeroed. One thread's
+    share, run on every thread by `threads.run`.
 
     The tasks cost the same, but each thread still claims the next when it is free
     (`schedule`): on the shared machine a core slowed by other work then runs fewer heads.
     """
     batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
     n_tasks = batch * n_kv_heads
-    n_workers = min(n_threads, n_tasks)
-    next_task = np.zeros(1, np.int64)
-    for worker in prange(n_workers):
-        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    task = claim_next(next_task)
+    if task >= n_tasks:
+        return
+    scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    while task < n_tasks:
+        b, kv_head = task // n_kv_heads, task % n_kv_heads
+        for col_start in range(0, n_k, block_k):
+            _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
+                      True, scale, softcap, alibi_slopes, window_left, window_right,
+                      dropout_key, dropout_threshold, inv_keep, block_q, block_k,
+                      slice_rows, scratch)
         task = claim_next(next_task)
-        while task < n_tasks:
-            b, kv_head = task // n_kv_heads, task % n_kv_heads
-            for col_start in range(0, n_k, block_k):
-                _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
-                          True, scale, softcap, alibi_slopes, window_left, window_right,
-                          dropout_key, dropout_threshold, inv_keep, block_q, block_k,
-                          slice_rows, scratch)
-            task = claim_next(next_task)
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def backward_key_tiles(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                       block_q, block_k, slice_rows, n_threads):
-    """``dK`` and ``dV``, one task per (batch, kv head, key tile), longest first, each
-    thread claiming the next when it is free (`schedule`; causal key tiles shrink along the
-    sequence).
+                       block_q, block_k, slice_rows, tile_order, next_task):
+    """``dK`` and ``dV``, one task per (batch, kv head, key tile) in `tile_order`, longest
+    first, each thread claiming the next when it is free (`schedule`; causal key tiles
+    shrink along the sequence).
 
     `dq` is only sliced, never written: `_key_tile` serves both schedules.
     """
-    batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
-    n_k_tiles = (n_k + block_k - 1) // block_k
-    n_heads = batch * n_kv_heads
-    n_tasks = n_heads * n_k_tiles
-    n_workers = min(n_threads, n_tasks)
-    tile_order = longest_first(n_k_tiles, block_k, n_k, q.shape[2], window_right, window_left)
-    next_task = np.zeros(1, np.int64)
-    for worker in prange(n_workers):
-        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    n_kv_heads = k.shape[1]
+    n_heads = k.shape[0] * n_kv_heads
+    n_tasks = n_heads * tile_order.size
+    task = claim_next(next_task)
+    if task >= n_tasks:
+        return
+    scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    while task < n_tasks:
+        bkv = task % n_heads
+        _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, bkv // n_kv_heads,
+                  bkv % n_kv_heads, tile_order[task // n_heads] * block_k, False, scale,
+                  softcap, alibi_slopes, window_left, window_right, dropout_key,
+                  dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
         task = claim_next(next_task)
-        while task < n_tasks:
-            bkv = task % n_heads
-            _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, bkv // n_kv_heads,
-                      bkv % n_kv_heads, tile_order[task // n_heads] * block_k, False, scale,
-                      softcap, alibi_slopes, window_left, window_right, dropout_key,
-                      dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
-            task = claim_next(next_task)
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def backward_query_tiles(q, k, v, do, safe_lse, delta, dq, scale, softcap, alibi_slopes,
                          window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                         block_q, block_k, slice_rows, n_threads):
-    """``dQ``, one task per (batch, query head, query tile), longest first, claimed."""
-    batch, n_q_heads, n_q = q.shape[0], q.shape[1], q.shape[2]
-    n_q_tiles = (n_q + block_q - 1) // block_q
-    n_heads = batch * n_q_heads
-    n_tasks = n_heads * n_q_tiles
-    n_workers = min(n_threads, n_tasks)
-    tile_order = longest_first(n_q_tiles, block_q, n_q, k.shape[2], window_left, window_right)
-    next_task = np.zeros(1, np.int64)
-    for worker in prange(n_workers):
-        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+                         block_q, block_k, slice_rows, tile_order, next_task):
+    """``dQ``, one task per (batch, query head, query tile) in `tile_order`, claimed."""
+    n_q_heads = q.shape[1]
+    n_heads = q.shape[0] * n_q_heads
+    n_tasks = n_heads * tile_order.size
+    task = claim_next(next_task)
+    if task >= n_tasks:
+        return
+    scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    while task < n_tasks:
+        bh = task % n_heads
+        _query_tile(q, k, v, do, safe_lse, delta, dq, bh // n_q_heads, bh % n_q_heads,
+                    tile_order[task // n_heads] * block_q, scale, softcap, alibi_slopes,
+                    window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                    block_q, block_k, slice_rows, scratch)
         task = claim_next(next_task)
-        while task < n_tasks:
-            bh = task % n_heads
-            _query_tile(q, k, v, do, safe_lse, delta, dq, bh // n_q_heads, bh % n_q_heads,
-                        tile_order[task // n_heads] * block_q, scale, softcap, alibi_slopes,
-                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                        block_q, block_k, slice_rows, scratch)
-            task = claim_next(next_task)

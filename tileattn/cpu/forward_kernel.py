@@ -9,11 +9,11 @@ so there are no races and no reductions across threads.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from . import dropout
 from .kept_products import redo_non_finite_rows
-from .schedule import claim_next, longest_first
+from .schedule import claim_next
 from .tiles import key_span, mask_tile, tile_is_fully_kept, tile_view, transform_tile
 from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive, maximum
 
@@ -161,45 +161,43 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
             lse[b, h, row_start + r] = np.nan
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left, window_right,
                    dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
-                   n_threads):
-    """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v.
+                   tile_order, next_task):
+    """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v: one
+    thread's share, run on every thread by `threads.run`.
 
     `alibi_slopes` is (B, Hq), zeros when ALiBi is off; `dropout_threshold` 0 means no dropout.
-    Tasks (batch, head, query tile) run longest first, each thread claiming the next when it
-    is free (`schedule`): causal tile costs grow along the sequence, and round-robin dealing
-    gave one of two threads 5/8 of the work at N = 2048.
+    Tasks (batch, head, query tile) run in `tile_order`, longest first, each thread claiming
+    the next from `next_task` when it is free (`schedule`): causal tile costs grow along the
+    sequence, and round-robin dealing gave one of two threads 5/8 of the work at N = 2048.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
-    n_q_tiles = (n_q + block_q - 1) // block_q
     n_heads = batch * n_q_heads
-    n_tasks = n_heads * n_q_tiles
-    n_workers = min(n_threads, n_tasks)
-    tile_order = longest_first(n_q_tiles, block_q, n_q, n_k, window_left, window_right)
-    next_task = np.zeros(1, np.int64)
+    n_tasks = n_heads * tile_order.size
+    task = claim_next(next_task)
+    if task >= n_tasks:
+        return
     dtype = q.dtype
-    for worker in prange(n_workers):
-        q_scaled = np.empty((block_q, head_dim), dtype)
-        scores_buffer = np.empty(block_q * block_k, dtype)
-        pv_buffer = np.empty(block_q * value_dim, dtype)
-        acc = np.empty((block_q, value_dim), dtype)
-        row_max = np.empty(block_q, dtype)
-        row_sum = np.empty(block_q, dtype)
-        rescale = np.empty(block_q, dtype)
+    q_scaled = np.empty((block_q, head_dim), dtype)
+    scores_buffer = np.empty(block_q * block_k, dtype)
+    pv_buffer = np.empty(block_q * value_dim, dtype)
+    acc = np.empty((block_q, value_dim), dtype)
+    row_max = np.empty(block_q, dtype)
+    row_sum = np.empty(block_q, dtype)
+    rescale = np.empty(block_q, dtype)
+    while task < n_tasks:
+        bh = task % n_heads
+        b, h = bh // n_q_heads, bh % n_q_heads
+        row_start = tile_order[task // n_heads] * block_q
+        row_stop = min(row_start + block_q, n_q)
+        _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
+                    row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
+                    window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                    block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
+                    row_sum, rescale)
         task = claim_next(next_task)
-        while task < n_tasks:
-            bh = task % n_heads
-            b, h = bh // n_q_heads, bh % n_q_heads
-            row_start = tile_order[task // n_heads] * block_q
-            row_stop = min(row_start + block_q, n_q)
-            _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
-                        row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
-                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                        block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
-                        row_sum, rescale)
-            task = claim_next(next_task)
