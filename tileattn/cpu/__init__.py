@@ -128,6 +128,9 @@ def forward(q, k, v, options: AttentionOptions):
     return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
 
 
+_NO_TILE_ORDER = np.zeros(0, np.int64)  # the heads schedule takes every key tile in order
+
+
 def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
     """Whether one task per (batch, kv head) keeps every thread equally busy (see
     `backward_kernel`); otherwise the split schedule spreads key and query tiles."""
@@ -136,8 +139,8 @@ def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
-    from .backward_kernel import (backward_by_heads, backward_key_tiles,
-                                  backward_query_tiles, row_terms_kernel)
+    from .backward_kernel import (HEADS, KEY_TILES, QUERY_TILES, backward_kernel,
+                                  row_terms_kernel)
 
     dtype = _compute_dtype(q.dtype)
     do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
@@ -155,19 +158,19 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
         delta.flags.writeable = safe_lse.flags.writeable = False
-        arrays = (q_c, k_c, v_c, do_c, safe_lse, delta)
         if _use_heads_schedule(batch, n_kv_heads, n_threads):
             dq = np.zeros(q.shape, dtype)
-            threads.run(backward_by_heads, min(n_threads, batch * n_kv_heads), *arrays, dq,
-                        dk, dv, *scalars, *tiling)
+            runs = [(HEADS, min(n_threads, batch * n_kv_heads), _NO_TILE_ORDER)]
         else:
             dq = np.empty(q.shape, dtype)
             n_k = k.shape[2]
             key_order = schedule.longest_first(-(-n_k // blocks.block_k), blocks.block_k, n_k,
                                                n_q, options.window_right, options.window_left)
-            threads.run(backward_key_tiles, n_threads, *arrays, dq, dk, dv, *scalars, *tiling,
-                        key_order)
-            threads.run(backward_query_tiles, n_threads, *arrays, dq, *scalars, *tiling,
-                        _query_tile_order(n_q, n_k, blocks.block_q, options))
+            runs = [(KEY_TILES, n_threads, key_order),
+                    (QUERY_TILES, n_threads, _query_tile_order(n_q, n_k, blocks.block_q,
+                                                               options))]
+        for kernel_schedule, n_workers, tile_order in runs:
+            threads.run(backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse, delta, dq,
+                        dk, dv, *scalars, *tiling, kernel_schedule, tile_order)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

@@ -79,8 +79,8 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
     fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
                                     col_start + n_cols, n_q, n_k, window_left, window_right)
     if softcap > 0 or slope != 0:
-        transform_tile(scores, scores, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right, False)
+        transform_tile(scores, scores[:0], row_start, col_start, n_q, n_k, softcap, slope,
+                       window_left, window_right)
     elif not fully_kept:
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
     _softmax_update(scores, row_max, row_sum, rescale)

@@ -84,15 +84,17 @@ def mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
 
 @njit(fastmath=FASTMATH)
 def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                   window_left, window_right, want_softcap_grad):
+                   window_left, window_right):
     """SPEC steps 2-4 on a tile of scores, in place.
 
-    `softcap` 0 and `slope` 0 switch those steps off. With `want_softcap_grad`, also writes
-    ``d capped / d raw = 1 - tanh^2`` (0 where masked, so a NaN score there cannot reach the
-    gradient).
+    `softcap` 0 and `slope` 0 switch those steps off. Unless `softcap_grad` is empty (the
+    forward's), a softcap also writes ``d capped / d raw = 1 - tanh^2`` into it (0 where
+    masked, so a NaN score there cannot reach the gradient). An empty array rather than a
+    flag: a literal flag compiled this function twice.
     """
     n_rows, n_cols = scores.shape
     dtype = scores.dtype.type
+    want_softcap_grad = softcap > 0 and softcap_grad.shape[0] > 0
     cap = dtype(softcap)
     alibi_slope = dtype(slope)
     offset = n_k - n_q
