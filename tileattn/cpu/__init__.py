@@ -6,6 +6,9 @@ keep that to one compilation, the launchers always pass the same argument types:
 read-only C-contiguous arrays of the compute dtype, options as plain Python scalars.
 float16 and bfloat16 inputs are converted to float32 (SPEC: they accumulate in float32).
 
+The first use of a dtype compiles for seconds: `compile_notice` says so on stderr, and
+`warmup` compiles every kernel ahead of time.
+
 The backward is always deterministic, so ``options.deterministic`` changes nothing here.
 """
 
@@ -20,8 +23,9 @@ import numpy as np
 from ..dropout import dropout_key, dropout_threshold
 from ..options import AttentionOptions, Blocks
 from ..reference import lse_dtype
-from . import blas, schedule, threads
+from . import blas, compile_notice, schedule, threads  # noqa: F401 (compile_notice listens)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
+from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
 
 MEMORY = "host"
 
