@@ -333,7 +333,8 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, al
     * `QUERY_TILES`: ``dQ``, one task per (batch, query head, query tile) in `tile_order`.
 
     One kernel for the three (the flags below are run-time values, so every helper compiles
-    once): three kernels took 2.8x the compile time (bench/NOTES-cpu.md, session 4).
+    once): three kernels took 11.6 s to compile, this one 6.0 s (bench/NOTES-cpu.md,
+    session 4).
     """
     batch, n_q_heads = q.shape[0], q.shape[1]
     n_kv_heads, n_k = k.shape[1], k.shape[2]
