@@ -228,3 +228,25 @@ def test_tiled_form_keeps_nan_rows_nan():
     assert np.isnan(dense_o[0, 0, 2]).all() and np.isnan(tiled_o[0, 0, 2]).all()
     assert_attention_close(tiled_o, dense_o, np.float64)
     assert_attention_close(tiled_lse, dense_lse, np.float64)
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_tiled_form_equals_dense_form_with_non_finite_inputs(poisoned, value):
+    """Masked entries contribute nothing in either form, whatever the tiles: the same NaN and
+    infinities land in the same places (tests/test_nonfinite.py checks which places)."""
+    rng = np.random.default_rng(6)
+    arrays = {"q": rng.standard_normal((1, 4, 9, 3)), "k": rng.standard_normal((1, 2, 7, 3)),
+              "v": rng.standard_normal((1, 2, 7, 2)), "do": rng.standard_normal((1, 4, 9, 2))}
+    arrays[poisoned][0, 1, 4, 0] = value
+    for kwargs in ({"causal": True}, {"window": (2, 1)}):
+        q, k, v, options = options_for((arrays["q"], arrays["k"], arrays["v"]), **kwargs)
+        o, lse = dense_forward(q, k, v, options)
+        dense = dense_backward(arrays["do"], q, k, v, o, options)
+        for block_q, block_k in ((1, 2), (3, 5), (4, 4), (16, 16)):
+            tiled_o, tiled_lse = tiled_forward(q, k, v, options, block_q, block_k)
+            assert_attention_close(tiled_o, o, np.float64, name="o")
+            assert_attention_close(tiled_lse, lse, np.float64, name="lse")
+            tiled = tiled_backward(arrays["do"], q, k, v, o, lse, options, block_q, block_k)
+            for name, tiled_grad, dense_grad in zip(("dq", "dk", "dv"), tiled, dense):
+                assert_attention_close(tiled_grad, dense_grad, np.float64, name=name)

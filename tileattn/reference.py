@@ -14,6 +14,9 @@ Two forms of the same function:
   softcap ``s = c tanh(r / c)`` gives ``dR = dS * (1 - tanh(r / c)^2)``; and
   ``r = scale * Q K^T`` gives ``dQ = scale dR K``, ``dK = scale dR^T Q``.
   ALiBi and masks are constants: no gradient flows through them.
+  Every product over the score matrix (``P V``, ``P^T dO``, ``dS K``, ``dS^T Q``) sums the
+  kept entries only (`_kept_product`): a masked entry contributes nothing, not ``0 x NaN``,
+  so a non-finite input reaches exactly the rows and gradient entries that keep it.
 
 * `tiled_forward` / `tiled_backward` are the FlashAttention-2 algorithm over
   ``block_q x block_k`` tiles (Dao 2023, Algorithms 1 and 2): a running row maximum and row
@@ -59,6 +62,12 @@ def _raw_scores(q, k, rows, cols, options):
     return options.scale * (q[:, :, rows] @ np.swapaxes(k[:, :, cols], -1, -2))
 
 
+def _kept(rows, cols, n_q, n_k, options):
+    """Step 4's mask: which (row, col) pairs are kept, shape ``(len(rows), len(cols))``."""
+    return keeps(rows[:, None], cols[None, :], n_q, n_k, options.window_left,
+                 options.window_right)
+
+
 def _transform_scores(raw, rows, cols, n_q, n_k, options):
     """Steps 2-4 of SPEC: softcap, ALiBi, mask. Returns the scores and ``dS/dRaw``."""
     scores, softcap_grad = raw, None
@@ -70,10 +79,34 @@ def _transform_scores(raw, rows, cols, n_q, n_k, options):
     if options.alibi_slopes is not None:
         distance = np.abs(row_index + (n_k - n_q) - col_index)
         scores = scores - options.alibi_slopes[:, :, None, None] * distance
-    kept = keeps(row_index, col_index, n_q, n_k, options.window_left, options.window_right)
+    kept = _kept(rows, cols, n_q, n_k, options)
     # np.where, not an additive -inf bias: a NaN score at a masked position must vanish.
     scores = np.where(kept, scores, -np.inf)
     return scores, softcap_grad
+
+
+def _kept_product(weights, kept, values):
+    """``sum_j weights[..., i, j] * values[..., j, :]`` over the ``j`` that row ``i`` keeps.
+
+    SPEC: a masked entry contributes nothing at all, not ``0 x NaN`` (``weights`` may hold
+    anything there, NaN included), while the kept terms follow IEEE arithmetic (``0 x inf`` is
+    NaN). One matrix product with the masked weights and the non-finite values set to 0 sums
+    exactly the kept terms of every row whose kept terms are all finite (the other terms are
+    exact zeros). The rows with a non-finite kept term, a non-finite weight or a kept key with
+    a non-finite value, are summed again from their kept terms alone. `kept` broadcasts
+    against `weights`; the transposed products (``P^T dO``) pass transposed weights and mask.
+    """
+    finite_values = np.isfinite(values)
+    kept = np.broadcast_to(kept, weights.shape)
+    non_finite_terms = kept & (~np.isfinite(weights)
+                               | ~finite_values.all(axis=-1)[..., None, :])
+    with np.errstate(invalid="ignore"):  # inf x 0 on the rows summed again below
+        result = np.where(kept, weights, 0.0) @ np.where(finite_values, values, 0.0)
+        for row in zip(*np.nonzero(non_finite_terms.any(axis=-1))):
+            row_kept = kept[row]
+            terms = weights[row][row_kept, None] * values[row[:-1]][row_kept]
+            result[row] = terms.sum(axis=0)
+    return result
 
 
 def _dropout_scale(rows, cols, batch, n_q_heads, options):
@@ -128,10 +161,12 @@ def dense_forward(q, k, v, options: AttentionOptions):
     probs, lse, _ = dense_probabilities(q, k, options)
     (v,) = _as_float64(v)
     n_q, n_k = probs.shape[2:]
-    dropout = _dropout_scale(np.arange(n_q), np.arange(n_k), *probs.shape[:2], options)
+    rows, cols = np.arange(n_q), np.arange(n_k)
+    dropout = _dropout_scale(rows, cols, *probs.shape[:2], options)
     if dropout is not None:
         probs = probs * dropout
-    return probs @ _repeat_kv(v, q.shape[1]), lse
+    return _kept_product(probs, _kept(rows, cols, n_q, n_k, options),
+                         _repeat_kv(v, q.shape[1])), lse
 
 
 def dense_backward(do, q, k, v, o, options: AttentionOptions):
@@ -143,10 +178,14 @@ def dense_backward(do, q, k, v, o, options: AttentionOptions):
     n_kv_heads, n_q_heads = k.shape[1], q.shape[1]
     probs, _, softcap_grad = dense_probabilities(q, k, options)
     n_q, n_k = probs.shape[2:]
-    dropout = _dropout_scale(np.arange(n_q), np.arange(n_k), *probs.shape[:2], options)
+    rows, cols = np.arange(n_q), np.arange(n_k)
+    kept = _kept(rows, cols, n_q, n_k, options)
+    dropout = _dropout_scale(rows, cols, *probs.shape[:2], options)
     dropped = probs if dropout is None else probs * dropout
     k_rep, v_rep = _repeat_kv(k, n_q_heads), _repeat_kv(v, n_q_heads)
-    dv = np.swapaxes(dropped, -1, -2) @ do
+    dv = _kept_product(np.swapaxes(dropped, -1, -2), kept.T, do)
+    # dP and dS hold garbage (NaN from a non-finite v or do) where masked; every product
+    # below reads only their kept entries.
     dp = do @ np.swapaxes(v_rep, -1, -2)
     if dropout is not None:
         dp = dp * dropout
@@ -154,8 +193,8 @@ def dense_backward(do, q, k, v, o, options: AttentionOptions):
     ds = probs * (dp - delta)
     if softcap_grad is not None:
         ds = ds * softcap_grad
-    dq = options.scale * (ds @ k_rep)
-    dk = options.scale * (np.swapaxes(ds, -1, -2) @ q)
+    dq = options.scale * _kept_product(ds, kept, k_rep)
+    dk = options.scale * _kept_product(np.swapaxes(ds, -1, -2), kept.T, q)
     return dq, _sum_kv_groups(dk, n_kv_heads), _sum_kv_groups(dv, n_kv_heads)
 
 
@@ -200,7 +239,8 @@ def tiled_forward(q, k, v, options: AttentionOptions, block_q: int, block_k: int
             dropout = _dropout_scale(rows, cols, batch, n_q_heads, options)
             if dropout is not None:
                 probs = probs * dropout
-            acc = rescale * acc + probs @ v[:, :, cols]
+            kept = _kept(rows, cols, n_q, n_k, options)
+            acc = rescale * acc + _kept_product(probs, kept, v[:, :, cols])
             row_max = new_max
         o[:, :, rows], lse[:, :, rows] = _normalise(acc, row_max, row_sum)
     return o, lse
@@ -231,17 +271,20 @@ def tiled_backward(do, q, k, v, o, lse, options: AttentionOptions, block_q: int,
             scores, softcap_grad = _transform_scores(_raw_scores(q, k, rows, cols, options),
                                                      rows, cols, n_q, n_k, options)
             probs = np.exp(scores - safe_lse[:, :, rows])
+            kept = _kept(rows, cols, n_q, n_k, options)
             dropout = _dropout_scale(rows, cols, batch, n_q_heads, options)
             dropped = probs if dropout is None else probs * dropout
-            dv[:, :, cols] += np.swapaxes(dropped, -1, -2) @ do[:, :, rows]
+            dv[:, :, cols] += _kept_product(np.swapaxes(dropped, -1, -2), kept.T,
+                                            do[:, :, rows])
             dp = do[:, :, rows] @ np.swapaxes(v[:, :, cols], -1, -2)
             if dropout is not None:
                 dp = dp * dropout
             ds = probs * (dp - delta[:, :, rows])
             if softcap_grad is not None:
                 ds = ds * softcap_grad
-            dq[:, :, rows] += options.scale * (ds @ k[:, :, cols])
-            dk[:, :, cols] += options.scale * (np.swapaxes(ds, -1, -2) @ q[:, :, rows])
+            dq[:, :, rows] += options.scale * _kept_product(ds, kept, k[:, :, cols])
+            dk[:, :, cols] += options.scale * _kept_product(np.swapaxes(ds, -1, -2), kept.T,
+                                                            q[:, :, rows])
     return dq, _sum_kv_groups(dk, n_kv_heads), _sum_kv_groups(dv, n_kv_heads)
 
 
@@ -253,11 +296,17 @@ def lse_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+# Non-finite inputs are not an error (SPEC): NumPy's warnings about the NaN they make
+# (inf - inf, 0 x inf) would only be noise.
+
+
 def forward(q, k, v, options: AttentionOptions):
-    o, lse = dense_forward(q, k, v, options)
+    with np.errstate(invalid="ignore"):
+        o, lse = dense_forward(q, k, v, options)
     return o.astype(q.dtype), lse.astype(lse_dtype(q.dtype))
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
-    dq, dk, dv = dense_backward(do, q, k, v, o, options)
+    with np.errstate(invalid="ignore"):
+        dq, dk, dv = dense_backward(do, q, k, v, o, options)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

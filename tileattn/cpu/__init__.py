@@ -6,6 +6,9 @@ keep that to one compilation, the launchers always pass the same argument types:
 read-only C-contiguous arrays of the compute dtype, options as plain Python scalars.
 float16 and bfloat16 inputs are converted to float32 (SPEC: they accumulate in float32).
 
+The first use of a dtype compiles for seconds: `compile_notice` says so on stderr, and
+`warmup` compiles every kernel ahead of time.
+
 The backward is always deterministic, so ``options.deterministic`` changes nothing here.
 """
 
@@ -20,14 +23,14 @@ import numpy as np
 from ..dropout import dropout_key, dropout_threshold
 from ..options import AttentionOptions, Blocks
 from ..reference import lse_dtype
-from . import blas
+from . import blas, compile_notice, schedule, threads  # noqa: F401 (compile_notice listens)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
+from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
 
 MEMORY = "host"
 
-# Numba's default threading layer (workqueue, where OpenMP and TBB are missing) aborts the
-# process when two threads enter parallel kernels at once; each call already uses every
-# core, so serialising calls costs nothing.
+# Each call already spreads over every core it can use (`threads`), and the BLAS thread
+# limit around it is process-wide: serialising calls costs nothing.
 _kernel_lock = threading.Lock()
 
 
@@ -93,6 +96,19 @@ def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int):
             1.0 / (1.0 - options.dropout_p))
 
 
+def _forward_flops(q, k, v, options: AttentionOptions) -> float:
+    """FLOPs of the forward's two matrix products over the kept (row, key) pairs."""
+    batch, n_q_heads, n_q, head_dim = q.shape
+    pairs = schedule.kept_pairs_per_row(n_q, k.shape[2], options.window_left,
+                                        options.window_right).sum()
+    return 2.0 * batch * n_q_heads * float(pairs) * (head_dim + v.shape[3])
+
+
+def _query_tile_order(n_q: int, n_k: int, block_q: int, options: AttentionOptions):
+    return schedule.longest_first(-(-n_q // block_q), block_q, n_q, n_k, options.window_left,
+                                  options.window_right)
+
+
 def _forward(q_c, k_c, v_c, options: AttentionOptions):
     """Forward over prepared (compute-dtype, read-only, contiguous) arrays."""
     from .forward_kernel import forward_kernel
@@ -100,11 +116,13 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions):
     batch, n_q_heads, n_q, _ = q_c.shape
     out = np.empty((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
     lse = np.empty((batch, n_q_heads, n_q), q_c.dtype)
-    n_threads = numba.get_num_threads()
+    n_threads = threads.threads_for(_forward_flops(q_c, k_c, v_c, options))
     blocks = _blocks("forward", q_c, v_c, options, n_threads)
+    tile_order = _query_tile_order(n_q, k_c.shape[2], blocks.block_q, options)
     with _kernel_lock, blas.single_threaded():
-        forward_kernel(q_c, k_c, v_c, out, lse, *_option_scalars(options, batch, n_q_heads),
-                       blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, n_threads)
+        threads.run(forward_kernel, min(n_threads, batch * n_q_heads * tile_order.size),
+                    q_c, k_c, v_c, out, lse, *_option_scalars(options, batch, n_q_heads),
+                    blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, tile_order)
     return out, lse
 
 
@@ -112,6 +130,9 @@ def forward(q, k, v, options: AttentionOptions):
     dtype = _compute_dtype(q.dtype)
     out, lse = _forward(*(_read_only(x, dtype) for x in (q, k, v)), options)
     return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
+
+
+_NO_TILE_ORDER = np.zeros(0, np.int64)  # the heads schedule takes every key tile in order
 
 
 def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
@@ -122,8 +143,8 @@ def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
-    from .backward_kernel import (backward_by_heads, backward_key_tiles,
-                                  backward_query_tiles, row_terms_kernel)
+    from .backward_kernel import (HEADS, KEY_TILES, QUERY_TILES, backward_kernel,
+                                  row_terms_kernel)
 
     dtype = _compute_dtype(q.dtype)
     do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
@@ -133,21 +154,27 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     safe_lse = np.empty((batch, n_q_heads, n_q), dtype)
     dk = np.empty(k.shape, dtype)
     dv = np.empty(v.shape, dtype)
-    n_threads = numba.get_num_threads()
+    # FlashAttention's count: the backward's five products are 2.5x the forward's two.
+    n_threads = threads.threads_for(2.5 * _forward_flops(q_c, k_c, v_c, options))
     blocks = _blocks("backward", q_c, v_c, options, n_threads)
     scalars = _option_scalars(options, batch, n_q_heads)
-    tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, n_threads)
+    tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
         delta.flags.writeable = safe_lse.flags.writeable = False
         if _use_heads_schedule(batch, n_kv_heads, n_threads):
             dq = np.zeros(q.shape, dtype)
-            backward_by_heads(q_c, k_c, v_c, do_c, safe_lse, delta, dq, dk, dv, *scalars,
-                              *tiling)
+            runs = [(HEADS, min(n_threads, batch * n_kv_heads), _NO_TILE_ORDER)]
         else:
             dq = np.empty(q.shape, dtype)
-            backward_key_tiles(q_c, k_c, v_c, do_c, safe_lse, delta, dq, dk, dv, *scalars,
-                               *tiling)
-            backward_query_tiles(q_c, k_c, v_c, do_c, safe_lse, delta, dq, *scalars, *tiling)
+            n_k = k.shape[2]
+            key_order = schedule.longest_first(-(-n_k // blocks.block_k), blocks.block_k, n_k,
+                                               n_q, options.window_right, options.window_left)
+            runs = [(KEY_TILES, n_threads, key_order),
+                    (QUERY_TILES, n_threads, _query_tile_order(n_q, n_k, blocks.block_q,
+                                                               options))]
+        for kernel_schedule, n_workers, tile_order in runs:
+            threads.run(backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse, delta, dq,
+                        dk, dv, *scalars, *tiling, kernel_schedule, tile_order)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

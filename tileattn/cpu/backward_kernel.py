@@ -9,41 +9,42 @@ the saved ``lse`` and ``D = rowsum(dO * O)`` computed once up front:
     dK_j += scale dS^T Q_i
     dQ_i += scale dS K_j
 
-Two race-free schedules, both deterministic (each output element is summed by one thread in
-a fixed order):
+Two race-free schedules of `backward_kernel`, both deterministic (each output element is
+summed by one thread in a fixed order):
 
-* `backward_by_heads`: one task per (batch, kv head) runs every tile of its query heads,
-  keys outer and queries inner, so ``dK_j``/``dV_j`` stay in local accumulators and ``dQ`` is
-  summed into rows that no other task touches. Five matrix products per tile, the minimum.
-  Used when there are enough (batch, kv head) pairs to keep every thread busy.
-* `backward_key_tiles` + `backward_query_tiles`: one task per key tile (summing ``dK``,
-  ``dV``) and then one per query tile (summing ``dQ``). Both passes recompute ``S`` and
-  ``dP``, seven products per tile instead of five, but a single long sequence uses every core.
+* `HEADS`: one task per (batch, kv head) runs every tile of its query heads, keys outer and
+  queries inner, so ``dK_j``/``dV_j`` stay in local accumulators and ``dQ`` is summed into
+  rows that no other task touches. Five matrix products per tile, the minimum. Used when
+  there are enough (batch, kv head) pairs to keep every thread busy.
+* `KEY_TILES` then `QUERY_TILES`: one task per key tile (summing ``dK``, ``dV``) and then
+  one per query tile (summing ``dQ``). Both passes recompute ``S`` and ``dP``, seven
+  products per tile instead of five, but a single long sequence uses every core.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from . import dropout
-from .schedule import claim_next, longest_first
+from .kept_products import redo_non_finite_columns, redo_non_finite_rows
+from .schedule import claim_next
 from .tiles import (key_span, mask_tile, row_span, tile_is_fully_kept, tile_view,
                     transform_tile)
 from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def row_terms_kernel(do, out, lse, delta, safe_lse):
     """``delta = rowsum(dO * O)`` from the given O (SPEC), and ``lse`` with +inf for rows
-    with no kept key.
+    with no kept key. One thread: a pass over dO and O, under 1% of the backward.
 
     +inf (not -inf) makes ``exp(s - lse)`` vanish on such rows: their scores are all -inf
     and ``-inf - -inf`` would be NaN.
     """
     batch, n_heads, n_q, value_dim = do.shape
     dtype = delta.dtype.type
-    for bh in prange(batch * n_heads):
+    for bh in range(batch * n_heads):
         b, h = bh // n_heads, bh % n_heads
         for i in range(n_q):
             total = dtype(0.0)
@@ -88,7 +89,7 @@ def _recompute_scores(q_scaled, k_tile, scores, softcap_grad, row_start, col_sta
     np.dot(q_scaled, k_tile.T, scores)
     if softcap > 0 or slope != 0:
         transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right, softcap > 0, False)
+                       window_left, window_right)
     elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
                                 n_q, n_k, window_left, window_right):
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
@@ -155,6 +156,15 @@ def _add_into(target, addend):
 
 
 @njit(fastmath=FASTMATH)
+def _copy_into(target, source):
+    """``target[:] = source`` for equal shapes. A loop, because Numba's array assignment
+    compiles its shape-mismatch error message, 2.3 s of every cold start (session 4)."""
+    for r in range(source.shape[0]):
+        for d in range(source.shape[1]):
+            target[r, d] = source[r, d]
+
+
+@njit(fastmath=FASTMATH)
 def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_cols, dv_cols,
           dq_rows, want_key_grads, want_query_grads, bh, row_start, col_start, n_q, n_k,
           scale, softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
@@ -170,16 +180,29 @@ def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_co
                           row_start, col_start, n_q, n_k, scale, softcap, slope, window_left,
                           window_right, dropout_key, dropout_threshold, inv_keep, probs, grads,
                           softcap_grad)
+    # A tile the mask cuts multiplies masked entries (0, or NaN on a NaN row) too; see
+    # `kept_products` for why redoing the non-finite rows of each product is exact.
+    fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
+                                    col_start + n_cols, n_q, n_k, window_left, window_right)
     if want_key_grads:
         product = tile_view(product_buffer, n_cols, value_dim)
         np.dot(probs.T, do_rows, product)
+        if not fully_kept:
+            redo_non_finite_columns(probs, do_rows, product, row_start, col_start, n_q, n_k,
+                                    window_left, window_right)
         _add_into(dv_cols, product)
         product = tile_view(product_buffer, n_cols, head_dim)
         np.dot(grads.T, q_rows, product)
+        if not fully_kept:
+            redo_non_finite_columns(grads, q_rows, product, row_start, col_start, n_q, n_k,
+                                    window_left, window_right)
         _add_into(dk_cols, product)
     if want_query_grads:
         product = tile_view(product_buffer, n_rows, head_dim)
         np.dot(grads, k_cols, product)
+        if not fully_kept:
+            redo_non_finite_rows(grads, k_cols, product, row_start, col_start, n_q, n_k,
+                                 window_left, window_right)
         _add_into(dq_rows, product)
 
 
@@ -219,12 +242,14 @@ def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_
 
 
 @njit(fastmath=FASTMATH)
-def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start, accumulate_dq,
-              scale, softcap, alibi_slopes, window_left, window_right, dropout_key,
-              dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch):
+def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
+              want_key_grads, want_query_grads, scale, softcap, alibi_slopes, window_left,
+              window_right, dropout_key, dropout_threshold, inv_keep, block_q, block_k,
+              slice_rows, scratch):
     """All tiles of key tile `col_start` over the query heads sharing `kv_head`.
 
-    Writes ``dK``/``dV`` rows of the key tile; with `accumulate_dq` also adds into `dq`.
+    Writes ``dK``/``dV`` rows of the key tile (`want_key_grads` is true here); with
+    `want_query_grads` also adds into `dq`.
     """
     q_scaled, dk_acc, dv_acc = scratch[0], scratch[5], scratch[6]
     n_q_heads, n_q = q.shape[1], q.shape[2]
@@ -243,18 +268,20 @@ def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start, a
             _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale)
             _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                             col_start, col_stop, q_scaled, dk_tile, dv_tile,
-                            dq[b, h, row_start:row_stop], True, accumulate_dq, scale, softcap,
-                            slope, window_left, window_right, dropout_key, dropout_threshold,
-                            inv_keep, slice_rows, scratch)
-    dk[b, kv_head, col_start:col_stop] = dk_tile
-    dv[b, kv_head, col_start:col_stop] = dv_tile
+                            dq[b, h, row_start:row_stop], want_key_grads, want_query_grads,
+                            scale, softcap, slope, window_left, window_right, dropout_key,
+                            dropout_threshold, inv_keep, slice_rows, scratch)
+    _copy_into(dk[b, kv_head, col_start:col_stop], dk_tile)
+    _copy_into(dv[b, kv_head, col_start:col_stop], dv_tile)
 
 
 @njit(fastmath=FASTMATH)
-def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, scale, softcap,
-                alibi_slopes, window_left, window_right, dropout_key, dropout_threshold,
-                inv_keep, block_q, block_k, slice_rows, scratch):
-    """``dQ`` of one query tile, summed over its key tiles."""
+def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, want_key_grads,
+                want_query_grads, scale, softcap, alibi_slopes, window_left, window_right,
+                dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
+                scratch):
+    """``dQ`` of one query tile, summed over its key tiles (`want_query_grads` is true and
+    `want_key_grads` false here)."""
     q_scaled, dq_acc, unused_key_grads = scratch[0], scratch[5], scratch[6]
     n_q_heads, n_q = q.shape[1], q.shape[2]
     n_k = k.shape[2]
@@ -269,10 +296,10 @@ def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, scale, softca
         col_stop = min(col_start + block_k, n_k)
         _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                         col_start, col_stop, q_scaled, unused_key_grads, unused_key_grads,
-                        dq_tile, False, True, scale, softcap, slope, window_left,
-                        window_right, dropout_key, dropout_threshold, inv_keep, slice_rows,
-                        scratch)
-    dq[b, h, row_start:row_stop] = dq_tile
+                        dq_tile, want_key_grads, want_query_grads, scale, softcap, slope,
+                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                        slice_rows, scratch)
+    _copy_into(dq[b, h, row_start:row_stop], dq_tile)
 
 
 @njit(fastmath=FASTMATH)
@@ -288,80 +315,60 @@ def _scratch(block_q, block_k, head_dim, value_dim, softcap, dtype):
             np.empty((block_k, value_dim), dtype))
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def backward_by_heads(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
-                      window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                      block_q, block_k, slice_rows, n_threads):
-    """All gradients, one task per (batch, kv head); `dq` must start zeroed.
+HEADS, KEY_TILES, QUERY_TILES = 0, 1, 2
+"""The schedules of `backward_kernel` (see the module docstring)."""
 
-    The tasks cost the same, but each thread still claims the next when it is free
-    (`schedule`): on the shared machine a core slowed by other work then runs fewer heads.
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
+                    window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                    block_q, block_k, slice_rows, schedule, tile_order, next_task):
+    """One thread's share of one schedule, run on every thread by `threads.run`; each
+    thread claims the next task from `next_task` when it is free (`schedule` module).
+
+    * `HEADS`: every gradient, one task per (batch, kv head); `dq` must start zeroed. The
+      tasks cost the same, but claiming lets a core slowed by other work run fewer heads.
+    * `KEY_TILES`: ``dK`` and ``dV``, one task per (batch, kv head, key tile) in
+      `tile_order`, longest first (causal key tiles shrink along the sequence).
+    * `QUERY_TILES`: ``dQ``, one task per (batch, query head, query tile) in `tile_order`.
+
+    One kernel for the three (the flags below are run-time values, so every helper compiles
+    once): three kernels took 11.6 s to compile, this one 6.0 s (bench/NOTES-cpu.md,
+    session 4).
     """
-    batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
-    n_tasks = batch * n_kv_heads
-    n_workers = min(n_threads, n_tasks)
-    next_task = np.zeros(1, np.int64)
-    for worker in prange(n_workers):
-        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
-        task = claim_next(next_task)
-        while task < n_tasks:
-            b, kv_head = task // n_kv_heads, task % n_kv_heads
-            for col_start in range(0, n_k, block_k):
-                _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
-                          True, scale, softcap, alibi_slopes, window_left, window_right,
+    batch, n_q_heads = q.shape[0], q.shape[1]
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    want_key_grads = schedule != QUERY_TILES
+    want_query_grads = schedule != KEY_TILES
+    if schedule == HEADS:
+        n_tasks = batch * n_kv_heads
+    elif schedule == KEY_TILES:
+        n_tasks = batch * n_kv_heads * tile_order.size
+    else:
+        n_tasks = batch * n_q_heads * tile_order.size
+    task = claim_next(next_task)
+    if task >= n_tasks:
+        return
+    scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    while task < n_tasks:
+        if schedule == QUERY_TILES:
+            bh = task % (batch * n_q_heads)
+            _query_tile(q, k, v, do, safe_lse, delta, dq, bh // n_q_heads, bh % n_q_heads,
+                        tile_order[task // (batch * n_q_heads)] * block_q, want_key_grads,
+                        want_query_grads, scale, softcap, alibi_slopes, window_left,
+                        window_right, dropout_key, dropout_threshold, inv_keep, block_q,
+                        block_k, slice_rows, scratch)
+        else:
+            bkv = task % (batch * n_kv_heads)
+            if schedule == HEADS:
+                first_tile, last_tile = 0, (n_k + block_k - 1) // block_k
+            else:
+                first_tile = tile_order[task // (batch * n_kv_heads)]
+                last_tile = first_tile + 1
+            for tile in range(first_tile, last_tile):
+                _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, bkv // n_kv_heads,
+                          bkv % n_kv_heads, tile * block_k, want_key_grads, want_query_grads,
+                          scale, softcap, alibi_slopes, window_left, window_right,
                           dropout_key, dropout_threshold, inv_keep, block_q, block_k,
                           slice_rows, scratch)
-            task = claim_next(next_task)
-
-
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def backward_key_tiles(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
-                       window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                       block_q, block_k, slice_rows, n_threads):
-    """``dK`` and ``dV``, one task per (batch, kv head, key tile), longest first, each
-    thread claiming the next when it is free (`schedule`; causal key tiles shrink along the
-    sequence).
-
-    `dq` is only sliced, never written: `_key_tile` serves both schedules.
-    """
-    batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
-    n_k_tiles = (n_k + block_k - 1) // block_k
-    n_heads = batch * n_kv_heads
-    n_tasks = n_heads * n_k_tiles
-    n_workers = min(n_threads, n_tasks)
-    tile_order = longest_first(n_k_tiles, block_k, n_k, q.shape[2], window_right, window_left)
-    next_task = np.zeros(1, np.int64)
-    for worker in prange(n_workers):
-        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
         task = claim_next(next_task)
-        while task < n_tasks:
-            bkv = task % n_heads
-            _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, bkv // n_kv_heads,
-                      bkv % n_kv_heads, tile_order[task // n_heads] * block_k, False, scale,
-                      softcap, alibi_slopes, window_left, window_right, dropout_key,
-                      dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
-            task = claim_next(next_task)
-
-
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
-def backward_query_tiles(q, k, v, do, safe_lse, delta, dq, scale, softcap, alibi_slopes,
-                         window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                         block_q, block_k, slice_rows, n_threads):
-    """``dQ``, one task per (batch, query head, query tile), longest first, claimed."""
-    batch, n_q_heads, n_q = q.shape[0], q.shape[1], q.shape[2]
-    n_q_tiles = (n_q + block_q - 1) // block_q
-    n_heads = batch * n_q_heads
-    n_tasks = n_heads * n_q_tiles
-    n_workers = min(n_threads, n_tasks)
-    tile_order = longest_first(n_q_tiles, block_q, n_q, k.shape[2], window_left, window_right)
-    next_task = np.zeros(1, np.int64)
-    for worker in prange(n_workers):
-        scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
-        task = claim_next(next_task)
-        while task < n_tasks:
-            bh = task % n_heads
-            _query_tile(q, k, v, do, safe_lse, delta, dq, bh // n_q_heads, bh % n_q_heads,
-                        tile_order[task // n_heads] * block_q, scale, softcap, alibi_slopes,
-                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                        block_q, block_k, slice_rows, scratch)
-            task = claim_next(next_task)

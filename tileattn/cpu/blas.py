@@ -1,7 +1,7 @@
 """Keep BLAS single-threaded while the kernels run.
 
 The kernels call ``np.dot`` (BLAS gemm, through SciPy's BLAS, which Numba uses) from every
-thread of a parallel loop. A threaded BLAS would start its own threads inside each of
+thread that runs them (`threads`). A threaded BLAS would start its own threads inside each of
 ours: on the development machine that halved the forward speed (58 against 118 GFLOP/s,
 bench/NOTES-cpu.md). threadpoolctl limits the BLAS behind SciPy to one thread for the call
 and restores it after (NumPy's own BLAS, a separate library in the wheels, is left alone);

@@ -71,18 +71,23 @@ def default_blocks(kind: str, head_dim: int, value_dim: int, itemsize: int,
     """Tile sizes for ``kind`` ``"forward"`` or ``"backward"`` (powers of two).
 
     ``block_k``: as many keys as fill half of L2 with their K and V rows (512 for D = Dv = 64
-    in float32 with a 512 KiB L2). ``block_q``: as many query rows as keys in the forward,
-    half as many in the backward, which keeps two score-sized tiles (P and dS). The score
-    tile then overflows L2 into L3; measured on the development machine (bench/NOTES-cpu.md)
-    that costs less than the larger matrix products save: forward 512x512 ran 3% faster than
-    256x512 and 7% faster than 128x512, backward 256x512 4% faster than 256x256.
+    in float32 with a 512 KiB L2), at most 512. With a 2 MiB L2 (the Sapphire Rapids host of
+    session 4) the rule alone gave 1024, and 1024-key tiles ran slower in both passes: single
+    thread, N=2048, forward 1024x1024 against 1024x512 5-12% slower for D <= 96, backward
+    512x1024 against 256x512 3-17% slower for D <= 128 (bench/NOTES-cpu.md, session 4).
+    ``block_q``: as many query rows as keys in the forward, half as many in the backward,
+    which keeps two score-sized tiles (P and dS). The score tile then overflows a 512 KiB L2
+    into L3; measured on that machine it costs less than the larger matrix products save:
+    forward 512x512 ran 3% faster than 256x512 and 7% faster than 128x512, backward 256x512
+    4% faster than 256x256.
 
     A forward without a mask (`masked` False) takes twice as many query rows again: 1024x512
-    ran 1-2% faster than 512x512 (v7); taller was not measured, so 1024 at most. With a causal or window mask the taller tile lost
-    3-6%: its cut diagonal runs as more, smaller slices.
+    ran 1-2% faster than 512x512 (v7); taller was not measured, so 1024 at most. With a
+    causal or window mask the taller tile lost 3-6%: its cut diagonal runs as more, smaller
+    slices.
     """
     l2 = cache_sizes().l2
-    block_k = _power_of_two_at_most(l2 / 2 / (itemsize * (head_dim + value_dim)), 32, 1024)
+    block_k = _power_of_two_at_most(l2 / 2 / (itemsize * (head_dim + value_dim)), 32, 512)
     if kind == "forward":
         block_q = block_k if masked else min(2 * block_k, 1024)
     else:

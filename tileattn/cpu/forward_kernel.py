@@ -9,24 +9,33 @@ so there are no races and no reductions across threads.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from . import dropout
-from .schedule import claim_next, longest_first
+from .kept_products import redo_non_finite_rows
+from .schedule import claim_next
 from .tiles import key_span, mask_tile, tile_is_fully_kept, tile_view, transform_tile
-from .vector_math import FASTMATH, LN_2, LOG2_E, exp2_nonpositive, maximum
+from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive, maximum
 
 
 @njit(fastmath=FASTMATH)
 def _softmax_update(scores, row_max, row_sum, rescale):
-    """Online softmax over one tile (FlashAttention-2 section 3.1.1), scores in log2 units.
+    """Online softmax over one tile (FlashAttention-2 section 3.1.1), natural-unit scores.
 
-    Turns `scores` into unnormalised probabilities ``2**(s - m_new)`` in place, rescales
-    `row_sum` by ``2**(m_old - m_new)`` and adds the tile's row sums; the accumulator's
+    Turns `scores` into unnormalised probabilities ``exp(s - m_new)`` in place, rescales
+    `row_sum` by ``exp(m_old - m_new)`` and adds the tile's row sums; the accumulator's
     factor goes to `rescale`, applied in the same pass that adds ``P V``.
+
+    ``exp(x)`` is ``exp2(x * log2(e))`` with ``x = s - m`` formed first: near the maximum
+    that difference is exact, so the scores, the row maximum and hence ``lse`` carry exactly
+    the rounding of the scores that the backward recomputes the same way. Folding
+    ``log2(e)`` into the query instead (one multiply per score fewer) gave scores whose
+    rounding differs from the backward's by an ulp of ``|s|``: float32 dv at |s| ~ 2e4
+    came out 1.2-2.4x its tolerance (bench/NOTES-cpu.md, session 4).
     """
     n_rows, n_cols = scores.shape
     dtype = scores.dtype.type
+    log2_e = dtype(LOG2_E)
     for r in range(n_rows):
         new_max = row_max[r]
         for j in range(n_cols):
@@ -35,10 +44,10 @@ def _softmax_update(scores, row_max, row_sum, rescale):
         # would be NaN. Its probabilities are exp2(-inf) = 0. A NaN score makes the max NaN,
         # and with it the whole row, as in the golden model.
         safe_max = dtype(0.0) if new_max == -np.inf else new_max
-        rescale[r] = exp2_nonpositive(row_max[r] - safe_max)
+        rescale[r] = exp2_nonpositive((row_max[r] - safe_max) * log2_e)
         tile_sum = dtype(0.0)
         for j in range(n_cols):
-            p = exp2_nonpositive(scores[r, j] - safe_max)
+            p = exp2_nonpositive((scores[r, j] - safe_max) * log2_e)
             scores[r, j] = p
             tile_sum += p
         row_sum[r] = row_sum[r] * rescale[r] + tile_sum
@@ -67,11 +76,12 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
     scores = tile_view(scores_buffer, n_rows, n_cols)
     np.dot(q_scaled, k_tile.T, scores)
+    fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
+                                    col_start + n_cols, n_q, n_k, window_left, window_right)
     if softcap > 0 or slope != 0:
-        transform_tile(scores, scores, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right, False, True)
-    elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
-                                n_q, n_k, window_left, window_right):
+        transform_tile(scores, scores[:0], row_start, col_start, n_q, n_k, softcap, slope,
+                       window_left, window_right)
+    elif not fully_kept:
         mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
     _softmax_update(scores, row_max, row_sum, rescale)
     if dropout_threshold > 0:
@@ -79,6 +89,9 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
                        inv_keep)
     pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
     np.dot(scores, v_tile, pv)
+    if not fully_kept:
+        redo_non_finite_rows(scores, v_tile, pv, row_start, col_start, n_q, n_k, window_left,
+                             window_right)
     for r in range(n_rows):
         for d in range(pv.shape[1]):
             acc[r, d] = acc[r, d] * rescale[r] + pv[r, d]
@@ -92,9 +105,9 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
     n_rows = q_tile.shape[0]
     dtype = q_tile.dtype.type
     bh = b * lse.shape[1] + h
-    # Without softcap or ALiBi, log2(e) rides along with the scale on the query tile; with
-    # either, the transform needs natural-unit scores and converts them itself.
-    q_factor = dtype(scale) if softcap > 0 or slope != 0 else dtype(scale * LOG2_E)
+    # The same scaled query as the backward's (`backward_kernel._scale_query_tile`), so both
+    # passes round every score alike.
+    q_factor = dtype(scale)
     for r in range(n_rows):
         for d in range(q_tile.shape[1]):
             q_scaled[r, d] = q_tile[r, d] * q_factor
@@ -136,7 +149,7 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
             inverse = dtype(1.0) / total
             for d in range(out.shape[3]):
                 out[b, h, row_start + r, d] = acc[r, d] * inverse
-            lse[b, h, row_start + r] = (row_max[r] + np.log2(total)) * dtype(LN_2)
+            lse[b, h, row_start + r] = row_max[r] + np.log(total)
         elif total == 0:
             # No kept key (SPEC): output 0, lse -inf.
             out[b, h, row_start + r, :] = 0
@@ -148,45 +161,43 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
             lse[b, h, row_start + r] = np.nan
 
 
-@njit(cache=True, parallel=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left, window_right,
                    dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
-                   n_threads):
-    """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v.
+                   tile_order, next_task):
+    """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v: one
+    thread's share, run on every thread by `threads.run`.
 
     `alibi_slopes` is (B, Hq), zeros when ALiBi is off; `dropout_threshold` 0 means no dropout.
-    Tasks (batch, head, query tile) run longest first, each thread claiming the next when it
-    is free (`schedule`): causal tile costs grow along the sequence, and round-robin dealing
-    gave one of two threads 5/8 of the work at N = 2048.
+    Tasks (batch, head, query tile) run in `tile_order`, longest first, each thread claiming
+    the next from `next_task` when it is free (`schedule`): causal tile costs grow along the
+    sequence, and round-robin dealing gave one of two threads 5/8 of the work at N = 2048.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
-    n_q_tiles = (n_q + block_q - 1) // block_q
     n_heads = batch * n_q_heads
-    n_tasks = n_heads * n_q_tiles
-    n_workers = min(n_threads, n_tasks)
-    tile_order = longest_first(n_q_tiles, block_q, n_q, n_k, window_left, window_right)
-    next_task = np.zeros(1, np.int64)
+    n_tasks = n_heads * tile_order.size
+    task = claim_next(next_task)
+    if task >= n_tasks:
+        return
     dtype = q.dtype
-    for worker in prange(n_workers):
-        q_scaled = np.empty((block_q, head_dim), dtype)
-        scores_buffer = np.empty(block_q * block_k, dtype)
-        pv_buffer = np.empty(block_q * value_dim, dtype)
-        acc = np.empty((block_q, value_dim), dtype)
-        row_max = np.empty(block_q, dtype)
-        row_sum = np.empty(block_q, dtype)
-        rescale = np.empty(block_q, dtype)
+    q_scaled = np.empty((block_q, head_dim), dtype)
+    scores_buffer = np.empty(block_q * block_k, dtype)
+    pv_buffer = np.empty(block_q * value_dim, dtype)
+    acc = np.empty((block_q, value_dim), dtype)
+    row_max = np.empty(block_q, dtype)
+    row_sum = np.empty(block_q, dtype)
+    rescale = np.empty(block_q, dtype)
+    while task < n_tasks:
+        bh = task % n_heads
+        b, h = bh // n_q_heads, bh % n_q_heads
+        row_start = tile_order[task // n_heads] * block_q
+        row_stop = min(row_start + block_q, n_q)
+        _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
+                    row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
+                    window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                    block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
+                    row_sum, rescale)
         task = claim_next(next_task)
-        while task < n_tasks:
-            bh = task % n_heads
-            b, h = bh // n_q_heads, bh % n_q_heads
-            row_start = tile_order[task // n_heads] * block_q
-            row_stop = min(row_start + block_q, n_q)
-            _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
-                        row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
-                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                        block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
-                        row_sum, rescale)
-            task = claim_next(next_task)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
 from .tiles import UNLIMITED
@@ -37,33 +37,28 @@ def claim_next(typingctx, counter):
     return types.int64(counter), codegen
 
 
-@njit
-def _kept_pairs(row_start, row_stop, n_q, n_k, window_left, window_right):
-    """How many (row, key) pairs rows ``[row_start, row_stop)`` keep: their tile's work."""
-    offset = n_k - n_q
-    total = 0
-    for row in range(row_start, row_stop):
-        lo, hi = 0, n_k
-        if window_left != UNLIMITED:
-            lo = max(lo, row + offset - window_left)
-        if window_right != UNLIMITED:
-            hi = min(hi, row + offset + window_right + 1)
-        total += max(hi - lo, 0)
-    return total
+def kept_pairs_per_row(n_rows, n_cols, window_left, window_right):
+    """How many keys each of `n_rows` query rows keeps (int64 array; bottom-right band)."""
+    diagonal = np.arange(n_rows, dtype=np.int64) + (n_cols - n_rows)
+    lo = np.zeros(n_rows, np.int64)
+    hi = np.full(n_rows, n_cols, np.int64)
+    if window_left != UNLIMITED:
+        lo = np.maximum(diagonal - window_left, 0)
+    if window_right != UNLIMITED:
+        hi = np.minimum(diagonal + window_right + 1, n_cols)
+    return np.maximum(hi - lo, 0)
 
 
-@njit
 def longest_first(n_tiles, block, n_rows, n_cols, window_left, window_right):
-    """Query-tile indices, the most kept (row, key) pairs first (stable).
+    """Query-tile indices (int64), the most kept (row, key) pairs first (stable).
 
     For key tiles, swap the roles: ``longest_first(n_k_tiles, block_k, n_k, n_q,
     window_right, window_left)`` (key ``j`` is kept by rows ``j - offset - window_right``
-    to ``j - offset + window_left``, the same band transposed).
+    to ``j - offset + window_left``, the same band transposed). NumPy, in the launcher: the
+    order is the kernels' input, and compiling Numba's argsort cost a second.
     """
-    cost = np.empty(n_tiles, np.int64)
-    for tile in range(n_tiles):
-        start = tile * block
-        # A fixed cost per tile besides its pairs keeps empty and tiny tiles last.
-        cost[tile] = -(_kept_pairs(start, min(start + block, n_rows), n_rows, n_cols,
-                                   window_left, window_right) + 1)
-    return np.argsort(cost, kind="mergesort")
+    pairs = kept_pairs_per_row(n_rows, n_cols, window_left, window_right)
+    starts = np.arange(n_tiles, dtype=np.int64) * block
+    # A fixed cost per tile besides its pairs keeps empty and tiny tiles last.
+    cost = np.add.reduceat(pairs, starts) + 1
+    return np.argsort(-cost, kind="stable").astype(np.int64)

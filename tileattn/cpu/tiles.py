@@ -1,10 +1,9 @@
 """Per-tile pieces shared by the forward and backward kernels: which tiles the mask keeps,
 and the score transformations of SPEC steps 2-4 applied to one tile in place.
 
-Scores leave this module in log2 units (``score * log2(e)``) so the softmax can use
-`exp2` directly. When there is no softcap and no ALiBi the kernels fold ``log2(e)`` into
-the query scale and only boundary tiles pass through here (for the mask); with either option
-every tile does, in natural units, and is converted at the end.
+Scores stay in natural units in both passes. Without softcap and ALiBi only the tiles the
+mask cuts pass through here (`mask_tile`); with either option every tile does
+(`transform_tile`).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .vector_math import FASTMATH, LOG2_E
+from .vector_math import FASTMATH
 
 UNLIMITED = -1  # tileattn.options.UNLIMITED, repeated so kernels see a compile-time constant
 
@@ -85,16 +84,17 @@ def mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
 
 @njit(fastmath=FASTMATH)
 def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                   window_left, window_right, want_softcap_grad, log2_units):
-    """SPEC steps 2-4 on natural-unit scores, in place, ending in log2 units when
-    `log2_units` (the forward's online softmax), else natural (the backward's).
+                   window_left, window_right):
+    """SPEC steps 2-4 on a tile of scores, in place.
 
-    `softcap` 0 and `slope` 0 switch those steps off. With `want_softcap_grad`, also writes
-    ``d capped / d raw = 1 - tanh^2`` (0 where masked, so a NaN score there cannot reach the
-    gradient).
+    `softcap` 0 and `slope` 0 switch those steps off. Unless `softcap_grad` is empty (the
+    forward's), a softcap also writes ``d capped / d raw = 1 - tanh^2`` into it (0 where
+    masked, so a NaN score there cannot reach the gradient). An empty array rather than a
+    flag: a literal flag compiled this function twice.
     """
     n_rows, n_cols = scores.shape
     dtype = scores.dtype.type
+    want_softcap_grad = softcap > 0 and softcap_grad.shape[0] > 0
     cap = dtype(softcap)
     alibi_slope = dtype(slope)
     offset = n_k - n_q
@@ -111,7 +111,7 @@ def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap
                     softcap_grad[r, j] = dtype(1.0) - capped * capped
             if alibi_slope != 0:
                 x -= alibi_slope * dtype(abs(row + offset - (col_start + j)))
-            scores[r, j] = x * dtype(LOG2_E) if log2_units else x
+            scores[r, j] = x
         for j in range(lo):
             scores[r, j] = minus_inf
         for j in range(hi, n_cols):

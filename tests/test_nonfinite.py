@@ -1,0 +1,260 @@
+"""Non-finite inputs reach exactly the outputs that depend on them (SPEC, "Errors").
+
+A NaN or an infinity in ``q``, ``k``, ``v`` or ``do`` reaches only the rows, and the gradient
+entries, that keep the key or the row it sits in: a masked entry contributes nothing at all,
+not ``0 x NaN``, whatever the block sizes. `reach` predicts those entries from the mask alone;
+every backend must be non-finite exactly there (NaN anywhere, and infinities in ``v`` or
+``do``; an infinity in ``q`` or ``k`` makes a score ``-inf`` or ``+inf`` by the signs of the
+other operand, so there the prediction bounds the non-finite entries from above), must match
+the golden model on the same inputs, and elsewhere must equal the golden model on inputs
+with the non-finite values replaced by zeros, which those entries never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tileattn
+from tileattn.options import UNLIMITED, keeps
+from tileattn.testing import assert_attention_close
+
+# --------------------------------------------------------------------------- prediction
+
+
+def kept_mask(n_q, n_k, causal=False, window=None):
+    """(Nq, Nk) bool: SPEC step 4, written out again from the option values."""
+    left, right = window if window is not None else (None, None)
+    left = UNLIMITED if left is None or left < 0 else left
+    right = UNLIMITED if right is None or right < 0 else right
+    if causal:
+        right = 0
+    return keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_q, n_k, left, right)
+
+
+def _any_product(a, b):
+    """Boolean matrix product: ``out[..., i, j] = any_l a[..., i, l] & b[..., l, j]``."""
+    return (a.astype(np.int64) @ b.astype(np.int64)) > 0
+
+
+def reach(q, k, v, do, o, kept):
+    """Which entries of ``o``, ``lse``, ``dq``, ``dk``, ``dv`` a non-finite input reaches.
+
+    4-D inputs, ``o`` the output the backward is given. Follows each term of SPEC's forward
+    and backward through the kept (row, key) pairs only.
+    """
+    group = q.shape[1] // k.shape[1]
+    bad_q = ~np.isfinite(q).all(axis=-1)                                 # (B, Hq, Nq)
+    bad_k = np.repeat(~np.isfinite(k).all(axis=-1), group, axis=1)       # (B, Hq, Nk)
+    bad_v = np.repeat(~np.isfinite(v), group, axis=1)                    # (B, Hq, Nk, Dv)
+    bad_do = ~np.isfinite(do)                                            # (B, Hq, Nq, Dv)
+    # A row's scores, hence its P, its o and its lse, are non-finite when its query is and
+    # it keeps a key, or when it keeps a non-finite key; o's column d also when it keeps a
+    # non-finite v[:, d]. A row that keeps no key has no scores at all.
+    bad_scores = (bad_q & kept.any(axis=-1)) | _any_product(kept, bad_k[..., None])[..., 0]
+    o_reach = bad_scores[..., None] | _any_product(kept, bad_v)
+    # Backward: D = rowsum(do * o) from the given o; dP = do v^T; dS = P (dP - D) on kept
+    # pairs; dq = dS k, dk = dS^T q, dv = P^T do over kept pairs.
+    bad_row = bad_scores | ~np.isfinite(o).all(axis=-1) | bad_do.any(axis=-1)
+    bad_ds = kept & (bad_row[..., None] | bad_v.any(axis=-1)[..., None, :])
+    dq_rows = (bad_ds | (kept & bad_k[..., None, :])).any(axis=-1)
+    dk_keys = (bad_ds | (kept & bad_q[..., None])).any(axis=-2)
+    dv_entries = _any_product(kept.T, bad_scores[..., None] | bad_do)
+
+    def per_kv_head(per_query_head):
+        b, hq = per_query_head.shape[:2]
+        return per_query_head.reshape(b, hq // group, group, *per_query_head.shape[2:]).any(2)
+
+    return {
+        "o": o_reach, "lse": bad_scores,
+        "dq": np.broadcast_to(dq_rows[..., None], q.shape),
+        "dk": np.broadcast_to(per_kv_head(dk_keys)[..., None], k.shape),
+        "dv": per_kv_head(dv_entries),
+    }
+
+
+def cleaned(array):
+    return np.where(np.isfinite(array), array, 0).astype(array.dtype)
+
+
+def check_reach(name, actual, predicted, exact):
+    non_finite = ~np.isfinite(actual)
+    if exact:
+        mismatch = non_finite != predicted
+    else:
+        mismatch = non_finite & ~predicted
+    if mismatch.any():
+        where = tuple(np.argwhere(mismatch)[0])
+        raise AssertionError(f"{name}: {int(mismatch.sum())} entries non-finite where the "
+                             f"prediction says {'finite' if non_finite[where] else 'not'}; "
+                             f"first at {where}: {actual[where]!r}")
+
+
+def check_problem(backend, q, k, v, do, options, exact=True):
+    """Forward and backward of one problem against `reach` and both golden models."""
+    dtype = q.dtype
+    lse_type = np.float64 if dtype == np.float64 else np.float32
+    kept = kept_mask(q.shape[2], k.shape[2], options.get("causal", False),
+                     options.get("window"))
+    as64 = [a.astype(np.float64) for a in (q, k, v, do)]
+    clean64 = [cleaned(a) for a in as64]
+    golden_o, golden_lse = tileattn.forward(*as64[:3], backend="reference", return_lse=True,
+                                            **options)
+    clean_o, clean_lse = tileattn.forward(*clean64[:3], backend="reference", return_lse=True,
+                                          **options)
+
+    o, lse = backend.forward(q, k, v, return_lse=True, **options)
+    predicted = reach(q, k, v, do, golden_o, kept)
+    # A row that keeps no key has lse -inf by definition (the golden comparison checks it).
+    lse_of_kept_rows = np.where(kept.any(axis=-1), lse, 0)
+    for name, actual, golden, clean in (("o", o, golden_o, clean_o),
+                                        ("lse", lse, golden_lse, clean_lse)):
+        check_reach(name, lse_of_kept_rows if name == "lse" else actual, predicted[name],
+                    exact)
+        assert_attention_close(actual, golden, dtype, name=name)
+        untouched = ~predicted[name]
+        assert_attention_close(actual[untouched], clean[untouched], dtype, name=name)
+
+    # The backward alone (as in test_backend_suite.check_backward): given the golden o and
+    # lse rounded as a forward returns them, NaN rows included.
+    o_given, lse_given = golden_o.astype(dtype), golden_lse.astype(lse_type)
+    grads = backend.backward(do, q, k, v, o_given, lse_given, **options)
+    predicted = reach(q, k, v, do, o_given, kept)
+    golden = tileattn.backward(as64[3], *as64[:3], o_given.astype(np.float64), lse_given,
+                               backend="reference", **options)
+    o_clean = np.where(np.isfinite(o_given), o_given, clean_o.astype(dtype))
+    clean = tileattn.backward(clean64[3], *clean64[:3], o_clean.astype(np.float64), clean_lse,
+                              backend="reference", **options)
+    for name, actual, want, want_clean in zip(("dq", "dk", "dv"), grads, golden, clean):
+        check_reach(name, actual, predicted[name], exact)
+        assert_attention_close(actual, want, dtype, name=name)
+        untouched = ~predicted[name]
+        assert_attention_close(actual[untouched], want_clean[untouched], dtype, name=name)
+    return o, grads
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def _normal(seed, *shapes, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+
+
+def _four_d(*arrays):
+    return [a[None, None] for a in arrays]
+
+
+def test_nan_in_v_reaches_only_the_causal_rows_that_keep_it(backend):
+    """The issue's example: causal 8 x 8, v[5, 0] = NaN gives NaN in o[5:, 0] only, with the
+    default tiles and with 2 x 2 ones (the NaN used to reach rows 0-7 or 4-7)."""
+    for blocks in ({}, {"block_q": 2, "block_k": 2}, {"block_q": 3, "block_k": 5}):
+        q, k, v, do = _four_d(*_normal(0, (8, 4), (8, 4), (8, 4), (8, 4)))
+        v[..., 5, 0] = np.nan
+        o, (dq, dk, dv) = check_problem(backend, q, k, v, do, {"causal": True, **blocks})
+        assert np.isnan(o[0, 0, 5:, 0]).all() and np.isfinite(o[0, 0, :5]).all()
+        assert np.isfinite(o[0, 0, :, 1:]).all()
+        assert np.isfinite(dq[0, 0, :5]).all() and np.isfinite(dv).all()
+
+
+def test_nan_in_k_reaches_dq_only_in_rows_that_keep_it(backend):
+    for blocks in ({}, {"block_q": 2, "block_k": 2}):
+        q, k, v, do = _four_d(*_normal(1, (8, 4), (8, 4), (8, 4), (8, 4)))
+        k[..., 5, 0] = np.nan
+        _, (dq, _, _) = check_problem(backend, q, k, v, do, {"causal": True, **blocks})
+        assert np.isfinite(dq[0, 0, :5]).all() and np.isnan(dq[0, 0, 5:]).all()
+
+
+def test_rows_that_keep_no_key_stay_finite_next_to_nan_keys(backend):
+    """Causal with Nq = 6 > Nk = 4: rows 0-1 keep no key, so o = 0 and dq = 0 there."""
+    q, k, v, do = _four_d(*_normal(2, (6, 4), (4, 4), (4, 4), (6, 4)))
+    k[..., 3, 1] = np.nan
+    v[..., 2, 0] = np.nan
+    o, (dq, _, _) = check_problem(backend, q, k, v, do, {"causal": True})
+    assert np.all(o[0, 0, :2] == 0) and np.all(dq[0, 0, :2] == 0)
+    assert np.isnan(o[0, 0, 4:]).any(axis=-1).all() and np.isfinite(o[0, 0, :4]).all()
+
+
+def test_nan_query_and_output_gradient_rows_reach_only_the_keys_they_keep(backend):
+    """A window (2, 1): row 6 keeps keys 4-7. Its NaN in q or do reaches dk and dv of those
+    keys only (and dv only in the column of do that is NaN)."""
+    for poisoned in ("q", "do"):
+        q, k, v, do = _four_d(*_normal(3, (12, 4), (12, 4), (12, 3), (12, 3)))
+        (q if poisoned == "q" else do)[..., 6, 1] = np.nan
+        _, (dq, dk, dv) = check_problem(backend, q, k, v, do,
+                                        {"window": (2, 1), "block_q": 4, "block_k": 4})
+        keys = np.zeros(12, bool)
+        keys[4:8] = True
+        assert np.isnan(dk[0, 0, keys]).all() and np.isfinite(dk[0, 0, ~keys]).all()
+        assert np.isfinite(dv[0, 0, ~keys]).all()
+        rows = np.arange(12) != 6
+        assert np.isfinite(dq[0, 0, rows]).all()
+        if poisoned == "do":
+            assert np.isnan(dv[0, 0, keys, 1]).all() and np.isfinite(dv[0, 0, :, [0, 2]]).all()
+
+
+def test_infinite_values_follow_ieee_on_kept_keys_only(backend):
+    """+inf in v: kept with p > 0 gives +inf, kept with p == 0 (a score 2000 below the row's
+    maximum) gives 0 x inf = NaN, masked gives nothing."""
+    for dtype in (np.float32, np.float64):
+        q, k, v, do = _normal(4, (6, 2), (6, 2), (6, 3), (6, 3), dtype=dtype)
+        # Row 5's scores: 40 k[j, 0], within +-20 except key 1's -2000 (p = 0 in every
+        # precision); the other rows' scores do not see k[:, 0].
+        k[:, 0] = np.linspace(-0.5, 0.5, 6)
+        q[:5, 0] = 0.0
+        q[5] = (40.0, 0.0)
+        k[1] = (-50.0, 0.0)
+        v[1, 2] = np.inf
+        v[4, 0] = -np.inf
+        q, k, v, do = _four_d(q, k, v, do)
+        o, _ = check_problem(backend, q, k, v, do, {"causal": True, "scale": 1.0})
+        o = o[0, 0]
+        assert np.isfinite(o[:4, 0]).all() and np.all(o[4:, 0] == -np.inf)
+        assert np.isfinite(o[0, 2]) and np.all(o[1:5, 2] == np.inf) and np.isnan(o[5, 2])
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@st.composite
+def poisoned_problems(draw):
+    """A small problem (GQA, Nq != Nk, masks, tiles from 1 up) with 1-3 non-finite values in
+    one of q, k, v, do."""
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    batch, n_kv_heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    n_q_heads = n_kv_heads * draw(st.integers(1, 3))
+    n_q, n_k = draw(st.integers(1, 11)), draw(st.integers(1, 11))
+    head_dim, value_dim = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    q, k, v, do = _normal(draw(st.integers(0, 2**32 - 1)),
+                          (batch, n_q_heads, n_q, head_dim), (batch, n_kv_heads, n_k, head_dim),
+                          (batch, n_kv_heads, n_k, value_dim),
+                          (batch, n_q_heads, n_q, value_dim), dtype=dtype)
+    arrays = {"q": q, "k": k, "v": v, "do": do}
+    poisoned = draw(st.sampled_from(sorted(arrays)))
+    value = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    target = arrays[poisoned]
+    for _ in range(draw(st.integers(1, 3))):
+        index = tuple(draw(st.integers(0, size - 1)) for size in target.shape)
+        target[index] = value
+    options = {}
+    mask = draw(st.sampled_from(["none", "causal", "window", "causal window"]))
+    side = st.one_of(st.none(), st.integers(0, 5))
+    if "causal" in mask:
+        options["causal"] = True
+    if "window" in mask:
+        options["window"] = (draw(side), None if "causal" in mask else draw(side))
+    for block in ("block_q", "block_k"):
+        options[block] = draw(st.sampled_from([None, 1, 2, 3, 5, 16]))
+    # An infinite score is capped to a finite one: only NaN keeps its reach through it.
+    if (np.isnan(value) or poisoned in ("v", "do")) and draw(st.booleans()):
+        options["softcap"] = 2.0
+    exact = bool(np.isnan(value)) or poisoned in ("v", "do")
+    return (*(arrays[name] for name in ("q", "k", "v", "do")), options, exact)
+
+
+@settings(max_examples=40)
+@given(problem=poisoned_problems())
+def test_non_finite_inputs_reach_exactly_the_entries_that_keep_them(backend, problem):
+    q, k, v, do, options, exact = problem
+    check_problem(backend, q, k, v, do, options, exact)

@@ -1,0 +1,62 @@
+"""How a kernel call spreads over threads: its own pool, one thread per 32 MFLOP of work.
+
+The kernels are plain ``nogil`` functions that claim tasks from a shared counter until none
+are left (`schedule.claim_next`). `run` starts one copy on this thread and ``n - 1`` on a
+pool of Python threads, then waits only for the copies that started: a copy still queued
+when the work ran out is cancelled, as it would find nothing to do.
+
+Why not Numba's ``prange``: its OpenMP layer (GNU libgomp) joins every thread of the team at
+the end of a parallel region, and a thread that ran out of work spins for several
+milliseconds first. On the shared 2-core development machine with another process holding
+one core, the finished thread spun on the only free core while the thread it waited for
+could not be scheduled: B=1, H=8, N=512, D=64 forward 12-16 ms on two threads against 2.6-5 ms
+on one. ``OMP_WAIT_POLICY=passive`` removed the spinning but not the join, which still waited
+up to a scheduler time slice for a thread that had not started (N=256 forward 3.3 ms against
+1.5 ms on one thread with both cores busy). Here the caller never waits for a thread that has
+not started, so a busy machine costs at most the wake-up of the pool thread, and nothing
+spins. It also compiles faster: no parfor lowering (bench/NOTES-cpu.md, session 4).
+
+Small problems run on one thread: waking a pool thread and dispatching a kernel to it takes
+0.1-0.2 ms when the other core is busy, more than a call of 64 x 64 keys on 8 heads takes on
+one thread. `threads_for` gives a call one thread per `FLOPS_PER_THREAD`, at most
+``numba.get_num_threads()`` (so ``numba.set_num_threads`` still limits tileattn).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+
+import numba
+import numpy as np
+
+FLOPS_PER_THREAD = 32e6
+"""About 0.5 ms of one core's work at the kernels' ~65 GFLOP/s (bench/NOTES-cpu.md)."""
+
+
+def threads_for(flops: float) -> int:
+    """One thread per `FLOPS_PER_THREAD` of work, at least one, at most
+    ``numba.get_num_threads()``."""
+    return max(1, min(numba.get_num_threads(), int(flops // FLOPS_PER_THREAD)))
+
+
+@functools.cache
+def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=size,
+                                                 thread_name_prefix="tileattn-cpu")
+
+
+def run(kernel, n_threads: int, *args) -> None:
+    """``kernel(*args, next_task)`` on `n_threads` threads, this one included; `next_task`
+    is the shared task counter (int64, one element) the copies claim from."""
+    next_task = np.zeros(1, np.int64)
+    helpers = []
+    if n_threads > 1:
+        pool = _pool(numba.config.NUMBA_NUM_THREADS)
+        helpers = [pool.submit(kernel, *args, next_task) for _ in range(n_threads - 1)]
+    try:
+        kernel(*args, next_task)
+    finally:
+        for helper in helpers:
+            if not helper.cancel():
+                helper.result()

@@ -1,0 +1,60 @@
+"""Compile every CPU kernel ahead of time (``python -m tileattn warmup``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..options import AttentionOptions
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""What `warmup` accepts; float16 and bfloat16 inputs run on the float32 kernels."""
+
+
+def _compute_dtypes(dtypes) -> list[np.dtype]:
+    if dtypes is None:
+        dtypes = DTYPES
+    elif isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = [dtypes]
+    compute = []
+    for dtype in dtypes:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        if name not in DTYPES:
+            raise ValueError(f"warmup dtypes must be among {DTYPES}, got {dtype!r}")
+        kernel_dtype = np.dtype(np.float64 if name == "float64" else np.float32)
+        if kernel_dtype not in compute:
+            compute.append(kernel_dtype)
+    return compute
+
+
+def warmup(dtypes=None, progress=None) -> None:
+    """Compile, or load from Numba's on-disk cache, the forward and backward kernels.
+
+    Parameters
+    ----------
+    dtypes : iterable of dtypes or dtype names, optional
+        Among ``float16``, ``bfloat16``, ``float32``, ``float64`` (default: all four). The
+        16-bit types share the float32 kernels, so they add no step.
+    progress : callable ``progress(done, total, label)``, optional
+        Called after each step (``label`` like ``"forward float32"``). While it is given, the
+        one-line compile notice on stderr stays silent: the caller shows progress instead.
+
+    Each step runs its kernel once on a tiny problem, which compiles exactly what a real
+    call needs (the same argument types) and caches it for later processes.
+    """
+    from . import backward, forward
+    from .compile_notice import NOTICE
+
+    steps = [(kind, dtype) for dtype in _compute_dtypes(dtypes)
+             for kind in ("forward", "backward")]
+    options = AttentionOptions()
+    with NOTICE.silenced() if progress is not None else contextlib.nullcontext():
+        for done, (kind, dtype) in enumerate(steps, start=1):
+            q = np.zeros((1, 1, 2, 2), dtype)
+            o, lse = forward(q, q, q, options)
+            if kind == "backward":
+                backward(o, q, q, q, o, lse, options)
+            if progress is not None:
+                progress(done, len(steps), f"{kind} {dtype.name}")
+
