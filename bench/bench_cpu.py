@@ -122,7 +122,8 @@ def main(argv=None):
     parser.add_argument("--block-k", type=int)
     parser.add_argument("--busy-core", action="store_true",
                         help="time small and mid sizes while another process takes one core")
-    parser.add_argument("--out", help="folder for results.json, results.md and plots")
+    parser.add_argument("--out", help="folder for bench-cpu.json, bench-cpu.md, speed-cpu.png "
+                                      "and memory-cpu.png")
     args = parser.parse_args(argv)
     if args.busy_core:
         busy_core(args.sizes or BUSY_CORE_SIZES, args.rounds or 15, args.heads, args.head_dim)
