@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .options import UNLIMITED
 
 LSE_BYTES = 4
@@ -49,22 +51,26 @@ class Traffic:
 
 def _visited_key_columns(n_q, n_k, block_q, block_k, window_left, window_right):
     """Key columns streamed per query tile (whole key tiles, masked tiles skipped), summed
-    over query tiles; and the number of (row, key) pairs the mask keeps."""
+    over query tiles; and the number of (row, key) pairs the mask keeps. Vectorised over
+    rows and tiles, so a long sequence costs milliseconds, not a Python loop per row."""
     offset = n_k - n_q
-    streamed, kept = 0, 0
-    for row_start in range(0, n_q, block_q):
-        row_stop = min(row_start + block_q, n_q)
-        first = 0 if window_left == UNLIMITED else max(0, row_start + offset - window_left)
-        last = n_k - 1 if window_right == UNLIMITED else min(n_k - 1,
-                                                             row_stop - 1 + offset + window_right)
-        if last >= first:
-            first_tile, last_tile = first // block_k, last // block_k
-            streamed += min(n_k, (last_tile + 1) * block_k) - first_tile * block_k
-    for row in range(n_q):
-        first = 0 if window_left == UNLIMITED else max(0, row + offset - window_left)
-        last = n_k - 1 if window_right == UNLIMITED else min(n_k - 1, row + offset + window_right)
-        kept += max(0, last - first + 1)
-    return streamed, kept
+
+    def key_range(row_first, row_last):
+        first = (np.zeros_like(row_first) if window_left == UNLIMITED
+                 else np.maximum(0, row_first + offset - window_left))
+        last = (np.full_like(row_last, n_k - 1) if window_right == UNLIMITED
+                else np.minimum(n_k - 1, row_last + offset + window_right))
+        return first, last
+
+    starts = np.arange(0, n_q, block_q, dtype=np.int64)
+    first, last = key_range(starts, np.minimum(starts + block_q, n_q) - 1)
+    first_tile, last_tile = first // block_k, last // block_k
+    streamed = np.where(last >= first,
+                        np.minimum(n_k, (last_tile + 1) * block_k) - first_tile * block_k, 0)
+    rows = np.arange(n_q, dtype=np.int64)
+    first, last = key_range(rows, rows)
+    kept = np.maximum(0, last - first + 1)
+    return int(streamed.sum()), int(kept.sum())
 
 
 def memory_traffic(*, n_q: int, n_k: int, head_dim: int, value_dim: int | None = None,
