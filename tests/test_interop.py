@@ -227,3 +227,165 @@ def test_jax_gpu_arrays_come_back_as_jax_arrays():
     assert isinstance(o, jax.Array) and o.devices() == q.devices()
     expected, _ = golden(*arrays, np.ones((2, 4, 12, 8), np.float32))
     assert_attention_close(np.asarray(o), expected, np.float32)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+COMPILE_CASES = {
+    "masks-softcap-alibi-tensor": dict(causal=True, softcap=4.0, window=(5, None),
+                                       alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4])),
+    # a seed in the upper half of [0, 2**64) travels through torch's int64 as a negative int
+    "dropout-high-seed-scale-list-slopes": dict(dropout_p=0.25, seed=2**64 - 7, scale=0.5,
+                                                alibi_slopes=[0.3, 0.0, 0.1, 0.2]),
+    "bshd-window-blocks": dict(layout="bshd", window=(3, 2), block_q=5, block_k=4),
+}
+
+
+def _torch_golden(arrays, do, options):
+    """o and (dq, dk, dv) of the float64 golden model for torch-adapter options."""
+    options = dict(options)
+    if options.get("alibi_slopes") is not None:
+        options["alibi_slopes"] = np.asarray(options["alibi_slopes"])
+    as64 = [np.asarray(a, np.float64) for a in arrays]
+    do64 = np.asarray(do, np.float64)
+    o, lse = tileattn.forward(*as64, backend="reference", return_lse=True, **options)
+    return o, tileattn.backward(do64, *as64, o, lse, backend="reference", **options)
+
+
+def _torch_o_and_grads(function, arrays, do, torch):
+    tensors = [torch.from_numpy(a).requires_grad_() for a in arrays]
+    o = function(*tensors)
+    o.backward(torch.from_numpy(do))
+    return o.detach().numpy(), [t.grad.numpy() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", sorted(COMPILE_CASES))
+def test_torch_compile_fullgraph_matches_eager_and_golden(case, dtype):
+    """torch.compile(fullgraph=True) traces the custom ops without a graph break (fullgraph
+    raises on one) and gives eager's o and gradients, which match the golden model."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    options = COMPILE_CASES[case]
+    arrays = [a.astype(dtype) for a in numpy_problem(shape_q=(2, 4, 12, 8),
+                                                     shape_kv=(2, 2, 10, 8))]
+    if options.get("layout") == "bshd":
+        arrays = [np.ascontiguousarray(a.swapaxes(1, 2)) for a in arrays]
+    o_shape = arrays[0].shape
+    do = np.random.default_rng(5).standard_normal(o_shape).astype(dtype)
+    expected_o, expected_grads = _torch_golden(arrays, do, options)
+
+    def function(q, k, v):
+        return attention(q, k, v, **options)
+
+    eager_o, eager_grads = _torch_o_and_grads(function, arrays, do, torch)
+    assert_attention_close(eager_o, expected_o, dtype, name="eager o")
+    for name, grad, want in zip("qkv", eager_grads, expected_grads):
+        assert_attention_close(grad, want, dtype, name=f"eager d{name}")
+    for compile_backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        compiled = torch.compile(function, fullgraph=True, backend=compile_backend)
+        o, grads = _torch_o_and_grads(compiled, arrays, do, torch)
+        np.testing.assert_array_equal(o, eager_o, err_msg=compile_backend)
+        for name, grad, want in zip("qkv", grads, eager_grads):
+            np.testing.assert_array_equal(grad, want, err_msg=f"{compile_backend} d{name}")
+
+
+def test_torch_compiled_graph_holds_the_tileattn_ops():
+    """Each pass is one tileattn operator in the traced graph (no graph break, no DLPack)."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    q, k, v = (torch.from_numpy(a).requires_grad_() for a in numpy_problem())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, causal=True).sum(),
+                             fullgraph=True, backend=record)
+    compiled(q, k, v).backward()
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert torch.ops.tileattn.forward in targets
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_torch_library_opcheck_passes(layout, dtype):
+    """torch's own checks of the ops: schema (no input mutated), fake (meta) shapes, dtypes
+    and strides equal the real ones, autograd registration, AOT dispatch with dynamic
+    shapes."""
+    torch = require("torch")
+    import tileattn.torch  # noqa: F401  (registers torch.ops.tileattn)
+
+    arrays = numpy_problem(shape_q=(2, 4, 6, 8), shape_kv=(2, 2, 7, 8))
+    q, k, v = (torch.from_numpy(a.astype(dtype)) for a in arrays)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    options = (True, [4, -1], None, 3.0, slopes, 0.1, 3, None, None, "auto", layout, True)
+    o, lse = torch.ops.tileattn.forward(q, k, v, *options)
+    assert lse.dtype == (torch.float64 if dtype == np.float64 else torch.float32)
+    do = torch.ones_like(o)
+    trainable = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    # The backward op has no autograd formula of its own (no double backward), so it is
+    # checked on tensors that do not require grad.
+    for op, args in ((torch.ops.tileattn.forward.default, (q, k, v) + options),
+                     (torch.ops.tileattn.forward.default, trainable + options),
+                     (torch.ops.tileattn.backward.default, (do, q, k, v, o, lse) + options)):
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_torch_seed_is_checked_before_the_op():
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = (torch.from_numpy(a) for a in numpy_problem())
+    with pytest.raises(ValueError, match=r"seed must be < 2\*\*64, got 18446744073709551616"):
+        attention(q, k, v, dropout_p=0.1, seed=2**64)
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        attention(q, k, v, dropout_p=0.1, seed=-1)
+
+
+def test_torch_cuda_runs_on_torch_current_stream(monkeypatch):
+    """CUDA tensors run tileattn on torch's current stream (here a non-default one), so
+    its kernels are ordered with the caller's torch work; results match the golden model."""
+    torch = require("torch")
+    _gpu_or_skip()
+    import cupy
+
+    import tileattn.torch as adapter
+
+    seen_streams = []
+    original_forward, original_backward = adapter.api.forward, adapter.api.backward
+
+    def recording(original):
+        def call(*args, **kwargs):
+            seen_streams.append(cupy.cuda.get_current_stream().ptr)
+            return original(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(adapter.api, "forward", recording(original_forward))
+    monkeypatch.setattr(adapter.api, "backward", recording(original_backward))
+    arrays = numpy_problem(shape_q=(2, 4, 80, 64), shape_kv=(2, 2, 80, 64))
+    do = np.random.default_rng(6).standard_normal((2, 4, 80, 64)).astype(np.float32)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # made on the stream just before the call: read too early on another stream
+        q, k, v = (torch.from_numpy(a).cuda().mul(1.0).requires_grad_() for a in arrays)
+        o = adapter.attention(q, k, v, **OPTIONS)
+        o.backward(torch.from_numpy(do).cuda())
+    stream.synchronize()
+    assert seen_streams == [stream.cuda_stream] * 2
+    assert stream.cuda_stream != torch.cuda.default_stream().cuda_stream
+    expected_o, expected_grads = golden(*arrays, do)
+    assert_attention_close(o.detach().cpu().numpy(), expected_o, np.float32)
+    for name, tensor, want in zip("qkv", (q, k, v), expected_grads):
+        assert_attention_close(tensor.grad.cpu().numpy(), want, np.float32, name=f"d{name}")

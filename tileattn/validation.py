@@ -254,6 +254,17 @@ def _normalise_alibi(slopes, batch_shape, n_q_heads, dtype):
     return slopes.reshape(batch, n_q_heads)
 
 
+def check_seed(seed):
+    """`seed` as an int in ``[0, 2**64)``, or None; also used by the torch adapter, which must
+    fit the seed into torch's int64 before the API sees it."""
+    if seed is None:
+        return None
+    seed = _check_int("seed", seed, minimum=0)
+    if seed >= 2**64:
+        raise ValueError(f"seed must be < 2**64, got {seed}")
+    return seed
+
+
 def _normalise_dropout(dropout_p, seed):
     """``(dropout_p, seed)`` as every backend reads them: the effective dropout.
 
@@ -269,10 +280,7 @@ def _normalise_dropout(dropout_p, seed):
     if dropout_p > 0 and seed is None:
         raise ValueError("seed must be an int when dropout_p > 0 (backward needs the same "
                          "seed to drop the same entries), got None")
-    if seed is not None:
-        seed = _check_int("seed", seed, minimum=0)
-        if seed >= 2**64:
-            raise ValueError(f"seed must be < 2**64, got {seed}")
+    seed = check_seed(seed)
     if dropout_threshold(dropout_p) == 0:
         return 0.0, 0
     return dropout_p, seed
