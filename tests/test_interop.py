@@ -242,8 +242,8 @@ COMPILE_CASES = {
 }
 
 
-def _torch_golden(arrays, do, options):
-    """o and (dq, dk, dv) of the float64 golden model for torch-adapter options."""
+def golden_with(arrays, do, options):
+    """o and (dq, dk, dv) of the float64 golden model for the adapters' options."""
     options = dict(options)
     if options.get("alibi_slopes") is not None:
         options["alibi_slopes"] = np.asarray(options["alibi_slopes"])
@@ -275,7 +275,7 @@ def test_torch_compile_fullgraph_matches_eager_and_golden(case, dtype):
         arrays = [np.ascontiguousarray(a.swapaxes(1, 2)) for a in arrays]
     o_shape = arrays[0].shape
     do = np.random.default_rng(5).standard_normal(o_shape).astype(dtype)
-    expected_o, expected_grads = _torch_golden(arrays, do, options)
+    expected_o, expected_grads = golden_with(arrays, do, options)
 
     def function(q, k, v):
         return attention(q, k, v, **options)
@@ -389,3 +389,127 @@ def test_torch_cuda_runs_on_torch_current_stream(monkeypatch):
     assert_attention_close(o.detach().cpu().numpy(), expected_o, np.float32)
     for name, tensor, want in zip("qkv", (q, k, v), expected_grads):
         assert_attention_close(tensor.grad.cpu().numpy(), want, np.float32, name=f"d{name}")
+
+
+# --------------------------------------------------------------------------- jax.vmap
+
+
+VMAP_CASES = {
+    "masks-per-batch-slopes": dict(causal=True, window=(6, None),
+                                   alibi_slopes=np.arange(1, 9).reshape(2, 4) / 16),
+    # dropout under vmap drops, for each element, what the unbatched call drops
+    "dropout": dict(dropout_p=0.3, seed=11, softcap=3.0),
+    "bshd": dict(layout="bshd", causal=True),
+}
+
+
+@pytest.fixture(params=["pure_callback", "buffer_callback"])
+def jax_pass_kind(request, monkeypatch):
+    """Both ways the JAX adapter runs a pass. buffer_callback is the GPU path; XLA also
+    lowers it on the CPU (host buffers), which lets its vmap and in-place writes be
+    checked here."""
+    jax = require("jax")
+    import tileattn.jax as adapter
+
+    if request.param == "buffer_callback":
+        if adapter._buffer_callback is None:
+            pytest.skip("this JAX has no jax.experimental.buffer_callback")
+        monkeypatch.setattr(adapter, "_use_device_buffers", lambda: True)
+    return jax
+
+
+@pytest.mark.parametrize("case", sorted(VMAP_CASES))
+def test_jax_vmap_equals_the_loop_and_golden(case, jax_pass_kind):
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    options = VMAP_CASES[case]
+    rng = np.random.default_rng(7)
+    shapes = [(3, 2, 4, 9, 8), (3, 2, 2, 11, 8), (3, 2, 2, 11, 8), (3, 2, 4, 9, 8)]
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    if options.get("layout") == "bshd":
+        q, k, v, do = (np.ascontiguousarray(a.swapaxes(-3, -2)) for a in (q, k, v, do))
+
+    def loss(q, k, v, do):
+        return jax.numpy.sum(attention(q, k, v, **options) * do)
+
+    o = jax.jit(jax.vmap(lambda q, k, v: attention(q, k, v, **options)))(q, k, v)
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, do)
+    for index in range(3):
+        want_o, want_grads = golden_with((q[index], k[index], v[index]), do[index], options)
+        looped = attention(q[index], k[index], v[index], **options)
+        assert_attention_close(np.asarray(looped), want_o, np.float32, name="loop o")
+        assert_attention_close(np.asarray(o[index]), want_o, np.float32, name="vmap o")
+        for name, grad, want in zip("qkv", grads, want_grads):
+            assert_attention_close(np.asarray(grad[index]), want, np.float32,
+                                   name=f"vmap d{name}")
+
+
+def test_jax_vmap_over_single_head_queries_only(jax_pass_kind):
+    """(N, D) arrays, vmapped over q alone (k and v shared): the vmapped axis must not be
+    read as heads, or the slope of the one head would not fit."""
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((4, 7, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((10, 8)).astype(np.float32) for _ in range(2))
+    options = dict(causal=True, alibi_slopes=[0.25])
+    o = jax.vmap(lambda q: attention(q, k, v, **options))(q)
+    grads = jax.grad(lambda q, k: jax.numpy.sum(
+        jax.vmap(lambda q: attention(q, k, v, **options))(q)), argnums=(0, 1))(q, k)
+    dk = np.zeros((10, 8))
+    for index in range(4):
+        want_o, (want_dq, want_dk, _) = golden_with((q[index], k, v), np.ones((7, 8)),
+                                                    options)
+        assert_attention_close(np.asarray(o[index]), want_o, np.float32)
+        assert_attention_close(np.asarray(grads[0][index]), want_dq, np.float32, name="dq")
+        dk += want_dk
+    assert_attention_close(np.asarray(grads[1]), dk, np.float32, name="dk summed over vmap")
+
+
+def test_jax_without_buffer_callback_warns_once_and_runs_on_the_host(monkeypatch):
+    jax = require("jax")
+    import tileattn.jax as adapter
+
+    monkeypatch.setattr(adapter, "_buffer_callback", None)
+    monkeypatch.setattr(adapter.jax, "default_backend", lambda: "gpu")
+    adapter._warn_no_buffer_callback.cache_clear()
+    q, k, v = numpy_problem()
+    with pytest.warns(RuntimeWarning, match="copied to the host and back"):
+        o = adapter.attention(q, k, v, **OPTIONS)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adapter.attention(q, k, v, causal=True)
+    expected, _ = golden(q, k, v, np.ones(o.shape, np.float32))
+    assert_attention_close(np.asarray(o), expected, np.float32)
+    adapter._warn_no_buffer_callback.cache_clear()
+
+
+def test_jax_gpu_runs_in_xla_buffers_under_vmap_and_grad():
+    """On a GPU the passes are buffer_callbacks over XLA's device buffers and stream."""
+    jax = require("jax")
+    _gpu_or_skip()
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX's default backend is not a GPU")
+    import tileattn.jax as adapter
+
+    assert adapter._use_device_buffers()
+    rng = np.random.default_rng(9)
+    shapes = [(2, 2, 4, 80, 64), (2, 2, 2, 80, 64), (2, 2, 2, 80, 64), (2, 2, 4, 80, 64)]
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+
+    def loss(q, k, v, do):
+        return jax.numpy.sum(adapter.attention(q, k, v, **OPTIONS) * do)
+
+    on_gpu = [jax.device_put(a, jax.devices("gpu")[0]) for a in (q, k, v, do)]
+    o = jax.jit(jax.vmap(lambda q, k, v: adapter.attention(q, k, v, **OPTIONS)))(*on_gpu[:3])
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(*on_gpu)
+    assert o.devices() == on_gpu[0].devices()
+    for index in range(2):
+        want_o, want_grads = golden_with((q[index], k[index], v[index]), do[index], OPTIONS)
+        assert_attention_close(np.asarray(o[index]), want_o, np.float32)
+        for name, grad, want in zip("qkv", grads, want_grads):
+            assert_attention_close(np.asarray(grad[index]), want, np.float32, name=f"d{name}")
