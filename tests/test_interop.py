@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -469,7 +470,7 @@ def test_jax_vmap_over_single_head_queries_only(jax_pass_kind):
 
 
 def test_jax_without_buffer_callback_warns_once_and_runs_on_the_host(monkeypatch):
-    jax = require("jax")
+    require("jax")
     import tileattn.jax as adapter
 
     monkeypatch.setattr(adapter, "_buffer_callback", None)
@@ -478,8 +479,6 @@ def test_jax_without_buffer_callback_warns_once_and_runs_on_the_host(monkeypatch
     q, k, v = numpy_problem()
     with pytest.warns(RuntimeWarning, match="copied to the host and back"):
         o = adapter.attention(q, k, v, **OPTIONS)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         adapter.attention(q, k, v, causal=True)

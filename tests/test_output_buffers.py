@@ -93,7 +93,7 @@ def test_torch_tensors_as_buffers():
 
 
 def _bad_buffers():
-    q, k, v, do = problem()
+    q, k, v, _ = problem()
     o_shape, lse_shape = (2, 4, 12, 6), (2, 4, 12)
     read_only = np.empty(o_shape, np.float32)
     read_only.flags.writeable = False
@@ -131,7 +131,7 @@ def test_bad_forward_buffers_raise_naming_them(case):
 
 
 def test_buffers_must_not_alias_inputs():
-    q, k, v, do = problem(n_k=12)
+    q, k, v, _ = problem(n_k=12)
     k = np.repeat(k, 2, axis=1)  # 4 kv heads and Dv = D: o and dk have q's shape
     v = k.copy()
     o, lse = tileattn.forward(q, k, v, backend="reference", return_lse=True)
@@ -154,3 +154,32 @@ def test_bshd_buffer_must_be_laid_out_as_bshd_results_are():
                                          r"order, as layout='bshd' results are"):
         tileattn.forward(q, k, v, layout="bshd", backend="reference",
                          out=np.empty((2, 12, 4, 6), np.float32))
+
+
+def test_gpu_kernels_write_into_cupy_buffers():
+    """The GPU backend takes the buffers as its outputs (WRITES_OUT): the very arrays come
+    back, holding what a call without buffers returns."""
+    from tileattn import backends
+
+    reason = backends.availability("gpu")
+    if reason is not None:
+        pytest.skip(reason)
+    import cupy
+
+    assert backends.load("gpu").WRITES_OUT
+    q, k, v, do = (cupy.asarray(a) for a in problem())
+    o, lse = tileattn.forward(q, k, v, return_lse=True, **OPTIONS)
+    grads = tileattn.backward(do, q, k, v, o, lse, **OPTIONS)
+    out, lse_out = cupy.full(o.shape, cupy.nan, o.dtype), cupy.full(lse.shape, cupy.nan,
+                                                                     lse.dtype)
+    o_given, lse_given = tileattn.forward(q, k, v, return_lse=True, out=out, lse_out=lse_out,
+                                          **OPTIONS)
+    assert o_given is out and lse_given is lse_out
+    cupy.testing.assert_array_equal(out, o)
+    cupy.testing.assert_array_equal(lse_out, lse)
+    buffers = [cupy.full(a.shape, cupy.nan, a.dtype) for a in (q, k, v)]
+    given = tileattn.backward(do, q, k, v, o, lse, dq_out=buffers[0], dk_out=buffers[1],
+                              dv_out=buffers[2], **OPTIONS)
+    for name, ours, buffer, theirs in zip("qkv", given, buffers, grads):
+        assert ours is buffer
+        cupy.testing.assert_array_equal(ours, theirs, err_msg=f"d{name}")

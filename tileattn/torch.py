@@ -171,6 +171,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     on q's device, in q's layout; with "bshd" it and the gradients are strided views of
     "bhsd" buffers (``.contiguous()`` packs them). Works under
     ``torch.compile(fullgraph=True)``: each pass is one `torch.ops.tileattn` operator.
+    An option of a type the operator's schema does not take (``scale="a"``) gets torch's
+    RuntimeError, which names the argument; values are checked by `tileattn.forward`.
     """
     o, _ = torch.ops.tileattn.forward(
         q, k, v, causal, _window_argument(window), scale, softcap,
