@@ -294,6 +294,24 @@ def test_torch_compile_fullgraph_matches_eager_and_golden(case, dtype):
             np.testing.assert_array_equal(grad, want, err_msg=f"{compile_backend} d{name}")
 
 
+def test_torch_compile_default_backend_matches_golden():
+    """The README's spelling, torch.compile's default (inductor) backend (about 3 s here
+    when its cache is cold)."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    options = COMPILE_CASES["masks-softcap-alibi-tensor"]
+    arrays = numpy_problem()
+    do = np.random.default_rng(10).standard_normal((2, 4, 12, 8)).astype(np.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, **options), fullgraph=True)
+    o, grads = _torch_o_and_grads(compiled, arrays, do, torch)
+    expected_o, expected_grads = golden_with(arrays, do, options)
+    assert_attention_close(o, expected_o, np.float32)
+    for name, grad, want in zip("qkv", grads, expected_grads):
+        assert_attention_close(grad, want, np.float32, name=f"d{name}")
+
+
 def test_torch_compiled_graph_holds_the_tileattn_ops():
     """Each pass is one tileattn operator in the traced graph (no graph break, no DLPack)."""
     torch = require("torch")
