@@ -59,13 +59,12 @@ def _run(module, function_name: str, problem: Problem):
     return results
 
 
-def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> tuple:
+def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
     """Copy each result into its caller's buffer, unless the backend wrote it there."""
     for name, result in zip(_OUTPUT_NAMES[function_name], results):
         buffer = problem.outputs.get(name)
         if buffer is not None and result is not buffer:
             buffer[...] = result
-    return results
 
 
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,

@@ -438,10 +438,10 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
         q, k, v, shapes)
     batch = math.prod(batch_shape)
     tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
+    out_shape = (n_q, d_v) if single_head else batch_shape + (
+        (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
+    lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
     if do is not None:
-        out_shape = (n_q, d_v) if single_head else batch_shape + (
-            (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
-        lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
         for name, expected in (("do", out_shape), ("o", out_shape), ("lse", lse_shape)):
             if shapes[name] != expected:
                 read_as = " (layout='bshd')" if sequence_first and name != "lse" else ""
@@ -458,12 +458,9 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
                            n_k=n_k, dtype=dtype, **option_kwargs)
     output_views = {}
-    if outputs:
-        o_shape = (n_q, d_v) if single_head else batch_shape + (
-            (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
-        expected = {"out": (o_shape, dtype),
-                    "lse_out": ((n_q,) if single_head else batch_shape + (n_q_heads, n_q),
-                                lse_dtype(dtype)),
+    # only when a buffer is given: small GPU calls are counted in microseconds of host time
+    if outputs and any(buffer is not None for buffer in outputs.values()):
+        expected = {"out": (out_shape, dtype), "lse_out": (lse_shape, lse_dtype(dtype)),
                     "dq_out": (shapes["q"], dtype), "dk_out": (shapes["k"], dtype),
                     "dv_out": (shapes["v"], dtype)}
 
