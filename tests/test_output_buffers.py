@@ -183,3 +183,7 @@ def test_gpu_kernels_write_into_cupy_buffers():
     for name, ours, buffer, theirs in zip("qkv", given, buffers, grads):
         assert ours is buffer
         cupy.testing.assert_array_equal(ours, theirs, err_msg=f"d{name}")
+    odd_offset = cupy.empty(out.size + 1, out.dtype)[1:].reshape(out.shape)
+    with pytest.raises(ValueError, match="out must start at an address aligned to two "
+                                         "elements"):
+        tileattn.forward(q, k, v, out=odd_offset, **OPTIONS)

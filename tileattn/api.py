@@ -127,8 +127,9 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
         their place. Each must have exactly the result's shape and dtype, sit in the
         inputs' memory (the same GPU for CuPy arrays), be writeable, be C-contiguous in
         ``(*batch, H, N, D)`` order (with "bshd", `out` is then a ``swapaxes(-3, -2)``
-        view of such a buffer, as tileattn's own "bshd" results are) and share no memory
-        with an input or the other buffer; else a ValueError names it. The GPU backend
+        view of such a buffer, as tileattn's own "bshd" results are), start on a GPU at an
+        address aligned to two elements (new CuPy arrays are) where its last axis is even,
+        and share no memory with an input or the other buffer; else a ValueError names it. The GPU backend
         writes into them directly; the CPU and reference backends compute as usual and
         copy the result in (one copy of ``o``), so on the host they save no memory.
 

@@ -343,9 +343,10 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
     ``(shape, dtype)`` in the caller's layout, `to_backend` gives a buffer in the backends'
     axis order and as their 4-D (3-D for lse) view (a view indeed once the former is
     C-contiguous). A buffer must have exactly that shape and dtype, sit in the inputs'
-    memory (and GPU), be writeable and C-contiguous in the backends' order
-    (the kernels write rows of ``(B, H, N, D)`` one after the other), and share no byte with
-    an input or another output: the kernels read inputs while they write outputs.
+    memory (and GPU, aligned to two elements there when D is even), be writeable and
+    C-contiguous in the backends' order (the kernels write rows of ``(B, H, N, D)`` one
+    after the other), and share no byte with an input or another output: the kernels read
+    inputs while they write outputs.
     """
     checked, views = {}, {}
     for name, array in given.items():
@@ -365,6 +366,13 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
                              f"{next(iter(inputs.values())).device.id}, got {array.device.id}")
         if memory == "host" and not array.flags.writeable:
             raise ValueError(f"{name} must be writeable, got a read-only array")
+        # The GPU kernels store rows of an even length as pairs of elements (mma.cuh,
+        # store_row_pair), lse one element at a time. New CuPy and XLA buffers are 256-byte
+        # aligned; a view at an odd element offset is not.
+        if (memory == "cuda" and name != "lse_out" and array.shape[-1] % 2 == 0
+                and array.data.ptr % (2 * array.itemsize)):
+            raise ValueError(f"{name} must start at an address aligned to two elements "
+                             f"({2 * array.itemsize} bytes), got {array.data.ptr:#x}")
         ordered, view = to_backend(name, array)
         if not ordered.flags.c_contiguous:
             order = ("(*batch, H, N, D) order, as layout='bshd' results are"
