@@ -20,10 +20,9 @@ vmapped call is one tileattn call (see `_call`).
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +140,7 @@ def _buffer_callback_body(function_name, options, base_ndim, context, outputs, *
         _call(function_name, options, base_ndim, inputs, outputs)
 
 
-@functools.cache
+@cache
 def _warn_no_buffer_callback():
     warnings.warn(
         "tileattn.jax: this JAX has no jax.experimental.buffer_callback, so attention on the "
@@ -161,7 +160,8 @@ def _use_device_buffers() -> bool:
 
 
 def _run_pass(function_name, options, base_ndim, result_shapes, *arrays):
-    if _use_device_buffers():
+    # backend="cpu" asks for host arrays, which only the pure_callback path hands over
+    if options["backend"] != "cpu" and _use_device_buffers():
         run = _buffer_callback(
             partial(_buffer_callback_body, function_name, options, base_ndim), result_shapes,
             vmap_method="broadcast_all")
