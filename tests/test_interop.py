@@ -430,10 +430,10 @@ def jax_pass_kind(request, monkeypatch):
     jax = require("jax")
     import tileattn.jax as adapter
 
-    if request.param == "buffer_callback":
-        if adapter._buffer_callback is None:
-            pytest.skip("this JAX has no jax.experimental.buffer_callback")
-        monkeypatch.setattr(adapter, "_use_device_buffers", lambda: True)
+    use_buffers = request.param == "buffer_callback"
+    if use_buffers and adapter._buffer_callback is None:
+        pytest.skip("this JAX has no jax.experimental.buffer_callback")
+    monkeypatch.setattr(adapter, "_use_device_buffers", lambda: use_buffers)
     return jax
 
 
