@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -227,3 +228,305 @@ def test_jax_gpu_arrays_come_back_as_jax_arrays():
     assert isinstance(o, jax.Array) and o.devices() == q.devices()
     expected, _ = golden(*arrays, np.ones((2, 4, 12, 8), np.float32))
     assert_attention_close(np.asarray(o), expected, np.float32)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+COMPILE_CASES = {
+    "masks-softcap-alibi-tensor": dict(causal=True, softcap=4.0, window=(5, None),
+                                       alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4])),
+    # a seed in the upper half of [0, 2**64) travels through torch's int64 as a negative int
+    "dropout-high-seed-scale-list-slopes": dict(dropout_p=0.25, seed=2**64 - 7, scale=0.5,
+                                                alibi_slopes=[0.3, 0.0, 0.1, 0.2]),
+    "bshd-window-blocks": dict(layout="bshd", window=(3, 2), block_q=5, block_k=4),
+}
+
+
+def golden_with(arrays, do, options):
+    """o and (dq, dk, dv) of the float64 golden model for the adapters' options."""
+    options = dict(options)
+    if options.get("alibi_slopes") is not None:
+        options["alibi_slopes"] = np.asarray(options["alibi_slopes"])
+    as64 = [np.asarray(a, np.float64) for a in arrays]
+    do64 = np.asarray(do, np.float64)
+    o, lse = tileattn.forward(*as64, backend="reference", return_lse=True, **options)
+    return o, tileattn.backward(do64, *as64, o, lse, backend="reference", **options)
+
+
+def _torch_o_and_grads(function, arrays, do, torch):
+    tensors = [torch.from_numpy(a).requires_grad_() for a in arrays]
+    o = function(*tensors)
+    o.backward(torch.from_numpy(do))
+    return o.detach().numpy(), [t.grad.numpy() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", sorted(COMPILE_CASES))
+def test_torch_compile_fullgraph_matches_eager_and_golden(case, dtype):
+    """torch.compile(fullgraph=True) traces the custom ops without a graph break (fullgraph
+    raises on one) and gives eager's o and gradients, which match the golden model."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    options = COMPILE_CASES[case]
+    arrays = [a.astype(dtype) for a in numpy_problem(shape_q=(2, 4, 12, 8),
+                                                     shape_kv=(2, 2, 10, 8))]
+    if options.get("layout") == "bshd":
+        arrays = [np.ascontiguousarray(a.swapaxes(1, 2)) for a in arrays]
+    o_shape = arrays[0].shape
+    do = np.random.default_rng(5).standard_normal(o_shape).astype(dtype)
+    expected_o, expected_grads = golden_with(arrays, do, options)
+
+    def function(q, k, v):
+        return attention(q, k, v, **options)
+
+    eager_o, eager_grads = _torch_o_and_grads(function, arrays, do, torch)
+    assert_attention_close(eager_o, expected_o, dtype, name="eager o")
+    for name, grad, want in zip("qkv", eager_grads, expected_grads):
+        assert_attention_close(grad, want, dtype, name=f"eager d{name}")
+    for compile_backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        compiled = torch.compile(function, fullgraph=True, backend=compile_backend)
+        o, grads = _torch_o_and_grads(compiled, arrays, do, torch)
+        np.testing.assert_array_equal(o, eager_o, err_msg=compile_backend)
+        for name, grad, want in zip("qkv", grads, eager_grads):
+            np.testing.assert_array_equal(grad, want, err_msg=f"{compile_backend} d{name}")
+
+
+def test_torch_compile_default_backend_matches_golden():
+    """The README's spelling, torch.compile's default (inductor) backend (about 3 s here
+    when its cache is cold)."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    options = COMPILE_CASES["masks-softcap-alibi-tensor"]
+    arrays = numpy_problem()
+    do = np.random.default_rng(10).standard_normal((2, 4, 12, 8)).astype(np.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, **options), fullgraph=True)
+    o, grads = _torch_o_and_grads(compiled, arrays, do, torch)
+    expected_o, expected_grads = golden_with(arrays, do, options)
+    assert_attention_close(o, expected_o, np.float32)
+    for name, grad, want in zip("qkv", grads, expected_grads):
+        assert_attention_close(grad, want, np.float32, name=f"d{name}")
+
+
+def test_torch_compiled_graph_holds_the_tileattn_ops():
+    """Each pass is one tileattn operator in the traced graph (no graph break, no DLPack)."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    q, k, v = (torch.from_numpy(a).requires_grad_() for a in numpy_problem())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, causal=True).sum(),
+                             fullgraph=True, backend=record)
+    compiled(q, k, v).backward()
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert torch.ops.tileattn.forward in targets
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_torch_library_opcheck_passes(layout, dtype):
+    """torch's own checks of the ops: schema (no input mutated), fake (meta) shapes, dtypes
+    and strides equal the real ones, autograd registration, AOT dispatch with dynamic
+    shapes."""
+    torch = require("torch")
+    import tileattn.torch  # noqa: F401  (registers torch.ops.tileattn)
+
+    arrays = numpy_problem(shape_q=(2, 4, 6, 8), shape_kv=(2, 2, 7, 8))
+    q, k, v = (torch.from_numpy(a.astype(dtype)) for a in arrays)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    options = (True, [4, -1], None, 3.0, slopes, 0.1, 3, None, None, "auto", layout, True)
+    o, lse = torch.ops.tileattn.forward(q, k, v, *options)
+    assert lse.dtype == (torch.float64 if dtype == np.float64 else torch.float32)
+    do = torch.ones_like(o)
+    trainable = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    # The backward op has no autograd formula of its own (no double backward), so it is
+    # checked on tensors that do not require grad.
+    for op, args in ((torch.ops.tileattn.forward.default, (q, k, v) + options),
+                     (torch.ops.tileattn.forward.default, trainable + options),
+                     (torch.ops.tileattn.backward.default, (do, q, k, v, o, lse) + options)):
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_torch_seed_is_checked_before_the_op():
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = (torch.from_numpy(a) for a in numpy_problem())
+    with pytest.raises(ValueError, match=r"seed must be < 2\*\*64, got 18446744073709551616"):
+        attention(q, k, v, dropout_p=0.1, seed=2**64)
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        attention(q, k, v, dropout_p=0.1, seed=-1)
+
+
+def test_torch_cuda_runs_on_torch_current_stream(monkeypatch):
+    """CUDA tensors run tileattn on torch's current stream (here a non-default one), so
+    its kernels are ordered with the caller's torch work; results match the golden model."""
+    torch = require("torch")
+    _gpu_or_skip()
+    import cupy
+
+    import tileattn.torch as adapter
+
+    seen_streams = []
+    original_forward, original_backward = adapter.api.forward, adapter.api.backward
+
+    def recording(original):
+        def call(*args, **kwargs):
+            seen_streams.append(cupy.cuda.get_current_stream().ptr)
+            return original(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(adapter.api, "forward", recording(original_forward))
+    monkeypatch.setattr(adapter.api, "backward", recording(original_backward))
+    arrays = numpy_problem(shape_q=(2, 4, 80, 64), shape_kv=(2, 2, 80, 64))
+    do = np.random.default_rng(6).standard_normal((2, 4, 80, 64)).astype(np.float32)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # made on the stream just before the call: read too early on another stream
+        q, k, v = (torch.from_numpy(a).cuda().mul(1.0).requires_grad_() for a in arrays)
+        o = adapter.attention(q, k, v, **OPTIONS)
+        o.backward(torch.from_numpy(do).cuda())
+    stream.synchronize()
+    assert seen_streams == [stream.cuda_stream] * 2
+    assert stream.cuda_stream != torch.cuda.default_stream().cuda_stream
+    expected_o, expected_grads = golden(*arrays, do)
+    assert_attention_close(o.detach().cpu().numpy(), expected_o, np.float32)
+    for name, tensor, want in zip("qkv", (q, k, v), expected_grads):
+        assert_attention_close(tensor.grad.cpu().numpy(), want, np.float32, name=f"d{name}")
+
+
+# --------------------------------------------------------------------------- jax.vmap
+
+
+VMAP_CASES = {
+    "masks-per-batch-slopes": dict(causal=True, window=(6, None),
+                                   alibi_slopes=np.arange(1, 9).reshape(2, 4) / 16),
+    # dropout under vmap drops, for each element, what the unbatched call drops
+    "dropout": dict(dropout_p=0.3, seed=11, softcap=3.0),
+    "bshd": dict(layout="bshd", causal=True),
+}
+
+
+@pytest.fixture(params=["pure_callback", "buffer_callback"])
+def jax_pass_kind(request, monkeypatch):
+    """Both ways the JAX adapter runs a pass. buffer_callback is the GPU path; XLA also
+    lowers it on the CPU (host buffers), which lets its vmap and in-place writes be
+    checked here."""
+    jax = require("jax")
+    import tileattn.jax as adapter
+
+    use_buffers = request.param == "buffer_callback"
+    if use_buffers and adapter._buffer_callback is None:
+        pytest.skip("this JAX has no jax.experimental.buffer_callback")
+    monkeypatch.setattr(adapter, "_use_device_buffers", lambda: use_buffers)
+    return jax
+
+
+@pytest.mark.parametrize("case", sorted(VMAP_CASES))
+def test_jax_vmap_equals_the_loop_and_golden(case, jax_pass_kind):
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    options = VMAP_CASES[case]
+    rng = np.random.default_rng(7)
+    shapes = [(3, 2, 4, 9, 8), (3, 2, 2, 11, 8), (3, 2, 2, 11, 8), (3, 2, 4, 9, 8)]
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    if options.get("layout") == "bshd":
+        q, k, v, do = (np.ascontiguousarray(a.swapaxes(-3, -2)) for a in (q, k, v, do))
+
+    def loss(q, k, v, do):
+        return jax.numpy.sum(attention(q, k, v, **options) * do)
+
+    o = jax.jit(jax.vmap(lambda q, k, v: attention(q, k, v, **options)))(q, k, v)
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, do)
+    for index in range(3):
+        want_o, want_grads = golden_with((q[index], k[index], v[index]), do[index], options)
+        looped = attention(q[index], k[index], v[index], **options)
+        assert_attention_close(np.asarray(looped), want_o, np.float32, name="loop o")
+        assert_attention_close(np.asarray(o[index]), want_o, np.float32, name="vmap o")
+        for name, grad, want in zip("qkv", grads, want_grads):
+            assert_attention_close(np.asarray(grad[index]), want, np.float32,
+                                   name=f"vmap d{name}")
+
+
+def test_jax_vmap_over_single_head_queries_only(jax_pass_kind):
+    """(N, D) arrays, vmapped over q alone (k and v shared): the vmapped axis must not be
+    read as heads, or the slope of the one head would not fit."""
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((4, 7, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((10, 8)).astype(np.float32) for _ in range(2))
+    options = dict(causal=True, alibi_slopes=[0.25])
+    o = jax.vmap(lambda q: attention(q, k, v, **options))(q)
+    grads = jax.grad(lambda q, k: jax.numpy.sum(
+        jax.vmap(lambda q: attention(q, k, v, **options))(q)), argnums=(0, 1))(q, k)
+    dk = np.zeros((10, 8))
+    for index in range(4):
+        want_o, (want_dq, want_dk, _) = golden_with((q[index], k, v), np.ones((7, 8)),
+                                                    options)
+        assert_attention_close(np.asarray(o[index]), want_o, np.float32)
+        assert_attention_close(np.asarray(grads[0][index]), want_dq, np.float32, name="dq")
+        dk += want_dk
+    assert_attention_close(np.asarray(grads[1]), dk, np.float32, name="dk summed over vmap")
+
+
+def test_jax_without_buffer_callback_warns_once_and_runs_on_the_host(monkeypatch):
+    require("jax")
+    import tileattn.jax as adapter
+
+    monkeypatch.setattr(adapter, "_buffer_callback", None)
+    monkeypatch.setattr(adapter.jax, "default_backend", lambda: "gpu")
+    adapter._warn_no_buffer_callback.cache_clear()
+    q, k, v = numpy_problem()
+    with pytest.warns(RuntimeWarning, match="copied to the host and back"):
+        o = adapter.attention(q, k, v, **OPTIONS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adapter.attention(q, k, v, causal=True)
+    expected, _ = golden(q, k, v, np.ones(o.shape, np.float32))
+    assert_attention_close(np.asarray(o), expected, np.float32)
+    adapter._warn_no_buffer_callback.cache_clear()
+
+
+def test_jax_gpu_runs_in_xla_buffers_under_vmap_and_grad():
+    """On a GPU the passes are buffer_callbacks over XLA's device buffers and stream."""
+    jax = require("jax")
+    _gpu_or_skip()
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX's default backend is not a GPU")
+    import tileattn.jax as adapter
+
+    assert adapter._use_device_buffers()
+    rng = np.random.default_rng(9)
+    shapes = [(2, 2, 4, 80, 64), (2, 2, 2, 80, 64), (2, 2, 2, 80, 64), (2, 2, 4, 80, 64)]
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+
+    def loss(q, k, v, do):
+        return jax.numpy.sum(adapter.attention(q, k, v, **OPTIONS) * do)
+
+    on_gpu = [jax.device_put(a, jax.devices("gpu")[0]) for a in (q, k, v, do)]
+    o = jax.jit(jax.vmap(lambda q, k, v: adapter.attention(q, k, v, **OPTIONS)))(*on_gpu[:3])
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(*on_gpu)
+    assert o.devices() == on_gpu[0].devices()
+    for index in range(2):
+        want_o, want_grads = golden_with((q[index], k[index], v[index]), do[index], OPTIONS)
+        assert_attention_close(np.asarray(o[index]), want_o, np.float32)
+        for name, grad, want in zip("qkv", grads, want_grads):
+            assert_attention_close(np.asarray(grad[index]), want, np.float32, name=f"d{name}")

@@ -37,22 +37,39 @@ def _resolve_backend(name: str, memory: str):
     return module
 
 
+_OUTPUT_NAMES = {"forward": ("out", "lse_out"), "backward": ("dq_out", "dk_out", "dv_out")}
+
+
 def _run(module, function_name: str, problem: Problem):
-    """Call a backend; the reference backend also serves CUDA arrays through host copies."""
+    """Call a backend; the reference backend also serves CUDA arrays through host copies.
+    Output buffers go to backends that write into them (``WRITES_OUT``)."""
     tensors = problem.tensors
     crosses_to_host = module.MEMORY == "host" and problem.layout.memory == "cuda"
     if crosses_to_host:
         tensors = {name: arrays.to_host(a) for name, a in tensors.items()}
     names = ("q", "k", "v") if function_name == "forward" else ("do", "q", "k", "v", "o", "lse")
-    results = getattr(module, function_name)(*(tensors[n] for n in names), problem.options)
+    buffers = {}
+    if getattr(module, "WRITES_OUT", False) and not crosses_to_host:
+        buffers = {name: problem.outputs[name] for name in _OUTPUT_NAMES[function_name]
+                   if name in problem.outputs}
+    results = getattr(module, function_name)(*(tensors[n] for n in names), problem.options,
+                                             **buffers)
     if crosses_to_host:
         results = tuple(arrays.to_device_like(r, problem.tensors["q"]) for r in results)
     return results
 
 
+def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
+    """Copy each result into its caller's buffer, unless the backend wrote it there."""
+    for name, result in zip(_OUTPUT_NAMES[function_name], results):
+        buffer = problem.outputs.get(name)
+        if buffer is not None and result is not buffer:
+            buffer[...] = result
+
+
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
             dropout_p=0.0, seed=None, block_q=None, block_k=None, backend="auto",
-            return_lse=False, layout="bhsd"):
+            return_lse=False, layout="bhsd", out=None, lse_out=None):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     Parameters
@@ -105,16 +122,28 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
         "bhsd" buffer (``np.ascontiguousarray`` / ``.contiguous()`` packs it). `lse` is
         ``(*batch, Hq, Nq)`` in both layouts, as flash-attn's ``softmax_lse``. 2-D
         ``(N, D)`` arrays have no head axis and mean the same in both.
+    out, lse_out : array, optional
+        Buffers to write ``o`` and ``lse`` into (both, either or neither), returned in
+        their place. Each must have exactly the result's shape and dtype, sit in the
+        inputs' memory (the same GPU for CuPy arrays), be writeable, be C-contiguous in
+        ``(*batch, H, N, D)`` order (with "bshd", `out` is then a ``swapaxes(-3, -2)``
+        view of such a buffer, as tileattn's own "bshd" results are), start on a GPU at an
+        address aligned to two elements (new CuPy arrays are) where its last axis is even,
+        and share no memory with an input or the other buffer; else a ValueError names it. The GPU backend
+        writes into them directly; the CPU and reference backends compute as usual and
+        copy the result in (one copy of ``o``), so on the host they save no memory.
 
     Returns
     -------
     o : array, shape (*batch, Hq, Nq, Dv) (bshd: (*batch, Nq, Hq, Dv)), dtype of q in native
         byte order
     lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
+        (`out` and `lse_out` themselves when given)
     """
     problem = validate(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                       block_q=block_q, block_k=block_k, deterministic=True, layout=layout)
+                       block_q=block_q, block_k=block_k, deterministic=True, layout=layout,
+                       outputs={"out": out, "lse_out": lse_out})
     module = _resolve_backend(backend, problem.layout.memory)
     batch = problem.tensors["q"].shape[0]
     if problem.is_empty:
@@ -125,10 +154,12 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
                           lse_dtype(problem.dtype), memory, like)
     else:
         o, lse = _run(module, "forward", problem)
-    o = problem.layout.restore(o, problem.n_q_heads)
+    _fill_outputs(problem, "forward", (o, lse))
+    o = problem.layout.restore(o, problem.n_q_heads) if out is None else out
     if not return_lse:
         return o
-    return o, problem.layout.restore(lse, problem.n_q_heads, is_lse=True)
+    return o, (problem.layout.restore(lse, problem.n_q_heads, is_lse=True)
+               if lse_out is None else lse_out)
 
 
 forward.__doc__ += _CAUSAL_PICTURE
@@ -136,7 +167,8 @@ forward.__doc__ += _CAUSAL_PICTURE
 
 def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, softcap=None,
              alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
-             backend="auto", deterministic=True, layout="bhsd"):
+             backend="auto", deterministic=True, layout="bhsd", dq_out=None, dk_out=None,
+             dv_out=None):
     """Gradients of `forward`: the exact vector-Jacobian product for output gradient `do`.
 
     Pass the same options as to `forward`, and its `o` and `lse` (``return_lse=True``).
@@ -158,16 +190,23 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
     layout : {"bhsd", "bshd"}
         As in `forward`: with "bshd", `do`, `o`, `q`, `k`, `v` are read as views and the
         gradients come back as "bshd" views.
+    dq_out, dk_out, dv_out : array, optional
+        Buffers to write the gradients into, returned in their place; the same rules as
+        `forward`'s `out` (shape and dtype of q, k, v; C-contiguous in ``(*batch, H, N, D)``
+        order; no memory shared with an input or another buffer). The GPU backend writes
+        into them directly; the CPU and reference backends copy the result in.
 
     Returns
     -------
     dq : like q;  dk : like k;  dv : like v  (same layout; dtypes in native byte order)
         For GQA/MQA, ``dk`` and ``dv`` sum over the query heads that share a kv head.
+        (`dq_out`, `dk_out`, `dv_out` themselves when given)
     """
     problem = validate(q, k, v, do=do, o=o, lse=lse, causal=causal, window=window, scale=scale,
                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                        seed=seed, block_q=block_q, block_k=block_k,
-                       deterministic=deterministic, layout=layout)
+                       deterministic=deterministic, layout=layout,
+                       outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out})
     module = _resolve_backend(backend, problem.layout.memory)
     if problem.is_empty:
         memory, tensors = problem.layout.memory, problem.tensors
@@ -175,6 +214,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
                       for n in ("q", "k", "v"))
     else:
         dq, dk, dv = _run(module, "backward", problem)
-    return (problem.layout.restore(dq, problem.n_q_heads),
-            problem.layout.restore(dk, problem.n_kv_heads),
-            problem.layout.restore(dv, problem.n_kv_heads))
+    _fill_outputs(problem, "backward", (dq, dk, dv))
+    return tuple(problem.layout.restore(result, heads) if given is None else given
+                 for result, heads, given in ((dq, problem.n_q_heads, dq_out),
+                                              (dk, problem.n_kv_heads, dk_out),
+                                              (dv, problem.n_kv_heads, dv_out)))

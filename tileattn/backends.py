@@ -15,6 +15,12 @@ A backend is a module that exposes
     ``options`` is a `tileattn.options.AttentionOptions`. Results: ``o`` in the input dtype,
     ``lse`` float32 (float64 for float64 inputs), gradients in the input dtype. Inputs are
     never written to.
+``WRITES_OUT`` (optional, default False)
+    True when ``forward`` also takes ``out=``, ``lse_out=`` and ``backward`` takes
+    ``dq_out=``, ``dk_out=``, ``dv_out=`` (each None or omitted, or a C-contiguous array of
+    the result's 4-D/3-D shape and dtype in the backend's memory, sharing no memory with an
+    input) and writes the results into them, returning those arrays. For the other
+    backends the API copies their results into the caller's buffers.
 
 Optional, for ``python -m tileattn info``:
 

@@ -1,34 +1,163 @@
-"""PyTorch autograd adapter: ``tileattn.torch.attention(q, k, v, ...)`` is differentiable.
+"""PyTorch adapter: ``tileattn.torch.attention(q, k, v, ...)`` is differentiable and compiles.
 
-Optional: importing this module imports torch (``import tileattn`` never does). Tensors are
-handed to tileattn through DLPack without copying; CPU tensors run on the CPU backend and
-CUDA tensors on the GPU backend (``backend="auto"``). The backward pass calls
-`tileattn.backward`, recomputing score tiles from the saved log-sum-exp, so only ``o`` and
+Optional: importing this module imports torch (``import tileattn`` never does). The passes
+are the custom operators ``torch.ops.tileattn.forward`` (returns ``(o, lse)``) and
+``torch.ops.tileattn.backward`` (returns ``(dq, dk, dv)``), registered with
+`torch.library.custom_op` together with their output shapes (`register_fake`) and their
+autograd formula (`register_autograd`), so ``torch.compile(fullgraph=True)`` traces
+`attention` as one node per pass instead of breaking the graph at the DLPack hand-off.
+
+Tensors are handed to tileattn through DLPack without copying; CPU tensors run on the CPU
+backend and CUDA tensors on the GPU backend (``backend="auto"``), on torch's current CUDA
+stream. The backward recomputes score tiles from the saved log-sum-exp, so only ``o`` and
 ``lse`` are kept between the passes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import List, Optional, Tuple
+
 import torch
 
 from . import api
+from .validation import check_seed
+
+_INT64_SPAN = 2**64
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, options, deterministic):
-        o, lse = api.forward(q, k, v, return_lse=True, **options)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.options = options
-        ctx.deterministic = deterministic
-        return o
+def _seed_argument(seed):
+    """A seed in ``[0, 2**64)`` as torch.library's int64: the upper half travels as negative
+    numbers (two's complement); `_seed_from_argument` undoes it. Checked first, so a bad
+    seed gets tileattn's error rather than an overflow in the dispatcher."""
+    seed = check_seed(seed)
+    if seed is None:
+        return None
+    return seed - _INT64_SPAN if seed >= _INT64_SPAN // 2 else seed
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = api.backward(do.to(o.dtype), q, k, v, o, lse, **ctx.options,
-                                  deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None
+
+def _seed_from_argument(seed):
+    return None if seed is None else seed % _INT64_SPAN
+
+
+def _window_argument(window):
+    """torch.library has no list of optional ints; a negative side means unlimited, as None
+    does (SPEC), so None sides travel as -1."""
+    if window is None:
+        return None
+    return [-1 if side is None else side for side in window]
+
+
+def _slopes_argument(alibi_slopes):
+    """Slopes given as a tensor, a NumPy array or a (nested) list, as the op's tensor."""
+    return None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float64)
+
+
+@contextlib.contextmanager
+def _on_torch_stream(tensor):
+    """Run tileattn's CuPy kernels on torch's current stream of `tensor`'s GPU, so they are
+    ordered with the caller's torch work without a synchronisation (DLPack then sees the
+    same stream on both sides). Host tensors need nothing."""
+    if tensor.device.type != "cuda":
+        yield
+        return
+    import cupy
+
+    device = tensor.device.index
+    stream = torch.cuda.current_stream(tensor.device)
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream.cuda_stream, device):
+        yield
+
+
+def _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q, block_k,
+             backend, layout):
+    """The op's arguments as `tileattn.forward`/`backward` keywords."""
+    if alibi_slopes is not None:  # validation reads slopes on the host
+        alibi_slopes = alibi_slopes.detach().cpu()
+    return dict(causal=causal, window=window, scale=scale, softcap=softcap,
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                seed=_seed_from_argument(seed), block_q=block_q, block_k=block_k,
+                backend=backend, layout=layout)
+
+
+@torch.library.custom_op("tileattn::forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                window: Optional[List[int]], scale: Optional[float], softcap: Optional[float],
+                alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int],
+                block_q: Optional[int], block_k: Optional[int], backend: str, layout: str,
+                deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` is unused here: it is an argument so that the autograd formula,
+    # which sees only the forward's inputs, can hand it to the backward op.
+    options = _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
+                       block_q, block_k, backend, layout)
+    with _on_torch_stream(q):
+        return api.forward(q, k, v, return_lse=True, **options)
+
+
+def _layout_strided(like, shape, dtype, layout):
+    """An empty tensor of `shape` with the strides tileattn's results have: contiguous, or
+    with "bshd" a ``swapaxes(-3, -2)`` view of a contiguous "bhsd" buffer."""
+    if layout == "bshd" and len(shape) >= 3:
+        swapped = list(shape)
+        swapped[-3], swapped[-2] = swapped[-2], swapped[-3]
+        return like.new_empty(swapped, dtype=dtype).transpose(-3, -2)
+    return like.new_empty(shape, dtype=dtype)
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@_forward_op.register_fake
+def _(q, k, v, causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
+      block_k, backend, layout, deterministic):
+    o = _layout_strided(q, (*q.shape[:-1], v.shape[-1]), q.dtype, layout)
+    lse_shape = list(q.shape[:-1])  # (*batch, H, N) in both layouts
+    if layout == "bshd" and q.dim() >= 3:
+        lse_shape[-2], lse_shape[-1] = lse_shape[-1], lse_shape[-2]
+    return o, q.new_empty(lse_shape, dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("tileattn::backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 window: Optional[List[int]], scale: Optional[float],
+                 softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
+                 dropout_p: float, seed: Optional[int], block_q: Optional[int],
+                 block_k: Optional[int], backend: str, layout: str,
+                 deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
+                       block_q, block_k, backend, layout)
+    with _on_torch_stream(q):
+        return api.backward(do, q, k, v, o, lse, deterministic=deterministic, **options)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, o, lse, causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
+      block_q, block_k, backend, layout, deterministic):
+    return tuple(_layout_strided(x, x.shape, q.dtype, layout) for x in (q, k, v))
+
+
+_OPTION_NAMES = ("causal", "window", "scale", "softcap", "alibi_slopes", "dropout_p", "seed",
+                 "block_q", "block_k", "backend", "layout", "deterministic")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.options = dict(zip(_OPTION_NAMES, options))
+
+
+def _backward_formula(ctx, do, dlse):
+    # lse is returned for the backward pass, not as a differentiable output: `attention`
+    # hands out only `o`, so `dlse` is zero and not part of the gradient.
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.tileattn.backward(do.to(o.dtype), q, k, v, o, lse, **ctx.options)
+    return (dq, dk, dv) + (None,) * len(_OPTION_NAMES)
+
+
+_forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
@@ -37,11 +166,16 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     """Differentiable `tileattn.forward` on torch tensors ``(*batch, H, N, D)``, or
     ``(*batch, N, H, D)`` with ``layout="bshd"`` (flash-attn's ``flash_attn_func`` layout).
 
-    Same options as `tileattn.forward`; `deterministic` applies to the backward pass.
-    Returns ``o``, a tensor of q's dtype on q's device, in q's layout; with "bshd" it and
-    the gradients are strided views of "bhsd" buffers (``.contiguous()`` packs them).
+    Same options as `tileattn.forward` (`alibi_slopes` as a tensor, a NumPy array or a
+    list); `deterministic` applies to the backward pass. Returns ``o``, a tensor of q's dtype
+    on q's device, in q's layout; with "bshd" it and the gradients are strided views of
+    "bhsd" buffers (``.contiguous()`` packs them). Works under
+    ``torch.compile(fullgraph=True)``: each pass is one `torch.ops.tileattn` operator.
+    An option of a type the operator's schema does not take (``scale="a"``) gets torch's
+    RuntimeError, which names the argument; values are checked by `tileattn.forward`.
     """
-    options = dict(causal=causal, window=window, scale=scale, softcap=softcap,
-                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                   block_q=block_q, block_k=block_k, backend=backend, layout=layout)
-    return _Attention.apply(q, k, v, options, deterministic)
+    o, _ = torch.ops.tileattn.forward(
+        q, k, v, causal, _window_argument(window), scale, softcap,
+        _slopes_argument(alibi_slopes), dropout_p, _seed_argument(seed), block_q, block_k,
+        backend, layout, deterministic)
+    return o

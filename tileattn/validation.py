@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from . import arrays
 from .backends import REGISTRY
 from .dropout import dropout_threshold
 from .options import UNLIMITED, AttentionOptions
+from .reference import lse_dtype
 
 
 LAYOUTS = ("bhsd", "bshd")
@@ -254,6 +255,17 @@ def _normalise_alibi(slopes, batch_shape, n_q_heads, dtype):
     return slopes.reshape(batch, n_q_heads)
 
 
+def check_seed(seed):
+    """`seed` as an int in ``[0, 2**64)``, or None; also used by the torch adapter, which must
+    fit the seed into torch's int64 before the API sees it."""
+    if seed is None:
+        return None
+    seed = _check_int("seed", seed, minimum=0)
+    if seed >= 2**64:
+        raise ValueError(f"seed must be < 2**64, got {seed}")
+    return seed
+
+
 def _normalise_dropout(dropout_p, seed):
     """``(dropout_p, seed)`` as every backend reads them: the effective dropout.
 
@@ -269,10 +281,7 @@ def _normalise_dropout(dropout_p, seed):
     if dropout_p > 0 and seed is None:
         raise ValueError("seed must be an int when dropout_p > 0 (backward needs the same "
                          "seed to drop the same entries), got None")
-    if seed is not None:
-        seed = _check_int("seed", seed, minimum=0)
-        if seed >= 2**64:
-            raise ValueError(f"seed must be < 2**64, got {seed}")
+    seed = check_seed(seed)
     if dropout_threshold(dropout_p) == 0:
         return 0.0, 0
     return dropout_p, seed
@@ -318,6 +327,72 @@ def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, see
         deterministic=bool(deterministic))
 
 
+def _byte_range(array) -> tuple:
+    """``[low, high)``: the bytes `array` can touch, from its pointer, shape and strides."""
+    pointer = (array.data.ptr if arrays.memory_of(array) == "cuda"
+               else array.__array_interface__["data"][0])
+    low = pointer + sum(min(0, (n - 1) * s) for n, s in zip(array.shape, array.strides))
+    high = pointer + sum(max(0, (n - 1) * s) for n, s in zip(array.shape, array.strides))
+    return low, high + array.itemsize
+
+
+def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory: str):
+    """The caller's output buffers (``out=`` and friends) as the backends' views.
+
+    `given` maps each name to the caller's array or None, `expected` each name to its
+    ``(shape, dtype)`` in the caller's layout, `to_backend` gives a buffer in the backends'
+    axis order and as their 4-D (3-D for lse) view (a view indeed once the former is
+    C-contiguous). A buffer must have exactly that shape and dtype, sit in the inputs'
+    memory (and GPU, aligned to two elements there when D is even), be writeable and
+    C-contiguous in the backends' order (the kernels write rows of ``(B, H, N, D)`` one
+    after the other), and share no byte with an input or another output: the kernels read
+    inputs while they write outputs.
+    """
+    checked, views = {}, {}
+    for name, array in given.items():
+        if array is None:
+            continue
+        array = arrays.to_native(array)
+        shape, dtype = expected[name]
+        if tuple(array.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(array.shape)}")
+        if array.dtype != dtype:
+            raise ValueError(f"{name} must have dtype {dtype}, got {array.dtype}")
+        where = arrays.memory_of(array)
+        if where != memory:
+            raise ValueError(f"{name} must be in the inputs' memory ({memory}), got {where}")
+        if memory == "cuda" and array.device.id != next(iter(inputs.values())).device.id:
+            raise ValueError(f"{name} must be on the inputs' GPU "
+                             f"{next(iter(inputs.values())).device.id}, got {array.device.id}")
+        if memory == "host" and not array.flags.writeable:
+            raise ValueError(f"{name} must be writeable, got a read-only array")
+        # The GPU kernels store rows of an even length as pairs of elements (mma.cuh,
+        # store_row_pair), lse one element at a time. New CuPy and XLA buffers are 256-byte
+        # aligned; a view at an odd element offset is not.
+        if (memory == "cuda" and name != "lse_out" and array.shape[-1] % 2 == 0
+                and array.data.ptr % (2 * array.itemsize)):
+            raise ValueError(f"{name} must start at an address aligned to two elements "
+                             f"({2 * array.itemsize} bytes), got {array.data.ptr:#x}")
+        ordered, view = to_backend(name, array)
+        if not ordered.flags.c_contiguous:
+            order = ("(*batch, H, N, D) order, as layout='bshd' results are"
+                     if ordered is not array else "order")
+            raise ValueError(f"{name} must be C-contiguous in {order}, got strides "
+                             f"{tuple(array.strides)}")
+        checked[name], views[name] = array, view
+    for name, array in checked.items():
+        if array.size == 0:
+            continue
+        low, high = _byte_range(array)
+        for other_name, other in list(inputs.items()) + list(checked.items()):
+            if other_name == name or other.size == 0:
+                continue
+            other_low, other_high = _byte_range(other)
+            if low < other_high and other_low < high:
+                raise ValueError(f"{name} must not share memory with {other_name}")
+    return views
+
+
 def check_backend_name(backend) -> str:
     names = ("auto",) + tuple(REGISTRY)
     if backend not in names:
@@ -339,6 +414,7 @@ class Problem:
     n_k: int
     head_dim: int
     value_dim: int
+    outputs: dict = field(default_factory=dict)  # name -> caller's buffer, backends' view
 
     @property
     def is_empty(self) -> bool:
@@ -346,9 +422,12 @@ class Problem:
         return batch == 0 or self.n_q_heads == 0 or self.n_q == 0 or self.n_k == 0
 
 
-def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd",
+def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
              **option_kwargs) -> Problem:
-    """Check the arrays and options of a forward (``do`` is None) or backward call."""
+    """Check the arrays and options of a forward (``do`` is None) or backward call.
+
+    `outputs` maps the output-buffer arguments (``out``, ``lse_out`` of a forward;
+    ``dq_out``, ``dk_out``, ``dv_out`` of a backward) to the caller's arrays or None."""
     sequence_first = check_layout(layout)
     library = arrays.library_of(q)
     named = {"q": q, "k": k, "v": v}
@@ -367,10 +446,10 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd",
         q, k, v, shapes)
     batch = math.prod(batch_shape)
     tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
+    out_shape = (n_q, d_v) if single_head else batch_shape + (
+        (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
+    lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
     if do is not None:
-        out_shape = (n_q, d_v) if single_head else batch_shape + (
-            (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
-        lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
         for name, expected in (("do", out_shape), ("o", out_shape), ("lse", lse_shape)):
             if shapes[name] != expected:
                 read_as = " (layout='bshd')" if sequence_first and name != "lse" else ""
@@ -386,7 +465,22 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd",
                           else _to_4d(lse[..., None], batch, single_head)[..., 0])
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
                            n_k=n_k, dtype=dtype, **option_kwargs)
+    output_views = {}
+    # only when a buffer is given: small GPU calls are counted in microseconds of host time
+    if outputs and any(buffer is not None for buffer in outputs.values()):
+        expected = {"out": (out_shape, dtype), "lse_out": (lse_shape, lse_dtype(dtype)),
+                    "dq_out": (shapes["q"], dtype), "dk_out": (shapes["k"], dtype),
+                    "dv_out": (shapes["v"], dtype)}
+
+        def to_backend(name, array):
+            if name == "lse_out":
+                return array, (array if array.ndim == 3 and not single_head
+                               else _to_4d(array[..., None], batch, single_head)[..., 0])
+            ordered = _swap_heads_and_sequence(array) if sequence_first else array
+            return ordered, _to_4d(ordered, batch, single_head)
+
+        output_views = _check_outputs(outputs, expected, to_backend, named, memory)
     return Problem(tensors=tensors,
                    layout=Layout(batch_shape, single_head, memory, library, sequence_first),
                    options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
-                   n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v)
+                   n_q=n_q, n_k=n_k, head_dim=d, value_dim=d_v, outputs=output_views)

@@ -59,21 +59,26 @@ def availability() -> str | None:
     return None
 
 
-def forward(q, k, v, options: AttentionOptions):
+WRITES_OUT = True  # the kernels write into the caller's output buffers (`tileattn.backends`)
+
+
+def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     """``(o, lse)`` for CuPy arrays ``q (B, Hq, Nq, D)``, ``k (B, Hkv, Nk, D)``,
     ``v (B, Hkv, Nk, Dv)``; see `tileattn.backends` for the contract."""
     from . import launch_forward
 
     with q.device:
-        return launch_forward.forward(q, k, v, options)
+        return launch_forward.forward(q, k, v, options, out, lse_out)
 
 
-def backward(do, q, k, v, o, lse, options: AttentionOptions):
+def backward(do, q, k, v, o, lse, options: AttentionOptions, dq_out=None, dk_out=None,
+             dv_out=None):
     """``(dq, dk, dv)`` for CuPy arrays; see `tileattn.backends` for the contract."""
     from . import launch_backward
 
     with q.device:
-        return launch_backward.backward(do, q, k, v, o, lse, options)
+        return launch_backward.backward(do, q, k, v, o, lse, options,
+                                        (dq_out, dk_out, dv_out))
 
 
 def hardware() -> dict[str, str]:

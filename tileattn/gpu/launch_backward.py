@@ -21,10 +21,11 @@ DELTA_SOURCE = "attention_backward_delta.cu"
 DELTA_THREADS = 256
 
 
-def _outputs(q, k, v) -> tuple:
-    """dq, dk, dv (uninitialised; every element is written)."""
-    return (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=q.dtype),
-            cupy.empty(v.shape, dtype=q.dtype))
+def _outputs(q, k, v, given=(None, None, None)) -> tuple:
+    """dq, dk, dv: the caller's buffers where given (validated: shape, dtype, C-contiguous),
+    else new ones; uninitialised, every element is written."""
+    return tuple(cupy.empty(like.shape, dtype=q.dtype) if buffer is None else buffer
+                 for like, buffer in zip((q, k, v), given))
 
 
 # --------------------------------------------------------------------------- D
@@ -76,7 +77,7 @@ def row_deltas(do, o) -> tuple:
 # --------------------------------------------------------------------------- tensor cores
 
 
-def _operands(do, q, k, v, lse, options: AttentionOptions):
+def _operands(do, q, k, v, lse, options: AttentionOptions, given=(None, None, None)):
     """What the tensor-core backwards launch with: the inputs read in place, lse as float32,
     the outputs (dq, dk, dv), the arguments after the arrays and the copy width."""
     n_q_heads, n_q = q.shape[1], q.shape[2]
@@ -84,7 +85,7 @@ def _operands(do, q, k, v, lse, options: AttentionOptions):
     (q, k, v, do), (q_strides, k_strides, v_strides, do_strides), copy_bytes = (
         tensor_core_operands(q, k, v, do))
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    outputs = _outputs(q, k, v)
+    outputs = _outputs(q, k, v, given)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
@@ -97,7 +98,7 @@ def _dkdv_parts(split: bool) -> tuple:
 
 
 def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaBackwardTiles,
-                   single_pass: bool = False):
+                   single_pass: bool = False, given=(None, None, None)):
     """D = rowsum(do * o) first, then the dQ and the dK/dV kernels, which both read it.
 
     `single_pass` (measured, not the default): no dQ kernel; the dK/dV kernel adds dQ into
@@ -112,7 +113,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     launches = cached(key, do, q, k, v, o)
     if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
         delta = _new_delta(o)
-        dq, dk, dv = _outputs(q, k, v)
+        dq, dk, dv = _outputs(q, k, v, given)
         launches[0](do, o, delta)
         launches[1](q, k, v, do, lse, delta, dq)
         for launch in launches[2:]:
@@ -121,7 +122,8 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     arrays_in = (do, q, k, v, o)
     delta, delta_launch = row_deltas(do, o)
     launches = [delta_launch]
-    (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options)
+    (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options,
+                                                                     given)
     widths = Widths.padded(head_dim, v.shape[3], 16)
     # The single pass's dQ buffer: (batch x head, query tile of 64, column block of 64)
     # blocks of 64 x 64 floats, one bulk reduction's destination each.
@@ -154,7 +156,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
 
 
 def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackwardTiles,
-                 single_pass: bool | None = None):
+                 single_pass: bool | None = None, given=(None, None, None)):
     """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32).
 
     `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
@@ -174,7 +176,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     single_pass = single_pass and can_single
     ordered = single_pass and options.deterministic
     delta = row_deltas(do, o)[0]
-    (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options)
+    (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options,
+                                                                     given)
     widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles.dkdv[1])
@@ -207,7 +210,7 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
 # --------------------------------------------------------------------------- generic
 
 
-def backward_generic(do, q, k, v, o, lse, options: AttentionOptions):
+def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None)):
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     accum = accumulation_dtype(q.dtype)
@@ -218,7 +221,7 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions):
         lse = lse.astype(accum)
     (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-    dq, dk, dv = _outputs(q, k, v)
+    dq, dk, dv = _outputs(q, k, v, given)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
               np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,
@@ -236,14 +239,17 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions):
 # --------------------------------------------------------------------------- dispatch
 
 
-def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions):
-    """``(dq, dk, dv)`` with the family and tiles of `choice` (the sweeps pass their own)."""
+def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
+        given=(None, None, None)):
+    """``(dq, dk, dv)`` with the family and tiles of `choice` (the sweeps pass their own),
+    written into the `given` buffers where there are some."""
     if choice.family == "wgmma":
-        return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles)
+        return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles, given=given)
     if choice.family in ("mma", "tf32"):
-        return backward_mma(do, q, k, v, o, lse, options, choice.tiles)
-    return backward_generic(do, q, k, v, o, lse, options)
+        return backward_mma(do, q, k, v, o, lse, options, choice.tiles, given=given)
+    return backward_generic(do, q, k, v, o, lse, options, given)
 
 
-def backward(do, q, k, v, o, lse, options: AttentionOptions):
-    return run(choose_backward(problem_of(q, k, v, options)), do, q, k, v, o, lse, options)
+def backward(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None)):
+    return run(choose_backward(problem_of(q, k, v, options)), do, q, k, v, o, lse, options,
+               given)

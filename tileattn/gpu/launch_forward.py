@@ -178,10 +178,14 @@ _LAUNCHERS = {"wgmma": forward_wgmma, "mma": forward_mma, "tf32": forward_tf32,
               "generic": forward_generic}
 
 
-def _outputs(q, v):
+def _outputs(q, v, out=None, lse_out=None):
+    """o and lse: the caller's buffers where given (validated: shape, dtype, C-contiguous),
+    else new ones; uninitialised, every element is written."""
     batch, n_q_heads, n_q, _ = q.shape
-    return (cupy.empty((batch, n_q_heads, n_q, v.shape[3]), dtype=q.dtype),
-            cupy.empty((batch, n_q_heads, n_q), dtype=accumulation_dtype(q.dtype)))
+    return (cupy.empty((batch, n_q_heads, n_q, v.shape[3]), dtype=q.dtype) if out is None
+            else out,
+            cupy.empty((batch, n_q_heads, n_q), dtype=accumulation_dtype(q.dtype))
+            if lse_out is None else lse_out)
 
 
 def run(choice: Choice, q, k, v, options: AttentionOptions):
@@ -191,10 +195,10 @@ def run(choice: Choice, q, k, v, options: AttentionOptions):
     return o, lse
 
 
-def forward(q, k, v, options: AttentionOptions):
+def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     key = plan_key("forward", options, q, k, v)
     launches = cached(key, q, k, v)
-    o, lse = _outputs(q, v)
+    o, lse = _outputs(q, v, out, lse_out)
     if launches is not None:
         launches[0](q, k, v, o, lse)
         return o, lse
