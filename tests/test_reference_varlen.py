@@ -214,6 +214,17 @@ def test_packed_with_empty_sequences():
     assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
 
 
+def test_no_heads():
+    """Zero heads are valid (SPEC "Shapes"): correctly shaped empty results."""
+    q, k = np.zeros((2, 0, 3, 4)), np.zeros((2, 0, 5, 4))
+    o, lse = rv.forward_padded(q, k, k, [1, 2], [3, 4])
+    assert o.shape == (2, 0, 3, 4) and lse.shape == (2, 0, 3)
+    grads = rv.backward_padded(o, q, k, k, o, lse, [1, 2], [3, 4])
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    o, lse = rv.forward_packed(q[0], k[0], k[0], [0, 1, 3], [0, 5, 5])
+    assert o.shape == (0, 3, 4) and lse.shape == (0, 3)
+
+
 def test_the_strategies_draw_what_they_promise():
     @settings(max_examples=50, database=None)
     @given(lengths=sequence_lengths(5, batch_shape=(2, 3)), cu=cu_seqlens(3, 4),

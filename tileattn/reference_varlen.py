@@ -23,7 +23,7 @@ Options are the keyword options of `tileattn.forward`: ``causal``, ``window``, `
 Results have the dtype of ``q`` (``lse`` float32, or float64 for float64 inputs), like
 ``backend="reference"``: pass float64 inputs for float64 results. Inputs are NumPy arrays.
 
-Decisions where SPEC is silent (also in ``docs/varlen.md``):
+Decisions where SPEC is silent:
 
 * ALiBi slopes of packed sequences are ``(Hq,)`` (every sequence) or ``(S, Hq)`` (one row per
   sequence), as flash-attn's ``flash_attn_varlen_func`` takes ``(nheads,)`` or
@@ -54,6 +54,7 @@ from .options import AttentionOptions, keeps
 # contributes nothing here exactly as it does there (SPEC "Errors").
 from .reference import (_kept_product, _repeat_kv, _sum_kv_groups, dense_probabilities,
                         lse_dtype)
+# Slopes are normalised and checked as dense attention's are; only the shapes differ.
 from .validation import _normalise_alibi, validate
 from .varlen_validation import (check_block_table, check_cu_seqlens_pair, check_page_pools,
                                 check_seqlens)
@@ -389,6 +390,6 @@ def forward_paged(q, k_pages, v_pages, block_table, seqlens_k, *, seqlens_q=None
     table = check_block_table(block_table, lengths_k, batch_shape, num_pages, page_size)
     n_keys = table.shape[1] * page_size
     k, v = (_gather_pages(pages, table, lengths_k, n_keys).reshape(
-                batch_shape + tuple(pages.shape[1:2]) + (n_keys, pages.shape[3]))
+                batch_shape + (pages.shape[1], n_keys, pages.shape[3]))
             for pages in (k_pages, v_pages))
     return forward_padded(q, k, v, seqlens_q, lengths_k.reshape(batch_shape), **options)

@@ -451,12 +451,12 @@ def draw_varlen_problem(draw, *, family=None, dtypes=None, max_batch: int = 3,
                         page_sizes=(1, 2, 3, 16), options: bool = True):
     """Draw a `VarlenProblem` (use through `varlen_problems`).
 
-    `family` is one of `VARLEN_FAMILIES` or None (any). Covers empty batches and heads,
-    lengths 0 and 1, ``Lq != Lk``, padding after the longest sequence, GQA/MQA, ``Dv != D``,
-    absent ``seqlens_q``/``seqlens_k`` (padded), empty packed sequences, pages in any order
-    in pools stored ``(num_pages, Hkv, page_size, D)`` or ``(num_pages, page_size, Hkv, D)``
-    (passed transposed), and every option of `tileattn.forward` with ALiBi slopes per head
-    or per sequence.
+    `family` is one of `VARLEN_FAMILIES` or None (any). Covers empty batches (no packed
+    sequences), lengths 0 and 1, ``Lq != Lk``, padding after the longest sequence, GQA/MQA,
+    ``Dv != D``, absent ``seqlens_q``/``seqlens_k`` (padded), empty packed sequences, pages
+    in any order in pools stored ``(num_pages, Hkv, page_size, D)`` or
+    ``(num_pages, page_size, Hkv, D)`` (passed transposed), and every option of
+    `tileattn.forward` with ALiBi slopes per head or per sequence.
     """
     st = _strategies()
     family = family if family is not None else draw(st.sampled_from(VARLEN_FAMILIES))
