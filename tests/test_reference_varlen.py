@@ -70,9 +70,10 @@ def test_padded_is_the_dense_model_on_each_batch_element(problem):
     options = dict(problem.options)
     if np.prod(batch_shape) > 1:
         # Dropout numbers element b's heads from b * Hq; a dense call on one slice numbers
-        # them from 0, so only a single element can compare with dropout (test (a) and the
-        # packed/paged tests check the numbering of the others).
-        options.pop("dropout_p", None), options.pop("seed", None)
+        # them from 0, so only a single element can compare with dropout here. Test (a)
+        # checks that numbering against the dense model's, with full lengths.
+        options.pop("dropout_p", None)
+        options.pop("seed", None)
     o, lse, dq, dk, dv = _run(dataclasses.replace(problem, options=options))
     lengths_q = problem.lengths["seqlens_q"]
     lengths_k = problem.lengths["seqlens_k"]
@@ -97,6 +98,21 @@ def test_padded_is_the_dense_model_on_each_batch_element(problem):
         assert (o[b][:, n_q:] == 0).all() and (lse[b][:, n_q:] == -np.inf).all()
         assert (dq[b][:, n_q:] == 0).all()
         assert (dk[b][:, n_k:] == 0).all() and (dv[b][:, n_k:] == 0).all()
+
+
+def test_padded_dropout_uses_positions_as_passed():
+    """Without masks or ALiBi, a shorter seqlens_q leaves its rows' scores unchanged, so they
+    equal the dense model's rows on the whole padded batch, dropout pattern included: element
+    b's heads are ``b * Hq + h`` and its rows are numbered from 0."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal(shape) for shape in ((3, 2, 5, 4), (3, 1, 6, 4),
+                                                         (3, 1, 6, 2)))
+    seqlens_q = np.array([5, 2, 3])
+    options = {"dropout_p": 0.5, "seed": 11}
+    o, _ = rv.forward_padded(q, k, v, seqlens_q, **options)
+    dense_o = tileattn.forward(q, k, v, **options, backend="reference")
+    for b, n_q in enumerate(seqlens_q):
+        np.testing.assert_allclose(o[b, :, :n_q], dense_o[b, :, :n_q], rtol=1e-12)
 
 
 # --------------------------------------------------------------------------- (c) packed
