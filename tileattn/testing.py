@@ -15,6 +15,24 @@ kernels: draw problems with `attention_problems`, compute the float64 golden res
         actual = my_attention(problem.q, problem.k, problem.v, **problem.options)
         assert_attention_close(actual, expected, problem.dtype, name="o")
 
+Variable-length batches and paged K/V (SPEC "Variable-length batches and paged K/V") have
+their own strategies: `sequence_lengths` (a padded batch's ``seqlens_q`` / ``seqlens_k``),
+`cu_seqlens` (packed sequences' cumulative lengths), `page_tables` (a block table and the
+size of its page pool), and `varlen_problems`, which draws a whole padded, packed or paged
+problem together with the same problem as a padded batch, NaN in every place that must not
+be read::
+
+    from tileattn import reference_varlen
+    from tileattn.testing import varlen_problems
+
+    @given(varlen_problems(family="packed"))
+    def test_my_packed_attention(problem):
+        expected = reference_varlen.forward_packed(problem.q, problem.k, problem.v,
+                                                   **problem.lengths, **problem.options)
+        actual = my_packed_attention(problem.q, problem.k, problem.v, **problem.lengths,
+                                     **problem.options)
+        assert_attention_close(actual[0], expected[0], problem.dtype, name="o")
+
 Per-dtype tolerances live here and only here (`TOLERANCES`). The strategies need
 hypothesis (``pip install 'tileattn[test]'``); the tolerances and `assert_attention_close`
 do not.
@@ -22,6 +40,7 @@ do not.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +53,8 @@ except ImportError:  # the strategies say so when called; the tolerances still w
 __all__ = [
     "TOLERANCES", "Tolerance", "AttentionProblem", "attention_problems",
     "draw_attention_problem", "block_sizes", "float_dtypes", "assert_attention_close",
-    "attention_error", "tolerance_for", "bfloat16",
+    "attention_error", "tolerance_for", "bfloat16", "sequence_lengths", "cu_seqlens",
+    "page_tables", "VarlenProblem", "varlen_problems",
 ]
 
 
@@ -305,3 +325,264 @@ def draw_attention_problem(draw, *, dtypes=None, max_batch_dims: int = 2, max_he
         kwargs["block_q"] = draw(block_sizes())
         kwargs["block_k"] = draw(block_sizes())
     return AttentionProblem(q, k, v, do, kwargs)
+
+
+# --------------------------------------------------------------------------- variable lengths
+
+
+def sequence_lengths(max_length: int, *, batch_shape: tuple = (), min_length: int = 0):
+    """Strategy for a padded batch's lengths (``seqlens_q`` or ``seqlens_k``).
+
+    Draws an int32 or int64 NumPy array of shape `batch_shape` with values in
+    ``[min_length, max_length]``, often at 0, 1 and `max_length`, where the masks and the
+    bottom-right alignment change.
+    """
+    st = _strategies()
+    edges = sorted({n for n in (min_length, 1, max_length) if min_length <= n <= max_length})
+    length = st.one_of(st.sampled_from(edges), st.integers(min_length, max_length))
+    count = math.prod(batch_shape)
+    return st.builds(lambda values, dtype: np.array(values, dtype=dtype).reshape(batch_shape),
+                     st.lists(length, min_size=count, max_size=count),
+                     st.sampled_from([np.int32, np.int64]))
+
+
+def _cumulative(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(lengths.dtype)
+
+
+def cu_seqlens(n_sequences: int, max_length: int, *, min_length: int = 0):
+    """Strategy for the cumulative lengths of `n_sequences` packed sequences.
+
+    Draws an int32 or int64 array of shape ``(n_sequences + 1,)`` starting at 0, each
+    sequence ``[min_length, max_length]`` long (empty sequences included by default). Draw
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` with the same `n_sequences`.
+    """
+    return sequence_lengths(max_length, batch_shape=(n_sequences,),
+                            min_length=min_length).map(_cumulative)
+
+
+def page_tables(seqlens_k, page_size: int, *, max_spare_pages: int = 2,
+                max_spare_columns: int = 2):
+    """Strategy for a block table that holds `seqlens_k` keys in pages of `page_size`.
+
+    Draws ``(block_table, num_pages)``: `block_table` is an int32 or int64 array of shape
+    ``(*seqlens_k.shape, max_pages)`` whose rows name distinct pages of a pool of
+    `num_pages` pages, in random order. Up to `max_spare_pages` pages of the pool are named
+    by no row, and up to `max_spare_columns` columns after the ones a row reads hold -1,
+    `num_pages` or 0: a correct implementation reads none of them.
+    """
+    return _strategies().composite(_draw_page_table)(np.asarray(seqlens_k), page_size,
+                                                     max_spare_pages, max_spare_columns)
+
+
+def _draw_page_table(draw, seqlens_k: np.ndarray, page_size: int, max_spare_pages: int,
+                     max_spare_columns: int):
+    st = _strategies()
+    pages_used = -(-seqlens_k.reshape(-1).astype(np.int64) // page_size)
+    num_pages = int(pages_used.sum()) + draw(st.integers(0, max_spare_pages))
+    order = draw(st.permutations(range(num_pages)))
+    max_pages = int(pages_used.max(initial=0)) + draw(st.integers(0, max_spare_columns))
+    unread = draw(st.sampled_from([-1, num_pages, 0]))
+    dtype = draw(st.sampled_from([np.int32, np.int64]))
+    table = np.full((len(pages_used), max_pages), unread, dtype=dtype)
+    starts = _cumulative(pages_used)
+    for b, count in enumerate(pages_used):
+        table[b, :count] = order[starts[b]:starts[b] + count]
+    return table.reshape(seqlens_k.shape + (max_pages,)), num_pages
+
+
+VARLEN_FAMILIES = ("padded", "packed", "paged")
+
+
+@dataclass
+class VarlenProblem:
+    """One drawn variable-length problem (see `varlen_problems`).
+
+    Attributes
+    ----------
+    family : {"padded", "packed", "paged"}
+    q, k, v, do : numpy.ndarray
+        The family's inputs: padded ``(*batch, H, N, D)`` arrays; packed ``(H, N_total, D)``
+        arrays; or for paged, padded ``q``, ``do`` and page pools
+        ``k (num_pages, Hkv, page_size, D)``, ``v (num_pages, Hkv, page_size, Dv)``. NaN
+        wherever nothing may be read: padding rows and keys, unnamed pages, page slots past
+        ``seqlens_k``.
+    lengths : dict
+        The length keywords of the family: ``seqlens_q`` and ``seqlens_k`` (either may be
+        None), ``cu_seqlens_q`` and ``cu_seqlens_k``, or ``block_table``, ``seqlens_k``
+        and ``seqlens_q``; named as `tileattn.reference_varlen` takes them.
+    options : dict
+        Keyword options of `tileattn.forward` (no block sizes, no backend).
+    padded : VarlenProblem or None
+        For packed and paged problems, the same problem as a padded batch (packed sequence
+        ``s`` is batch element ``s``; paged keys gathered into ``max_pages * page_size``
+        rows); None for a padded problem.
+    """
+
+    family: str
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    do: np.ndarray
+    lengths: dict
+    options: dict = field(default_factory=dict)
+    padded: "VarlenProblem | None" = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.q.dtype
+
+    def __repr__(self):
+        def shown(values):
+            return {k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                    for k, v in values.items()}
+        return (f"VarlenProblem({self.family}, q{self.q.shape}, k{self.k.shape} strides "
+                f"{self.k.strides}, v{self.v.shape}, dtype={self.dtype.name}, "
+                f"lengths={shown(self.lengths)}, options={shown(self.options)})")
+
+
+def varlen_problems(**settings):
+    """Strategy for `VarlenProblem`; keyword settings are those of `draw_varlen_problem`."""
+    return _strategies().composite(draw_varlen_problem)(**settings)
+
+
+def draw_varlen_problem(draw, *, family=None, dtypes=None, max_batch: int = 3,
+                        max_heads: int = 4, max_seq: int = 12, head_dims=(1, 2, 3, 8, 16),
+                        page_sizes=(1, 2, 3, 16), options: bool = True):
+    """Draw a `VarlenProblem` (use through `varlen_problems`).
+
+    `family` is one of `VARLEN_FAMILIES` or None (any). Covers empty batches (no packed
+    sequences), lengths 0 and 1, ``Lq != Lk``, padding after the longest sequence, GQA/MQA,
+    ``Dv != D``, absent ``seqlens_q``/``seqlens_k`` (padded), empty packed sequences, pages
+    in any order in pools stored ``(num_pages, Hkv, page_size, D)`` or
+    ``(num_pages, page_size, Hkv, D)`` (passed transposed), and every option of
+    `tileattn.forward` with ALiBi slopes per head or per sequence.
+    """
+    st = _strategies()
+    family = family if family is not None else draw(st.sampled_from(VARLEN_FAMILIES))
+    dtype = draw(dtypes if dtypes is not None else float_dtypes())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if family == "packed":
+        batch_shape = (draw(st.integers(0, max_batch)),)
+    else:
+        batch_shape = tuple(draw(st.lists(st.integers(0, max_batch), max_size=2)))
+    n_kv_heads = draw(st.integers(1, max(1, max_heads // 2)))
+    n_q_heads = n_kv_heads * draw(st.sampled_from(
+        [g for g in (1, 2, 3, 4) if g * n_kv_heads <= max_heads] or [1]))
+    d = draw(st.sampled_from(head_dims))
+    d_v = draw(st.one_of(st.just(d), st.sampled_from(head_dims)))
+    lengths_q = draw(sequence_lengths(max_seq, batch_shape=batch_shape))
+    lengths_k = draw(sequence_lengths(max_seq, batch_shape=batch_shape))
+    n_q = int(lengths_q.max(initial=0)) + draw(st.integers(0, 2))
+    n_k = int(lengths_k.max(initial=0)) + draw(st.integers(0, 2))
+    if family == "padded" and draw(st.booleans()):  # seqlens_q absent: every row is used
+        n_q, lengths_q = max(n_q, 1), None
+    if family == "padded" and draw(st.booleans()):
+        n_k, lengths_k = max(n_k, 1), None
+    padded = _padded_problem(rng, dtype, batch_shape, (n_q_heads, n_kv_heads), (n_q, n_k),
+                             (d, d_v), lengths_q, lengths_k)
+    if options:
+        padded.options = _draw_varlen_options(draw, rng, batch_shape, n_q_heads, max_seq)
+    if family == "padded":
+        return padded
+    if family == "packed":
+        return _packed_from(padded)
+    page_size = draw(st.sampled_from(page_sizes))
+    block_table, num_pages = draw(page_tables(lengths_k, page_size))
+    page_major = draw(st.booleans())
+    return _paged_from(padded, block_table, num_pages, page_size, page_major)
+
+
+def _padded_problem(rng, dtype, batch_shape, heads, sizes, dims, lengths_q, lengths_k):
+    """Unit-normal padded arrays with NaN in padding rows (q, do) and keys (k, v)."""
+    (n_q_heads, n_kv_heads), (n_q, n_k), (d, d_v) = heads, sizes, dims
+
+    def normal(n_heads, n, dim, lengths):
+        array = rng.standard_normal((*batch_shape, n_heads, n, dim))
+        if lengths is not None:
+            padding = np.arange(n) >= lengths[..., None]  # (*batch, n)
+            array[np.broadcast_to(padding[..., None, :, None], array.shape)] = np.nan
+        return array.astype(dtype)
+
+    return VarlenProblem(
+        "padded", q=normal(n_q_heads, n_q, d, lengths_q), k=normal(n_kv_heads, n_k, d, lengths_k),
+        v=normal(n_kv_heads, n_k, d_v, lengths_k), do=normal(n_q_heads, n_q, d_v, lengths_q),
+        lengths={"seqlens_q": lengths_q, "seqlens_k": lengths_k})
+
+
+def _draw_varlen_options(draw, rng, batch_shape, n_q_heads, max_seq) -> dict:
+    st = _strategies()
+    kwargs = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        side = st.one_of(st.none(), st.integers(-1, max_seq + 2))
+        kwargs["window"] = (draw(side), draw(side))
+    if draw(st.booleans()):
+        kwargs["scale"] = draw(st.sampled_from([0.05, 0.3, 1.0, -0.7]))
+    if draw(st.booleans()):
+        kwargs["softcap"] = draw(st.sampled_from([0.5, 3.0]))
+    if draw(st.booleans()):
+        shape = (*batch_shape, n_q_heads) if draw(st.booleans()) else (n_q_heads,)
+        kwargs["alibi_slopes"] = rng.uniform(0.0, 1.0, size=shape)
+    if draw(st.booleans()):
+        kwargs["dropout_p"] = draw(st.sampled_from([0.1, 0.5]))
+        kwargs["seed"] = draw(st.integers(0, 2**64 - 1))
+    return kwargs
+
+
+def _packed_from(padded: VarlenProblem) -> VarlenProblem:
+    """Packed sequences: batch element ``s`` of `padded` is sequence ``s``."""
+    lengths_q, lengths_k = padded.lengths["seqlens_q"], padded.lengths["seqlens_k"]
+
+    def pack(array, lengths):  # (S, H, N, D) -> (H, sum(lengths), D)
+        parts = [array[s, :, :length] for s, length in enumerate(lengths)]
+        return np.concatenate(parts, axis=1) if parts else array[0:0].reshape(
+            array.shape[1], 0, array.shape[3])
+
+    return VarlenProblem(
+        "packed", q=pack(padded.q, lengths_q), k=pack(padded.k, lengths_k),
+        v=pack(padded.v, lengths_k), do=pack(padded.do, lengths_q),
+        lengths={"cu_seqlens_q": _cumulative(lengths_q),
+                 "cu_seqlens_k": _cumulative(lengths_k)},
+        options=padded.options, padded=padded)
+
+
+def _paged_from(padded: VarlenProblem, block_table, num_pages: int, page_size: int,
+                page_major: bool) -> VarlenProblem:
+    """Paged K/V holding `padded`'s keys at the pages `block_table` names; NaN elsewhere."""
+    lengths_k = padded.lengths["seqlens_k"]
+    flat_table = block_table.reshape(lengths_k.size, block_table.shape[-1])
+
+    def pool(array):  # (*batch, Hkv, N, D) -> (num_pages, Hkv, page_size, D)
+        n_kv_heads, dim = array.shape[-3], array.shape[-1]
+        # page_major: stored (num_pages, page_size, Hkv, D), as vLLM and flash-attn keep it.
+        stored = np.full((num_pages, page_size, n_kv_heads, dim) if page_major
+                         else (num_pages, n_kv_heads, page_size, dim), np.nan, array.dtype)
+        pages = stored.transpose(0, 2, 1, 3) if page_major else stored
+        keys = array.reshape(lengths_k.size, n_kv_heads, array.shape[-2], dim)
+        for b, length in enumerate(lengths_k.reshape(-1)):
+            j = np.arange(length)
+            pages[flat_table[b, j // page_size], :, j % page_size] = np.swapaxes(
+                keys[b, :, :length], 0, 1)
+        return pages
+
+    n_keys = block_table.shape[-1] * page_size
+    gathered_shape = padded.k.shape[:-2] + (n_keys,)
+    as_padded = VarlenProblem(
+        "padded", q=padded.q, k=_resized(padded.k, gathered_shape), v=_resized(
+            padded.v, gathered_shape), do=padded.do, lengths=padded.lengths,
+        options=padded.options)
+    return VarlenProblem(
+        "paged", q=padded.q, k=pool(padded.k), v=pool(padded.v), do=padded.do,
+        lengths={"block_table": block_table, "seqlens_k": lengths_k,
+                 "seqlens_q": padded.lengths["seqlens_q"]},
+        options=padded.options, padded=as_padded)
+
+
+def _resized(array: np.ndarray, shape: tuple) -> np.ndarray:
+    """`array` with its key axis cut or NaN-padded to ``shape[-1]`` keys (keeping its last
+    axis): the padded form of paged keys has ``max_pages * page_size`` of them."""
+    n_keys = shape[-1]
+    resized = np.full(shape + array.shape[-1:], np.nan, array.dtype)
+    kept = min(n_keys, array.shape[-2])
+    resized[..., :kept, :] = array[..., :kept, :]
+    return resized
