@@ -109,11 +109,12 @@ def _kept_product(weights, kept, values):
     return result
 
 
-def _dropout_scale(rows, cols, batch, n_q_heads, options):
-    """``keep / (1 - p)`` for the given rows and columns, or None without dropout."""
+def _dropout_scale(rows, cols, batch, n_q_heads, options, first_head: int = 0):
+    """``keep / (1 - p)`` for the given rows and columns, or None without dropout; the
+    dropout hash numbers the (batch, head) pairs from `first_head`."""
     if options.dropout_p == 0:
         return None
-    bh = np.arange(batch * n_q_heads).reshape(batch, n_q_heads)[:, :, None, None]
+    bh = first_head + np.arange(batch * n_q_heads).reshape(batch, n_q_heads)[:, :, None, None]
     keep = keep_mask(options.seed, options.dropout_p, bh, rows[:, None], cols[None, :])
     return keep / (1.0 - options.dropout_p)
 
@@ -156,31 +157,34 @@ def dense_probabilities(q, k, options: AttentionOptions):
     return probs, lse, softcap_grad
 
 
-def dense_forward(q, k, v, options: AttentionOptions):
-    """Golden forward. Returns ``o (B, Hq, Nq, Dv)`` and ``lse (B, Hq, Nq)``, float64."""
+def dense_forward(q, k, v, options: AttentionOptions, first_head: int = 0):
+    """Golden forward. Returns ``o (B, Hq, Nq, Dv)`` and ``lse (B, Hq, Nq)``, float64.
+    `first_head`: the dropout hash's index of the first (batch, head) pair (a sequence of a
+    variable-length batch is numbered by its place in the batch)."""
     probs, lse, _ = dense_probabilities(q, k, options)
     (v,) = _as_float64(v)
     n_q, n_k = probs.shape[2:]
     rows, cols = np.arange(n_q), np.arange(n_k)
-    dropout = _dropout_scale(rows, cols, *probs.shape[:2], options)
+    dropout = _dropout_scale(rows, cols, *probs.shape[:2], options, first_head)
     if dropout is not None:
         probs = probs * dropout
     return _kept_product(probs, _kept(rows, cols, n_q, n_k, options),
                          _repeat_kv(v, q.shape[1])), lse
 
 
-def dense_backward(do, q, k, v, o, options: AttentionOptions):
+def dense_backward(do, q, k, v, o, options: AttentionOptions, first_head: int = 0):
     """Golden backward: ``dq, dk, dv`` in float64, with ``D = rowsum(do * o)`` from the
     given `o` (SPEC). With the exact ``o`` of `dense_forward` this is the exact gradient;
     with an ``o`` rounded to a 16-bit type it is the gradient every FlashAttention-style
-    backward computes from that ``o``, which is what the kernels are judged against."""
+    backward computes from that ``o``, which is what the kernels are judged against.
+    `first_head` as in `dense_forward`."""
     do, q, k, v, o = _as_float64(do, q, k, v, o)
     n_kv_heads, n_q_heads = k.shape[1], q.shape[1]
     probs, _, softcap_grad = dense_probabilities(q, k, options)
     n_q, n_k = probs.shape[2:]
     rows, cols = np.arange(n_q), np.arange(n_k)
     kept = _kept(rows, cols, n_q, n_k, options)
-    dropout = _dropout_scale(rows, cols, *probs.shape[:2], options)
+    dropout = _dropout_scale(rows, cols, *probs.shape[:2], options, first_head)
     dropped = probs if dropout is None else probs * dropout
     k_rep, v_rep = _repeat_kv(k, n_q_heads), _repeat_kv(v, n_q_heads)
     dv = _kept_product(np.swapaxes(dropped, -1, -2), kept.T, do)

@@ -48,12 +48,10 @@ from dataclasses import replace
 import numpy as np
 
 from . import arrays
-from .dropout import keep_mask
-from .options import AttentionOptions, keeps
-# The private pieces of the dense model are reused, not copied, so that a masked entry
-# contributes nothing here exactly as it does there (SPEC "Errors").
-from .reference import (_kept_product, _repeat_kv, _sum_kv_groups, dense_probabilities,
-                        lse_dtype)
+from .options import AttentionOptions
+# Each sequence runs the dense model itself, so a masked entry contributes nothing here
+# exactly as it does there (SPEC "Errors").
+from .reference import dense_backward, dense_forward, lse_dtype
 # Slopes are normalised and checked as dense attention's are; only the shapes differ.
 from .validation import _normalise_alibi, validate
 from .varlen_validation import (check_block_table, check_cu_seqlens_pair, check_page_pools,
@@ -84,59 +82,21 @@ def _for_sequence(options: AttentionOptions, sequence: int) -> AttentionOptions:
     return replace(options, alibi_slopes=options.alibi_slopes[sequence:sequence + 1])
 
 
-def _kept_and_dropout(n_q_heads, n_q, n_k, options, sequence):
-    """Step 4's mask for one sequence and step 6's ``keep / (1 - p)`` (None without dropout).
-
-    `tileattn.reference.dense_forward` numbers the dropout heads of its batch from 0; a
-    sequence's heads are ``bh = sequence * Hq + h`` (module docstring), which is the one
-    difference between `_sequence_forward` / `_sequence_backward` and the dense model.
-    """
-    rows, cols = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
-    kept = keeps(rows, cols, n_q, n_k, options.window_left, options.window_right)
-    if options.dropout_p == 0:
-        return kept, None
-    bh = (sequence * n_q_heads + np.arange(n_q_heads))[None, :, None, None]
-    keep = keep_mask(options.seed, options.dropout_p, bh, rows, cols)
-    return kept, keep / (1.0 - options.dropout_p)
-
-
 # Non-finite inputs are not an error (SPEC): NumPy's warnings about the NaN they make
 # (inf - inf, 0 x inf) would only be noise, as in `tileattn.reference.forward`.
 @np.errstate(invalid="ignore")
 def _sequence_forward(q, k, v, options: AttentionOptions, sequence: int):
     """`tileattn.reference.dense_forward` on one sequence ``q (1, Hq, Lq, D)``,
-    ``k (1, Hkv, Lk, D)``, ``v (1, Hkv, Lk, Dv)``; float64 ``o``, ``lse``."""
-    probs, lse, _ = dense_probabilities(q, k, options)
-    n_q_heads, n_q, n_k = probs.shape[1:]
-    kept, dropout = _kept_and_dropout(n_q_heads, n_q, n_k, options, sequence)
-    if dropout is not None:
-        probs = probs * dropout
-    v = _repeat_kv(np.asarray(v, dtype=np.float64), n_q_heads)
-    return _kept_product(probs, kept, v), lse
+    ``k (1, Hkv, Lk, D)``, ``v (1, Hkv, Lk, Dv)``, its dropout heads numbered
+    ``sequence * Hq + h`` (module docstring); float64 ``o``, ``lse``."""
+    return dense_forward(q, k, v, options, first_head=sequence * q.shape[1])
 
 
 @np.errstate(invalid="ignore")
 def _sequence_backward(do, q, k, v, o, options: AttentionOptions, sequence: int):
-    """`tileattn.reference.dense_backward` on one sequence (see its docstring for the
-    derivation); float64 ``dq (1, Hq, Lq, D)``, ``dk (1, Hkv, Lk, D)``, ``dv``."""
-    do, q, k, v, o = (np.asarray(a, dtype=np.float64) for a in (do, q, k, v, o))
-    n_kv_heads = k.shape[1]
-    probs, _, softcap_grad = dense_probabilities(q, k, options)
-    n_q_heads, n_q, n_k = probs.shape[1:]
-    kept, dropout = _kept_and_dropout(n_q_heads, n_q, n_k, options, sequence)
-    dropped = probs if dropout is None else probs * dropout
-    k_rep, v_rep = _repeat_kv(k, n_q_heads), _repeat_kv(v, n_q_heads)
-    dv = _kept_product(np.swapaxes(dropped, -1, -2), kept.T, do)
-    # dP and dS hold garbage where masked; every product below reads only kept entries.
-    dp = do @ np.swapaxes(v_rep, -1, -2)
-    if dropout is not None:
-        dp = dp * dropout
-    ds = probs * (dp - np.sum(do * o, axis=-1, keepdims=True))
-    if softcap_grad is not None:
-        ds = ds * softcap_grad
-    dq = options.scale * _kept_product(ds, kept, k_rep)
-    dk = options.scale * _kept_product(np.swapaxes(ds, -1, -2), kept.T, q)
-    return dq, _sum_kv_groups(dk, n_kv_heads), _sum_kv_groups(dv, n_kv_heads)
+    """`tileattn.reference.dense_backward` on one sequence, heads numbered as in
+    `_sequence_forward`; float64 ``dq (1, Hq, Lq, D)``, ``dk (1, Hkv, Lk, D)``, ``dv``."""
+    return dense_backward(do, q, k, v, o, options, first_head=sequence * q.shape[1])
 
 
 # --------------------------------------------------------------------------- padded batches
