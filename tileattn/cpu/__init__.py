@@ -23,7 +23,8 @@ import numpy as np
 from ..dropout import dropout_key, dropout_threshold
 from ..options import AttentionOptions, Blocks
 from ..reference import lse_dtype
-from . import blas, compile_notice, schedule, threads  # noqa: F401 (compile_notice listens)
+from . import (blas, compile_notice, decode, schedule,  # noqa: F401 (compile_notice listens)
+               threads)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
 from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
 
@@ -114,6 +115,9 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions):
     from .forward_kernel import forward_kernel
 
     batch, n_q_heads, n_q, _ = q_c.shape
+    if decode.takes(n_q):
+        return decode.forward(q_c, k_c, v_c, options,
+                              _option_scalars(options, batch, n_q_heads), _kernel_lock)
     out = np.empty((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
     lse = np.empty((batch, n_q_heads, n_q), q_c.dtype)
     n_threads = threads.threads_for(_forward_flops(q_c, k_c, v_c, options))

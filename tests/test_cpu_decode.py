@@ -1,0 +1,128 @@
+"""The CPU decode forward (`tileattn.cpu.decode`): splits, GQA groups, masks and options
+against the float64 golden model, and the dispatch that sends decode shapes to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import tileattn  # noqa: E402
+from tileattn.options import UNLIMITED, AttentionOptions  # noqa: E402
+from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
+
+cpu = pytest.importorskip("tileattn.cpu")
+
+from tileattn.cpu import decode  # noqa: E402
+
+N_KEYS = 203  # not a multiple of any split size below, nor of the 32-key tiles
+
+
+def _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, head_dim=16, value_dim=16,
+            dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((batch, n_q_heads, n_q, head_dim), (batch, n_kv_heads, n_k, head_dim),
+              (batch, n_kv_heads, n_k, value_dim))
+    return tuple(rng.standard_normal(shape).astype(dtype) for shape in shapes)
+
+
+def _golden(q, k, v, **options):
+    q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    return tileattn.forward(q64, k64, v64, backend="reference", return_lse=True, **options)
+
+
+def _decode(q, k, v, n_splits, *, window_left=UNLIMITED, window_right=UNLIMITED, block_k=32):
+    """The decode path itself with `n_splits` forced (float32 arrays)."""
+    options = AttentionOptions(window_left=window_left, window_right=window_right,
+                               scale=1.0 / np.sqrt(q.shape[-1]), block_k=block_k)
+    arrays = tuple(cpu._read_only(x, np.dtype(np.float32)) for x in (q, k, v))
+    return decode.forward(*arrays, options, cpu._option_scalars(options, *q.shape[:2]),
+                          cpu._kernel_lock, n_splits=n_splits)
+
+
+MASKS = {"none": ({}, (UNLIMITED, UNLIMITED)),
+         "causal": ({"causal": True}, (UNLIMITED, 0)),
+         "window": ({"window": (40, 3)}, (40, 3))}
+
+
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("n_q", [1, 5, 16])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_every_split_count_matches_the_golden_model(n_splits, heads, n_q, mask):
+    q, k, v = _inputs(2, *heads, n_q, N_KEYS, seed=n_q)
+    options, (window_left, window_right) = MASKS[mask]
+    out, lse = _decode(q, k, v, n_splits, window_left=window_left, window_right=window_right)
+    expected_out, expected_lse = _golden(q, k, v, **options)
+    assert_attention_close(out, expected_out, np.float32, name="out")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+
+
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_rows_that_keep_no_key_give_zero_and_minus_infinity(n_splits):
+    # Causal with Nq > Nk: the first 3 of 8 rows keep nothing (bottom-right alignment).
+    q, k, v = _inputs(1, 2, 1, 8, 5)
+    out, lse = _decode(q, k, v, n_splits, window_right=0)
+    assert np.all(out[:, :, :3] == 0) and np.all(lse[:, :, :3] == -np.inf)
+    expected_out, expected_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(out, expected_out, np.float32, name="out")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+
+
+@pytest.mark.parametrize("n_k", [0, 1])
+def test_an_empty_or_single_key_cache(n_k):
+    q, k, v = _inputs(1, 4, 2, 3, n_k)
+    out, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True)
+    expected_out, expected_lse = _golden(q, k, v)
+    assert_attention_close(out, expected_out, np.float32, name="out")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+
+
+OPTIONS = {
+    "softcap": {"softcap": 2.0, "causal": True},
+    "alibi": {"alibi_slopes": np.linspace(0.1, 0.8, 4), "causal": True},
+    "dropout": {"dropout_p": 0.3, "seed": 11, "window": (60, 2)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_options_through_the_dispatch(name):
+    q, k, v = _inputs(2, 4, 2, 6, N_KEYS, value_dim=24)
+    out, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, block_k=32,
+                                **OPTIONS[name])
+    expected_out, expected_lse = _golden(q, k, v, **OPTIONS[name])
+    assert_attention_close(out, expected_out, np.float32, name="out")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, bfloat16()], ids=str)
+def test_input_dtypes(dtype):
+    q, k, v = _inputs(1, 4, 1, 2, N_KEYS, value_dim=8, dtype=dtype)
+    out, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, causal=True)
+    assert out.dtype == dtype
+    expected_out, expected_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(out, expected_out, dtype, name="out")
+    assert_attention_close(lse, expected_lse, dtype, name="lse")
+
+
+@pytest.mark.parametrize("n_q", [1, decode.MAX_QUERY_ROWS, decode.MAX_QUERY_ROWS + 1])
+def test_decode_shapes_take_the_decode_path(monkeypatch, n_q):
+    calls = []
+
+    def recording_forward(*args, **kwargs):
+        calls.append(args[0].shape)
+        return decode_forward(*args, **kwargs)
+
+    decode_forward = decode.forward
+    monkeypatch.setattr(decode, "forward", recording_forward)
+    q, k, v = _inputs(1, 4, 2, n_q, 64)
+    tileattn.forward(q, k, v, backend="cpu")
+    assert calls == ([q.shape] if n_q <= decode.MAX_QUERY_ROWS else [])
+
+
+def test_split_count_fills_the_threads_but_keeps_splits_a_tile_long():
+    assert decode.split_count(1, 65536, 512, 2) == 8
+    assert decode.split_count(32, 65536, 512, 2) == 1
+    assert decode.split_count(1, 700, 512, 16) == 2
+    assert decode.split_count(1, 0, 512, 16) == 1
