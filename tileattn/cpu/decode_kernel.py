@@ -13,8 +13,9 @@ split-KV reduction does: with ``m = max_s m_s`` the combined sum is
 ``sum_s l_s exp(m_s - m)`` and the accumulator ``sum_s acc_s exp(m_s - m)``, which is what
 one pass over all keys would have computed, up to rounding.
 
-Every score step is `forward_kernel._tile`, so softcap, ALiBi, masks, dropout (same hash
-positions: absolute row and key) and non-finite inputs behave as in the forward kernel.
+`_group_tile` is `forward_kernel._tile` over a whole group's rows, with the same softmax,
+masks, softcap, ALiBi, dropout (same hash positions: absolute row and key) and handling of
+non-finite inputs per head, so every option behaves as in the forward kernel.
 """
 
 from __future__ import annotations
@@ -22,9 +23,84 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .forward_kernel import _tile
+from .forward_kernel import _apply_dropout, _softmax_update
+from .kept_products import redo_non_finite_rows
 from .schedule import claim_next
+from .tiles import mask_tile, tile_is_fully_kept, tile_view, transform_tile
 from .vector_math import FASTMATH, maximum
+
+MAX_LOOP_ROWS = 8
+"""Up to this many rows per group, the two products of a tile are plain loops that read
+each K and V row once for all rows, instead of BLAS (whose sgemm packs its operands first,
+the likely cost for so few rows; not profiled). 2 threads, B = 1, D = 128, Nk = 32768:
+Hq = Hkv = 32, Nq = 8 (causal) 95 -> 79 ms; Hq = 32, Hkv = 8, Nq = 1 21 -> 17 ms
+(bench/NOTES-cpu.md, session 5). Loops were not measured for more rows, which keep BLAS."""
+
+
+@njit(fastmath=FASTMATH)
+def _rows_times_keys(rows, keys, out):
+    """``out = rows @ keys.T`` as plain loops, each key row read once for all rows."""
+    for j in range(keys.shape[0]):
+        for r in range(rows.shape[0]):
+            total = rows.dtype.type(0.0)
+            for d in range(rows.shape[1]):
+                total += rows[r, d] * keys[j, d]
+            out[r, j] = total
+
+
+@njit(fastmath=FASTMATH)
+def _weights_times_values(weights, values, out):
+    """``out = weights @ values`` as plain loops, each value row read once for all rows."""
+    out[:] = 0
+    for j in range(values.shape[0]):
+        for r in range(weights.shape[0]):
+            weight = weights[r, j]
+            for d in range(values.shape[1]):
+                out[r, d] += weight * values[j, d]
+
+
+@njit(fastmath=FASTMATH)
+def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, first_head,
+                n_q_heads, col_start, n_q, n_k, softcap, alibi_slopes, window_left,
+                window_right, dropout_key, dropout_threshold, inv_keep, scores_buffer,
+                pv_buffer):
+    """`forward_kernel._tile` for the ``group * n_q`` rows of a GQA group (head-major): one
+    matrix product per key tile for the whole group, the masks and options per head."""
+    n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
+    group = n_rows // n_q
+    scores = tile_view(scores_buffer, n_rows, n_cols)
+    if n_rows <= MAX_LOOP_ROWS:
+        _rows_times_keys(q_scaled, k_tile, scores)
+    else:
+        np.dot(q_scaled, k_tile.T, scores)
+    fully_kept = tile_is_fully_kept(0, n_q, col_start, col_start + n_cols, n_q, n_k,
+                                    window_left, window_right)
+    for g in range(group):
+        head_scores = scores[g * n_q:(g + 1) * n_q]
+        slope = alibi_slopes[b, first_head + g]
+        if softcap > 0 or slope != 0:
+            transform_tile(head_scores, head_scores[:0], 0, col_start, n_q, n_k, softcap,
+                           slope, window_left, window_right)
+        elif not fully_kept:
+            mask_tile(head_scores, 0, col_start, n_q, n_k, window_left, window_right)
+    _softmax_update(scores, row_max, row_sum, rescale)
+    if dropout_threshold > 0:
+        for g in range(group):
+            _apply_dropout(scores[g * n_q:(g + 1) * n_q], b * n_q_heads + first_head + g, 0,
+                           col_start, dropout_key, dropout_threshold, inv_keep)
+    pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
+    if n_rows <= MAX_LOOP_ROWS:
+        _weights_times_values(scores, v_tile, pv)
+    else:
+        np.dot(scores, v_tile, pv)
+    if not fully_kept:
+        for g in range(group):
+            redo_non_finite_rows(scores[g * n_q:(g + 1) * n_q], v_tile,
+                                 pv[g * n_q:(g + 1) * n_q], 0, col_start, n_q, n_k,
+                                 window_left, window_right)
+    for r in range(n_rows):
+        for d in range(pv.shape[1]):
+            acc[r, d] = acc[r, d] * rescale[r] + pv[r, d]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -42,6 +118,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, scale, softcap
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
+    n_rows = group * n_q
     n_splits = partial_acc.shape[0]
     n_tasks = n_splits * batch * n_kv_heads
     task = claim_next(next_task)
@@ -49,10 +126,13 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, scale, softcap
         return
     dtype = q.dtype
     q_factor = dtype.type(scale)
-    q_scaled = np.empty((group * n_q, head_dim), dtype)
-    scores_buffer = np.empty(n_q * block_k, dtype)
-    pv_buffer = np.empty(n_q * value_dim, dtype)
-    rescale = np.empty(n_q, dtype)
+    q_scaled = np.empty((n_rows, head_dim), dtype)
+    scores_buffer = np.empty(n_rows * block_k, dtype)
+    pv_buffer = np.empty(n_rows * value_dim, dtype)
+    acc = np.empty((n_rows, value_dim), dtype)
+    row_max = np.empty(n_rows, dtype)
+    row_sum = np.empty(n_rows, dtype)
+    rescale = np.empty(n_rows, dtype)
     while task < n_tasks:
         split = task % n_splits
         b, kv_head = divmod(task // n_splits, n_kv_heads)
@@ -62,24 +142,24 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, scale, softcap
             for r in range(n_q):
                 for d in range(head_dim):
                     q_scaled[g * n_q + r, d] = q[b, first_head + g, r, d] * q_factor
-        acc = partial_acc[split, b]
-        row_max = partial_max[split, b]
-        row_sum = partial_sum[split, b]
-        acc[first_head:first_head + group] = 0
-        row_max[first_head:first_head + group] = -np.inf
-        row_sum[first_head:first_head + group] = 0
+        acc[:] = 0
+        row_max[:] = -np.inf
+        row_sum[:] = 0
         split_start = key_start + split * split_size
         split_stop = min(split_start + split_size, key_stop)
         for col_start in range(split_start, split_stop, block_k):
             col_stop = min(col_start + block_k, split_stop)
-            k_tile = k[b, kv_head, col_start:col_stop]
-            v_tile = v[b, kv_head, col_start:col_stop]
-            for g in range(group):
-                h = first_head + g
-                _tile(q_scaled[g * n_q:(g + 1) * n_q], k_tile, v_tile, acc[h], row_max[h],
-                      row_sum[h], rescale, b * n_q_heads + h, 0, col_start, n_q, n_k,
-                      softcap, alibi_slopes[b, h], window_left, window_right, dropout_key,
-                      dropout_threshold, inv_keep, scores_buffer, pv_buffer)
+            _group_tile(q_scaled, k[b, kv_head, col_start:col_stop],
+                        v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, rescale, b,
+                        first_head, n_q_heads, col_start, n_q, n_k, softcap, alibi_slopes,
+                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                        scores_buffer, pv_buffer)
+        for g in range(group):
+            for r in range(n_q):
+                partial_max[split, b, first_head + g, r] = row_max[g * n_q + r]
+                partial_sum[split, b, first_head + g, r] = row_sum[g * n_q + r]
+                for d in range(value_dim):
+                    partial_acc[split, b, first_head + g, r, d] = acc[g * n_q + r, d]
         task = claim_next(next_task)
 
 
