@@ -50,9 +50,20 @@ def _rows_times_keys(rows, keys, out):
 
 @njit(fastmath=FASTMATH)
 def _weights_times_values(weights, values, out):
-    """``out = weights @ values`` as plain loops, each value row read once for all rows."""
+    """``out = weights @ values`` as plain loops, each value row read once for all rows.
+
+    Four keys per pass over an output row: one key per pass stored every output element
+    once per key, and the stores, not the memory, bounded the loop."""
     out[:] = 0
-    for j in range(values.shape[0]):
+    n_keys = values.shape[0]
+    n_fours = n_keys // 4 * 4
+    for j in range(0, n_fours, 4):
+        for r in range(weights.shape[0]):
+            w0, w1, w2, w3 = weights[r, j], weights[r, j + 1], weights[r, j + 2], weights[r, j + 3]
+            for d in range(values.shape[1]):
+                out[r, d] += (w0 * values[j, d] + w1 * values[j + 1, d]
+                              + w2 * values[j + 2, d] + w3 * values[j + 3, d])
+    for j in range(n_fours, n_keys):
         for r in range(weights.shape[0]):
             weight = weights[r, j]
             for d in range(values.shape[1]):
