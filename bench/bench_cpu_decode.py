@@ -5,9 +5,9 @@
 
 Each configuration is first validated against the float64 golden model on the same batch,
 heads and query rows with a short cache (the full one in float64 would not fit in memory),
-for tileattn and for torch; then both are timed on the full cache, taking turns, and the
-median of the repeats is reported. Causal rows use bottom-right alignment (SPEC), which
-torch gets as `causal_lower_right`. Prints a markdown table: ratio = torch time / tileattn
+for tileattn and for torch; then both are timed on the full cache, taking turns, each call
+after a short pause, and the median of the repeats is reported. Causal rows use
+bottom-right alignment (SPEC), which torch gets as `causal_lower_right`. Prints a markdown table: ratio = torch time / tileattn
 time (> 1: tileattn faster) and the GB/s of K and V each reads (every kept key once per kv
 head). ``--forward-kernel`` times the forward kernel instead of the decode path (the path
 before session 5), for before/after tables.
@@ -31,6 +31,9 @@ from tileattn.testing import assert_attention_close
 HEADS = ((32, 32), (32, 8), (8, 1))
 HEAD_DIM = 128
 VALIDATION_KEYS = 1000  # not a multiple of any tile or split size
+SETTLE_SECONDS = 0.2
+"""Pause before each timed call, so one library's spinning worker threads (torch's OpenMP)
+do not slow the other's call, as in `bench_cpu_head_dims.py`."""
 
 
 def _tileattn(q, k, v, causal):
@@ -60,6 +63,7 @@ def _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal):
 
 
 def _seconds(function, *args):
+    time.sleep(SETTLE_SECONDS)
     start = time.perf_counter()
     function(*args)
     return time.perf_counter() - start
