@@ -7,10 +7,10 @@ Each configuration is first validated against the float64 golden model on the sa
 heads and query rows with a short cache (the full one in float64 would not fit in memory),
 for tileattn and for torch; then both are timed on the full cache, taking turns, each call
 after a short pause, and the median of the repeats is reported. Causal rows use
-bottom-right alignment (SPEC), which torch gets as `causal_lower_right`. Prints a markdown table: ratio = torch time / tileattn
-time (> 1: tileattn faster) and the GB/s of K and V each reads (every kept key once per kv
-head). ``--forward-kernel`` times the forward kernel instead of the decode path (the path
-before session 5), for before/after tables.
+bottom-right alignment (SPEC), which torch gets as `causal_lower_right`. Prints a markdown
+table: ratio = torch time / tileattn time (> 1: tileattn faster) and the GB/s of K and V
+each reads (every kept key once per kv head). ``--forward-kernel`` times the forward
+kernel instead of the decode path (the path before session 5), for before/after tables.
 """
 
 from __future__ import annotations

@@ -109,12 +109,12 @@ def test_input_dtypes(dtype):
 @pytest.mark.parametrize("n_q", [1, decode.MAX_QUERY_ROWS, decode.MAX_QUERY_ROWS + 1])
 def test_decode_shapes_take_the_decode_path(monkeypatch, n_q):
     calls = []
+    decode_forward = decode.forward
 
     def recording_forward(*args, **kwargs):
         calls.append(args[0].shape)
         return decode_forward(*args, **kwargs)
 
-    decode_forward = decode.forward
     monkeypatch.setattr(decode, "forward", recording_forward)
     q, k, v = _inputs(1, 4, 2, n_q, 64)
     tileattn.forward(q, k, v, backend="cpu")
