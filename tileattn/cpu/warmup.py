@@ -29,7 +29,7 @@ def _compute_dtypes(dtypes) -> list[np.dtype]:
 
 
 def warmup(dtypes=None, progress=None) -> None:
-    """Compile, or load from Numba's on-disk cache, the forward and backward kernels.
+    """Compile, or load from Numba's on-disk cache, the forward, decode and backward kernels.
 
     Parameters
     ----------
@@ -41,20 +41,22 @@ def warmup(dtypes=None, progress=None) -> None:
         one-line compile notice on stderr stays silent: the caller shows progress instead.
 
     Each step runs its kernel once on a tiny problem, which compiles exactly what a real
-    call needs (the same argument types) and caches it for later processes.
+    call needs (the same argument types) and caches it for later processes: the forward on
+    more query rows than the decode path takes, the decode path on one row, the backward.
     """
-    from . import backward, forward
+    from . import backward, decode, forward
     from .compile_notice import NOTICE
 
+    rows = {"forward": decode.MAX_QUERY_ROWS + 1, "decode": 1,
+            "backward": decode.MAX_QUERY_ROWS + 1}
     steps = [(kind, dtype) for dtype in _compute_dtypes(dtypes)
-             for kind in ("forward", "backward")]
+             for kind in ("forward", "decode", "backward")]
     options = AttentionOptions()
     with NOTICE.silenced() if progress is not None else contextlib.nullcontext():
         for done, (kind, dtype) in enumerate(steps, start=1):
-            q = np.zeros((1, 1, 2, 2), dtype)
+            q = np.zeros((1, 1, rows[kind], 2), dtype)
             o, lse = forward(q, q, q, options)
             if kind == "backward":
                 backward(o, q, q, q, o, lse, options)
             if progress is not None:
                 progress(done, len(steps), f"{kind} {dtype.name}")
-
