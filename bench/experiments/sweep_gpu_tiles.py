@@ -142,11 +142,8 @@ def main() -> None:
                 if args.direction == "forward":
                     fits = config.shared_bytes(widths) <= limit
                 else:
-                    element = 4 if args.family == "tf32" else 2
-                    parts = (1, 2) if config.split else (0,)
-                    fits = all((config.shared_bytes(e, widths, part=p) if args.family == "wgmma"
-                                else config.shared_bytes(e, widths, element, part=p)) <= limit
-                               for e in ("dq", "dkdv") for p in parts)
+                    fits = tiles.backward_fits(config, widths, limit,
+                                               4 if args.family == "tf32" else 2)
                 if fits:
                     configs.append(config)
             # Checked (and compiled) in parallel first, then timed one by one.

@@ -37,8 +37,6 @@ Importing this module does not import CuPy; `availability` says whether it can r
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..options import AttentionOptions, Blocks
 
 MEMORY = "cuda"
@@ -99,16 +97,9 @@ def hardware() -> dict[str, str]:
 def _problem(n_k: int, head_dim: int, value_dim: int, dtype, options: AttentionOptions):
     import cupy
 
-    from .operands import compute_capability, shared_memory_limit
-    from .tiles import Problem
+    from .operands import problem_for
 
-    device = cupy.cuda.Device().id
-    return Problem(capability=compute_capability(device),
-                   shared_limit=shared_memory_limit(device), dtype=np.dtype(dtype).name,
-                   head_dim=head_dim, value_dim=value_dim, n_k=n_k,
-                   score_options=(options.softcap > 0 or options.alibi_slopes is not None
-                                  or options.dropout_p > 0),
-                   banded=options.is_masked, block_q=options.block_q, block_k=options.block_k)
+    return problem_for(cupy.cuda.Device().id, dtype, head_dim, value_dim, n_k, options)
 
 
 def describe(n_k: int, head_dim: int, value_dim: int, dtype,

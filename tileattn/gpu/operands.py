@@ -34,15 +34,20 @@ def shared_memory_limit(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"])
 
 
-def problem_of(q, k, v, options: AttentionOptions) -> Problem:
-    """The `tiles.Problem` of these arrays on their device."""
+def problem_for(device: int, dtype, head_dim: int, value_dim: int, n_k: int,
+                options: AttentionOptions) -> Problem:
+    """The `tiles.Problem` of a shape on a device."""
     switches = Switches.of(options)
-    device = q.device.id
     return Problem(capability=compute_capability(device),
-                   shared_limit=shared_memory_limit(device), dtype=dtype_name(q.dtype),
-                   head_dim=q.shape[3], value_dim=v.shape[3], n_k=k.shape[2],
+                   shared_limit=shared_memory_limit(device), dtype=dtype_name(dtype),
+                   head_dim=head_dim, value_dim=value_dim, n_k=n_k,
                    score_options=switches.softcap or switches.alibi or switches.dropout,
                    banded=options.is_masked, block_q=options.block_q, block_k=options.block_k)
+
+
+def problem_of(q, k, v, options: AttentionOptions) -> Problem:
+    """The `tiles.Problem` of these arrays on their device."""
+    return problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], k.shape[2], options)
 
 
 # --------------------------------------------------------------------------- options

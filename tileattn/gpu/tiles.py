@@ -27,6 +27,7 @@ says what they chose and why, for ``python -m tileattn info``. Nothing here impo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 MAX_TENSOR_CORE_DIM = 256  # above it the generic kernels run (documented in the README)
 
@@ -394,6 +395,7 @@ def _with_named_blocks(family: str, row: Row, problem: Problem, widths: Widths, 
     return Choice(family, tiles, "tile sizes named by the caller")
 
 
+@lru_cache(maxsize=1024)
 def choose_forward(problem: Problem) -> Choice:
     """The forward's family and tiles for `problem`."""
     reason = _tensor_core_dims(problem)
@@ -433,6 +435,22 @@ def choose_forward(problem: Problem) -> Choice:
     return _generic(f"{problem.dtype} runs on CUDA cores")
 
 
+def backward_fits(tiles, widths: Widths, limit: int, element_size: int = 2) -> bool:
+    """Whether every kernel of a backward tiling fits `limit` bytes of shared memory: the dQ
+    and the dK/dV kernel, the latter in both parts where dK and dV run apart."""
+    parts = (1, 2) if tiles.split else (0,)
+    if isinstance(tiles, WgmmaBackwardTiles):
+        sizes = (tiles.shared_bytes(entry, widths, part=part)
+                 for entry in ("dq", "dkdv") for part in parts)
+    else:
+        sizes = (tiles.shared_bytes(entry, widths, element_size, part=part)
+                 for entry in ("dq", "dkdv") for part in parts)
+    return all(size <= limit for size in sizes)
+
+
+# A problem's choice is looked up on every call that misses the launch cache (every
+# backward): memoised per Problem, a frozen value.
+@lru_cache(maxsize=1024)
 def choose_backward(problem: Problem) -> Choice:
     """The backward's family and tiles for `problem`. Tile sizes named by the caller select
     the generic kernels, which honour any size."""
@@ -446,9 +464,8 @@ def choose_backward(problem: Problem) -> Choice:
             return _generic("tensor-core kernels need sm_80 or later")
         widths = Widths.of(problem, 16)
         if problem.capability == 90:
-            row = _first_fitting(WGMMA_BACKWARD, problem, widths, lambda t: all(
-                t.shared_bytes(entry, widths, part=part) <= problem.shared_limit
-                for entry in ("dq", "dkdv") for part in ((1, 2) if t.split else (0,))))
+            row = _first_fitting(WGMMA_BACKWARD, problem, widths,
+                                 lambda t: backward_fits(t, widths, problem.shared_limit))
             if row is not None:
                 return Choice("wgmma", row.tiles, row.note)
         table, element_size, family = MMA_BACKWARD, 2, "mma"
@@ -459,9 +476,8 @@ def choose_backward(problem: Problem) -> Choice:
         table, element_size, family = TF32_BACKWARD, 4, "tf32"
     else:
         return _generic(f"{problem.dtype} runs on CUDA cores")
-    row = _first_fitting(table, problem, widths, lambda t: all(
-        t.shared_bytes(entry, widths, element_size, part=part) <= problem.shared_limit
-        for entry in ("dq", "dkdv") for part in ((1, 2) if t.split else (0,))))
+    row = _first_fitting(table, problem, widths, lambda t: backward_fits(
+        t, widths, problem.shared_limit, element_size))
     if row is None:
         return _generic(f"no {family} backward tiles fit this device's shared memory")
     return Choice(family, row.tiles, row.note)
