@@ -227,7 +227,7 @@ def test_tasks_run_longest_first(n_q, n_k, window_left, window_right):
     from tileattn.cpu.schedule import longest_first
     from tileattn.options import keeps
 
-    kept = keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_q, n_k, window_left,
+    kept = keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_k - n_q, window_left,
                  window_right)
     block = 128
     for along_keys in (False, True):

@@ -30,7 +30,7 @@ def kept_mask(n_q, n_k, causal=False, window=None):
     right = UNLIMITED if right is None or right < 0 else right
     if causal:
         right = 0
-    return keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_q, n_k, left, right)
+    return keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_k - n_q, left, right)
 
 
 def _any_product(a, b):

@@ -143,9 +143,9 @@ def test_equal_keys_average_the_kept_values_8x4():
 
 
 def test_bottom_right_alignment_picture():
-    kept = keeps(np.arange(3)[:, None], np.arange(5)[None, :], 3, 5, -1, 0)
+    kept = keeps(np.arange(3)[:, None], np.arange(5)[None, :], 2, -1, 0)
     np.testing.assert_array_equal(kept, [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
-    kept = keeps(np.arange(5)[:, None], np.arange(3)[None, :], 5, 3, 1, 0)
+    kept = keeps(np.arange(5)[:, None], np.arange(3)[None, :], -2, 1, 0)
     np.testing.assert_array_equal(kept, [[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 1, 1]])
 
 

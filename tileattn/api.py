@@ -67,6 +67,37 @@ def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
             buffer[...] = result
 
 
+def run_forward(problem: Problem, backend: str):
+    """Forward of a validated problem on `backend`: ``(o, lse)`` in "bhsd" order, also
+    written into the problem's output buffers. `tileattn.distributed` calls this (and
+    `run_backward`) with options placed in a longer sequence (`AttentionOptions.row_offset`)."""
+    module = _resolve_backend(backend, problem.layout.memory)
+    if problem.is_empty:
+        batch = problem.tensors["q"].shape[0]
+        memory, like = problem.layout.memory, problem.tensors["q"]
+        o = arrays.full((batch, problem.n_q_heads, problem.n_q, problem.value_dim), 0.0,
+                        problem.dtype, memory, like)
+        lse = arrays.full((batch, problem.n_q_heads, problem.n_q), -np.inf,
+                          lse_dtype(problem.dtype), memory, like)
+    else:
+        o, lse = _run(module, "forward", problem)
+    _fill_outputs(problem, "forward", (o, lse))
+    return o, lse
+
+
+def run_backward(problem: Problem, backend: str):
+    """Backward of a validated problem on `backend`: ``(dq, dk, dv)`` in "bhsd" order."""
+    module = _resolve_backend(backend, problem.layout.memory)
+    if problem.is_empty:
+        memory, tensors = problem.layout.memory, problem.tensors
+        dq, dk, dv = (arrays.full(tensors[n].shape, 0.0, problem.dtype, memory, tensors["q"])
+                      for n in ("q", "k", "v"))
+    else:
+        dq, dk, dv = _run(module, "backward", problem)
+    _fill_outputs(problem, "backward", (dq, dk, dv))
+    return dq, dk, dv
+
+
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
             dropout_p=0.0, seed=None, block_q=None, block_k=None, backend="auto",
             return_lse=False, layout="bhsd", out=None, lse_out=None):
@@ -144,17 +175,7 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
                        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                        block_q=block_q, block_k=block_k, deterministic=True, layout=layout,
                        outputs={"out": out, "lse_out": lse_out})
-    module = _resolve_backend(backend, problem.layout.memory)
-    batch = problem.tensors["q"].shape[0]
-    if problem.is_empty:
-        memory, like = problem.layout.memory, problem.tensors["q"]
-        o = arrays.full((batch, problem.n_q_heads, problem.n_q, problem.value_dim), 0.0,
-                        problem.dtype, memory, like)
-        lse = arrays.full((batch, problem.n_q_heads, problem.n_q), -np.inf,
-                          lse_dtype(problem.dtype), memory, like)
-    else:
-        o, lse = _run(module, "forward", problem)
-    _fill_outputs(problem, "forward", (o, lse))
+    o, lse = run_forward(problem, backend)
     o = problem.layout.restore(o, problem.n_q_heads) if out is None else out
     if not return_lse:
         return o
@@ -207,14 +228,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
                        seed=seed, block_q=block_q, block_k=block_k,
                        deterministic=deterministic, layout=layout,
                        outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out})
-    module = _resolve_backend(backend, problem.layout.memory)
-    if problem.is_empty:
-        memory, tensors = problem.layout.memory, problem.tensors
-        dq, dk, dv = (arrays.full(tensors[n].shape, 0.0, problem.dtype, memory, tensors["q"])
-                      for n in ("q", "k", "v"))
-    else:
-        dq, dk, dv = _run(module, "backward", problem)
-    _fill_outputs(problem, "backward", (dq, dk, dv))
+    dq, dk, dv = run_backward(problem, backend)
     return tuple(problem.layout.restore(result, heads) if given is None else given
                  for result, heads, given in ((dq, problem.n_q_heads, dq_out),
                                               (dk, problem.n_kv_heads, dk_out),

@@ -62,6 +62,13 @@ class AttentionOptions:
         Caller's tile-size overrides; ``None`` lets the backend choose.
     deterministic : bool
         Backward only: False allows a backend's faster, scheduling-dependent variant.
+    row_offset, col_offset, alignment : int
+        Where this call's rows and keys sit in a longer sequence (internal: set by
+        `tileattn.distributed`, never by the public API). Query row ``i`` is global row
+        ``row_offset + i`` and key ``j`` global key ``col_offset + j``; masks and ALiBi
+        align the global sequences bottom-right by `alignment` (global ``Nk - Nq``; None
+        means this call's own ``n_k - n_q``), and dropout hashes the global positions, so
+        a block of a problem computes exactly that block's part of the whole.
     """
 
     causal: bool = False
@@ -75,6 +82,15 @@ class AttentionOptions:
     block_q: int | None = None
     block_k: int | None = None
     deterministic: bool = True
+    row_offset: int = 0
+    col_offset: int = 0
+    alignment: int | None = None
+
+    def band_offset(self, n_q: int, n_k: int) -> int:
+        """The ``offset`` of the band test ``j - (i + offset)`` in this call's local indices:
+        ``n_k - n_q`` for a whole problem, shifted by the global positions for a block."""
+        alignment = n_k - n_q if self.alignment is None else self.alignment
+        return alignment + self.row_offset - self.col_offset
 
     @property
     def is_masked(self) -> bool:
@@ -82,9 +98,10 @@ class AttentionOptions:
         return self.window_left != UNLIMITED or self.window_right != UNLIMITED
 
 
-def keeps(i, j, n_q: int, n_k: int, window_left: int, window_right: int):
-    """Whether query row `i` keeps key `j` (arrays broadcast). Bottom-right alignment."""
-    diagonal = np.asarray(j) - (np.asarray(i) + (n_k - n_q))
+def keeps(i, j, band_offset: int, window_left: int, window_right: int):
+    """Whether query row `i` keeps key `j` (arrays broadcast); `band_offset` is
+    `AttentionOptions.band_offset` (``Nk - Nq`` for bottom-right alignment)."""
+    diagonal = np.asarray(j) - (np.asarray(i) + band_offset)
     kept = np.ones(np.broadcast(diagonal).shape, dtype=bool)
     if window_left != UNLIMITED:
         kept &= diagonal >= -window_left
@@ -94,13 +111,13 @@ def keeps(i, j, n_q: int, n_k: int, window_left: int, window_right: int):
 
 
 def tile_is_masked(row_start: int, row_stop: int, col_start: int, col_stop: int,
-                   n_q: int, n_k: int, window_left: int, window_right: int) -> bool:
+                   band_offset: int, window_left: int, window_right: int) -> bool:
     """Whether every (row, key) pair of a tile is masked, so the tile can be skipped.
 
     The kept band is monotone in both indices, so it is enough to test the tile corner
     nearest the band on each side.
     """
-    offset = n_k - n_q
+    offset = band_offset
     if window_right != UNLIMITED and col_start > (row_stop - 1) + offset + window_right:
         return True
     if window_left != UNLIMITED and col_stop - 1 < row_start + offset - window_left:

@@ -64,8 +64,8 @@ def _raw_scores(q, k, rows, cols, options):
 
 def _kept(rows, cols, n_q, n_k, options):
     """Step 4's mask: which (row, col) pairs are kept, shape ``(len(rows), len(cols))``."""
-    return keeps(rows[:, None], cols[None, :], n_q, n_k, options.window_left,
-                 options.window_right)
+    return keeps(rows[:, None], cols[None, :], options.band_offset(n_q, n_k),
+                 options.window_left, options.window_right)
 
 
 def _transform_scores(raw, rows, cols, n_q, n_k, options):
@@ -77,7 +77,7 @@ def _transform_scores(raw, rows, cols, n_q, n_k, options):
         softcap_grad = 1.0 - capped * capped
     row_index, col_index = rows[:, None], cols[None, :]
     if options.alibi_slopes is not None:
-        distance = np.abs(row_index + (n_k - n_q) - col_index)
+        distance = np.abs(row_index + options.band_offset(n_q, n_k) - col_index)
         scores = scores - options.alibi_slopes[:, :, None, None] * distance
     kept = _kept(rows, cols, n_q, n_k, options)
     # np.where, not an additive -inf bias: a NaN score at a masked position must vanish.
@@ -115,7 +115,8 @@ def _dropout_scale(rows, cols, batch, n_q_heads, options, first_head: int = 0):
     if options.dropout_p == 0:
         return None
     bh = first_head + np.arange(batch * n_q_heads).reshape(batch, n_q_heads)[:, :, None, None]
-    keep = keep_mask(options.seed, options.dropout_p, bh, rows[:, None], cols[None, :])
+    keep = keep_mask(options.seed, options.dropout_p, bh, options.row_offset + rows[:, None],
+                     options.col_offset + cols[None, :])
     return keep / (1.0 - options.dropout_p)
 
 
@@ -172,15 +173,19 @@ def dense_forward(q, k, v, options: AttentionOptions, first_head: int = 0):
                          _repeat_kv(v, q.shape[1])), lse
 
 
-def dense_backward(do, q, k, v, o, options: AttentionOptions, first_head: int = 0):
+def dense_backward(do, q, k, v, o, options: AttentionOptions, first_head: int = 0, lse=None):
     """Golden backward: ``dq, dk, dv`` in float64, with ``D = rowsum(do * o)`` from the
     given `o` (SPEC). With the exact ``o`` of `dense_forward` this is the exact gradient;
     with an ``o`` rounded to a 16-bit type it is the gradient every FlashAttention-style
     backward computes from that ``o``, which is what the kernels are judged against.
-    `first_head` as in `dense_forward`."""
+    `first_head` as in `dense_forward`. `lse`, when given, normalises ``P`` in place of
+    the softmax over these keys: a block of a longer sequence (see
+    `AttentionOptions.row_offset`) holds only some of each row's keys."""
     do, q, k, v, o = _as_float64(do, q, k, v, o)
     n_kv_heads, n_q_heads = k.shape[1], q.shape[1]
     probs, _, softcap_grad = dense_probabilities(q, k, options)
+    if lse is not None:
+        probs = _probabilities_from_lse(q, k, np.asarray(lse, dtype=np.float64), options)
     n_q, n_k = probs.shape[2:]
     rows, cols = np.arange(n_q), np.arange(n_k)
     kept = _kept(rows, cols, n_q, n_k, options)
@@ -200,6 +205,17 @@ def dense_backward(do, q, k, v, o, options: AttentionOptions, first_head: int = 
     dq = options.scale * _kept_product(ds, kept, k_rep)
     dk = options.scale * _kept_product(np.swapaxes(ds, -1, -2), kept.T, q)
     return dq, _sum_kv_groups(dk, n_kv_heads), _sum_kv_groups(dv, n_kv_heads)
+
+
+def _probabilities_from_lse(q, k, lse, options):
+    """``exp(s - lse)`` on kept pairs, 0 elsewhere and on rows whose lse is -inf."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    rows, cols = np.arange(n_q), np.arange(n_k)
+    scores, _ = _transform_scores(_raw_scores(q, _repeat_kv(k, q.shape[1]), rows, cols,
+                                              options), rows, cols, n_q, n_k, options)
+    safe_lse = np.where(lse == -np.inf, np.inf, lse)[..., None]
+    with np.errstate(invalid="ignore"):
+        return np.exp(scores - safe_lse)
 
 
 # --------------------------------------------------------------------------- tiled form
@@ -229,8 +245,9 @@ def tiled_forward(q, k, v, options: AttentionOptions, block_q: int, block_k: int
         row_sum = np.zeros_like(row_max)
         acc = np.zeros((batch, n_q_heads, len(rows), d_v))
         for col_start, col_stop in _tiles(n_k, block_k):
-            if tile_is_masked(row_start, row_stop, col_start, col_stop, n_q, n_k,
-                              options.window_left, options.window_right):
+            if tile_is_masked(row_start, row_stop, col_start, col_stop,
+                              options.band_offset(n_q, n_k), options.window_left,
+                              options.window_right):
                 continue
             cols = np.arange(col_start, col_stop)
             scores, _ = _transform_scores(_raw_scores(q, k, rows, cols, options),
@@ -268,8 +285,9 @@ def tiled_backward(do, q, k, v, o, lse, options: AttentionOptions, block_q: int,
     for col_start, col_stop in _tiles(n_k, block_k):
         cols = np.arange(col_start, col_stop)
         for row_start, row_stop in _tiles(n_q, block_q):
-            if tile_is_masked(row_start, row_stop, col_start, col_stop, n_q, n_k,
-                              options.window_left, options.window_right):
+            if tile_is_masked(row_start, row_stop, col_start, col_stop,
+                              options.band_offset(n_q, n_k), options.window_left,
+                              options.window_right):
                 continue
             rows = np.arange(row_start, row_stop)
             scores, softcap_grad = _transform_scores(_raw_scores(q, k, rows, cols, options),
@@ -312,5 +330,8 @@ def forward(q, k, v, options: AttentionOptions):
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     with np.errstate(invalid="ignore"):
-        dq, dk, dv = dense_backward(do, q, k, v, o, options)
+        # A whole problem's P is recomputed from its scores alone; a placed block's needs
+        # the whole rows' lse.
+        placed_lse = None if options.alignment is None else lse
+        dq, dk, dv = dense_backward(do, q, k, v, o, options, lse=placed_lse)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
