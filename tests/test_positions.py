@@ -71,12 +71,18 @@ def _merge(o_acc, lse_acc, o, lse):
     return w_acc * o_acc + w * o, new
 
 
+@pytest.mark.parametrize("precision", ["high", "low"])
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: "-".join(sorted(o)) or "plain")
 @pytest.mark.parametrize("n_q, n_k, row_pieces, col_pieces",
                          [(24, 24, 3, 3), (20, 33, 2, 3), (33, 20, 4, 2)])
-def test_blocks_merge_to_the_whole_problem(backend, options, n_q, n_k, row_pieces, col_pieces):
+def test_blocks_merge_to_the_whole_problem(backend, options, n_q, n_k, row_pieces, col_pieces,
+                                           precision):
+    """`precision`: float64 and float32 on the host; float32 (3xTF32) and float16 on the
+    GPU's tensor cores."""
     rng = np.random.default_rng(n_q * 100 + n_k)
-    dtype = np.float64 if backend.name != "gpu" else np.float32
+    dtype = {("high", False): np.float64, ("low", False): np.float32,
+             ("high", True): np.float32, ("low", True): np.float16}[precision,
+                                                                     backend.name == "gpu"]
     q, k, v = _problem(rng, dtype, n_q, n_k)
     do = rng.standard_normal((2, 4, n_q, 8)).astype(dtype)
     kwargs = _kwargs(options)

@@ -49,6 +49,8 @@ template <typename Acc> struct ScoreOptions {
     u32 dropout_key;
     u32 dropout_threshold;
     Acc dropout_scale;  // 1 / (1 - dropout_p)
+    u32 dropout_row0;   // global position of row 0 and key 0 (a block of a longer sequence)
+    u32 dropout_col0;
 };
 
 struct HeadStrides {
@@ -245,7 +247,8 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
             const Acc safe_max = new_max == negative_infinity<Acc>() ? Acc(0) : new_max;
             const u32 row_state =
                 C::dropout ? dropout_row_state(options.dropout_key, static_cast<u32>(bh),
-                                               static_cast<u32>(row_start + r))
+                                               static_cast<u32>(row_start + r) +
+                                                   options.dropout_row0)
                            : 0u;
             Acc tile_sum = 0;
             for (int c = lane; c < C::block_k; c += 32) {
@@ -253,7 +256,8 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
                 tile_sum += p;
                 Acc p_used = p;
                 if (C::dropout)
-                    p_used = dropout_keeps(row_state, static_cast<u32>(col_start + c),
+                    p_used = dropout_keeps(row_state,
+                                           static_cast<u32>(col_start + c) + options.dropout_col0,
                                            options.dropout_threshold)
                                  ? p * options.dropout_scale
                                  : Acc(0);
@@ -326,8 +330,10 @@ __device__ __forceinline__ void probability_and_grad(
     Acc keep_scale = 1;
     if (C::dropout) {
         const u32 row_state =
-            dropout_row_state(options.dropout_key, static_cast<u32>(bh), static_cast<u32>(row));
-        keep_scale = dropout_keeps(row_state, static_cast<u32>(col), options.dropout_threshold)
+            dropout_row_state(options.dropout_key, static_cast<u32>(bh),
+                              static_cast<u32>(row) + options.dropout_row0);
+        keep_scale = dropout_keeps(row_state, static_cast<u32>(col) + options.dropout_col0,
+                                   options.dropout_threshold)
                          ? options.dropout_scale
                          : Acc(0);
     }
@@ -569,10 +575,11 @@ __device__ void backward_dq_tile(
 
 #define SCORE_OPTION_PARAMS                                                                  \
     ACCUM scale, ACCUM softcap, i64 band_offset, i64 window_left, i64 window_right,          \
-        u32 dropout_key, u32 dropout_threshold, ACCUM dropout_scale
+        u32 dropout_key, u32 dropout_threshold, ACCUM dropout_scale, u32 dropout_row0,       \
+        u32 dropout_col0
 #define SCORE_OPTIONS                                                                        \
     ScoreOptions<ACCUM>{scale,       softcap,          Band{band_offset, window_left, window_right}, \
-                        dropout_key, dropout_threshold, dropout_scale}
+                        dropout_key, dropout_threshold, dropout_scale, dropout_row0, dropout_col0}
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     attention_forward(const STORAGE* q, const STORAGE* k, const STORAGE* v, STORAGE* o,

@@ -370,7 +370,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const i64 row_start = tile * OWNED_ROWS;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
-                                      dropout_threshold, dropout_scale);
+                                      dropout_threshold, dropout_scale,
+                                      dropout_row0, dropout_col0);
 
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
@@ -489,7 +490,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         const int head = kv_head * group_size + member;
         const i64 bh = batch * n_q_heads + head;
         const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
-                                          dropout_threshold, dropout_scale);
+                                          dropout_threshold, dropout_scale,
+                                      dropout_row0, dropout_col0);
         const element* q_head = q + batch * q_sb + head * q_sh;
         const element* do_head = d_out + batch * do_sb + head * do_sh;
         // ORDERED without a band: block `tile` starts at its own query tile and wraps.

@@ -54,7 +54,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, i64 q_sb,
     i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,
-    u32 dropout_key, u32 dropout_threshold, float dropout_scale) {
+    u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,
+    u32 dropout_col0) {
     extern __shared__ __align__(16) bits16 shared_tiles[];
     bits16* q_tile = shared_tiles;                       // [BLOCK_Q][kQkPitch]
     bits16* k_tiles = q_tile + BLOCK_Q * kQkPitch;       // [2][BLOCK_K][kQkPitch]
@@ -117,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     const ForwardScores scores =
         make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
     u32 row_states[kRowTiles][2];
-    dropout_row_states(row_states, dropout_key, bh, my_rows);
+    dropout_row_states(row_states, dropout_key, bh, my_rows, dropout_row0);
 
     for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
         const int stage = static_cast<int>((key_tile - tile_begin) & 1);
@@ -175,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
                          tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k),
                          scores);
         online_softmax_step(s, row_max, row_sum, o_acc);
-        if (DROPOUT) drop_probabilities(s, row_states, col_start, dropout_threshold);
+        if (DROPOUT) drop_probabilities(s, row_states, col_start + dropout_col0, dropout_threshold);
 
         // O += P V. The S accumulators of key tiles 2kk and 2kk+1 are exactly the A
         // fragment of a 16x16 P block; V's B fragment needs the transposing ldmatrix.

@@ -214,7 +214,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const i64 row_start = owned.tile * OWNED_ROWS;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
-                                      dropout_threshold, dropout_scale);
+                                      dropout_threshold, dropout_scale,
+                                      dropout_row0, dropout_col0);
 
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
@@ -417,7 +418,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
         const int head = owned.kv_head * group_size + member;
         const i64 bh = owned.batch * n_q_heads + head;
         const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
-                                          dropout_threshold, dropout_scale);
+                                          dropout_threshold, dropout_scale,
+                                      dropout_row0, dropout_col0);
         const bits16* q_head = q + owned.batch * q_sb + head * q_sh;
         const bits16* do_head = d_out + owned.batch * do_sb + head * do_sh;
         const auto load_queries = [&](int stage, i64 query_tile) {

@@ -63,7 +63,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, i64 q_sb,
     i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,
-    u32 dropout_key, u32 dropout_threshold, float dropout_scale) {
+    u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,
+    u32 dropout_col0) {
     // The swizzle pattern repeats every 1024 bytes of address: align the tiles to it (the
     // launch asks for 1024 bytes of slack).
     extern __shared__ __align__(128) unsigned char shared_bytes[];
@@ -143,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     float o_acc[1][kOutFrags][4], row_max[1][2], row_sum[1][2];
     start_online_softmax(o_acc, row_max, row_sum);
     u32 row_states[1][2];
-    dropout_row_states(row_states, dropout_key, bh, my_rows);
+    dropout_row_states(row_states, dropout_key, bh, my_rows, dropout_row0);
     // Q's rows of this warpgroup: 64 rows into every column block.
     const u32 q_rows = q_tile + warpgroup * 64 * QkSwizzle::kRowBytes;
 
@@ -189,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                          tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k),
                          scores);
         online_softmax_step(s, row_max, row_sum, o_acc);
-        if (DROPOUT) drop_probabilities(s, row_states, col_start, dropout_threshold);
+        if (DROPOUT) drop_probabilities(s, row_states, col_start + dropout_col0, dropout_threshold);
 
         // O += P V: keys 16 kk .. 16 kk + 15 are rows 16 kk .. of the V tile; V's next
         // column block is BLOCK_K rows further.

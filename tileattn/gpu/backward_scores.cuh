@@ -14,12 +14,15 @@ struct Scores {
     u32 dropout_key;
     u32 dropout_threshold;
     float dropout_scale;
+    u32 dropout_row0;  // global position of row 0 and key 0 (a block of a longer sequence)
+    u32 dropout_col0;
     u32 bh;  // b * Hq + h of the query head: ALiBi slope and dropout stream
 };
 
 __device__ __forceinline__ Scores make_scores(float scale, float softcap, const double* slopes,
                                               i64 bh, Band band, u32 dropout_key,
-                                              u32 dropout_threshold, float dropout_scale) {
+                                              u32 dropout_threshold, float dropout_scale,
+                                              u32 dropout_row0, u32 dropout_col0) {
     Scores scores;
     scores.scale_log2 = scale * kLog2e;
     scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
@@ -29,6 +32,8 @@ __device__ __forceinline__ Scores make_scores(float scale, float softcap, const 
     scores.dropout_key = dropout_key;
     scores.dropout_threshold = dropout_threshold;
     scores.dropout_scale = dropout_scale;
+    scores.dropout_row0 = dropout_row0;
+    scores.dropout_col0 = dropout_col0;
     scores.bh = static_cast<u32>(bh);
     return scores;
 }
@@ -75,13 +80,15 @@ __device__ __forceinline__ float probability(const Scores& scores, float dot, fl
 // keep / (1 - dropout_p) for (query, key), the factor the forward applied to P_ij.
 __device__ __forceinline__ float dropout_factor(const Scores& scores, u32 row_state, i64 key) {
     if (!DROPOUT) return 1.0f;
-    return dropout_keeps(row_state, static_cast<u32>(key), scores.dropout_threshold)
+    return dropout_keeps(row_state, static_cast<u32>(key) + scores.dropout_col0,
+                         scores.dropout_threshold)
                ? scores.dropout_scale
                : 0.0f;
 }
 
 __device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
-    return DROPOUT ? dropout_row_state(scores.dropout_key, scores.bh, static_cast<u32>(query))
+    return DROPOUT ? dropout_row_state(scores.dropout_key, scores.bh,
+                                       static_cast<u32>(query) + scores.dropout_row0)
                    : 0u;
 }
 
@@ -126,7 +133,8 @@ extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bi
 
 #define SCORE_OPTION_PARAMS                                                                  \
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
-        u32 dropout_key, u32 dropout_threshold, float dropout_scale
+        u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,       \
+        u32 dropout_col0
 
 
 // ------------------------------------------------------------------ per-tile element loops

@@ -83,7 +83,8 @@ __device__ __forceinline__ u32 fmix32(u32 x) {
 }
 
 // Once per query row: `key` is derived from the seed on the host (dropout_key), `bh` is
-// b * Hq + h of the query head, `row` the absolute query row.
+// b * Hq + h of the query head, `row` the global query row (the kernels add the host's
+// dropout_row0 to their own row index: a call may be a block of a longer sequence).
 __device__ __forceinline__ u32 dropout_row_state(u32 key, u32 bh, u32 row) {
     return fmix32(fmix32(key ^ bh) + row);
 }

@@ -106,13 +106,13 @@ __device__ __forceinline__ void start_online_softmax(float (&o_acc)[RowTiles][Ou
 // Dropout's hash state of each of this thread's rows (0, unused, without dropout).
 template <int RowTiles>
 __device__ __forceinline__ void dropout_row_states(u32 (&states)[RowTiles][2], u32 key, i64 bh,
-                                                   const i64 (&rows)[RowTiles][2]) {
+                                                   const i64 (&rows)[RowTiles][2], u32 row0) {
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             states[m][half] = DROPOUT ? dropout_row_state(key, static_cast<u32>(bh),
-                                                          static_cast<u32>(rows[m][half]))
+                                                          static_cast<u32>(rows[m][half]) + row0)
                                       : 0u;
 }
 
@@ -178,7 +178,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[RowTiles][KeyFrag
 }
 
 // Dropout zeroes entries of the P that multiplies V (not of the row sum); the 1 / (1 - p)
-// factor is applied once to O at the end.
+// factor is applied once to O at the end. `col_start` is the tile's global key position.
 template <int RowTiles, int KeyFrags>
 __device__ __forceinline__ void drop_probabilities(float (&s)[RowTiles][KeyFrags][4],
                                                    const u32 (&row_states)[RowTiles][2],

@@ -79,21 +79,25 @@ class Switches:
 def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tuple:
     """The run-time score options in the kernels' parameter order.
 
-    Window sides are clamped to ``Nq + Nk``: a wider window keeps the same keys, and the
-    clamp keeps the kernels' 64-bit band arithmetic far from overflow.
+    Window sides are clamped to ``Nq + Nk + |band offset|``: a wider window keeps the same
+    keys, and the clamp keeps the kernels' 64-bit band arithmetic far from overflow. The
+    last two are the global positions of row 0 and key 0 for the dropout hash (nonzero for
+    a block of a longer sequence, `AttentionOptions.row_offset`).
     """
     accum = np.dtype(accum).type
-    reach = n_q + n_k
+    band_offset = options.band_offset(n_q, n_k)
+    reach = n_q + n_k + abs(band_offset)
 
     def side(value):
         return np.int64(0 if value == UNLIMITED else min(value, reach))
 
     dropping = options.dropout_p > 0
     return (accum(options.scale), accum(options.softcap if options.softcap > 0 else 1.0),
-            np.int64(n_k - n_q), side(options.window_left), side(options.window_right),
+            np.int64(band_offset), side(options.window_left), side(options.window_right),
             np.uint32(dropout_key(options.seed) if dropping else 0),
             np.uint32(dropout_threshold(options.dropout_p) if dropping else 0),
-            accum(1.0 / (1.0 - options.dropout_p)))
+            accum(1.0 / (1.0 - options.dropout_p)),
+            np.uint32(options.row_offset & 0xFFFFFFFF), np.uint32(options.col_offset & 0xFFFFFFFF))
 
 
 @lru_cache(maxsize=None)
@@ -201,6 +205,7 @@ def plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None
         return None
     return (direction, options.window_left, options.window_right, options.scale,
             options.softcap, options.block_q, options.block_k, options.deterministic,
+            options.row_offset, options.col_offset, options.alignment,
             arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays)
 
 

@@ -25,14 +25,16 @@ struct Tf32Split {
 
 constexpr u32 kTf32Mask = 0xffffe000u;  // sign, exponent and the top 10 mantissa bits
 
-// x = big + small, two bit operations and a subtraction. An infinite x has small =
-// inf - inf = NaN, so an infinite input makes NaN (not +-inf) of the results it reaches:
-// still only the rows it reaches (SPEC), and exact IEEE infinities would cost the split
-// a compare and a select per element, a fifth more instructions in the kernel's loop.
+// x = big + small, two bit operations and a subtraction. An infinite x would have small =
+// inf - inf = NaN and turn a score of +-inf (a kept infinite key) into NaN; min(d, max(d, 0))
+// is d for every number and 0 for NaN (min and max return their non-NaN operand), so an
+// infinite x splits into (x, 0) and its products follow IEEE as SPEC asks. A NaN x keeps
+// its NaN in big.
 __device__ __forceinline__ Tf32Split split_tf32(float x) {
     Tf32Split split;
     split.big = __float_as_uint(x) & kTf32Mask;
-    split.small = __float_as_uint(x - __uint_as_float(split.big)) & kTf32Mask;
+    const float rest = x - __uint_as_float(split.big);
+    split.small = __float_as_uint(fminf(rest, fmaxf(rest, 0.0f))) & kTf32Mask;
     return split;
 }
 
