@@ -94,8 +94,9 @@ class Ring:
         return kept
 
     def placed(self, pair: Pair, tensors: dict):
-        """The validated problem of one pair: its slices, placed in the whole sequence."""
-        options = dataclasses.replace(
+        """The validated problem of one pair: its slices, placed in the whole sequence.
+        A group of one computes the whole problem as `tileattn.forward` does, bit for bit."""
+        options = self.problem.options if self.size == 1 else dataclasses.replace(
             self.problem.options, row_offset=pair.row_start, col_offset=pair.col_start,
             alignment=self.n_k_total - self.n_q_total, window_left=self.window[0],
             window_right=self.window[1])

@@ -1,0 +1,250 @@
+"""tileattn.distributed with P ranks simulated as threads of one process: the whole ring
+(forward, backward, shard/unshard, the agreement check) on every backend, exact against the
+golden model of the whole problem. The same cases run over MPI in
+tests/test_distributed_mpi.py; on a GPU the simulated ranks copy device to device on
+streams of their own, as NCCL does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+import tileattn
+import tileattn.distributed as td
+from tileattn import backends
+from tileattn.api import run_forward
+from tileattn.testing import bfloat16
+from tileattn.validation import validate
+
+from distributed_cases import OPTION_SETS, check_case, problem
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@functools.lru_cache(maxsize=None)
+def honours_positions(name: str) -> bool:
+    """Whether a backend computes a block placed by `AttentionOptions.row_offset` etc.
+    (the reference does; the CPU and GPU backends gained it later): a dropout block placed
+    away from the origin must differ from the same block at the origin."""
+    q, k, v, _ = problem(np.float32, n_q=8, n_k=8)
+    base = validate(q, k, v, causal=False, window=None, scale=None, softcap=None,
+                    alibi_slopes=None, dropout_p=0.5, seed=1, block_q=None, block_k=None,
+                    deterministic=True)
+    to = BACKEND_MEMORY[name][0]
+    base = dataclasses.replace(base, tensors={n: to(a) for n, a in base.tensors.items()})
+    placed = dataclasses.replace(base, options=dataclasses.replace(
+        base.options, row_offset=8, col_offset=16, alignment=0))
+    outputs = [BACKEND_MEMORY[name][1](run_forward(p, name)[0]) for p in (base, placed)]
+    return not np.array_equal(*outputs)
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+BACKEND_MEMORY = {
+    "reference": (lambda a: a, lambda a: a),
+    "cpu": (lambda a: a, lambda a: a),
+    "gpu": (lambda a: _cupy().asarray(a), lambda a: a.get()),
+}
+
+
+def _usable(name: str):
+    reason = backends.availability(name)
+    if reason is not None:
+        pytest.skip(reason)
+    if not honours_positions(name):
+        pytest.skip(f"backend {name!r} does not honour AttentionOptions.row_offset yet")
+
+
+def _simulate(name, size, function):
+    device = 0 if name == "gpu" else None
+    return td.simulate(size, function, device=device)
+
+
+def _run_case(name, size, **case):
+    to_memory, to_host = BACKEND_MEMORY[name]
+    _simulate(name, size, lambda group: check_case(group, backend=name, to_memory=to_memory,
+                                                   to_host=to_host, **case))
+
+
+@pytest.mark.parametrize("options_name", list(OPTION_SETS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_reference_float64_is_exact(size, layout, options_name):
+    _run_case("reference", size, dtype=np.float64, options_name=options_name, layout=layout)
+
+
+@pytest.mark.parametrize("options_name", list(OPTION_SETS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cpu(dtype, size, layout, options_name):
+    _usable("cpu")
+    _run_case("cpu", size, dtype=np.dtype(dtype), options_name=options_name, layout=layout)
+
+
+@pytest.mark.parametrize("options_name", ["causal", "causal-alibi-dropout"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_cpu_float16(size, options_name):
+    _usable("cpu")
+    _run_case("cpu", size, dtype=np.dtype(np.float16), options_name=options_name,
+              layout="zigzag")
+
+
+def _gpu_dtypes():
+    return ["float16"] + (["bfloat16"] if bfloat16() is not None else []) + ["float32",
+                                                                                "float64"]
+
+
+def _gpu_cases():
+    for options_name in OPTION_SETS:
+        yield "zigzag", options_name
+    for options_name in ("plain", "causal", "causal-alibi-dropout"):
+        yield "contiguous", options_name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, options_name", list(_gpu_cases()))
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", _gpu_dtypes())
+def test_gpu_simulated_ranks(dtype, size, layout, options_name):
+    _usable("gpu")
+    dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    _run_case("gpu", size, dtype=dtype, options_name=options_name, layout=layout)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("options_name", ["causal", "window", "causal-alibi-dropout"])
+def test_queries_and_keys_of_different_lengths(size, options_name):
+    for layout in LAYOUTS:
+        _run_case("reference", size, dtype=np.float64, options_name=options_name,
+                  layout=layout, n_q=24, n_k=40)
+
+
+def test_group_of_one_equals_forward_bit_for_bit():
+    q, k, v, do = problem(np.float64)
+    options = {"causal": True, "alibi_slopes": np.linspace(0.1, 0.4, 4), "dropout_p": 0.2,
+               "seed": 5}
+
+    def run(group):
+        o, lse = td.forward(q, k, v, group=group, backend="reference", return_lse=True,
+                            **options)
+        return (o, lse) + td.backward(do, q, k, v, o, lse, group=group, backend="reference",
+                                      **options)
+
+    o, lse, *grads = td.simulate(1, run)[0]
+    o_one, lse_one = tileattn.forward(q, k, v, backend="reference", return_lse=True,
+                                      **options)
+    grads_one = tileattn.backward(do, q, k, v, o_one, lse_one, backend="reference", **options)
+    for got, want in zip((o, lse, *grads), (o_one, lse_one, *grads_one)):
+        assert np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------------- shard/unshard
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(size, layout):
+    x = np.arange(2 * 3 * 24 * 5, dtype=np.float32).reshape(2, 3, 24, 5)
+    lse = np.arange(2 * 3 * 24, dtype=np.float64).reshape(2, 3, 24)
+
+    def run(group):
+        local = td.shard(x, group, layout=layout)
+        local_lse = td.shard(lse, group, layout=layout, axis=-1)
+        return (local, td.unshard(local, group, layout=layout),
+                td.unshard(local_lse, group, layout=layout, axis=-1))
+
+    results = td.simulate(size, run)
+    chunk = 24 // (2 * size)
+    for rank, (local, whole, whole_lse) in enumerate(results):
+        assert np.array_equal(whole, x) and np.array_equal(whole_lse, lse)
+        if layout == "contiguous":
+            expected = x[:, :, rank * 24 // size:(rank + 1) * 24 // size]
+        else:
+            mirror = 2 * size - 1 - rank
+            expected = np.concatenate([x[:, :, rank * chunk:(rank + 1) * chunk],
+                                       x[:, :, mirror * chunk:(mirror + 1) * chunk]], axis=2)
+        assert np.array_equal(local, expected) and local.flags.c_contiguous
+
+
+@pytest.mark.parametrize("layout, n, size, needs", [("contiguous", 10, 4, "P = 4"),
+                                                    ("zigzag", 12, 4, "2P = 8"),
+                                                    ("zigzag", 9, 3, "2P = 6")])
+def test_shard_needs_divisible_length(layout, n, size, needs):
+    x = np.zeros((2, n, 4))
+
+    def run(group):
+        with pytest.raises(ValueError, match=f"layout='{layout}'.*{needs}.*got {n}"):
+            td.shard(x, group, layout=layout)
+
+    td.simulate(size, run)
+
+
+def test_unknown_layout():
+    with pytest.raises(ValueError, match="layout must be 'contiguous' or 'zigzag'"):
+        td.simulate(1, lambda group: td.shard(np.zeros((4, 2)), group, layout="bhsd"))
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+def _outcomes(size, function):
+    """Each rank's ValueError message (or None when it returned)."""
+    def run(group):
+        try:
+            function(group)
+        except ValueError as error:
+            return str(error)
+        return None
+    return td.simulate(size, run)
+
+
+MISMATCHES = {
+    "shape": (lambda rank, q: q[..., : 6 if rank == 1 else 8, :], {}, "q.shape"),
+    "dtype": (lambda rank, q: q.astype(np.float32) if rank == 1 else q, {},
+              "rejected on 1 of"),
+    "causal": (lambda rank, q: q, {"causal": lambda rank: rank == 0}, "causal"),
+    "seed": (lambda rank, q: q, {"dropout_p": lambda rank: 0.1, "seed": lambda rank: rank},
+             "seed"),
+    "invalid-on-one-rank": (lambda rank, q: q, {"softcap": lambda rank: -1.0 * rank},
+                            "softcap must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("mismatch", list(MISMATCHES))
+def test_mismatch_raises_the_same_error_on_every_rank(size, mismatch):
+    change_q, options, expected = MISMATCHES[mismatch]
+    q, k, v, do = problem(np.float64, n_q=24, n_k=24)
+
+    def run(group):
+        local = [td.shard(a, group, layout="zigzag") for a in (q, k, v)]
+        local[0] = change_q(group.rank, local[0])
+        kwargs = {name: value(group.rank) for name, value in options.items()}
+        td.forward(*local, group=group, backend="reference", **kwargs)
+
+    messages = _outcomes(size, run)
+    assert messages[0] is not None and expected in messages[0], messages[0]
+    assert all(message == messages[0] for message in messages), messages
+
+
+def test_backward_mismatch_raises_on_every_rank():
+    q, k, v, do = problem(np.float64, n_q=24, n_k=24)
+
+    def run(group):
+        local = [td.shard(a, group, layout="zigzag") for a in (q, k, v, do)]
+        o, lse = td.forward(*local[:3], group=group, backend="reference", return_lse=True)
+        if group.rank == 1:
+            lse = lse[..., :-2]
+        td.backward(local[3], *local[:3], o, lse, group=group, backend="reference")
+
+    messages = _outcomes(2, run)
+    assert messages[0] is not None and "lse must have shape" in messages[0]
+    assert messages[0] == messages[1]
