@@ -1,0 +1,93 @@
+"""tileattn.distributed over real MPI ranks: `mpiexec -n 2` and `-n 4` (oversubscribed on
+a 2-core machine) run tests/distributed_worker.py, whose every rank checks its gathered
+results against the golden model; a rank that fails ends the run with a non-zero status.
+
+Skips only where mpi4py or mpiexec is not installed (``pip install 'tileattn[distributed]'``
+installs both), and fails instead under ``CI``, whose install command includes them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tileattn
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+TIMEOUT_S = 300
+
+
+def _mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("mpiexec")
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    missing = [name for name, absent in (("mpi4py", importlib.util.find_spec("mpi4py") is None),
+                                         ("mpiexec", found is None)) if absent]
+    if missing:
+        reason = (f"{' and '.join(missing)} not installed: "
+                  "pip install 'tileattn[distributed]'")
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return found
+
+
+def _cpu_backend() -> str:
+    """"cpu" once the CPU backend computes placed blocks; the golden model until then."""
+    from test_distributed import honours_positions
+
+    return "cpu" if honours_positions("cpu") else "reference"
+
+
+def launch(ranks: int, *args: str) -> str:
+    env = dict(os.environ)
+    # The workers import the tileattn these tests import, wherever it is installed.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(tileattn.__file__).parents[1])] + env.get("PYTHONPATH", "").split(os.pathsep))
+    # MPICH busy-polls while it waits; with more ranks than cores, yielding keeps the
+    # oversubscribed run from crawling.
+    env.setdefault("MPIR_CVAR_CH4_SHM_POSIX_EAGER_YIELD", "1")
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), *args]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{' '.join(command)} did not finish in {TIMEOUT_S} s (a hang?)\n"
+                    f"{error.stdout}\n{error.stderr}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{' '.join(command)} exited {result.returncode}:\n{output}"
+    for rank in range(ranks):
+        assert f"rank {rank}: done" in result.stdout, output
+    return output
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_exact_over_mpi(ranks):
+    launch(ranks, "exact", _cpu_backend())
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_mismatches_raise_on_every_rank_over_mpi(ranks):
+    output = launch(ranks, "mismatch")
+    assert output.count("ok shape") == ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_shard_unshard_over_mpi(ranks):
+    launch(ranks, "shard")
+
+
+@pytest.mark.gpu
+def test_nccl_group_of_one():
+    from tileattn import backends
+
+    reason = backends.availability("gpu")
+    if reason is not None:
+        pytest.skip(reason)
+    launch(1, "nccl")
