@@ -115,9 +115,9 @@ def merge(o_acc, lse_acc, o_block, lse_block) -> None:
     xp = array_module(o_acc)
     lse_block = lse_block.astype(lse_acc.dtype, copy=False)
     new = xp.logaddexp(lse_acc, lse_block)
-    safe = xp.where(xp.isneginf(new), 0.0, new)
-    weight_acc = xp.where(xp.isneginf(lse_acc), 0.0, xp.exp(lse_acc - safe))
-    weight_block = xp.where(xp.isneginf(lse_block), 0.0, xp.exp(lse_block - safe))
+    safe = xp.where(new == -np.inf, 0.0, new)
+    weight_acc = xp.where(lse_acc == -np.inf, 0.0, xp.exp(lse_acc - safe))
+    weight_block = xp.where(lse_block == -np.inf, 0.0, xp.exp(lse_block - safe))
     o_acc *= weight_acc[..., None]
     o_acc += weight_block[..., None] * to_float(o_block, o_acc.dtype)
     lse_acc[...] = new
