@@ -76,7 +76,10 @@ class NCCLGroup:
         cupy.cuda.Device(local_rank).use()
         # init_process_group exchanges NCCL's unique id through its TCP store; the
         # communicator it made is the one NCCL object the ring needs.
-        backend = cupyx.distributed.init_process_group(size, rank, host=host, port=port)
+        # force_store: without it cupyx would use MPI's COMM_WORLD when mpi4py imports,
+        # which outside mpiexec is a world of one.
+        backend = cupyx.distributed.init_process_group(size, rank, host=host, port=port,
+                                                       force_store=True)
         self._transport = NCCLTransport(backend._comm, rank, size, local_rank)
 
     def allgather(self, value) -> list:
