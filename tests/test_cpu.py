@@ -235,9 +235,11 @@ def test_tasks_run_longest_first(n_q, n_k, window_left, window_right):
         n_tiles = -(-pairs.shape[0] // block)
         cost = [pairs[t * block:(t + 1) * block].sum() for t in range(n_tiles)]
         if along_keys:
-            order = longest_first(n_tiles, block, n_k, n_q, window_right, window_left)
+            order = longest_first(n_tiles, block, n_k, n_q, n_q - n_k, window_right,
+                                  window_left)
         else:
-            order = longest_first(n_tiles, block, n_q, n_k, window_left, window_right)
+            order = longest_first(n_tiles, block, n_q, n_k, n_k - n_q, window_left,
+                                  window_right)
         assert sorted(order) == list(range(n_tiles))
         costs = [cost[t] for t in order]
         assert costs == sorted(costs, reverse=True)
