@@ -218,16 +218,20 @@ def test_query_tiles_shrink_until_every_thread_has_work():
     assert cpu_blocks.spread_over_threads(512, lambda size: 100, 2) == 512
 
 
-@pytest.mark.parametrize("n_q, n_k, window_left, window_right",
-                         [(1000, 1000, -1, 0), (700, 1000, -1, 0), (1000, 600, 100, 30),
-                          (512, 512, -1, -1)])
-def test_tasks_run_longest_first(n_q, n_k, window_left, window_right):
+@pytest.mark.parametrize("n_q, n_k, window_left, window_right, band_offset",
+                         [(1000, 1000, -1, 0, None), (700, 1000, -1, 0, None),
+                          (1000, 600, 100, 30, None), (512, 512, -1, -1, None),
+                          (600, 1000, 700, 0, 900), (600, 1000, -1, 0, -300)])
+def test_tasks_run_longest_first(n_q, n_k, window_left, window_right, band_offset):
     """The order `schedule.longest_first` deals tiles in, for query and for key tiles,
-    against kept pairs counted from `tileattn.options.keeps`."""
+    against kept pairs counted from `tileattn.options.keeps`; a `band_offset` other than
+    ``n_k - n_q`` is a block placed in a longer sequence."""
     from tileattn.cpu.schedule import longest_first
     from tileattn.options import keeps
 
-    kept = keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_k - n_q, window_left,
+    if band_offset is None:
+        band_offset = n_k - n_q
+    kept = keeps(np.arange(n_q)[:, None], np.arange(n_k)[None, :], band_offset, window_left,
                  window_right)
     block = 128
     for along_keys in (False, True):
@@ -235,9 +239,11 @@ def test_tasks_run_longest_first(n_q, n_k, window_left, window_right):
         n_tiles = -(-pairs.shape[0] // block)
         cost = [pairs[t * block:(t + 1) * block].sum() for t in range(n_tiles)]
         if along_keys:
-            order = longest_first(n_tiles, block, n_k, n_q, window_right, window_left)
+            order = longest_first(n_tiles, block, n_k, n_q, -band_offset, window_right,
+                                  window_left)
         else:
-            order = longest_first(n_tiles, block, n_q, n_k, window_left, window_right)
+            order = longest_first(n_tiles, block, n_q, n_k, band_offset, window_left,
+                                  window_right)
         assert sorted(order) == list(range(n_tiles))
         costs = [cost[t] for t in order]
         assert costs == sorted(costs, reverse=True)

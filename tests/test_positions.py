@@ -71,21 +71,32 @@ def _merge(o_acc, lse_acc, o, lse):
     return w_acc * o_acc + w * o, new
 
 
+def _option_id(options):
+    return "-".join(sorted(options)) or "plain"
+
+
 @pytest.mark.parametrize("precision", ["high", "low"])
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: "-".join(sorted(o)) or "plain")
+@pytest.mark.parametrize("options", OPTION_SETS, ids=_option_id)
 @pytest.mark.parametrize("n_q, n_k, row_pieces, col_pieces",
                          [(24, 24, 3, 3), (20, 33, 2, 3), (33, 20, 4, 2)])
 def test_blocks_merge_to_the_whole_problem(backend, options, n_q, n_k, row_pieces, col_pieces,
                                            precision):
     """`precision`: float64 and float32 on the host; float32 (3xTF32) and float16 on the
     GPU's tensor cores."""
-    rng = np.random.default_rng(n_q * 100 + n_k)
     dtype = {("high", False): np.float64, ("low", False): np.float32,
              ("high", True): np.float32, ("low", True): np.float16}[precision,
                                                                      backend.name == "gpu"]
-    q, k, v = _problem(rng, dtype, n_q, n_k)
-    do = rng.standard_normal((2, 4, n_q, 8)).astype(dtype)
-    kwargs = _kwargs(options)
+    _assert_blocks_merge(backend, options, n_q, n_k, row_pieces, col_pieces, dtype=dtype)
+
+
+def _assert_blocks_merge(backend, options, n_q, n_k, row_pieces, col_pieces, n_q_heads=4,
+                         n_kv_heads=2, head_dim=16, value_dim=8, dtype=None, **extra_kwargs):
+    rng = np.random.default_rng(n_q * 100 + n_k)
+    if dtype is None:
+        dtype = np.float64 if backend.name != "gpu" else np.float32
+    q, k, v = _problem(rng, dtype, n_q, n_k, n_q_heads, n_kv_heads, head_dim, value_dim)
+    do = rng.standard_normal((2, n_q_heads, n_q, value_dim)).astype(dtype)
+    kwargs = {**_kwargs(options, n_q_heads), **extra_kwargs}
     as_backend, to_host = backend.to_memory, backend.to_host
     o_full, lse_full = tileattn.forward(q, k, v, backend="reference", return_lse=True,
                                         **kwargs)
@@ -121,6 +132,39 @@ def test_blocks_merge_to_the_whole_problem(backend, options, n_q, n_k, row_piece
     assert_attention_close(lse, lse_full, dtype, name="lse", lse_magnitude=1.0)
     for name, got, want in (("dq", dq, dq_full), ("dk", dk, dk_full), ("dv", dv, dv_full)):
         assert_attention_close(got, want, dtype, name=name)
+
+
+# Windows wider than a block's own rows plus keys (the blocks below are at most 16 x 16):
+# a block must keep the whole problem's sides, neither clamped nor taken as unlimited.
+WIDE_WINDOWS = [
+    {"window": (40, 30)},
+    {"causal": True, "window": (50, None), "alibi": True, "dropout_p": 0.2},
+]
+
+CPU_PATHS = {
+    # Blocks of more than 16 rows take the forward kernel, in 8 x 8 tiles that the band
+    # skips or cuts; the backward's key-tile and query-tile schedules.
+    "tiles": dict(n_q=70, n_k=50, row_pieces=2, col_pieces=2, block_q=8, block_k=8),
+    # Blocks of at most 16 rows against many keys: the decode path, split over the keys;
+    # one kv head for all four query heads, Dv > D.
+    "decode-splits": dict(n_q=12, n_k=400, row_pieces=2, col_pieces=2, n_kv_heads=1,
+                          head_dim=8, value_dim=24, block_k=16),
+    "wide-window-blocks": dict(n_q=64, n_k=64, row_pieces=4, col_pieces=4),
+}
+
+
+@pytest.mark.parametrize("options", OPTION_SETS + WIDE_WINDOWS, ids=_option_id)
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+@pytest.mark.parametrize("backend", ["cpu"], indirect=True)
+def test_cpu_blocks_merge_on_every_path(backend, monkeypatch, options, path):
+    from tileattn import cpu
+    from tileattn.cpu import decode
+
+    # Force what a small machine would not choose: the split backward schedule and three
+    # key splits on the decode path.
+    monkeypatch.setattr(cpu, "_use_heads_schedule", lambda *args: False)
+    monkeypatch.setattr(decode, "split_count", lambda *args: 3)
+    _assert_blocks_merge(backend, options, **CPU_PATHS[path])
 
 
 def _whole_option_kwargs(kwargs):

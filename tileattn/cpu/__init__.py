@@ -86,27 +86,34 @@ def _blocks(kind: str, q, v, options: AttentionOptions, n_threads: int) -> Block
     return Blocks(min(blocks.block_q, n_q), min(blocks.block_k, v.shape[2]))
 
 
-def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int):
+def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int, n_q: int, n_k: int):
+    """The kernels' option arguments, from `scale` to `inv_keep`. The band offset and the
+    dropout's position offsets are plain ints like the window sides (int64 in the kernels:
+    a placed block's sides and offsets are the whole sequence's), so they add no
+    specialisation."""
     slopes = options.alibi_slopes
     if slopes is None:
         slopes = np.zeros((batch, n_q_heads))
     key = dropout_key(options.seed) if options.dropout_p > 0 else 0
     threshold = dropout_threshold(options.dropout_p) if options.dropout_p > 0 else 0
     return (float(options.scale), float(options.softcap), _read_only(slopes, np.float64),
-            int(options.window_left), int(options.window_right), int(key), int(threshold),
-            1.0 / (1.0 - options.dropout_p))
+            int(options.window_left), int(options.window_right),
+            int(options.band_offset(n_q, n_k)), int(options.row_offset),
+            int(options.col_offset), int(key), int(threshold), 1.0 / (1.0 - options.dropout_p))
 
 
 def _forward_flops(q, k, v, options: AttentionOptions) -> float:
     """FLOPs of the forward's two matrix products over the kept (row, key) pairs."""
     batch, n_q_heads, n_q, head_dim = q.shape
-    pairs = schedule.kept_pairs_per_row(n_q, k.shape[2], options.window_left,
-                                        options.window_right).sum()
+    n_k = k.shape[2]
+    pairs = schedule.kept_pairs_per_row(n_q, n_k, options.band_offset(n_q, n_k),
+                                        options.window_left, options.window_right).sum()
     return 2.0 * batch * n_q_heads * float(pairs) * (head_dim + v.shape[3])
 
 
 def _query_tile_order(n_q: int, n_k: int, block_q: int, options: AttentionOptions):
-    return schedule.longest_first(-(-n_q // block_q), block_q, n_q, n_k, options.window_left,
+    return schedule.longest_first(-(-n_q // block_q), block_q, n_q, n_k,
+                                  options.band_offset(n_q, n_k), options.window_left,
                                   options.window_right)
 
 
@@ -115,9 +122,9 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions):
     from .forward_kernel import forward_kernel
 
     batch, n_q_heads, n_q, _ = q_c.shape
+    scalars = _option_scalars(options, batch, n_q_heads, n_q, k_c.shape[2])
     if decode.takes(n_q):
-        return decode.forward(q_c, k_c, v_c, options,
-                              _option_scalars(options, batch, n_q_heads), _kernel_lock)
+        return decode.forward(q_c, k_c, v_c, options, scalars, _kernel_lock)
     out = np.empty((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
     lse = np.empty((batch, n_q_heads, n_q), q_c.dtype)
     n_threads = threads.threads_for(_forward_flops(q_c, k_c, v_c, options))
@@ -125,7 +132,7 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions):
     tile_order = _query_tile_order(n_q, k_c.shape[2], blocks.block_q, options)
     with _kernel_lock, blas.single_threaded():
         threads.run(forward_kernel, min(n_threads, batch * n_q_heads * tile_order.size),
-                    q_c, k_c, v_c, out, lse, *_option_scalars(options, batch, n_q_heads),
+                    q_c, k_c, v_c, out, lse, *scalars,
                     blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, tile_order)
     return out, lse
 
@@ -161,7 +168,8 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     # FlashAttention's count: the backward's five products are 2.5x the forward's two.
     n_threads = threads.threads_for(2.5 * _forward_flops(q_c, k_c, v_c, options))
     blocks = _blocks("backward", q_c, v_c, options, n_threads)
-    scalars = _option_scalars(options, batch, n_q_heads)
+    n_k = k.shape[2]
+    scalars = _option_scalars(options, batch, n_q_heads, n_q, n_k)
     tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
@@ -171,9 +179,9 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
             runs = [(HEADS, min(n_threads, batch * n_kv_heads), _NO_TILE_ORDER)]
         else:
             dq = np.empty(q.shape, dtype)
-            n_k = k.shape[2]
             key_order = schedule.longest_first(-(-n_k // blocks.block_k), blocks.block_k, n_k,
-                                               n_q, options.window_right, options.window_left)
+                                               n_q, -options.band_offset(n_q, n_k),
+                                               options.window_right, options.window_left)
             runs = [(KEY_TILES, n_threads, key_order),
                     (QUERY_TILES, n_threads, _query_tile_order(n_q, n_k, blocks.block_q,
                                                                options))]

@@ -57,19 +57,22 @@ def row_terms_kernel(do, out, lse, delta, safe_lse):
 
 @njit(fastmath=FASTMATH)
 def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, safe_lse, delta, bh, row_start,
-                          col_start, n_q, n_k, scale, softcap, slope, window_left,
-                          window_right, dropout_key, dropout_threshold, inv_keep, probs,
-                          score_grads, softcap_grad):
-    """Recompute one tile: `probs` gets ``P~`` (for dV), `score_grads` ``scale * dS``."""
+                          col_start, band_offset, row_offset, col_offset, scale, softcap,
+                          slope, window_left, window_right, dropout_key, dropout_threshold,
+                          inv_keep, probs, score_grads, softcap_grad):
+    """Recompute one tile: `probs` gets ``P~`` (for dV), `score_grads` ``scale * dS``.
+
+    ``P = exp(S - lse)`` with the caller's lse, never renormalised over this call's keys:
+    a placed block (`AttentionOptions.row_offset`) holds only some of each row's keys."""
     n_rows, n_cols = probs.shape
     dtype = probs.dtype.type
-    _recompute_scores(q_scaled, k_tile, probs, softcap_grad, row_start, col_start, n_q, n_k,
+    _recompute_scores(q_scaled, k_tile, probs, softcap_grad, row_start, col_start, band_offset,
                       softcap, slope, window_left, window_right)
     np.dot(do_tile, v_tile.T, score_grads)
     if dropout_threshold > 0 or softcap > 0:
         _general_score_gradients(probs, score_grads, softcap_grad, safe_lse, delta, bh,
-                                 row_start, col_start, scale, softcap, dropout_key,
-                                 dropout_threshold, inv_keep)
+                                 row_offset + row_start, col_offset + col_start, scale,
+                                 softcap, dropout_key, dropout_threshold, inv_keep)
         return
     # The common case in one vectorised pass: P = exp(S - lse), scale * P * (dP - D).
     for r in range(n_rows):
@@ -81,18 +84,18 @@ def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, safe_lse, delta, bh
 
 
 @njit(fastmath=FASTMATH)
-def _recompute_scores(q_scaled, k_tile, scores, softcap_grad, row_start, col_start, n_q, n_k,
-                      softcap, slope, window_left, window_right):
+def _recompute_scores(q_scaled, k_tile, scores, softcap_grad, row_start, col_start,
+                      band_offset, softcap, slope, window_left, window_right):
     """``S`` of one tile in natural units, SPEC steps 2-4 applied (`softcap_grad` gets
     ``1 - tanh^2`` when there is a softcap)."""
     n_rows, n_cols = scores.shape
     np.dot(q_scaled, k_tile.T, scores)
     if softcap > 0 or slope != 0:
-        transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
-                       window_left, window_right)
+        transform_tile(scores, softcap_grad, row_start, col_start, band_offset, softcap,
+                       slope, window_left, window_right)
     elif not tile_is_fully_kept(row_start, row_start + n_rows, col_start, col_start + n_cols,
-                                n_q, n_k, window_left, window_right):
-        mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
+                                band_offset, window_left, window_right):
+        mask_tile(scores, row_start, col_start, band_offset, window_left, window_right)
 
 
 @njit(fastmath=FASTMATH)
@@ -114,7 +117,8 @@ def _probability(score, row_lse, zero, log2_e):
 def _general_score_gradients(probs, score_grads, softcap_grad, safe_lse, delta, bh, row_start,
                              col_start, scale, softcap, dropout_key, dropout_threshold,
                              inv_keep):
-    """The same with dropout and/or softcap (``dS`` times ``1 - tanh^2``)."""
+    """The same with dropout and/or softcap (``dS`` times ``1 - tanh^2``); `row_start` and
+    `col_start` are the global positions the dropout hash sees."""
     n_rows, n_cols = probs.shape
     dtype = probs.dtype.type
     for r in range(n_rows):
@@ -166,9 +170,9 @@ def _copy_into(target, source):
 
 @njit(fastmath=FASTMATH)
 def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_cols, dv_cols,
-          dq_rows, want_key_grads, want_query_grads, bh, row_start, col_start, n_q, n_k,
-          scale, softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
-          inv_keep, scratch):
+          dq_rows, want_key_grads, want_query_grads, bh, row_start, col_start, band_offset,
+          row_offset, col_offset, scale, softcap, slope, window_left, window_right, dropout_key,
+          dropout_threshold, inv_keep, scratch):
     """One tile: recompute it, then add its share into the requested accumulators."""
     _, probs_buffer, grads_buffer, softcap_buffer, product_buffer, _, _ = scratch
     n_rows, n_cols = q_rows.shape[0], k_cols.shape[0]
@@ -177,31 +181,31 @@ def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_co
     grads = tile_view(grads_buffer, n_rows, n_cols)
     softcap_grad = tile_view(softcap_buffer, n_rows, n_cols) if softcap > 0 else grads
     _tile_score_gradients(q_scaled, k_cols, v_cols, do_rows, lse_rows, delta_rows, bh,
-                          row_start, col_start, n_q, n_k, scale, softcap, slope, window_left,
-                          window_right, dropout_key, dropout_threshold, inv_keep, probs, grads,
-                          softcap_grad)
+                          row_start, col_start, band_offset, row_offset, col_offset, scale,
+                          softcap, slope, window_left, window_right, dropout_key,
+                          dropout_threshold, inv_keep, probs, grads, softcap_grad)
     # A tile the mask cuts multiplies masked entries (0, or NaN on a NaN row) too; see
     # `kept_products` for why redoing the non-finite rows of each product is exact.
     fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
-                                    col_start + n_cols, n_q, n_k, window_left, window_right)
+                                    col_start + n_cols, band_offset, window_left, window_right)
     if want_key_grads:
         product = tile_view(product_buffer, n_cols, value_dim)
         np.dot(probs.T, do_rows, product)
         if not fully_kept:
-            redo_non_finite_columns(probs, do_rows, product, row_start, col_start, n_q, n_k,
-                                    window_left, window_right)
+            redo_non_finite_columns(probs, do_rows, product, row_start, col_start,
+                                    band_offset, window_left, window_right)
         _add_into(dv_cols, product)
         product = tile_view(product_buffer, n_cols, head_dim)
         np.dot(grads.T, q_rows, product)
         if not fully_kept:
-            redo_non_finite_columns(grads, q_rows, product, row_start, col_start, n_q, n_k,
-                                    window_left, window_right)
+            redo_non_finite_columns(grads, q_rows, product, row_start, col_start,
+                                    band_offset, window_left, window_right)
         _add_into(dk_cols, product)
     if want_query_grads:
         product = tile_view(product_buffer, n_rows, head_dim)
         np.dot(grads, k_cols, product)
         if not fully_kept:
-            redo_non_finite_rows(grads, k_cols, product, row_start, col_start, n_q, n_k,
+            redo_non_finite_rows(grads, k_cols, product, row_start, col_start, band_offset,
                                  window_left, window_right)
         _add_into(dq_rows, product)
 
@@ -210,21 +214,22 @@ def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_co
 def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                     col_start, col_stop, q_scaled, dk_tile, dv_tile, dq_tile, want_key_grads,
                     want_query_grads, scale, softcap, slope, window_left, window_right,
-                    dropout_key, dropout_threshold, inv_keep, slice_rows, scratch):
+                    band_offset, row_offset, col_offset, dropout_key, dropout_threshold,
+                    inv_keep, slice_rows, scratch):
     """Tile rows ``[row_start, row_stop)`` x keys ``[col_start, col_stop)``; `dk_tile`,
     `dv_tile` start at `col_start`, `dq_tile` and `q_scaled` at `row_start`.
 
     A tile the mask cuts runs in slices of `slice_rows` rows, each against only the keys
     it keeps, as in the forward kernel.
     """
-    n_q, n_k = q.shape[2], k.shape[2]
+    n_k = k.shape[2]
     bh = b * q.shape[1] + h
-    fully_kept = tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k,
+    fully_kept = tile_is_fully_kept(row_start, row_stop, col_start, col_stop, band_offset,
                                     window_left, window_right)
     step = row_stop - row_start if fully_kept else slice_rows
     for slice_start in range(row_start, row_stop, step):
         slice_stop = min(slice_start + step, row_stop)
-        keep_lo, keep_hi = key_span(slice_start, slice_stop, n_q, n_k, window_left,
+        keep_lo, keep_hi = key_span(slice_start, slice_stop, n_k, band_offset, window_left,
                                     window_right)
         cols_lo, cols_hi = max(col_start, keep_lo), min(col_stop, keep_hi)
         if cols_lo >= cols_hi:
@@ -236,16 +241,16 @@ def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_
               delta[b, h, slice_start:slice_stop], dk_tile[cols_lo - col_start:
                                                            cols_hi - col_start],
               dv_tile[cols_lo - col_start:cols_hi - col_start], dq_tile[first:last],
-              want_key_grads, want_query_grads, bh, slice_start, cols_lo, n_q, n_k, scale,
-              softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
-              inv_keep, scratch)
+              want_key_grads, want_query_grads, bh, slice_start, cols_lo, band_offset,
+              row_offset, col_offset, scale, softcap, slope, window_left, window_right,
+              dropout_key, dropout_threshold, inv_keep, scratch)
 
 
 @njit(fastmath=FASTMATH)
 def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
               want_key_grads, want_query_grads, scale, softcap, alibi_slopes, window_left,
-              window_right, dropout_key, dropout_threshold, inv_keep, block_q, block_k,
-              slice_rows, scratch):
+              window_right, band_offset, row_offset, col_offset, dropout_key,
+              dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch):
     """All tiles of key tile `col_start` over the query heads sharing `kv_head`.
 
     Writes ``dK``/``dV`` rows of the key tile (`want_key_grads` is true here); with
@@ -260,7 +265,8 @@ def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
     dv_tile = dv_acc[:col_stop - col_start]
     dk_tile[:] = 0
     dv_tile[:] = 0
-    row_lo, row_hi = row_span(col_start, col_stop, n_q, n_k, window_left, window_right)
+    row_lo, row_hi = row_span(col_start, col_stop, n_q, band_offset, window_left,
+                              window_right)
     for h in range(kv_head * group, (kv_head + 1) * group):
         slope = alibi_slopes[b, h]
         for row_start in range(max(row_lo, 0) // block_q * block_q, row_hi, block_q):
@@ -269,8 +275,9 @@ def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
             _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                             col_start, col_stop, q_scaled, dk_tile, dv_tile,
                             dq[b, h, row_start:row_stop], want_key_grads, want_query_grads,
-                            scale, softcap, slope, window_left, window_right, dropout_key,
-                            dropout_threshold, inv_keep, slice_rows, scratch)
+                            scale, softcap, slope, window_left, window_right, band_offset,
+                            row_offset, col_offset, dropout_key, dropout_threshold, inv_keep,
+                            slice_rows, scratch)
     _copy_into(dk[b, kv_head, col_start:col_stop], dk_tile)
     _copy_into(dv[b, kv_head, col_start:col_stop], dv_tile)
 
@@ -278,8 +285,8 @@ def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
 @njit(fastmath=FASTMATH)
 def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, want_key_grads,
                 want_query_grads, scale, softcap, alibi_slopes, window_left, window_right,
-                dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
-                scratch):
+                band_offset, row_offset, col_offset, dropout_key, dropout_threshold, inv_keep,
+                block_q, block_k, slice_rows, scratch):
     """``dQ`` of one query tile, summed over its key tiles (`want_query_grads` is true and
     `want_key_grads` false here)."""
     q_scaled, dq_acc, unused_key_grads = scratch[0], scratch[5], scratch[6]
@@ -291,14 +298,15 @@ def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, want_key_grad
     _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale)
     dq_tile = dq_acc[:row_stop - row_start]
     dq_tile[:] = 0
-    col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
+    col_lo, col_hi = key_span(row_start, row_stop, n_k, band_offset, window_left,
+                              window_right)
     for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
         col_stop = min(col_start + block_k, n_k)
         _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
                         col_start, col_stop, q_scaled, unused_key_grads, unused_key_grads,
                         dq_tile, want_key_grads, want_query_grads, scale, softcap, slope,
-                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                        slice_rows, scratch)
+                        window_left, window_right, band_offset, row_offset, col_offset,
+                        dropout_key, dropout_threshold, inv_keep, slice_rows, scratch)
     _copy_into(dq[b, h, row_start:row_stop], dq_tile)
 
 
@@ -321,8 +329,9 @@ HEADS, KEY_TILES, QUERY_TILES = 0, 1, 2
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
-                    window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                    block_q, block_k, slice_rows, schedule, tile_order, next_task):
+                    window_left, window_right, band_offset, row_offset, col_offset,
+                    dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
+                    schedule, tile_order, next_task):
     """One thread's share of one schedule, run on every thread by `threads.run`; each
     thread claims the next task from `next_task` when it is free (`schedule` module).
 
@@ -356,8 +365,8 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, al
             _query_tile(q, k, v, do, safe_lse, delta, dq, bh // n_q_heads, bh % n_q_heads,
                         tile_order[task // (batch * n_q_heads)] * block_q, want_key_grads,
                         want_query_grads, scale, softcap, alibi_slopes, window_left,
-                        window_right, dropout_key, dropout_threshold, inv_keep, block_q,
-                        block_k, slice_rows, scratch)
+                        window_right, band_offset, row_offset, col_offset, dropout_key,
+                        dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
         else:
             bkv = task % (batch * n_kv_heads)
             if schedule == HEADS:
@@ -369,6 +378,6 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, al
                 _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, bkv // n_kv_heads,
                           bkv % n_kv_heads, tile * block_k, want_key_grads, want_query_grads,
                           scale, softcap, alibi_slopes, window_left, window_right,
-                          dropout_key, dropout_threshold, inv_keep, block_q, block_k,
-                          slice_rows, scratch)
+                          band_offset, row_offset, col_offset, dropout_key, dropout_threshold,
+                          inv_keep, block_q, block_k, slice_rows, scratch)
         task = claim_next(next_task)

@@ -41,7 +41,8 @@ def forward(q_c, k_c, v_c, options, scalars, lock, n_splits=None):
 
     batch, n_q_heads, n_q, head_dim = q_c.shape
     n_kv_heads, n_k, value_dim = k_c.shape[1], k_c.shape[2], v_c.shape[3]
-    key_lo, key_hi = key_span(0, n_q, n_q, n_k, options.window_left, options.window_right)
+    key_lo, key_hi = key_span(0, n_q, n_k, options.band_offset(n_q, n_k), options.window_left,
+                              options.window_right)
     key_start, key_stop = max(key_lo, 0), max(min(key_hi, n_k), max(key_lo, 0))
     block_k = options.block_k or default_blocks("forward", head_dim, value_dim,
                                                 q_c.itemsize).block_k

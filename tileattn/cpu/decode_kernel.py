@@ -14,7 +14,7 @@ split-KV reduction does: with ``m = max_s m_s`` the combined sum is
 one pass over all keys would have computed, up to rounding.
 
 `_group_tile` is `forward_kernel._tile` over a whole group's rows, with the same softmax,
-masks, softcap, ALiBi, dropout (same hash positions: absolute row and key) and handling of
+masks, softcap, ALiBi, dropout (same hash positions: global row and key) and handling of
 non-finite inputs per head, so every option behaves as in the forward kernel.
 """
 
@@ -72,9 +72,9 @@ def _weights_times_values(weights, values, out):
 
 @njit(fastmath=FASTMATH)
 def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, first_head,
-                n_q_heads, col_start, n_q, n_k, softcap, alibi_slopes, window_left,
-                window_right, dropout_key, dropout_threshold, inv_keep, scores_buffer,
-                pv_buffer):
+                n_q_heads, col_start, n_q, softcap, alibi_slopes, window_left, window_right,
+                band_offset, row_offset, col_offset, dropout_key, dropout_threshold, inv_keep,
+                scores_buffer, pv_buffer):
     """`forward_kernel._tile` for the ``group * n_q`` rows of a GQA group (head-major): one
     matrix product per key tile for the whole group, the masks and options per head."""
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
@@ -84,21 +84,22 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, fir
         _rows_times_keys(q_scaled, k_tile, scores)
     else:
         np.dot(q_scaled, k_tile.T, scores)
-    fully_kept = tile_is_fully_kept(0, n_q, col_start, col_start + n_cols, n_q, n_k,
+    fully_kept = tile_is_fully_kept(0, n_q, col_start, col_start + n_cols, band_offset,
                                     window_left, window_right)
     for g in range(group):
         head_scores = scores[g * n_q:(g + 1) * n_q]
         slope = alibi_slopes[b, first_head + g]
         if softcap > 0 or slope != 0:
-            transform_tile(head_scores, head_scores[:0], 0, col_start, n_q, n_k, softcap,
+            transform_tile(head_scores, head_scores[:0], 0, col_start, band_offset, softcap,
                            slope, window_left, window_right)
         elif not fully_kept:
-            mask_tile(head_scores, 0, col_start, n_q, n_k, window_left, window_right)
+            mask_tile(head_scores, 0, col_start, band_offset, window_left, window_right)
     _softmax_update(scores, row_max, row_sum, rescale)
     if dropout_threshold > 0:
         for g in range(group):
-            _apply_dropout(scores[g * n_q:(g + 1) * n_q], b * n_q_heads + first_head + g, 0,
-                           col_start, dropout_key, dropout_threshold, inv_keep)
+            _apply_dropout(scores[g * n_q:(g + 1) * n_q], b * n_q_heads + first_head + g,
+                           row_offset, col_offset + col_start, dropout_key, dropout_threshold,
+                           inv_keep)
     pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
     if n_rows <= MAX_LOOP_ROWS:
         _weights_times_values(scores, v_tile, pv)
@@ -107,7 +108,7 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, fir
     if not fully_kept:
         for g in range(group):
             redo_non_finite_rows(scores[g * n_q:(g + 1) * n_q], v_tile,
-                                 pv[g * n_q:(g + 1) * n_q], 0, col_start, n_q, n_k,
+                                 pv[g * n_q:(g + 1) * n_q], 0, col_start, band_offset,
                                  window_left, window_right)
     for r in range(n_rows):
         for d in range(pv.shape[1]):
@@ -116,8 +117,9 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, fir
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, scale, softcap,
-                  alibi_slopes, window_left, window_right, dropout_key, dropout_threshold,
-                  inv_keep, block_k, key_start, key_stop, split_size, next_task):
+                  alibi_slopes, window_left, window_right, band_offset, row_offset,
+                  col_offset, dropout_key, dropout_threshold, inv_keep, block_k, key_start,
+                  key_stop, split_size, next_task):
     """Fill the partial state of every (batch, kv head, split): one thread's share, run on
     every thread by `threads.run`.
 
@@ -126,7 +128,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, scale, softcap
     (the keys any row keeps); a split with no keys leaves max -inf, sum 0, accumulator 0.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    n_kv_heads = k.shape[1]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
     n_rows = group * n_q
@@ -162,9 +164,9 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, scale, softcap
             col_stop = min(col_start + block_k, split_stop)
             _group_tile(q_scaled, k[b, kv_head, col_start:col_stop],
                         v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, rescale, b,
-                        first_head, n_q_heads, col_start, n_q, n_k, softcap, alibi_slopes,
-                        window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                        scores_buffer, pv_buffer)
+                        first_head, n_q_heads, col_start, n_q, softcap, alibi_slopes,
+                        window_left, window_right, band_offset, row_offset, col_offset,
+                        dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer)
         for g in range(group):
             for r in range(n_q):
                 partial_max[split, b, first_head + g, r] = row_max[g * n_q + r]

@@ -56,7 +56,8 @@ def _softmax_update(scores, row_max, row_sum, rescale):
 
 @njit(fastmath=FASTMATH)
 def _apply_dropout(probs, bh, row_start, col_start, key, threshold, inv_keep):
-    """``p * keep / (1 - dropout_p)`` with `tileattn.dropout`'s absolute-index hash."""
+    """``p * keep / (1 - dropout_p)`` with `tileattn.dropout`'s hash; `row_start` and
+    `col_start` are global positions (`AttentionOptions.row_offset` added)."""
     n_rows, n_cols = probs.shape
     dtype = probs.dtype.type
     for r in range(n_rows):
@@ -70,39 +71,40 @@ def _apply_dropout(probs, bh, row_start, col_start, key, threshold, inv_keep):
 
 @njit(fastmath=FASTMATH)
 def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_start, col_start,
-          n_q, n_k, softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
-          inv_keep, scores_buffer, pv_buffer):
+          band_offset, row_offset, col_offset, softcap, slope, window_left, window_right,
+          dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer):
     """One step of Algorithm 1: the rows of `q_scaled` against one key tile."""
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
     scores = tile_view(scores_buffer, n_rows, n_cols)
     np.dot(q_scaled, k_tile.T, scores)
     fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
-                                    col_start + n_cols, n_q, n_k, window_left, window_right)
+                                    col_start + n_cols, band_offset, window_left, window_right)
     if softcap > 0 or slope != 0:
-        transform_tile(scores, scores[:0], row_start, col_start, n_q, n_k, softcap, slope,
+        transform_tile(scores, scores[:0], row_start, col_start, band_offset, softcap, slope,
                        window_left, window_right)
     elif not fully_kept:
-        mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
+        mask_tile(scores, row_start, col_start, band_offset, window_left, window_right)
     _softmax_update(scores, row_max, row_sum, rescale)
     if dropout_threshold > 0:
-        _apply_dropout(scores, bh, row_start, col_start, dropout_key, dropout_threshold,
-                       inv_keep)
+        _apply_dropout(scores, bh, row_offset + row_start, col_offset + col_start, dropout_key,
+                       dropout_threshold, inv_keep)
     pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
     np.dot(scores, v_tile, pv)
     if not fully_kept:
-        redo_non_finite_rows(scores, v_tile, pv, row_start, col_start, n_q, n_k, window_left,
-                             window_right)
+        redo_non_finite_rows(scores, v_tile, pv, row_start, col_start, band_offset,
+                             window_left, window_right)
     for r in range(n_rows):
         for d in range(pv.shape[1]):
             acc[r, d] = acc[r, d] * rescale[r] + pv[r, d]
 
 
 @njit(fastmath=FASTMATH)
-def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scale, softcap,
-                slope, window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
-                row_sum, rescale):
+def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, scale, softcap, slope,
+                window_left, window_right, band_offset, row_offset, col_offset, dropout_key,
+                dropout_threshold, inv_keep, block_k, slice_rows, q_scaled, scores_buffer,
+                pv_buffer, acc, row_max, row_sum, rescale):
     n_rows = q_tile.shape[0]
+    n_k = k.shape[2]
     dtype = q_tile.dtype.type
     bh = b * lse.shape[1] + h
     # The same scaled query as the backward's (`backward_kernel._scale_query_tile`), so both
@@ -115,34 +117,35 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
     row_max[:n_rows] = -np.inf
     row_sum[:n_rows] = 0
     row_stop = row_start + n_rows
-    col_lo, col_hi = key_span(row_start, row_stop, n_q, n_k, window_left, window_right)
+    col_lo, col_hi = key_span(row_start, row_stop, n_k, band_offset, window_left,
+                              window_right)
     for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
         col_stop = min(col_start + block_k, n_k)
-        if tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k,
+        if tile_is_fully_kept(row_start, row_stop, col_start, col_stop, band_offset,
                               window_left, window_right):
             _tile(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop],
                   v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, rescale, bh,
-                  row_start,
-                  col_start, n_q, n_k, softcap, slope, window_left, window_right, dropout_key,
-                  dropout_threshold, inv_keep, scores_buffer, pv_buffer)
+                  row_start, col_start, band_offset, row_offset, col_offset, softcap, slope,
+                  window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                  scores_buffer, pv_buffer)
             continue
         # A tile the mask cuts (the causal diagonal, a window edge) runs in slices of
         # `slice_rows` rows, each against only the keys its rows keep: with 256-row tiles
         # the diagonal would otherwise compute twice the products it keeps.
         for slice_start in range(row_start, row_stop, slice_rows):
             slice_stop = min(slice_start + slice_rows, row_stop)
-            keep_lo, keep_hi = key_span(slice_start, slice_stop, n_q, n_k, window_left,
-                                        window_right)
+            keep_lo, keep_hi = key_span(slice_start, slice_stop, n_k, band_offset,
+                                        window_left, window_right)
             cols_lo, cols_hi = max(col_start, keep_lo), min(col_stop, keep_hi)
             if cols_lo >= cols_hi:
                 continue
             first, last = slice_start - row_start, slice_stop - row_start
             _tile(q_scaled[first:last], k[b, kv_head, cols_lo:cols_hi],
                   v[b, kv_head, cols_lo:cols_hi], acc[first:last], row_max[first:last],
-                  row_sum[first:last], rescale[first:last], bh, slice_start, cols_lo, n_q,
-                  n_k, softcap, slope,
-                  window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                  scores_buffer, pv_buffer)
+                  row_sum[first:last], rescale[first:last], bh, slice_start, cols_lo,
+                  band_offset, row_offset, col_offset, softcap, slope, window_left,
+                  window_right, dropout_key, dropout_threshold, inv_keep, scores_buffer,
+                  pv_buffer)
     for r in range(n_rows):
         total = row_sum[r]
         if total > 0:
@@ -163,18 +166,21 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, n_q, n_k, scal
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left, window_right,
-                   dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
-                   tile_order, next_task):
+                   band_offset, row_offset, col_offset, dropout_key, dropout_threshold,
+                   inv_keep, block_q, block_k, slice_rows, tile_order, next_task):
     """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v: one
     thread's share, run on every thread by `threads.run`.
 
     `alibi_slopes` is (B, Hq), zeros when ALiBi is off; `dropout_threshold` 0 means no dropout.
+    `band_offset` places the mask and ALiBi band (`AttentionOptions.band_offset`), and
+    `row_offset`, `col_offset` turn local rows and keys into the global positions that the
+    dropout hash sees.
     Tasks (batch, head, query tile) run in `tile_order`, longest first, each thread claiming
     the next from `next_task` when it is free (`schedule`): causal tile costs grow along the
     sequence, and round-robin dealing gave one of two threads 5/8 of the work at N = 2048.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    n_kv_heads = k.shape[1]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
     n_heads = batch * n_q_heads
@@ -196,8 +202,8 @@ def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left,
         row_start = tile_order[task // n_heads] * block_q
         row_stop = min(row_start + block_q, n_q)
         _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
-                    row_start, n_q, n_k, scale, softcap, alibi_slopes[b, h],
-                    window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                    block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc, row_max,
-                    row_sum, rescale)
+                    row_start, scale, softcap, alibi_slopes[b, h], window_left,
+                    window_right, band_offset, row_offset, col_offset, dropout_key,
+                    dropout_threshold, inv_keep, block_k, slice_rows, q_scaled, scores_buffer,
+                    pv_buffer, acc, row_max, row_sum, rescale)
         task = claim_next(next_task)

@@ -31,15 +31,15 @@ def _row_is_finite(matrix, row):
 
 
 @njit(fastmath=FASTMATH)
-def redo_non_finite_rows(weights, values, product, row_start, col_start, n_q, n_k,
-                         window_left, window_right):
+def redo_non_finite_rows(weights, values, product, row_start, col_start,
+                         band_offset, window_left, window_right):
     """`product` = ``weights @ values`` for a tile of rows from `row_start` and keys from
     `col_start`: its non-finite rows become the sums over their kept keys only."""
     n_cols = weights.shape[1]
     for r in range(product.shape[0]):
         if _row_is_finite(product, r):
             continue
-        lo, hi = kept_columns(row_start + r, col_start, n_cols, n_q, n_k, window_left,
+        lo, hi = kept_columns(row_start + r, col_start, n_cols, band_offset, window_left,
                               window_right)
         product[r, :] = 0
         for j in range(lo, hi):
@@ -49,8 +49,8 @@ def redo_non_finite_rows(weights, values, product, row_start, col_start, n_q, n_
 
 
 @njit(fastmath=FASTMATH)
-def redo_non_finite_columns(weights, values, product, row_start, col_start, n_q, n_k,
-                            window_left, window_right):
+def redo_non_finite_columns(weights, values, product, row_start, col_start,
+                            band_offset, window_left, window_right):
     """`product` = ``weights.T @ values`` (one row per key of the tile): its non-finite rows
     become the sums over the query rows that keep that key only."""
     n_rows, n_cols = weights.shape
@@ -59,7 +59,7 @@ def redo_non_finite_columns(weights, values, product, row_start, col_start, n_q,
             continue
         product[j, :] = 0
         for r in range(n_rows):
-            lo, hi = kept_columns(row_start + r, col_start, n_cols, n_q, n_k, window_left,
+            lo, hi = kept_columns(row_start + r, col_start, n_cols, band_offset, window_left,
                                   window_right)
             if lo <= j < hi:
                 weight = weights[r, j]

@@ -37,9 +37,10 @@ def claim_next(typingctx, counter):
     return types.int64(counter), codegen
 
 
-def kept_pairs_per_row(n_rows, n_cols, window_left, window_right):
-    """How many keys each of `n_rows` query rows keeps (int64 array; bottom-right band)."""
-    diagonal = np.arange(n_rows, dtype=np.int64) + (n_cols - n_rows)
+def kept_pairs_per_row(n_rows, n_cols, band_offset, window_left, window_right):
+    """How many keys each of `n_rows` query rows keeps (int64 array; the band of
+    `tileattn.options.keeps`, `band_offset` from `AttentionOptions.band_offset`)."""
+    diagonal = np.arange(n_rows, dtype=np.int64) + band_offset
     lo = np.zeros(n_rows, np.int64)
     hi = np.full(n_rows, n_cols, np.int64)
     if window_left != UNLIMITED:
@@ -49,15 +50,16 @@ def kept_pairs_per_row(n_rows, n_cols, window_left, window_right):
     return np.maximum(hi - lo, 0)
 
 
-def longest_first(n_tiles, block, n_rows, n_cols, window_left, window_right):
+def longest_first(n_tiles, block, n_rows, n_cols, band_offset, window_left, window_right):
     """Query-tile indices (int64), the most kept (row, key) pairs first (stable).
 
     For key tiles, swap the roles: ``longest_first(n_k_tiles, block_k, n_k, n_q,
-    window_right, window_left)`` (key ``j`` is kept by rows ``j - offset - window_right``
-    to ``j - offset + window_left``, the same band transposed). NumPy, in the launcher: the
-    order is the kernels' input, and compiling Numba's argsort cost a second.
+    -band_offset, window_right, window_left)`` (key ``j`` is kept by rows
+    ``j - band_offset - window_right`` to ``j - band_offset + window_left``, the same band
+    transposed). NumPy, in the launcher: the order is the kernels' input, and compiling
+    Numba's argsort cost a second.
     """
-    pairs = kept_pairs_per_row(n_rows, n_cols, window_left, window_right)
+    pairs = kept_pairs_per_row(n_rows, n_cols, band_offset, window_left, window_right)
     starts = np.arange(n_tiles, dtype=np.int64) * block
     # A fixed cost per tile besides its pairs keeps empty and tiny tiles last.
     cost = np.add.reduceat(pairs, starts) + 1

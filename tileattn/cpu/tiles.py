@@ -17,49 +17,49 @@ UNLIMITED = -1  # tileattn.options.UNLIMITED, repeated so kernels see a compile-
 
 
 @njit
-def key_span(row_start, row_stop, n_q, n_k, window_left, window_right):
-    """Keys ``[start, stop)`` that any of rows ``[row_start, row_stop)`` keeps.
+def key_span(row_start, row_stop, n_k, band_offset, window_left, window_right):
+    """Keys ``[start, stop)`` of ``[0, n_k)`` that any of rows ``[row_start, row_stop)`` keeps.
 
-    The band is monotone (bottom-right aligned, see `tileattn.options.keeps`), so the first
-    row bounds it on the left and the last row on the right. Empty spans have start >= stop.
+    Row ``i`` keeps key ``j`` when ``-window_left <= j - (i + band_offset) <= window_right``
+    (`tileattn.options.keeps`; `band_offset` is `AttentionOptions.band_offset`). The band
+    is monotone, so the first row bounds it on the left and the last row on the right.
+    Empty spans have start >= stop.
     """
-    offset = n_k - n_q
     start, stop = 0, n_k
     if window_left != UNLIMITED:
-        start = max(start, row_start + offset - window_left)
+        start = max(start, row_start + band_offset - window_left)
     if window_right != UNLIMITED:
-        stop = min(stop, row_stop - 1 + offset + window_right + 1)
+        stop = min(stop, row_stop - 1 + band_offset + window_right + 1)
     return start, stop
 
 
 @njit
-def row_span(col_start, col_stop, n_q, n_k, window_left, window_right):
-    """Rows ``[start, stop)`` that keep any of keys ``[col_start, col_stop)``."""
-    offset = n_k - n_q
+def row_span(col_start, col_stop, n_q, band_offset, window_left, window_right):
+    """Rows ``[start, stop)`` of ``[0, n_q)`` that keep any of keys ``[col_start, col_stop)``."""
     start, stop = 0, n_q
     if window_right != UNLIMITED:
-        start = max(start, col_start - offset - window_right)
+        start = max(start, col_start - band_offset - window_right)
     if window_left != UNLIMITED:
-        stop = min(stop, col_stop - 1 - offset + window_left + 1)
+        stop = min(stop, col_stop - 1 - band_offset + window_left + 1)
     return start, stop
 
 
 @njit
-def tile_is_fully_kept(row_start, row_stop, col_start, col_stop, n_q, n_k, window_left,
+def tile_is_fully_kept(row_start, row_stop, col_start, col_stop, band_offset, window_left,
                        window_right):
     """Whether the mask keeps every (row, key) pair of the tile, so it needs no masking."""
-    offset = n_k - n_q
-    if window_right != UNLIMITED and col_stop - 1 > row_start + offset + window_right:
+    if window_right != UNLIMITED and col_stop - 1 > row_start + band_offset + window_right:
         return False
-    if window_left != UNLIMITED and col_start < row_stop - 1 + offset - window_left:
+    if window_left != UNLIMITED and col_start < row_stop - 1 + band_offset - window_left:
         return False
     return True
 
 
 @njit
-def kept_columns(row, col_start, n_cols, n_q, n_k, window_left, window_right):
-    """Tile-relative columns ``[lo, hi)`` that absolute query `row` keeps (clipped)."""
-    diagonal = row + n_k - n_q - col_start
+def kept_columns(row, col_start, n_cols, band_offset, window_left, window_right):
+    """Tile-relative columns ``[lo, hi)`` that query `row` keeps (clipped); `row` and
+    `col_start` index this call's rows and keys."""
+    diagonal = row + band_offset - col_start
     lo, hi = 0, n_cols
     if window_left != UNLIMITED:
         lo = min(max(lo, diagonal - window_left), n_cols)
@@ -69,12 +69,12 @@ def kept_columns(row, col_start, n_cols, n_q, n_k, window_left, window_right):
 
 
 @njit(fastmath=FASTMATH)
-def mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right):
+def mask_tile(scores, row_start, col_start, band_offset, window_left, window_right):
     """Set the masked scores of a boundary tile to -inf (a select, so NaN cannot leak)."""
     n_rows, n_cols = scores.shape
     minus_inf = scores.dtype.type(-np.inf)
     for r in range(n_rows):
-        lo, hi = kept_columns(row_start + r, col_start, n_cols, n_q, n_k, window_left,
+        lo, hi = kept_columns(row_start + r, col_start, n_cols, band_offset, window_left,
                               window_right)
         for j in range(lo):
             scores[r, j] = minus_inf
@@ -83,7 +83,7 @@ def mask_tile(scores, row_start, col_start, n_q, n_k, window_left, window_right)
 
 
 @njit(fastmath=FASTMATH)
-def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap, slope,
+def transform_tile(scores, softcap_grad, row_start, col_start, band_offset, softcap, slope,
                    window_left, window_right):
     """SPEC steps 2-4 on a tile of scores, in place.
 
@@ -97,11 +97,10 @@ def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap
     want_softcap_grad = softcap > 0 and softcap_grad.shape[0] > 0
     cap = dtype(softcap)
     alibi_slope = dtype(slope)
-    offset = n_k - n_q
     minus_inf = dtype(-np.inf)
     for r in range(n_rows):
         row = row_start + r
-        lo, hi = kept_columns(row, col_start, n_cols, n_q, n_k, window_left, window_right)
+        lo, hi = kept_columns(row, col_start, n_cols, band_offset, window_left, window_right)
         for j in range(n_cols):
             x = scores[r, j]
             if cap > 0:
@@ -110,7 +109,7 @@ def transform_tile(scores, softcap_grad, row_start, col_start, n_q, n_k, softcap
                 if want_softcap_grad:
                     softcap_grad[r, j] = dtype(1.0) - capped * capped
             if alibi_slope != 0:
-                x -= alibi_slope * dtype(abs(row + offset - (col_start + j)))
+                x -= alibi_slope * dtype(abs(row + band_offset - (col_start + j)))
             scores[r, j] = x
         for j in range(lo):
             scores[r, j] = minus_inf

@@ -1,0 +1,76 @@
+"""Compile every tensor-core and generic kernel with nvcc, no GPU needed: syntax, registers
+and spills per entry point, with every score option on (the heaviest variant).
+
+    python3 bench/experiments/compile_check_gpu.py [--keep DIR]
+
+Needs nvcc (CUDA 12+) on the PATH. Each line: source, result, ptxas's register and spill
+report. A kernel that gains spills here has grown past its register budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tileattn.gpu._compile import source  # noqa: E402
+
+EVERY_OPTION = ["ALIBI=1", "DROPOUT=1", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
+BACKWARD = ["COPY_BYTES=16", "DKDV_PART=0", "IS_BFLOAT16=0", "SINGLE_PASS=0", "VALUE_DIM=128",
+            "HEAD_DIM=128"]
+JOBS = [
+    ("attention_wgmma_forward.cu", "90a",
+     ["BLOCK_K=64", "BLOCK_Q=128", "BLOCKS_PER_SM=1", "IS_BFLOAT16=0", "STAGES=2",
+      "COPY_BYTES=16", "HEAD_DIM=128", "VALUE_DIM=128"]),
+    ("attention_mma_forward.cu", "90",
+     ["BLOCK_K=64", "BLOCK_Q=128", "IS_BFLOAT16=0", "Q_IN_REGISTERS=1", "WARP_ROWS=16",
+      "COPY_BYTES=16", "HEAD_DIM=64", "VALUE_DIM=64"]),
+    ("attention_tf32_forward.cu", "90",
+     ["BLOCK_K=32", "BLOCK_Q=64", "WARP_ROWS=16", "COPY_BYTES=16", "HEAD_DIM=64",
+      "VALUE_DIM=64"]),
+    ("attention_wgmma_backward.cu", "90a",
+     BACKWARD + ["OWNED_ROWS=128", "STAGES=2", "STREAMED_ROWS=64"]),
+    ("attention_mma_backward.cu", "90",
+     BACKWARD + ["IS_FLOAT32=0", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=64"]),
+    ("attention_mma_backward.cu", "90",
+     BACKWARD + ["IS_FLOAT32=1", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=32"]),
+    ("attention_generic.cu", "90",
+     ["ACCUM=float", "BLOCK_K=32", "BLOCK_Q=32", "HEAD_DIM_PAD=64", "STORAGE=float",
+      "THREADS=256", "VALUE_DIM_PAD=64"]),
+]
+
+
+def compile_one(job, directory: str) -> str:
+    index, (name, arch, defines) = job
+    path = os.path.join(directory, f"{index}_{name}")
+    with open(path, "w") as handle:
+        handle.write(source(name))
+    command = ["nvcc", "-cubin", f"-arch=sm_{arch}", "-std=c++17", "-ftz=true", "-Xptxas", "-v",
+               "-o", path + ".cubin", path] + [f"-D{d}" for d in defines + EVERY_OPTION]
+    result = subprocess.run(command, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    if result.returncode:
+        return f"{name}: FAILED\n{output[:4000]}"
+    report = [line.split("info    :")[-1].strip() for line in output.splitlines()
+              if "registers" in line or ("spill" in line and " 0 bytes spill" not in line)]
+    return f"{name} ({' '.join(d for d in defines if d.startswith('IS_'))}): ok; " + " | ".join(report)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", help="keep the spliced sources and cubins in this folder")
+    args = parser.parse_args()
+    directory = args.keep or tempfile.mkdtemp(prefix="tileattn-nvcc-")
+    os.makedirs(directory, exist_ok=True)
+    with ThreadPoolExecutor(len(JOBS)) as pool:
+        results = list(pool.map(lambda job: compile_one(job, directory), enumerate(JOBS)))
+    print("\n".join(results))
+    sys.exit(any("FAILED" in r for r in results))
+
+
+if __name__ == "__main__":
+    main()
