@@ -77,15 +77,22 @@ class Device:
             cupy.cuda.set_allocator(malloc)
 
     def random(self, shape, dtype, seed):
-        if self.gpu:
-            cupy = self.cupy
-            values = cupy.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-            if np.dtype(dtype).name == "bfloat16":
-                from tileattn.distributed.layouts import from_float
-                return from_float(values, dtype)
+        """Normal values in `dtype`, drawn one (batch, head) slice at a time so that the
+        float32 draw never needs more than a slice of extra memory (a 1M x 128 bfloat16
+        head is 256 MiB; the whole array at 32 heads would need 16 GiB more)."""
+        if not self.gpu:
+            values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
             return values.astype(dtype)
-        values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-        return values.astype(dtype)
+        from tileattn.distributed.layouts import empty_like_shape, from_float
+
+        cupy = self.cupy
+        rng = cupy.random.default_rng(seed)
+        out = empty_like_shape(cupy.empty(0), shape, dtype)
+        bits = out.view(np.uint16) if out.dtype.itemsize == 2 else out
+        for index in np.ndindex(*shape[:-2]):
+            values = from_float(rng.standard_normal(shape[-2:], dtype=np.float32), dtype)
+            bits[index] = values.view(np.uint16) if out.dtype.itemsize == 2 else values
+        return out
 
     def sync(self):
         if self.gpu:
@@ -238,6 +245,8 @@ def scaling(group, device, args):
                 if f"t1_{kind}" in row:
                     row[f"eff_{kind}"] = row[f"t1_{kind}"] / (group.size * row[f"tP_{kind}"])
             rows.append(row)
+            if device.gpu:
+                device.pool.free_all_blocks()
             log(group, "row: " + ", ".join(f"{key}={_show(value)}" for key, value in row.items()))
     log(group, "\n" + table(rows, group.size))
 
@@ -293,21 +302,24 @@ def ring(group, device, args, n, causal, dtype):
     t_fwd, (o, lse) = timed(group, device, lambda: forward(traced=True), args.repeats)
     t_bwd, _ = timed(group, device, lambda: backward(o, lse), args.repeats)
     peak = device.peak_bytes()
-    alone = NoCommGroup(group)
-    c_fwd, _ = timed(group, device, lambda: forward(on=alone), args.repeats)
-    c_bwd, _ = timed(group, device, lambda: backward(o, lse, on=alone), args.repeats)
-    shifts = group.size - 1
-    m_fwd = shift_time(group, device, [k, v], shifts, args.repeats) if shifts else 0.0
-    accumulate = np.float64 if dtype == np.float64 else np.float32
-    grads = [a.astype(accumulate) for a in (k, v)]
-    m_bwd = m_fwd + (shift_time(group, device, grads, group.size, args.repeats)
-                     if shifts else 0.0)
-    del grads
-    per_rank_steps = group.allgather([min(s) for s in steps] + [max(s) for s in steps])
+    c_fwd = c_bwd = m_fwd = m_bwd = float("nan")
+    if not args.no_hidden:
+        alone = NoCommGroup(group)
+        c_fwd, _ = timed(group, device, lambda: forward(on=alone), args.repeats)
+        c_bwd, _ = timed(group, device, lambda: backward(o, lse, on=alone), args.repeats)
+        shifts = group.size - 1
+        m_fwd = shift_time(group, device, [k, v], shifts, args.repeats) if shifts else 0.0
+        accumulate = np.float64 if dtype == np.float64 else np.float32
+        grads = [a.astype(accumulate) for a in (k, v)]
+        m_bwd = m_fwd + (shift_time(group, device, grads, group.size, args.repeats)
+                         if shifts else 0.0)
+        del grads
+    last = steps[-1]  # the last timed forward's steps
+    per_rank_steps = group.allgather((min(last), max(last)))
     peaks = group.allgather(peak)
 
     def hidden(t_ring, t_compute, t_comm):
-        if t_comm <= 0:
+        if not t_comm > 0:
             return float("nan")
         return min(1.0, max(0.0, 1.0 - max(0.0, t_ring - t_compute) / t_comm))
 
@@ -331,7 +343,7 @@ def table(rows, size) -> str:
             f"comm hidden fwd+bwd | peak mem / rank |")
     lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
     for row in rows:
-        def get(key, fmt="{:.3f}"):
+        def get(key, fmt="{:.3f}", row=row):
             return fmt.format(row[key]) if key in row and not (
                 isinstance(row[key], float) and math.isnan(row[key])) else "—"
         lines.append(
@@ -469,6 +481,9 @@ def parse(argv=None):
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip t(1, N), the single-device run")
+    parser.add_argument("--no-hidden", action="store_true",
+                        help="skip the no-communication ring and the shifts alone (the "
+                             "hidden-communication columns), which double the ring's time")
     parser.add_argument("--check", action="store_true", help="exactness mode")
     parser.add_argument("--check-seqlen", type=int, default=None,
                         help="default 65536 on GPU, 1024 on CPU")
@@ -513,7 +528,20 @@ def main(argv=None):
         results = td.simulate(args.simulate, run, args, device=0 if args.gpu else None)
         failures = results[0]
     else:
-        failures = run(td.init(), args)
+        group = td.init()
+        try:
+            failures = run(group, args)
+        except BaseException:
+            # A rank that fails (out of memory in --reach, say) ends every rank: the others
+            # may be waiting for it in the ring. What was printed so far stands.
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            sys.stdout.flush()
+            if group.size > 1 and getattr(group, "comm", None) is not None:
+                group.comm.Abort(1)
+            raise
     if args.check and failures:
         sys.exit(1)
 

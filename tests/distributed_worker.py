@@ -26,9 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tileattn  # noqa: E402
-import tileattn.distributed as td  # noqa: E402
-from distributed_cases import OPTION_SETS, check_case, problem  # noqa: E402
+from distributed_cases import OPTION_SETS, check_case, problem
+
+import tileattn
+import tileattn.distributed as td
 
 
 def say(group, message):

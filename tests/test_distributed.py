@@ -12,6 +12,7 @@ import functools
 
 import numpy as np
 import pytest
+from distributed_cases import OPTION_SETS, check_case, problem
 
 import tileattn
 import tileattn.distributed as td
@@ -20,12 +21,10 @@ from tileattn.api import run_forward
 from tileattn.testing import bfloat16
 from tileattn.validation import validate
 
-from distributed_cases import OPTION_SETS, check_case, problem
-
 LAYOUTS = ("contiguous", "zigzag")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def honours_positions(name: str) -> bool:
     """Whether a backend computes a block placed by `AttentionOptions.row_offset` etc.
     (the reference does; the CPU and GPU backends gained it later): a dropout block placed
@@ -222,7 +221,7 @@ MISMATCHES = {
 @pytest.mark.parametrize("mismatch", list(MISMATCHES))
 def test_mismatch_raises_the_same_error_on_every_rank(size, mismatch):
     change_q, options, expected = MISMATCHES[mismatch]
-    q, k, v, do = problem(np.float64, n_q=24, n_k=24)
+    q, k, v, _ = problem(np.float64, n_q=24, n_k=24)
 
     def run(group):
         local = [td.shard(a, group, layout="zigzag") for a in (q, k, v)]

@@ -21,7 +21,7 @@ from .groups import init, simulate
 from .layouts import LAYOUTS, check_divisible, check_layout, segments, take_rows
 from .ring import ring_backward, ring_forward
 
-__all__ = ["init", "simulate", "shard", "unshard", "forward", "backward", "LAYOUTS"]
+__all__ = ["LAYOUTS", "backward", "forward", "init", "shard", "simulate", "unshard"]
 
 
 def shard(x, group, layout: str = "zigzag", axis: int = -2):

@@ -18,8 +18,13 @@ import sys
 import threading
 
 from ..backends import BackendUnavailableError
-from .transports import (MPITransport, NCCLTransport, SimulatedTransport, SimulatedWorld,
-                         simulated_allgather)
+from .transports import (
+    MPITransport,
+    NCCLTransport,
+    SimulatedTransport,
+    SimulatedWorld,
+    simulated_allgather,
+)
 
 _EXTRA = "pip install 'tileattn[distributed]' (mpi4py and the mpich wheel)"
 

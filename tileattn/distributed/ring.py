@@ -31,15 +31,21 @@ from ..api import run_backward, run_forward
 from ..options import tile_is_masked
 from ..reference import lse_dtype
 from ..validation import _normalise_window, validate
-from .layouts import (array_module, check_layout, contiguous, from_float, segments,
-                      to_float)
+from .layouts import (
+    array_module,
+    check_layout,
+    contiguous,
+    from_float,
+    segments,
+    to_float,
+)
 
 
 class Pair:
     """One backend call of a ring step: query rows ``q_rows`` of this rank's shard against
     key rows ``k_rows`` of the block in hand, placed at global ``(row_start, col_start)``."""
 
-    __slots__ = ("q_rows", "k_rows", "row_start", "col_start")
+    __slots__ = ("col_start", "k_rows", "q_rows", "row_start")
 
     def __init__(self, q_rows, k_rows, row_start, col_start):
         self.q_rows, self.k_rows = q_rows, k_rows
