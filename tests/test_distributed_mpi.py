@@ -38,13 +38,6 @@ def _mpiexec() -> str:
     return found
 
 
-def _cpu_backend() -> str:
-    """"cpu" once the CPU backend computes placed blocks; the golden model until then."""
-    from test_distributed import honours_positions
-
-    return "cpu" if honours_positions("cpu") else "reference"
-
-
 def launch(ranks: int, *args: str) -> str:
     env = dict(os.environ)
     # The workers import the tileattn these tests import, wherever it is installed.
@@ -69,7 +62,7 @@ def launch(ranks: int, *args: str) -> str:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_exact_over_mpi(ranks):
-    launch(ranks, "exact", _cpu_backend())
+    launch(ranks, "exact", "cpu")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
