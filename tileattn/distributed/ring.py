@@ -115,18 +115,40 @@ class Ring:
                                    n_k=pair.k_rows.stop - pair.k_rows.start, outputs={})
 
 
+_CHUNK_ELEMENTS = 1 << 25
+"""Elementwise work on the accumulators runs a few heads at a time, so that its float32
+temporaries stay near 128 MiB instead of growing with N/P (at N/P = 512k, 32 heads of
+Dv = 128 one temporary of the whole would be 8 GiB)."""
+
+
+def _head_chunks(array):
+    """Slices of axis 1 (heads) holding about `_CHUNK_ELEMENTS` elements each."""
+    per_head = max(1, array.size // max(1, array.shape[1]))
+    step = max(1, _CHUNK_ELEMENTS // per_head)
+    return [slice(start, start + step) for start in range(0, array.shape[1], step)]
+
+
 def merge(o_acc, lse_acc, o_block, lse_block) -> None:
     """Merge a block's ``(o, lse)`` into the accumulators of the same rows, in place, by
     their log-sum-exp; a side with ``lse = -inf`` (no key kept) has weight exactly 0."""
     xp = array_module(o_acc)
-    lse_block = lse_block.astype(lse_acc.dtype, copy=False)
-    new = xp.logaddexp(lse_acc, lse_block)
-    safe = xp.where(new == -np.inf, 0.0, new)
-    weight_acc = xp.where(lse_acc == -np.inf, 0.0, xp.exp(lse_acc - safe))
-    weight_block = xp.where(lse_block == -np.inf, 0.0, xp.exp(lse_block - safe))
-    o_acc *= weight_acc[..., None]
-    o_acc += weight_block[..., None] * to_float(o_block, o_acc.dtype)
-    lse_acc[...] = new
+    for heads in _head_chunks(o_acc):
+        acc, lse_old = o_acc[:, heads], lse_acc[:, heads]
+        lse_new = lse_block[:, heads].astype(lse_acc.dtype, copy=False)
+        merged = xp.logaddexp(lse_old, lse_new)
+        safe = xp.where(merged == -np.inf, 0.0, merged)
+        weight_acc = xp.where(lse_old == -np.inf, 0.0, xp.exp(lse_old - safe))
+        weight_block = xp.where(lse_new == -np.inf, 0.0, xp.exp(lse_new - safe))
+        acc *= weight_acc[..., None]
+        acc += weight_block[..., None] * to_float(o_block[:, heads], acc.dtype)
+        lse_old[...] = merged
+
+
+def add_into(accumulator, block) -> None:
+    """``accumulator += block`` (a gradient block in the input dtype), a few heads at a
+    time."""
+    for heads in _head_chunks(accumulator):
+        accumulator[:, heads] += to_float(block[:, heads], accumulator.dtype)
 
 
 # --------------------------------------------------------------------------- agreement
@@ -272,7 +294,7 @@ def ring_backward(group, do, q, k, v, o, lse, *, layout, causal, window, backend
         for pair in ring.pairs(step):
             placed = ring.placed(pair, {**rows, "k": block[0], "v": block[1]})
             dq_block, dk_block, dv_block = run_backward(placed, backend)
-            dq_acc[:, :, pair.q_rows] += to_float(dq_block, accumulate)
+            add_into(dq_acc[:, :, pair.q_rows], dq_block)
             shares.append((pair.k_rows, dk_block, dv_block))
             for waiting in (pending, grads_pending):
                 if waiting is not None:
@@ -280,8 +302,8 @@ def ring_backward(group, do, q, k, v, o, lse, *, layout, causal, window, backend
         if grads_pending is not None:  # this block's accumulators, one step behind its K/V
             grads = grads_pending.wait()
         for k_rows, dk_block, dv_block in shares:
-            grads[0][:, :, k_rows] += to_float(dk_block, accumulate)
-            grads[1][:, :, k_rows] += to_float(dv_block, accumulate)
+            add_into(grads[0][:, :, k_rows], dk_block)
+            add_into(grads[1][:, :, k_rows], dv_block)
         if trace is not None:
             trace("backward", step)
         if group.size > 1:
