@@ -147,9 +147,8 @@ def _abort_on_error(kind, value, traceback):
     """A rank that fails ends every rank (they may be waiting for it in the ring)."""
     sys.__excepthook__(kind, value, traceback)
     sys.stderr.flush()
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(1)
+    if "mpi4py.MPI" in sys.modules:
+        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(1)
 
 
 def main():
@@ -157,6 +156,7 @@ def main():
     scenario = sys.argv[1]
     backend = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     group = td.init()
+    say(group, f"{group!r}")
     start = time.perf_counter()
     if scenario == "exact":
         exact(group, backend)

@@ -38,7 +38,7 @@ def _mpiexec() -> str:
     return found
 
 
-def launch(ranks: int, *args: str) -> str:
+def _environment() -> dict:
     env = dict(os.environ)
     # The workers import the tileattn these tests import, wherever it is installed.
     env["PYTHONPATH"] = os.pathsep.join(
@@ -46,7 +46,14 @@ def launch(ranks: int, *args: str) -> str:
     # MPICH busy-polls while it waits; with more ranks than cores, yielding keeps the
     # oversubscribed run from crawling.
     env.setdefault("MPIR_CVAR_CH4_SHM_POSIX_EAGER_YIELD", "1")
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), *args]
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (device notes)
+    return env
+
+
+def launch(ranks: int, *args: str, env=None, launcher=True) -> str:
+    env = env or _environment()
+    prefix = [_mpiexec(), "-n", str(ranks)] if launcher else []
+    command = [*prefix, sys.executable, str(WORKER), *args]
     try:
         result = subprocess.run(command, capture_output=True, text=True, env=env, check=False,
                                 timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
@@ -76,11 +83,34 @@ def test_shard_unshard_over_mpi(ranks):
     launch(ranks, "shard")
 
 
-@pytest.mark.gpu
-def test_nccl_group_of_one():
+def _needs_gpu():
     from tileattn import backends
 
     reason = backends.availability("gpu")
     if reason is not None:
         pytest.skip(reason)
+
+
+@pytest.mark.gpu
+def test_nccl_group_of_one():
+    """Under mpiexec: NCCL's unique id broadcast over MPI, CuPy arrays over NCCL, and a
+    group of one equal to tileattn.forward/backward bit for bit."""
+    _needs_gpu()
     launch(1, "nccl")
+
+
+@pytest.mark.gpu
+def test_nccl_group_of_one_from_rank_and_world_size():
+    """Without MPI: init() from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (cupyx's TCP
+    store), the all-gather over NCCL too."""
+    _needs_gpu()
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = _environment()
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    output = launch(1, "nccl", env=env, launcher=False)
+    assert "NCCLGroup" in output
