@@ -23,7 +23,8 @@ Scaling (the default mode), for each N and causal setting:
 * peak memory per rank: GPU, the peak of CuPy's pool during the run (inputs included);
   CPU, the process's peak resident set.
 
-Every mode prints each row as soon as it has it (runs are time-limited), and a markdown
+The scaling mode first checks the ring against the float64 golden model on a small problem
+of the same heads and dtype. Every mode prints each row as soon as it has it (runs are time-limited), and a markdown
 table at the end. Times are wall-clock around a synchronised device, the ranks started
 together by an all-gather; ``--repeats`` runs (median) after one warm-up call at a small N
 that compiles the kernels.
@@ -215,9 +216,43 @@ def shift_time(group, device, arrays, shifts, repeats):
 # --------------------------------------------------------------------------- scaling
 
 
+def validate_small(group, device, args, dtype, causal_settings):
+    """Before timing: the ring on a small problem of the benchmark's shape against the
+    float64 golden model of the whole (tileattn's reference backend on the host)."""
+    n = 2 * group.size * 128
+    rng = np.random.default_rng(7)
+    heads, kv_heads = min(args.heads, 4), min(args.kv_heads, 4)
+    shapes = ((1, heads, n, args.head_dim), (1, kv_heads, n, args.head_dim),
+              (1, kv_heads, n, args.head_dim), (1, heads, n, args.head_dim))
+    whole = [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+    wide = [a.astype(np.float64) for a in whole]
+    to_device = device.cupy.asarray if device.gpu else (lambda a: a)
+    worst = 0.0
+    for causal in causal_settings:
+        local = [to_device(td.shard(a, group, layout=args.layout)) for a in whole]
+        o, lse = td.forward(*local[:3], group=group, layout=args.layout, causal=causal,
+                            return_lse=True, backend=args.backend)
+        grads = td.backward(local[3], *local[:3], o, lse, group=group, layout=args.layout,
+                            causal=causal, backend=args.backend)
+        o_gold, lse_gold = tileattn.forward(*wide[:3], causal=causal, return_lse=True,
+                                            backend="reference")
+        o_all = device.to_host(td.unshard(o, group, layout=args.layout))
+        grads_gold = tileattn.backward(wide[3], *wide[:3], o_all.astype(np.float64),
+                                       lse_gold, causal=causal, backend="reference")
+        for got, want in zip((o, *grads), (o_gold, *grads_gold)):
+            gathered = device.to_host(td.unshard(got, group, layout=args.layout))
+            worst = max(worst, attention_error(gathered, want, dtype))
+    if worst > 1:
+        raise SystemExit(f"the ring is out of tolerance on a small problem ({worst:.3g}x); "
+                         "not timing it")
+    log(group, f"validated against the golden model at N = {n}: worst error {worst:.3g}x "
+               "the tolerance")
+
+
 def scaling(group, device, args):
     dtype = _dtype(args.dtype)
     causal_settings = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    validate_small(group, device, args, dtype, causal_settings)
     rows = []
     warm = 4 * group.size * 64
     for causal in causal_settings:  # compile every kernel the runs will take

@@ -232,7 +232,7 @@ def test_backward_mismatch_raises_on_every_rank():
 def test_accumulators_merge_a_few_heads_at_a_time(monkeypatch):
     """The merge and the gradient sums run over chunks of heads (bounded temporaries):
     chunks of one head give the same results."""
-    import tileattn.distributed.ring as ring
+    from tileattn.distributed import ring
 
     monkeypatch.setattr(ring, "_CHUNK_ELEMENTS", 8)
     _run_case("reference", 3, dtype=np.float64, options_name="causal-alibi-dropout",
