@@ -19,6 +19,8 @@ OPTION_SETS = {
     "plain": {},
     "causal": {"causal": True},
     "window": {"window": (5, 3)},
+    # wider than a shard's own keys at P >= 2 (a shard's validation calls it unlimited)
+    "wide-window": {"window": (30, 25)},
     "causal-window": {"causal": True, "window": (7, None)},
     "softcap-alibi-scale": {"softcap": 2.0, "alibi": True, "scale": 0.3},
     "causal-alibi-dropout": {"causal": True, "alibi": True, "dropout_p": 0.3},

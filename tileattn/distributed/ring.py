@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import arrays
 from ..api import run_backward, run_forward
-from ..options import tile_is_masked
+from ..options import UNLIMITED, tile_is_masked
 from ..reference import lse_dtype
 from ..validation import _normalise_window, validate
 from .layouts import (
@@ -75,8 +75,10 @@ class Ring:
         """Whether a score depends on its global (row, key): masks, ALiBi and dropout do.
         Without them a step is one call of all local queries against the whole block."""
         options = self.problem.options
-        return (options.is_masked or options.alibi_slopes is not None
-                or options.dropout_p > 0)
+        # The whole problem's window: a side reaching past a shard's keys is unlimited in
+        # the shard's own validation, yet masks in the whole sequence.
+        masked = self.window != (UNLIMITED, UNLIMITED)
+        return masked or options.alibi_slopes is not None or options.dropout_p > 0
 
     def pairs(self, step: int) -> list:
         """The backend calls of `step`, whose block came from rank ``rank - step``."""
