@@ -242,3 +242,15 @@ def test_accumulators_merge_a_few_heads_at_a_time(monkeypatch):
     monkeypatch.setattr(ring, "_CHUNK_ELEMENTS", 8)
     _run_case("reference", 3, dtype=np.float64, options_name="causal-alibi-dropout",
               layout="zigzag")
+
+
+def test_zigzag_needs_an_even_number_of_local_rows():
+    q, k, v, _ = problem(np.float64, n_q=10, n_k=10)
+
+    def run(group):
+        td.forward(q[..., :5, :], k[..., :5, :], v[..., :5, :], group=group,
+                   backend="reference", layout="zigzag")
+
+    messages = _outcomes(2, run)
+    assert messages[0] == messages[1]
+    assert "layout='zigzag' needs an even number of local rows" in messages[0]
