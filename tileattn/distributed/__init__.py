@@ -18,7 +18,17 @@ CuPy: `init()` imports mpi4py, and CuPy is used only for CuPy arrays.
 from __future__ import annotations
 
 from .groups import init, simulate
-from .layouts import LAYOUTS, check_divisible, check_layout, segments, take_rows
+from .layouts import (
+    LAYOUTS,
+    array_module,
+    check_divisible,
+    check_layout,
+    contiguous,
+    empty_like_shape,
+    put_rows,
+    segments,
+    take_rows,
+)
 from .ring import ring_backward, ring_forward
 
 __all__ = ["LAYOUTS", "backward", "forward", "init", "shard", "simulate", "unshard"]
@@ -44,8 +54,6 @@ def unshard(x_local, group, layout: str = "zigzag", axis: int = -2):
     """The whole array, gathered on every rank from each rank's `x_local` (`shard`'s
     inverse). It passes the shards around the ring (P - 1 shifts), so it holds the whole
     array: meant for tests and small outputs."""
-    from .layouts import array_module, contiguous, empty_like_shape, put_rows
-
     check_layout(layout)
     x_local = contiguous(x_local)
     n_local = x_local.shape[axis]
