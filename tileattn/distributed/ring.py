@@ -184,7 +184,7 @@ def agree(group, function: str, named: dict, options: dict, check) -> object:
     try:
         description = {**_array_description(named), **_option_description(options)}
         result = check()
-    except (ValueError, TypeError) as caught:
+    except Exception as caught:  # noqa: BLE001 - any rank's failure must reach every rank
         error = f"{type(caught).__name__}: {caught}"
     gathered = group.allgather((description, error))
     failed = [(rank, message) for rank, (_, message) in enumerate(gathered) if message]
