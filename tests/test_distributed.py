@@ -70,10 +70,36 @@ def test_cpu(dtype, size, layout, options_name):
 
 @pytest.mark.parametrize("options_name", ["causal", "causal-alibi-dropout"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_cpu_float16(size, options_name):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cpu_16_bit(dtype, size, options_name):
     _usable("cpu")
-    _run_case("cpu", size, dtype=np.dtype(np.float16), options_name=options_name,
-              layout="zigzag")
+    if dtype == "bfloat16" and bfloat16() is None:
+        pytest.skip("ml_dtypes is not installed")
+    dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    _run_case("cpu", size, dtype=dtype, options_name=options_name, layout="zigzag")
+
+
+@pytest.mark.skipif(bfloat16() is None, reason="ml_dtypes is not installed")
+def test_bfloat16_bits_round_to_nearest_even():
+    """The bit-level bfloat16 casts the ring uses on CuPy arrays (run here on NumPy) agree
+    with ml_dtypes: nearest even, infinities, NaN, subnormals, both signs."""
+    from tileattn.distributed.layouts import (
+        bfloat16_bits_to_float32,
+        float32_to_bfloat16_bits,
+    )
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-40, 38, 10000),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-40, 3.0e38, 1.0 + 2**-8,
+                  1.0 + 3 * 2**-8, 1.0 + 2**-9], dtype=np.float32)]).astype(np.float32)
+    bits = float32_to_bfloat16_bits(np, values)
+    expected = values.astype(bfloat16())
+    finite = ~np.isnan(values)
+    assert np.array_equal(bits[finite], expected.view(np.uint16)[finite])
+    assert np.isnan(bits.view(bfloat16())[~finite].astype(np.float32)).all()
+    widened = bfloat16_bits_to_float32(np, expected.view(np.uint16))
+    assert np.array_equal(widened, expected.astype(np.float32), equal_nan=True)
 
 
 def _gpu_dtypes():

@@ -103,25 +103,34 @@ def put_rows(target, source, target_start: int, source_start: int, length: int, 
         _bits(source)[head + (slice(source_start, source_start + length),)]
 
 
+def bfloat16_bits_to_float32(xp, bits):
+    """float32 values of bfloat16 `bits` (uint16): a bfloat16 is the top half of a float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bfloat16_bits(xp, values):
+    """bfloat16 bits (uint16) of float32 `values`, rounded to nearest even, NaN kept NaN."""
+    bits = values.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    return xp.where(xp.isnan(values), np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
 def to_float(array, dtype):
     """`array` converted to the float32/float64 `dtype`; bfloat16 CuPy arrays by their bits
-    (a bfloat16 is the top half of a float32)."""
+    (CuPy's own bfloat16 arithmetic is not relied on)."""
     xp = array_module(array)
     if xp is not np and _is_bfloat16(array.dtype):
-        widened = array.view(np.uint16).astype(np.uint32) << 16
-        return widened.view(np.float32).astype(dtype, copy=False)
+        widened = bfloat16_bits_to_float32(xp, array.view(np.uint16))
+        return widened.astype(dtype, copy=False)
     return array.astype(dtype, copy=False)
 
 
 def from_float(array, dtype):
     """A float32/float64 array cast to `dtype`, rounding to nearest even; bfloat16 CuPy
-    arrays by their bits, with NaN kept NaN."""
+    arrays by their bits."""
     xp = array_module(array)
     if xp is not np and _is_bfloat16(dtype):
-        bits = array.astype(np.float32).view(np.uint32)
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
-        rounded = xp.where(xp.isnan(array), np.uint32(0x7FC0), rounded)
-        return rounded.astype(np.uint16).view(dtype)
+        return float32_to_bfloat16_bits(xp, array.astype(np.float32)).view(dtype)
     return array.astype(dtype)
 
 
