@@ -53,7 +53,8 @@ class MPIGroup:
         if device not in self._nccl:
             import cupy
 
-            nccl = cupy.cuda.nccl
+            from cupy.cuda import nccl  # a submodule cupy.cuda does not import itself
+
             unique_id = self.comm.bcast(nccl.get_unique_id() if self.rank == 0 else None)
             with cupy.cuda.Device(device):
                 communicator = nccl.NcclCommunicator(self.size, unique_id, self.rank)
@@ -84,7 +85,7 @@ class NCCLGroup:
         # force_store: without it cupyx would use MPI's COMM_WORLD when mpi4py imports,
         # which outside mpiexec is a world of one.
         backend = cupyx.distributed.init_process_group(size, rank, host=host, port=port,
-                                                       force_store=True)
+                                                       **_store_only())
         self._transport = NCCLTransport(backend._comm, rank, size, local_rank)
 
     def allgather(self, value) -> list:
@@ -98,6 +99,21 @@ class NCCLGroup:
 
     def __repr__(self):
         return f"NCCLGroup(rank={self.rank}, size={self.size})"
+
+
+def _store_only() -> dict:
+    """The keyword that keeps cupyx's rendezvous on its TCP store even where mpi4py imports:
+    ``force_store`` in recent CuPy, ``use_mpi`` in older releases (14.x among them)."""
+    import inspect
+
+    import cupyx.distributed
+
+    parameters = inspect.signature(cupyx.distributed.init_process_group).parameters
+    if "force_store" in parameters:
+        return {"force_store": True}
+    if "use_mpi" in parameters:
+        return {"use_mpi": False}
+    return {}
 
 
 class SimulatedGroup:

@@ -98,7 +98,9 @@ class NCCLTransport:
         import cupy
 
         self.cupy = cupy
-        self.nccl = cupy.cuda.nccl
+        from cupy.cuda import nccl  # a submodule cupy.cuda does not import itself
+
+        self.nccl = nccl
         self.communicator = communicator
         self.rank, self.size, self.device_id = rank, size, device_id
         with cupy.cuda.Device(device_id):
