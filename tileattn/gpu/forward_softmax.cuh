@@ -323,19 +323,53 @@ __device__ __forceinline__ void zero_non_finite(T* tile) {
     }
 }
 
+// The same scan and zeroing over Bytes of dense 16-bit tiles at a shared address (wgmma's
+// swizzled tiles: every byte is an element or zero padding, so no layout is needed).
+template <int Bytes, int Threads>
+__device__ __forceinline__ bool shared_tile_has_non_finite(u32 tile) {
+    static_assert(Bytes % 16 == 0, "16-byte chunks");
+    bool found = false;
+    for (int offset = threadIdx.x * 16; offset < Bytes; offset += Threads * 16) {
+        uint4 chunk;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(chunk.x), "=r"(chunk.y), "=r"(chunk.z), "=r"(chunk.w)
+                     : "r"(tile + offset)
+                     : "memory");
+        found |= chunk_non_finite<bits16>(chunk);
+    }
+    return found;
+}
+
+__device__ __forceinline__ bits16 load_shared_bits16(u32 address) {
+    unsigned short x;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(x) : "r"(address) : "memory");
+    return x;
+}
+
+template <int Bytes, int Threads>
+__device__ __forceinline__ void zero_non_finite_shared_tile(u32 tile) {
+    for (int offset = threadIdx.x * 2; offset < Bytes; offset += Threads * 2)
+        if (bits_non_finite(load_shared_bits16(tile + offset)))
+            asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(tile + offset),
+                         "h"(static_cast<unsigned short>(0))
+                         : "memory");
+}
+
 // O += p_rj v[j][d] for this thread's rows r and O columns d, over the keys j that row r
-// keeps (`mask`, the tile's) and the d where v[j][d] = value_at(j, d) is not finite. p is
-// the tile's P in the accumulator layout (after dropout); key j's entry of a row is held
-// by quad lane (j % 8) / 2, so it comes by shuffle. Each such term is inf or NaN, so their
-// sum, added to O once, is what adding them one by one gives (IEEE: any NaN or infinities
-// of both signs give NaN, else the one signed infinity); that keeps O out of the rolled
-// loops, whose loop-carried accumulators cost spills in the hot path (ptxas). Off the hot
-// path (non-finite V on a cut tile only), so the loop over a fragment's 8 keys stays
-// rolled; the fragment index stays compile-time (a run-time one puts P in local memory).
-template <int RowTiles, int KeyFrags, int OutFrags, class ValueAt>
+// keeps (`mask`, the tile's) and the d where v[j][d] = value_at(j, d) is not finite
+// (value_at is called for kept keys only). P is in the accumulator layout: held_of(m, n,
+// half, odd) is this thread's entry of row half `half` of row tile m, key 8 n + 2 quad_col
+// + odd (after dropout); key j's entry of a row is held by quad lane (j % 8) / 2, so it
+// comes by shuffle. Each such term is inf or NaN, so their sum, added to O once, is what
+// adding them one by one gives (IEEE: any NaN or infinities of both signs give NaN, else
+// the one signed infinity); that keeps O out of the rolled loops, whose loop-carried
+// accumulators cost spills in the hot path (ptxas). Off the hot path (non-finite V on a
+// cut tile only), so the loop over a fragment's 8 keys stays rolled; the fragment index
+// stays compile-time (a run-time one puts P in local memory).
+template <int KeyFrags, int RowTiles, int OutFrags, class HeldOf, class ValueAt>
 __device__ __forceinline__ void add_kept_non_finite_values(
-    float (&o_acc)[RowTiles][OutFrags][4], const float (&p)[RowTiles][KeyFrags][4],
-    const i64 (&rows)[RowTiles][2], const TileMask& mask, ValueAt value_at) {
+    float (&o_acc)[RowTiles][OutFrags][4], const i64 (&rows)[RowTiles][2],
+    const TileMask& mask, HeldOf held_of, ValueAt value_at) {
     const int lane = threadIdx.x % 32, quad_col = lane % 4, quad_lane0 = lane & ~3;
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m)
@@ -347,22 +381,33 @@ __device__ __forceinline__ void add_kept_non_finite_values(
                 const int col = dn * 8 + 2 * quad_col;
                 float non_finite_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-                for (int n = 0; n < KeyFrags; ++n)
+                for (int n = 0; n < KeyFrags; ++n) {
+                    const float held_even = held_of(m, n, half, 0);
+                    const float held_odd = held_of(m, n, half, 1);
 #pragma unroll 1
                     for (int j = 0; j < 8; ++j) {
                         // Key n * 8 + j: the holder's element j % 2 of fragment n.
-                        const float held = (j & 1) ? p[m][n][2 * half + 1] : p[m][n][2 * half];
-                        const float weight = __shfl_sync(0xffffffffu, held, quad_lane0 | (j / 2));
-                        const bool key_kept = kept.keeps(n * 8 + j);
+                        const float weight = __shfl_sync(
+                            0xffffffffu, (j & 1) ? held_odd : held_even, quad_lane0 | (j / 2));
+                        if (!kept.keeps(n * 8 + j)) continue;
 #pragma unroll
                         for (int f = 0; f < 2; ++f) {
                             const float value = value_at(n * 8 + j, col + f);
-                            if (key_kept && bits_non_finite(value))
-                                non_finite_sum[f] += weight * value;
+                            if (bits_non_finite(value)) non_finite_sum[f] += weight * value;
                         }
                     }
+                }
                 o_acc[m][dn][2 * half] += non_finite_sum[0];
                 o_acc[m][dn][2 * half + 1] += non_finite_sum[1];
             }
         }
 }
+
+// held_of for P as floats in the accumulator layout (the mma.sync and 3xTF32 forwards).
+template <int RowTiles, int KeyFrags>
+struct HeldFromScores {
+    const float (&p)[RowTiles][KeyFrags][4];
+    __device__ __forceinline__ float operator()(int m, int n, int half, int odd) const {
+        return p[m][n][2 * half + odd];
+    }
+};
