@@ -185,11 +185,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         if (needs_mask && __syncthreads_or(tile_has_non_finite<BLOCK_K, kValueWidth, kVPitch,
                                                                kThreads>(v_tile))) {
             // The mask again rather than kept live across the softmax (registers).
-            add_kept_non_finite_values<BLOCK_K / 8>(o_acc, my_rows,
-                                       tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start,
-                                                                          col_start, n_k),
-                                       HeldFromScores<kRowTiles, BLOCK_K / 8>{s},
-                                       [&](int key, int col) {
+            add_kept_non_finite_values<BLOCK_K / 8>(
+                o_acc,
+                KeptKeysOfRows<kRowTiles>{
+                    my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k)},
+                HeldFromScores<kRowTiles, BLOCK_K / 8>{s}, [&](int key, int col) {
                 return element_value(v_tile[key * kVPitch + col]);
             });
             __syncthreads();

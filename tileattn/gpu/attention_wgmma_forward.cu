@@ -213,8 +213,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         if (v_non_finite) {
             // The mask again rather than kept live across the softmax (registers).
             add_kept_non_finite_values<kKeyFrags>(
-                o_acc, my_rows,
-                tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k),
+                o_acc,
+                KeptKeysOfRows<1>{
+                    my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k)},
                 HeldFromScores<1, kKeyFrags>{s}, [&](int key, int col) {
                     return element_value(
                         load_shared_bits16(v_tile + VSwizzle::element(key, col, BLOCK_K)));

@@ -356,8 +356,9 @@ __device__ __forceinline__ void zero_non_finite_shared_tile(u32 tile) {
 }
 
 // O += p_rj v[j][d] for this thread's rows r and O columns d, over the keys j that row r
-// keeps (`mask`, the tile's) and the d where v[j][d] = value_at(j, d) is not finite
-// (value_at is called for kept keys only). P is in the accumulator layout: held_of(m, n,
+// keeps (window_of(m, half): the Window of tile-relative keys kept by row half `half` of
+// row tile m) and the d where v[j][d] = value_at(j, d) is not finite (value_at is called
+// for kept keys only). The backward uses it with keys and queries in the other roles. P is in the accumulator layout: held_of(m, n,
 // half, odd) is this thread's entry of row half `half` of row tile m, key 8 n + 2 quad_col
 // + odd (after dropout); key j's entry of a row is held by quad lane (j % 8) / 2, so it
 // comes by shuffle. Each such term is inf or NaN, so their sum, added to O once, is what
@@ -366,16 +367,16 @@ __device__ __forceinline__ void zero_non_finite_shared_tile(u32 tile) {
 // accumulators cost spills in the hot path (ptxas). Off the hot path (non-finite V on a
 // cut tile only), so the loop over a fragment's 8 keys stays rolled; the fragment index
 // stays compile-time (a run-time one puts P in local memory).
-template <int KeyFrags, int RowTiles, int OutFrags, class HeldOf, class ValueAt>
-__device__ __forceinline__ void add_kept_non_finite_values(
-    float (&o_acc)[RowTiles][OutFrags][4], const i64 (&rows)[RowTiles][2],
-    const TileMask& mask, HeldOf held_of, ValueAt value_at) {
+template <int KeyFrags, int RowTiles, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
+__device__ __forceinline__ void add_kept_non_finite_values(float (&o_acc)[RowTiles][OutFrags][4],
+                                                           WindowOf window_of, HeldOf held_of,
+                                                           ValueAt value_at) {
     const int lane = threadIdx.x % 32, quad_col = lane % 4, quad_lane0 = lane & ~3;
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const Window kept = mask.row_window(static_cast<int>(rows[m][half] - mask.row0), 0);
+            const Window kept = window_of(m, half);
 #pragma unroll
             for (int dn = 0; dn < OutFrags; ++dn) {
                 const int col = dn * 8 + 2 * quad_col;
@@ -403,11 +404,21 @@ __device__ __forceinline__ void add_kept_non_finite_values(
         }
 }
 
-// held_of for P as floats in the accumulator layout (the mma.sync and 3xTF32 forwards).
+// held_of for P as floats in the accumulator layout.
 template <int RowTiles, int KeyFrags>
 struct HeldFromScores {
     const float (&p)[RowTiles][KeyFrags][4];
     __device__ __forceinline__ float operator()(int m, int n, int half, int odd) const {
         return p[m][n][2 * half + odd];
+    }
+};
+
+// window_of for a forward's rows against the tile `mask` (its rows relative to mask.row0).
+template <int RowTiles>
+struct KeptKeysOfRows {
+    const i64 (&rows)[RowTiles][2];
+    TileMask mask;
+    __device__ __forceinline__ Window operator()(int m, int half) const {
+        return mask.row_window(static_cast<int>(rows[m][half] - mask.row0), 0);
     }
 };
