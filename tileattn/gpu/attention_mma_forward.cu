@@ -180,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 
         // A cut tile (needs_mask is block-uniform) with a non-finite V: the kept pairs'
         // products with it on CUDA cores, then zeros in its place for the tensor cores
-        // (forward_softmax.cuh). The barriers order every warp's reads before the zeroing
+        // (kept_products.cuh). The barriers order every warp's reads before the zeroing
         // and the zeroing before every warp's P V.
         if (needs_mask && __syncthreads_or(tile_has_non_finite<BLOCK_K, kValueWidth, kVPitch,
                                                                kThreads>(v_tile))) {

@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         const u32 v_tile = v_tiles + stage * kVTileBytes;
         // A cut tile (key_tile_needs_mask is block-uniform) is scanned for a non-finite V by
         // every warpgroup, skipping ones included, since the barriers below count all
-        // threads (forward_softmax.cuh).
+        // threads (kept_products.cuh).
         const bool v_non_finite =
             key_tile_needs_mask(scores, row_start, BLOCK_Q, key_tile * BLOCK_K, BLOCK_K) &&
             __syncthreads_or(shared_tile_has_non_finite<kVTileBytes, kThreads>(v_tile));
