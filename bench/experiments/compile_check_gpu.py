@@ -41,6 +41,9 @@ JOBS = [
     ("attention_generic.cu", "90",
      ["ACCUM=float", "BLOCK_K=32", "BLOCK_Q=32", "HEAD_DIM_PAD=64", "STORAGE=float",
       "THREADS=256", "VALUE_DIM_PAD=64"]),
+    ("attention_generic.cu", "90",
+     ["ACCUM=double", "BLOCK_K=16", "BLOCK_Q=16", "HEAD_DIM_PAD=16", "STORAGE=double",
+      "THREADS=256", "VALUE_DIM_PAD=16"]),
 ]
 
 

@@ -67,19 +67,24 @@ __device__ __forceinline__ void require_shared_bytes(u64 needed) {
 
 // Rows [row_start, row_start + rows) and columns [0, cols) of one head into a
 // tile[Rows][Pitch] of Acc; everything else in the tile becomes 0 (so padded rows and
-// columns contribute nothing and never carry NaN from uninitialised memory).
+// columns contribute nothing and never carry NaN from uninitialised memory). Returns
+// whether this thread loaded a non-finite element (x - x is 0 for finite x only): the
+// caller ORs it over the block with the barrier that follows the load, for free.
 template <class C, int Rows, int Pad>
-__device__ __forceinline__ void load_tile(typename C::Acc* tile, const typename C::T* head,
+__device__ __forceinline__ bool load_tile(typename C::Acc* tile, const typename C::T* head,
                                           const HeadStrides& strides, i64 row_start, int rows,
                                           int cols) {
+    bool non_finite = false;
     for (int element = threadIdx.x; element < Rows * Pad; element += C::threads) {
         const int r = element / Pad, c = element % Pad;
         typename C::Acc value = 0;
         if (r < rows && c < cols)
             value = static_cast<typename C::Acc>(
                 widen(head[(row_start + r) * strides.row + c * strides.col]));
+        non_finite |= !(value - value == typename C::Acc(0));
         tile[r * (Pad + 1) + c] = value;
     }
+    return non_finite;
 }
 
 // The score tile is split so that a thread owns one column c = threadIdx.x % block_k and
@@ -125,6 +130,35 @@ __device__ __forceinline__ void accumulate_product(typename C::Acc* acc,
 #pragma unroll
         for (int i = 0; i < count; ++i)
             acc[i] += a[(row0 + i * row_step) * a_pitch + j * a_inner_stride] * element;
+    }
+}
+
+// accumulate_product restricted to the (query, key) pairs the band keeps: SPEC says a
+// masked entry contributes nothing, not 0 x NaN, and the weights' masked entries are 0
+// while the other operand may hold NaN or inf there. Taken only where the streamed or
+// owned operand of the product holds a non-finite element (a flag from load_tile), so
+// finite inputs keep the unpredicated loop. RowsAreKeys: the product's rows are keys and
+// its inner index queries (dK, dV); otherwise rows are queries and the inner index keys.
+// Rows and keys past the sequence ends need no test: their tile rows are zero and their
+// weights 0.
+template <class C, int Rows, int Pad, int Inner, bool RowsAreKeys>
+__device__ __forceinline__ void accumulate_kept_product(
+    typename C::Acc* acc, const typename C::Acc* a, int a_pitch, int a_inner_stride,
+    const typename C::Acc* b, int b_pitch, const Band& band, i64 row_start, i64 col_start) {
+    constexpr int count = Rows * Pad / C::threads, row_step = C::threads / Pad;
+    static_assert(C::threads % Pad == 0, "a thread keeps one output column");
+    const int d = threadIdx.x % Pad, row0 = threadIdx.x / Pad;
+#pragma unroll 1
+    for (int j = 0; j < Inner; ++j) {
+        const typename C::Acc element = b[j * b_pitch + d];
+#pragma unroll
+        for (int i = 0; i < count; ++i) {
+            const int row = row0 + i * row_step;
+            const i64 query = RowsAreKeys ? row_start + j : row_start + row;
+            const i64 key = RowsAreKeys ? col_start + row : col_start + j;
+            if (band_keeps<C::limit_left, C::limit_right>(band, query, key))
+                acc[i] += a[row * a_pitch + j * a_inner_stride] * element;
+        }
     }
 }
 
@@ -213,9 +247,9 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
         __syncthreads();  // the previous tile's readers are done with k_tile/v_tile/scores
         load_tile<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides, col_start, cols,
                                                   head_dim);
-        load_tile<C, C::block_k, C::value_dim_pad>(v_tile, v_head, v_strides, col_start, cols,
-                                                   value_dim);
-        __syncthreads();
+        // A non-finite K needs nothing here: its masked scores are selected to -inf.
+        const bool v_non_finite = __syncthreads_or(load_tile<C, C::block_k, C::value_dim_pad>(
+            v_tile, v_head, v_strides, col_start, cols, value_dim));
 
         {
             const int c = threadIdx.x % C::block_k, r0 = threadIdx.x / C::block_k;
@@ -281,8 +315,13 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
             const int r = (threadIdx.x + i * C::threads) / C::value_dim_pad;
             accumulator[i] *= row_rescale[r];
         }
-        accumulate_product<C, C::block_q, C::value_dim_pad, C::block_k>(
-            accumulator, scores, C::score_pitch, 1, v_tile, C::value_pitch);
+        if (v_non_finite)
+            accumulate_kept_product<C, C::block_q, C::value_dim_pad, C::block_k, false>(
+                accumulator, scores, C::score_pitch, 1, v_tile, C::value_pitch, options.band,
+                row_start, col_start);
+        else
+            accumulate_product<C, C::block_q, C::value_dim_pad, C::block_k>(
+                accumulator, scores, C::score_pitch, 1, v_tile, C::value_pitch);
     }
     __syncthreads();  // row_sum/row_max final (also when no key tile ran)
 
@@ -363,8 +402,12 @@ __device__ __forceinline__ void score_grad_slots(
 #pragma unroll
     for (int i = 0; i < ScoreSlots<C>::count; ++i) {
         const int r = r0 + i * ScoreSlots<C>::row_step;
+        // Masked pairs get p = dS = 0 by this select, not from exp(-inf - lse) times dP:
+        // dP may be NaN there (a non-finite v or dO) and lse may be NaN.
         Acc p = 0, keep = 0, ds = 0;
-        if (r < rows && c < cols)
+        if (r < rows && c < cols &&
+            band_keeps<C::limit_left, C::limit_right>(options.band, row_start + r,
+                                                      col_start + c))
             probability_and_grad<C>(dots[i], dps[i], lse_tile[r], delta_tile[r], row_start + r,
                                     col_start + c, bh, slope, options, &p, &keep, &ds);
         if (dropped != nullptr) dropped[r * C::score_pitch + c] = p * keep;
@@ -449,16 +492,17 @@ __device__ void backward_dkdv_tile(
             const i64 row_start = query_tile * block_q;
             const int rows = static_cast<int>(min(static_cast<i64>(block_q), n_q - row_start));
             __syncthreads();  // the previous query tile's readers are done
-            load_tile<C, C::block_q, C::head_dim_pad>(
+            const bool q_loaded_non_finite = load_tile<C, C::block_q, C::head_dim_pad>(
                 q_tile, q + batch * q_strides.batch + head * q_strides.head, q_strides,
                 row_start, rows, head_dim);
-            load_tile<C, C::block_q, C::value_dim_pad>(
+            const bool do_loaded_non_finite = load_tile<C, C::block_q, C::value_dim_pad>(
                 do_tile, d_out + batch * do_strides.batch + head * do_strides.head, do_strides,
                 row_start, rows, value_dim);
             load_row_stats<C>(lse_tile, delta_tile, lse, delta, batch, head, bh, n_q,
                               row_start, rows, lse_batch_stride, lse_head_stride,
                               lse_row_stride);
-            __syncthreads();
+            const bool q_non_finite = __syncthreads_or(q_loaded_non_finite);
+            const bool do_non_finite = __syncthreads_or(do_loaded_non_finite);
 
             score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
                                 cols, row_start, col_start, bh, slope, options, dropped,
@@ -467,10 +511,21 @@ __device__ void backward_dkdv_tile(
 
             // dK += dS^T Q and dV += P_dropped^T dO over this query tile's rows (the score
             // tiles read transposed: key c is the row, query r the inner index).
-            accumulate_product<C, C::block_k, C::head_dim_pad, C::block_q>(
-                dk_acc, dscores, 1, C::score_pitch, q_tile, C::head_pitch);
-            accumulate_product<C, C::block_k, C::value_dim_pad, C::block_q>(
-                dv_acc, dropped, 1, C::score_pitch, do_tile, C::value_pitch);
+            // A non-finite Q row or dO row reaches only the keys it keeps.
+            if (q_non_finite)
+                accumulate_kept_product<C, C::block_k, C::head_dim_pad, C::block_q, true>(
+                    dk_acc, dscores, 1, C::score_pitch, q_tile, C::head_pitch, options.band,
+                    row_start, col_start);
+            else
+                accumulate_product<C, C::block_k, C::head_dim_pad, C::block_q>(
+                    dk_acc, dscores, 1, C::score_pitch, q_tile, C::head_pitch);
+            if (do_non_finite)
+                accumulate_kept_product<C, C::block_k, C::value_dim_pad, C::block_q, true>(
+                    dv_acc, dropped, 1, C::score_pitch, do_tile, C::value_pitch, options.band,
+                    row_start, col_start);
+            else
+                accumulate_product<C, C::block_k, C::value_dim_pad, C::block_q>(
+                    dv_acc, dropped, 1, C::score_pitch, do_tile, C::value_pitch);
         }
     }
 
@@ -545,20 +600,25 @@ __device__ void backward_dq_tile(
         const i64 col_start = key_tile * block_k;
         const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
         __syncthreads();
-        load_tile<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides, col_start, cols,
-                                                  head_dim);
+        const bool k_loaded_non_finite = load_tile<C, C::block_k, C::head_dim_pad>(
+            k_tile, k_head, k_strides, col_start, cols, head_dim);
         load_tile<C, C::block_k, C::value_dim_pad>(v_tile, v_head, v_strides, col_start, cols,
                                                    value_dim);
-        __syncthreads();
+        const bool k_non_finite = __syncthreads_or(k_loaded_non_finite);
 
         score_grad_slots<C>(q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, rows,
                                    cols, row_start, col_start, bh, slope, options, nullptr,
                                    dscores);
         __syncthreads();
 
-        // dQ += dS K over this key tile.
-        accumulate_product<C, C::block_q, C::head_dim_pad, C::block_k>(
-            dq_acc, dscores, C::score_pitch, 1, k_tile, C::head_pitch);
+        // dQ += dS K over this key tile (a non-finite key reaches only the rows keeping it).
+        if (k_non_finite)
+            accumulate_kept_product<C, C::block_q, C::head_dim_pad, C::block_k, false>(
+                dq_acc, dscores, C::score_pitch, 1, k_tile, C::head_pitch, options.band,
+                row_start, col_start);
+        else
+            accumulate_product<C, C::block_q, C::head_dim_pad, C::block_k>(
+                dq_acc, dscores, C::score_pitch, 1, k_tile, C::head_pitch);
     }
 
     const i64 out_row0 = bh * n_q + row_start;

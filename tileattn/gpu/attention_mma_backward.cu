@@ -40,6 +40,7 @@
 // VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED and DKDV_PART (dK/dV
 // kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
 #include "backward_scores.cuh"
+#include "kept_products.cuh"
 #if IS_FLOAT32
 #include "tf32.cuh"
 // float32 on TF32 tensor cores at float32 accuracy (tf32.cuh): rows of the width + 8 floats,
@@ -419,13 +420,30 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     load_keys(0, tile_begin);
     commit_copies();
     stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
-        const element* k_tile = k_tiles + stage * STREAMED_ROWS * kQkPitch;
+        element* k_tile = k_tiles + stage * STREAMED_ROWS * kQkPitch;
         Accumulators<STREAMED_ROWS> s, dp;
         two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kVPitch,
                            warp * 16, s, dp);
+        const bool masked = tile_is_masked(key_tile);
         scores_to_ds(scores, s.tile, dp.tile, lse_log2, my_rows, row_states, row_delta,
-                     key_tile * STREAMED_ROWS, tile_is_masked(key_tile),
-                     key_tile_mask(key_tile));
+                     key_tile * STREAMED_ROWS, masked, key_tile_mask(key_tile));
+        // A cut tile (block-uniform) with inf/NaN in K: the kept pairs' dS K terms with it
+        // on CUDA cores, then zeros for the tensor cores (kept_products.cuh). The first
+        // barrier also orders every warp's S = Q K^T before the zeroing.
+        if (masked && __syncthreads_or(tile_has_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch,
+                                                           kThreads>(k_tile))) {
+            const TileMask mask = key_tile_mask(key_tile);
+            add_kept_non_finite_values<STREAMED_ROWS / 8>(
+                dq_acc.tile,
+                [&](int, int half) {
+                    return mask.row_window(static_cast<int>(my_rows[half] - mask.row0), 0);
+                },
+                HeldFromTile<STREAMED_ROWS / 8>{s.tile},
+                [&](int key, int col) { return element_value(k_tile[key * kQkPitch + col]); });
+            __syncthreads();
+            zero_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch, kThreads>(k_tile);
+            __syncthreads();
+        }
         accumulate_product(s, k_tile, dq_acc);
     });
     store_rows<HEAD_DIM>(dq_acc, scale, dq + bh * n_q * HEAD_DIM, row_start + warp * 16, n_q);
@@ -523,8 +541,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         commit_copies();
         stream_tiles(tile_begin, tile_end, load_queries_in_turn, [&](int stage, i64 step) {
             const i64 query_tile = visited_tile(step);
-            const element* q_tile = q_tiles + stage * STREAMED_ROWS * kQkPitch;
-            const element* do_tile = do_tiles + stage * STREAMED_ROWS * kVPitch;
+            element* q_tile = q_tiles + stage * STREAMED_ROWS * kQkPitch;
+            element* do_tile = do_tiles + stage * STREAMED_ROWS * kVPitch;
             const float* lse_tile = lse_tiles + stage * STREAMED_ROWS;
             const float* delta_tile = delta_tiles + stage * STREAMED_ROWS;
             const i64 query_start = query_tile * STREAMED_ROWS;
@@ -541,6 +559,41 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                 scores, st.tile, dpt.tile, lse_tile, delta_tile, query_start, my_keys, col_start,
                 n_q, n_k, masked,
                 tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));
+            // A cut tile (block-uniform) with inf/NaN in dO or Q: the kept pairs' P^T dO and
+            // dS^T Q terms with it on CUDA cores, then zeros for the tensor cores
+            // (kept_products.cuh); keys are the rows here, queries the inner index. The
+            // first barrier also orders every warp's score products before the zeroing.
+            if (masked) {
+                const TileMask mask =
+                    tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k);
+                const auto kept_queries = [&](int, int half) {
+                    return mask.column_window(static_cast<int>(my_keys[half] - col_start), 0);
+                };
+                if (kComputesDv &&
+                    __syncthreads_or(tile_has_non_finite<STREAMED_ROWS, kValueWidth, kVPitch,
+                                                         kThreads>(do_tile))) {
+                    add_kept_non_finite_values<STREAMED_ROWS / 8>(
+                        dv_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{st.tile},
+                        [&](int query, int col) {
+                            return element_value(do_tile[query * kVPitch + col]);
+                        });
+                    __syncthreads();
+                    zero_non_finite<STREAMED_ROWS, kValueWidth, kVPitch, kThreads>(do_tile);
+                    __syncthreads();
+                }
+                if (kComputesDk &&
+                    __syncthreads_or(tile_has_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch,
+                                                         kThreads>(q_tile))) {
+                    add_kept_non_finite_values<STREAMED_ROWS / 8>(
+                        dk_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{dpt.tile},
+                        [&](int query, int col) {
+                            return element_value(q_tile[query * kQkPitch + col]);
+                        });
+                    __syncthreads();
+                    zero_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch, kThreads>(q_tile);
+                    __syncthreads();
+                }
+            }
             if (kComputesDv) accumulate_product(st, do_tile, dv_acc);
 #if SINGLE_PASS
             store_transposed_scores(dpt, ds_tile, warp * 16);

@@ -135,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         }
         __syncthreads();
         const bits16* k_tile = k_tiles + stage * BLOCK_K * kQkPitch;
-        const bits16* v_tile = v_tiles + stage * BLOCK_K * kVPitch;
+        bits16* v_tile = v_tiles + stage * BLOCK_K * kVPitch;
 
         // S = Q K^T. B[k][n] = K[key n][dim k]: a plain ldmatrix of K's rows gives the
         // "col" B fragment; one x4 load covers two 8-key tiles.
@@ -177,6 +177,25 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
                          scores);
         online_softmax_step(s, row_max, row_sum, o_acc);
         if (DROPOUT) drop_probabilities(s, row_states, col_start + dropout_col0, dropout_threshold);
+
+        // A cut tile (needs_mask is block-uniform) with a non-finite V: the kept pairs'
+        // products with it on CUDA cores, then zeros in its place for the tensor cores
+        // (kept_products.cuh). The barriers order every warp's reads before the zeroing
+        // and the zeroing before every warp's P V.
+        if (needs_mask && __syncthreads_or(tile_has_non_finite<BLOCK_K, kValueWidth, kVPitch,
+                                                               kThreads>(v_tile))) {
+            // The mask again rather than kept live across the softmax (registers).
+            add_kept_non_finite_values<BLOCK_K / 8>(
+                o_acc,
+                KeptKeysOfRows<kRowTiles>{
+                    my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k)},
+                HeldFromScores<kRowTiles, BLOCK_K / 8>{s}, [&](int key, int col) {
+                return element_value(v_tile[key * kVPitch + col]);
+            });
+            __syncthreads();
+            zero_non_finite<BLOCK_K, kValueWidth, kVPitch, kThreads>(v_tile);
+            __syncthreads();
+        }
 
         // O += P V. The S accumulators of key tiles 2kk and 2kk+1 are exactly the A
         // fragment of a 16x16 P block; V's B fragment needs the transposing ldmatrix.

@@ -165,10 +165,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
             }
             commit_copies();
         }
-        if (kWarpgroupSkips && (step < wg_first || step >= wg_stop)) continue;  // per warpgroup
         const int stage = step % STAGES;
         const u32 k_tile = k_tiles + stage * kKTileBytes;
         const u32 v_tile = v_tiles + stage * kVTileBytes;
+        // A cut tile (key_tile_needs_mask is block-uniform) is scanned for a non-finite V by
+        // every warpgroup, skipping ones included, since the barriers below count all
+        // threads (kept_products.cuh).
+        const bool v_non_finite =
+            key_tile_needs_mask(scores, row_start, BLOCK_Q, key_tile * BLOCK_K, BLOCK_K) &&
+            __syncthreads_or(shared_tile_has_non_finite<kVTileBytes, kThreads>(v_tile));
+        if (kWarpgroupSkips && (step < wg_first || step >= wg_stop)) {  // per warpgroup
+            if (v_non_finite) {  // the zeroing's barriers, below
+                __syncthreads();
+                zero_non_finite_shared_tile<kVTileBytes, kThreads>(v_tile);
+                fence_shared_for_async_proxy();
+                __syncthreads();
+            }
+            continue;
+        }
 
         // S = Q K^T over the 16-column slices of Q and K.
         float s[1][kKeyFrags][4];
@@ -191,6 +205,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                          scores);
         online_softmax_step(s, row_max, row_sum, o_acc);
         if (DROPOUT) drop_probabilities(s, row_states, col_start + dropout_col0, dropout_threshold);
+
+        // A non-finite V on a cut tile: the kept pairs' products with it on CUDA cores, then
+        // zeros in its place, made visible to the tensor cores' (async proxy) reads. The
+        // barriers order every warpgroup's reads before the zeroing and the zeroing before
+        // every warpgroup's P V (no wgmma reads V between them: each waited for its last).
+        if (v_non_finite) {
+            // The mask again rather than kept live across the softmax (registers).
+            add_kept_non_finite_values<kKeyFrags>(
+                o_acc,
+                KeptKeysOfRows<1>{
+                    my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k)},
+                HeldFromScores<1, kKeyFrags>{s}, [&](int key, int col) {
+                    return element_value(
+                        load_shared_bits16(v_tile + VSwizzle::element(key, col, BLOCK_K)));
+                });
+            __syncthreads();
+            zero_non_finite_shared_tile<kVTileBytes, kThreads>(v_tile);
+            fence_shared_for_async_proxy();
+            __syncthreads();
+        }
 
         // O += P V: keys 16 kk .. 16 kk + 15 are rows 16 kk .. of the V tile; V's next
         // column block is BLOCK_K rows further.

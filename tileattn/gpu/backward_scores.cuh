@@ -159,13 +159,16 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
+            const bool kept_pair = !masked || kept[e >> 1].keeps(n * 8 + (e & 1));
             float capped_grad;
             const float p = probability(scores, s[n][e], lse_log2[e >> 1], rows[e >> 1], key,
-                                        !masked || kept[e >> 1].keeps(n * 8 + (e & 1)),
-                                        &capped_grad);
-            s[n][e] = p * capped_grad *
-                      (dp[n][e] * dropout_factor(scores, row_states[e >> 1], key) -
-                       row_delta[e >> 1]);
+                                        kept_pair, &capped_grad);
+            // A masked dS is 0 by this select, not P = 0 times a dP that may be NaN there
+            // (a non-finite V or dO), nor a P that is NaN on a row whose lse is.
+            s[n][e] = kept_pair ? p * capped_grad *
+                                      (dp[n][e] * dropout_factor(scores, row_states[e >> 1], key) -
+                                       row_delta[e >> 1])
+                                : 0.0f;
         }
 }
 
@@ -203,14 +206,16 @@ __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
             for (int half = 0; half < 2; ++half) {
                 const int e = 2 * half + column;
                 const i64 key = keys[half];
+                const bool kept_pair = !masked || kept[half].keeps(n * 8 + column);
                 float capped_grad;
-                float p = probability(scores, st[n][e], query_lse, query, key,
-                                      !masked || kept[half].keeps(n * 8 + column),
+                float p = probability(scores, st[n][e], query_lse, query, key, kept_pair,
                                       &capped_grad);
                 if (ZeroKeysPastEnd && key >= n_k) p = 0.0f;
                 const float factor = dropout_factor(scores, row_state, key);
-                st[n][e] = p * factor;
-                dpt[n][e] = p * capped_grad * (dpt[n][e] * factor - query_delta);
+                // Masked P^T and dS^T are 0 by select (as in scores_to_ds).
+                st[n][e] = kept_pair ? p * factor : 0.0f;
+                dpt[n][e] = kept_pair ? p * capped_grad * (dpt[n][e] * factor - query_delta)
+                                      : 0.0f;
             }
         }
 }

@@ -10,6 +10,7 @@
 // a quad share a row, so row maxima take two shuffles and row sums stay per-thread partial
 // sums until the end (the rescale is quad-uniform).
 #pragma once
+#include "kept_products.cuh"
 #include "mma.cuh"
 
 constexpr float kLn2 = 0.6931471805599453f;

@@ -42,6 +42,13 @@ template <int Width> struct Swizzled {
     static __device__ __forceinline__ u32 slice(int kk, int rows) {
         return (kk * 16 / kColumns) * rows * kRowBytes + (kk * 16 % kColumns) * 2;
     }
+    // Byte offset of element (r, c) of a tile of `rows` rows: the column block, the row,
+    // the swizzled 16-byte chunk, the element in it.
+    static __device__ __forceinline__ u32 element(int r, int c, int rows) {
+        const int c8 = c / 8;
+        return (c8 / kChunks) * rows * kRowBytes + r * kRowBytes + (chunk(c8 % kChunks, r) << 4) +
+               (c % 8) * 2;
+    }
 };
 
 // Bytes of a swizzled tile of Rows x Width 16-bit elements (the 1024-byte alignment of

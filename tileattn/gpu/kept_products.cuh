@@ -1,0 +1,204 @@
+#pragma once
+#include "mma.cuh"
+
+// Masked entries contribute nothing to a tile's products, not 0 x NaN (SPEC, "Errors"), on
+// the tensor cores: the GPU counterpart of tileattn/cpu/kept_products.py.
+//
+// A masked score is selected to -inf, so its P (and, by select, its dS) is 0, but a tensor-
+// core product still multiplies it by the other operand: a NaN or inf in V (or K, Q, dO in
+// the backward) at a key or query that a row does not keep would reach that row. Only
+// tiles that the mask cuts hold masked entries. There, the kernel scans the streamed or
+// owned operand's tile in shared memory (tile_has_non_finite, ORed over the block); only if
+// it holds a non-finite element do the kept pairs' products with those elements go to CUDA
+// cores with IEEE arithmetic (add_kept_non_finite_values: a kept p = 0 times inf stays
+// NaN), after which the elements are zeroed in shared memory (zero_non_finite) and the
+// tensor-core product sums every other term, the masked ones as 0 x 0. Tiles the mask
+// keeps whole have only kept pairs and are never scanned.
+
+// Whether a 16-bit element (float16 or bfloat16 by IS_BFLOAT16) or a float is inf or NaN:
+// its exponent bits are all ones.
+__device__ __forceinline__ bool bits_non_finite(bits16 x) {
+#if IS_BFLOAT16
+    constexpr u32 exponent = 0x7f80u;
+#else
+    constexpr u32 exponent = 0x7c00u;
+#endif
+    return (x & exponent) == exponent;
+}
+__device__ __forceinline__ bool bits_non_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+__device__ __forceinline__ float element_value(bits16 x) {
+#if IS_BFLOAT16
+    return widen(bfloat16_storage{x});
+#else
+    return widen(half_storage{x});
+#endif
+}
+__device__ __forceinline__ float element_value(float x) { return x; }
+
+// 16 bytes of a tile: two 16-bit exponents per word, or one float's.
+template <typename T> __device__ __forceinline__ bool chunk_non_finite(uint4 chunk);
+template <> __device__ __forceinline__ bool chunk_non_finite<bits16>(uint4 chunk) {
+#if IS_BFLOAT16
+    constexpr u32 exponents = 0x7f807f80u;
+#else
+    constexpr u32 exponents = 0x7c007c00u;
+#endif
+    // (w & e) ^ e has a zero 16-bit half exactly where that half's exponent is all ones.
+    const u32 words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+    bool found = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 missing = (words[i] & exponents) ^ exponents;
+        found |= (missing & 0xffffu) == 0u || (missing >> 16) == 0u;
+    }
+    return found;
+}
+template <> __device__ __forceinline__ bool chunk_non_finite<float>(uint4 chunk) {
+    constexpr u32 exponent = 0x7f800000u;
+    return (chunk.x & exponent) == exponent || (chunk.y & exponent) == exponent ||
+           (chunk.z & exponent) == exponent || (chunk.w & exponent) == exponent;
+}
+
+// This thread's share of the scan of columns [0, Width) of tile[Rows][Pitch] (the pitch's
+// padding is never written, so it is not read). Width and Pitch are whole 16-byte chunks.
+template <int Rows, int Width, int Pitch, int Threads, typename T>
+__device__ __forceinline__ bool tile_has_non_finite(const T* tile) {
+    constexpr int chunk_elements = 16 / sizeof(T), chunks_per_row = Width / chunk_elements;
+    static_assert(Width % chunk_elements == 0 && Pitch % chunk_elements == 0, "16-byte rows");
+    bool found = false;
+    for (int chunk = threadIdx.x; chunk < Rows * chunks_per_row; chunk += Threads) {
+        const int r = chunk / chunks_per_row, c = chunk % chunks_per_row;
+        found |= chunk_non_finite<T>(
+            *reinterpret_cast<const uint4*>(tile + r * Pitch + c * chunk_elements));
+    }
+    return found;
+}
+
+template <int Rows, int Width, int Pitch, int Threads, typename T>
+__device__ __forceinline__ void zero_non_finite(T* tile) {
+    for (int element = threadIdx.x; element < Rows * Width; element += Threads) {
+        T* x = tile + (element / Width) * Pitch + element % Width;
+        if (bits_non_finite(*x)) *x = T(0);
+    }
+}
+
+// The same scan and zeroing over Bytes of dense 16-bit tiles at a shared address (wgmma's
+// swizzled tiles: every byte is an element or zero padding, so no layout is needed).
+template <int Bytes, int Threads>
+__device__ __forceinline__ bool shared_tile_has_non_finite(u32 tile) {
+    static_assert(Bytes % 16 == 0, "16-byte chunks");
+    bool found = false;
+    for (int offset = threadIdx.x * 16; offset < Bytes; offset += Threads * 16) {
+        uint4 chunk;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(chunk.x), "=r"(chunk.y), "=r"(chunk.z), "=r"(chunk.w)
+                     : "r"(tile + offset)
+                     : "memory");
+        found |= chunk_non_finite<bits16>(chunk);
+    }
+    return found;
+}
+
+__device__ __forceinline__ bits16 load_shared_bits16(u32 address) {
+    unsigned short x;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(x) : "r"(address) : "memory");
+    return x;
+}
+
+template <int Bytes, int Threads>
+__device__ __forceinline__ void zero_non_finite_shared_tile(u32 tile) {
+    for (int offset = threadIdx.x * 2; offset < Bytes; offset += Threads * 2)
+        if (bits_non_finite(load_shared_bits16(tile + offset)))
+            asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(tile + offset),
+                         "h"(static_cast<unsigned short>(0))
+                         : "memory");
+}
+
+// O += p_rj v[j][d] for this thread's rows r and O columns d, over the keys j that row r
+// keeps (window_of(m, half): the Window of tile-relative keys kept by row half `half` of
+// row tile m) and the d where v[j][d] = value_at(j, d) is not finite (value_at is called
+// for kept keys only). The backward uses it with keys and queries in the other roles. P is in the accumulator layout: held_of(m, n,
+// half, odd) is this thread's entry of row half `half` of row tile m, key 8 n + 2 quad_col
+// + odd (after dropout); key j's entry of a row is held by quad lane (j % 8) / 2, so it
+// comes by shuffle. Each such term is inf or NaN, so their sum, added to O once, is what
+// adding them one by one gives (IEEE: any NaN or infinities of both signs give NaN, else
+// the one signed infinity); that keeps O out of the rolled loops, whose loop-carried
+// accumulators cost spills in the hot path (ptxas). Off the hot path (non-finite V on a
+// cut tile only), so the loop over a fragment's 8 keys stays rolled; the fragment index
+// stays compile-time (a run-time one puts P in local memory).
+template <int KeyFrags, int RowTiles, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
+__device__ __forceinline__ void add_kept_non_finite_values(float (&o_acc)[RowTiles][OutFrags][4],
+                                                           WindowOf window_of, HeldOf held_of,
+                                                           ValueAt value_at) {
+    const int lane = threadIdx.x % 32, quad_col = lane % 4, quad_lane0 = lane & ~3;
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const Window kept = window_of(m, half);
+#pragma unroll
+            for (int dn = 0; dn < OutFrags; ++dn) {
+                const int col = dn * 8 + 2 * quad_col;
+                float non_finite_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+                for (int n = 0; n < KeyFrags; ++n) {
+                    const float held_even = held_of(m, n, half, 0);
+                    const float held_odd = held_of(m, n, half, 1);
+#pragma unroll 1
+                    for (int j = 0; j < 8; ++j) {
+                        // Key n * 8 + j: the holder's element j % 2 of fragment n.
+                        const float weight = __shfl_sync(
+                            0xffffffffu, (j & 1) ? held_odd : held_even, quad_lane0 | (j / 2));
+                        if (!kept.keeps(n * 8 + j)) continue;
+#pragma unroll
+                        for (int f = 0; f < 2; ++f) {
+                            const float value = value_at(n * 8 + j, col + f);
+                            if (bits_non_finite(value)) non_finite_sum[f] += weight * value;
+                        }
+                    }
+                }
+                o_acc[m][dn][2 * half] += non_finite_sum[0];
+                o_acc[m][dn][2 * half + 1] += non_finite_sum[1];
+            }
+        }
+}
+
+// held_of for P as floats in the accumulator layout.
+template <int RowTiles, int KeyFrags>
+struct HeldFromScores {
+    const float (&p)[RowTiles][KeyFrags][4];
+    __device__ __forceinline__ float operator()(int m, int n, int half, int odd) const {
+        return p[m][n][2 * half + odd];
+    }
+};
+
+// window_of for a forward's rows against the tile `mask` (its rows relative to mask.row0).
+template <int RowTiles>
+struct KeptKeysOfRows {
+    const i64 (&rows)[RowTiles][2];
+    TileMask mask;
+    __device__ __forceinline__ Window operator()(int m, int half) const {
+        return mask.row_window(static_cast<int>(rows[m][half] - mask.row0), 0);
+    }
+};
+
+// The same for one row tile's accumulators, float[OutFrags][4] (the backwards' layout).
+template <int KeyFrags, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
+__device__ __forceinline__ void add_kept_non_finite_values(float (&acc)[OutFrags][4],
+                                                           WindowOf window_of, HeldOf held_of,
+                                                           ValueAt value_at) {
+    add_kept_non_finite_values<KeyFrags>(reinterpret_cast<float (&)[1][OutFrags][4]>(acc),
+                                         window_of, held_of, value_at);
+}
+
+// held_of for one row tile's weights, float[KeyFrags][4].
+template <int KeyFrags>
+struct HeldFromTile {
+    const float (&p)[KeyFrags][4];
+    __device__ __forceinline__ float operator()(int, int n, int half, int odd) const {
+        return p[n][2 * half + odd];
+    }
+};
