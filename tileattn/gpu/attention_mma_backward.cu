@@ -430,7 +430,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         // A cut tile (block-uniform) with inf/NaN in K: the kept pairs' dS K terms with it
         // on CUDA cores, then zeros for the tensor cores (kept_products.cuh). The first
         // barrier also orders every warp's S = Q K^T before the zeroing.
-        if (masked && __syncthreads_or(tile_has_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch,
+        if (kBandMasksKeys && masked &&
+            __syncthreads_or(tile_has_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch,
                                                            kThreads>(k_tile))) {
             const TileMask mask = key_tile_mask(key_tile);
             add_kept_non_finite_values<STREAMED_ROWS / 8>(
@@ -563,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             // dS^T Q terms with it on CUDA cores, then zeros for the tensor cores
             // (kept_products.cuh); keys are the rows here, queries the inner index. The
             // first barrier also orders every warp's score products before the zeroing.
-            if (masked) {
+            if (kBandMasksKeys && masked) {
                 const TileMask mask =
                     tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k);
                 const auto kept_queries = [&](int, int half) {

@@ -182,7 +182,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         // products with it on CUDA cores, then zeros in its place for the tensor cores
         // (kept_products.cuh). The barriers order every warp's reads before the zeroing
         // and the zeroing before every warp's P V.
-        if (needs_mask && __syncthreads_or(tile_has_non_finite<BLOCK_K, kValueWidth, kVPitch,
+        if (kBandMasksKeys && needs_mask &&
+            __syncthreads_or(tile_has_non_finite<BLOCK_K, kValueWidth, kVPitch,
                                                                kThreads>(v_tile))) {
             // The mask again rather than kept live across the softmax (registers).
             add_kept_non_finite_values<BLOCK_K / 8>(

@@ -172,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         // every warpgroup, skipping ones included, since the barriers below count all
         // threads (kept_products.cuh).
         const bool v_non_finite =
-            key_tile_needs_mask(scores, row_start, BLOCK_Q, key_tile * BLOCK_K, BLOCK_K) &&
+            kBandMasksKeys && key_tile_needs_mask(scores, row_start, BLOCK_Q, key_tile * BLOCK_K, BLOCK_K) &&
             __syncthreads_or(shared_tile_has_non_finite<kVTileBytes, kThreads>(v_tile));
         if (kWarpgroupSkips && (step < wg_first || step >= wg_stop)) {  // per warpgroup
             if (v_non_finite) {  // the zeroing's barriers, below

@@ -14,6 +14,12 @@
 // NaN), after which the elements are zeroed in shared memory (zero_non_finite) and the
 // tensor-core product sums every other term, the masked ones as 0 x 0. Tiles the mask
 // keeps whole have only kept pairs and are never scanned.
+//
+// Only a band (causal or a window) masks a key that was loaded: keys and queries past the
+// sequence's end are zero-filled in shared memory, never read from memory. So the scans are
+// compiled in only where a band limit is (kBandMasksKeys), and kernels without one stay
+// exactly as they were, registers included.
+constexpr bool kBandMasksKeys = LIMIT_LEFT || LIMIT_RIGHT;
 
 // Whether a 16-bit element (float16 or bfloat16 by IS_BFLOAT16) or a float is inf or NaN:
 // its exponent bits are all ones.
