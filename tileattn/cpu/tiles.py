@@ -130,3 +130,38 @@ def tile_view(buffer, n_rows, n_cols):
     slice of a 2-D buffer is not at the last, ragged tile.
     """
     return buffer[:n_rows * n_cols].reshape((n_rows, n_cols))
+
+
+@njit
+def key_rows(keys, b, kv_head, start, stop, block_table, page_size, slots_outer, buffer):
+    """Keys (or values) ``[start, stop)`` of kv head `kv_head` of batch element `b`, as a
+    C-contiguous ``(stop - start, D)`` array for BLAS.
+
+    Without a block table (``block_table.shape[0] == 0``) `keys` is ``(B, Hkv, N, D)`` and
+    this is a view. With one (paged K/V), `keys` is the page pool, ``(num_pages, Hkv,
+    page_size, D)``, or ``(num_pages, page_size, Hkv, D)`` when `slots_outer` (vLLM's
+    layout, which a caller passes as a transposed view: read as stored, without a copy), and
+    `start`, `stop` are logical keys: row ``j`` comes from page
+    ``block_table[b, j // page_size]``, slot ``j % page_size``, gathered into `buffer`.
+    Only the pages of these keys are read. Page ids are clamped into the pool (and table
+    columns into the table): with ``check_lengths=False`` nothing checked them, and a bad
+    one must give wrong numbers, not a read out of bounds.
+
+    Gathering a tile into scratch (rather than indexing rows inside the score loops) keeps
+    the tile products on BLAS; it copies ``block_k x D`` elements per key tile, against
+    ``block_q x block_k x D`` multiply-adds of the products.
+    """
+    if block_table.shape[0] == 0:
+        return keys[b, kv_head, start:stop]
+    n_rows, dim = stop - start, keys.shape[3]
+    rows = buffer[:n_rows * dim].reshape((n_rows, dim))
+    last_page, last_column = keys.shape[0] - 1, block_table.shape[1] - 1
+    for j in range(n_rows):
+        key = start + j
+        page = block_table[b, min(key // page_size, last_column)]
+        page = min(max(page, 0), last_page)
+        slot = key % page_size
+        for d in range(dim):
+            rows[j, d] = keys[page, slot, kv_head, d] if slots_outer else keys[page, kv_head,
+                                                                                slot, d]
+    return rows
