@@ -76,6 +76,16 @@ def _check_serves(module, problem: Problem) -> None:
             "backend='cpu' (host arrays) or backend='reference'")
 
 
+def _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table):
+    """The length keywords for `validate`, or None for a dense call (the common case, kept
+    to a few ``is None`` tests: small calls are counted in microseconds)."""
+    if (seqlens_q is None and seqlens_k is None and cu_seqlens_q is None
+            and cu_seqlens_k is None and block_table is None):
+        return None
+    return {"seqlens_q": seqlens_q, "seqlens_k": seqlens_k, "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k, "block_table": block_table}
+
+
 def run_forward(problem: Problem, backend: str):
     """Forward of a validated problem on `backend`: ``(o, lse)`` in "bhsd" order, also
     written into the problem's output buffers. `tileattn.distributed` calls this (and
@@ -219,9 +229,8 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
                        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                        block_q=block_q, block_k=block_k, deterministic=True, layout=layout,
                        outputs={"out": out, "lse_out": lse_out},
-                       varlen={"seqlens_q": seqlens_q, "seqlens_k": seqlens_k,
-                               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-                               "block_table": block_table},
+                       varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
+                                               cu_seqlens_k, block_table),
                        check_lengths=check_lengths)
     o, lse = run_forward(problem, backend)
     o = problem.layout.restore(o, problem.n_q_heads) if out is None else out
@@ -283,9 +292,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
                        seed=seed, block_q=block_q, block_k=block_k,
                        deterministic=deterministic, layout=layout,
                        outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out},
-                       varlen={"seqlens_q": seqlens_q, "seqlens_k": seqlens_k,
-                               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-                               "block_table": block_table},
+                       varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
+                                               cu_seqlens_k, block_table),
                        check_lengths=check_lengths)
     dq, dk, dv = run_backward(problem, backend)
     return tuple(problem.layout.restore(result, heads) if given is None else given

@@ -481,10 +481,9 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     ``cu_seqlens_k``, ``block_table``) to the caller's arrays or None; they become
     ``options.varlen`` (SPEC "Variable-length batches and paged K/V")."""
     sequence_first = check_layout(layout)
-    if not isinstance(check_lengths, (bool, np.bool_)):
+    if check_lengths is not True and not isinstance(check_lengths, (bool, np.bool_)):
         raise TypeError(f"check_lengths must be a bool, got {check_lengths!r}")
-    varlen = varlen or {}
-    family = varlen_family(varlen, backward=do is not None)
+    family = varlen_family(varlen, backward=do is not None) if varlen else None
     library = arrays.library_of(q)
     named = {"q": q, "k": k, "v": v}
     if do is not None:

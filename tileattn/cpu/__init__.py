@@ -14,6 +14,7 @@ The backward is always deterministic, so ``options.deterministic`` changes nothi
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 
@@ -82,10 +83,8 @@ def _blocks(kind: str, q, v, options: AttentionOptions, n_threads: int,
     """
     head_dim, n_q_heads = q.shape[3], q.shape[1]
     defaults = default_blocks(kind, head_dim, v.shape[3], q.itemsize, options.is_masked)
-    rows = shape.descriptors[:, ROWS]
     block_q = spread_over_threads(defaults.block_q,
-                                  lambda size: n_q_heads * int((-(-rows // size)).sum()),
-                                  n_threads)
+                                  lambda size: n_q_heads * shape.query_tasks(size), n_threads)
     blocks = Blocks(block_q, defaults.block_k).resolve(options.block_q, options.block_k)
     return Blocks(max(1, min(blocks.block_q, shape.max_rows)),
                   max(1, min(blocks.block_k, shape.max_keys)))
@@ -105,14 +104,16 @@ class Sequences:
         self.block_table = _NO_TABLE
         if layout is None:
             n_k = k.shape[2]
-            self.descriptors = dense_descriptors(batch, n_q, n_k, options.band_offset(n_q, n_k))
+            self.descriptors = _dense_descriptors(batch, n_q, n_k,
+                                                  options.band_offset(n_q, n_k))
+            self.max_rows, self.max_keys = n_q, n_k
         else:
             self.descriptors = layout.descriptors(batch, n_q, k.shape[2])
             if layout.family == "paged":
                 self.block_table = np.array(layout.block_table, np.int64)
                 self.page_size = layout.page_size
-        self.max_rows = int(self.descriptors[:, ROWS].max(initial=0))
-        self.max_keys = int(self.descriptors[:, KEYS].max(initial=0))
+            self.max_rows = int(self.descriptors[:, ROWS].max(initial=0))
+            self.max_keys = int(self.descriptors[:, KEYS].max(initial=0))
 
     def pools(self, k, v, dtype):
         """The kernels' read-only C-contiguous views of k and v. For a paged call, pools
@@ -124,14 +125,69 @@ class Sequences:
             return tuple(_read_only(x.transpose(0, 2, 1, 3), dtype) for x in (k, v))
         return _read_only(k, dtype), _read_only(v, dtype)
 
+    def query_tasks(self, block_q: int) -> int:
+        """Query tiles over all sequences (per head) for tiles of `block_q` rows."""
+        if not self.varlen:
+            return len(self.descriptors) * -(-self.max_rows // block_q)
+        return int((-(-self.descriptors[:, ROWS] // block_q)).sum())
+
     def pairs(self, options: AttentionOptions) -> int:
         """Kept (row, key) pairs over all sequences, per head."""
-        rows, keys, bands = (self.descriptors[:, c] for c in (ROWS, KEYS, BAND))
-        return schedule.tile_list(rows, keys, bands, max(1, self.max_rows),
+        d = self.descriptors
+        if not self.varlen:  # every sequence alike: count one
+            return len(d) * _dense_pairs(self.max_rows, self.max_keys, int(d[0, BAND]),
+                                         options.window_left, options.window_right)
+        return schedule.tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], max(1, self.max_rows),
                                   options.window_left, options.window_right)[1]
+
+    def tiles(self, block: int, options: AttentionOptions, keys: bool = False):
+        """``(sequence, first row)`` pairs of every query tile (or with `keys`, first key of
+        every key tile), longest first (`schedule.tile_list`). A dense batch orders one
+        sequence's tiles and deals each to every batch element in turn."""
+        d = self.descriptors
+        rows, cols, bands = (d[:, KEYS], d[:, ROWS], -d[:, BAND]) if keys else (
+            d[:, ROWS], d[:, KEYS], d[:, BAND])
+        left, right = ((options.window_right, options.window_left) if keys
+                       else (options.window_left, options.window_right))
+        if self.varlen or not len(d):
+            return schedule.tile_list(rows, cols, bands, block, left, right)[0]
+        return _dense_tiles(len(d), int(rows[0]), int(cols[0]), int(bands[0]), block, left,
+                            right)
 
 
 _NO_TABLE = np.zeros((0, 0), np.int64)
+
+
+# Dense calls repeat shapes (a decode loop, a training step): their descriptors and tile
+# lists are cached, which kept the per-call host time of small calls at main's (the
+# NumPy to build them cost 10-15 us a call). The kernels never write them.
+@functools.lru_cache(maxsize=256)
+def _dense_descriptors(batch: int, n_q: int, n_k: int, band_offset: int) -> np.ndarray:
+    return dense_descriptors(batch, n_q, n_k, band_offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_pairs(n_rows, n_cols, band_offset, window_left, window_right) -> int:
+    return int(schedule.kept_pairs_per_row(n_rows, n_cols, band_offset, window_left,
+                                           window_right).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def _in_order(n_sequences: int) -> np.ndarray:
+    """``(sequence, 0)`` for every sequence in order: the heads schedule of a dense batch."""
+    return np.stack([np.arange(n_sequences, dtype=np.int64),
+                     np.zeros(n_sequences, np.int64)], axis=1)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_tiles(batch, n_rows, n_cols, band_offset, block, window_left, window_right):
+    """One sequence's tiles longest first, each dealt to every batch element in turn."""
+    order = schedule.longest_first(-(-n_rows // block), block, n_rows, n_cols, band_offset,
+                                   window_left, window_right)
+    tiles = np.empty((order.size * batch, 2), np.int64)
+    tiles[:, 0] = np.tile(np.arange(batch, dtype=np.int64), order.size)
+    tiles[:, 1] = np.repeat(order * block, batch)
+    return tiles
 
 
 def _option_scalars(options: AttentionOptions, n_sequences: int, n_q_heads: int):
@@ -174,18 +230,12 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences):
     lse = allocate[1]((batch, n_q_heads, n_q), q_c.dtype)
     n_threads = threads.threads_for(_flops(q_c, v_c, shape.pairs(options)))
     blocks = _blocks("forward", q_c, v_c, options, n_threads, shape)
-    tiles = _query_tiles(shape, blocks.block_q, options)
+    tiles = shape.tiles(blocks.block_q, options)
     with _kernel_lock, blas.single_threaded():
         threads.run(forward_kernel, min(n_threads, n_q_heads * len(tiles)),
                     q_c, k_c, v_c, out, lse, shape.descriptors, tiles, *_paging(shape),
                     *scalars, blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
     return out, lse
-
-
-def _query_tiles(shape: Sequences, block_q: int, options: AttentionOptions):
-    descriptors = shape.descriptors
-    return schedule.tile_list(descriptors[:, ROWS], descriptors[:, KEYS], descriptors[:, BAND],
-                              block_q, options.window_left, options.window_right)[0]
 
 
 def forward(q, k, v, options: AttentionOptions):
@@ -228,18 +278,15 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
         delta.flags.writeable = safe_lse.flags.writeable = False
         if _use_heads_schedule(n_sequences, n_kv_heads, n_threads):
             dq = np.zeros(q.shape, dtype)
-            # Longest sequences first, so a long one never starts last.
-            work = descriptors[:, ROWS] * descriptors[:, KEYS]
-            order = np.argsort(-work, kind="stable").astype(np.int64)
-            tiles = np.stack([order, np.zeros_like(order)], axis=1)
+            tiles = _in_order(n_sequences)
+            if shape.varlen:  # longest sequences first, so a long one never starts last
+                work = descriptors[:, ROWS] * descriptors[:, KEYS]
+                tiles = tiles[np.argsort(-work, kind="stable")]
             runs = [(HEADS, min(n_threads, n_sequences * n_kv_heads), tiles)]
         else:
             dq = allocate(q.shape, dtype)
-            key_tiles = schedule.tile_list(descriptors[:, KEYS], descriptors[:, ROWS],
-                                           -descriptors[:, BAND], blocks.block_k,
-                                           options.window_right, options.window_left)[0]
-            runs = [(KEY_TILES, n_threads, key_tiles),
-                    (QUERY_TILES, n_threads, _query_tiles(shape, blocks.block_q, options))]
+            runs = [(KEY_TILES, n_threads, shape.tiles(blocks.block_k, options, keys=True)),
+                    (QUERY_TILES, n_threads, shape.tiles(blocks.block_q, options))]
         for kernel_schedule, n_workers, tiles in runs:
             threads.run(backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse, delta, dq,
                         dk, dv, descriptors, *scalars, *tiling, kernel_schedule, tiles)

@@ -8,6 +8,7 @@ import numpy as np
 from . import blas, threads
 from ..options import BAND, KEYS, ROWS, UNLIMITED
 from .blocks import default_blocks
+from .tiles import key_span
 
 MAX_QUERY_ROWS = 16
 """Calls with at most this many query rows take the decode path (bench/NOTES-cpu.md,
@@ -57,12 +58,18 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
     value_dim = v_c.shape[3]
     n_kv_heads = k_c.shape[2] if shape.slots_outer else k_c.shape[1]
     descriptors = shape.descriptors
-    spans = _key_spans(descriptors, options)
-    longest = int(spans.max(initial=0))
+    if shape.varlen:
+        spans = _key_spans(descriptors, options)
+        longest = int(spans.max(initial=0))
+        row_keys = float((descriptors[:, ROWS] * spans).sum())
+    else:  # every sequence alike: the key span of one, in plain ints
+        start, stop = key_span(0, n_q, shape.max_keys, int(descriptors[0, BAND]),
+                               options.window_left, options.window_right)
+        longest = max(min(stop, shape.max_keys) - max(start, 0), 0)
+        row_keys = float(len(descriptors) * n_q * longest)
     block_k = options.block_k or default_blocks("forward", head_dim, value_dim,
                                                 q_c.itemsize).block_k
-    flops = 2.0 * n_q_heads * float((descriptors[:, ROWS] * spans).sum()) * (head_dim
-                                                                             + value_dim)
+    flops = 2.0 * n_q_heads * row_keys * (head_dim + value_dim)
     n_threads = threads.threads_for(flops)
     n_tasks_per_split = len(descriptors) * n_kv_heads
     if n_splits is None:
