@@ -118,7 +118,7 @@ class Sequences:
     def pools(self, k, v, dtype):
         """The kernels' read-only C-contiguous views of k and v. For a paged call, pools
         stored ``(num_pages, page_size, Hkv, D)`` (vLLM's order, passed transposed) are read
-        in that order without a copy (`tiles.key_rows`'s `slots_outer`); both pools are
+        in that order without a copy (`tiles.key_value_rows`'s `slots_outer`); both pools are
         read in k's order."""
         if self.page_size and k.strides[2] > k.strides[1] and k.shape[1] > 1:
             self.slots_outer = 1

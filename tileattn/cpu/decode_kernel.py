@@ -27,7 +27,7 @@ from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from .forward_kernel import _apply_dropout, _softmax_update
 from .kept_products import redo_non_finite_rows
 from .schedule import claim_next
-from .tiles import (key_rows, key_span, mask_tile, tile_is_fully_kept, tile_view,
+from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
                     transform_tile)
 from .vector_math import FASTMATH, maximum
 
@@ -128,7 +128,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, blo
 
     `sequences` and the paging arguments are those of `forward_kernel.forward_kernel` (a
     dense batch is one sequence per batch element; paged K/V is read through
-    `tiles.key_rows`). `partial_acc` is (splits, B, Hq, Nq, Dv), `partial_max` and
+    `tiles.key_value_rows`). `partial_acc` is (splits, B, Hq, Nq, Dv), `partial_max` and
     `partial_sum` (splits, B, Hq, Nq). Split ``s`` of a sequence takes keys
     ``[start + s * split_size, ...)`` of the keys its rows keep, ``[start, stop)``; a split
     with no keys leaves max -inf, sum 0, accumulator 0. Rows of no sequence are not written.
@@ -185,10 +185,9 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, blo
         split_stop = min(split_start + split_size, key_stop)
         for col_start in range(split_start, split_stop, block_k):
             col_stop = min(col_start + block_k, split_stop)
-            k_tile = key_rows(k, b, kv_head, key_base + col_start, key_base + col_stop,
-                              block_table, page_size, slots_outer, key_buffer)
-            v_tile = key_rows(v, b, kv_head, key_base + col_start, key_base + col_stop,
-                              block_table, page_size, slots_outer, value_buffer)
+            k_tile, v_tile = key_value_rows(k, v, b, kv_head, key_base + col_start,
+                                            key_base + col_stop, block_table, page_size,
+                                            slots_outer, key_buffer, value_buffer)
             _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index,
                         first_head, n_q_heads, col_start, n_q, softcap, alibi_slopes,
                         window_left, window_right, band_offset, row_offset, col_offset,

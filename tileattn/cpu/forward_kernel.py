@@ -15,7 +15,7 @@ from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from . import dropout
 from .kept_products import redo_non_finite_rows
 from .schedule import claim_next
-from .tiles import (key_rows, key_span, mask_tile, tile_is_fully_kept, tile_view,
+from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
                     transform_tile)
 from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive, maximum
 
@@ -107,7 +107,7 @@ def _query_tile(q_tile, k, v, out_rows, lse_rows, b, kv_head, key_base, n_keys, 
                 slots_outer, block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc,
                 row_max, row_sum, rescale, key_buffer, value_buffer):
     """One query tile of one sequence: rows `row_start` on (sequence positions) against its
-    `n_keys` keys, which start at `key_base` of batch element `b` (`tiles.key_rows`: or are
+    `n_keys` keys, which start at `key_base` of batch element `b` (`tiles.key_value_rows`: or are
     read through the block table). Key tiles past the sequence's keys or outside the mask
     are never loaded."""
     n_rows = q_tile.shape[0]
@@ -126,10 +126,9 @@ def _query_tile(q_tile, k, v, out_rows, lse_rows, b, kv_head, key_base, n_keys, 
                               window_right)
     for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
         col_stop = min(col_start + block_k, n_keys)
-        k_tile = key_rows(k, b, kv_head, key_base + col_start, key_base + col_stop,
-                          block_table, page_size, slots_outer, key_buffer)
-        v_tile = key_rows(v, b, kv_head, key_base + col_start, key_base + col_stop,
-                          block_table, page_size, slots_outer, value_buffer)
+        k_tile, v_tile = key_value_rows(k, v, b, kv_head, key_base + col_start,
+                                        key_base + col_stop, block_table, page_size,
+                                        slots_outer, key_buffer, value_buffer)
         if tile_is_fully_kept(row_start, row_stop, col_start, col_stop, band_offset,
                               window_left, window_right):
             _tile(q_scaled[:n_rows], k_tile, v_tile, acc, row_max, row_sum, rescale, bh,
@@ -184,7 +183,7 @@ def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, 
     `VarlenLayout.descriptors`: batch element, row base and count, key base and count, band
     offset, index), so one call serves a dense batch (one sequence per batch element), a
     padded or packed variable-length batch, or paged K/V (`block_table` non-empty; k and v
-    are then page pools, see `tiles.key_rows`). Rows of no sequence are not written.
+    are then page pools, see `tiles.key_value_rows`). Rows of no sequence are not written.
     `alibi_slopes` is (S, Hq), zeros when ALiBi is off; `dropout_threshold` 0 means no
     dropout. `row_offset`, `col_offset` turn a sequence's rows and keys into the global
     positions that the dropout hash sees (`AttentionOptions.row_offset`).
