@@ -153,6 +153,10 @@ def key_value_rows(keys, values, b, kv_head, start, stop, block_table, page_size
     against ``block_q x block_k x (D + Dv)`` multiply-adds of the products. Keys and values
     in one pass: one table lookup per key. This gather is most of what paged K/V adds to
     a cold compile (forward and decode kernels 0.2-0.4 s each, float32, this machine).
+    Tried and not kept: an LLVM ``prefetch`` of the page rows 4 keys ahead (pools in
+    vLLM's order put each row of one kv head in a new 4 KiB page, which hardware prefetch
+    does not follow); paged decode gained about 10% CPU time on a machine at load 50,
+    within that machine's noise (docs/varlen.md, "Measured").
     """
     if block_table.shape[0] == 0:
         return keys[b, kv_head, start:stop], values[b, kv_head, start:stop]
