@@ -117,6 +117,8 @@ def test_ci_runs_the_readmes_test_command():
     assert ci_lines[-1] == install_and_test[0]
     # The adapters' libraries are part of it: their tests must run in CI, not skip.
     assert "torch==2.13.0" in install_and_test[0] and "jax" in install_and_test[0]
+    # and so is MPI: tests/test_distributed_mpi.py starts mpiexec.
+    assert "distributed]" in install_and_test[0]
     assert 'export CI="${CI:-true}"' in ci_lines
 
 

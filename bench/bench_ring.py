@@ -1,0 +1,598 @@
+"""Ring attention (tileattn.distributed) benchmark: exactness, scaling, reach.
+
+    mpiexec -n 2 python bench/bench_ring.py                         # CPU, a small table
+    python bench/bench_ring.py --simulate 2                         # 2 ranks in one process
+    NCCL_NVLS_ENABLE=0 mpiexec -n 2 python bench/bench_ring.py --gpu --dtype bfloat16 \\
+        --heads 32 --head-dim 128 --seqlens 131072 524288 1048576 --causal both --layout zigzag
+    NCCL_NVLS_ENABLE=0 mpiexec -n 2 python bench/bench_ring.py --gpu --check   # exactness
+    NCCL_NVLS_ENABLE=0 mpiexec -n 2 python bench/bench_ring.py --gpu --reach   # longest N
+
+Scaling (the default mode), for each N and causal setting:
+
+* ``t(1, N)``: `tileattn.forward` (and `backward`) of the whole problem on rank 0's device
+  alone (``--no-baseline`` skips it, e.g. to rerun the ring alone).
+* ``t(P, N)``: `td.forward` (and `td.backward`) on P ranks, each holding N/P rows; the
+  slowest rank's time. Efficiency ``t(1, N) / (P t(P, N))``.
+* time per ring step (the slowest rank's slowest and fastest step: zigzag keeps them level
+  under a causal mask, contiguous does not).
+* share of communication hidden behind compute: the same ring with a transport that sends
+  nothing (each rank computes the same pairs on the block it holds) gives the compute time
+  ``t_compute``, the shifts alone with no compute give ``t_comm``, and the exposed part is
+  ``t(P, N) - t_compute``: hidden = ``1 - exposed / t_comm`` (1 = every byte moved while
+  computing; clipped to [0, 1]).
+* peak memory per rank: GPU, the peak of CuPy's pool during the run (inputs included);
+  CPU, the process's peak resident set.
+
+The scaling mode first checks the ring against the float64 golden model on a small problem
+of the same heads and dtype. Every mode prints each row as soon as it has it (runs are time-limited), and a markdown
+table at the end. Times are wall-clock around a synchronised device, the ranks started
+together by an all-gather; ``--repeats`` runs (median) after one warm-up call at a small N
+that compiles the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import tileattn
+import tileattn.distributed as td
+from tileattn.distributed.ring import ring_backward, ring_forward
+from tileattn.distributed.transports import Pending
+from tileattn.testing import attention_error, bfloat16
+
+
+def log(group, message):
+    if group.rank == 0:
+        print(message, flush=True)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+class Device:
+    """Array creation, synchronisation and peak memory for host or GPU arrays."""
+
+    def __init__(self, gpu: bool, device_id: int = 0):
+        self.gpu = gpu
+        if gpu:
+            import cupy
+
+            self.cupy = cupy
+            self.device_id = device_id
+            cupy.cuda.Device(device_id).use()
+            self.pool = cupy.get_default_memory_pool()
+            self.peak = 0
+            pool = self.pool
+
+            def malloc(size):
+                memory = pool.malloc(size)
+                self.peak = max(self.peak, pool.used_bytes())
+                return memory
+
+            cupy.cuda.set_allocator(malloc)
+
+    def random(self, shape, dtype, seed):
+        """Normal values in `dtype`, drawn one (batch, head) slice at a time so that the
+        float32 draw never needs more than a slice of extra memory (a 1M x 128 bfloat16
+        head is 256 MiB; the whole array at 32 heads would need 16 GiB more)."""
+        if not self.gpu:
+            values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+            return values.astype(dtype)
+        from tileattn.distributed.layouts import empty_like_shape, from_float
+
+        cupy = self.cupy
+        rng = cupy.random.default_rng(seed)
+        out = empty_like_shape(cupy.empty(0), shape, dtype)
+        bits = out.view(np.uint16) if out.dtype.itemsize == 2 else out
+        for index in np.ndindex(*shape[:-2]):
+            values = from_float(rng.standard_normal(shape[-2:], dtype=np.float32), dtype)
+            bits[index] = values.view(np.uint16) if out.dtype.itemsize == 2 else values
+        return out
+
+    def sync(self):
+        if self.gpu:
+            self.cupy.cuda.get_current_stream().synchronize()
+
+    def reset_peak(self):
+        if self.gpu:
+            self.peak = self.pool.used_bytes()
+
+    def peak_bytes(self) -> int:
+        if self.gpu:
+            return self.peak
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def to_host(self, array):
+        return array.get() if self.gpu else array
+
+
+def gib(n_bytes) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB"
+
+
+# --------------------------------------------------------------------------- no-comm group
+
+
+class _Local:
+    """A transport that sends nothing: every shift "receives" the arrays in hand."""
+
+    def shift(self, arrays):
+        return Pending(lambda: list(arrays))
+
+
+class NoCommGroup:
+    """`group` with its ring shifts replaced by `_Local`: the compute of the ring alone."""
+
+    def __init__(self, group):
+        self.group, self.rank, self.size = group, group.rank, group.size
+
+    def allgather(self, value):
+        return self.group.allgather(value)
+
+    def transport(self, memory, like=None):
+        return _Local()
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def timed(group, device, function, repeats):
+    """Median over `repeats` of the slowest rank's wall time of `function()`."""
+    times = []
+    result = None
+    for _ in range(repeats):
+        device.sync()
+        group.allgather(None)  # start together
+        start = time.perf_counter()
+        result = function()
+        device.sync()
+        elapsed = time.perf_counter() - start
+        times.append(max(group.allgather(elapsed)))
+    return statistics.median(times), result
+
+
+def local_problem(device, args, n, rank, dtype):
+    """This rank's shards, drawn directly at N/P rows (no rank ever holds the whole)."""
+    n_local = n // args.ranks
+    q = device.random((1, args.heads, n_local, args.head_dim), dtype, 4 * rank)
+    k = device.random((1, args.kv_heads, n_local, args.head_dim), dtype, 4 * rank + 1)
+    v = device.random((1, args.kv_heads, n_local, args.head_dim), dtype, 4 * rank + 2)
+    do = device.random((1, args.heads, n_local, args.head_dim), dtype, 4 * rank + 3)
+    return q, k, v, do
+
+
+def step_tracer(device):
+    """A `trace` callback recording when each ring step ends (CUDA events on the GPU), and
+    a function giving the step times in seconds."""
+    marks = []
+
+    def trace(kind, step):
+        if not kind.startswith("forward-received"):
+            if device.gpu:
+                event = device.cupy.cuda.Event()
+                event.record()
+                marks.append(event)
+            else:
+                marks.append(time.perf_counter())
+
+    def step_times(start):
+        if device.gpu:
+            ends = marks
+            return [device.cupy.cuda.get_elapsed_time(a, b) / 1e3
+                    for a, b in zip([start] + ends[:-1], ends)]
+        return [b - a for a, b in zip([start] + marks[:-1], marks)]
+
+    def begin():
+        marks.clear()
+        if device.gpu:
+            event = device.cupy.cuda.Event()
+            event.record()
+            return event
+        return time.perf_counter()
+
+    return trace, begin, step_times
+
+
+def shift_time(group, device, arrays, shifts, repeats):
+    """The slowest rank's time for `shifts` ring shifts of `arrays`, with no compute."""
+    like = arrays[0]
+    transport = group.transport("cuda" if device.gpu else "host", like)
+
+    def run():
+        block = arrays
+        for _ in range(shifts):
+            block = transport.shift(block).wait()
+    return timed(group, device, run, repeats)[0]
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+def validate_small(group, device, args, dtype, causal_settings):
+    """Before timing: the ring on a small problem of the benchmark's shape against the
+    float64 golden model of the whole (tileattn's reference backend on the host)."""
+    n = 2 * group.size * 128
+    rng = np.random.default_rng(7)
+    heads, kv_heads = min(args.heads, 4), min(args.kv_heads, 4)
+    shapes = ((1, heads, n, args.head_dim), (1, kv_heads, n, args.head_dim),
+              (1, kv_heads, n, args.head_dim), (1, heads, n, args.head_dim))
+    whole = [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+    wide = [a.astype(np.float64) for a in whole]
+    to_device = device.cupy.asarray if device.gpu else (lambda a: a)
+    worst = 0.0
+    for causal in causal_settings:
+        local = [to_device(td.shard(a, group, layout=args.layout)) for a in whole]
+        o, lse = td.forward(*local[:3], group=group, layout=args.layout, causal=causal,
+                            return_lse=True, backend=args.backend)
+        grads = td.backward(local[3], *local[:3], o, lse, group=group, layout=args.layout,
+                            causal=causal, backend=args.backend)
+        o_gold, lse_gold = tileattn.forward(*wide[:3], causal=causal, return_lse=True,
+                                            backend="reference")
+        o_all = device.to_host(td.unshard(o, group, layout=args.layout))
+        grads_gold = tileattn.backward(wide[3], *wide[:3], o_all.astype(np.float64),
+                                       lse_gold, causal=causal, backend="reference")
+        for got, want in zip((o, *grads), (o_gold, *grads_gold)):
+            gathered = device.to_host(td.unshard(got, group, layout=args.layout))
+            worst = max(worst, attention_error(gathered, want, dtype))
+    if worst > 1:
+        raise SystemExit(f"the ring is out of tolerance on a small problem ({worst:.3g}x); "
+                         "not timing it")
+    log(group, f"validated against the golden model at N = {n}: worst error {worst:.3g}x "
+               "the tolerance")
+
+
+def scaling(group, device, args):
+    dtype = _dtype(args.dtype)
+    causal_settings = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    validate_small(group, device, args, dtype, causal_settings)
+    rows = []
+    warm = 4 * group.size * 64
+    for causal in causal_settings:  # compile every kernel the runs will take
+        q, k, v, do = local_problem(device, args, warm, group.rank, dtype)
+        o, lse = td.forward(q, k, v, group=group, layout=args.layout, causal=causal,
+                            return_lse=True, backend=args.backend)
+        td.backward(do, q, k, v, o, lse, group=group, layout=args.layout, causal=causal,
+                    backend=args.backend)
+        if group.rank == 0 and not args.no_baseline:
+            o, lse = tileattn.forward(q, k, v, causal=causal, return_lse=True,
+                                      backend=args.backend)
+            tileattn.backward(do, q, k, v, o, lse, causal=causal, backend=args.backend)
+        del q, k, v, do, o, lse
+    device.sync()
+    log(group, f"# {group.size} ranks ({type(group).__name__}), {'GPU' if device.gpu else 'CPU'}"
+               f", {args.dtype}, {args.heads} heads / {args.kv_heads} kv heads of D = "
+               f"{args.head_dim}, layout={args.layout}")
+    for n in args.seqlens:
+        for causal in causal_settings:
+            row = {"N": n, "causal": causal}
+            if not args.no_baseline:
+                row.update(baseline(group, device, args, n, causal, dtype))
+            row.update(ring(group, device, args, n, causal, dtype))
+            for kind in ("fwd", "fwdbwd"):
+                if f"t1_{kind}" in row:
+                    row[f"eff_{kind}"] = row[f"t1_{kind}"] / (group.size * row[f"tP_{kind}"])
+            rows.append(row)
+            if device.gpu:
+                device.pool.free_all_blocks()
+            log(group, "row: " + ", ".join(f"{key}={_show(value)}" for key, value in row.items()))
+    log(group, "\n" + table(rows, group.size))
+
+
+def baseline(group, device, args, n, causal, dtype):
+    """t(1, N): tileattn.forward/backward of the whole problem on rank 0 alone."""
+    result = {}
+    if group.rank == 0:
+        shape_q, shape_kv = (1, args.heads, n, args.head_dim), (1, args.kv_heads, n, args.head_dim)
+        q, k, v, do = (device.random(shape, dtype, seed) for shape, seed in
+                       ((shape_q, 10), (shape_kv, 11), (shape_kv, 12), (shape_q, 13)))
+        local = _Single()
+        t_fwd, (o, lse) = timed(local, device, lambda: tileattn.forward(
+            q, k, v, causal=causal, return_lse=True, backend=args.backend), args.repeats)
+        t_bwd, _ = timed(local, device, lambda: tileattn.backward(
+            do, q, k, v, o, lse, causal=causal, backend=args.backend), args.repeats)
+        result = {"t1_fwd": t_fwd, "t1_fwdbwd": t_fwd + t_bwd}
+        del q, k, v, do, o, lse
+        if device.gpu:
+            device.pool.free_all_blocks()
+    quiet_barrier(group)
+    return group.allgather(result)[0]
+
+
+def quiet_barrier(group):
+    """Wait for every rank without spinning: MPICH busy-polls in a blocking collective, and
+    on the CPU the waiting ranks would take cores from rank 0's single-process baseline."""
+    comm = getattr(group, "comm", None)
+    if comm is None:
+        group.allgather(None)
+        return
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
+class _Single:
+    def allgather(self, value):
+        return [value]
+
+
+def ring(group, device, args, n, causal, dtype):
+    q, k, v, do = local_problem(device, args, n, group.rank, dtype)
+    options = {"layout": args.layout, "causal": causal, "window": None,
+               "backend": args.backend}
+    forward_options = {"scale": None, "softcap": None, "alibi_slopes": None, "dropout_p": 0.0,
+                       "seed": None, "block_q": None, "block_k": None}
+    trace, begin, step_times = step_tracer(device)
+    steps = []
+
+    def forward(on=group, traced=False):
+        start = begin()
+        result = ring_forward(on, q, k, v, return_lse=True, options=forward_options,
+                              trace=trace if traced else None, **options)
+        if traced:
+            device.sync()
+            steps.append(step_times(start))
+        return result
+
+    def backward(o, lse, on=group):
+        return ring_backward(on, do, q, k, v, o, lse, options={**forward_options,
+                                                                "deterministic": True},
+                             **options)
+
+    device.reset_peak()
+    t_fwd, (o, lse) = timed(group, device, lambda: forward(traced=True), args.repeats)
+    t_bwd, _ = timed(group, device, lambda: backward(o, lse), args.repeats)
+    peak = device.peak_bytes()
+    c_fwd = c_bwd = m_fwd = m_bwd = float("nan")
+    if not args.no_hidden:
+        alone = NoCommGroup(group)
+        c_fwd, _ = timed(group, device, lambda: forward(on=alone), args.repeats)
+        c_bwd, _ = timed(group, device, lambda: backward(o, lse, on=alone), args.repeats)
+        shifts = group.size - 1
+        m_fwd = shift_time(group, device, [k, v], shifts, args.repeats) if shifts else 0.0
+        accumulate = np.float64 if dtype == np.float64 else np.float32
+        grads = [a.astype(accumulate) for a in (k, v)]
+        m_bwd = m_fwd + (shift_time(group, device, grads, group.size, args.repeats)
+                         if shifts else 0.0)
+        del grads
+    last = steps[-1]  # the last timed forward's steps
+    per_rank_steps = group.allgather((min(last), max(last)))
+    peaks = group.allgather(peak)
+
+    def hidden(t_ring, t_compute, t_comm):
+        if not t_comm > 0:
+            return float("nan")
+        return min(1.0, max(0.0, 1.0 - max(0.0, t_ring - t_compute) / t_comm))
+
+    return {"tP_fwd": t_fwd, "tP_fwdbwd": t_fwd + t_bwd,
+            "step_min": min(s[0] for s in per_rank_steps),
+            "step_max": max(s[-1] for s in per_rank_steps),
+            "hidden_fwd": hidden(t_fwd, c_fwd, m_fwd),
+            "hidden_fwdbwd": hidden(t_fwd + t_bwd, c_fwd + c_bwd, m_bwd),
+            "comm_fwd": m_fwd, "peak": max(peaks)}
+
+
+def _show(value):
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def table(rows, size) -> str:
+    head = (f"| N | causal | t(1) fwd s | t({size}) fwd s | eff fwd | t(1) fwd+bwd s | "
+            f"t({size}) fwd+bwd s | eff fwd+bwd | step s (min-max) | comm hidden fwd | "
+            f"comm hidden fwd+bwd | peak mem / rank |")
+    lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
+    for row in rows:
+        def get(key, fmt="{:.3f}", row=row):
+            return fmt.format(row[key]) if key in row and not (
+                isinstance(row[key], float) and math.isnan(row[key])) else "—"
+        lines.append(
+            f"| {row['N']:,} | {'yes' if row['causal'] else 'no'} | {get('t1_fwd')} | "
+            f"{get('tP_fwd')} | {get('eff_fwd', '{:.2f}')} | {get('t1_fwdbwd')} | "
+            f"{get('tP_fwdbwd')} | {get('eff_fwdbwd', '{:.2f}')} | "
+            f"{row['step_min']:.3f}-{row['step_max']:.3f} | {get('hidden_fwd', '{:.0%}')} | "
+            f"{get('hidden_fwdbwd', '{:.0%}')} | {gib(row['peak'])} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- check
+
+
+def check(group, device, args):
+    """Ring vs one device on the same arrays, within the dtype tolerances of the tests."""
+    n = args.check_seqlen
+    failures = 0
+    dtypes = args.check_dtypes
+    log(group, f"# check: N = {n}, {args.heads}/{args.kv_heads} heads, D = {args.head_dim}, "
+               f"ring of {group.size} vs tileattn.forward/backward on one device")
+    for dtype_name in dtypes:
+        dtype = _dtype(dtype_name)
+        shape_q = (1, args.heads, n, args.head_dim)
+        shape_kv = (1, args.kv_heads, n, args.head_dim)
+        whole = [device.random(shape, dtype, seed) for shape, seed in
+                 ((shape_q, 1), (shape_kv, 2), (shape_kv, 3), (shape_q, 4))]
+        for layout in td.LAYOUTS:
+            for causal in (False, True):
+                start = time.perf_counter()
+                local = [td.shard(a, group, layout=layout) for a in whole]
+                o, lse = td.forward(*local[:3], group=group, layout=layout, causal=causal,
+                                    return_lse=True, backend=args.backend)
+                grads = td.backward(local[3], *local[:3], o, lse, group=group, layout=layout,
+                                    causal=causal, backend=args.backend)
+                device.sync()
+                ring_s = time.perf_counter() - start
+                o_one, lse_one = tileattn.forward(*whole[:3], causal=causal, return_lse=True,
+                                                  backend=args.backend)
+                grads_one = tileattn.backward(whole[3], *whole[:3], o_one, lse_one,
+                                              causal=causal, backend=args.backend)
+                errors = {}
+                for name, got, want in zip(("o", "lse", "dq", "dk", "dv"),
+                                           (o, lse, *grads), (o_one, lse_one, *grads_one)):
+                    axis = -1 if name == "lse" else -2
+                    mine = td.shard(want, group, layout=layout, axis=axis)
+                    errors[name] = attention_error(device.to_host(got), device.to_host(mine),
+                                                   dtype, lse_magnitude=1.0)
+                    del mine
+                worst = max(max(e.values()) for e in group.allgather(errors))
+                ok = worst <= 1.0
+                failures += not ok
+                log(group, f"{'ok  ' if ok else 'FAIL'} {dtype_name} {layout} "
+                           f"causal={causal}: worst error {worst:.3g}x the tolerance "
+                           f"(ring fwd+bwd {ring_s:.2f} s)")
+                del local, o, lse, grads, o_one, lse_one, grads_one
+        del whole
+        if device.gpu:
+            device.pool.free_all_blocks()
+    log(group, f"check: {failures} failures")
+    return failures
+
+
+# --------------------------------------------------------------------------- reach
+
+
+def estimate_bytes(args, n_local, dtype) -> int:
+    """Memory a rank needs for a ring fwd+bwd at `n_local` rows: the bf16 q, k, v, o, do,
+    dq, dk, dv shards, one K/V block arriving, float32 accumulators (o, dq, two dk/dv pairs),
+    lse, and a quarter again for the backend's work space."""
+    item = np.dtype(dtype).itemsize
+    q_elems = args.heads * n_local * args.head_dim
+    kv_elems = args.kv_heads * n_local * args.head_dim
+    shards = item * (4 * q_elems + 4 * kv_elems) + item * 2 * kv_elems
+    accumulators = 4 * (2 * q_elems + 4 * kv_elems)
+    return int(1.25 * (shards + accumulators))
+
+
+def reach(group, device, args):
+    """Double N from --reach-start while every rank expects the ring fwd+bwd to fit."""
+    dtype = _dtype(args.dtype)
+    n = args.reach_start
+    longest = None
+    log(group, f"# reach: causal fwd+bwd, {args.heads} heads of D = {args.head_dim}, "
+               f"{args.dtype}, {group.size} ranks, layout={args.layout}")
+    while True:
+        free = device.cupy.cuda.runtime.memGetInfo()[0] + device.pool.free_bytes() \
+            if device.gpu else 1 << 62
+        fits = estimate_bytes(args, n // group.size, dtype) < 0.95 * free
+        if not all(group.allgather(fits)):
+            log(group, f"N = {n:,}: predicted not to fit on every rank; stopping")
+            break
+        device.reset_peak()
+        q, k, v, do = local_problem(device, args, n, group.rank, dtype)
+        start = time.perf_counter()
+        o, lse = td.forward(q, k, v, group=group, layout=args.layout, causal=True,
+                            return_lse=True, backend=args.backend)
+        td.backward(do, q, k, v, o, lse, group=group, layout=args.layout, causal=True,
+                    backend=args.backend)
+        device.sync()
+        elapsed = max(group.allgather(time.perf_counter() - start))
+        peaks = group.allgather(device.peak_bytes())
+        longest = n
+        log(group, f"N = {n:,} ok: fwd+bwd {elapsed:.1f} s, peak memory per rank "
+                   + ", ".join(gib(p) for p in peaks))
+        del q, k, v, do, o, lse
+        if device.gpu:
+            device.pool.free_all_blocks()
+        if args.reach_stop and n >= args.reach_stop:
+            break
+        n *= 2
+    log(group, f"reach: longest N = {longest:,}" if longest else "reach: nothing ran")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _dtype(name):
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--simulate", type=int, metavar="P",
+                        help="P ranks as threads of this process (no mpiexec)")
+    parser.add_argument("--gpu", action="store_true", help="CuPy arrays (NCCL under mpiexec)")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=None)
+    parser.add_argument("--causal", choices=("yes", "no", "both"), default="both")
+    parser.add_argument("--layout", choices=td.LAYOUTS, default="zigzag")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip t(1, N), the single-device run")
+    parser.add_argument("--no-hidden", action="store_true",
+                        help="skip the no-communication ring and the shifts alone (the "
+                             "hidden-communication columns), which double the ring's time")
+    parser.add_argument("--check", action="store_true", help="exactness mode")
+    parser.add_argument("--check-seqlen", type=int, default=None,
+                        help="default 65536 on GPU, 1024 on CPU")
+    parser.add_argument("--check-dtypes", nargs="+", default=None,
+                        help="default float16 bfloat16 float32 on GPU, float32 float64 on CPU")
+    parser.add_argument("--reach", action="store_true", help="longest causal N mode")
+    parser.add_argument("--reach-start", type=int, default=1 << 19)
+    parser.add_argument("--reach-stop", type=int, default=1 << 23)
+    args = parser.parse_args(argv)
+    gpu = args.gpu
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    if args.reach:
+        args.heads = args.heads or 8
+        args.head_dim = args.head_dim or 128
+    if args.check:
+        args.heads = args.heads or (32 if gpu else 4)
+        args.kv_heads = args.kv_heads or (8 if gpu else 2)
+        args.head_dim = args.head_dim or (128 if gpu else 64)
+        args.check_seqlen = args.check_seqlen or (65536 if gpu else 1024)
+        args.check_dtypes = args.check_dtypes or (["float16", "bfloat16", "float32"] if gpu
+                                                  else ["float32", "float64"])
+    args.heads = args.heads or (32 if gpu else 4)
+    args.kv_heads = args.kv_heads or args.heads
+    args.head_dim = args.head_dim or (128 if gpu else 64)
+    args.seqlens = args.seqlens or ([131072, 524288] if gpu else [2048, 4096])
+    return args
+
+
+def run(group, args):
+    args.ranks = group.size
+    device = Device(args.gpu, getattr(group, "local_rank", 0) if args.simulate is None else 0)
+    if args.check:
+        return check(group, device, args)
+    if args.reach:
+        return reach(group, device, args)
+    return scaling(group, device, args)
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.simulate:
+        results = td.simulate(args.simulate, run, args, device=0 if args.gpu else None)
+        failures = results[0]
+    else:
+        group = td.init()
+        try:
+            failures = run(group, args)
+        except BaseException:
+            # A rank that fails (out of memory in --reach, say) ends every rank: the others
+            # may be waiting for it in the ring. What was printed so far stands.
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            sys.stdout.flush()
+            if group.size > 1 and getattr(group, "comm", None) is not None:
+                group.comm.Abort(1)
+            raise
+    if args.check and failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
