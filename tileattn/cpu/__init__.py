@@ -179,7 +179,9 @@ def _in_order(n_sequences: int) -> np.ndarray:
                      np.zeros(n_sequences, np.int64)], axis=1)
 
 
-@functools.lru_cache(maxsize=256)
+# 32 shapes: a tile list holds two int64 per (batch element, tile), 1 MB at B = 64 and
+# 1024 tiles, and a loop repeats a few shapes.
+@functools.lru_cache(maxsize=32)
 def _dense_tiles(batch, n_rows, n_cols, band_offset, block, window_left, window_right):
     """One sequence's tiles longest first, each dealt to every batch element in turn."""
     order = schedule.longest_first(-(-n_rows // block), block, n_rows, n_cols, band_offset,
