@@ -203,6 +203,8 @@ def test_info_reports_every_value_given(capsys):
                                  "--value-dim", "128"], capsys)
     assert status == 0, err
     assert "q (1, 8, 8, 192), Nk=8, Dv=128, " in out
+    # the reference backend always runs, and serves variable-length and paged calls
+    assert "variable-length and paged calls (seqlens_*, cu_seqlens_*, block_table): yes" in out
 
 
 # --------------------------------------------------------------------------- warmup

@@ -37,8 +37,8 @@ def _decode(q, k, v, n_splits, *, window_left=UNLIMITED, window_right=UNLIMITED,
     options = AttentionOptions(window_left=window_left, window_right=window_right,
                                scale=1.0 / np.sqrt(q.shape[-1]), block_k=block_k)
     arrays = tuple(cpu._read_only(x, np.dtype(np.float32)) for x in (q, k, v))
-    return decode.forward(*arrays, options, cpu._option_scalars(options, *q.shape[:3], k.shape[2]),
-                          cpu._kernel_lock, n_splits=n_splits)
+    return decode.forward(*arrays, options, cpu._option_scalars(options, *q.shape[:2]),
+                          cpu._kernel_lock, cpu.Sequences(q, k, options), n_splits=n_splits)
 
 
 MASKS = {"none": ({}, (UNLIMITED, UNLIMITED)),

@@ -67,11 +67,31 @@ def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
             buffer[...] = result
 
 
+def _check_serves(module, problem: Problem) -> None:
+    """Variable-length and paged calls need a backend that declares ``VARLEN``."""
+    if problem.options.varlen is not None and not getattr(module, "VARLEN", False):
+        raise NotImplementedError(
+            "variable-length and paged attention (seqlens_q, seqlens_k, cu_seqlens_q, "
+            "cu_seqlens_k, block_table) is not implemented on the GPU backend yet; use "
+            "backend='cpu' (host arrays) or backend='reference'")
+
+
+def _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table):
+    """The length keywords for `validate`, or None for a dense call (the common case, kept
+    to a few ``is None`` tests: small calls are counted in microseconds)."""
+    if (seqlens_q is None and seqlens_k is None and cu_seqlens_q is None
+            and cu_seqlens_k is None and block_table is None):
+        return None
+    return {"seqlens_q": seqlens_q, "seqlens_k": seqlens_k, "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k, "block_table": block_table}
+
+
 def run_forward(problem: Problem, backend: str):
     """Forward of a validated problem on `backend`: ``(o, lse)`` in "bhsd" order, also
     written into the problem's output buffers. `tileattn.distributed` calls this (and
     `run_backward`) with options placed in a longer sequence (`AttentionOptions.row_offset`)."""
     module = _resolve_backend(backend, problem.layout.memory)
+    _check_serves(module, problem)
     if problem.is_empty:
         batch = problem.tensors["q"].shape[0]
         memory, like = problem.layout.memory, problem.tensors["q"]
@@ -88,6 +108,7 @@ def run_forward(problem: Problem, backend: str):
 def run_backward(problem: Problem, backend: str):
     """Backward of a validated problem on `backend`: ``(dq, dk, dv)`` in "bhsd" order."""
     module = _resolve_backend(backend, problem.layout.memory)
+    _check_serves(module, problem)
     if problem.is_empty:
         memory, tensors = problem.layout.memory, problem.tensors
         dq, dk, dv = (arrays.full(tensors[n].shape, 0.0, problem.dtype, memory, tensors["q"])
@@ -100,7 +121,9 @@ def run_backward(problem: Problem, backend: str):
 
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
             dropout_p=0.0, seed=None, block_q=None, block_k=None, backend="auto",
-            return_lse=False, layout="bhsd", out=None, lse_out=None):
+            return_lse=False, layout="bhsd", out=None, lse_out=None, seqlens_q=None,
+            seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+            check_lengths=True):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     Parameters
@@ -163,6 +186,37 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
         and share no memory with an input or the other buffer; else a ValueError names it. The GPU backend
         writes into them directly; the CPU and reference backends compute as usual and
         copy the result in (one copy of ``o``), so on the host they save no memory.
+    seqlens_q, seqlens_k : integer array of shape `*batch`, optional
+        Padded batch (SPEC "Variable-length batches and paged K/V"): batch element ``b``
+        uses query rows ``i < seqlens_q[b]`` and keys ``j < seqlens_k[b]``; masks, the
+        bottom-right alignment and ALiBi use these lengths in place of Nq and Nk (causal
+        keeps ``j <= i + seqlens_k[b] - seqlens_q[b]``). ``0 <= seqlens_q[b] <= Nq``,
+        ``0 <= seqlens_k[b] <= Nk``; any integer dtype, NumPy (or the inputs' library).
+        Padding rows give ``o = 0`` and ``lse = -inf``; padding is never read.
+    cu_seqlens_q, cu_seqlens_k : integer array of shape (S + 1,), optional
+        Packed sequences, both given: q is ``(Hq, Nq_total, D)`` (bshd:
+        ``(Nq_total, Hq, D)``, flash-attn's varlen layout), and sequence ``s`` is rows
+        ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` against keys
+        ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, positions per sequence, no attention across
+        sequences. Each starts at 0, is non-decreasing and ends at the packed length.
+        `alibi_slopes` is then ``(Hq,)`` or ``(S, Hq)``.
+    block_table : integer array of shape (*batch, max_pages), optional
+        Paged K/V (forward only; needs `seqlens_k`): k and v are page pools
+        ``(num_pages, Hkv, page_size, D)`` and ``(num_pages, Hkv, page_size, Dv)`` (bshd:
+        ``(num_pages, page_size, Hkv, D)``, vLLM's and flash-attn's cache layout; any
+        strides, so a transposed view is read without a copy of the pool's layout), and
+        logical key ``j`` of batch element ``b`` is
+        ``k[block_table[b, j // page_size], :, j % page_size]``. The first
+        ``ceil(seqlens_k[b] / page_size)`` entries of row ``b`` must be page ids in
+        ``[0, num_pages)``; the others are never read. `seqlens_q` may also be given.
+    check_lengths : bool
+        True (default): check the contents of the lengths and the block table, raising a
+        ValueError naming the argument. For CuPy arrays that check is a device-to-host copy;
+        ``False`` skips it (dtype and shape are still checked) for decode loops that
+        know their tables are right. Unchecked lengths are clamped into their axes and page
+        ids into the pool, so a bad value gives wrong numbers, never an out-of-bounds read
+        or write. Dropout numbers sequence ``s`` as batch ``s`` with positions within the
+        sequence (docs/varlen.md), in every family.
 
     Returns
     -------
@@ -174,7 +228,10 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     problem = validate(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                        block_q=block_q, block_k=block_k, deterministic=True, layout=layout,
-                       outputs={"out": out, "lse_out": lse_out})
+                       outputs={"out": out, "lse_out": lse_out},
+                       varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
+                                               cu_seqlens_k, block_table),
+                       check_lengths=check_lengths)
     o, lse = run_forward(problem, backend)
     o = problem.layout.restore(o, problem.n_q_heads) if out is None else out
     if not return_lse:
@@ -189,7 +246,8 @@ forward.__doc__ += _CAUSAL_PICTURE
 def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, softcap=None,
              alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
              backend="auto", deterministic=True, layout="bhsd", dq_out=None, dk_out=None,
-             dv_out=None):
+             dv_out=None, seqlens_q=None, seqlens_k=None, cu_seqlens_q=None,
+             cu_seqlens_k=None, block_table=None, check_lengths=True):
     """Gradients of `forward`: the exact vector-Jacobian product for output gradient `do`.
 
     Pass the same options as to `forward`, and its `o` and `lse` (``return_lse=True``).
@@ -216,6 +274,12 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
         `forward`'s `out` (shape and dtype of q, k, v; C-contiguous in ``(*batch, H, N, D)``
         order; no memory shared with an input or another buffer). The GPU backend writes
         into them directly; the CPU and reference backends copy the result in.
+    seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, check_lengths
+        As in `forward`, the same values. Padding rows get ``dq = 0``, padding keys
+        ``dk = dv = 0``.
+    block_table
+        Not accepted: paged K/V is forward only (SPEC), so any value but None raises a
+        ValueError naming it.
 
     Returns
     -------
@@ -227,7 +291,10 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                        seed=seed, block_q=block_q, block_k=block_k,
                        deterministic=deterministic, layout=layout,
-                       outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out})
+                       outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out},
+                       varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
+                                               cu_seqlens_k, block_table),
+                       check_lengths=check_lengths)
     dq, dk, dv = run_backward(problem, backend)
     return tuple(problem.layout.restore(result, heads) if given is None else given
                  for result, heads, given in ((dq, problem.n_q_heads, dq_out),

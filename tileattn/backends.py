@@ -15,6 +15,14 @@ A backend is a module that exposes
     ``options`` is a `tileattn.options.AttentionOptions`. Results: ``o`` in the input dtype,
     ``lse`` float32 (float64 for float64 inputs), gradients in the input dtype. Inputs are
     never written to.
+``VARLEN`` (optional, default False)
+    True when ``forward``/``backward`` serve variable-length and paged calls:
+    ``options.varlen`` (a `tileattn.options.VarlenLayout`) is then set, its ``descriptors``
+    say which rows and keys form each sequence, and for paged K/V ``k`` and ``v`` are the
+    page pools ``(num_pages, Hkv, page_size, D)`` as the caller passed them (any strides).
+    Padding rows must come back as ``o = 0``, ``lse = -inf``, ``dq = 0`` and padding keys
+    as ``dk = dv = 0``. The API raises ``NotImplementedError`` for such calls on a backend
+    without it.
 ``WRITES_OUT`` (optional, default False)
     True when ``forward`` also takes ``out=``, ``lse_out=`` and ``backward`` takes
     ``dq_out=``, ``dk_out=``, ``dv_out=`` (each None or omitted, or a C-contiguous array of

@@ -1,7 +1,7 @@
 """``python -m tileattn info``: what can run here, on what, with which tiles, moving what.
 
 Lists each backend and, when it cannot run, why; the device and the cache or shared-memory
-sizes a backend detected; for the GPU, the kernel family and tile-table row each direction
+sizes a backend detected; whether it serves variable-length and paged calls; for the GPU, the kernel family and tile-table row each direction
 runs and why (`tileattn.gpu.tiles`); the block sizes it would choose for a given shape; and the
 modelled main-memory traffic of naive vs tiled attention for those blocks
 (`tileattn.traffic.memory_traffic`).
@@ -38,6 +38,8 @@ def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, ba
         hardware = getattr(module, "hardware", None)
         for key, value in (hardware() if hardware else {}).items():
             print_fn(f"  {key}: {value}")
+        print_fn("  variable-length and paged calls (seqlens_*, cu_seqlens_*, block_table): "
+                 + ("yes" if getattr(module, "VARLEN", False) else "not implemented yet"))
         tile_sizes = getattr(module, "tile_sizes", None)
         if tile_sizes is None:
             print_fn("  tiles: none (materialises the whole score matrix)\n")

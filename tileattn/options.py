@@ -69,6 +69,10 @@ class AttentionOptions:
         align the global sequences bottom-right by `alignment` (global ``Nk - Nq``; None
         means this call's own ``n_k - n_q``), and dropout hashes the global positions, so
         a block of a problem computes exactly that block's part of the whole.
+    varlen : VarlenLayout or None
+        The sequences of a variable-length or paged call (``seqlens_*``, ``cu_seqlens_*``,
+        ``block_table``); None for a dense call. ``alibi_slopes`` then has one row per
+        sequence (`VarlenLayout.descriptors`, column ``INDEX``).
     """
 
     causal: bool = False
@@ -85,6 +89,7 @@ class AttentionOptions:
     row_offset: int = 0
     col_offset: int = 0
     alignment: int | None = None
+    varlen: "VarlenLayout | None" = None
 
     def band_offset(self, n_q: int, n_k: int) -> int:
         """The ``offset`` of the band test ``j - (i + offset)`` in this call's local indices:
@@ -123,3 +128,99 @@ def tile_is_masked(row_start: int, row_stop: int, col_start: int, col_stop: int,
     if window_left != UNLIMITED and col_stop - 1 < row_start + offset - window_left:
         return True
     return False
+
+
+# --------------------------------------------------------------------------- sequences
+
+# Columns of `VarlenLayout.descriptors` / `dense_descriptors`: one row per sequence.
+BATCH, ROW_BASE, ROWS, KEY_BASE, KEYS, BAND, INDEX = range(7)
+DESCRIPTOR_COLUMNS = 7
+"""``BATCH``: the batch element of the backends' 4-D arrays (and the block-table row);
+``ROW_BASE``/``ROWS``: the sequence's first query row there and its row count;
+``KEY_BASE``/``KEYS``: the same for keys (for paged K/V, logical keys from 0 read through
+the block table); ``BAND``: the band offset of `keeps` in the sequence's own indices
+(``KEYS - ROWS``: bottom-right alignment per sequence); ``INDEX``: the sequence's number,
+its dropout heads being ``INDEX * Hq + h`` (docs/varlen.md) and its ALiBi row
+``alibi_slopes[INDEX]``."""
+
+
+def dense_descriptors(batch: int, n_q: int, n_k: int, band_offset: int) -> np.ndarray:
+    """The trivial descriptors of a dense call: batch element ``b`` is sequence ``b``."""
+    descriptors = np.empty((batch, DESCRIPTOR_COLUMNS), np.int64)
+    descriptors[:, BATCH] = descriptors[:, INDEX] = np.arange(batch)
+    descriptors[:, ROW_BASE] = descriptors[:, KEY_BASE] = 0
+    descriptors[:, ROWS], descriptors[:, KEYS] = n_q, n_k
+    descriptors[:, BAND] = band_offset
+    return descriptors
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenLayout:
+    """The sequences of a variable-length call, validated at the API (SPEC "Variable-length
+    batches and paged K/V"); host int64 arrays.
+
+    Attributes
+    ----------
+    family : {"padded", "packed", "paged"}
+    seqlens_q, seqlens_k : numpy.ndarray or None
+        ``(B,)`` over the flattened batch (padded and paged); None means the full axis.
+    cu_seqlens_q, cu_seqlens_k : numpy.ndarray or None
+        ``(S + 1,)`` (packed).
+    block_table : numpy.ndarray or None
+        ``(B, max_pages)`` (paged); only the entries `descriptors` lets a sequence read are
+        page ids, the others may hold anything.
+    page_size, num_pages : int
+        Of the page pools (paged).
+    checked : bool
+        False when the caller passed ``check_lengths=False``: the contents were not checked,
+        so `descriptors` clamps every length into its axis (and, for paged K/V, into the
+        table's capacity), and kernels clamp page ids into ``[0, num_pages)``: a bad table
+        gives wrong numbers, never an out-of-bounds access.
+    """
+
+    family: str
+    seqlens_q: np.ndarray | None = None
+    seqlens_k: np.ndarray | None = None
+    cu_seqlens_q: np.ndarray | None = None
+    cu_seqlens_k: np.ndarray | None = None
+    block_table: np.ndarray | None = None
+    page_size: int = 0
+    num_pages: int = 0
+    checked: bool = True
+
+    @property
+    def n_sequences(self) -> int:
+        if self.family == "packed":
+            return len(self.cu_seqlens_q) - 1
+        return len(self.seqlens_k if self.seqlens_k is not None else self.seqlens_q)
+
+    def key_capacity(self, n_k: int) -> int:
+        """Logical keys per batch element: ``max_pages * page_size`` when paged, else n_k."""
+        if self.family == "paged":
+            return self.block_table.shape[1] * self.page_size if self.num_pages else 0
+        return n_k
+
+    def descriptors(self, batch: int, n_q: int, n_k: int) -> np.ndarray:
+        """``(S, DESCRIPTOR_COLUMNS)`` int64, one row per sequence (columns above), with
+        every length clamped into its axis (a no-op once checked), and packed sequences
+        made disjoint and in order, so no kernel can reach past an array or race."""
+        if self.family == "packed":
+            cu_q, cu_k = (np.maximum.accumulate(np.clip(cu, 0, total))
+                          for cu, total in ((self.cu_seqlens_q, n_q), (self.cu_seqlens_k, n_k)))
+            count = len(cu_q) - 1
+            descriptors = np.empty((count, DESCRIPTOR_COLUMNS), np.int64)
+            descriptors[:, BATCH] = 0
+            descriptors[:, ROW_BASE], descriptors[:, ROWS] = cu_q[:-1], np.diff(cu_q)
+            descriptors[:, KEY_BASE], descriptors[:, KEYS] = cu_k[:-1], np.diff(cu_k)
+        else:
+            descriptors = np.empty((batch, DESCRIPTOR_COLUMNS), np.int64)
+            descriptors[:, BATCH] = np.arange(batch)
+            descriptors[:, ROW_BASE] = descriptors[:, KEY_BASE] = 0
+            n_keys = self.key_capacity(n_k)
+            for column, lengths, limit in ((ROWS, self.seqlens_q, n_q),
+                                           (KEYS, self.seqlens_k, n_keys)):
+                descriptors[:, column] = limit if lengths is None else np.clip(lengths, 0,
+                                                                               limit)
+        descriptors[:, BAND] = descriptors[:, KEYS] - descriptors[:, ROWS]
+        descriptors[:, INDEX] = np.arange(len(descriptors))
+        return descriptors

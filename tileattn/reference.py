@@ -37,6 +37,7 @@ from .dropout import keep_mask
 from .options import AttentionOptions, keeps, tile_is_masked
 
 MEMORY = "host"
+VARLEN = True  # variable-length and paged calls run `reference_varlen`, sequence by sequence
 
 
 def availability() -> str | None:
@@ -323,12 +324,20 @@ def lse_dtype(dtype) -> np.dtype:
 
 
 def forward(q, k, v, options: AttentionOptions):
+    if options.varlen is not None:
+        from .reference_varlen import forward_sequences
+
+        return forward_sequences(q, k, v, options)
     with np.errstate(invalid="ignore"):
         o, lse = dense_forward(q, k, v, options)
     return o.astype(q.dtype), lse.astype(lse_dtype(q.dtype))
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    if options.varlen is not None:
+        from .reference_varlen import backward_sequences
+
+        return backward_sequences(do, q, k, v, o, options)
     with np.errstate(invalid="ignore"):
         # A whole problem's P is recomputed from its scores alone; a placed block's needs
         # the whole rows' lse.

@@ -48,7 +48,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import arrays
-from .options import AttentionOptions
+from .options import (BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS, AttentionOptions)
 # Each sequence runs the dense model itself, so a masked entry contributes nothing here
 # exactly as it does there (SPEC "Errors").
 from .reference import dense_backward, dense_forward, lse_dtype
@@ -77,6 +77,8 @@ def _option_keywords(options: dict) -> dict:
 
 def _for_sequence(options: AttentionOptions, sequence: int) -> AttentionOptions:
     """The options of one sequence: its row of the ``(S, Hq)`` ALiBi slopes."""
+    if options.varlen is not None:
+        options = replace(options, varlen=None)
     if options.alibi_slopes is None:
         return options
     return replace(options, alibi_slopes=options.alibi_slopes[sequence:sequence + 1])
@@ -353,3 +355,51 @@ def forward_paged(q, k_pages, v_pages, block_table, seqlens_k, *, seqlens_q=None
                 batch_shape + (pages.shape[1], n_keys, pages.shape[3]))
             for pages in (k_pages, v_pages))
     return forward_padded(q, k, v, seqlens_q, lengths_k.reshape(batch_shape), **options)
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+def _descriptors(q, k, options: AttentionOptions):
+    """`tileattn.options.VarlenLayout.descriptors` of a backend call's 4-D arrays."""
+    return options.varlen.descriptors(q.shape[0], q.shape[2], k.shape[2])
+
+
+def _sequence_keys(pages, options: AttentionOptions, row):
+    """One sequence's keys ``(1, Hkv, KEYS, D)``: a slice of the padded or packed array, or
+    for paged K/V the pages its table row names, gathered by SPEC's formula (page ids
+    clamped into the pool: with ``check_lengths=False`` nothing was checked)."""
+    b, base, count = row[BATCH], row[KEY_BASE], row[KEYS]
+    layout = options.varlen
+    if layout.family != "paged":
+        return pages[b:b + 1, :, base:base + count]
+    table = np.clip(layout.block_table[b:b + 1], 0, layout.num_pages - 1)
+    return _gather_pages(pages, table, np.array([count]), count)
+
+
+def forward_sequences(q, k, v, options: AttentionOptions):
+    """``backend="reference"`` for a variable-length or paged call (``options.varlen``):
+    the dense golden model on each sequence of `VarlenLayout.descriptors`; arrays as the
+    backends receive them (`tileattn.backends`), k and v page pools when paged."""
+    batch, n_q_heads, n_q, _ = q.shape
+    o = np.zeros((batch, n_q_heads, n_q, v.shape[3]))
+    lse = np.full((batch, n_q_heads, n_q), -np.inf)
+    for row in _descriptors(q, k, options):
+        b, rows = row[BATCH], slice(row[ROW_BASE], row[ROW_BASE] + row[ROWS])
+        o[b:b + 1, :, rows], lse[b:b + 1, :, rows] = _sequence_forward(
+            q[b:b + 1, :, rows], _sequence_keys(k, options, row),
+            _sequence_keys(v, options, row), _for_sequence(options, row[INDEX]), row[INDEX])
+    return o.astype(q.dtype), lse.astype(lse_dtype(q.dtype))
+
+
+def backward_sequences(do, q, k, v, o, options: AttentionOptions):
+    """``backend="reference"`` backward of a padded or packed call, as `forward_sequences`."""
+    dq, dk, dv = (np.zeros(a.shape) for a in (q, k, v))
+    for row in _descriptors(q, k, options):
+        b, rows = row[BATCH], slice(row[ROW_BASE], row[ROW_BASE] + row[ROWS])
+        keys = slice(row[KEY_BASE], row[KEY_BASE] + row[KEYS])
+        dq[b:b + 1, :, rows], dk[b:b + 1, :, keys], dv[b:b + 1, :, keys] = _sequence_backward(
+            do[b:b + 1, :, rows], q[b:b + 1, :, rows], k[b:b + 1, :, keys],
+            v[b:b + 1, :, keys], o[b:b + 1, :, rows], _for_sequence(options, row[INDEX]),
+            row[INDEX])
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from . import arrays
 from .backends import REGISTRY
 from .dropout import dropout_threshold
-from .options import UNLIMITED, AttentionOptions
+from .options import UNLIMITED, AttentionOptions, VarlenLayout
 from .reference import lse_dtype
+from .varlen_validation import (check_block_table, check_cu_seqlens_pair, check_packed_slopes,
+                                check_page_pools, check_seqlens, varlen_family)
 
 
 LAYOUTS = ("bhsd", "bshd")
@@ -130,6 +132,53 @@ def _check_shapes(q, k, v, shapes: dict):
         raise ValueError(f"q heads must be a multiple of k/v heads (Hq % Hkv == 0), "
                          f"got Hq={n_q_heads}, Hkv={n_kv_heads}")
     return batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head
+
+
+def _check_paged_shapes(q, k, v, shapes: dict):
+    """`_check_shapes` for paged K/V: ``q (*batch, Hq, Nq, D)`` and page pools
+    ``k (num_pages, Hkv, page_size, D)``, ``v (num_pages, Hkv, page_size, Dv)``. Returns
+    ``(batch_shape, Hq, Hkv, Nq, D, Dv, num_pages, page_size)``."""
+    if q.ndim < 3:
+        raise ValueError(f"q must have shape (*batch, Hq, Nq, D) with block_table (paged "
+                         f"K/V), got {_describe(shapes['q'])}")
+    num_pages, page_size = check_page_pools(k, v)
+    n_q_heads, n_q, d = q.shape[-3:]
+    n_kv_heads, d_k, d_v = k.shape[1], k.shape[3], v.shape[3]
+    if d_k != d:
+        raise ValueError(f"k head dim must equal q head dim D={d}, got {d_k} "
+                         f"(q {_describe(shapes['q'])}, k {_describe(shapes['k'])})")
+    if d < 1:
+        raise ValueError(f"q head dim D must be positive, got D={d}")
+    if d_v < 1:
+        raise ValueError(f"v head dim Dv must be positive, got Dv={d_v}")
+    if n_kv_heads == 0 and n_q_heads > 0 or n_kv_heads > 0 and n_q_heads % n_kv_heads:
+        raise ValueError(f"q heads must be a multiple of k/v heads (Hq % Hkv == 0), "
+                         f"got Hq={n_q_heads}, Hkv={n_kv_heads}")
+    return tuple(q.shape[:-3]), n_q_heads, n_kv_heads, n_q, d, d_v, num_pages, page_size
+
+
+def _check_varlen(family, keywords, batch_shape, n_q, n_k, check_lengths, paging):
+    """The length keywords of `family` as a `VarlenLayout` (contents checked unless
+    ``check_lengths=False``); `paging` is ``(num_pages, page_size)`` for paged K/V."""
+    if family == "packed":
+        cu_q, cu_k = check_cu_seqlens_pair(keywords["cu_seqlens_q"], keywords["cu_seqlens_k"],
+                                           n_q, n_k, check_lengths)
+        return VarlenLayout("packed", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            checked=check_lengths)
+    seqlens_q = (None if keywords.get("seqlens_q") is None else check_seqlens(
+        "seqlens_q", keywords["seqlens_q"], batch_shape, n_q, "Nq", check_lengths))
+    if family == "padded":
+        seqlens_k = (None if keywords.get("seqlens_k") is None else check_seqlens(
+            "seqlens_k", keywords["seqlens_k"], batch_shape, n_k, "Nk", check_lengths))
+        return VarlenLayout("padded", seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                            checked=check_lengths)
+    num_pages, page_size = paging
+    seqlens_k = check_seqlens("seqlens_k", keywords["seqlens_k"], batch_shape, None,
+                              check_values=check_lengths)
+    table = check_block_table(keywords["block_table"], seqlens_k, batch_shape, num_pages,
+                              page_size, check_lengths)
+    return VarlenLayout("paged", seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_table=table,
+                        page_size=page_size, num_pages=num_pages, checked=check_lengths)
 
 
 def _to_4d(array, batch: int, single_head: bool):
@@ -422,13 +471,19 @@ class Problem:
         return batch == 0 or self.n_q_heads == 0 or self.n_q == 0 or self.n_k == 0
 
 
-def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
-             **option_kwargs) -> Problem:
+def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None, varlen=None,
+             check_lengths=True, **option_kwargs) -> Problem:
     """Check the arrays and options of a forward (``do`` is None) or backward call.
 
     `outputs` maps the output-buffer arguments (``out``, ``lse_out`` of a forward;
-    ``dq_out``, ``dk_out``, ``dv_out`` of a backward) to the caller's arrays or None."""
+    ``dq_out``, ``dk_out``, ``dv_out`` of a backward) to the caller's arrays or None.
+    `varlen` maps the length keywords (``seqlens_q``, ``seqlens_k``, ``cu_seqlens_q``,
+    ``cu_seqlens_k``, ``block_table``) to the caller's arrays or None; they become
+    ``options.varlen`` (SPEC "Variable-length batches and paged K/V")."""
     sequence_first = check_layout(layout)
+    if check_lengths is not True and not isinstance(check_lengths, (bool, np.bool_)):
+        raise TypeError(f"check_lengths must be a bool, got {check_lengths!r}")
+    family = varlen_family(varlen, backward=do is not None) if varlen else None
     library = arrays.library_of(q)
     named = {"q": q, "k": k, "v": v}
     if do is not None:
@@ -442,10 +497,30 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     memory = _check_memory(named)
     q, k, v = named["q"], named["k"], named["v"]
     dtype = _check_dtypes({name: named[name] for name in ("q", "k", "v")})
-    batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(
-        q, k, v, shapes)
+    if family == "packed":
+        for name in ("q", "k", "v"):
+            if named[name].ndim != 3:
+                order = "(N_total, H, D)" if sequence_first else "(H, N_total, D)"
+                raise ValueError(f"{name} must have shape {order} with cu_seqlens (packed "
+                                 f"sequences, no batch axes), got {_describe(shapes[name])}")
+    paging = None
+    if family == "paged":
+        (batch_shape, n_q_heads, n_kv_heads, n_q, d, d_v, *paging) = _check_paged_shapes(
+            q, k, v, shapes)
+        single_head, n_k = False, 0
+    else:
+        batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head = _check_shapes(
+            q, k, v, shapes)
     batch = math.prod(batch_shape)
-    tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
+    varlen_layout = None
+    if family is not None:
+        varlen_layout = _check_varlen(family, varlen, batch_shape, n_q, n_k,
+                                      bool(check_lengths), paging)
+        n_k = varlen_layout.key_capacity(n_k)
+    if family == "paged":
+        tensors = {"q": _to_4d(q, batch, False), "k": k, "v": v}
+    else:
+        tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
     out_shape = (n_q, d_v) if single_head else batch_shape + (
         (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
     lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
@@ -463,8 +538,19 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
         lse = named["lse"]
         tensors["lse"] = (lse if lse.ndim == 3 and not single_head
                           else _to_4d(lse[..., None], batch, single_head)[..., 0])
+    packed_slopes = None
+    if family == "packed":
+        packed_slopes = option_kwargs.pop("alibi_slopes", None)
+        option_kwargs["alibi_slopes"] = None
     options = make_options(batch_shape=batch_shape, n_q_heads=n_q_heads, head_dim=d, n_q=n_q,
                            n_k=n_k, dtype=dtype, **option_kwargs)
+    if family is not None:
+        slopes = options.alibi_slopes
+        if packed_slopes is not None:
+            n_sequences = varlen_layout.n_sequences
+            check_packed_slopes(packed_slopes, n_sequences, n_q_heads)
+            slopes = _normalise_alibi(packed_slopes, (n_sequences,), n_q_heads, dtype)
+        options = replace(options, varlen=varlen_layout, alibi_slopes=slopes)
     output_views = {}
     # only when a buffer is given: small GPU calls are counted in microseconds of host time
     if outputs and any(buffer is not None for buffer in outputs.values()):

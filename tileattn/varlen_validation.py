@@ -1,5 +1,5 @@
 """Checks for variable-length batches and paged K/V (SPEC "Variable-length batches and paged
-K/V"), shared by the golden model and, later, the API layer.
+K/V"), shared by the golden model and the API layer (`tileattn.validation`).
 
 Each check takes the caller's array (NumPy, or anything `tileattn.arrays.to_host` reads,
 such as CuPy: the contents check is a small device-to-host copy), raises a `TypeError` for a
@@ -29,7 +29,7 @@ def _first(condition: np.ndarray) -> tuple:
 
 
 def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
-                  limit_name: str = "") -> np.ndarray:
+                  limit_name: str = "", check_values: bool = True) -> np.ndarray:
     """Lengths of a padded batch: ``0 <= seqlens[b] <= limit`` for every batch element.
 
     Parameters
@@ -46,6 +46,9 @@ def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
         `seqlens` must be given.
     limit_name : str
         How messages name `limit` (``"Nq"``, ``"Nk"``).
+    check_values : bool
+        False (``check_lengths=False``): only the dtype and shape are checked; the kernels
+        clamp the values (`tileattn.options.VarlenLayout.descriptors`).
 
     Returns
     -------
@@ -58,6 +61,8 @@ def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
     if values.shape != tuple(batch_shape):
         raise ValueError(f"{name} must have the batch shape of q, {tuple(batch_shape)}, "
                          f"got shape {values.shape}")
+    if not check_values:
+        return values.reshape(batch)
     negative = values < 0
     if negative.any():
         index = _first(negative)
@@ -69,7 +74,8 @@ def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
     return values.reshape(batch)
 
 
-def check_cu_seqlens(name: str, cu_seqlens, total: int, total_name: str) -> np.ndarray:
+def check_cu_seqlens(name: str, cu_seqlens, total: int, total_name: str,
+                     check_values: bool = True) -> np.ndarray:
     """Cumulative lengths of packed sequences: ``(S + 1,)`` integers from 0, non-decreasing,
     ending at `total` (``Nq_total`` or ``Nk_total``, the packed axis' length).
 
@@ -81,6 +87,8 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, total_name: str) -> np.n
     if values.ndim != 1 or values.size == 0:
         raise ValueError(f"{name} must have shape (S + 1,) with S >= 0 sequences, got shape "
                          f"{values.shape}")
+    if not check_values:
+        return values
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {values[0]}")
     decreasing = np.diff(values) < 0
@@ -94,12 +102,14 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, total_name: str) -> np.n
     return values
 
 
-def check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, n_q_total: int,
-                          n_k_total: int) -> tuple[np.ndarray, np.ndarray]:
+def check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, n_q_total: int, n_k_total: int,
+                          check_values: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Both cumulative-length arrays (`check_cu_seqlens`), describing the same number of
     sequences. Returns them as int64 arrays."""
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, n_q_total, "q.shape[-2]")
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, n_k_total, "k.shape[-2]")
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, n_q_total, "q.shape[-2]",
+                            check_values)
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, n_k_total, "k.shape[-2]",
+                            check_values)
     if cu_k.shape != cu_q.shape:
         raise ValueError(f"cu_seqlens_k must have the shape of cu_seqlens_q, "
                          f"(S + 1,) = {cu_q.shape}, got shape {cu_k.shape}")
@@ -123,7 +133,7 @@ def check_page_pools(k_pages, v_pages) -> tuple[int, int]:
 
 
 def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, num_pages: int,
-                      page_size: int) -> np.ndarray:
+                      page_size: int, check_values: bool = True) -> np.ndarray:
     """A block table ``(*batch, max_pages)`` that holds every key of every batch element.
 
     Batch element ``b`` reads the first ``ceil(seqlens_k[b] / page_size)`` entries of its
@@ -134,6 +144,9 @@ def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, nu
     ----------
     seqlens_k : int64 array of shape ``(prod(batch_shape),)``
         Already checked to be >= 0.
+    check_values : bool
+        False (``check_lengths=False``): only the dtype and shape are checked; kernels
+        clamp page ids and lengths instead.
 
     Returns
     -------
@@ -145,6 +158,8 @@ def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, nu
                          f"shape of q, {tuple(batch_shape)}, got shape {table.shape}")
     max_pages = table.shape[-1]
     table = table.reshape(len(seqlens_k), max_pages)
+    if not check_values:
+        return table
     pages_used = -(-seqlens_k // page_size)
     too_short = pages_used > max_pages
     if too_short.any():
@@ -162,3 +177,43 @@ def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, nu
                          f"{table[b, column]} ((flattened) batch element {b} reads its first "
                          f"{pages_used[b]} entries)")
     return table
+
+
+VARLEN_KEYWORDS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_table")
+
+
+def varlen_family(keywords: dict, *, backward: bool) -> str | None:
+    """Which family the caller's length keywords name: ``"padded"``, ``"packed"``,
+    ``"paged"``, or None (a dense call). Raises a `ValueError` naming the keyword for a
+    combination SPEC does not define, and for ``block_table`` in `backward` (paged K/V is
+    forward only)."""
+    given = {name for name in VARLEN_KEYWORDS if keywords.get(name) is not None}
+    if "block_table" in given and backward:
+        raise ValueError("block_table is not accepted by backward: paged K/V is forward only "
+                         "(SPEC); gather the keys into a padded batch and pass seqlens_k")
+    packed = {"cu_seqlens_q", "cu_seqlens_k"} & given
+    if len(packed) == 1:
+        (name,) = packed
+        other = "cu_seqlens_k" if name == "cu_seqlens_q" else "cu_seqlens_q"
+        raise ValueError(f"{name} and {other} must be given together (packed sequences), "
+                         f"got {name} without {other}")
+    if packed:
+        for name in ("seqlens_q", "seqlens_k", "block_table"):
+            if name in given:
+                raise ValueError(f"{name} cannot be combined with cu_seqlens_q and "
+                                 f"cu_seqlens_k (packed sequences), got both")
+        return "packed"
+    if "block_table" in given:
+        if "seqlens_k" not in given:
+            raise ValueError("seqlens_k must be given with block_table (paged K/V), got None")
+        return "paged"
+    return "padded" if given else None
+
+
+def check_packed_slopes(slopes, n_sequences: int, n_q_heads: int):
+    """ALiBi slopes of packed sequences: shape ``(Hq,)`` or ``(S, Hq)`` (docs/varlen.md)."""
+    shape = np.shape(arrays.to_host(arrays.to_native(slopes)))
+    if shape not in ((n_q_heads,), (n_sequences, n_q_heads)):
+        raise ValueError(f"alibi_slopes of packed sequences must have shape (Hq,) = "
+                         f"({n_q_heads},) or (S, Hq) = ({n_sequences}, {n_q_heads}), "
+                         f"got {shape}")

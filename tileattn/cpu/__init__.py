@@ -14,6 +14,7 @@ The backward is always deterministic, so ``options.deterministic`` changes nothi
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 
@@ -21,7 +22,7 @@ import numba
 import numpy as np
 
 from ..dropout import dropout_key, dropout_threshold
-from ..options import AttentionOptions, Blocks
+from ..options import BAND, KEYS, ROWS, AttentionOptions, Blocks, dense_descriptors
 from ..reference import lse_dtype
 from . import (blas, compile_notice, decode, schedule,  # noqa: F401 (compile_notice listens)
                threads)
@@ -29,6 +30,7 @@ from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_ove
 from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
 
 MEMORY = "host"
+VARLEN = True  # serves seqlens, cu_seqlens and block_table (`Sequences`)
 
 # Each call already spreads over every core it can use (`threads`), and the BLAS thread
 # limit around it is process-wide: serialising calls costs nothing.
@@ -73,83 +75,182 @@ def _read_only(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return view
 
 
-def _blocks(kind: str, q, v, options: AttentionOptions, n_threads: int) -> Blocks:
-    """The tile sizes, clamped to the sequence lengths (a larger tile is one tile anyway).
+def _blocks(kind: str, q, v, options: AttentionOptions, n_threads: int,
+            shape: "Sequences") -> Blocks:
+    """The tile sizes, clamped to the longest sequence (a larger tile is one tile anyway).
 
     Without an override, ``block_q`` shrinks until every thread has work (`blocks.py`).
     """
-    batch, n_q_heads, n_q, head_dim = q.shape
+    head_dim, n_q_heads = q.shape[3], q.shape[1]
     defaults = default_blocks(kind, head_dim, v.shape[3], q.itemsize, options.is_masked)
     block_q = spread_over_threads(defaults.block_q,
-                                  lambda size: batch * n_q_heads * -(-n_q // size), n_threads)
+                                  lambda size: n_q_heads * shape.query_tasks(size), n_threads)
     blocks = Blocks(block_q, defaults.block_k).resolve(options.block_q, options.block_k)
-    return Blocks(min(blocks.block_q, n_q), min(blocks.block_k, v.shape[2]))
+    return Blocks(max(1, min(blocks.block_q, shape.max_rows)),
+                  max(1, min(blocks.block_k, shape.max_keys)))
 
 
-def _option_scalars(options: AttentionOptions, batch: int, n_q_heads: int, n_q: int, n_k: int):
-    """The kernels' option arguments, from `scale` to `inv_keep`. The band offset and the
-    dropout's position offsets are plain ints like the window sides (int64 in the kernels:
-    a placed block's sides and offsets are the whole sequence's), so they add no
-    specialisation."""
+class Sequences:
+    """A call's sequences for the kernels: the descriptors (int64, one row per sequence;
+    `tileattn.options.DESCRIPTOR_COLUMNS`), the block table (int64 ``(B, max_pages)``,
+    ``(0, 0)`` unless paged) and how the page pools lie. A dense call gets one sequence per
+    batch element (`dense_descriptors`), so every call takes the same kernel signature."""
+
+    def __init__(self, q, k, options: AttentionOptions):
+        batch, _, n_q, _ = q.shape
+        layout = options.varlen
+        self.varlen = layout is not None
+        self.page_size, self.slots_outer = 0, 0
+        self.block_table = _NO_TABLE
+        if layout is None:
+            n_k = k.shape[2]
+            self.descriptors = _dense_descriptors(batch, n_q, n_k,
+                                                  options.band_offset(n_q, n_k))
+            self.max_rows, self.max_keys = n_q, n_k
+        else:
+            self.descriptors = layout.descriptors(batch, n_q, k.shape[2])
+            if layout.family == "paged":
+                self.block_table = np.array(layout.block_table, np.int64)
+                self.page_size = layout.page_size
+            self.max_rows = int(self.descriptors[:, ROWS].max(initial=0))
+            self.max_keys = int(self.descriptors[:, KEYS].max(initial=0))
+
+    def pools(self, k, v, dtype):
+        """The kernels' read-only C-contiguous views of k and v. For a paged call, pools
+        stored ``(num_pages, page_size, Hkv, D)`` (vLLM's order, passed transposed) are read
+        in that order without a copy (`tiles.key_value_rows`'s `slots_outer`); both pools are
+        read in k's order."""
+        if self.page_size and k.strides[2] > k.strides[1] and k.shape[1] > 1:
+            self.slots_outer = 1
+            return tuple(_read_only(x.transpose(0, 2, 1, 3), dtype) for x in (k, v))
+        return _read_only(k, dtype), _read_only(v, dtype)
+
+    def query_tasks(self, block_q: int) -> int:
+        """Query tiles over all sequences (per head) for tiles of `block_q` rows."""
+        if not self.varlen:
+            return len(self.descriptors) * -(-self.max_rows // block_q)
+        return int((-(-self.descriptors[:, ROWS] // block_q)).sum())
+
+    def pairs(self, options: AttentionOptions) -> int:
+        """Kept (row, key) pairs over all sequences, per head."""
+        d = self.descriptors
+        if not self.varlen:  # every sequence alike: count one
+            return len(d) * _dense_pairs(self.max_rows, self.max_keys, int(d[0, BAND]),
+                                         options.window_left, options.window_right)
+        return schedule.tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], max(1, self.max_rows),
+                                  options.window_left, options.window_right)[1]
+
+    def tiles(self, block: int, options: AttentionOptions, keys: bool = False):
+        """``(sequence, first row)`` pairs of every query tile (or with `keys`, first key of
+        every key tile), longest first (`schedule.tile_list`). A dense batch orders one
+        sequence's tiles and deals each to every batch element in turn."""
+        d = self.descriptors
+        rows, cols, bands = (d[:, KEYS], d[:, ROWS], -d[:, BAND]) if keys else (
+            d[:, ROWS], d[:, KEYS], d[:, BAND])
+        left, right = ((options.window_right, options.window_left) if keys
+                       else (options.window_left, options.window_right))
+        if self.varlen or not len(d):
+            return schedule.tile_list(rows, cols, bands, block, left, right)[0]
+        return _dense_tiles(len(d), int(rows[0]), int(cols[0]), int(bands[0]), block, left,
+                            right)
+
+
+_NO_TABLE = np.zeros((0, 0), np.int64)
+
+
+# Dense calls repeat shapes (a decode loop, a training step): their descriptors and tile
+# lists are cached, which kept the per-call host time of small calls at main's (the
+# NumPy to build them cost 10-15 us a call). The kernels never write them.
+@functools.lru_cache(maxsize=256)
+def _dense_descriptors(batch: int, n_q: int, n_k: int, band_offset: int) -> np.ndarray:
+    return dense_descriptors(batch, n_q, n_k, band_offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_pairs(n_rows, n_cols, band_offset, window_left, window_right) -> int:
+    return int(schedule.kept_pairs_per_row(n_rows, n_cols, band_offset, window_left,
+                                           window_right).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def _in_order(n_sequences: int) -> np.ndarray:
+    """``(sequence, 0)`` for every sequence in order: the heads schedule of a dense batch."""
+    return np.stack([np.arange(n_sequences, dtype=np.int64),
+                     np.zeros(n_sequences, np.int64)], axis=1)
+
+
+# 32 shapes: a tile list holds two int64 per (batch element, tile), 1 MB at B = 64 and
+# 1024 tiles, and a loop repeats a few shapes.
+@functools.lru_cache(maxsize=32)
+def _dense_tiles(batch, n_rows, n_cols, band_offset, block, window_left, window_right):
+    """One sequence's tiles longest first, each dealt to every batch element in turn."""
+    order = schedule.longest_first(-(-n_rows // block), block, n_rows, n_cols, band_offset,
+                                   window_left, window_right)
+    tiles = np.empty((order.size * batch, 2), np.int64)
+    tiles[:, 0] = np.tile(np.arange(batch, dtype=np.int64), order.size)
+    tiles[:, 1] = np.repeat(order * block, batch)
+    return tiles
+
+
+def _option_scalars(options: AttentionOptions, n_sequences: int, n_q_heads: int):
+    """The kernels' option arguments, from `scale` to `inv_keep`. The dropout's position
+    offsets are plain ints like the window sides (int64 in the kernels: a placed block's
+    sides and offsets are the whole sequence's), so they add no specialisation; band
+    offsets are per sequence, in the descriptors."""
     slopes = options.alibi_slopes
     if slopes is None:
-        slopes = np.zeros((batch, n_q_heads))
+        slopes = np.zeros((n_sequences, n_q_heads))
     key = dropout_key(options.seed) if options.dropout_p > 0 else 0
     threshold = dropout_threshold(options.dropout_p) if options.dropout_p > 0 else 0
     return (float(options.scale), float(options.softcap), _read_only(slopes, np.float64),
-            int(options.window_left), int(options.window_right),
-            int(options.band_offset(n_q, n_k)), int(options.row_offset),
+            int(options.window_left), int(options.window_right), int(options.row_offset),
             int(options.col_offset), int(key), int(threshold), 1.0 / (1.0 - options.dropout_p))
 
 
-def _forward_flops(q, k, v, options: AttentionOptions) -> float:
-    """FLOPs of the forward's two matrix products over the kept (row, key) pairs."""
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_k = k.shape[2]
-    pairs = schedule.kept_pairs_per_row(n_q, n_k, options.band_offset(n_q, n_k),
-                                        options.window_left, options.window_right).sum()
-    return 2.0 * batch * n_q_heads * float(pairs) * (head_dim + v.shape[3])
+def _flops(q, v, pairs: int) -> float:
+    """FLOPs of the forward's two matrix products over `pairs` kept (row, key) pairs per
+    head."""
+    return 2.0 * q.shape[1] * float(pairs) * (q.shape[3] + v.shape[3])
 
 
-def _query_tile_order(n_q: int, n_k: int, block_q: int, options: AttentionOptions):
-    return schedule.longest_first(-(-n_q // block_q), block_q, n_q, n_k,
-                                  options.band_offset(n_q, n_k), options.window_left,
-                                  options.window_right)
+def _paging(shape: Sequences):
+    return shape.block_table, shape.page_size, shape.slots_outer
 
 
-def _forward(q_c, k_c, v_c, options: AttentionOptions):
+def _forward(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences):
     """Forward over prepared (compute-dtype, read-only, contiguous) arrays."""
     from .forward_kernel import forward_kernel
 
     batch, n_q_heads, n_q, _ = q_c.shape
-    scalars = _option_scalars(options, batch, n_q_heads, n_q, k_c.shape[2])
+    scalars = _option_scalars(options, len(shape.descriptors), n_q_heads)
     if decode.takes(n_q):
-        return decode.forward(q_c, k_c, v_c, options, scalars, _kernel_lock)
-    out = np.empty((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
-    lse = np.empty((batch, n_q_heads, n_q), q_c.dtype)
-    n_threads = threads.threads_for(_forward_flops(q_c, k_c, v_c, options))
-    blocks = _blocks("forward", q_c, v_c, options, n_threads)
-    tile_order = _query_tile_order(n_q, k_c.shape[2], blocks.block_q, options)
+        return decode.forward(q_c, k_c, v_c, options, scalars, _kernel_lock, shape)
+    # Rows of no sequence (padding) are never written by the kernel: o 0, lse -inf (SPEC).
+    allocate = (np.zeros, lambda shape_, dtype: np.full(shape_, -np.inf, dtype)) \
+        if shape.varlen else (np.empty, np.empty)
+    out = allocate[0]((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
+    lse = allocate[1]((batch, n_q_heads, n_q), q_c.dtype)
+    n_threads = threads.threads_for(_flops(q_c, v_c, shape.pairs(options)))
+    blocks = _blocks("forward", q_c, v_c, options, n_threads, shape)
+    tiles = shape.tiles(blocks.block_q, options)
     with _kernel_lock, blas.single_threaded():
-        threads.run(forward_kernel, min(n_threads, batch * n_q_heads * tile_order.size),
-                    q_c, k_c, v_c, out, lse, *scalars,
-                    blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS, tile_order)
+        threads.run(forward_kernel, min(n_threads, n_q_heads * len(tiles)),
+                    q_c, k_c, v_c, out, lse, shape.descriptors, tiles, *_paging(shape),
+                    *scalars, blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
     return out, lse
 
 
 def forward(q, k, v, options: AttentionOptions):
     dtype = _compute_dtype(q.dtype)
-    out, lse = _forward(*(_read_only(x, dtype) for x in (q, k, v)), options)
+    shape = Sequences(q, k, options)
+    out, lse = _forward(_read_only(q, dtype), *shape.pools(k, v, dtype), options, shape)
     return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
 
 
-_NO_TILE_ORDER = np.zeros(0, np.int64)  # the heads schedule takes every key tile in order
-
-
-def _use_heads_schedule(batch: int, n_kv_heads: int, n_threads: int) -> bool:
-    """Whether one task per (batch, kv head) keeps every thread equally busy (see
+def _use_heads_schedule(n_sequences: int, n_kv_heads: int, n_threads: int) -> bool:
+    """Whether one task per (sequence, kv head) keeps every thread equally busy (see
     `backward_kernel`); otherwise the split schedule spreads key and query tiles."""
-    tasks = batch * n_kv_heads
+    tasks = n_sequences * n_kv_heads
     return tasks % n_threads == 0 or tasks >= 4 * n_threads
 
 
@@ -159,34 +260,37 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
 
     dtype = _compute_dtype(q.dtype)
     do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
-    batch, n_q_heads, n_q, _ = q.shape
+    shape = Sequences(q, k, options)
+    descriptors = shape.descriptors
+    n_sequences, (batch, n_q_heads, n_q, _) = len(descriptors), q.shape
     n_kv_heads = k.shape[1]
     delta = np.empty((batch, n_q_heads, n_q), dtype)
     safe_lse = np.empty((batch, n_q_heads, n_q), dtype)
-    dk = np.empty(k.shape, dtype)
-    dv = np.empty(v.shape, dtype)
+    # Keys and rows of no sequence (padding) are never written by the kernel: 0 (SPEC).
+    allocate = np.zeros if shape.varlen else np.empty
+    dk = allocate(k.shape, dtype)
+    dv = allocate(v.shape, dtype)
     # FlashAttention's count: the backward's five products are 2.5x the forward's two.
-    n_threads = threads.threads_for(2.5 * _forward_flops(q_c, k_c, v_c, options))
-    blocks = _blocks("backward", q_c, v_c, options, n_threads)
-    n_k = k.shape[2]
-    scalars = _option_scalars(options, batch, n_q_heads, n_q, n_k)
+    n_threads = threads.threads_for(2.5 * _flops(q_c, v_c, shape.pairs(options)))
+    blocks = _blocks("backward", q_c, v_c, options, n_threads, shape)
+    scalars = _option_scalars(options, n_sequences, n_q_heads)
     tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
         delta.flags.writeable = safe_lse.flags.writeable = False
-        if _use_heads_schedule(batch, n_kv_heads, n_threads):
+        if _use_heads_schedule(n_sequences, n_kv_heads, n_threads):
             dq = np.zeros(q.shape, dtype)
-            runs = [(HEADS, min(n_threads, batch * n_kv_heads), _NO_TILE_ORDER)]
+            tiles = _in_order(n_sequences)
+            if shape.varlen:  # longest sequences first, so a long one never starts last
+                work = descriptors[:, ROWS] * descriptors[:, KEYS]
+                tiles = tiles[np.argsort(-work, kind="stable")]
+            runs = [(HEADS, min(n_threads, n_sequences * n_kv_heads), tiles)]
         else:
-            dq = np.empty(q.shape, dtype)
-            key_order = schedule.longest_first(-(-n_k // blocks.block_k), blocks.block_k, n_k,
-                                               n_q, -options.band_offset(n_q, n_k),
-                                               options.window_right, options.window_left)
-            runs = [(KEY_TILES, n_threads, key_order),
-                    (QUERY_TILES, n_threads, _query_tile_order(n_q, n_k, blocks.block_q,
-                                                               options))]
-        for kernel_schedule, n_workers, tile_order in runs:
+            dq = allocate(q.shape, dtype)
+            runs = [(KEY_TILES, n_threads, shape.tiles(blocks.block_k, options, keys=True)),
+                    (QUERY_TILES, n_threads, shape.tiles(blocks.block_q, options))]
+        for kernel_schedule, n_workers, tiles in runs:
             threads.run(backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse, delta, dq,
-                        dk, dv, *scalars, *tiling, kernel_schedule, tile_order)
+                        dk, dv, descriptors, *scalars, *tiling, kernel_schedule, tiles)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

@@ -12,7 +12,7 @@ the saved ``lse`` and ``D = rowsum(dO * O)`` computed once up front:
 Two race-free schedules of `backward_kernel`, both deterministic (each output element is
 summed by one thread in a fixed order):
 
-* `HEADS`: one task per (batch, kv head) runs every tile of its query heads, keys outer and
+* `HEADS`: one task per (sequence, kv head) runs every tile of its query heads, keys outer and
   queries inner, so ``dK_j``/``dV_j`` stay in local accumulators and ``dQ`` is summed into
   rows that no other task touches. Five matrix products per tile, the minimum. Used when
   there are enough (batch, kv head) pairs to keep every thread busy.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from . import dropout
 from .kept_products import redo_non_finite_columns, redo_non_finite_rows
 from .schedule import claim_next
@@ -211,35 +212,36 @@ def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_co
 
 
 @njit(fastmath=FASTMATH)
-def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
-                    col_start, col_stop, q_scaled, dk_tile, dv_tile, dq_tile, want_key_grads,
-                    want_query_grads, scale, softcap, slope, window_left, window_right,
-                    band_offset, row_offset, col_offset, dropout_key, dropout_threshold,
-                    inv_keep, slice_rows, scratch):
-    """Tile rows ``[row_start, row_stop)`` x keys ``[col_start, col_stop)``; `dk_tile`,
-    `dv_tile` start at `col_start`, `dq_tile` and `q_scaled` at `row_start`.
+def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_base, key_base, n_keys,
+                    bh, row_start, row_stop, col_start, col_stop, q_scaled, dk_tile, dv_tile,
+                    dq_tile, want_key_grads, want_query_grads, scale, softcap, slope,
+                    window_left, window_right, band_offset, row_offset, col_offset,
+                    dropout_key, dropout_threshold, inv_keep, slice_rows, scratch):
+    """Tile rows ``[row_start, row_stop)`` x keys ``[col_start, col_stop)`` of one sequence
+    (positions within it; its rows start at `row_base` and its `n_keys` keys at `key_base`
+    of batch element `b`); `dk_tile`, `dv_tile` start at `col_start`, `dq_tile` and
+    `q_scaled` at `row_start`.
 
     A tile the mask cuts runs in slices of `slice_rows` rows, each against only the keys
     it keeps, as in the forward kernel.
     """
-    n_k = k.shape[2]
-    bh = b * q.shape[1] + h
     fully_kept = tile_is_fully_kept(row_start, row_stop, col_start, col_stop, band_offset,
                                     window_left, window_right)
     step = row_stop - row_start if fully_kept else slice_rows
     for slice_start in range(row_start, row_stop, step):
         slice_stop = min(slice_start + step, row_stop)
-        keep_lo, keep_hi = key_span(slice_start, slice_stop, n_k, band_offset, window_left,
+        keep_lo, keep_hi = key_span(slice_start, slice_stop, n_keys, band_offset, window_left,
                                     window_right)
         cols_lo, cols_hi = max(col_start, keep_lo), min(col_stop, keep_hi)
         if cols_lo >= cols_hi:
             continue
         first, last = slice_start - row_start, slice_stop - row_start
-        _tile(q_scaled[first:last], q[b, h, slice_start:slice_stop],
-              do[b, h, slice_start:slice_stop], k[b, kv_head, cols_lo:cols_hi],
-              v[b, kv_head, cols_lo:cols_hi], safe_lse[b, h, slice_start:slice_stop],
-              delta[b, h, slice_start:slice_stop], dk_tile[cols_lo - col_start:
-                                                           cols_hi - col_start],
+        rows_lo, rows_hi = row_base + slice_start, row_base + slice_stop
+        _tile(q_scaled[first:last], q[b, h, rows_lo:rows_hi], do[b, h, rows_lo:rows_hi],
+              k[b, kv_head, key_base + cols_lo:key_base + cols_hi],
+              v[b, kv_head, key_base + cols_lo:key_base + cols_hi],
+              safe_lse[b, h, rows_lo:rows_hi], delta[b, h, rows_lo:rows_hi],
+              dk_tile[cols_lo - col_start:cols_hi - col_start],
               dv_tile[cols_lo - col_start:cols_hi - col_start], dq_tile[first:last],
               want_key_grads, want_query_grads, bh, slice_start, cols_lo, band_offset,
               row_offset, col_offset, scale, softcap, slope, window_left, window_right,
@@ -247,67 +249,77 @@ def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_
 
 
 @njit(fastmath=FASTMATH)
-def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, b, kv_head, col_start,
-              want_key_grads, want_query_grads, scale, softcap, alibi_slopes, window_left,
-              window_right, band_offset, row_offset, col_offset, dropout_key,
+def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, sequence, kv_head,
+              col_start, want_key_grads, want_query_grads, scale, softcap, alibi_slopes,
+              window_left, window_right, row_offset, col_offset, dropout_key,
               dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch):
-    """All tiles of key tile `col_start` over the query heads sharing `kv_head`.
+    """All tiles of key tile `col_start` of one sequence (a row of `sequences`, see
+    `forward_kernel.forward_kernel`) over the query heads sharing `kv_head`.
 
     Writes ``dK``/``dV`` rows of the key tile (`want_key_grads` is true here); with
     `want_query_grads` also adds into `dq`.
     """
     q_scaled, dk_acc, dv_acc = scratch[0], scratch[5], scratch[6]
-    n_q_heads, n_q = q.shape[1], q.shape[2]
-    n_k = k.shape[2]
+    n_q_heads = q.shape[1]
     group = n_q_heads // k.shape[1]
-    col_stop = min(col_start + block_k, n_k)
+    b, index = sequences[sequence, BATCH], sequences[sequence, INDEX]
+    row_base, n_rows = sequences[sequence, ROW_BASE], sequences[sequence, ROWS]
+    key_base, n_keys = sequences[sequence, KEY_BASE], sequences[sequence, KEYS]
+    band_offset = sequences[sequence, BAND]
+    col_stop = min(col_start + block_k, n_keys)
     dk_tile = dk_acc[:col_stop - col_start]
     dv_tile = dv_acc[:col_stop - col_start]
     dk_tile[:] = 0
     dv_tile[:] = 0
-    row_lo, row_hi = row_span(col_start, col_stop, n_q, band_offset, window_left,
+    row_lo, row_hi = row_span(col_start, col_stop, n_rows, band_offset, window_left,
                               window_right)
     for h in range(kv_head * group, (kv_head + 1) * group):
-        slope = alibi_slopes[b, h]
+        slope = alibi_slopes[index, h]
         for row_start in range(max(row_lo, 0) // block_q * block_q, row_hi, block_q):
-            row_stop = min(row_start + block_q, n_q)
-            _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale)
-            _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
-                            col_start, col_stop, q_scaled, dk_tile, dv_tile,
-                            dq[b, h, row_start:row_stop], want_key_grads, want_query_grads,
-                            scale, softcap, slope, window_left, window_right, band_offset,
-                            row_offset, col_offset, dropout_key, dropout_threshold, inv_keep,
-                            slice_rows, scratch)
-    _copy_into(dk[b, kv_head, col_start:col_stop], dk_tile)
-    _copy_into(dv[b, kv_head, col_start:col_stop], dv_tile)
+            row_stop = min(row_start + block_q, n_rows)
+            _scale_query_tile(q[b, h, row_base + row_start:row_base + row_stop], q_scaled,
+                              scale)
+            _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_base, key_base,
+                            n_keys, index * n_q_heads + h, row_start, row_stop, col_start,
+                            col_stop, q_scaled, dk_tile, dv_tile,
+                            dq[b, h, row_base + row_start:row_base + row_stop],
+                            want_key_grads, want_query_grads, scale, softcap, slope,
+                            window_left, window_right, band_offset, row_offset, col_offset,
+                            dropout_key, dropout_threshold, inv_keep, slice_rows, scratch)
+    _copy_into(dk[b, kv_head, key_base + col_start:key_base + col_stop], dk_tile)
+    _copy_into(dv[b, kv_head, key_base + col_start:key_base + col_stop], dv_tile)
 
 
 @njit(fastmath=FASTMATH)
-def _query_tile(q, k, v, do, safe_lse, delta, dq, b, h, row_start, want_key_grads,
-                want_query_grads, scale, softcap, alibi_slopes, window_left, window_right,
-                band_offset, row_offset, col_offset, dropout_key, dropout_threshold, inv_keep,
-                block_q, block_k, slice_rows, scratch):
-    """``dQ`` of one query tile, summed over its key tiles (`want_query_grads` is true and
-    `want_key_grads` false here)."""
+def _query_tile(q, k, v, do, safe_lse, delta, dq, sequences, sequence, h, row_start,
+                want_key_grads, want_query_grads, scale, softcap, alibi_slopes, window_left,
+                window_right, row_offset, col_offset, dropout_key, dropout_threshold,
+                inv_keep, block_q, block_k, slice_rows, scratch):
+    """``dQ`` of one query tile of one sequence, summed over its key tiles
+    (`want_query_grads` is true and `want_key_grads` false here)."""
     q_scaled, dq_acc, unused_key_grads = scratch[0], scratch[5], scratch[6]
-    n_q_heads, n_q = q.shape[1], q.shape[2]
-    n_k = k.shape[2]
+    n_q_heads = q.shape[1]
     kv_head = h // (n_q_heads // k.shape[1])
-    row_stop = min(row_start + block_q, n_q)
-    slope = alibi_slopes[b, h]
-    _scale_query_tile(q[b, h, row_start:row_stop], q_scaled, scale)
+    b, index = sequences[sequence, BATCH], sequences[sequence, INDEX]
+    row_base, n_rows = sequences[sequence, ROW_BASE], sequences[sequence, ROWS]
+    key_base, n_keys = sequences[sequence, KEY_BASE], sequences[sequence, KEYS]
+    band_offset = sequences[sequence, BAND]
+    row_stop = min(row_start + block_q, n_rows)
+    slope = alibi_slopes[index, h]
+    _scale_query_tile(q[b, h, row_base + row_start:row_base + row_stop], q_scaled, scale)
     dq_tile = dq_acc[:row_stop - row_start]
     dq_tile[:] = 0
-    col_lo, col_hi = key_span(row_start, row_stop, n_k, band_offset, window_left,
+    col_lo, col_hi = key_span(row_start, row_stop, n_keys, band_offset, window_left,
                               window_right)
     for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
-        col_stop = min(col_start + block_k, n_k)
-        _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_start, row_stop,
-                        col_start, col_stop, q_scaled, unused_key_grads, unused_key_grads,
-                        dq_tile, want_key_grads, want_query_grads, scale, softcap, slope,
-                        window_left, window_right, band_offset, row_offset, col_offset,
-                        dropout_key, dropout_threshold, inv_keep, slice_rows, scratch)
-    _copy_into(dq[b, h, row_start:row_stop], dq_tile)
+        col_stop = min(col_start + block_k, n_keys)
+        _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_base, key_base,
+                        n_keys, index * n_q_heads + h, row_start, row_stop, col_start,
+                        col_stop, q_scaled, unused_key_grads, unused_key_grads, dq_tile,
+                        want_key_grads, want_query_grads, scale, softcap, slope, window_left,
+                        window_right, band_offset, row_offset, col_offset, dropout_key,
+                        dropout_threshold, inv_keep, slice_rows, scratch)
+    _copy_into(dq[b, h, row_base + row_start:row_base + row_stop], dq_tile)
 
 
 @njit(fastmath=FASTMATH)
@@ -328,56 +340,56 @@ HEADS, KEY_TILES, QUERY_TILES = 0, 1, 2
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, scale, softcap, alibi_slopes,
-                    window_left, window_right, band_offset, row_offset, col_offset,
+def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, softcap,
+                    alibi_slopes, window_left, window_right, row_offset, col_offset,
                     dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
-                    schedule, tile_order, next_task):
+                    schedule, tiles, next_task):
     """One thread's share of one schedule, run on every thread by `threads.run`; each
     thread claims the next task from `next_task` when it is free (`schedule` module).
 
-    * `HEADS`: every gradient, one task per (batch, kv head); `dq` must start zeroed. The
-      tasks cost the same, but claiming lets a core slowed by other work run fewer heads.
-    * `KEY_TILES`: ``dK`` and ``dV``, one task per (batch, kv head, key tile) in
-      `tile_order`, longest first (causal key tiles shrink along the sequence).
-    * `QUERY_TILES`: ``dQ``, one task per (batch, query head, query tile) in `tile_order`.
+    `sequences` describes the call's sequences as for `forward_kernel` (a dense batch: one
+    per batch element); `tiles` lists ``(sequence, first row or key)`` pairs.
 
+    * `HEADS`: every gradient, one task per (sequence, kv head), the sequences in the order
+      of `tiles`; `dq` must start zeroed. Claiming lets a core slowed by other work, or
+      given a long sequence, run fewer of them.
+    * `KEY_TILES`: ``dK`` and ``dV``, one task per (key tile, kv head) in `tiles`, longest
+      first (causal key tiles shrink along the sequence).
+    * `QUERY_TILES`: ``dQ``, one task per (query tile, query head) in `tiles`.
+
+    Keys and rows of no sequence (padding) are not written: the launcher zeroes them.
     One kernel for the three (the flags below are run-time values, so every helper compiles
     once): three kernels took 11.6 s to compile, this one 6.0 s (bench/NOTES-cpu.md,
     session 4).
     """
-    batch, n_q_heads = q.shape[0], q.shape[1]
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    n_q_heads, n_kv_heads = q.shape[1], k.shape[1]
     want_key_grads = schedule != QUERY_TILES
     want_query_grads = schedule != KEY_TILES
-    if schedule == HEADS:
-        n_tasks = batch * n_kv_heads
-    elif schedule == KEY_TILES:
-        n_tasks = batch * n_kv_heads * tile_order.size
-    else:
-        n_tasks = batch * n_q_heads * tile_order.size
+    heads = n_q_heads if schedule == QUERY_TILES else n_kv_heads
+    n_tasks = tiles.shape[0] * heads
     task = claim_next(next_task)
     if task >= n_tasks:
         return
     scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
     while task < n_tasks:
+        sequence, start = tiles[task // heads, 0], tiles[task // heads, 1]
+        head = task % heads
         if schedule == QUERY_TILES:
-            bh = task % (batch * n_q_heads)
-            _query_tile(q, k, v, do, safe_lse, delta, dq, bh // n_q_heads, bh % n_q_heads,
-                        tile_order[task // (batch * n_q_heads)] * block_q, want_key_grads,
-                        want_query_grads, scale, softcap, alibi_slopes, window_left,
-                        window_right, band_offset, row_offset, col_offset, dropout_key,
+            _query_tile(q, k, v, do, safe_lse, delta, dq, sequences, sequence, head, start,
+                        want_key_grads, want_query_grads, scale, softcap, alibi_slopes,
+                        window_left, window_right, row_offset, col_offset, dropout_key,
                         dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
         else:
-            bkv = task % (batch * n_kv_heads)
             if schedule == HEADS:
-                first_tile, last_tile = 0, (n_k + block_k - 1) // block_k
+                first_tile = 0
+                last_tile = (sequences[sequence, KEYS] + block_k - 1) // block_k
             else:
-                first_tile = tile_order[task // (batch * n_kv_heads)]
+                first_tile = start // block_k
                 last_tile = first_tile + 1
             for tile in range(first_tile, last_tile):
-                _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, bkv // n_kv_heads,
-                          bkv % n_kv_heads, tile * block_k, want_key_grads, want_query_grads,
-                          scale, softcap, alibi_slopes, window_left, window_right,
-                          band_offset, row_offset, col_offset, dropout_key, dropout_threshold,
-                          inv_keep, block_q, block_k, slice_rows, scratch)
+                _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, sequence,
+                          head, tile * block_k, want_key_grads, want_query_grads, scale,
+                          softcap, alibi_slopes, window_left, window_right, row_offset,
+                          col_offset, dropout_key, dropout_threshold, inv_keep, block_q,
+                          block_k, slice_rows, scratch)
         task = claim_next(next_task)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import blas, threads
+from ..options import BAND, KEYS, ROWS, UNLIMITED
 from .blocks import default_blocks
 from .tiles import key_span
 
@@ -31,35 +32,64 @@ def split_count(n_tasks_per_split: int, n_keys: int, block_k: int, n_threads: in
     return max(1, min(wanted, -(-n_keys // block_k)))
 
 
-def forward(q_c, k_c, v_c, options, scalars, lock, n_splits=None):
+def _key_spans(descriptors, options):
+    """Per sequence, how many keys its rows keep between the first and the last kept one
+    (`tiles.key_span` over all its rows), vectorised; 0 for a sequence with no rows."""
+    rows, keys, bands = (descriptors[:, c] for c in (ROWS, KEYS, BAND))
+    start = np.zeros_like(keys)
+    stop = keys.copy()
+    if options.window_left != UNLIMITED:
+        start = np.maximum(start, bands - options.window_left)
+    if options.window_right != UNLIMITED:
+        stop = np.minimum(stop, rows - 1 + bands + options.window_right + 1)
+    return np.where(rows > 0, np.maximum(stop - start, 0), 0)
+
+
+def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
     """``(out, lse)`` for prepared (compute-dtype, read-only, contiguous) arrays.
 
     `scalars` are the kernels' option arguments (`tileattn.cpu._option_scalars`), `lock`
-    the backend's kernel lock. `n_splits` (private, for tests) forces the split count.
+    the backend's kernel lock, `shape` the call's `tileattn.cpu.Sequences`. `n_splits`
+    (private, for tests) forces the split count.
     """
     from .decode_kernel import decode_kernel, merge_kernel
 
     batch, n_q_heads, n_q, head_dim = q_c.shape
-    n_kv_heads, n_k, value_dim = k_c.shape[1], k_c.shape[2], v_c.shape[3]
-    key_lo, key_hi = key_span(0, n_q, n_k, options.band_offset(n_q, n_k), options.window_left,
-                              options.window_right)
-    key_start, key_stop = max(key_lo, 0), max(min(key_hi, n_k), max(key_lo, 0))
+    value_dim = v_c.shape[3]
+    n_kv_heads = k_c.shape[2] if shape.slots_outer else k_c.shape[1]
+    descriptors = shape.descriptors
+    if shape.varlen:
+        spans = _key_spans(descriptors, options)
+        longest = int(spans.max(initial=0))
+        row_keys = float((descriptors[:, ROWS] * spans).sum())
+    else:  # every sequence alike: the key span of one, in plain ints
+        start, stop = key_span(0, n_q, shape.max_keys, int(descriptors[0, BAND]),
+                               options.window_left, options.window_right)
+        longest = max(min(stop, shape.max_keys) - max(start, 0), 0)
+        row_keys = float(len(descriptors) * n_q * longest)
     block_k = options.block_k or default_blocks("forward", head_dim, value_dim,
                                                 q_c.itemsize).block_k
-    flops = 2.0 * batch * n_q_heads * n_q * (key_stop - key_start) * (head_dim + value_dim)
+    flops = 2.0 * n_q_heads * row_keys * (head_dim + value_dim)
     n_threads = threads.threads_for(flops)
+    n_tasks_per_split = len(descriptors) * n_kv_heads
     if n_splits is None:
-        n_splits = split_count(batch * n_kv_heads, key_stop - key_start, block_k, n_threads)
-    split_size = max(1, -(-(key_stop - key_start) // n_splits))
+        n_splits = split_count(n_tasks_per_split, longest, block_k, n_threads)
+    split_size = max(1, -(-longest // n_splits))
     dtype = q_c.dtype
-    partial_acc = np.empty((n_splits, batch, n_q_heads, n_q, value_dim), dtype)
-    partial_max = np.empty((n_splits, batch, n_q_heads, n_q), dtype)
-    partial_sum = np.empty((n_splits, batch, n_q_heads, n_q), dtype)
+    # Rows of no sequence (padding) get no partial state from the kernel: give them an
+    # empty one, which the merge turns into o = 0, lse = -inf (SPEC).
+    partial_acc = (np.zeros if shape.varlen else np.empty)(
+        (n_splits, batch, n_q_heads, n_q, value_dim), dtype)
+    partial_max = (np.full((n_splits, batch, n_q_heads, n_q), -np.inf, dtype) if shape.varlen
+                   else np.empty((n_splits, batch, n_q_heads, n_q), dtype))
+    partial_sum = (np.zeros if shape.varlen else np.empty)((n_splits, batch, n_q_heads, n_q),
+                                                           dtype)
     out = np.empty((batch, n_q_heads, n_q, value_dim), dtype)
     lse = np.empty((batch, n_q_heads, n_q), dtype)
     with lock, blas.single_threaded():
-        threads.run(decode_kernel, min(n_threads, n_splits * batch * n_kv_heads), q_c, k_c,
-                    v_c, partial_acc, partial_max, partial_sum, *scalars, block_k, key_start,
-                    key_stop, split_size)
+        threads.run(decode_kernel, min(n_threads, n_splits * n_tasks_per_split), q_c, k_c,
+                    v_c, partial_acc, partial_max, partial_sum, descriptors,
+                    shape.block_table, shape.page_size, shape.slots_outer, *scalars, block_k,
+                    split_size)
         merge_kernel(partial_acc, partial_max, partial_sum, out, lse)
     return out, lse

@@ -23,10 +23,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from .forward_kernel import _apply_dropout, _softmax_update
 from .kept_products import redo_non_finite_rows
 from .schedule import claim_next
-from .tiles import mask_tile, tile_is_fully_kept, tile_view, transform_tile
+from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
+                    transform_tile)
 from .vector_math import FASTMATH, maximum
 
 MAX_LOOP_ROWS = 8
@@ -71,12 +73,13 @@ def _weights_times_values(weights, values, out):
 
 
 @njit(fastmath=FASTMATH)
-def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, first_head,
+def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index, first_head,
                 n_q_heads, col_start, n_q, softcap, alibi_slopes, window_left, window_right,
                 band_offset, row_offset, col_offset, dropout_key, dropout_threshold, inv_keep,
                 scores_buffer, pv_buffer):
-    """`forward_kernel._tile` for the ``group * n_q`` rows of a GQA group (head-major): one
-    matrix product per key tile for the whole group, the masks and options per head."""
+    """`forward_kernel._tile` for the ``group * n_q`` rows of a GQA group (head-major) of
+    sequence `index` (its ALiBi row and dropout heads): one matrix product per key tile for
+    the whole group, the masks and options per head."""
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
     group = n_rows // n_q
     scores = tile_view(scores_buffer, n_rows, n_cols)
@@ -88,7 +91,7 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, fir
                                     window_left, window_right)
     for g in range(group):
         head_scores = scores[g * n_q:(g + 1) * n_q]
-        slope = alibi_slopes[b, first_head + g]
+        slope = alibi_slopes[index, first_head + g]
         if softcap > 0 or slope != 0:
             transform_tile(head_scores, head_scores[:0], 0, col_start, band_offset, softcap,
                            slope, window_left, window_right)
@@ -97,7 +100,7 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, fir
     _softmax_update(scores, row_max, row_sum, rescale)
     if dropout_threshold > 0:
         for g in range(group):
-            _apply_dropout(scores[g * n_q:(g + 1) * n_q], b * n_q_heads + first_head + g,
+            _apply_dropout(scores[g * n_q:(g + 1) * n_q], index * n_q_heads + first_head + g,
                            row_offset, col_offset + col_start, dropout_key, dropout_threshold,
                            inv_keep)
     pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
@@ -116,64 +119,86 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, b, fir
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, scale, softcap,
-                  alibi_slopes, window_left, window_right, band_offset, row_offset,
-                  col_offset, dropout_key, dropout_threshold, inv_keep, block_k, key_start,
-                  key_stop, split_size, next_task):
-    """Fill the partial state of every (batch, kv head, split): one thread's share, run on
-    every thread by `threads.run`.
+def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, block_table,
+                  page_size, slots_outer, scale, softcap, alibi_slopes, window_left,
+                  window_right, row_offset, col_offset, dropout_key, dropout_threshold,
+                  inv_keep, block_k, split_size, next_task):
+    """Fill the partial state of every (sequence, kv head, split): one thread's share, run
+    on every thread by `threads.run`.
 
-    `partial_acc` is (splits, B, Hq, Nq, Dv), `partial_max` and `partial_sum` (splits, B,
-    Hq, Nq). Split ``s`` takes keys ``[key_start + s * split_size, ...)`` up to `key_stop`
-    (the keys any row keeps); a split with no keys leaves max -inf, sum 0, accumulator 0.
+    `sequences` and the paging arguments are those of `forward_kernel.forward_kernel` (a
+    dense batch is one sequence per batch element; paged K/V is read through
+    `tiles.key_value_rows`). `partial_acc` is (splits, B, Hq, Nq, Dv), `partial_max` and
+    `partial_sum` (splits, B, Hq, Nq). Split ``s`` of a sequence takes keys
+    ``[start + s * split_size, ...)`` of the keys its rows keep, ``[start, stop)``; a split
+    with no keys leaves max -inf, sum 0, accumulator 0. Rows of no sequence are not written.
     """
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads = k.shape[1]
+    n_q_heads, head_dim = q.shape[1], q.shape[3]
+    n_kv_heads = k.shape[2] if slots_outer else k.shape[1]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
-    n_rows = group * n_q
+    max_rows = group * q.shape[2]
     n_splits = partial_acc.shape[0]
-    n_tasks = n_splits * batch * n_kv_heads
+    n_tasks = n_splits * sequences.shape[0] * n_kv_heads
     task = claim_next(next_task)
     if task >= n_tasks:
         return
     dtype = q.dtype
     q_factor = dtype.type(scale)
-    q_scaled = np.empty((n_rows, head_dim), dtype)
-    scores_buffer = np.empty(n_rows * block_k, dtype)
-    pv_buffer = np.empty(n_rows * value_dim, dtype)
-    acc = np.empty((n_rows, value_dim), dtype)
-    row_max = np.empty(n_rows, dtype)
-    row_sum = np.empty(n_rows, dtype)
-    rescale = np.empty(n_rows, dtype)
+    q_scaled_buffer = np.empty((max_rows, head_dim), dtype)
+    scores_buffer = np.empty(max_rows * block_k, dtype)
+    pv_buffer = np.empty(max_rows * value_dim, dtype)
+    acc_buffer = np.empty((max_rows, value_dim), dtype)
+    max_buffer = np.empty(max_rows, dtype)
+    sum_buffer = np.empty(max_rows, dtype)
+    rescale_buffer = np.empty(max_rows, dtype)
+    paged = block_table.shape[0] > 0
+    key_buffer = np.empty(block_k * head_dim if paged else 0, dtype)
+    value_buffer = np.empty(block_k * value_dim if paged else 0, dtype)
     while task < n_tasks:
         split = task % n_splits
-        b, kv_head = divmod(task // n_splits, n_kv_heads)
+        sequence, kv_head = divmod(task // n_splits, n_kv_heads)
+        task = claim_next(next_task)
+        b, index = sequences[sequence, BATCH], sequences[sequence, INDEX]
+        row_base, n_q = sequences[sequence, ROW_BASE], sequences[sequence, ROWS]
+        key_base, n_keys = sequences[sequence, KEY_BASE], sequences[sequence, KEYS]
+        band_offset = sequences[sequence, BAND]
+        if n_q == 0:
+            continue
+        n_rows = group * n_q
+        q_scaled, acc = q_scaled_buffer[:n_rows], acc_buffer[:n_rows]
+        row_max, row_sum = max_buffer[:n_rows], sum_buffer[:n_rows]
+        rescale = rescale_buffer[:n_rows]
         first_head = kv_head * group
         # The same scaled query as the forward and backward kernels, so all round alike.
         for g in range(group):
             for r in range(n_q):
                 for d in range(head_dim):
-                    q_scaled[g * n_q + r, d] = q[b, first_head + g, r, d] * q_factor
+                    q_scaled[g * n_q + r, d] = q[b, first_head + g, row_base + r, d] * q_factor
         acc[:] = 0
         row_max[:] = -np.inf
         row_sum[:] = 0
+        key_lo, key_hi = key_span(0, n_q, n_keys, band_offset, window_left, window_right)
+        key_start = max(key_lo, 0)
+        key_stop = max(min(key_hi, n_keys), key_start)
         split_start = key_start + split * split_size
         split_stop = min(split_start + split_size, key_stop)
         for col_start in range(split_start, split_stop, block_k):
             col_stop = min(col_start + block_k, split_stop)
-            _group_tile(q_scaled, k[b, kv_head, col_start:col_stop],
-                        v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, rescale, b,
+            k_tile, v_tile = key_value_rows(k, v, b, kv_head, key_base + col_start,
+                                            key_base + col_stop, block_table, page_size,
+                                            slots_outer, key_buffer, value_buffer)
+            _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index,
                         first_head, n_q_heads, col_start, n_q, softcap, alibi_slopes,
                         window_left, window_right, band_offset, row_offset, col_offset,
                         dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer)
         for g in range(group):
             for r in range(n_q):
-                partial_max[split, b, first_head + g, r] = row_max[g * n_q + r]
-                partial_sum[split, b, first_head + g, r] = row_sum[g * n_q + r]
+                row = row_base + r
+                partial_max[split, b, first_head + g, row] = row_max[g * n_q + r]
+                partial_sum[split, b, first_head + g, row] = row_sum[g * n_q + r]
                 for d in range(value_dim):
-                    partial_acc[split, b, first_head + g, r, d] = acc[g * n_q + r, d]
-        task = claim_next(next_task)
+                    partial_acc[split, b, first_head + g, row, d] = acc[g * n_q + r, d]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)

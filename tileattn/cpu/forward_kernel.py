@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from . import dropout
 from .kept_products import redo_non_finite_rows
 from .schedule import claim_next
-from .tiles import key_span, mask_tile, tile_is_fully_kept, tile_view, transform_tile
+from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
+                    transform_tile)
 from .vector_math import FASTMATH, LOG2_E, exp2_nonpositive, maximum
 
 
@@ -99,14 +101,17 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
 
 
 @njit(fastmath=FASTMATH)
-def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, scale, softcap, slope,
-                window_left, window_right, band_offset, row_offset, col_offset, dropout_key,
-                dropout_threshold, inv_keep, block_k, slice_rows, q_scaled, scores_buffer,
-                pv_buffer, acc, row_max, row_sum, rescale):
+def _query_tile(q_tile, k, v, out_rows, lse_rows, b, kv_head, key_base, n_keys, row_start,
+                bh, scale, softcap, slope, window_left, window_right, band_offset, row_offset,
+                col_offset, dropout_key, dropout_threshold, inv_keep, block_table, page_size,
+                slots_outer, block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc,
+                row_max, row_sum, rescale, key_buffer, value_buffer):
+    """One query tile of one sequence: rows `row_start` on (sequence positions) against its
+    `n_keys` keys, which start at `key_base` of batch element `b` (`tiles.key_value_rows`: or are
+    read through the block table). Key tiles past the sequence's keys or outside the mask
+    are never loaded."""
     n_rows = q_tile.shape[0]
-    n_k = k.shape[2]
     dtype = q_tile.dtype.type
-    bh = b * lse.shape[1] + h
     # The same scaled query as the backward's (`backward_kernel._scale_query_tile`), so both
     # passes round every score alike.
     q_factor = dtype(scale)
@@ -117,14 +122,16 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, scale, softcap
     row_max[:n_rows] = -np.inf
     row_sum[:n_rows] = 0
     row_stop = row_start + n_rows
-    col_lo, col_hi = key_span(row_start, row_stop, n_k, band_offset, window_left,
+    col_lo, col_hi = key_span(row_start, row_stop, n_keys, band_offset, window_left,
                               window_right)
     for col_start in range(max(col_lo, 0) // block_k * block_k, col_hi, block_k):
-        col_stop = min(col_start + block_k, n_k)
+        col_stop = min(col_start + block_k, n_keys)
+        k_tile, v_tile = key_value_rows(k, v, b, kv_head, key_base + col_start,
+                                        key_base + col_stop, block_table, page_size,
+                                        slots_outer, key_buffer, value_buffer)
         if tile_is_fully_kept(row_start, row_stop, col_start, col_stop, band_offset,
                               window_left, window_right):
-            _tile(q_scaled[:n_rows], k[b, kv_head, col_start:col_stop],
-                  v[b, kv_head, col_start:col_stop], acc, row_max, row_sum, rescale, bh,
+            _tile(q_scaled[:n_rows], k_tile, v_tile, acc, row_max, row_sum, rescale, bh,
                   row_start, col_start, band_offset, row_offset, col_offset, softcap, slope,
                   window_left, window_right, dropout_key, dropout_threshold, inv_keep,
                   scores_buffer, pv_buffer)
@@ -134,57 +141,62 @@ def _query_tile(q_tile, k, v, out, lse, b, h, kv_head, row_start, scale, softcap
         # the diagonal would otherwise compute twice the products it keeps.
         for slice_start in range(row_start, row_stop, slice_rows):
             slice_stop = min(slice_start + slice_rows, row_stop)
-            keep_lo, keep_hi = key_span(slice_start, slice_stop, n_k, band_offset,
+            keep_lo, keep_hi = key_span(slice_start, slice_stop, n_keys, band_offset,
                                         window_left, window_right)
             cols_lo, cols_hi = max(col_start, keep_lo), min(col_stop, keep_hi)
             if cols_lo >= cols_hi:
                 continue
             first, last = slice_start - row_start, slice_stop - row_start
-            _tile(q_scaled[first:last], k[b, kv_head, cols_lo:cols_hi],
-                  v[b, kv_head, cols_lo:cols_hi], acc[first:last], row_max[first:last],
-                  row_sum[first:last], rescale[first:last], bh, slice_start, cols_lo,
-                  band_offset, row_offset, col_offset, softcap, slope, window_left,
-                  window_right, dropout_key, dropout_threshold, inv_keep, scores_buffer,
-                  pv_buffer)
+            _tile(q_scaled[first:last], k_tile[cols_lo - col_start:cols_hi - col_start],
+                  v_tile[cols_lo - col_start:cols_hi - col_start], acc[first:last],
+                  row_max[first:last], row_sum[first:last], rescale[first:last], bh,
+                  slice_start, cols_lo, band_offset, row_offset, col_offset, softcap, slope,
+                  window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                  scores_buffer, pv_buffer)
     for r in range(n_rows):
         total = row_sum[r]
         if total > 0:
             inverse = dtype(1.0) / total
-            for d in range(out.shape[3]):
-                out[b, h, row_start + r, d] = acc[r, d] * inverse
-            lse[b, h, row_start + r] = row_max[r] + np.log(total)
+            for d in range(out_rows.shape[1]):
+                out_rows[r, d] = acc[r, d] * inverse
+            lse_rows[r] = row_max[r] + np.log(total)
         elif total == 0:
             # No kept key (SPEC): output 0, lse -inf.
-            out[b, h, row_start + r, :] = 0
-            lse[b, h, row_start + r] = -np.inf
+            out_rows[r, :] = 0
+            lse_rows[r] = -np.inf
         else:
             # NaN reached this row (non-finite input): the whole row is NaN, as in the
             # golden model's dense form.
-            out[b, h, row_start + r, :] = np.nan
-            lse[b, h, row_start + r] = np.nan
+            out_rows[r, :] = np.nan
+            lse_rows[r] = np.nan
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left, window_right,
-                   band_offset, row_offset, col_offset, dropout_key, dropout_threshold,
-                   inv_keep, block_q, block_k, slice_rows, tile_order, next_task):
+def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, slots_outer,
+                   scale, softcap, alibi_slopes, window_left, window_right, row_offset,
+                   col_offset, dropout_key, dropout_threshold, inv_keep, block_q, block_k,
+                   slice_rows, next_task):
     """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v: one
     thread's share, run on every thread by `threads.run`.
 
-    `alibi_slopes` is (B, Hq), zeros when ALiBi is off; `dropout_threshold` 0 means no dropout.
-    `band_offset` places the mask and ALiBi band (`AttentionOptions.band_offset`), and
-    `row_offset`, `col_offset` turn local rows and keys into the global positions that the
-    dropout hash sees.
-    Tasks (batch, head, query tile) run in `tile_order`, longest first, each thread claiming
-    the next from `next_task` when it is free (`schedule`): causal tile costs grow along the
-    sequence, and round-robin dealing gave one of two threads 5/8 of the work at N = 2048.
+    `sequences` holds one row per sequence (`tileattn.options.dense_descriptors` /
+    `VarlenLayout.descriptors`: batch element, row base and count, key base and count, band
+    offset, index), so one call serves a dense batch (one sequence per batch element), a
+    padded or packed variable-length batch, or paged K/V (`block_table` non-empty; k and v
+    are then page pools, see `tiles.key_value_rows`). Rows of no sequence are not written.
+    `alibi_slopes` is (S, Hq), zeros when ALiBi is off; `dropout_threshold` 0 means no
+    dropout. `row_offset`, `col_offset` turn a sequence's rows and keys into the global
+    positions that the dropout hash sees (`AttentionOptions.row_offset`).
+    Tasks (query tile, head) run in the order of `tiles` ((sequence, first row) pairs,
+    longest first), each thread claiming the next from `next_task` when it is free
+    (`schedule`): causal tile costs grow along the sequence, and round-robin dealing gave
+    one of two threads 5/8 of the work at N = 2048.
     """
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads = k.shape[1]
+    n_q_heads, head_dim = q.shape[1], q.shape[3]
+    n_kv_heads = k.shape[2] if slots_outer else k.shape[1]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
-    n_heads = batch * n_q_heads
-    n_tasks = n_heads * tile_order.size
+    n_tasks = tiles.shape[0] * n_q_heads
     task = claim_next(next_task)
     if task >= n_tasks:
         return
@@ -196,14 +208,22 @@ def forward_kernel(q, k, v, out, lse, scale, softcap, alibi_slopes, window_left,
     row_max = np.empty(block_q, dtype)
     row_sum = np.empty(block_q, dtype)
     rescale = np.empty(block_q, dtype)
+    paged = block_table.shape[0] > 0
+    key_buffer = np.empty(block_k * head_dim if paged else 0, dtype)
+    value_buffer = np.empty(block_k * value_dim if paged else 0, dtype)
     while task < n_tasks:
-        bh = task % n_heads
-        b, h = bh // n_q_heads, bh % n_q_heads
-        row_start = tile_order[task // n_heads] * block_q
-        row_stop = min(row_start + block_q, n_q)
-        _query_tile(q[b, h, row_start:row_stop], k, v, out, lse, b, h, h // group,
-                    row_start, scale, softcap, alibi_slopes[b, h], window_left,
-                    window_right, band_offset, row_offset, col_offset, dropout_key,
-                    dropout_threshold, inv_keep, block_k, slice_rows, q_scaled, scores_buffer,
-                    pv_buffer, acc, row_max, row_sum, rescale)
+        h = task % n_q_heads
+        sequence = tiles[task // n_q_heads, 0]
+        row_start = tiles[task // n_q_heads, 1]
+        b, index = sequences[sequence, BATCH], sequences[sequence, INDEX]
+        row_stop = min(row_start + block_q, sequences[sequence, ROWS])
+        first = sequences[sequence, ROW_BASE] + row_start
+        last = sequences[sequence, ROW_BASE] + row_stop
+        _query_tile(q[b, h, first:last], k, v, out[b, h, first:last], lse[b, h, first:last],
+                    b, h // group, sequences[sequence, KEY_BASE], sequences[sequence, KEYS],
+                    row_start, index * n_q_heads + h, scale, softcap, alibi_slopes[index, h],
+                    window_left, window_right, sequences[sequence, BAND], row_offset,
+                    col_offset, dropout_key, dropout_threshold, inv_keep, block_table,
+                    page_size, slots_outer, block_k, slice_rows, q_scaled, scores_buffer,
+                    pv_buffer, acc, row_max, row_sum, rescale, key_buffer, value_buffer)
         task = claim_next(next_task)

@@ -130,3 +130,52 @@ def tile_view(buffer, n_rows, n_cols):
     slice of a 2-D buffer is not at the last, ragged tile.
     """
     return buffer[:n_rows * n_cols].reshape((n_rows, n_cols))
+
+
+@njit
+def key_value_rows(keys, values, b, kv_head, start, stop, block_table, page_size,
+                   slots_outer, key_buffer, value_buffer):
+    """Keys and values ``[start, stop)`` of kv head `kv_head` of batch element `b`, as
+    C-contiguous ``(stop - start, D)`` and ``(stop - start, Dv)`` arrays for BLAS.
+
+    Without a block table (``block_table.shape[0] == 0``) `keys` and `values` are
+    ``(B, Hkv, N, D)`` and these are views. With one (paged K/V), they are the page pools,
+    ``(num_pages, Hkv, page_size, D)``, or ``(num_pages, page_size, Hkv, D)`` when
+    `slots_outer` (vLLM's layout, which a caller passes as a transposed view: read as
+    stored, without a copy), and `start`, `stop` are logical keys: row ``j`` comes from page
+    ``block_table[b, j // page_size]``, slot ``j % page_size``, gathered into the buffers.
+    Only the pages of these keys are read. Page ids are clamped into the pool (and table
+    columns into the table): with ``check_lengths=False`` nothing checked them, and a bad
+    one must give wrong numbers, not a read out of bounds.
+
+    Gathering a tile into scratch (rather than indexing rows inside the score loops) keeps
+    the tile products on BLAS; it copies ``block_k x (D + Dv)`` elements per key tile,
+    against ``block_q x block_k x (D + Dv)`` multiply-adds of the products. Keys and values
+    in one pass: one table lookup per key. This gather is most of what paged K/V adds to
+    a cold compile (forward and decode kernels 0.2-0.4 s each, float32, this machine).
+    Tried and not kept: an LLVM ``prefetch`` of the page rows 4 keys ahead (pools in
+    vLLM's order put each row of one kv head in a new 4 KiB page, which hardware prefetch
+    does not follow); paged decode gained about 10% CPU time on a machine at load 50,
+    within that machine's noise (docs/varlen.md, "Measured").
+    """
+    if block_table.shape[0] == 0:
+        return keys[b, kv_head, start:stop], values[b, kv_head, start:stop]
+    n_rows, head_dim, value_dim = stop - start, keys.shape[3], values.shape[3]
+    key_rows = key_buffer[:n_rows * head_dim].reshape((n_rows, head_dim))
+    value_rows = value_buffer[:n_rows * value_dim].reshape((n_rows, value_dim))
+    last_page, last_column = keys.shape[0] - 1, block_table.shape[1] - 1
+    for j in range(n_rows):
+        key = start + j
+        page = block_table[b, min(key // page_size, last_column)]
+        page = min(max(page, 0), last_page)
+        slot = key % page_size
+        # Indices chosen outside the copy loops, so each is a plain vectorised copy of one
+        # contiguous row (a layout test inside them: paged decode 1.7x the contiguous
+        # time), and one indexing path for both layouts.
+        outer, inner = (slot, kv_head) if slots_outer else (kv_head, slot)
+        key_row, value_row = keys[page, outer, inner], values[page, outer, inner]
+        for d in range(head_dim):
+            key_rows[j, d] = key_row[d]
+        for d in range(value_dim):
+            value_rows[j, d] = value_row[d]
+    return key_rows, value_rows

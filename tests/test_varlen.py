@@ -1,0 +1,505 @@
+"""Variable-length batches and paged K/V through the public API, on every backend, against
+the golden model (`tileattn.reference_varlen`): padded (`seqlens_q`, `seqlens_k`), packed
+(`cu_seqlens_q`, `cu_seqlens_k`) and paged (`block_table`) calls, every option, both
+layouts, output buffers, the errors naming each argument, and ``check_lengths=False``.
+
+The drawn problems (`tileattn.testing.varlen_problems`) hold NaN wherever nothing may be
+read (padding rows and keys, pages no row names, page slots past a length, table entries
+past the ones read), so every comparison also proves that none of it leaks. The GPU backend
+does not serve these calls yet: there each test expects its `NotImplementedError`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tileattn
+from tileattn import reference_varlen as rv
+from tileattn.testing import assert_attention_close, varlen_problems
+
+BLOCKS = st.sampled_from([None, 1, 5, 16])
+# Up to 40 rows: past the decode path's 16, so the CPU forward kernel runs as well.
+PROBLEM = dict(max_seq=40, page_sizes=(1, 2, 3, 16))
+
+
+def _lse_dtype(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def _float64(array):
+    return None if array is None else np.asarray(array).astype(np.float64)
+
+
+def _given(lengths: dict) -> dict:
+    return {name: value for name, value in lengths.items() if value is not None}
+
+
+def _golden_forward(problem):
+    return getattr(rv, f"forward_{problem.family}")(
+        *(_float64(a) for a in (problem.q, problem.k, problem.v)), **problem.lengths,
+        **problem.options)
+
+
+def _golden_backward(problem, o, lse):
+    return getattr(rv, f"backward_{problem.family}")(
+        *(_float64(a) for a in (problem.do, problem.q, problem.k, problem.v, o)), lse,
+        **problem.lengths, **problem.options)
+
+
+def _expect_not_implemented(backend, call):
+    """The GPU backend: a clear NotImplementedError that points elsewhere."""
+    with pytest.raises(NotImplementedError, match="backend='cpu'"):
+        call()
+
+
+def check_forward(backend, problem, **blocks):
+    def run():
+        return backend.forward(problem.q, problem.k, problem.v, return_lse=True,
+                               **_given(problem.lengths), **problem.options, **blocks)
+
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, run)
+    o, lse = run()
+    expected_o, expected_lse = _golden_forward(problem)
+    assert o.dtype == problem.dtype and lse.dtype == _lse_dtype(problem.dtype)
+    assert_attention_close(o, expected_o, problem.dtype, name="o")
+    assert_attention_close(lse, expected_lse, problem.dtype, name="lse")
+
+
+def check_backward(backend, problem, **blocks):
+    """The backward given the golden o and lse as a forward returns them (rounded), judged
+    against the golden gradients for that o, as tests/test_backend_suite.py does."""
+    expected_o, expected_lse = _golden_forward(problem)
+    o, lse = expected_o.astype(problem.dtype), expected_lse.astype(_lse_dtype(problem.dtype))
+
+    def run():
+        return backend.backward(problem.do, problem.q, problem.k, problem.v, o, lse,
+                                **_given(problem.lengths), **problem.options, **blocks)
+
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, run)
+    grads = run()
+    expected = _golden_backward(problem, o, lse)
+    for name, grad, want, like in zip(("dq", "dk", "dv"), grads, expected,
+                                      (problem.q, problem.k, problem.v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype, name
+        assert_attention_close(grad, want, problem.dtype, name=name)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+@given(data=st.data())
+def test_forward_matches_golden_model(backend, family, data):
+    problem = data.draw(varlen_problems(family=family, **PROBLEM))
+    check_forward(backend, problem, block_q=data.draw(BLOCKS), block_k=data.draw(BLOCKS))
+
+
+@pytest.mark.parametrize("family", ["padded", "packed"])
+@given(data=st.data())
+def test_backward_matches_golden_model(backend, family, data):
+    problem = data.draw(varlen_problems(family=family, **PROBLEM))
+    check_backward(backend, problem, block_q=data.draw(BLOCKS), block_k=data.draw(BLOCKS))
+
+
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+@given(data=st.data())
+def test_unchecked_lengths_give_the_same_results(backend, family, data):
+    """``check_lengths=False`` on valid lengths and tables changes nothing."""
+    problem = data.draw(varlen_problems(family=family, **PROBLEM))
+    lengths = _given(problem.lengths)
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, lambda: backend.forward(
+            problem.q, problem.k, problem.v, check_lengths=False, **lengths,
+            **problem.options))
+    checked = backend.forward(problem.q, problem.k, problem.v, return_lse=True, **lengths,
+                              **problem.options)
+    unchecked = backend.forward(problem.q, problem.k, problem.v, return_lse=True,
+                                check_lengths=False, **lengths, **problem.options)
+    for a, b in zip(checked, unchecked):
+        np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- fixed problems
+
+
+def _padded_problem(rng, batch=3, heads=(4, 2), n_q=37, n_k=45, dims=(16, 8),
+                    lengths_q=(37, 0, 20), lengths_k=(45, 7, 0), dtype=np.float64):
+    """Arrays with NaN in every padding row and key."""
+    (n_q_heads, n_kv_heads), (d, d_v) = heads, dims
+    lengths_q, lengths_k = np.array(lengths_q), np.array(lengths_k)
+
+    def normal(n_heads, n, dim, lengths):
+        array = rng.standard_normal((batch, n_heads, n, dim))
+        array[_padding(batch, n_heads, n, dim, lengths)] = np.nan
+        return array.astype(dtype)
+
+    return (normal(n_q_heads, n_q, d, lengths_q), normal(n_kv_heads, n_k, d, lengths_k),
+            normal(n_kv_heads, n_k, d_v, lengths_k), normal(n_q_heads, n_q, d_v, lengths_q),
+            lengths_q, lengths_k)
+
+
+def _padding(batch, n_heads, n, dim, lengths):
+    rows = np.arange(n)[None, :] >= lengths[:, None]  # (batch, n)
+    return np.broadcast_to(rows[:, None, :, None], (batch, n_heads, n, dim))
+
+
+OPTIONS = [{}, {"causal": True}, {"window": (5, 3)},
+           {"causal": True, "softcap": 2.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])},
+           {"dropout_p": 0.3, "seed": 7, "causal": True}]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "causal", "window", "softcap-alibi",
+                                                   "dropout"])
+def test_padding_is_zero_and_never_read(backend, options):
+    """Padding rows: o = 0, lse = -inf, dq = 0; padding keys: dk = dv = 0; a sequence with
+    no keys gives o = 0; NaN in the padding reaches nothing."""
+    rng = np.random.default_rng(0)
+    q, k, v, do, lengths_q, lengths_k = _padded_problem(rng)
+    lengths = {"seqlens_q": lengths_q, "seqlens_k": lengths_k}
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, lambda: backend.forward(q, k, v, **lengths))
+    o, lse = backend.forward(q, k, v, return_lse=True, block_q=8, block_k=8, **lengths,
+                             **options)
+    dq, dk, dv = backend.backward(do, q, k, v, o, lse, block_q=8, block_k=8, **lengths,
+                                  **options)
+    expected = rv.forward_padded(q, k, v, **lengths, **options)
+    expected_grads = rv.backward_padded(do, q, k, v, *expected, **lengths, **options)
+    for name, actual, want in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv),
+                                  (*expected, *expected_grads)):
+        assert_attention_close(actual, want, np.float64, name=name)
+    assert (o[1] == 0).all() and (lse[1] == -np.inf).all() and (dq[1] == 0).all()
+    assert (o[2] == 0).all() and (lse[2] == -np.inf).all()  # no keys at all
+    assert (o[0, :, 37:] == 0).all() and (dq[2, :, 20:] == 0).all()
+    assert (dk[1, :, 7:] == 0).all() and (dv[2] == 0).all() and (dk[2] == 0).all()
+    for result in (o[0], dq[0], dk[0], dv[0], o[2, :, :20]):
+        assert np.isfinite(result).all()
+
+
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+def test_all_padding_and_empty_batches(backend, family):
+    """Every length 0 (and no packed sequences at all): zeros and -inf, no kernel reads."""
+    q = np.full((2, 3, 5, 4), np.nan)
+    k = np.full((2, 1, 6, 4), np.nan)
+    zero = np.zeros(2, np.int32)
+    if family == "padded":
+        args, lengths = (q, k, k), {"seqlens_q": zero, "seqlens_k": zero}
+    elif family == "packed":
+        args = (q[0, :, :0], k[0, :, :0], k[0, :, :0])
+        lengths = {"cu_seqlens_q": np.zeros(1, np.int64), "cu_seqlens_k": np.zeros(1, np.int64)}
+    else:
+        pool = np.full((3, 1, 4, 4), np.nan)
+        args = (q, pool, pool)
+        lengths = {"seqlens_k": zero, "block_table": np.full((2, 2), -1)}
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, lambda: backend.forward(*args, **lengths))
+    o, lse = backend.forward(*args, return_lse=True, **lengths)
+    assert o.shape == args[0].shape[:-1] + (4,)
+    assert (o == 0).all() and (lse == -np.inf).all()
+    if family != "paged":
+        grads = backend.backward(np.zeros_like(o), *args, o, lse, **lengths)
+        for grad, like in zip(grads, args):
+            assert grad.shape == like.shape and (grad == 0).all()
+
+
+def _paged_cache(rng, batch, n_kv_heads, lengths_k, page_size, d, d_v, page_major,
+                 dtype=np.float32):
+    """Padded keys and values, the same in a NaN-filled page pool with shuffled pages, a
+    table padded with -1, and the pools as the API takes them (transposed views when
+    stored ``(num_pages, page_size, Hkv, D)``)."""
+    n_k = max(lengths_k)
+    k = rng.standard_normal((batch, n_kv_heads, n_k, d)).astype(dtype)
+    v = rng.standard_normal((batch, n_kv_heads, n_k, d_v)).astype(dtype)
+    pages_used = [-(-n // page_size) for n in lengths_k]
+    num_pages = sum(pages_used) + 3
+    order = rng.permutation(num_pages)
+    table = np.full((batch, max(pages_used) + 1), -1, np.int32)
+    pools = []
+    for array, dim in ((k, d), (v, d_v)):
+        shape = ((num_pages, page_size, n_kv_heads, dim) if page_major
+                 else (num_pages, n_kv_heads, page_size, dim))
+        stored = np.full(shape, np.nan, dtype)
+        pool = stored.transpose(0, 2, 1, 3) if page_major else stored
+        start = 0
+        for b, length in enumerate(lengths_k):
+            table[b, :pages_used[b]] = order[start:start + pages_used[b]]
+            start += pages_used[b]
+            j = np.arange(length)
+            pool[table[b, j // page_size], :, j % page_size] = np.swapaxes(
+                array[b, :, :length], 0, 1)
+        pools.append(pool)
+    return k, v, pools, table
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("n_q", [1, 4, 16, 20])
+@pytest.mark.parametrize("page_major", [False, True], ids=["heads-major", "page-major"])
+def test_decode_against_a_paged_cache(backend, page_size, n_q, page_major):
+    """What servers call: a few new query rows per request against a paged cache of
+    different lengths, GQA, causal (bottom-right: the new rows are the last ones), pages
+    shuffled in a pool (a transposed view when page-major) full of NaN where unused."""
+    rng = np.random.default_rng(page_size + n_q)
+    lengths_k = [700, 35, 0, 300]
+    k, v, (k_pool, v_pool), table = _paged_cache(rng, 4, 2, lengths_k, page_size, 32, 16,
+                                                 page_major)
+    q = rng.standard_normal((4, 8, n_q, 32)).astype(np.float32)
+    lengths = {"block_table": table, "seqlens_k": np.array(lengths_k)}
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, lambda: backend.forward(q, k_pool, v_pool,
+                                                                        **lengths))
+    o, lse = backend.forward(q, k_pool, v_pool, return_lse=True, causal=True, **lengths)
+    expected_o, expected_lse = rv.forward_padded(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+        np.full(4, n_q), np.array(lengths_k), causal=True)
+    assert_attention_close(o, expected_o, np.float32, name="o")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+
+
+def test_paged_equals_contiguous_with_every_option(backend):
+    """Paged K/V gives what the same keys laid out contiguously give, option for option
+    (dropout counts logical key positions, never page slots)."""
+    rng = np.random.default_rng(3)
+    lengths_k = [90, 33]
+    k, v, (k_pool, v_pool), table = _paged_cache(rng, 2, 1, lengths_k, 16, 8, 8, True,
+                                                 np.float64)
+    q = rng.standard_normal((2, 2, 24, 8))
+    options = {"window": (30, 2), "softcap": 3.0, "alibi_slopes": np.array([0.2, 0.05]),
+               "dropout_p": 0.2, "seed": 11, "scale": 0.4}
+    lengths = {"block_table": table, "seqlens_k": np.array(lengths_k),
+               "seqlens_q": np.array([24, 10])}
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, lambda: backend.forward(q, k_pool, v_pool,
+                                                                        **lengths))
+    paged = backend.forward(q, k_pool, v_pool, return_lse=True, block_q=7, block_k=5,
+                            **lengths, **options)
+    contiguous = backend.forward(q, k, v, return_lse=True, block_q=7, block_k=5,
+                                 seqlens_q=lengths["seqlens_q"], seqlens_k=lengths["seqlens_k"],
+                                 **options)
+    for a, b in zip(paged, contiguous):
+        assert_attention_close(a, b, np.float64)
+
+
+def test_bshd_layout_and_output_buffers(backend):
+    """layout="bshd" (flash-attn's varlen layout: packed ``(N_total, H, D)``, page pools
+    ``(num_pages, page_size, Hkv, D)``) and out= buffers work as for dense calls."""
+    rng = np.random.default_rng(5)
+    q, k, v, do, lengths_q, lengths_k = _padded_problem(rng)
+    lengths = {"seqlens_q": lengths_q, "seqlens_k": lengths_k}
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, lambda: backend.forward(q, k, v, **lengths))
+    o, lse = backend.forward(q, k, v, return_lse=True, causal=True, **lengths)
+    grads = backend.backward(do, q, k, v, o, lse, causal=True, **lengths)
+    bshd = [np.ascontiguousarray(a.swapaxes(1, 2)) for a in (q, k, v, do)]
+    o_bshd, lse_bshd = backend.forward(*bshd[:3], return_lse=True, causal=True,
+                                       layout="bshd", **lengths)
+    np.testing.assert_array_equal(o_bshd, o.swapaxes(1, 2))
+    np.testing.assert_array_equal(lse_bshd, lse)
+    grads_bshd = backend.backward(bshd[3], *bshd[:3], o_bshd, lse_bshd, causal=True,
+                                  layout="bshd", **lengths)
+    for a, b in zip(grads_bshd, grads):
+        np.testing.assert_array_equal(a, b.swapaxes(1, 2))
+    if backend.memory == "host":
+        out, lse_out = np.full_like(o, 5.0), np.full_like(lse, 5.0)
+        result = tileattn.forward(q, k, v, return_lse=True, causal=True, out=out,
+                                  lse_out=lse_out, backend=backend.name, **lengths)
+        assert result[0] is out and result[1] is lse_out
+        np.testing.assert_array_equal(out, o)
+        np.testing.assert_array_equal(lse_out, lse)
+        buffers = [np.full_like(a, 5.0) for a in (q, k, v)]
+        result = tileattn.backward(do, q, k, v, o, lse, causal=True, dq_out=buffers[0],
+                                   dk_out=buffers[1], dv_out=buffers[2], backend=backend.name,
+                                   **lengths)
+        for given, buffer, want in zip(result, buffers, grads):
+            assert given is buffer
+            np.testing.assert_array_equal(buffer, want)
+
+    # packed, bshd: (N_total, H, D) as flash_attn_varlen_func takes it
+    cu_q, cu_k = np.array([0, 37, 37, 57]), np.array([0, 45, 52, 52])
+    packed = [np.concatenate([a[b, :, :n] for b, n in enumerate(np.diff(cu))], axis=1)
+              for a, cu in ((q, cu_q), (k, cu_k), (v, cu_k))]
+    o_packed = backend.forward(*(np.ascontiguousarray(a.swapaxes(0, 1)) for a in packed),
+                               causal=True, layout="bshd", cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k)
+    expected = np.concatenate([o[b, :, :n] for b, n in enumerate(np.diff(cu_q))], axis=1)
+    assert_attention_close(o_packed, expected.swapaxes(0, 1), np.float64)
+
+    # paged, bshd: pools (num_pages, page_size, Hkv, D) as stored
+    _, _, (k_pool, v_pool), table = _paged_cache(rng, 2, 2, [9, 20], 4, 16, 8, True,
+                                                 np.float64)
+    q2 = rng.standard_normal((2, 4, 5, 16))
+    lengths = {"block_table": table, "seqlens_k": np.array([9, 20])}
+    o_bhsd = backend.forward(q2, k_pool, v_pool, **lengths)
+    o_bshd = backend.forward(np.ascontiguousarray(q2.swapaxes(1, 2)),
+                             k_pool.transpose(0, 2, 1, 3), v_pool.transpose(0, 2, 1, 3),
+                             layout="bshd", **lengths)
+    np.testing.assert_array_equal(o_bshd, o_bhsd.swapaxes(1, 2))
+
+
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+def test_unchecked_bad_lengths_never_fault(backend, family):
+    """``check_lengths=False`` with lengths past their axes, decreasing cu_seqlens and
+    page ids outside the pool: wrong numbers are allowed, an out-of-bounds access or a crash
+    is not; results keep their shapes."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 2, 20, 8))
+    k = rng.standard_normal((2, 2, 24, 8))
+    if family == "padded":
+        args = (q, k, k)
+        lengths = {"seqlens_q": np.array([-5, 1000]), "seqlens_k": np.array([10**9, -1])}
+    elif family == "packed":
+        args = (q[0], k[0], k[0])
+        lengths = {"cu_seqlens_q": np.array([3, 50, 2, -7]),
+                   "cu_seqlens_k": np.array([0, 30, 10, 1000])}
+    else:
+        pool = rng.standard_normal((3, 2, 4, 8))
+        args = (q, pool, pool)
+        lengths = {"seqlens_k": np.array([10**6, 7]),
+                   "block_table": np.array([[5, -3, 10**9], [2, 1, 99]])}
+    if backend.name == "gpu":
+        return _expect_not_implemented(backend, lambda: backend.forward(
+            *args, check_lengths=False, **lengths))
+    for n_q in (args[0].shape[-2], 3):  # the forward kernel and the decode path
+        part = args[0][..., :n_q, :]
+        if family == "packed" and n_q == 3:
+            lengths = {**lengths, "cu_seqlens_q": np.array([0, 2, 1, 3])}
+        o, lse = backend.forward(part, *args[1:], return_lse=True, check_lengths=False,
+                                 **lengths)
+        assert o.shape == part.shape and lse.shape == part.shape[:-1]
+    if family != "paged":
+        grads = backend.backward(np.ones_like(o), part, *args[1:], o, lse,
+                                 check_lengths=False, **lengths)
+        assert [g.shape for g in grads] == [a.shape for a in (part, *args[1:])]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _padded_args():
+    q = np.zeros((2, 2, 5, 4))
+    k = np.zeros((2, 1, 6, 4))
+    return q, k, k
+
+
+def _packed_args():
+    return np.zeros((2, 5, 4)), np.zeros((1, 6, 4)), np.zeros((1, 6, 4))
+
+
+def _paged_args():
+    pool = np.zeros((4, 1, 3, 4))
+    return np.zeros((2, 2, 5, 4)), pool, pool
+
+
+ERRORS = [
+    # padded
+    (_padded_args, {"seqlens_q": np.array([1, -1])}, ValueError, "seqlens_q must be >= 0"),
+    (_padded_args, {"seqlens_q": np.array([1, 6])}, ValueError, r"seqlens_q must be <= Nq = 5"),
+    (_padded_args, {"seqlens_k": np.array([7, 1])}, ValueError, r"seqlens_k must be <= Nk = 6"),
+    (_padded_args, {"seqlens_k": np.array([1.0, 2.0])}, TypeError, "seqlens_k must have an "
+                                                                   "integer dtype"),
+    (_padded_args, {"seqlens_q": np.array([1, 2, 3])}, ValueError, r"seqlens_q must have the "
+                                                                   r"batch shape of q, \(2,\)"),
+    # packed
+    (_packed_args, {"cu_seqlens_q": np.array([1, 5]), "cu_seqlens_k": np.array([0, 6])},
+     ValueError, "cu_seqlens_q must start at 0"),
+    (_packed_args, {"cu_seqlens_q": np.array([0, 4, 3, 5]),
+                    "cu_seqlens_k": np.array([0, 1, 2, 6])}, ValueError,
+     "cu_seqlens_q must be non-decreasing"),
+    (_packed_args, {"cu_seqlens_q": np.array([0, 5]), "cu_seqlens_k": np.array([0, 5])},
+     ValueError, r"cu_seqlens_k must end at k.shape\[-2\] = 6"),
+    (_packed_args, {"cu_seqlens_q": np.array([0, 5]), "cu_seqlens_k": np.array([0, 2, 6])},
+     ValueError, "cu_seqlens_k must have the shape of cu_seqlens_q"),
+    (_packed_args, {"cu_seqlens_q": np.array([0, 5])}, ValueError,
+     "cu_seqlens_q and cu_seqlens_k must be given together"),
+    (_packed_args, {"cu_seqlens_q": np.array([0.0, 5.0]), "cu_seqlens_k": np.array([0, 6])},
+     TypeError, "cu_seqlens_q must have an integer dtype"),
+    (_padded_args, {"cu_seqlens_q": np.array([0, 5]), "cu_seqlens_k": np.array([0, 6])},
+     ValueError, r"q must have shape \(H, N_total, D\) with cu_seqlens"),
+    (_packed_args, {"cu_seqlens_q": np.array([0, 5]), "cu_seqlens_k": np.array([0, 6]),
+                    "seqlens_k": np.array([1])}, ValueError, "seqlens_k cannot be combined"),
+    (_packed_args, {"cu_seqlens_q": np.array([0, 5]), "cu_seqlens_k": np.array([0, 6]),
+                    "alibi_slopes": np.ones((2, 2))}, ValueError,
+     r"alibi_slopes of packed sequences must have shape \(Hq,\) = \(2,\) or \(S, Hq\) = "
+     r"\(1, 2\)"),
+    # paged
+    (_paged_args, {"block_table": np.zeros((2, 2), np.int32)}, ValueError,
+     "seqlens_k must be given with block_table"),
+    (_paged_args, {"block_table": np.array([[0, 4], [1, 2]]), "seqlens_k": np.array([6, 1])},
+     ValueError, r"block_table entries must be page ids in \[0, num_pages\) = \[0, 4\), got "
+                 r"block_table\[0, 1\] = 4"),
+    (_paged_args, {"block_table": np.array([[0, 1], [2, 3]]), "seqlens_k": np.array([7, 1])},
+     ValueError, "block_table is too short for seqlens_k"),
+    (_paged_args, {"block_table": np.array([0, 1]), "seqlens_k": np.array([1, 1])},
+     ValueError, r"block_table must have shape \(\*batch, max_pages\)"),
+    (_paged_args, {"block_table": np.zeros((2, 2)), "seqlens_k": np.array([1, 1])},
+     TypeError, "block_table must have an integer dtype"),
+    (_paged_args, {"block_table": np.zeros((2, 2), int), "seqlens_k": np.array([-1, 1])},
+     ValueError, "seqlens_k must be >= 0"),
+    (_padded_args, {"seqlens_k": np.array([1, 1]), "check_lengths": "no"}, TypeError,
+     "check_lengths must be a bool"),
+]
+
+
+@pytest.mark.parametrize("make_args, keywords, error, message", ERRORS)
+def test_bad_lengths_and_tables_name_the_argument(backend, make_args, keywords, error,
+                                                  message):
+    args = [backend.to_memory(a) for a in make_args()]
+    with pytest.raises(error, match=message):
+        tileattn.forward(*args, backend=backend.name, **keywords)
+
+
+def test_backward_rejects_a_block_table(backend):
+    q, pool, _ = _paged_args()
+    o = np.zeros((2, 2, 5, 4))
+    with pytest.raises(ValueError, match="block_table is not accepted by backward"):
+        tileattn.backward(*(backend.to_memory(a) for a in (o, q, pool, pool, o, o[..., 0])),
+                          block_table=np.zeros((2, 2), int), seqlens_k=np.array([1, 1]),
+                          backend=backend.name)
+
+
+def test_lengths_checks_run_before_any_kernel_and_change_no_input(backend):
+    q, k, v = _padded_args()
+    lengths = np.array([1, 9])
+    with pytest.raises(ValueError, match=r"seqlens_k\[\(1,\)\] = 9"):
+        tileattn.forward(*(backend.to_memory(a) for a in (q, k, v)), seqlens_k=lengths,
+                         backend=backend.name)
+    assert lengths.tolist() == [1, 9]
+
+
+# --------------------------------------------------------------------------- the CPU kernels
+
+
+def test_cpu_varlen_calls_add_no_kernel_signature():
+    """Variable-length and paged calls reuse the dense calls' compiled kernels (one
+    signature per compute dtype): descriptors are int64 arrays, never new types."""
+    pytest.importorskip("numba")
+    from tileattn.cpu.backward_kernel import backward_kernel
+    from tileattn.cpu.decode_kernel import decode_kernel
+    from tileattn.cpu.forward_kernel import forward_kernel
+
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float64):
+        q = rng.standard_normal((2, 2, 20, 8)).astype(dtype)
+        k = rng.standard_normal((2, 1, 30, 8)).astype(dtype)
+        o, lse = tileattn.forward(q, k, k, backend="cpu", return_lse=True)
+        tileattn.backward(o, q, k, k, o, lse, backend="cpu")
+        tileattn.forward(q[:, :, :2], k, k, backend="cpu")
+        before = [len(kernel.signatures) for kernel in (forward_kernel, decode_kernel,
+                                                        backward_kernel)]
+        lengths = {"seqlens_q": np.array([3, 20], np.int32), "seqlens_k": np.array([30, 0])}
+        o, lse = tileattn.forward(q, k, k, backend="cpu", return_lse=True, **lengths)
+        tileattn.backward(o, q, k, k, o, lse, backend="cpu", **lengths)
+        pool = k.reshape(6, 1, 10, 8)
+        paged = {"block_table": np.array([[0, 1, 2], [5, 4, 3]], np.int32),
+                 "seqlens_k": np.array([25, 30])}
+        tileattn.forward(q, pool, pool, backend="cpu", **paged)
+        tileattn.forward(q[:, :, :2], pool.transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3),
+                         pool, backend="cpu", **paged)
+        tileattn.forward(q[0], k[0], k[0], backend="cpu", cu_seqlens_q=np.array([0, 5, 20]),
+                         cu_seqlens_k=np.array([0, 10, 30]))
+        after = [len(kernel.signatures) for kernel in (forward_kernel, decode_kernel,
+                                                       backward_kernel)]
+        assert after == before
