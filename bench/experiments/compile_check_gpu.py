@@ -22,6 +22,7 @@ from tileattn.gpu._compile import source  # noqa: E402
 EVERY_OPTION = ["ALIBI=1", "DROPOUT=1", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
 BACKWARD = ["COPY_BYTES=16", "DKDV_PART=0", "IS_BFLOAT16=0", "SINGLE_PASS=0", "VALUE_DIM=128",
             "HEAD_DIM=128"]
+DECODE = ["COPY_BYTES=16"]
 JOBS = [
     ("attention_wgmma_forward.cu", "90a",
      ["BLOCK_K=64", "BLOCK_Q=128", "BLOCKS_PER_SM=1", "IS_BFLOAT16=0", "STAGES=2",
@@ -41,6 +42,21 @@ JOBS = [
     ("attention_generic.cu", "90",
      ["ACCUM=float", "BLOCK_K=32", "BLOCK_Q=32", "HEAD_DIM_PAD=64", "STORAGE=float",
       "THREADS=256", "VALUE_DIM_PAD=64"]),
+    # The decode kernel (launch_decode.py): the hot fp16 rows, the widest rows, odd dims.
+    ("attention_decode.cu", "90", DECODE + ["STORAGE=half_storage", "ACCUM=float", "ROWS=16",
+     "HEAD_DIM=128", "VALUE_DIM=128", "BLOCK_K=32", "STAGES=4", "THREADS=128"]),
+    ("attention_decode.cu", "90", DECODE + ["STORAGE=half_storage", "ACCUM=float", "ROWS=1",
+     "HEAD_DIM=128", "VALUE_DIM=128", "BLOCK_K=32", "STAGES=4", "THREADS=128"]),
+    ("attention_decode.cu", "90", DECODE + ["STORAGE=bfloat16_storage", "ACCUM=float",
+     "ROWS=64", "HEAD_DIM=256", "VALUE_DIM=256", "BLOCK_K=16", "STAGES=4", "THREADS=256"]),
+    ("attention_decode.cu", "90", ["STORAGE=half_storage", "ACCUM=float", "ROWS=8",
+     "HEAD_DIM=33", "VALUE_DIM=200", "BLOCK_K=32", "STAGES=4", "THREADS=128", "COPY_BYTES=2"]),
+    ("attention_decode.cu", "90", ["STORAGE=double", "ACCUM=double", "ROWS=16",
+     "HEAD_DIM=256", "VALUE_DIM=256", "BLOCK_K=16", "STAGES=2", "THREADS=128",
+     "COPY_BYTES=8"]),
+    ("attention_decode.cu", "90", ["STORAGE=float", "ACCUM=float", "ROWS=2",
+     "HEAD_DIM=64", "VALUE_DIM=64", "BLOCK_K=32", "STAGES=4", "THREADS=128",
+     "COPY_BYTES=16"]),
 ]
 
 
@@ -57,7 +73,10 @@ def compile_one(job, directory: str) -> str:
         return f"{name}: FAILED\n{output[:4000]}"
     report = [line.split("info    :")[-1].strip() for line in output.splitlines()
               if "registers" in line or ("spill" in line and " 0 bytes spill" not in line)]
-    return f"{name} ({' '.join(d for d in defines if d.startswith('IS_'))}): ok; " + " | ".join(report)
+    shown = ' '.join(d for d in defines if d.startswith(('IS_', 'STORAGE', 'ROWS', 'HEAD_DIM',
+                                                        'VALUE_DIM')) and name.startswith('attention_decode')
+                     or d.startswith('IS_'))
+    return f"{name} ({shown}): ok; " + " | ".join(report)
 
 
 def main() -> None:
