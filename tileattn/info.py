@@ -45,7 +45,9 @@ def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, ba
         kernels = getattr(module, "describe", None)
         if kernels is not None:
             options = AttentionOptions(window_right=0 if causal else UNLIMITED)
-            for direction, line in kernels(n_k, head_dim, value_dim, dtype, options).items():
+            lines = kernels(n_k, head_dim, value_dim, dtype, options, n_q=seq_len, heads=heads,
+                            batch=batch)
+            for direction, line in lines.items():
                 print_fn(f"  {direction} kernel: {line}")
         tiles = tile_sizes(seq_len, n_k, head_dim, value_dim, dtype)
         print_fn("  tiles for this shape: " + ", ".join(

@@ -60,8 +60,22 @@ JOBS = [
 ]
 
 
+def _decode_shared(defines) -> list[str]:
+    """-DEXPECTED_SHARED_BYTES from DecodeTiles.shared_bytes, which the kernel asserts."""
+    from tileattn.gpu.tiles import DecodeTiles
+
+    value = dict(d.split("=") for d in defines)
+    itemsize = {"half_storage": 2, "bfloat16_storage": 2, "float": 4, "double": 8}[value["STORAGE"]]
+    tiles = DecodeTiles(int(value["ROWS"]), int(value["BLOCK_K"]), int(value["STAGES"]),
+                        int(value["THREADS"]), 1)
+    accum = 8 if value["ACCUM"] == "double" else 4
+    return [f"EXPECTED_SHARED_BYTES={tiles.shared_bytes(itemsize, accum, int(value['HEAD_DIM']), int(value['VALUE_DIM']))}"]
+
+
 def compile_one(job, directory: str) -> str:
     index, (name, arch, defines) = job
+    if name == "attention_decode.cu":
+        defines = defines + _decode_shared(defines)
     path = os.path.join(directory, f"{index}_{name}")
     with open(path, "w") as handle:
         handle.write(source(name))

@@ -78,8 +78,28 @@ constexpr int kRowBytes = ROWS * (4 * sizeof(Acc) + sizeof(i64) + sizeof(u32));
 constexpr int kSharedBytes = STAGES * kStageBytes + kQBytes + kScoreBytes + kRowBytes;
 static_assert(STAGES >= 2, "one tile in flight while one is used");
 static_assert((ROWS & (ROWS - 1)) == 0, "ROWS is a power of two");
+#ifdef EXPECTED_SHARED_BYTES  // bench/experiments/compile_check_gpu.py: the launcher's mirror
+static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeTiles.shared_bytes disagrees");
+#endif
 static_assert(kStageBytes % 16 == 0 && kQBytes % 16 == 0 && kScoreBytes % 16 == 0,
               "16-byte aligned sections");
+
+// N consecutive elements of a shared tile as one load of N * sizeof(T) bytes (the compiler
+// splits widened 16-bit elements into 2-byte loads otherwise); `p` is aligned to the size.
+template <int N> struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
+    T values[N];
+};
+template <int N> __device__ __forceinline__ void load_widened(const T* p, Acc (&out)[N]) {
+    const Pack<N> pack = *reinterpret_cast<const Pack<N>*>(p);
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = static_cast<Acc>(widen(pack.values[e]));
+}
+
+// N consecutive accumulators of shared memory (P of one key), 16-byte aligned where
+// N * sizeof(Acc) allows (kScorePitch and p_row0 = group * kRpt keep that alignment).
+template <int N> struct alignas(N * sizeof(Acc) < 16 ? N * sizeof(Acc) : 16) AccPack {
+    Acc values[N];
+};
 
 // The keys of one (batch, kv head): row j of K at k_rows + j * k_stride (V alike).
 struct KeyRows {
@@ -124,6 +144,44 @@ __device__ __forceinline__ Acc transform_score(Acc dot, i64 row, i64 col, Acc sl
     }
     if (!band_keeps<LIMIT_LEFT, LIMIT_RIGHT>(band, row, col)) score = negative_infinity<Acc>();
     return score;
+}
+
+// Whether some row of [0, n_q) masks some key of the tile at col_start by the band (its
+// last key right of row 0's right edge, or its first key left of row n_q - 1's left edge).
+// Keys past n_k need no care: they are zero-filled, never loaded.
+__device__ __forceinline__ bool tile_crosses_band_edge(const Band& band, i64 n_q,
+                                                       i64 col_start) {
+    bool crosses = false;
+    if (LIMIT_RIGHT) crosses = crosses || col_start + BLOCK_K - 1 > band.offset + band.right;
+    if (LIMIT_LEFT) crosses = crosses || col_start < n_q - 1 + band.offset - band.left;
+    return crosses;
+}
+
+// The sign bit by hand: NVRTC has no header for signbit.
+__device__ __forceinline__ bool sign_bit(float x) { return __float_as_uint(x) >> 31; }
+__device__ __forceinline__ bool sign_bit(double x) { return __double_as_longlong(x) < 0; }
+
+// acc[i][j] += P[c][i] V[c][j] over the tile's keys; `p` points at this thread's first row
+// of P (key-major), `v` at its first column of the V tile. With Select, a masked entry
+// (-0.0) adds nothing even where V is NaN or Inf; a kept one follows IEEE (0 x Inf = NaN,
+// as in the golden model).
+template <bool Select>
+__device__ __forceinline__ void accumulate_pv(Acc (&acc)[kRpt][kCpt], const Acc* p,
+                                              const T* v) {
+#pragma unroll 4
+    for (int c = 0; c < BLOCK_K; ++c) {
+        Acc value[kCpt];
+        load_widened(v + c * kVPitch, value);
+        const AccPack<kRpt> p_key = *reinterpret_cast<const AccPack<kRpt>*>(p + c * kScorePitch);
+#pragma unroll
+        for (int i = 0; i < kRpt; ++i) {
+            const Acc probability = p_key.values[i];
+            const bool masked = Select && sign_bit(probability);
+#pragma unroll
+            for (int j = 0; j < kCpt; ++j)
+                acc[i][j] = masked ? acc[i][j] : acc[i][j] + probability * value[j];
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
@@ -240,8 +298,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 #pragma unroll 2
             for (int d0 = 0; d0 < kHeadWidth; d0 += kElements) {
                 Acc key_part[kElements];
-#pragma unroll
-                for (int e = 0; e < kElements; ++e) key_part[e] = static_cast<Acc>(widen(key[d0 + e]));
+                load_widened(key + d0, key_part);
 #pragma unroll
                 for (int i = 0; i < kScoreRows; ++i) {
                     const int r = group + i * kScoreGroups;
@@ -281,7 +338,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
             const Acc safe_max = new_max == negative_infinity<Acc>() ? Acc(0) : new_max;
             Acc tile_sum = 0;
             for (int c = lane; c < BLOCK_K; c += 32) {
-                const Acc p = exp_acc(scores[c * kScorePitch + r] - safe_max);
+                const Acc score = scores[c * kScorePitch + r];
+                const Acc p = exp_acc(score - safe_max);
                 tile_sum += p;
                 Acc p_used = p;  // dropout thins the P that multiplies V, not the row sum
                 if (DROPOUT)
@@ -290,7 +348,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
                                            dropout_threshold)
                                  ? p * dropout_scale
                                  : Acc(0);
-                scores[c * kScorePitch + r] = p_used;
+                // -0.0 marks a masked key for the select in accumulate_pv (a kept key's
+                // probability is never -0.0: exp gives +0 at the least).
+                scores[c * kScorePitch + r] =
+                    score == negative_infinity<Acc>() ? -Acc(0) : p_used;
             }
             tile_sum = warp_sum(tile_sum);
             __syncwarp();  // every lane read row_max[r] before lane 0 writes it
@@ -304,25 +365,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
         __syncthreads();
 
         // O += P V: kRpt rows x kCpt columns a thread; P of one key is one vector load.
+        // Tiles across a band edge hold masked keys whose V may be NaN or Inf: there a
+        // masked entry (marked -0.0 above) is skipped by a select, never multiplied.
         if (p_row0 < ROWS && p_col0 < kValueWidth) {
 #pragma unroll
             for (int i = 0; i < kRpt; ++i) {
-                const Acc rescale = p_row0 + i < ROWS ? row_rescale[p_row0 + i] : Acc(0);
+                const Acc rescale = row_rescale[p_row0 + i];
 #pragma unroll
                 for (int j = 0; j < kCpt; ++j) acc[i][j] *= rescale;
             }
-#pragma unroll 4
-            for (int c = 0; c < BLOCK_K; ++c) {
-                Acc value[kCpt];
-#pragma unroll
-                for (int j = 0; j < kCpt; ++j)
-                    value[j] = static_cast<Acc>(widen(v_tile[c * kVPitch + p_col0 + j]));
-                const Acc* p = scores + c * kScorePitch + p_row0;
-#pragma unroll
-                for (int i = 0; i < kRpt; ++i)
-#pragma unroll
-                    for (int j = 0; j < kCpt; ++j) acc[i][j] += p[i] * value[j];
-            }
+            if (tile_crosses_band_edge(band, n_q, col_start))
+                accumulate_pv<true>(acc, scores + p_row0, v_tile + p_col0);
+            else
+                accumulate_pv<false>(acc, scores + p_row0, v_tile + p_col0);
         }
     }
     wait_copies<0>();
