@@ -29,7 +29,7 @@ says what they chose and why, for ``python -m tileattn info``. Nothing here impo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 MAX_TENSOR_CORE_DIM = 256  # above it the generic kernels run (documented in the README)
@@ -641,9 +641,18 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     tiles = decode_tiles(problem, shape)
     accum = 8 if problem.dtype == "float64" else 4
     itemsize = 8 if problem.dtype == "float64" else 4 if problem.dtype == "float32" else 2
-    if tiles.shared_bytes(itemsize, accum, problem.head_dim,
-                          problem.value_dim) > problem.shared_limit:
+
+    def fits(config: DecodeTiles) -> bool:
+        return config.shared_bytes(itemsize, accum, problem.head_dim,
+                                   problem.value_dim) <= problem.shared_limit
+
+    # Wide float64 rows: fewer stages, then fewer keys a stage (down to 8), before giving up.
+    while not fits(tiles) and (tiles.stages > 2 or tiles.block_k > 8):
+        tiles = (replace(tiles, stages=2) if tiles.stages > 2
+                 else replace(tiles, block_k=tiles.block_k // 2))
+    if not fits(tiles):
         return None
+    tiles = replace(tiles, splits=decode_splits(shape, tiles.block_k)[0])
     return Choice("decode", tiles, f"{row.note}; {decode_splits(shape, tiles.block_k)[1]}")
 
 
