@@ -12,11 +12,12 @@ import numpy as np
 from ..arrays import dtype_name
 from ..options import AttentionOptions, Blocks
 from . import _compile
+from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, plan_key, problem_of, remember, score_arguments,
                        tensor_core_operands)
-from .launch_decode import decode_shape, forward_decode
-from .tiles import Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode, choose_forward
+from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
+                    choose_forward)
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
