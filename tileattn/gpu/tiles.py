@@ -609,17 +609,33 @@ def decode_splits(shape: DecodeShape, block_k: int) -> tuple[int, str]:
                     f"tiles each, <= {DECODE_MAX_SPLITS}")
 
 
+def _sizes(problem: Problem) -> tuple[int, int]:
+    """(element size, accumulator size) of a problem's dtype."""
+    itemsize = {"float64": 8, "float32": 4}.get(problem.dtype, 2)
+    return itemsize, 8 if itemsize == 8 else 4
+
+
+def decode_fits(problem: Problem, tiles: DecodeTiles) -> bool:
+    itemsize, accum = _sizes(problem)
+    return tiles.shared_bytes(itemsize, accum, problem.head_dim,
+                              problem.value_dim) <= problem.shared_limit
+
+
 def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
                  threads: int | None = None) -> DecodeTiles:
-    """The configuration for a problem (a test may force `splits` and `threads`)."""
-    itemsize = 8 if problem.dtype == "float64" else 4 if problem.dtype == "float32" else 2
-    block_k, stages = decode_key_tile(itemsize, problem.head_dim, problem.value_dim)
+    """The configuration for a problem (a test may force `splits` and `threads`). Wide
+    float64 rows take fewer stages, then fewer keys a stage (down to 8), until they fit
+    (`decode_fits` says whether they did)."""
+    block_k, stages = decode_key_tile(_sizes(problem)[0], problem.head_dim, problem.value_dim)
     if threads is None:
         threads = next((row.threads for row in DECODE_ROWS if shape.rows <= row.max_rows),
                        DECODE_ROWS[-1].threads)
-    if splits is None:
-        splits = decode_splits(shape, block_k)[0]
-    return DecodeTiles(_pow2_at_least(shape.rows), block_k, stages, threads, splits)
+    tiles = DecodeTiles(_pow2_at_least(shape.rows), block_k, stages, threads, 1)
+    while not decode_fits(problem, tiles) and (tiles.stages > 2 or tiles.block_k > 8):
+        tiles = (replace(tiles, stages=2) if tiles.stages > 2
+                 else replace(tiles, block_k=tiles.block_k // 2))
+    return replace(tiles, splits=decode_splits(shape, tiles.block_k)[0] if splits is None
+                   else splits)
 
 
 @lru_cache(maxsize=1024)
@@ -639,20 +655,8 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     if row is not DECODE_ROWS[0] and prefill_blocks >= shape.sm_count:
         return None  # many query heads fill the GPU on the tensor-core prefill already
     tiles = decode_tiles(problem, shape)
-    accum = 8 if problem.dtype == "float64" else 4
-    itemsize = 8 if problem.dtype == "float64" else 4 if problem.dtype == "float32" else 2
-
-    def fits(config: DecodeTiles) -> bool:
-        return config.shared_bytes(itemsize, accum, problem.head_dim,
-                                   problem.value_dim) <= problem.shared_limit
-
-    # Wide float64 rows: fewer stages, then fewer keys a stage (down to 8), before giving up.
-    while not fits(tiles) and (tiles.stages > 2 or tiles.block_k > 8):
-        tiles = (replace(tiles, stages=2) if tiles.stages > 2
-                 else replace(tiles, block_k=tiles.block_k // 2))
-    if not fits(tiles):
-        return None
-    tiles = replace(tiles, splits=decode_splits(shape, tiles.block_k)[0])
+    if not decode_fits(problem, tiles):
+        return None  # Q alone (64 float64 rows of 256) outgrows shared memory
     return Choice("decode", tiles, f"{row.note}; {decode_splits(shape, tiles.block_k)[1]}")
 
 
