@@ -15,7 +15,8 @@ torch's the same way; then CUDA events around each call, L2 flushed (a 128 MiB w
 each, median of the repetitions. Columns: the bytes of K and V (what decoding must read), the
 time, the share of the device-to-device copy bandwidth measured at the start of this run
 (2 x bytes / time of a 2 GiB copy), torch flash's time (enable_gqa where Hq != Hkv) and
-torch / tileattn (> 1: tileattn faster), and the decode configuration tileattn chose.
+torch / tileattn (> 1: tileattn faster), and the kernel tileattn chose; where that is a
+prefill kernel on a shape of up to 64 packed rows, the decode kernel's time as well.
 Each row is printed as soon as it is measured. Last, the host time per call of a tiny
 decode shape (calls back to back, wall time / calls), tileattn and torch.
 """
@@ -33,7 +34,9 @@ import cupy
 import numpy as np
 
 import tileattn
-from tileattn.gpu import launch_forward
+from tileattn.gpu import launch_forward, tiles
+from tileattn.gpu.launch_decode import decode_shape, forward_decode
+from tileattn.gpu.operands import problem_of
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
 
@@ -145,7 +148,7 @@ def copy_bandwidth(n_bytes: int = 2 << 30, repetitions: int = 10) -> float:
     for _ in range(repetitions + 2):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
-        target[...] = source
+        target.data.copy_from_device_async(source.data, n_bytes)  # cudaMemcpyAsync, D2D
         stop.record()
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
@@ -205,15 +208,42 @@ def torch_flash(q, k, v):
     return run
 
 
-def choice_of(q, k, v) -> str:
-    options = validate(q, k, v, causal=False, window=None, scale=None, softcap=None,
-                       alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None,
-                       block_k=None, deterministic=True).options
-    choice = launch_forward.choose(q, k, v, options)
+def _options(q, k, v):
+    return validate(q, k, v, causal=False, window=None, scale=None, softcap=None,
+                    alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
+                    deterministic=True).options
+
+
+def _describe(choice) -> str:
     if choice.family != "decode":
         return choice.family
     tiles = choice.tiles
     return f"decode rows={tiles.rows} k={tiles.block_k}x{tiles.stages} splits={tiles.splits}"
+
+
+def choice_of(q, k, v) -> str:
+    return _describe(launch_forward.choose(q, k, v, _options(q, k, v)))
+
+
+def forced_decode(q, k, v):
+    """The decode kernel on a shape the dispatch gives the prefill kernels (up to 64 packed
+    rows), so the table shows what the threshold in tiles.choose_decode trades; or None."""
+    options = _options(q, k, v)
+    shape = decode_shape(q, k, options)
+    if shape.rows > tiles.DECODE_ROWS[-1].max_rows:
+        return None
+    problem = problem_of(q, k, v, options)
+    config = tiles.decode_tiles(problem, shape)
+    if not tiles.decode_fits(problem, config):
+        return None
+    o = cupy.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
+    launch, _ = forward_decode(q, k, v, o, lse, options, config)
+
+    def run():
+        launch(q, k, v, o, lse)
+        return o
+    return run
 
 
 def run_shape(shape: Shape, bandwidth: float, repetitions: int) -> str | None:
@@ -245,7 +275,14 @@ def run_shape(shape: Shape, bandwidth: float, repetitions: int) -> str | None:
             line += f" {flash_us:,.1f} | {flash_us / ours_us:.2f} |"
         except AssertionError:
             line += " wrong | n/a |"
-    return line + f" {choice_of(q, k, v)} |"
+    line += f" {choice_of(q, k, v)} |"
+    if not choice_of(q, k, v).startswith("decode"):
+        forced = forced_decode(q, k, v)
+        if forced is not None:
+            assert_attention_close(_as_float64(forced()[0, :group]).get(), expected, dtype,
+                                   name=f"forced decode o, {shape.name}")
+            line += f" forced decode: {median_us(forced, repetitions):,.1f} us |"
+    return line
 
 
 def overhead() -> None:
