@@ -2,9 +2,9 @@
 per (batch, kv head, key range), and, with more than one range, the merge kernel that
 combines the ranges' partial (o, lse) by log-sum-exp.
 
-The partials live in a per-(device, stream) workspace that only grows, so a repeated call
-allocates nothing and a CUDA graph captured on a stream replays into the same buffer
-(allocate it with one eager call first: the tests and the benchmark do).
+The partials live in a per-(device, stream) workspace that only grows and is never freed,
+so a repeated call allocates nothing and a CUDA graph captured on a stream replays into a
+buffer that stays valid (allocate it with one eager call before capturing: the tests do).
 """
 
 from __future__ import annotations
@@ -52,14 +52,21 @@ def decode_shape(q, k, options: AttentionOptions) -> DecodeShape:
 # --------------------------------------------------------------------------- workspace
 
 _WORKSPACES: dict[tuple, object] = {}
+# Outgrown workspaces stay allocated: a CUDA graph captured earlier still writes into its
+# buffer when replayed. Growth doubles, so this holds less than the current one's size.
+_OUTGROWN: list = []
 
 
 def _workspace(size: int, dtype):
-    """`size` elements of scratch for the current (device, stream); grown, never shrunk."""
+    """`size` elements of scratch for the current (device, stream); grown (doubling), never
+    shrunk or freed."""
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, np.dtype(dtype).name)
     buffer = _WORKSPACES.get(key)
     if buffer is None or buffer.size < size:
-        buffer = cupy.empty(max(size, 1), dtype=dtype)
+        if buffer is not None:
+            _OUTGROWN.append(buffer)
+        grown = max(size, 2 * buffer.size if buffer is not None else size, 1)
+        buffer = cupy.empty(grown, dtype=dtype)
         _WORKSPACES[key] = buffer
     return buffer
 
