@@ -15,8 +15,9 @@ torch's the same way; then CUDA events around each call, L2 flushed (a 128 MiB w
 each, median of the repetitions. Columns: the bytes of K and V (what decoding must read), the
 time, the share of the device-to-device copy bandwidth measured at the start of this run
 (2 x bytes / time of a 2 GiB copy), torch flash's time (enable_gqa where Hq != Hkv) and
-torch / tileattn (> 1: tileattn faster), and the kernel tileattn chose; where that is a
-prefill kernel on a shape of up to 64 packed rows, the decode kernel's time as well.
+torch / tileattn (> 1: tileattn faster), and the kernel tileattn chose; with --compare (on
+in --quick) also the time of the kernel it did not choose (the prefill family beside decode,
+the decode kernel beside prefill up to 64 packed rows), which checks the dispatch threshold.
 Each row is printed as soon as it is measured. Last, the host time per call of a tiny
 decode shape (calls back to back, wall time / calls), tileattn and torch.
 """
@@ -225,28 +226,37 @@ def choice_of(q, k, v) -> str:
     return _describe(launch_forward.choose(q, k, v, _options(q, k, v)))
 
 
-def forced_decode(q, k, v):
-    """The decode kernel on a shape the dispatch gives the prefill kernels (up to 64 packed
-    rows), so the table shows what the threshold in tiles.choose_decode trades; or None."""
+def alternative(q, k, v):
+    """The kernel the dispatch did not choose, built once: the prefill family's where decode
+    runs, the decode kernel where a prefill family runs (up to 64 packed rows); so that the
+    table shows what the threshold in tiles.choose_decode trades. ``(name, function)`` or
+    None."""
     options = _options(q, k, v)
-    shape = decode_shape(q, k, options)
-    if shape.rows > tiles.DECODE_ROWS[-1].max_rows:
-        return None
     problem = problem_of(q, k, v, options)
-    config = tiles.decode_tiles(problem, shape)
-    if not tiles.decode_fits(problem, config):
-        return None
     o = cupy.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
-    launch, _ = forward_decode(q, k, v, o, lse, options, config)
+    if launch_forward.choose(q, k, v, options).family == "decode":
+        choice = tiles.choose_forward(problem)
+        launch = launch_forward.launch(choice, q, k, v, o, lse, options)
+        name = f"prefill ({choice.family})"
+    else:
+        shape = decode_shape(q, k, options)
+        if shape.rows > tiles.DECODE_ROWS[-1].max_rows:
+            return None
+        config = tiles.decode_tiles(problem, shape)
+        if not tiles.decode_fits(problem, config):
+            return None
+        launch, _ = forward_decode(q, k, v, o, lse, options, config)
+        name = "decode"
 
     def run():
         launch(q, k, v, o, lse)
         return o
-    return run
+    return name, run
 
 
-def run_shape(shape: Shape, bandwidth: float, repetitions: int) -> str | None:
+def run_shape(shape: Shape, bandwidth: float, repetitions: int,
+              compare: bool) -> str | None:
     free = cupy.cuda.Device().mem_info[0]
     if shape.kv_bytes > free / 3:
         return None
@@ -276,12 +286,12 @@ def run_shape(shape: Shape, bandwidth: float, repetitions: int) -> str | None:
         except AssertionError:
             line += " wrong | n/a |"
     line += f" {choice_of(q, k, v)} |"
-    if not choice_of(q, k, v).startswith("decode"):
-        forced = forced_decode(q, k, v)
-        if forced is not None:
-            assert_attention_close(_as_float64(forced()[0, :group]).get(), expected, dtype,
-                                   name=f"forced decode o, {shape.name}")
-            line += f" forced decode: {median_us(forced, repetitions):,.1f} us |"
+    other = alternative(q, k, v) if compare else None
+    if other is not None:
+        name, function = other
+        assert_attention_close(_as_float64(function()[0, :group]).get(), expected, dtype,
+                               name=f"{name} o, {shape.name}")
+        line += f" {name}: {median_us(function, repetitions):,.1f} us |"
     return line
 
 
@@ -308,6 +318,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a representative subset")
     parser.add_argument("--repetitions", type=int, default=None)
+    parser.add_argument("--compare", action="store_true",
+                        help="also time the kernel the dispatch did not choose (--quick does)")
     args = parser.parse_args()
     repetitions = args.repetitions or (10 if args.quick else 20)
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
@@ -319,7 +331,7 @@ def main() -> None:
     print("\n| shape | K+V MiB | tileattn us | share of copy bw | flash us | flash / tileattn "
           "| tileattn kernel |\n|---|---|---|---|---|---|---|", flush=True)
     for shape in (QUICK if args.quick else grid()):
-        line = run_shape(shape, bandwidth, repetitions)
+        line = run_shape(shape, bandwidth, repetitions, args.quick or args.compare)
         print(line if line is not None else f"| {shape.name} | skipped: K/V over a third of "
               "free memory |", flush=True)
         cupy.get_default_memory_pool().free_all_blocks()

@@ -199,10 +199,16 @@ def _outputs(q, v, out=None, lse_out=None):
             if lse_out is None else lse_out)
 
 
+def launch(choice: Choice, q, k, v, o, lse, options: AttentionOptions):
+    """Runs the family and tiles of `choice` into o and lse and returns the launch, which
+    repeats the call on arrays of the same shapes, strides and alignment (benchmarks)."""
+    return _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)[0]
+
+
 def run(choice: Choice, q, k, v, options: AttentionOptions):
     """``(o, lse)`` with the family and tiles of `choice` (tests and sweeps name theirs)."""
     o, lse = _outputs(q, v)
-    _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)
+    launch(choice, q, k, v, o, lse, options)
     return o, lse
 
 
