@@ -48,10 +48,25 @@ constexpr int kKPitch = kHeadWidth + kElements;  // +16 bytes: rows land in diff
 constexpr int kVPitch = kValueWidth + kElements;
 constexpr int kWarps = THREADS / 32;
 
-// Scores: thread t computes key t % BLOCK_K for rows t / BLOCK_K + i * kScoreGroups.
-constexpr int kScoreGroups = THREADS / BLOCK_K;
+// Scores: thread t owns kKeysPerThread keys, slot + j * kKeySlots (slot = t % kKeySlots), for
+// rows group + i * kScoreGroups (group = t / kKeySlots). Each Q load then serves
+// kKeysPerThread keys, and Q rows are padded by 16 bytes (kQPitch) so that the few rows a
+// warp reads at once lie in different banks: with 4 keys a thread, a warp's 16-byte loads of
+// Q and K are one wavefront each (at 16 rows, D = 128: ~380 wavefronts per 32-key tile
+// against ~770 with one key a thread and unpadded rows).
+constexpr int kAccVector = 16 / sizeof(Acc);  // accumulators per 16 bytes
+constexpr int key_blocking(int rows, int block_k, int threads) {
+    // The most keys a thread (<= 4, dividing block_k) that leaves every score group a row.
+    int keys = 4;
+    while (keys > 1 && (block_k % keys != 0 || threads * keys / block_k > rows)) keys /= 2;
+    return keys;
+}
+constexpr int kKeysPerThread = key_blocking(ROWS, BLOCK_K, THREADS);
+constexpr int kKeySlots = BLOCK_K / kKeysPerThread;
+constexpr int kScoreGroups = THREADS / kKeySlots;
 constexpr int kScoreRows = (ROWS + kScoreGroups - 1) / kScoreGroups;
-static_assert(THREADS % BLOCK_K == 0 && THREADS % 32 == 0, "a thread per key of a tile");
+constexpr int kQPitch = kHeadWidth + kAccVector;
+static_assert(THREADS % BLOCK_K == 0 && THREADS % 32 == 0, "whole key slots per block");
 
 // O += P V: thread t owns kCpt consecutive columns and kRpt consecutive rows.
 constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
@@ -65,14 +80,13 @@ static_assert(kColumnThreads * kCpt == kValueSpan && kRowGroups * kColumnThreads
 static_assert(kValueWidth % kCpt == 0, "a thread's columns lie inside or past the V tile");
 
 // P is stored key-major, [BLOCK_K][kScorePitch]: a vector of 16 bytes of Acc per load.
-constexpr int kAccVector = 16 / sizeof(Acc);
 // (The rows a thread reads, p_row0 + i, are all below ROWS: ROWS and kRowGroups are powers
 // of two, so either kRpt * kRowGroups == ROWS or kRpt == 1 and p_row0 < ROWS is checked.)
 constexpr int kScorePitch = (ROWS + kAccVector - 1) / kAccVector * kAccVector + kAccVector;
 
 // Dynamic shared memory, in order (the launcher mirrors it: tileattn/gpu/launch_decode.py).
 constexpr int kStageBytes = BLOCK_K * (kKPitch + kVPitch) * sizeof(T);
-constexpr int kQBytes = ROWS * kHeadWidth * sizeof(Acc);
+constexpr int kQBytes = ROWS * kQPitch * sizeof(Acc);
 constexpr int kScoreBytes = BLOCK_K * kScorePitch * sizeof(Acc);
 constexpr int kRowBytes = ROWS * (4 * sizeof(Acc) + sizeof(i64) + sizeof(u32));
 constexpr int kSharedBytes = STAGES * kStageBytes + kQBytes + kScoreBytes + kRowBytes;
@@ -194,8 +208,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     // STAGES x (K tile [BLOCK_K][kKPitch], V tile [BLOCK_K][kVPitch]), then Q, P, row state.
     T* stages = reinterpret_cast<T*>(shared_bytes);
-    Acc* q_tile = reinterpret_cast<Acc*>(shared_bytes + STAGES * kStageBytes);  // [ROWS][kHeadWidth]
-    Acc* scores = q_tile + ROWS * kHeadWidth;       // [BLOCK_K][kScorePitch], key-major
+    Acc* q_tile = reinterpret_cast<Acc*>(shared_bytes + STAGES * kStageBytes);  // [ROWS][kQPitch]
+    Acc* scores = q_tile + ROWS * kQPitch;          // [BLOCK_K][kScorePitch], key-major
     Acc* row_max = scores + BLOCK_K * kScorePitch;  // [ROWS] each
     Acc* row_sum = row_max + ROWS;
     Acc* row_rescale = row_sum + ROWS;
@@ -240,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
             const i64 head = static_cast<i64>(kv_head) * group_size + r / n_q;
             value = static_cast<Acc>(widen(q[batch * q_sb + head * q_sh + (r % n_q) * q_sn + d]));
         }
-        q_tile[e] = value;
+        q_tile[r * kQPitch + d] = value;
     }
 
     // This split's key tiles: the band's tiles for rows [0, n_q) cut into n_splits ranges.
@@ -288,37 +302,48 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
         }
         const i64 col_start = tile * BLOCK_K;
 
-        // Scores: a thread per key, its rows against Q broadcast from shared memory.
+        // Scores: kKeysPerThread keys x kScoreRows rows a thread, Q and K from shared memory.
         {
-            const int c = threadIdx.x % BLOCK_K, group = threadIdx.x / BLOCK_K;
-            const T* key = k_tile + c * kKPitch;
-            Acc dots[kScoreRows];
+            const int slot = threadIdx.x % kKeySlots, group = threadIdx.x / kKeySlots;
+            Acc dots[kKeysPerThread][kScoreRows];
 #pragma unroll
-            for (int i = 0; i < kScoreRows; ++i) dots[i] = 0;
+            for (int j = 0; j < kKeysPerThread; ++j)
+#pragma unroll
+                for (int i = 0; i < kScoreRows; ++i) dots[j][i] = 0;
 #pragma unroll 2
             for (int d0 = 0; d0 < kHeadWidth; d0 += kElements) {
-                Acc key_part[kElements];
-                load_widened(key + d0, key_part);
+                Acc key_part[kKeysPerThread][kElements];
+#pragma unroll
+                for (int j = 0; j < kKeysPerThread; ++j)
+                    load_widened(k_tile + (slot + j * kKeySlots) * kKPitch + d0, key_part[j]);
 #pragma unroll
                 for (int i = 0; i < kScoreRows; ++i) {
                     const int r = group + i * kScoreGroups;
                     if (kScoreRows * kScoreGroups == ROWS || r < ROWS) {
+                        const AccPack<kElements> q_part =
+                            *reinterpret_cast<const AccPack<kElements>*>(q_tile + r * kQPitch + d0);
 #pragma unroll
-                        for (int e = 0; e < kElements; ++e)
-                            dots[i] += q_tile[r * kHeadWidth + d0 + e] * key_part[e];
+                        for (int j = 0; j < kKeysPerThread; ++j)
+#pragma unroll
+                            for (int e = 0; e < kElements; ++e)
+                                dots[j][i] += q_part.values[e] * key_part[j][e];
                     }
                 }
             }
-            const i64 col = col_start + c;
 #pragma unroll
-            for (int i = 0; i < kScoreRows; ++i) {
-                const int r = group + i * kScoreGroups;
-                if (r < ROWS) {
-                    Acc score = negative_infinity<Acc>();
-                    if (r < rows && col < keys.n_k)
-                        score = transform_score(dots[i], row_query[r], col, row_slope[r], scale,
-                                                softcap, band);
-                    scores[c * kScorePitch + r] = score;
+            for (int j = 0; j < kKeysPerThread; ++j) {
+                const int c = slot + j * kKeySlots;
+                const i64 col = col_start + c;
+#pragma unroll
+                for (int i = 0; i < kScoreRows; ++i) {
+                    const int r = group + i * kScoreGroups;
+                    if (r < ROWS) {
+                        Acc score = negative_infinity<Acc>();
+                        if (r < rows && col < keys.n_k)
+                            score = transform_score(dots[j][i], row_query[r], col, row_slope[r],
+                                                    scale, softcap, band);
+                        scores[c * kScorePitch + r] = score;
+                    }
                 }
             }
         }

@@ -571,14 +571,14 @@ class DecodeTiles:
     def shared_bytes(self, itemsize: int, accum_size: int, head_dim: int,
                      value_dim: int) -> int:
         """The kernel's dynamic shared memory (kSharedBytes): K and V stages with rows
-        padded to 16 bytes plus 16, Q in the accumulation type, P key-major with rows
-        padded to 16 bytes plus 16, and per-row state (4 accumulators, an i64, a u32)."""
+        padded to 16 bytes plus 16, Q in the accumulation type and P key-major, both with
+        rows padded by 16 bytes, and per-row state (4 accumulators, an i64, a u32)."""
         chunk = self.chunk_elements(itemsize)
         head_width, value_width = padded(head_dim, chunk), padded(value_dim, chunk)
         stage = self.block_k * (head_width + value_width + 2 * chunk) * itemsize
         vector = 16 // accum_size
         score_pitch = padded(self.rows, vector) + vector
-        return (self.stages * stage + self.rows * head_width * accum_size
+        return (self.stages * stage + self.rows * (head_width + vector) * accum_size
                 + self.block_k * score_pitch * accum_size
                 + self.rows * (4 * accum_size + 8 + 4))
 
