@@ -237,6 +237,17 @@ def test_dispatch_picks_decode_and_writes_into_out_buffers():
     assert_attention_close(out.get(), expected_o, q.dtype, name="o (cached launch)")
 
 
+def test_info_shows_the_decode_kernel():
+    """python -m tileattn info --seq-len 1 --n-k 4096 --heads 8 --kv-heads 1 names it."""
+    from tileattn.info import describe
+
+    lines = []
+    describe(seq_len=1, n_k=4096, head_dim=128, heads=8, kv_heads=1, dtype="float16",
+             print_fn=lines.append)
+    assert any(line.strip().startswith("forward kernel: decode DecodeTiles") for line in lines), \
+        lines
+
+
 def test_prefill_shapes_keep_the_prefill_path():
     q, k, v = (cupy.empty(s, dtype=np.float16)
                for s in ((2, 8, 512, 64), (2, 8, 4096, 64), (2, 8, 4096, 64)))
