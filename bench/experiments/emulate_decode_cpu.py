@@ -1,7 +1,7 @@
 """Run attention_decode.cu on the CPU, no GPU: the kernel's own source under a C++ emulation
 of the CUDA built-ins it uses, checked against the float64 golden model.
 
-    python3 bench/experiments/emulate_decode_cpu.py [--quick]
+    python3 bench/experiments/emulate_decode_cpu.py [--quick] [--launcher]
 
 Needs g++ 12+ (C++20 std::barrier, _Float16). Each block runs as THREADS std::threads that
 meet at __syncthreads (a std::barrier) and exchange warp shuffles through a per-warp buffer
@@ -10,6 +10,9 @@ this checks indexing, masks, the split ranges, the merge and the barriers' place
 the copy pipeline's waits; compute-sanitizer on the GPU does that). PTX `asm` in the shared
 headers is replaced by its meaning (cvt to and from half, cvta.to.shared, the dynamic
 shared-memory size); what no decode path uses (mma.sync, ldmatrix) compiles to nothing.
+`--launcher` also runs the Python launch path (`launch_forward.forward`: dispatch, launch
+cache, `launch_decode`, workspace, merge) on a stand-in for CuPy whose kernels are this
+emulation called with the launcher's own argument tuples.
 """
 
 from __future__ import annotations
@@ -142,6 +145,33 @@ void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned share
             pool.emplace_back([&, t] { threadIdx.x = t; kernel(); });
         for (auto& thread : pool) thread.join();
     }
+}
+
+// The kernels' own parameter lists, for the launcher mode (`--launcher`): the Python launch
+// path's argument tuples go through these unchanged.
+extern "C" void launch_attention_decode(
+    unsigned grid, unsigned threads, unsigned shared, const T* q, const T* k, const T* v, T* o,
+    Acc* lse, Acc* partial_o, Acc* partial_lse, const double* alibi_slopes, i64 n_q, i64 n_k,
+    int n_q_heads, int group_size, int n_splits, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb,
+    i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, Acc scale, Acc softcap, i64 band_offset,
+    i64 window_left, i64 window_right, u32 dropout_key, u32 dropout_threshold,
+    Acc dropout_scale, u32 dropout_row0, u32 dropout_col0) {
+    if (threads != THREADS) { std::fprintf(stderr, "block %u != THREADS\n", threads); std::abort(); }
+    run_blocks([&] {
+        attention_decode(q, k, v, o, lse, partial_o, partial_lse, alibi_slopes, n_q, n_k,
+                         n_q_heads, group_size, n_splits, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn,
+                         v_sb, v_sh, v_sn, scale, softcap, band_offset, window_left,
+                         window_right, dropout_key, dropout_threshold, dropout_scale,
+                         dropout_row0, dropout_col0);
+    }, grid, threads, shared);
+}
+
+extern "C" void launch_attention_decode_merge(unsigned grid, unsigned threads, unsigned shared,
+                                              const Acc* partial_o, const Acc* partial_lse,
+                                              T* o, Acc* lse, i64 n_rows, int n_splits) {
+    if (threads != 128) { std::fprintf(stderr, "merge block %u != 128\n", threads); std::abort(); }
+    run_blocks([&] { attention_decode_merge(partial_o, partial_lse, o, lse, n_rows, n_splits); },
+               grid, threads, shared);
 }
 
 extern "C" void run(const T* q, const T* k, const T* v, T* o, Acc* lse, Acc* partial_o,
@@ -315,9 +345,132 @@ def non_finite_case():
     return q, k, v
 
 
+# --------------------------------------------------------------------------- launcher mode
+# tileattn/gpu/launch_forward.forward (dispatch, launch cache, launch_decode, workspace, merge)
+# on a stand-in for CuPy: NumPy arrays with `.data.ptr` and `.device`, and a `_compile.kernel`
+# whose kernels are the emulation, called with the launcher's own argument tuples.
+
+
+def _install_cupy_standin():
+    import types
+
+    class _Pointer:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    class _Device:
+        id = 0
+        compute_capability = "90"
+
+        def __init__(self, *_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+    class ndarray(np.ndarray):  # noqa: N801 (CuPy's name)
+        @property
+        def data(self):
+            return _Pointer(self.ctypes.data)
+
+        @property
+        def device(self):
+            return _Device()
+
+    def empty(shape, dtype=float):
+        return np.empty(shape, dtype=dtype).view(ndarray)
+
+    def asarray(array):
+        return np.asarray(array).view(ndarray)
+
+    stream = types.SimpleNamespace(ptr=0)
+    runtime = types.SimpleNamespace(
+        getDeviceProperties=lambda _: {"multiProcessorCount": 132,
+                                       "sharedMemPerBlockOptin": 227 * 1024, "name": b"cpu"})
+    cuda = types.SimpleNamespace(Device=_Device, runtime=runtime,
+                                 get_current_stream=lambda: stream)
+    standin = types.ModuleType("cupy")
+    standin.ndarray, standin.empty, standin.asarray, standin.cuda = ndarray, empty, asarray, cuda
+    standin.uint16 = np.uint16
+    sys.modules["cupy"] = standin
+    return standin
+
+
+class _EmulatedKernel:
+    """A RawKernel stand-in: ``kernel(grid, block, args, shared_mem=...)`` runs the emulation
+    with exactly these arguments, converted by their NumPy types."""
+
+    max_dynamic_shared_size_bytes = 48 * 1024
+
+    def __init__(self, entry: str, defines: tuple):
+        self.function = getattr(library(dict(defines)), f"launch_{entry}")
+        self.function.restype = None
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        converted = [ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_uint(shared_mem)]
+        for arg in args:
+            if isinstance(arg, np.ndarray):
+                converted.append(ctypes.c_void_p(arg.ctypes.data))
+            else:
+                converted.append({np.dtype(np.int64): ctypes.c_int64,
+                                  np.dtype(np.int32): ctypes.c_int32,
+                                  np.dtype(np.uint32): ctypes.c_uint32,
+                                  np.dtype(np.float32): ctypes.c_float,
+                                  np.dtype(np.float64): ctypes.c_double}[arg.dtype](arg))
+        self.function(*converted)
+
+
+def launcher_mode() -> int:
+    """The launch path end to end on decode shapes the dispatch picks, twice each (the second
+    call takes the cached launches), against the golden model."""
+    standin = _install_cupy_standin()
+    from tileattn.gpu import _compile, launch_forward
+
+    def kernel(source_name, entry, defines, shared_bytes=0, arch=None):
+        assert source_name == "attention_decode.cu", source_name
+        return _EmulatedKernel(entry, defines)
+
+    _compile.kernel = kernel
+    rng = np.random.default_rng(3)
+    failures = 0
+    for (batch, hq, hkv, nq, nk, d, dv), options in [
+            ((1, 8, 1, 1, 4096, 128, 128), {}),  # MQA, 128 splits and the merge
+            ((2, 32, 8, 2, 1000, 64, 64), {"causal": True}),  # GQA, 8 rows, a few splits
+            ((1, 4, 4, 3, 700, 80, 48), {"window": (400, 0), "softcap": 3.0,
+                                         "alibi_slopes": np.linspace(0.1, 0.4, 4)}),
+            ((4, 8, 2, 1, 600, 96, 96), {"dropout_p": 0.2, "seed": 3})]:
+        q, k, v = (rng.standard_normal(s).astype(np.float16)
+                   for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+        resolved = validate(q, k, v, **{**dict(causal=False, window=None, scale=None,
+                                               softcap=None, alibi_slopes=None, dropout_p=0.0,
+                                               seed=None, block_q=None, block_k=None,
+                                               deterministic=True), **options}).options
+        device = [standin.asarray(a) for a in (q, k, v)]
+        choice = launch_forward.choose(*device, resolved)
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True, **options)
+        for call in ("first", "cached"):
+            o, lse = launch_forward.forward(*device, resolved)
+            label = f"launcher {call} q{q.shape} k{k.shape} {sorted(options)} {choice}"
+            try:
+                assert choice.family == "decode"
+                assert_attention_close(np.asarray(o), golden_o, q.dtype, name="o")
+                assert_attention_close(np.asarray(lse), golden_lse, q.dtype, name="lse")
+                print(f"ok {label}")
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first few cases only")
+    parser.add_argument("--launcher", action="store_true",
+                        help="also run tileattn/gpu/launch_forward.forward on a CuPy stand-in")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     failures = 0
@@ -334,6 +487,8 @@ def main() -> int:
     q, k, v = non_finite_case()
     for options in ({"causal": True}, {"causal": True, "window": (3, None)}):
         failures += check(q, k, v, options, 4)
+    if args.launcher:
+        failures += launcher_mode()
     print("all passed" if not failures else f"{failures} failed")
     return int(failures > 0)
 

@@ -542,9 +542,9 @@ class DecodeRow:
 
 DECODE_ROWS = [
     DecodeRow(16, 128, "group*Nq <= 16: 4 warps, one row of P per thread-column group; "
-                       "ptxas 102 registers at fp16 D=128 (no spills)"),
+                       "ptxas 124 registers at fp16 D=128 (no spills)"),
     DecodeRow(64, 256, "group*Nq <= 64 where prefill would leave SMs idle: 8 warps keep the "
-                       "64 x Dv accumulator at <= 64 registers a thread (ptxas 172 at D=256)"),
+                       "64 x Dv accumulator at <= 64 registers a thread (ptxas 177 at D=256)"),
 ]
 
 
