@@ -5,10 +5,12 @@ of the CUDA built-ins it uses, checked against the float64 golden model.
 
 Needs g++ 12+ (C++20 std::barrier, _Float16). Each block runs as THREADS std::threads that
 meet at __syncthreads (a std::barrier) and exchange warp shuffles through a per-warp buffer
-between two warp barriers; blocks run one after another; cp.async copies land at once (so
-this checks indexing, masks, the split ranges, the merge and the barriers' placement, not
-the copy pipeline's waits; compute-sanitizer on the GPU does that). PTX `asm` in the shared
-headers is replaced by its meaning (cvt to and from half, cvta.to.shared, the dynamic
+between two warp barriers; blocks run one after another. cp.async copies land at once in a
+first pass and only when their wait_group retires them in a second (the earliest and the
+latest a GPU may land them), so this checks indexing, masks, the split ranges, the merge,
+the barriers' placement and the pipeline's waits, though not memory ordering beyond them
+(compute-sanitizer on the GPU does). PTX `asm` in the shared headers is replaced by its
+meaning (cvt to and from half, cvta.to.shared, cp.async groups, the dynamic
 shared-memory size); what no decode path uses (mma.sync, ldmatrix) compiles to nothing.
 `--launcher` also runs the Python launch path (`launch_forward.forward`: dispatch, launch
 cache, `launch_decode`, workspace, merge) on a stand-in for CuPy whose kernels are this

@@ -71,6 +71,23 @@ def _workspace(size: int, dtype):
     return buffer
 
 
+_PARTIALS: dict[tuple, tuple] = {}
+
+
+def _partials(partial_size: int, lse_size: int, dtype) -> tuple:
+    """The workspace's (partial o, partial lse) views, kept per workspace and sizes: a decode
+    step is microseconds, and two CuPy views a call cost a few of them."""
+    workspace = _workspace(partial_size + lse_size, dtype)
+    key = (workspace.data.ptr, partial_size, lse_size)
+    views = _PARTIALS.get(key)
+    if views is None:
+        if len(_PARTIALS) >= 256:
+            _PARTIALS.clear()
+        views = (workspace[:partial_size], workspace[partial_size:partial_size + lse_size])
+        _PARTIALS[key] = views
+    return views
+
+
 @dataclass(frozen=True)
 class DecodeLaunch:
     """The decode kernel and, with splits, the merge; called with ``(q, k, v, o, lse)``
@@ -87,9 +104,7 @@ class DecodeLaunch:
             unused = empty(q.device.id, self.accum.name)
             self.decode(q, k, v, o, lse, unused, unused)
             return
-        workspace = _workspace(self.partial_size + self.lse_size, self.accum)
-        partial_o = workspace[:self.partial_size]
-        partial_lse = workspace[self.partial_size:self.partial_size + self.lse_size]
+        partial_o, partial_lse = _partials(self.partial_size, self.lse_size, self.accum)
         self.decode(q, k, v, o, lse, partial_o, partial_lse)
         self.merge(partial_o, partial_lse, o, lse)
 
