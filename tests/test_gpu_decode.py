@@ -9,12 +9,15 @@ element must be written. Everything skips cleanly without CuPy or a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import tileattn
-from tileattn import backends
+from tileattn import backends, reference
 from tileattn.gpu.tiles import Choice, Problem
+from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
 
@@ -54,9 +57,11 @@ def _resolved(q, k, v, options):
 
 
 def _decode(q, k, v, options, splits):
-    """o and lse of the decode kernel with `splits` key ranges, from NaN-filled outputs."""
+    """o and lse of the decode kernel with `splits` key ranges, from NaN-filled outputs;
+    `options` are keyword options or an AttentionOptions."""
     device = [a if isinstance(a, cupy.ndarray) else cupy.asarray(a) for a in (q, k, v)]
-    resolved = _resolved(*device, options)
+    resolved = (options if isinstance(options, AttentionOptions)
+                else _resolved(*device, options))
     tiles = decode_tiles(problem_of(*device, resolved), decode_shape(device[0], device[1],
                                                                       resolved), splits=splits)
     batch, n_q_heads, n_q, _ = device[0].shape
@@ -83,8 +88,8 @@ def _half_dtypes():
 # One split, two, an uneven count, many, and more splits than key tiles (333 keys are
 # 6-11 tiles): empty splits write lse = -inf and o = 0, which the merge must ignore.
 SPLITS = [1, 2, 3, 64, 1000]
-# (Hq, Hkv, Nq): MHA, GQA, MQA; packed rows 1, 12 (of a 16-row block), 16.
-PACKINGS = [(4, 4, 1), (8, 2, 3), (8, 1, 2)]
+# (Hq, Hkv, Nq): MHA, GQA, MQA, a group of 3; packed rows 1, 12 (of a 16-row block), 16, 15.
+PACKINGS = [(4, 4, 1), (8, 2, 3), (8, 1, 2), (6, 2, 5)]
 
 
 @pytest.mark.parametrize("splits", SPLITS)
@@ -186,6 +191,22 @@ def test_strided_inputs(layout):
         expected_o, expected_lse = _golden(q, k, v, causal=True)
         assert_attention_close(o, expected_o, q.dtype, name="o")
         assert_attention_close(lse, expected_lse, q.dtype, name="lse")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_placed_block_uses_global_positions(splits):
+    """A block of a longer sequence (row_offset, col_offset, alignment, as
+    tileattn.distributed places it): band, ALiBi and dropout at global positions."""
+    q, k, v = _inputs(1, 4, 2, 3, 400, 64, 64, np.float16, seed=14)
+    options = dataclasses.replace(
+        _resolved(q, k, v, {"causal": True, "window": (200, None), "dropout_p": 0.2, "seed": 9,
+                            "alibi_slopes": np.linspace(0.1, 0.4, 4)}),
+        row_offset=100, col_offset=37, alignment=300)
+    o, lse = _decode(q, k, v, options, splits)
+    expected_o, expected_lse = reference.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                 options)
+    assert_attention_close(o, expected_o, q.dtype, name="o")
+    assert_attention_close(lse, expected_lse, q.dtype, name="lse")
 
 
 @pytest.mark.parametrize("splits", [1, 3])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -33,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
+from tileattn import reference  # noqa: E402
 from tileattn.dropout import dropout_key, dropout_threshold  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
 from tileattn.gpu.tiles import DecodeShape, Problem, decode_fits, decode_tiles  # noqa: E402
@@ -270,12 +272,18 @@ def _copy_bytes(*arrays) -> int:
 DEFERRED = {"value": 0}  # DEFERRED_COPIES of the libraries built from here on (main's loop)
 
 
-def emulate(q, k, v, splits: int | None = None, **kwargs):
-    """o and lse of attention_decode.cu for host arrays (any strides, last axis contiguous)."""
-    options = validate(q, k, v, **{**dict(causal=False, window=None, scale=None, softcap=None,
-                                          alibi_slopes=None, dropout_p=0.0, seed=None,
-                                          block_q=None, block_k=None, deterministic=True),
-                                   **kwargs}).options
+def resolved(q, k, v, **kwargs):
+    """The AttentionOptions the API would pass a backend for these keyword options."""
+    return validate(q, k, v, **{**dict(causal=False, window=None, scale=None, softcap=None,
+                                       alibi_slopes=None, dropout_p=0.0, seed=None,
+                                       block_q=None, block_k=None, deterministic=True),
+                                **kwargs}).options
+
+
+def emulate(q, k, v, splits: int | None = None, options=None, **kwargs):
+    """o and lse of attention_decode.cu for host arrays (any strides, last axis contiguous),
+    for the keyword options or an AttentionOptions."""
+    options = options if options is not None else resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = n_q_heads // n_kv_heads
@@ -343,6 +351,8 @@ CASES = [
                                             "softcap": 2.0}, 4),
     ("float64", (1, 4, 1, 2, 270, 256, 256), {"window": (100, 3)}, 3),
     ("float16", (1, 8, 1, 4, 300, 128, 128), {"causal": True}, 2),  # 32 rows, 256 threads
+    ("float16", (1, 6, 2, 5, 300, 64, 64), {"causal": True, "alibi_slopes":
+                                           np.linspace(0.1, 0.6, 6)}, 3),  # group of 3
 ]
 
 
@@ -523,10 +533,33 @@ def main() -> int:
         q, k, v = non_finite_case()
         for options in ({"causal": True}, {"causal": True, "window": (3, None)}):
             failures += check(q, k, v, options, 4)
+        failures += placed_case(rng)
         if args.launcher:
             failures += launcher_mode()
     print("all passed" if not failures else f"{failures} failed")
     return int(failures > 0)
+
+
+def placed_case(rng) -> int:
+    """A block of a longer sequence (AttentionOptions.row_offset/col_offset/alignment, as
+    tileattn.distributed places it): band, ALiBi and dropout at global positions."""
+    q, k, v = (rng.standard_normal(s).astype(np.float16)
+               for s in ((1, 4, 3, 64), (1, 2, 400, 64), (1, 2, 400, 64)))
+    options = dataclasses.replace(
+        resolved(q, k, v, causal=True, window=(200, None), dropout_p=0.2, seed=9,
+                 alibi_slopes=np.linspace(0.1, 0.4, 4)),
+        row_offset=100, col_offset=37, alignment=300)
+    o, lse, tiles = emulate(q, k, v, 3, options=options)
+    golden_o, golden_lse = reference.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                             options)
+    try:
+        assert_attention_close(o, golden_o, q.dtype, name="o")
+        assert_attention_close(lse, golden_lse, q.dtype, name="lse")
+    except AssertionError as error:
+        print(f"FAILED placed block: {error}")
+        return 1
+    print(f"ok placed block (row_offset 100, col_offset 37, alignment 300) {tiles}")
+    return 0
 
 
 def check(q, k, v, options, splits) -> int:
