@@ -1,7 +1,7 @@
 """A small, representative workload for compute-sanitizer: every kernel of the GPU backend.
 
-    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py
-    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py
+    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only]
+    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only]
 
 Sizes are small (the sanitizer slows kernels down a hundredfold) but ragged, so every
 kernel sees partial tiles, fully masked rows, GQA and each option switch. Each case is also
@@ -58,6 +58,8 @@ def main() -> int:
     # the end of an array instead of landing silently in a neighbouring pool block.
     cupy.cuda.set_allocator(None)
     rng = np.random.default_rng(0)
+    if "--decode-only" in sys.argv[1:]:
+        return decode_cases(rng)
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
         options = dict(options)
         deterministic = options.pop("deterministic", True)
@@ -134,6 +136,12 @@ def main() -> int:
             for grad_name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
                 assert_attention_close(grad.get(), want, q.dtype, name=grad_name)
             print(f"ok float16 D={head_dim} {name} single-pass backward (dQ added in arrival order)")
+    return decode_cases(rng)
+
+
+def decode_cases(rng) -> int:
+    """The split-KV decode kernel and its merge with forced splits (`--decode-only`: these
+    alone, a minute under each tool)."""
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options, splits in DECODE_CASES:
         dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
         q = rng.standard_normal((batch, hq, nq, d)).astype(dtype)
