@@ -16,7 +16,6 @@ import pytest
 
 import tileattn
 from tileattn import backends, reference
-from tileattn.gpu.tiles import Choice, Problem
 from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
@@ -310,10 +309,3 @@ def test_cuda_graph_capture_replays_like_eager_calls(shape):
             np.testing.assert_array_equal(replayed_lse.get(), eager_lse.get())
             expected_o, _ = _golden(*values, **options)
             assert_attention_close(replayed_o.get(), expected_o, np.float16, name="o")
-
-
-def test_problem_without_decode_shape_is_unchanged():
-    """The prefill choice of a Problem is what it was (the decode choice is separate)."""
-    problem = Problem(90, 227 * 1024, "float16", 128, 128, 4096)
-    choice = launch_forward.choose_forward(problem)
-    assert isinstance(choice, Choice) and choice.family in ("wgmma", "mma")

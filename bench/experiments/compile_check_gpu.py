@@ -90,9 +90,9 @@ def compile_one(job, directory: str) -> str:
         return f"{name}: FAILED\n{output[:4000]}"
     report = [line.split("info    :")[-1].strip() for line in output.splitlines()
               if "registers" in line or ("spill" in line and " 0 bytes spill" not in line)]
-    shown = ' '.join(d for d in defines if d.startswith(('IS_', 'STORAGE', 'ROWS', 'HEAD_DIM',
-                                                        'VALUE_DIM')) and name.startswith('attention_decode')
-                     or d.startswith('IS_'))
+    decode_keys = ('STORAGE', 'ROWS', 'HEAD_DIM', 'VALUE_DIM', 'BLOCK_K', 'THREADS')
+    shown = ' '.join(d for d in defines if d.startswith('IS_')
+                     or name.startswith('attention_decode') and d.startswith(decode_keys))
     return f"{name} ({shown}): ok; " + " | ".join(report)
 
 
