@@ -1,7 +1,7 @@
 """A small, representative workload for compute-sanitizer: every kernel of the GPU backend.
 
-    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py
-    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py
+    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only]
+    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only]
 
 Sizes are small (the sanitizer slows kernels down a hundredfold) but ragged, so every
 kernel sees partial tiles, fully masked rows, GQA and each option switch. Each case is also
@@ -17,6 +17,7 @@ import numpy as np
 
 import tileattn
 from tileattn.gpu import launch_backward, launch_forward, tiles
+from tileattn.gpu.launch_decode import decode_shape, forward_decode
 from tileattn.gpu.operands import problem_of
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
@@ -57,6 +58,8 @@ def main() -> int:
     # the end of an array instead of landing silently in a neighbouring pool block.
     cupy.cuda.set_allocator(None)
     rng = np.random.default_rng(0)
+    if "--decode-only" in sys.argv[1:]:
+        return decode_cases(rng)
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
         options = dict(options)
         deterministic = options.pop("deterministic", True)
@@ -133,7 +136,42 @@ def main() -> int:
             for grad_name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
                 assert_attention_close(grad.get(), want, q.dtype, name=grad_name)
             print(f"ok float16 D={head_dim} {name} single-pass backward (dQ added in arrival order)")
+    return decode_cases(rng)
+
+
+def decode_cases(rng) -> int:
+    """The split-KV decode kernel and its merge with forced splits (`--decode-only`: these
+    alone, a minute under each tool)."""
+    for dtype, (batch, hq, hkv, nq, nk, d, dv), options, splits in DECODE_CASES:
+        dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+        q = rng.standard_normal((batch, hq, nq, d)).astype(dtype)
+        k = rng.standard_normal((batch, hkv, nk, d)).astype(dtype)
+        v = rng.standard_normal((batch, hkv, nk, dv)).astype(dtype)
+        device = [cupy.asarray(a) for a in (q, k, v)]
+        resolved = _resolved(q, k, v, options)
+        config = tiles.decode_tiles(problem_of(*device, resolved),
+                                    decode_shape(device[0], device[1], resolved), splits=splits)
+        o = cupy.empty((batch, hq, nq, dv), dtype=dtype)
+        lse = cupy.empty((batch, hq, nq), dtype=np.float64 if dtype == np.float64 else np.float32)
+        forward_decode(*device, o, lse, resolved, config)
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True, **options)
+        assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+        assert_attention_close(lse.get(), golden_lse, q.dtype, name="lse")
+        print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} decode {config}")
     return 0
+
+
+# Split-KV decode (attention_decode.cu) with forced splits: the merge, splits with no key
+# tile, band-edge tiles, narrow copies (D = 33), float64, 32 packed rows on 256 threads.
+DECODE_CASES = [
+    ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, dropout_p=0.2, seed=4), 3),
+    ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3), softcap=3.0), 16),
+    ("bfloat16", (1, 4, 4, 1, 200, 128, 128),
+     dict(alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4])), 1),
+    ("float64", (1, 2, 1, 4, 90, 256, 256), dict(causal=True), 2),
+    ("float32", (1, 8, 1, 4, 150, 80, 24), dict(causal=True), 5),
+]
 
 
 def _golden_grads(do, q, k, v, o, lse, **options):

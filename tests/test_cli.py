@@ -205,6 +205,10 @@ def test_info_reports_every_value_given(capsys):
     assert "q (1, 8, 8, 192), Nk=8, Dv=128, " in out
     # the reference backend always runs, and serves variable-length and paged calls
     assert "variable-length and paged calls (seqlens_*, cu_seqlens_*, block_table): yes" in out
+    status, out, err = run_main(["info", "--seq-len", "1", "--n-k", "131072", "--heads", "8",
+                                 "--kv-heads", "1", "--dtype", "float16"], capsys)
+    assert status == 0, err
+    assert "q (1, 8, 1, 64), Nk=131072, Dv=64, Hkv=1, float16" in out
 
 
 # --------------------------------------------------------------------------- warmup

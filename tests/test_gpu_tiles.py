@@ -117,3 +117,75 @@ def test_describe_names_the_family_row_and_reason():
     generic = tiles.describe(Problem(dtype="float64", head_dim=80, value_dim=80, n_k=4096,
                                      **H100))
     assert generic["forward"] == "generic (float64 runs on CUDA cores)"
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _decode_shape(n_q=1, n_q_heads=32, n_kv_heads=8, batch=1, n_k=131072, sms=132):
+    return tiles.DecodeShape(n_q=n_q, group=n_q_heads // n_kv_heads,
+                             batch_kv_heads=batch * n_kv_heads, batch_q_heads=batch * n_q_heads,
+                             band_keys=n_k, sm_count=sms)
+
+
+@pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_decode_takes_every_head_dim_and_row_count_and_fits(device, dtype):
+    """Decode shapes of every D/Dv up to 256 and every packed row count up to 64 choose the
+    decode kernel, with a configuration that fits shared memory and holds the rows."""
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype]
+    for head_dim, value_dim in [(1, 1), (33, 33), (64, 64), (128, 128), (24, 200), (256, 256),
+                                (256, 64)]:
+        problem = Problem(dtype=dtype, head_dim=head_dim, value_dim=value_dim, n_k=65536,
+                          **device)
+        for n_q, group in [(1, 1), (1, 8), (4, 4), (16, 1), (8, 8)]:
+            shape = _decode_shape(n_q=n_q, n_q_heads=group, n_kv_heads=1)
+            choice = tiles.choose_decode(problem, shape)
+            if choice is None:  # Q alone (64 rows x 256 float64) outgrows shared memory
+                assert dtype == "float64" and n_q * group == 64 and head_dim == 256
+                continue
+            assert choice.family == "decode", (head_dim, n_q, group)
+            config = choice.tiles
+            assert config.rows >= n_q * group and config.threads % config.block_k == 0
+            assert config.shared_bytes(itemsize, 8 if dtype == "float64" else 4, head_dim,
+                                       value_dim) <= problem.shared_limit
+
+
+def test_decode_leaves_prefill_shapes_alone():
+    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, **H100)
+    # Many rows per K/V head with a full prefill grid, too few keys, named tile sizes, sm_75.
+    assert tiles.choose_decode(problem, _decode_shape(n_q=128, batch=8)) is None
+    assert tiles.choose_decode(problem, _decode_shape(n_q=8, batch=64)) is None  # 32 rows
+    assert tiles.choose_decode(problem, _decode_shape(n_k=100)) is None
+    named = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, block_k=64, **H100)
+    assert tiles.choose_decode(named, _decode_shape()) is None
+    old = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, capability=75,
+                  shared_limit=64 * 1024)
+    assert tiles.choose_decode(old, _decode_shape()) is None
+    # 32 rows where prefill would leave SMs idle (B = 1, 8 query heads): decode.
+    assert tiles.choose_decode(problem, _decode_shape(n_q=4, n_q_heads=8, n_kv_heads=1)) \
+        is not None
+
+
+def test_decode_splits_fill_the_device():
+    """One (batch, kv head) is split toward two blocks per SM; a full grid is not split;
+    a split keeps at least two key tiles; the count is capped."""
+    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=262144, **H100)
+    single = tiles.choose_decode(problem, _decode_shape(n_q_heads=8, n_kv_heads=1,
+                                                        n_k=262144)).tiles
+    assert single.splits == tiles.DECODE_MAX_SPLITS
+    full = tiles.choose_decode(problem, _decode_shape(batch=64, n_k=4096)).tiles
+    assert full.splits == 1  # 512 blocks >= 2 x 132
+    some = tiles.choose_decode(problem, _decode_shape(batch=8, n_k=32768)).tiles
+    assert 64 * some.splits >= 2 * 132 and some.splits <= 5
+    short = tiles.choose_decode(problem, _decode_shape(n_q_heads=1, n_kv_heads=1,
+                                                       n_k=256)).tiles
+    assert short.splits == 256 // short.block_k // tiles.DECODE_MIN_TILES_PER_SPLIT
+
+
+def test_describe_names_the_decode_row():
+    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=131072, **H100)
+    lines = tiles.describe_with_decode(problem, _decode_shape())
+    assert lines["forward"].startswith("decode DecodeTiles(rows=4")
+    assert "splits" in lines["forward"] and lines["backward"].startswith("wgmma")
+    assert tiles.describe_with_decode(problem, None) == tiles.describe(problem)

@@ -92,6 +92,11 @@ def _parser():
     _shape_arguments(info, 4096, 8, max_seq_len=INFO_MAX_SEQ_LEN)
     info.add_argument("--value-dim", type=_positive_int, default=None,
                       help="Dv (default: the head dim)")
+    info.add_argument("--n-k", type=_positive_int, default=None,
+                      help="keys Nk (default: --seq-len, which is then Nq); e.g. --seq-len 1 "
+                           "--n-k 131072 shows a decode step's kernel")
+    info.add_argument("--kv-heads", type=_positive_int, default=None,
+                      help="K/V heads Hkv (default: --heads; fewer for GQA/MQA)")
 
     bench = commands.add_parser(
         "bench", help="correctness check, then speed and memory against N vs the anchors")
@@ -169,8 +174,13 @@ def _info(parser, args) -> int:
     if args.seq_len > INFO_MAX_SEQ_LEN:
         parser.error(f"argument --seq-len: at most {INFO_MAX_SEQ_LEN} (the traffic model "
                      f"walks every row in Python), got {args.seq_len}")
-    describe(seq_len=args.seq_len, head_dim=args.head_dim, value_dim=args.value_dim,
-             heads=args.heads, batch=args.batch, dtype=_dtype(args.dtype), causal=args.causal)
+    if args.n_k is not None and args.n_k > INFO_MAX_SEQ_LEN:
+        parser.error(f"argument --n-k: at most {INFO_MAX_SEQ_LEN}, got {args.n_k}")
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        parser.error(f"argument --kv-heads: must divide --heads={args.heads}, got {args.kv_heads}")
+    describe(seq_len=args.seq_len, n_k=args.n_k, head_dim=args.head_dim,
+             value_dim=args.value_dim, heads=args.heads, kv_heads=args.kv_heads,
+             batch=args.batch, dtype=_dtype(args.dtype), causal=args.causal)
     return 0
 
 

@@ -20,14 +20,15 @@ def _megabytes(n_bytes: int) -> str:
     return f"{n_bytes / 1e6:,.1f} MB"
 
 
-def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, batch=1,
-             dtype="float32", causal=True, print_fn=print):
+def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, kv_heads=None,
+             batch=1, dtype="float32", causal=True, print_fn=print):
     """Print the report for one shape (see the module doc)."""
     n_k = seq_len if n_k is None else n_k
     value_dim = head_dim if value_dim is None else value_dim
+    kv_heads = heads if kv_heads is None else kv_heads
     dtype = np.dtype(dtype)
     print_fn(f"tileattn info for q ({batch}, {heads}, {seq_len}, {head_dim}), Nk={n_k}, "
-             f"Dv={value_dim}, {dtype.name}, causal={causal}\n")
+             f"Dv={value_dim}, Hkv={kv_heads}, {dtype.name}, causal={causal}\n")
     for name in backends.REGISTRY:
         reason = backends.availability(name)
         if reason is not None:
@@ -47,7 +48,9 @@ def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, ba
         kernels = getattr(module, "describe", None)
         if kernels is not None:
             options = AttentionOptions(window_right=0 if causal else UNLIMITED)
-            for direction, line in kernels(n_k, head_dim, value_dim, dtype, options).items():
+            lines = kernels(n_k, head_dim, value_dim, dtype, options, n_q=seq_len, heads=heads,
+                            kv_heads=kv_heads, batch=batch)
+            for direction, line in lines.items():
                 print_fn(f"  {direction} kernel: {line}")
         tiles = tile_sizes(seq_len, n_k, head_dim, value_dim, dtype)
         print_fn("  tiles for this shape: " + ", ".join(

@@ -22,6 +22,7 @@ from tileattn.gpu._compile import source  # noqa: E402
 EVERY_OPTION = ["ALIBI=1", "DROPOUT=1", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
 BACKWARD = ["COPY_BYTES=16", "DKDV_PART=0", "IS_BFLOAT16=0", "SINGLE_PASS=0", "VALUE_DIM=128",
             "HEAD_DIM=128"]
+DECODE = ["COPY_BYTES=16"]
 JOBS = [
     ("attention_wgmma_forward.cu", "90a",
      ["BLOCK_K=64", "BLOCK_Q=128", "BLOCKS_PER_SM=1", "IS_BFLOAT16=0", "STAGES=2",
@@ -44,11 +45,43 @@ JOBS = [
     ("attention_generic.cu", "90",
      ["ACCUM=double", "BLOCK_K=16", "BLOCK_Q=16", "HEAD_DIM_PAD=16", "STORAGE=double",
       "THREADS=256", "VALUE_DIM_PAD=16"]),
+    # The decode kernel (launch_decode.py): the hot fp16 rows, the widest rows, odd dims.
+    ("attention_decode.cu", "90", DECODE + ["STORAGE=half_storage", "ACCUM=float", "ROWS=16",
+     "HEAD_DIM=128", "VALUE_DIM=128", "BLOCK_K=32", "STAGES=4", "THREADS=128"]),
+    ("attention_decode.cu", "90", DECODE + ["STORAGE=half_storage", "ACCUM=float", "ROWS=1",
+     "HEAD_DIM=128", "VALUE_DIM=128", "BLOCK_K=32", "STAGES=4", "THREADS=128"]),
+    ("attention_decode.cu", "90", DECODE + ["STORAGE=bfloat16_storage", "ACCUM=float",
+     "ROWS=64", "HEAD_DIM=256", "VALUE_DIM=256", "BLOCK_K=16", "STAGES=4", "THREADS=256"]),
+    ("attention_decode.cu", "90", ["STORAGE=half_storage", "ACCUM=float", "ROWS=8",
+     "HEAD_DIM=33", "VALUE_DIM=200", "BLOCK_K=32", "STAGES=4", "THREADS=128", "COPY_BYTES=2"]),
+    ("attention_decode.cu", "90", ["STORAGE=double", "ACCUM=double", "ROWS=16",
+     "HEAD_DIM=256", "VALUE_DIM=256", "BLOCK_K=16", "STAGES=2", "THREADS=128",
+     "COPY_BYTES=8"]),
+    ("attention_decode.cu", "90", ["STORAGE=double", "ACCUM=double", "ROWS=16",
+     "HEAD_DIM=256", "VALUE_DIM=256", "BLOCK_K=8", "STAGES=2", "THREADS=128",
+     "COPY_BYTES=8"]),
+    ("attention_decode.cu", "90", ["STORAGE=float", "ACCUM=float", "ROWS=2",
+     "HEAD_DIM=64", "VALUE_DIM=64", "BLOCK_K=32", "STAGES=4", "THREADS=128",
+     "COPY_BYTES=16"]),
 ]
+
+
+def _decode_shared(defines) -> list[str]:
+    """-DEXPECTED_SHARED_BYTES from DecodeTiles.shared_bytes, which the kernel asserts."""
+    from tileattn.gpu.tiles import DecodeTiles
+
+    value = dict(d.split("=") for d in defines)
+    itemsize = {"half_storage": 2, "bfloat16_storage": 2, "float": 4, "double": 8}[value["STORAGE"]]
+    tiles = DecodeTiles(int(value["ROWS"]), int(value["BLOCK_K"]), int(value["STAGES"]),
+                        int(value["THREADS"]), 1)
+    accum = 8 if value["ACCUM"] == "double" else 4
+    return [f"EXPECTED_SHARED_BYTES={tiles.shared_bytes(itemsize, accum, int(value['HEAD_DIM']), int(value['VALUE_DIM']))}"]
 
 
 def compile_one(job, directory: str) -> str:
     index, (name, arch, defines) = job
+    if name == "attention_decode.cu":
+        defines = defines + _decode_shared(defines)
     path = os.path.join(directory, f"{index}_{name}")
     with open(path, "w") as handle:
         handle.write(source(name))
@@ -60,7 +93,10 @@ def compile_one(job, directory: str) -> str:
         return f"{name}: FAILED\n{output[:4000]}"
     report = [line.split("info    :")[-1].strip() for line in output.splitlines()
               if "registers" in line or ("spill" in line and " 0 bytes spill" not in line)]
-    return f"{name} ({' '.join(d for d in defines if d.startswith('IS_'))}): ok; " + " | ".join(report)
+    decode_keys = ('STORAGE', 'ROWS', 'HEAD_DIM', 'VALUE_DIM', 'BLOCK_K', 'THREADS')
+    shown = ' '.join(d for d in defines if d.startswith('IS_')
+                     or name.startswith('attention_decode') and d.startswith(decode_keys))
+    return f"{name} ({shown}): ok; " + " | ".join(report)
 
 
 def main() -> None:

@@ -10,7 +10,11 @@ Four kernel families; `tiles` chooses one per problem and direction from its tab
   ("3xTF32": each float32 product as three TF32 products, as torch's memory-efficient
   attention does; an infinite input comes out as NaN in the rows it reaches);
 * everything else (float64, head dims above 256, older GPUs, tile sizes the caller names
-  that no tensor-core kernel is built for): CUDA-core kernels (attention_generic.cu).
+  that no tensor-core kernel is built for): CUDA-core kernels (attention_generic.cu);
+* forward decoding, every dtype on sm_80+ (a few query rows per K/V head, group x Nq <= 16,
+  or <= 64 where the prefill grid would leave SMs idle, against >= 256 keys): split-KV
+  with GQA packing on CUDA cores (attention_decode.cu, launch_decode.py), K/V read once
+  per group, partials merged by log-sum-exp.
 
 The tensor-core kernels take every D and Dv up to 256 (Dv != D included): head dims are
 zero-padded in shared memory to the tensor cores' K step (16, or 8 for TF32), and the
@@ -103,13 +107,24 @@ def _problem(n_k: int, head_dim: int, value_dim: int, dtype, options: AttentionO
 
 
 def describe(n_k: int, head_dim: int, value_dim: int, dtype,
-             options: AttentionOptions | None = None) -> dict[str, str]:
+             options: AttentionOptions | None = None, *, n_q: int | None = None,
+             heads: int = 1, kv_heads: int | None = None, batch: int = 1) -> dict[str, str]:
     """The kernel family and tile-table row each direction runs for this shape on the current
-    device, and why (`tiles.describe`)."""
-    from .tiles import describe as describe_choice
+    device, and why (`tiles.describe`); given `n_q` (and the heads and batch), the forward
+    line names the split-KV decode kernel where it runs (`tiles.choose_decode`)."""
+    import cupy
 
-    return describe_choice(_problem(n_k, head_dim, value_dim, dtype,
-                                    options or AttentionOptions()))
+    from .launch_decode import band_keys, sm_count
+    from .tiles import DecodeShape, describe_with_decode
+
+    options = options or AttentionOptions()
+    shape = None
+    if n_q is not None:
+        kv_heads = heads if kv_heads is None else kv_heads
+        shape = DecodeShape(n_q=n_q, group=heads // kv_heads, batch_kv_heads=batch * kv_heads,
+                            batch_q_heads=batch * heads, band_keys=band_keys(options, n_q, n_k),
+                            sm_count=sm_count(cupy.cuda.Device().id))
+    return describe_with_decode(_problem(n_k, head_dim, value_dim, dtype, options), shape)
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,

@@ -1,5 +1,6 @@
-"""Launching the forward: the family and tiles come from `tiles.choose_forward`; each
-launcher here only turns its row into compile-time defines, a grid and arguments."""
+"""Launching the forward: the family and tiles come from `choose` (`tiles.choose_decode` for
+few query rows against many keys, else `tiles.choose_forward`); each launcher here only
+turns its row into compile-time defines, a grid and arguments."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import numpy as np
 from ..arrays import dtype_name
 from ..options import AttentionOptions, Blocks
 from . import _compile
+from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, plan_key, problem_of, remember, score_arguments,
                        tensor_core_operands)
-from .tiles import Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_forward
+from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
+                    choose_forward)
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
@@ -175,7 +178,15 @@ def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None) -> t
 # Each launcher returns ``(launch, alignment)``: the launch, to be cached, and the address
 # alignment (bytes) its copies assume.
 _LAUNCHERS = {"wgmma": forward_wgmma, "mma": forward_mma, "tf32": forward_tf32,
-              "generic": forward_generic}
+              "generic": forward_generic, "decode": forward_decode}
+
+
+def choose(q, k, v, options: AttentionOptions) -> Choice:
+    """The forward's family and tiles: decode where `tiles.choose_decode` takes the problem
+    (few packed query rows, many keys), else the prefill table's choice."""
+    problem = problem_of(q, k, v, options)
+    decode = choose_decode(problem, decode_shape(q, k, options))
+    return decode if decode is not None else choose_forward(problem)
 
 
 def _outputs(q, v, out=None, lse_out=None):
@@ -188,10 +199,16 @@ def _outputs(q, v, out=None, lse_out=None):
             if lse_out is None else lse_out)
 
 
+def launch(choice: Choice, q, k, v, o, lse, options: AttentionOptions):
+    """Runs the family and tiles of `choice` into o and lse and returns the launch, which
+    repeats the call on arrays of the same shapes, strides and alignment (benchmarks)."""
+    return _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)[0]
+
+
 def run(choice: Choice, q, k, v, options: AttentionOptions):
     """``(o, lse)`` with the family and tiles of `choice` (tests and sweeps name theirs)."""
     o, lse = _outputs(q, v)
-    _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)
+    launch(choice, q, k, v, o, lse, options)
     return o, lse
 
 
@@ -202,7 +219,7 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     if launches is not None:
         launches[0](q, k, v, o, lse)
         return o, lse
-    choice = choose_forward(problem_of(q, k, v, options))
+    choice = choose(q, k, v, options)
     launch, alignment = _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)
     remember(key, (launch,), alignment, q, k, v)
     return o, lse

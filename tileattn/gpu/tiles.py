@@ -10,7 +10,10 @@ Families (the ``.cu`` files' headers say how each works):
   (attention_tf32_forward.cu, attention_mma_backward.cu with IS_FLOAT32);
 * ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64, head
   dims above 256, GPUs before sm_80, and tile sizes the caller names that no tensor-core
-  configuration is built for.
+  configuration is built for;
+* ``decode`` (forward only): a few query rows per K/V head against many keys
+  (attention_decode.cu): split-KV with GQA packing on CUDA cores, every dtype; chosen
+  before the others by `choose_decode` from the problem's `DecodeShape`.
 
 Each tensor-core table is a list of rows, the first that matches a problem wins. A row
 matches on the padded head dims (`Widths`: D and Dv rounded up to the tensor cores' K
@@ -26,7 +29,7 @@ says what they chose and why, for ``python -m tileattn info``. Nothing here impo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 MAX_TENSOR_CORE_DIM = 256  # above it the generic kernels run (documented in the README)
@@ -490,4 +493,177 @@ def describe(problem: Problem) -> dict[str, str]:
                               ("backward", choose_backward(problem))):
         tiles = "" if choice.tiles is None else f" {choice.tiles}"
         lines[direction] = f"{choice.family}{tiles} ({choice.note})"
+    return lines
+
+
+# --------------------------------------------------------------------------- decode
+# Decoding (few query rows, long K/V) is bound by reading K and V once; the prefill families
+# run a block per (batch, query head, 128-row tile), which at B = 1 leaves most SMs idle and
+# reads K/V once per query head. attention_decode.cu packs a K/V head's query rows (group x
+# Nq) into one block and splits the keys across blocks. Its rows below were chosen by
+# reasoning (registers from ptxas, bench/experiments/compile_check_gpu.py; shared memory;
+# bytes in flight per SM), not yet by a sweep on the device: bench/bench_gpu_decode.py
+# measures them (bench/NOTES-gpu.md, decode v1).
+
+DECODE_MIN_KEYS = 256  # shorter: one or two key tiles, either path is one pass; prefill stays
+DECODE_MAX_SPLITS = 256  # 2 x 132 SMs at B*Hkv = 1; the merge reads splits x rows x Dv floats
+DECODE_MIN_TILES_PER_SPLIT = 2  # a split's prologue (Q, STAGES - 1 tiles) amortised over >= 2
+DECODE_WAVES = 2  # blocks per SM to aim for: one streams K/V while another computes
+DECODE_STAGE_BYTES = 20 * 1024  # K + V bytes of one stage (block_k keys), see DecodeTiles
+DECODE_STAGE_TARGET = 64 * 1024  # stages while they fit this: 3 blocks of ~64 KiB per SM
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What the decode choice adds to a `Problem`: query rows, the GQA group (Hq / Hkv),
+    B * Hkv (blocks before any split), the keys the band keeps for some row, and the
+    device's multiprocessor count."""
+
+    n_q: int
+    group: int
+    batch_kv_heads: int
+    batch_q_heads: int
+    band_keys: int
+    sm_count: int
+
+    @property
+    def rows(self) -> int:
+        return self.n_q * self.group
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """A decode regime: up to `max_rows` packed rows (group x Nq) on `threads` threads."""
+
+    max_rows: int
+    threads: int
+    note: str
+
+
+DECODE_ROWS = [
+    DecodeRow(16, 128, "group*Nq <= 16: 4 warps, one row of P per thread-column group; "
+                       "ptxas 124 registers at fp16 D=128 (no spills)"),
+    DecodeRow(64, 256, "group*Nq <= 64 where prefill would leave SMs idle: 8 warps keep the "
+                       "64 x Dv accumulator at <= 64 registers a thread (ptxas 177 at D=256)"),
+]
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """attention_decode.cu's configuration: `rows` packed-row capacity (a power of two),
+    `block_k` keys per stage, `stages` cp.async buffers, `threads`, and `splits` key ranges
+    (blocks per (batch, kv head))."""
+
+    rows: int
+    block_k: int
+    stages: int
+    threads: int
+    splits: int
+
+    @staticmethod
+    def chunk_elements(itemsize: int) -> int:
+        return 16 // itemsize
+
+    def shared_bytes(self, itemsize: int, accum_size: int, head_dim: int,
+                     value_dim: int) -> int:
+        """The kernel's dynamic shared memory (kSharedBytes): K and V stages with rows
+        padded to 16 bytes plus 16, Q in the accumulation type and P key-major, both with
+        rows padded by 16 bytes, and per-row state (4 accumulators, an i64, a u32)."""
+        chunk = self.chunk_elements(itemsize)
+        head_width, value_width = padded(head_dim, chunk), padded(value_dim, chunk)
+        stage = self.block_k * (head_width + value_width + 2 * chunk) * itemsize
+        vector = 16 // accum_size
+        score_pitch = padded(self.rows, vector) + vector
+        return (self.stages * stage + self.rows * (head_width + vector) * accum_size
+                + self.block_k * score_pitch * accum_size
+                + self.rows * (4 * accum_size + 8 + 4))
+
+
+def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, int]:
+    """``(block_k, stages)``: a stage of ~DECODE_STAGE_BYTES of K and V (16..64 keys, a power
+    of two), and 3 stages where they fit DECODE_STAGE_TARGET, else 2."""
+    chunk = 16 // itemsize
+    row_bytes = (padded(head_dim, chunk) + padded(value_dim, chunk) + 2 * chunk) * itemsize
+    block_k = 64
+    while block_k > 16 and block_k * row_bytes > DECODE_STAGE_BYTES:
+        block_k //= 2
+    stages = 3 if 3 * block_k * row_bytes <= DECODE_STAGE_TARGET else 2
+    return block_k, stages
+
+
+def decode_splits(shape: DecodeShape, block_k: int) -> tuple[int, str]:
+    """How many key ranges each (batch, kv head) is cut into, and why."""
+    blocks = max(1, shape.batch_kv_heads)
+    target = DECODE_WAVES * shape.sm_count
+    if blocks >= target:
+        return 1, f"B*Hkv={blocks} >= {DECODE_WAVES} x {shape.sm_count} SMs: no split"
+    tiles = -(-shape.band_keys // block_k)
+    wanted = -(-target // blocks)
+    splits = max(1, min(wanted, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
+    return splits, (f"{splits} splits: B*Hkv={blocks} blocks toward {DECODE_WAVES} x "
+                    f"{shape.sm_count} SMs, >= {DECODE_MIN_TILES_PER_SPLIT} of {tiles} key "
+                    f"tiles each, <= {DECODE_MAX_SPLITS}")
+
+
+def _sizes(problem: Problem) -> tuple[int, int]:
+    """(element size, accumulator size) of a problem's dtype."""
+    itemsize = {"float64": 8, "float32": 4}.get(problem.dtype, 2)
+    return itemsize, 8 if itemsize == 8 else 4
+
+
+def decode_fits(problem: Problem, tiles: DecodeTiles) -> bool:
+    itemsize, accum = _sizes(problem)
+    return tiles.shared_bytes(itemsize, accum, problem.head_dim,
+                              problem.value_dim) <= problem.shared_limit
+
+
+def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
+                 threads: int | None = None) -> DecodeTiles:
+    """The configuration for a problem (a test may force `splits` and `threads`). Wide
+    float64 rows take fewer stages, then fewer keys a stage (down to 8), until they fit
+    (`decode_fits` says whether they did)."""
+    block_k, stages = decode_key_tile(_sizes(problem)[0], problem.head_dim, problem.value_dim)
+    if threads is None:
+        threads = next((row.threads for row in DECODE_ROWS if shape.rows <= row.max_rows),
+                       DECODE_ROWS[-1].threads)
+    tiles = DecodeTiles(_pow2_at_least(shape.rows), block_k, stages, threads, 1)
+    while not decode_fits(problem, tiles) and (tiles.stages > 2 or tiles.block_k > 8):
+        tiles = (replace(tiles, stages=2) if tiles.stages > 2
+                 else replace(tiles, block_k=tiles.block_k // 2))
+    return replace(tiles, splits=decode_splits(shape, tiles.block_k)[0] if splits is None
+                   else splits)
+
+
+@lru_cache(maxsize=1024)
+def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
+    """The decode family for a forward whose packed rows are few and keys many, or None
+    (the prefill families run it)."""
+    if problem.capability < 80 or problem.named_blocks:
+        return None  # cp.async needs sm_80; named tile sizes ask for the tiled forward
+    if max(problem.head_dim, problem.value_dim) > MAX_TENSOR_CORE_DIM:
+        return None
+    if shape.band_keys < DECODE_MIN_KEYS:
+        return None
+    row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
+    if row is None:
+        return None
+    prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
+    if row is not DECODE_ROWS[0] and prefill_blocks >= shape.sm_count:
+        return None  # many query heads fill the GPU on the tensor-core prefill already
+    tiles = decode_tiles(problem, shape)
+    if not decode_fits(problem, tiles):
+        return None  # Q alone (64 float64 rows of 256) outgrows shared memory
+    return Choice("decode", tiles, f"{row.note}; {decode_splits(shape, tiles.block_k)[1]}")
+
+
+def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[str, str]:
+    """`describe`, with the forward line naming the decode family where it runs."""
+    lines = describe(problem)
+    choice = None if shape is None else choose_decode(problem, shape)
+    if choice is not None:
+        lines["forward"] = f"decode {choice.tiles} ({choice.note})"
     return lines

@@ -1,0 +1,311 @@
+"""The split-KV decode forward (attention_decode.cu, launch_decode.py) against the golden model.
+
+Every forced split count (one, a few, an uneven number, many, more splits than key tiles),
+Nq from 1 to 16 with GQA/MQA/MHA packing, every option, every dtype, odd head dims and
+Dv != D, strided inputs, out=/lse_out= buffers, non-finite values at masked keys, the
+dispatch that picks the kernel, and CUDA-graph capture. Outputs start as NaN, so every
+element must be written. Everything skips cleanly without CuPy or a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import tileattn
+from tileattn import backends, reference
+from tileattn.options import AttentionOptions
+from tileattn.testing import assert_attention_close, bfloat16
+from tileattn.validation import validate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(backends.availability("gpu") is not None,
+                       reason=str(backends.availability("gpu"))),
+]
+
+if backends.availability("gpu") is None:
+    import cupy
+
+    from tileattn import gpu as gpu_backend
+    from tileattn.gpu import launch_forward
+    from tileattn.gpu.launch_decode import decode_shape, forward_decode
+    from tileattn.gpu.operands import accumulation_dtype, problem_of
+    from tileattn.gpu.tiles import decode_tiles
+
+
+def _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, head_dim, value_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, n_q_heads, n_q, head_dim)).astype(dtype),
+            rng.standard_normal((batch, n_kv_heads, n_k, head_dim)).astype(dtype),
+            rng.standard_normal((batch, n_kv_heads, n_k, value_dim)).astype(dtype))
+
+
+def _golden(q, k, v, **options):
+    as64 = [np.asarray(a).astype(np.float64) for a in (q, k, v)]
+    return tileattn.forward(*as64, backend="reference", return_lse=True, **options)
+
+
+def _resolved(q, k, v, options):
+    """The AttentionOptions the API would pass a backend for these keyword options."""
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    return validate(q, k, v, **{**defaults, **options}).options
+
+
+def _decode(q, k, v, options, splits):
+    """o and lse of the decode kernel with `splits` key ranges, from NaN-filled outputs;
+    `options` are keyword options or an AttentionOptions."""
+    device = [a if isinstance(a, cupy.ndarray) else cupy.asarray(a) for a in (q, k, v)]
+    resolved = (options if isinstance(options, AttentionOptions)
+                else _resolved(*device, options))
+    tiles = decode_tiles(problem_of(*device, resolved), decode_shape(device[0], device[1],
+                                                                      resolved), splits=splits)
+    batch, n_q_heads, n_q, _ = device[0].shape
+    # NaN-filled on the host: CuPy's fill may not take bfloat16.
+    o = cupy.asarray(np.full((batch, n_q_heads, n_q, device[2].shape[3]), np.nan,
+                             dtype=device[0].dtype))
+    lse = cupy.asarray(np.full((batch, n_q_heads, n_q), np.nan,
+                               dtype=accumulation_dtype(device[0].dtype)))
+    forward_decode(*device, o, lse, resolved, tiles)
+    return o.get(), lse.get()
+
+
+def _check(q, k, v, options, splits):
+    o, lse = _decode(q, k, v, options, splits)
+    expected_o, expected_lse = _golden(q, k, v, **options)
+    assert_attention_close(o, expected_o, q.dtype, name="o")
+    assert_attention_close(lse, expected_lse, q.dtype, name="lse")
+
+
+def _half_dtypes():
+    return [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() is not None else [])
+
+
+# One split, two, an uneven count, many, and more splits than key tiles (333 keys are
+# 6-11 tiles): empty splits write lse = -inf and o = 0, which the merge must ignore.
+SPLITS = [1, 2, 3, 64, 1000]
+# (Hq, Hkv, Nq): MHA, GQA, MQA, a group of 3; packed rows 1, 12 (of a 16-row block), 16, 15.
+PACKINGS = [(4, 4, 1), (8, 2, 3), (8, 1, 2), (6, 2, 5)]
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("packing", PACKINGS, ids=lambda p: f"Hq{p[0]}-Hkv{p[1]}-Nq{p[2]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_every_split_count(splits, packing, causal):
+    n_q_heads, n_kv_heads, n_q = packing
+    q, k, v = _inputs(2, n_q_heads, n_kv_heads, n_q, 333, 64, 64, np.float16)
+    _check(q, k, v, {"causal": causal}, splits)
+
+
+@pytest.mark.parametrize("n_q", range(1, 17))
+def test_every_query_row_count(n_q):
+    """Speculative decoding: Nq = 1..16 new rows (group 2: 2..32 packed rows), causal
+    bottom-right, so the rows see different numbers of keys."""
+    q, k, v = _inputs(1, 4, 2, n_q, 300, 64, 64, np.float16, seed=n_q)
+    _check(q, k, v, {"causal": True}, 3)
+
+
+DECODE_OPTIONS = [
+    {},
+    {"causal": True},
+    {"window": (37, 5)},
+    {"causal": True, "window": (100, None), "softcap": 2.0},
+    {"alibi_slopes": np.linspace(0.05, 0.5, 8), "scale": 0.3},
+    {"dropout_p": 0.3, "seed": 2**63 + 5, "causal": True},
+    {"softcap": 5.0, "alibi_slopes": np.linspace(0.1, 0.4, 8), "window": (64, 64),
+     "dropout_p": 0.1, "seed": 7},
+]
+OPTION_IDS = lambda o: ",".join(o) or "plain"  # noqa: E731
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+@pytest.mark.parametrize("options", DECODE_OPTIONS, ids=OPTION_IDS)
+def test_every_option(options, splits):
+    q, k, v = _inputs(2, 8, 2, 4, 517, 64, 64, np.float16, seed=3)
+    _check(q, k, v, options, splits)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", _half_dtypes() + [np.dtype(np.float32), np.dtype(np.float64)],
+                         ids=lambda d: d.name)
+@pytest.mark.parametrize("options", [DECODE_OPTIONS[0], DECODE_OPTIONS[-1]],
+                         ids=["plain", "every"])
+def test_every_dtype(dtype, options, splits):
+    q, k, v = _inputs(1, 8, 2, 3, 450, 64, 64, dtype, seed=4)
+    _check(q, k, v, options, splits)
+
+
+# Head dims of real models, ones that are not a multiple of 8 (zero-padded in shared
+# memory, copied in narrower pieces; 33 in 2-byte pieces), Dv != D both ways, D = 1.
+HEAD_DIMS = [(1, 1), (32, 32), (33, 33), (40, 40), (80, 80), (100, 100), (128, 128),
+             (160, 160), (256, 256), (192, 128), (64, 128), (24, 200)]
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"D{d[0]}-Dv{d[1]}")
+def test_every_head_dim(dims):
+    q, k, v = _inputs(2, 4, 2, 2, 290, *dims, np.float16, seed=5)
+    _check(q, k, v, {"causal": True}, 4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dims", [(33, 33), (24, 200), (256, 256)],
+                         ids=lambda d: f"D{d[0]}-Dv{d[1]}")
+def test_odd_head_dims_in_wide_dtypes(dtype, dims):
+    q, k, v = _inputs(1, 4, 1, 2, 270, *dims, dtype, seed=6)
+    _check(q, k, v, {"window": (100, 3)}, 3)
+
+
+def _unaligned(array):
+    """The same values in a view whose rows start 2 bytes past a 16-byte boundary."""
+    batch, heads, n, dim = array.shape
+    buffer = cupy.zeros((batch, heads, n, dim + 1), dtype=array.dtype)
+    view = buffer[..., 1:]
+    view[...] = cupy.asarray(array)
+    return view
+
+
+@pytest.mark.parametrize("layout", ["bshd", "unaligned", "reversed_keys", "strided_last"])
+def test_strided_inputs(layout):
+    """Views read in place (transposed heads, rows at 2-byte offsets, negative key strides)
+    or copied where the last axis is strided; the answer is the same."""
+    q, k, v = _inputs(2, 8, 2, 3, 310, 64, 64, np.float16, seed=7)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    if layout == "bshd":
+        device = [cupy.ascontiguousarray(a.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                  for a in device]
+    elif layout == "unaligned":
+        device = [_unaligned(a) for a in device]
+    elif layout == "reversed_keys":
+        device = [device[0]] + [cupy.ascontiguousarray(a[:, :, ::-1])[:, :, ::-1]
+                                for a in device[1:]]
+    else:
+        device = [cupy.repeat(a, 2, axis=3)[..., ::2] for a in device]
+    for original, view in zip((q, k, v), device):
+        np.testing.assert_array_equal(view.get(), original)
+    for splits in (1, 3):
+        o, lse = _decode(*device, {"causal": True}, splits)
+        expected_o, expected_lse = _golden(q, k, v, causal=True)
+        assert_attention_close(o, expected_o, q.dtype, name="o")
+        assert_attention_close(lse, expected_lse, q.dtype, name="lse")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_placed_block_uses_global_positions(splits):
+    """A block of a longer sequence (row_offset, col_offset, alignment, as
+    tileattn.distributed places it): band, ALiBi and dropout at global positions."""
+    q, k, v = _inputs(1, 4, 2, 3, 400, 64, 64, np.float16, seed=14)
+    options = dataclasses.replace(
+        _resolved(q, k, v, {"causal": True, "window": (200, None), "dropout_p": 0.2, "seed": 9,
+                            "alibi_slopes": np.linspace(0.1, 0.4, 4)}),
+        row_offset=100, col_offset=37, alignment=300)
+    o, lse = _decode(q, k, v, options, splits)
+    expected_o, expected_lse = reference.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                 options)
+    assert_attention_close(o, expected_o, q.dtype, name="o")
+    assert_attention_close(lse, expected_lse, q.dtype, name="lse")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rows_that_keep_no_key(splits):
+    """Causal with Nq > Nk (bottom-right: the first rows keep nothing) and a window that
+    leaves a split no key: o = 0, lse = -inf, never NaN."""
+    q, k, v = _inputs(1, 4, 2, 8, 5, 32, 32, np.float16, seed=8)
+    _check(q, k, v, {"causal": True}, splits)
+    q, k, v = _inputs(1, 4, 2, 4, 400, 32, 32, np.float16, seed=9)
+    _check(q, k, v, {"window": (2, 0)}, splits)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_non_finite_values_at_masked_keys_do_not_leak(splits):
+    """NaN and Inf in K and V at keys that a row masks (past the causal diagonal, before a
+    window's left edge) reach no row that masks them; a NaN at a kept key reaches exactly
+    the rows that keep it, as in the golden model."""
+    q, k, v = _inputs(1, 4, 2, 4, 300, 64, 64, np.float32, seed=10)
+    v[:, :, 299, 3] = np.nan  # kept by the last query row only (causal, Nq = 4)
+    k[:, :, 298, 5] = np.inf  # kept by the last two rows: their scores go +-inf
+    v[:, :, 297, 0] = np.inf
+    for options in ({"causal": True}, {"causal": True, "window": (3, None)}):
+        o, lse = _decode(q, k, v, options, splits)
+        expected_o, expected_lse = _golden(q, k, v, **options)
+        assert_attention_close(o, expected_o, q.dtype, name="o")
+        assert_attention_close(lse, expected_lse, q.dtype, name="lse")
+        assert np.isfinite(o[:, :, 0]).all()  # row 0 keeps keys up to 296 only
+
+
+def test_dispatch_picks_decode_and_writes_into_out_buffers():
+    """tileattn.forward on a decode shape runs the decode kernel (describe says so) and
+    writes o and lse into the caller's buffers."""
+    q, k, v = _inputs(1, 8, 1, 1, 4096, 128, 128, np.float16, seed=11)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    choice = launch_forward.choose(*device, _resolved(*device, {"causal": True}))
+    assert choice.family == "decode" and choice.tiles.splits > 1, choice
+    described = gpu_backend.describe(4096, 128, 128, np.float16, n_q=1, heads=8, kv_heads=1)
+    assert described["forward"].startswith("decode"), described
+    out = cupy.full((1, 8, 1, 128), np.nan, dtype=np.float16)
+    lse_out = cupy.full((1, 8, 1), np.nan, dtype=np.float32)
+    o, lse = tileattn.forward(*device, causal=True, return_lse=True, out=out, lse_out=lse_out)
+    assert o is out and lse is lse_out
+    expected_o, expected_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(out.get(), expected_o, q.dtype, name="o")
+    assert_attention_close(lse_out.get(), expected_lse, q.dtype, name="lse")
+    # The second call takes the cached launches.
+    out[...] = np.nan
+    tileattn.forward(*device, causal=True, out=out)
+    assert_attention_close(out.get(), expected_o, q.dtype, name="o (cached launch)")
+
+
+def test_info_shows_the_decode_kernel():
+    """python -m tileattn info --seq-len 1 --n-k 4096 --heads 8 --kv-heads 1 names it."""
+    from tileattn.info import describe
+
+    lines = []
+    describe(seq_len=1, n_k=4096, head_dim=128, heads=8, kv_heads=1, dtype="float16",
+             print_fn=lines.append)
+    assert any(line.strip().startswith("forward kernel: decode DecodeTiles") for line in lines), \
+        lines
+
+
+def test_prefill_shapes_keep_the_prefill_path():
+    q, k, v = (cupy.empty(s, dtype=np.float16)
+               for s in ((2, 8, 512, 64), (2, 8, 4096, 64), (2, 8, 4096, 64)))
+    assert launch_forward.choose(q, k, v, _resolved(q, k, v, {})).family != "decode"
+    q = cupy.empty((2, 8, 1, 64), dtype=np.float16)
+    k = v = cupy.empty((2, 8, 100, 64), dtype=np.float16)  # too few keys to split
+    assert launch_forward.choose(q, k, v, _resolved(q, k, v, {})).family != "decode"
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1, 1, 8192), (4, 32, 8, 4, 2048)],
+                         ids=["MQA-split", "GQA-Nq4"])
+def test_cuda_graph_capture_replays_like_eager_calls(shape):
+    """Capture tileattn.forward (preallocated out/lse_out, on a stream) in a CUDA graph;
+    replaying it after new values are written into q, k, v equals an eager call on them."""
+    batch, n_q_heads, n_kv_heads, n_q, n_k = shape
+    first = _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, 128, 128, np.float16, seed=12)
+    second = _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, 128, 128, np.float16, seed=13)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q, k, v = (cupy.asarray(a) for a in first)
+        out = cupy.empty((batch, n_q_heads, n_q, 128), dtype=np.float16)
+        lse_out = cupy.empty((batch, n_q_heads, n_q), dtype=np.float32)
+        options = {"causal": True}
+        assert launch_forward.choose(q, k, v, _resolved(q, k, v, options)).family == "decode"
+        tileattn.forward(q, k, v, out=out, lse_out=lse_out, return_lse=True, **options)  # warm
+        stream.begin_capture()
+        tileattn.forward(q, k, v, out=out, lse_out=lse_out, return_lse=True, **options)
+        graph = stream.end_capture()
+        for values in (second, first):
+            for device, host in zip((q, k, v), values):
+                device.set(host, stream=stream)
+            out.fill(np.nan)
+            lse_out.fill(np.nan)
+            graph.launch(stream)
+            replayed_o, replayed_lse = out.copy(), lse_out.copy()
+            eager_o, eager_lse = tileattn.forward(q, k, v, return_lse=True, **options)
+            stream.synchronize()
+            np.testing.assert_array_equal(replayed_o.get(), eager_o.get())
+            np.testing.assert_array_equal(replayed_lse.get(), eager_lse.get())
+            expected_o, _ = _golden(*values, **options)
+            assert_attention_close(replayed_o.get(), expected_o, np.float16, name="o")

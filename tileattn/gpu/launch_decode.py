@@ -1,0 +1,146 @@
+"""Launching the split-KV decode forward (attention_decode.cu): the decode kernel, one block
+per (batch, kv head, key range), and, with more than one range, the merge kernel that
+combines the ranges' partial (o, lse) by log-sum-exp.
+
+The partials live in a per-(device, stream) workspace that only grows and is never freed,
+so a repeated call allocates nothing and a CUDA graph captured on a stream replays into a
+buffer that stays valid (allocate it with one eager call before capturing: the tests do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import cupy
+import numpy as np
+
+from ..options import UNLIMITED, AttentionOptions
+from . import _compile
+from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
+                       score_arguments, tensor_core_operands)
+from .tiles import DecodeShape, DecodeTiles
+
+DECODE_SOURCE = "attention_decode.cu"
+MERGE_THREADS = 128  # attention_decode_merge's __launch_bounds__
+
+
+@lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def band_keys(options: AttentionOptions, n_q: int, n_k: int) -> int:
+    """How many keys some query row of [0, n_q) keeps (the kernel's key_tile_range)."""
+    offset = options.band_offset(n_q, n_k)
+    low, high = 0, n_k
+    if options.window_left != UNLIMITED:
+        low = max(low, offset - options.window_left)
+    if options.window_right != UNLIMITED:
+        high = min(high, n_q - 1 + offset + options.window_right + 1)
+    return max(0, high - low)
+
+
+def decode_shape(q, k, options: AttentionOptions) -> DecodeShape:
+    batch, n_q_heads, n_q, _ = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    return DecodeShape(n_q=n_q, group=n_q_heads // n_kv_heads,
+                       batch_kv_heads=batch * n_kv_heads, batch_q_heads=batch * n_q_heads,
+                       band_keys=band_keys(options, n_q, n_k), sm_count=sm_count(q.device.id))
+
+
+# --------------------------------------------------------------------------- workspace
+
+_WORKSPACES: dict[tuple, object] = {}
+# Outgrown workspaces stay allocated: a CUDA graph captured earlier still writes into its
+# buffer when replayed. Growth doubles, so this holds less than the current one's size.
+_OUTGROWN: list = []
+
+
+def _workspace(size: int, dtype):
+    """`size` elements of scratch for the current (device, stream); grown (doubling), never
+    shrunk or freed."""
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, np.dtype(dtype).name)
+    buffer = _WORKSPACES.get(key)
+    if buffer is None or buffer.size < size:
+        if buffer is not None:
+            _OUTGROWN.append(buffer)
+        grown = max(size, 2 * buffer.size if buffer is not None else size, 1)
+        buffer = cupy.empty(grown, dtype=dtype)
+        _WORKSPACES[key] = buffer
+    return buffer
+
+
+_PARTIALS: dict[tuple, tuple] = {}
+
+
+def _partials(partial_size: int, lse_size: int, dtype) -> tuple:
+    """The workspace's (partial o, partial lse) views, kept per workspace and sizes: a decode
+    step is microseconds, and two CuPy views a call cost a few of them."""
+    workspace = _workspace(partial_size + lse_size, dtype)
+    key = (workspace.data.ptr, partial_size, lse_size)
+    views = _PARTIALS.get(key)
+    if views is None:
+        if len(_PARTIALS) >= 256:
+            _PARTIALS.clear()
+        views = (workspace[:partial_size], workspace[partial_size:partial_size + lse_size])
+        _PARTIALS[key] = views
+    return views
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode kernel and, with splits, the merge; called with ``(q, k, v, o, lse)``
+    like a `Launch`, it finds the partials' workspace itself."""
+
+    decode: Launch
+    merge: Launch | None
+    partial_size: int  # splits x rows x Dv
+    lse_size: int  # splits x rows
+    accum: np.dtype
+
+    def __call__(self, q, k, v, o, lse):
+        if self.merge is None:
+            unused = empty(q.device.id, self.accum.name)
+            self.decode(q, k, v, o, lse, unused, unused)
+            return
+        partial_o, partial_lse = _partials(self.partial_size, self.lse_size, self.accum)
+        self.decode(q, k, v, o, lse, partial_o, partial_lse)
+        self.merge(partial_o, partial_lse, o, lse)
+
+
+def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTiles) -> tuple:
+    """Runs the decode forward of `tiles` into o and lse: ``(launch, alignment)``."""
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    group = n_q_heads // n_kv_heads
+    if group * n_q > tiles.rows:
+        raise ValueError(f"decode tiles hold rows={tiles.rows} packed rows, the problem has "
+                         f"group * Nq = {group * n_q}")
+    # K and V are streamed with cp.async in copies as wide as their rows allow; Q is read
+    # once per block with plain loads, so its alignment does not narrow those copies.
+    (k, v), (k_strides, v_strides), copy_bytes = tensor_core_operands(k, v)
+    (q,), (q_strides,), _ = tensor_core_operands(q)
+    accum = accumulation_dtype(q.dtype)
+    defines = (("ACCUM", "double" if accum == np.float64 else "float"),
+               ("BLOCK_K", tiles.block_k), ("COPY_BYTES", copy_bytes), ("HEAD_DIM", head_dim),
+               ("ROWS", tiles.rows), ("STAGES", tiles.stages),
+               ("STORAGE", STORAGE[np.dtype(q.dtype).name]), ("THREADS", tiles.threads),
+               ("VALUE_DIM", value_dim)) + Switches.of(options).defines()
+    defines = tuple(sorted(defines))
+    shared = tiles.shared_bytes(q.itemsize, accum.itemsize, head_dim, value_dim)
+    function = _compile.kernel(DECODE_SOURCE, "attention_decode", defines, shared)
+    n_rows = batch * n_q_heads * n_q
+    splits = tiles.splits
+    decode = Launch(function, (batch * n_kv_heads * splits,), (tiles.threads,), shared,
+                    (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                     np.int32(group), np.int32(splits), *q_strides[:3], *k_strides[:3],
+                     *v_strides[:3], *score_arguments(options, n_q, n_k, accum)))
+    merge = None
+    if splits > 1:
+        merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge", defines)
+        merge = Launch(merge_function, (n_rows,), (MERGE_THREADS,), splits * accum.itemsize,
+                       (np.int64(n_rows), np.int32(splits)))
+    launch = DecodeLaunch(decode, merge, splits * n_rows * value_dim, splits * n_rows, accum)
+    launch(q, k, v, o, lse)
+    return launch, copy_bytes
