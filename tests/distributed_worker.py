@@ -10,7 +10,7 @@ Scenarios:
                 one rank: every rank must raise the same ValueError
     shard       shard/unshard round trips and N that does not divide
     nccl        CuPy arrays over NCCL (one GPU per rank, group.local_rank): a few cases in
-                every dtype, and a group of one equal to tileattn.forward bit for bit
+                every dtype, and a group of one equal to tileattn.forward value for value
 
 Each rank prints ``rank R: ...`` lines and ``rank R: done`` at the end; any failure raises,
 and the launcher's exit status is non-zero.
@@ -117,6 +117,13 @@ def shard(group):
     say(group, "ok shard/unshard")
 
 
+def _same_values(got, want) -> bool:
+    import cupy
+
+    got, want = got.astype(cupy.float64), want.astype(cupy.float64)
+    return bool(((got == want) | (cupy.isnan(got) & cupy.isnan(want))).all())
+
+
 def nccl(group):
     import cupy
 
@@ -139,11 +146,13 @@ def nccl(group):
         grads = td.backward(do, q, k, v, o, lse, group=group, causal=True)
         grads_one = tileattn.backward(do, q, k, v, o_one, lse_one, causal=True)
         names = ("o", "lse", "dq", "dk", "dv")
-        differ = [f"{name} (max |difference| {float(abs(got.astype(cupy.float64) - want.astype(cupy.float64)).max()):.3g})"
-                  for name, got, want in zip(names, (o, lse, *grads), (o_one, lse_one, *grads_one))
-                  if not bool((got.view(np.uint8) == want.view(np.uint8)).all())]
+        # Equal values, NaN where NaN: the ring's float32 accumulators start at +0, so a -0
+        # of the one-device result comes back +0 (the same number).
+        differ = [name for name, got, want in zip(names, (o, lse, *grads),
+                                                  (o_one, lse_one, *grads_one))
+                  if not _same_values(got, want)]
         assert not differ, f"a group of one differs from tileattn.forward/backward: {differ}"
-        say(group, "ok nccl group of one equals tileattn.forward/backward bit for bit")
+        say(group, "ok nccl group of one equals tileattn.forward/backward value for value")
 
 
 def _abort_on_error(kind, value, traceback):

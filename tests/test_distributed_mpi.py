@@ -101,7 +101,7 @@ def _needs_gpu():
 @pytest.mark.gpu
 def test_nccl_group_of_one():
     """Under mpiexec: NCCL's unique id broadcast over MPI, CuPy arrays over NCCL, and a
-    group of one equal to tileattn.forward/backward bit for bit."""
+    group of one equal to tileattn.forward/backward value for value."""
     _needs_gpu()
     launch(1, "nccl")
 
