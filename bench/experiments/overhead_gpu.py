@@ -1,16 +1,18 @@
 """Host time per call of the GPU backend: what a small problem pays beyond its kernels.
 
-    PYTHONPATH=. python3 bench/experiments/overhead_gpu.py
+    PYTHONPATH=. python3 bench/experiments/overhead_gpu.py [--decode]
 
 Times `tileattn.forward` / `tileattn.backward` (backend="gpu") on a problem small enough
 that the kernels take a few microseconds, as wall time per call over many calls (the
 launches queue asynchronously, so this is the host's cost), then prints a profile of the
 forward's calls. At FlashAttention's N = 1k benchmark shapes the forward's kernel takes
-0.3-0.6 ms, so every 0.1 ms here is 15-30 % of such a call.
+0.3-0.6 ms, so every 0.1 ms here is 15-30 % of such a call. ``--decode`` times a decode step
+instead (B 1, Hq 8, Hkv 1, Nq 1, Nk 512, D 64: the split-KV kernel and its merge).
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import time
@@ -33,9 +35,16 @@ def per_call_us(function, calls: int = 2000) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode", action="store_true", help="a decode step's shape")
+    args = parser.parse_args()
     rng = np.random.default_rng(0)
-    q, k, v, do = (cupy.asarray(rng.standard_normal((1, 2, 128, 64)).astype(np.float16))
-                   for _ in range(4))
+    if args.decode:
+        shapes = ((1, 8, 1, 64), (1, 1, 512, 64), (1, 1, 512, 64), (1, 8, 1, 64))
+    else:
+        shapes = ((1, 2, 128, 64),) * 4
+    q, k, v, do = (cupy.asarray(rng.standard_normal(shape).astype(np.float16))
+                   for shape in shapes)
     o, lse = tileattn.forward(q, k, v, backend="gpu", causal=True, return_lse=True)
     forward = lambda: tileattn.forward(q, k, v, backend="gpu", causal=True)  # noqa: E731
     backward = lambda: tileattn.backward(do, q, k, v, o, lse, backend="gpu",  # noqa: E731
@@ -47,7 +56,7 @@ def main() -> None:
     for _ in range(500):
         forward()
     profile.disable()
-    pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
