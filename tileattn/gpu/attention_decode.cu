@@ -448,8 +448,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 // split lse is passed over by fmax and then makes the sum NaN, so NaN reaches o and lse.
 extern "C" __global__ void __launch_bounds__(128) attention_decode_merge(
     const Acc* partial_o, const Acc* partial_lse, T* o, Acc* lse, i64 n_rows, int n_splits) {
-    extern __shared__ __align__(16) unsigned char shared_bytes[];
-    Acc* weights = reinterpret_cast<Acc*>(shared_bytes);  // [n_splits]
+    // Each thread recomputes the splits' weights exp(lse_s - max) for its columns rather
+    // than reading them from shared memory: a few exps per split, and no shared array whose
+    // size would follow the run-time split count.
     __shared__ Acc shared_total, shared_max;
     const i64 row = blockIdx.x;
     if (threadIdx.x < 32) {
@@ -459,11 +460,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_merge(
         largest = warp_max(largest);
         const Acc safe_max = largest == negative_infinity<Acc>() ? Acc(0) : largest;
         Acc total = 0;
-        for (int s = threadIdx.x; s < n_splits; s += 32) {
-            const Acc weight = exp_acc(partial_lse[s * n_rows + row] - safe_max);
-            weights[s] = weight;
-            total += weight;
-        }
+        for (int s = threadIdx.x; s < n_splits; s += 32)
+            total += exp_acc(partial_lse[s * n_rows + row] - safe_max);
         total = warp_sum(total);
         if (threadIdx.x == 0) {
             shared_total = total;
@@ -471,13 +469,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_merge(
         }
     }
     __syncthreads();
-    const Acc total = shared_total;
+    const Acc total = shared_total, safe_max = shared_max;
     for (int d = threadIdx.x; d < VALUE_DIM; d += 128) {
         Acc sum = 0;
         for (int s = 0; s < n_splits; ++s)
-            sum += weights[s] * partial_o[(s * n_rows + row) * VALUE_DIM + d];
+            sum += exp_acc(partial_lse[s * n_rows + row] - safe_max) *
+                   partial_o[(s * n_rows + row) * VALUE_DIM + d];
         o[row * VALUE_DIM + d] = narrow<T>(total == Acc(0) ? Acc(0) : sum / total);
     }
     if (threadIdx.x == 0)
-        lse[row] = total == Acc(0) ? negative_infinity<Acc>() : shared_max + log_acc(total);
+        lse[row] = total == Acc(0) ? negative_infinity<Acc>() : safe_max + log_acc(total);
 }

@@ -139,7 +139,7 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTile
     merge = None
     if splits > 1:
         merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge", defines)
-        merge = Launch(merge_function, (n_rows,), (MERGE_THREADS,), splits * accum.itemsize,
+        merge = Launch(merge_function, (n_rows,), (MERGE_THREADS,), 0,
                        (np.int64(n_rows), np.int32(splits)))
     launch = DecodeLaunch(decode, merge, splits * n_rows * value_dim, splits * n_rows, accum)
     launch(q, k, v, o, lse)
