@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import lru_cache
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -221,6 +222,7 @@ def _compute_dtype(dtype) -> np.dtype:
 _LOG2_E = math.log2(math.e)
 
 
+@lru_cache(maxsize=256)  # the same scale and dtype on every call of a model's layers
 def _check_in_compute_dtype(name, value: float, dtype: np.dtype):
     """A nonzero scalar option must stay a normal, finite number in the compute dtype, and so
     must its product with log2(e): the kernels fold log2(e) into the scale, the softcap and
