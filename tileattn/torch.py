@@ -7,6 +7,10 @@ are the custom operators ``torch.ops.tileattn.forward`` (returns ``(o, lse)``) a
 autograd formula (`register_autograd`), so ``torch.compile(fullgraph=True)`` traces
 `attention` as one node per pass instead of breaking the graph at the DLPack hand-off.
 
+Variable-length and paged calls (``seqlens_q``, ``seqlens_k``, ``cu_seqlens_q``,
+``cu_seqlens_k``, ``block_table``, ``check_lengths``; docs/varlen.md) pass their integer
+arrays as optional tensor arguments of both operators; they get no gradient.
+
 Tensors are handed to tileattn through DLPack without copying; CPU tensors run on the CPU
 backend and CUDA tensors on the GPU backend (``backend="auto"``), on torch's current CUDA
 stream. The backward recomputes score tiles from the saved log-sum-exp, so only ``o`` and
@@ -53,6 +57,12 @@ def _slopes_argument(alibi_slopes):
     return None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float64)
 
 
+def _lengths_argument(values):
+    """Lengths or a block table given as a tensor, a NumPy array or a list, as the op's
+    tensor. The dtype is kept, so a float array still gets tileattn's TypeError."""
+    return None if values is None else torch.as_tensor(values)
+
+
 @contextlib.contextmanager
 def _on_torch_stream(tensor):
     """Run tileattn's CuPy kernels on torch's current stream of `tensor`'s GPU, so they are
@@ -70,14 +80,17 @@ def _on_torch_stream(tensor):
 
 
 def _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q, block_k,
-             backend, layout):
+             backend, layout, seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table,
+             check_lengths):
     """The op's arguments as `tileattn.forward`/`backward` keywords."""
     if alibi_slopes is not None:  # validation reads slopes on the host
         alibi_slopes = alibi_slopes.detach().cpu()
     return dict(causal=causal, window=window, scale=scale, softcap=softcap,
                 alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                 seed=_seed_from_argument(seed), block_q=block_q, block_k=block_k,
-                backend=backend, layout=layout)
+                backend=backend, layout=layout, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                block_table=block_table, check_lengths=check_lengths)
 
 
 @torch.library.custom_op("tileattn::forward", mutates_args=())
@@ -85,11 +98,17 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 window: Optional[List[int]], scale: Optional[float], softcap: Optional[float],
                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int],
                 block_q: Optional[int], block_k: Optional[int], backend: str, layout: str,
-                deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                deterministic: bool, seqlens_q: Optional[torch.Tensor] = None,
+                seqlens_k: Optional[torch.Tensor] = None,
+                cu_seqlens_q: Optional[torch.Tensor] = None,
+                cu_seqlens_k: Optional[torch.Tensor] = None,
+                block_table: Optional[torch.Tensor] = None,
+                check_lengths: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` is unused here: it is an argument so that the autograd formula,
     # which sees only the forward's inputs, can hand it to the backward op.
     options = _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
-                       block_q, block_k, backend, layout)
+                       block_q, block_k, backend, layout, seqlens_q, seqlens_k,
+                       cu_seqlens_q, cu_seqlens_k, block_table, check_lengths)
     with _on_torch_stream(q):
         return api.forward(q, k, v, return_lse=True, **options)
 
@@ -110,7 +129,10 @@ def _lse_dtype(dtype):
 
 @_forward_op.register_fake
 def _(q, k, v, causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
-      block_k, backend, layout, deterministic):
+      block_k, backend, layout, deterministic, seqlens_q=None, seqlens_k=None,
+      cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, check_lengths=True):
+    # Variable-length results have the dense shapes: padded and paged o is q's shape with
+    # v's head dim (a page pool's last axis is Dv too), packed o is (Hq, N_total, Dv).
     o = _layout_strided(q, (*q.shape[:-1], v.shape[-1]), q.dtype, layout)
     lse_shape = list(q.shape[:-1])  # (*batch, H, N) in both layouts
     if layout == "bshd" and q.dim() >= 3:
@@ -125,36 +147,52 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
                  dropout_p: float, seed: Optional[int], block_q: Optional[int],
                  block_k: Optional[int], backend: str, layout: str,
-                 deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 deterministic: bool, seqlens_q: Optional[torch.Tensor] = None,
+                 seqlens_k: Optional[torch.Tensor] = None,
+                 cu_seqlens_q: Optional[torch.Tensor] = None,
+                 cu_seqlens_k: Optional[torch.Tensor] = None,
+                 block_table: Optional[torch.Tensor] = None,
+                 check_lengths: bool = True
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # block_table is in the schema so that tileattn.backward itself refuses it (paged K/V
+    # is forward only) with its own ValueError, in eager and compiled code alike.
     options = _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
-                       block_q, block_k, backend, layout)
+                       block_q, block_k, backend, layout, seqlens_q, seqlens_k,
+                       cu_seqlens_q, cu_seqlens_k, block_table, check_lengths)
     with _on_torch_stream(q):
         return api.backward(do, q, k, v, o, lse, deterministic=deterministic, **options)
 
 
 @_backward_op.register_fake
 def _(do, q, k, v, o, lse, causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
-      block_q, block_k, backend, layout, deterministic):
+      block_q, block_k, backend, layout, deterministic, seqlens_q=None, seqlens_k=None,
+      cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, check_lengths=True):
     return tuple(_layout_strided(x, x.shape, q.dtype, layout) for x in (q, k, v))
 
 
 _OPTION_NAMES = ("causal", "window", "scale", "softcap", "alibi_slopes", "dropout_p", "seed",
                  "block_q", "block_k", "backend", "layout", "deterministic")
+_LENGTH_NAMES = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_table")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *options = inputs
+    q, k, v, *rest = inputs
+    # The schema's defaults are filled in here, so `rest` always holds every argument.
+    options, lengths = rest[:len(_OPTION_NAMES)], rest[len(_OPTION_NAMES):-1]
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = dict(zip(_OPTION_NAMES, options))
+    # Lengths and tables are tensors (or None), kept as saved tensors like q, k and v.
+    ctx.save_for_backward(q, k, v, o, lse, *lengths)
+    ctx.options = dict(zip(_OPTION_NAMES, options), check_lengths=rest[-1])
 
 
 def _backward_formula(ctx, do, dlse):
     # lse is returned for the backward pass, not as a differentiable output: `attention`
     # hands out only `o`, so `dlse` is zero and not part of the gradient.
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.tileattn.backward(do.to(o.dtype), q, k, v, o, lse, **ctx.options)
-    return (dq, dk, dv) + (None,) * len(_OPTION_NAMES)
+    q, k, v, o, lse, *lengths = ctx.saved_tensors
+    dq, dk, dv = torch.ops.tileattn.backward(do.to(o.dtype), q, k, v, o, lse, **ctx.options,
+                                             **dict(zip(_LENGTH_NAMES, lengths)))
+    # no gradient for the options, nor for the integer lengths and tables
+    return (dq, dk, dv) + (None,) * (len(_OPTION_NAMES) + len(_LENGTH_NAMES) + 1)
 
 
 _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -162,9 +200,21 @@ _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
               alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
-              backend="auto", deterministic=True, layout="bhsd"):
+              backend="auto", deterministic=True, layout="bhsd", seqlens_q=None,
+              seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+              check_lengths=True):
     """Differentiable `tileattn.forward` on torch tensors ``(*batch, H, N, D)``, or
     ``(*batch, N, H, D)`` with ``layout="bshd"`` (flash-attn's ``flash_attn_func`` layout).
+
+    Variable-length batches take the keywords of `tileattn.forward` (docs/varlen.md):
+    padded ``seqlens_q``/``seqlens_k`` of shape ``*batch``; packed ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` of shape ``(S + 1,)`` with q, k, v ``(H, N_total, D)`` (or
+    ``(N_total, H, D)`` with "bshd", as ``flash_attn_varlen_func`` takes them); paged K/V
+    with ``block_table`` ``(*batch, max_pages)``, ``seqlens_k`` and k, v page pools
+    ``(num_pages, Hkv, page_size, D)`` (``(num_pages, page_size, Hkv, D)`` with "bshd").
+    They are integer tensors, NumPy arrays or lists and get no gradient. Paged K/V is
+    forward only: a backward through it raises tileattn.backward's ValueError. The GPU
+    backend does not serve these calls yet (NotImplementedError).
 
     Same options as `tileattn.forward` (`alibi_slopes` as a tensor, a NumPy array or a
     list); `deterministic` applies to the backward pass. Returns ``o``, a tensor of q's dtype
@@ -177,5 +227,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     o, _ = torch.ops.tileattn.forward(
         q, k, v, causal, _window_argument(window), scale, softcap,
         _slopes_argument(alibi_slopes), dropout_p, _seed_argument(seed), block_q, block_k,
-        backend, layout, deterministic)
+        backend, layout, deterministic, _lengths_argument(seqlens_q),
+        _lengths_argument(seqlens_k), _lengths_argument(cu_seqlens_q),
+        _lengths_argument(cu_seqlens_k), _lengths_argument(block_table), check_lengths)
     return o
