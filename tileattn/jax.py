@@ -16,6 +16,10 @@ Where the computation runs:
 Under `jax.vmap` the callbacks see every array with the vmapped axes in front
 (``vmap_method="broadcast_all"``), and tileattn reads leading axes as batch axes, so a
 vmapped call is one tileattn call (see `_call`).
+
+Variable-length and paged calls (docs/varlen.md) pass their lengths and block table as
+more operands of the callbacks, not as static options: new lengths do not retrace. They
+are not differentiable (their cotangents are symbolic zeros).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from . import api
 from .reference import lse_dtype
 from .validation import check_layout
+from .varlen_validation import VARLEN_KEYWORDS, varlen_family
 
 try:
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -60,26 +65,39 @@ def _with_head_axis(array, n_vmapped: int):
 
 def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outputs: list):
     """`tileattn.forward` or `backward` on a callback's arrays (NumPy, or CuPy views of XLA's
-    buffers), writing the results into `outputs`.
+    buffers), writing the results into `outputs`. The last ``len(options["length_names"])``
+    inputs are the lengths and block table that the call names.
 
     Under `jax.vmap` every array carries the same leading vmapped axes before the shape
     it has without vmap (q's has `base_ndim` axes). tileattn reads them as more batch axes,
-    so the whole vmapped batch is one call, except in two cases:
+    so the whole vmapped batch is one call (padded lengths ``(*vmapped, *batch)`` are the
+    lengths of that batch), except in three cases:
 
     - ``(N, D)`` arrays have no head axis, so the vmapped axes would be read as heads; a
       head axis of 1 is inserted and the layout (which means nothing for them) is "bhsd".
     - Dropout's hash counts the flat batch-and-head index, so a folded batch would drop
       other entries than the unbatched call drops for each element; vmap means the loop
       over the elements, so with dropout each element is its own call.
+    - Packed sequences (q exactly ``(H, N_total, D)``) and paged K/V (page pools without
+      batch axes) have no batch axes to fold vmapped axes into: each element is its own
+      call.
     """
+    options = dict(options)
+    length_names = options.pop("length_names")
     vmapped = inputs[0].shape[:inputs[0].ndim - base_ndim]
-    if vmapped and options["dropout_p"] > 0:
+    per_element = options["dropout_p"] > 0 or options.get("cu_seqlens") or (
+        "block_table" in length_names)
+    options.pop("cu_seqlens", None)
+    if vmapped and per_element:
         count = math.prod(vmapped)
         flat = [a.reshape((count,) + a.shape[len(vmapped):]) for a in inputs + outputs]
+        options = dict(options, length_names=length_names)
         for index in range(count):
             _call(function_name, options, base_ndim, [a[index] for a in flat[:len(inputs)]],
                   [a[index] for a in flat[len(inputs):]])
         return
+    lengths = dict(zip(length_names, inputs[len(inputs) - len(length_names):]))
+    inputs = inputs[:len(inputs) - len(length_names)]
     slopes = options["alibi_slopes"]
     if vmapped and slopes is not None and slopes.ndim > 1:  # (*batch, Hq): per element
         options = dict(options, alibi_slopes=np.broadcast_to(slopes, vmapped + slopes.shape))
@@ -95,9 +113,9 @@ def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outpu
     buffers = {name: output for name, output in zip(names, outputs)
                if in_place or name == "lse_out"}
     if function_name == "forward":
-        results = api.forward(*inputs, return_lse=True, **options, **buffers)
+        results = api.forward(*inputs, return_lse=True, **options, **lengths, **buffers)
     else:
-        results = api.backward(*inputs, **options, **buffers)
+        results = api.backward(*inputs, **options, **lengths, **buffers)
     for name, output, result in zip(names, outputs, results):
         if name not in buffers:
             output[...] = result
@@ -178,24 +196,36 @@ def _options_dict(frozen):
     return options
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, frozen_options):
-    return _forward_rule(q, k, v, frozen_options)[0]
+def _with_lengths(options: dict, lengths: dict) -> dict:
+    """The callbacks' options: which length operands follow the arrays (their names, in
+    order), and whether the call is packed (see `_call`)."""
+    return dict(options, length_names=tuple(lengths),
+                cu_seqlens="cu_seqlens_q" in lengths)
 
 
-def _forward_rule(q, k, v, frozen_options):
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, lengths, frozen_options):
+    return _forward_rule(q, k, v, lengths, frozen_options)[0]
+
+
+def _forward_rule(q, k, v, lengths, frozen_options):
     forward_options = {key: value for key, value in _options_dict(frozen_options).items()
                        if key != "deterministic"}
-    o, lse = _run_pass("forward", forward_options, q.ndim,
-                       _shapes(q, v, forward_options["layout"]), q, k, v)
-    return o, (q, k, v, o, lse)
+    o, lse = _run_pass("forward", _with_lengths(forward_options, lengths), q.ndim,
+                       _shapes(q, v, forward_options["layout"]), q, k, v, *lengths.values())
+    return o, (q, k, v, o, lse, lengths)
 
 
 def _backward_rule(frozen_options, residuals, do):
-    q, k, v, o, lse = residuals
+    q, k, v, o, lse, lengths = residuals
+    varlen_family(lengths, backward=True)  # paged K/V: tileattn.backward's ValueError
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
-    return _run_pass("backward", _options_dict(frozen_options), q.ndim, shapes,
-                     do.astype(o.dtype), q, k, v, o, lse)
+    dq, dk, dv = _run_pass("backward", _with_lengths(_options_dict(frozen_options), lengths),
+                           q.ndim, shapes, do.astype(o.dtype), q, k, v, o, lse,
+                           *lengths.values())
+    # Integer lengths have no cotangent space: JAX takes None as their symbolic zero
+    # (float0 zeros), under vmap as well.
+    return dq, dk, dv, {name: None for name in lengths}
 
 
 _attention.defvjp(_forward_rule, _backward_rule)
@@ -203,7 +233,9 @@ _attention.defvjp(_forward_rule, _backward_rule)
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
               alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=None,
-              backend="auto", deterministic=True, layout="bhsd"):
+              backend="auto", deterministic=True, layout="bhsd", seqlens_q=None,
+              seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+              check_lengths=True):
     """Differentiable `tileattn.forward` on JAX arrays ``(*batch, H, N, D)``, or
     ``(*batch, N, H, D)`` with ``layout="bshd"`` (flash-attn's layout).
 
@@ -211,17 +243,36 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     returns ``o`` as a JAX array of q's dtype, in q's layout. Under `jax.vmap` the result
     equals the loop over the vmapped axis, dropout included (each element drops what the
     unbatched call drops for the same seed).
+
+    Variable-length batches take the keywords of `tileattn.forward` (docs/varlen.md):
+    padded ``seqlens_q``/``seqlens_k`` of shape ``*batch``; packed ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` of shape ``(S + 1,)`` with q, k, v ``(H, N_total, D)``; paged K/V with
+    ``block_table`` ``(*batch, max_pages)``, ``seqlens_k`` and page pools k, v. They are
+    JAX or NumPy integer arrays (or lists), traced operands rather than static options, and
+    not differentiable. Paged K/V is forward only: `jax.grad` through it raises
+    tileattn.backward's ValueError. Under `jax.vmap` batched lengths of shape
+    ``(*vmapped, *batch)`` are the lengths of each element; packed and paged calls run one
+    tileattn call per vmapped element. ``check_lengths=True`` checks the contents inside
+    the callback, where a bad value's ValueError reaches the caller wrapped in JAX's
+    runtime error; combinations of keywords are checked before tracing.
     """
     check_layout(layout)  # before tracing: the callbacks' result shapes depend on it
+    lengths = {name: jnp.asarray(value) for name, value in zip(
+        VARLEN_KEYWORDS, (seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table))
+        if value is not None}
+    varlen_family(lengths, backward=False)  # a bad combination fails before tracing
+    for name, value in lengths.items():
+        if not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(f"{name} must have an integer dtype, got dtype {value.dtype}")
     if alibi_slopes is not None:
         alibi_slopes = _freeze(np.asarray(alibi_slopes, dtype=np.float64).tolist())
     frozen = tuple(sorted(dict(
         causal=causal, window=None if window is None else tuple(window), scale=scale,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
         block_q=block_q, block_k=block_k, backend=backend, deterministic=deterministic,
-        layout=layout,
+        layout=layout, check_lengths=check_lengths,
     ).items()))
-    return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), frozen)
+    return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), lengths, frozen)
 
 
 def _freeze(value):
