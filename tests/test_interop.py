@@ -530,3 +530,174 @@ def test_jax_gpu_runs_in_xla_buffers_under_vmap_and_grad():
         assert_attention_close(np.asarray(o[index]), want_o, np.float32)
         for name, grad, want in zip("qkv", grads, want_grads):
             assert_attention_close(np.asarray(grad[index]), want, np.float32, name=f"d{name}")
+
+
+# --------------------------------------------------------------------------- varlen, paged
+
+
+VARLEN_OPTIONS = dict(causal=True, softcap=4.0, window=(6, None),
+                      alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]))
+
+
+def varlen_problem(family: str, layout: str = "bhsd", seed: int = 12):
+    """``(q, k, v, do), lengths`` (float32 arrays; int32 lengths, as flash-attn passes them)
+    for the family. NaN fills everything that may not be read: padding rows and keys, and
+    pages the table does not name, so a comparison also shows that none of it leaks."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    if family == "padded":
+        q, do, k, v = normal(2, 4, 12, 8), normal(2, 4, 12, 8), normal(2, 2, 10, 8), \
+            normal(2, 2, 10, 8)
+        lengths = dict(seqlens_q=np.array([12, 5], np.int32),
+                       seqlens_k=np.array([4, 10], np.int32))
+        q[1, :, 5:] = np.nan
+        k[0, :, 4:] = v[0, :, 4:] = np.nan
+    elif family == "packed":
+        q, do, k, v = normal(4, 20, 8), normal(4, 20, 8), normal(2, 23, 8), normal(2, 23, 8)
+        lengths = dict(cu_seqlens_q=np.array([0, 5, 5, 20], np.int32),
+                       cu_seqlens_k=np.array([0, 9, 12, 23], np.int32))
+    else:  # paged: pools of 6 pages of 4 slots; page 5 is named by no row
+        q, do, k, v = normal(2, 4, 3, 8), normal(2, 4, 3, 8), normal(6, 2, 4, 8), \
+            normal(6, 2, 4, 8)
+        k[5] = v[5] = np.nan
+        lengths = dict(block_table=np.array([[2, 0, 4], [1, 3, -1]], np.int32),
+                       seqlens_k=np.array([11, 6], np.int32))
+    arrays = (q, k, v, do)
+    if layout == "bshd":  # (N, H, D) rows; paged pools (num_pages, page_size, Hkv, D)
+        arrays = tuple(np.ascontiguousarray(a.swapaxes(-3, -2)) for a in arrays)
+    return arrays, lengths
+
+
+def varlen_expected(arrays, lengths, options, layout="bhsd"):
+    """tileattn.forward/backward with the same keywords on the CPU backend (which the
+    adapters must equal to the bit), and the float64 golden model's o and gradients (which
+    they must be close to; no gradients for paged K/V)."""
+    q, k, v, do = arrays
+    options = dict(options, layout=layout)
+    o, lse = tileattn.forward(q, k, v, return_lse=True, backend="cpu", **lengths, **options)
+    as64 = [a.astype(np.float64) for a in arrays]
+    golden_o, golden_lse = tileattn.forward(*as64[:3], return_lse=True, backend="reference",
+                                            **lengths, **options)
+    if "block_table" in lengths:
+        return o, None, golden_o, None
+    grads = tileattn.backward(do, q, k, v, o, lse, backend="cpu", **lengths, **options)
+    golden_grads = tileattn.backward(as64[3], *as64[:3], golden_o, golden_lse,
+                                     backend="reference", **lengths, **options)
+    return o, grads, golden_o, golden_grads
+
+
+def check_varlen_results(o, grads, expected, dtype=np.float32):
+    cpu_o, cpu_grads, golden_o, golden_grads = expected
+    np.testing.assert_array_equal(o, cpu_o)
+    assert_attention_close(o, golden_o, dtype, name="o")
+    if grads is None:
+        return
+    for name, grad, cpu, want in zip("qkv", grads, cpu_grads, golden_grads):
+        np.testing.assert_array_equal(grad, cpu, err_msg=f"d{name}")
+        assert_attention_close(grad, want, dtype, name=f"d{name}")
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+def test_torch_varlen_matches_tileattn_and_golden(family, layout):
+    """Padded, packed and paged calls through the autograd op, lengths as int32 tensors:
+    the o and gradients of tileattn.forward/backward with the same keywords."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    arrays, lengths = varlen_problem(family, layout)
+    tensors = [torch.from_numpy(a).requires_grad_() for a in arrays[:3]]
+    o = attention(*tensors, layout=layout, **{n: torch.from_numpy(a) for n, a in
+                                              lengths.items()}, **VARLEN_OPTIONS)
+    grads = None
+    if family != "paged":
+        o.backward(torch.from_numpy(arrays[3]))
+        grads = [t.grad.numpy() for t in tensors]
+    check_varlen_results(o.detach().numpy(), grads,
+                         varlen_expected(arrays, lengths, VARLEN_OPTIONS, layout))
+
+
+def test_torch_varlen_takes_lists_and_numpy_and_gives_no_length_gradient():
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    arrays, lengths = varlen_problem("padded")
+    q, k, v = (torch.from_numpy(a).requires_grad_() for a in arrays[:3])
+    o = attention(q, k, v, seqlens_q=lengths["seqlens_q"].tolist(),
+                  seqlens_k=lengths["seqlens_k"], **VARLEN_OPTIONS)
+    o.backward(torch.from_numpy(arrays[3]))
+    check_varlen_results(o.detach().numpy(), [t.grad.numpy() for t in (q, k, v)],
+                         varlen_expected(arrays, lengths, VARLEN_OPTIONS))
+    with pytest.raises(TypeError, match="seqlens_q must have an integer dtype"):
+        attention(q, k, v, seqlens_q=[1.0, 2.0])
+
+
+def test_torch_paged_backward_raises_tileattn_error():
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    arrays, lengths = varlen_problem("paged")
+    q, k, v = (torch.from_numpy(a).requires_grad_() for a in arrays[:3])
+    o = attention(q, k, v, **lengths)
+    with pytest.raises(ValueError, match="block_table is not accepted by backward"):
+        o.sum().backward()
+
+
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+def test_torch_compile_fullgraph_varlen(family):
+    """torch.compile(fullgraph=True) with length tensors as graph inputs: eager's results;
+    new lengths of the same shape reuse the compiled graph."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    arrays, lengths = varlen_problem(family)
+    names = sorted(lengths)
+
+    def function(q, k, v, *length_tensors):
+        return attention(q, k, v, **dict(zip(names, length_tensors)), **VARLEN_OPTIONS)
+
+    def run(function):
+        tensors = [torch.from_numpy(a).requires_grad_() for a in arrays[:3]]
+        o = function(*tensors, *(torch.from_numpy(lengths[n]) for n in names))
+        if family == "paged":
+            return o.detach().numpy(), None
+        o.backward(torch.from_numpy(arrays[3]))
+        return o.detach().numpy(), [t.grad.numpy() for t in tensors]
+
+    eager_o, eager_grads = run(function)
+    check_varlen_results(eager_o, eager_grads, varlen_expected(arrays, lengths,
+                                                                VARLEN_OPTIONS))
+    for compile_backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        o, grads = run(torch.compile(function, fullgraph=True, backend=compile_backend))
+        np.testing.assert_array_equal(o, eager_o, err_msg=compile_backend)
+        for name, grad, want in zip("qkv", grads or (), eager_grads or ()):
+            np.testing.assert_array_equal(grad, want, err_msg=f"{compile_backend} d{name}")
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+def test_torch_library_opcheck_passes_with_lengths(family, layout):
+    """opcheck of both ops with the length and table arguments. Paged K/V is checked on
+    inputs that do not require grad only: opcheck's AOT test runs the backward, which
+    refuses block_table by design."""
+    torch = require("torch")
+    import tileattn.torch  # noqa: F401  (registers torch.ops.tileattn)
+
+    arrays, lengths = varlen_problem(family, layout)
+    q, k, v, do = (torch.from_numpy(a) for a in arrays)
+    do = torch.nan_to_num(do)
+    options = (True, [4, -1], None, 3.0, None, 0.0, None, None, None, "auto", layout, True)
+    keywords = {n: torch.from_numpy(a) for n, a in lengths.items()}
+    o, lse = torch.ops.tileattn.forward(q, k, v, *options, **keywords)
+    trainable = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    checks = [(torch.ops.tileattn.forward.default, (q, k, v) + options)]
+    if family != "paged":
+        checks += [(torch.ops.tileattn.forward.default, trainable + options),
+                   (torch.ops.tileattn.backward.default, (do, q, k, v, o, lse) + options)]
+    for op, args in checks:
+        results = torch.library.opcheck(op, args, keywords)
+        assert set(results.values()) == {"SUCCESS"}, results
