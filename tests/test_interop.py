@@ -539,11 +539,22 @@ VARLEN_OPTIONS = dict(causal=True, softcap=4.0, window=(6, None),
                       alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]))
 
 
-def varlen_problem(family: str, layout: str = "bhsd", seed: int = 12):
+VARLEN_LENGTHS = {
+    "padded": dict(seqlens_q=[12, 5], seqlens_k=[4, 10]),
+    "packed": dict(cu_seqlens_q=[0, 5, 5, 20], cu_seqlens_k=[0, 9, 12, 23]),
+    # pools of 6 pages of 4 slots; page 5 is named by no row, -1 is a table's padding
+    "paged": dict(block_table=[[2, 0, 4], [1, 3, -1]], seqlens_k=[11, 6]),
+}
+
+
+def varlen_problem(family: str, layout: str = "bhsd", seed: int = 12, lengths=None):
     """``(q, k, v, do), lengths`` (float32 arrays; int32 lengths, as flash-attn passes them)
-    for the family. NaN fills everything that may not be read: padding rows and keys, and
-    pages the table does not name, so a comparison also shows that none of it leaks."""
+    for the family, with `VARLEN_LENGTHS` or the `lengths` given. NaN fills everything that
+    may not be read: padding rows and keys, and the page the table does not name, so a
+    comparison also shows that none of it leaks."""
     rng = np.random.default_rng(seed)
+    lengths = {n: np.array(a, np.int32) for n, a in
+               (lengths or VARLEN_LENGTHS[family]).items()}
 
     def normal(*shape):
         return rng.standard_normal(shape).astype(np.float32)
@@ -551,20 +562,15 @@ def varlen_problem(family: str, layout: str = "bhsd", seed: int = 12):
     if family == "padded":
         q, do, k, v = normal(2, 4, 12, 8), normal(2, 4, 12, 8), normal(2, 2, 10, 8), \
             normal(2, 2, 10, 8)
-        lengths = dict(seqlens_q=np.array([12, 5], np.int32),
-                       seqlens_k=np.array([4, 10], np.int32))
-        q[1, :, 5:] = np.nan
-        k[0, :, 4:] = v[0, :, 4:] = np.nan
+        for b in range(2):
+            q[b, :, lengths["seqlens_q"][b]:] = np.nan
+            k[b, :, lengths["seqlens_k"][b]:] = v[b, :, lengths["seqlens_k"][b]:] = np.nan
     elif family == "packed":
         q, do, k, v = normal(4, 20, 8), normal(4, 20, 8), normal(2, 23, 8), normal(2, 23, 8)
-        lengths = dict(cu_seqlens_q=np.array([0, 5, 5, 20], np.int32),
-                       cu_seqlens_k=np.array([0, 9, 12, 23], np.int32))
-    else:  # paged: pools of 6 pages of 4 slots; page 5 is named by no row
+    else:
         q, do, k, v = normal(2, 4, 3, 8), normal(2, 4, 3, 8), normal(6, 2, 4, 8), \
             normal(6, 2, 4, 8)
         k[5] = v[5] = np.nan
-        lengths = dict(block_table=np.array([[2, 0, 4], [1, 3, -1]], np.int32),
-                       seqlens_k=np.array([11, 6], np.int32))
     arrays = (q, k, v, do)
     if layout == "bshd":  # (N, H, D) rows; paged pools (num_pages, page_size, Hkv, D)
         arrays = tuple(np.ascontiguousarray(a.swapaxes(-3, -2)) for a in arrays)
@@ -701,3 +707,134 @@ def test_torch_library_opcheck_passes_with_lengths(family, layout):
     for op, args in checks:
         results = torch.library.opcheck(op, args, keywords)
         assert set(results.values()) == {"SUCCESS"}, results
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+def test_jax_varlen_under_jit_matches_tileattn_and_golden(family, layout, jax_pass_kind):
+    """Padded, packed and paged calls under jit, and jit(grad) for padded and packed: the
+    o and gradients of tileattn.forward/backward with the same keywords."""
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    arrays, lengths = varlen_problem(family, layout)
+    q, k, v, do = arrays
+
+    def call(q, k, v, lengths):
+        return attention(q, k, v, layout=layout, **lengths, **VARLEN_OPTIONS)
+
+    o = jax.jit(call)(q, k, v, lengths)
+    grads = None
+    if family != "paged":
+        grads = jax.jit(jax.grad(lambda q, k, v, lengths: jax.numpy.sum(
+            call(q, k, v, lengths) * do), argnums=(0, 1, 2)))(q, k, v, lengths)
+        grads = [np.asarray(g) for g in grads]
+    check_varlen_results(np.asarray(o), grads,
+                         varlen_expected(arrays, lengths, VARLEN_OPTIONS, layout))
+
+
+def test_jax_lengths_are_traced_operands_without_gradient():
+    """New lengths of the same shape reuse the jitted function (no retrace); their
+    gradient, where asked for, is float0 (integers have no cotangent space)."""
+    jax = require("jax")
+    from tileattn.jax import attention
+
+    traces = []
+
+    @jax.jit
+    def loss(q, k, v, seqlens_q, seqlens_k):
+        traces.append(1)
+        return jax.numpy.sum(attention(q, k, v, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                       **VARLEN_OPTIONS) * do)
+
+    for lengths in (dict(seqlens_q=[12, 5], seqlens_k=[4, 10]),
+                    dict(seqlens_q=[0, 12], seqlens_k=[10, 1])):
+        arrays, lengths = varlen_problem("padded", lengths=lengths)
+        q, k, v, do = arrays
+        grads = jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True)(
+            q, k, v, lengths["seqlens_q"], lengths["seqlens_k"])
+        assert grads[3].dtype == jax.dtypes.float0 and grads[3].shape == (2,)
+        check_varlen_results(np.asarray(attention(q, k, v, **lengths, **VARLEN_OPTIONS)),
+                             [np.asarray(g) for g in grads[:3]],
+                             varlen_expected(arrays, lengths, VARLEN_OPTIONS))
+    assert len(traces) == 1
+
+
+def test_jax_paged_grad_raises_tileattn_error_and_combinations_are_checked():
+    jax = require("jax")
+    from tileattn.jax import attention
+
+    arrays, lengths = varlen_problem("paged")
+    q, k, v, _ = arrays
+    with pytest.raises(ValueError, match="block_table is not accepted by backward"):
+        jax.grad(lambda q: jax.numpy.sum(attention(q, k, v, **lengths)))(q)
+    with pytest.raises(ValueError, match="seqlens_k must be given with block_table"):
+        attention(q, k, v, block_table=lengths["block_table"])
+    with pytest.raises(TypeError, match="seqlens_k must have an integer dtype"):
+        attention(q, k, v, block_table=lengths["block_table"], seqlens_k=[1.0, 2.0])
+
+
+VMAP_LENGTHS = {
+    "padded": [dict(seqlens_q=[12, 5], seqlens_k=[4, 10]),
+               dict(seqlens_q=[3, 0], seqlens_k=[10, 0]),
+               dict(seqlens_q=[7, 12], seqlens_k=[1, 6])],
+    "packed": [dict(cu_seqlens_q=[0, 5, 5, 20], cu_seqlens_k=[0, 9, 12, 23]),
+               dict(cu_seqlens_q=[0, 0, 19, 20], cu_seqlens_k=[0, 20, 20, 23]),
+               dict(cu_seqlens_q=[0, 10, 15, 20], cu_seqlens_k=[0, 3, 13, 23])],
+    "paged": [dict(block_table=[[2, 0, 4], [1, 3, -1]], seqlens_k=[11, 6]),
+              dict(block_table=[[4, -1, -1], [0, 1, 2]], seqlens_k=[3, 12]),
+              dict(block_table=[[3, 3, 3], [-1, -1, -1]], seqlens_k=[9, 0])],
+}
+
+
+@pytest.mark.parametrize("family", ["padded", "packed", "paged"])
+def test_jax_vmap_over_lengths_equals_the_loop(family, jax_pass_kind):
+    """vmap over the arrays and their lengths (``(3, *batch)`` lengths; packed
+    ``(3, S + 1)``; paged tables ``(3, *batch, max_pages)`` over one shared page pool):
+    each element's o and gradients are those of its own tileattn call."""
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    problems = [varlen_problem(family, seed=20 + index, lengths=lengths)
+                for index, lengths in enumerate(VMAP_LENGTHS[family])]
+    names = sorted(problems[0][1])
+    q, k, v, do = (np.stack([arrays[i] for arrays, _ in problems]) for i in range(4))
+    lengths = [np.stack([given[n] for _, given in problems]) for n in names]
+    if family == "paged":  # one pool for every element
+        k, v = problems[0][0][1], problems[0][0][2]
+        problems = [((arrays[0], k, v, arrays[3]), given) for arrays, given in problems]
+
+    def call(q, k, v, *lengths):
+        return attention(q, k, v, **dict(zip(names, lengths)), **VARLEN_OPTIONS)
+
+    kv_axis = None if family == "paged" else 0
+    in_axes = (0, kv_axis, kv_axis) + (0,) * len(names)
+    o = jax.jit(jax.vmap(call, in_axes=in_axes))(q, k, v, *lengths)
+    grads = None
+    if family != "paged":
+        grads = jax.jit(jax.vmap(jax.grad(
+            lambda q, k, v, do, *lengths: jax.numpy.sum(call(q, k, v, *lengths) * do),
+            argnums=(0, 1, 2)), in_axes=in_axes[:3] + (0,) + in_axes[3:]))(
+                q, k, v, do, *lengths)
+    for index, (arrays, given) in enumerate(problems):
+        check_varlen_results(np.asarray(o[index]),
+                             None if grads is None else [np.asarray(g[index]) for g in grads],
+                             varlen_expected(arrays, given, VARLEN_OPTIONS))
+
+
+def test_jax_vmap_over_lengths_alone(jax_pass_kind):
+    """Only the lengths vmapped (arrays shared): broadcast_all hands the callback the
+    arrays with the vmapped axis, one call for the whole vmapped batch."""
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    arrays, _ = varlen_problem("padded", lengths=dict(seqlens_q=[0, 0], seqlens_k=[0, 0]))
+    arrays = [np.nan_to_num(a) for a in arrays]
+    seqlens_q = np.array([[12, 5], [3, 0], [7, 12]], np.int32)
+    seqlens_k = np.array([4, 10], np.int32)
+    o = jax.vmap(lambda lengths: attention(*arrays[:3], seqlens_q=lengths,
+                                           seqlens_k=seqlens_k, **VARLEN_OPTIONS))(seqlens_q)
+    for index in range(3):
+        given = dict(seqlens_q=seqlens_q[index], seqlens_k=seqlens_k)
+        check_varlen_results(np.asarray(o[index]), None,
+                             varlen_expected(arrays, given, VARLEN_OPTIONS))
