@@ -838,3 +838,22 @@ def test_jax_vmap_over_lengths_alone(jax_pass_kind):
         given = dict(seqlens_q=seqlens_q[index], seqlens_k=seqlens_k)
         check_varlen_results(np.asarray(o[index]), None,
                              varlen_expected(arrays, given, VARLEN_OPTIONS))
+
+
+def test_jax_vmap_over_single_head_queries_with_lengths(jax_pass_kind):
+    """(N, D) queries with scalar lengths, vmapped: the inserted head axis leaves the
+    vmapped axis as the batch, whose lengths are the vmapped scalars."""
+    jax = jax_pass_kind
+    from tileattn.jax import attention
+
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((3, 12, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((10, 8)).astype(np.float32) for _ in range(2))
+    seqlens_q = np.array([5, 0, 12], np.int32)
+    o = jax.vmap(lambda q, length: attention(q, k, v, seqlens_q=length, seqlens_k=4,
+                                             causal=True))(q, seqlens_q)
+    for index in range(3):
+        given = dict(seqlens_q=seqlens_q[index], seqlens_k=np.int32(4))
+        check_varlen_results(np.asarray(o[index]), None,
+                             varlen_expected((q[index], k, v, q[index]), given,
+                                             dict(causal=True)))
