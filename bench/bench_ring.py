@@ -254,18 +254,13 @@ def scaling(group, device, args):
     causal_settings = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     validate_small(group, device, args, dtype, causal_settings)
     rows = []
-    warm = 4 * group.size * 64
-    for causal in causal_settings:  # compile every kernel the runs will take
-        q, k, v, do = local_problem(device, args, warm, group.rank, dtype)
-        o, lse = td.forward(q, k, v, group=group, layout=args.layout, causal=causal,
-                            return_lse=True, backend=args.backend)
-        td.backward(do, q, k, v, o, lse, group=group, layout=args.layout, causal=causal,
-                    backend=args.backend)
-        if group.rank == 0 and not args.no_baseline:
-            o, lse = tileattn.forward(q, k, v, causal=causal, return_lse=True,
-                                      backend=args.backend)
-            tileattn.backward(do, q, k, v, o, lse, causal=causal, backend=args.backend)
-        del q, k, v, do, o, lse
+    # Compile every kernel the timed runs take before timing them: the GPU's tiles depend on
+    # the key count, so each N is warmed up at its own length, on one head (a 32nd of the
+    # work at 32 heads).
+    one_head = argparse.Namespace(**{**vars(args), "heads": 1, "kv_heads": 1})
+    for n in args.seqlens:
+        for causal in causal_settings:
+            warm_up(group, device, one_head, n, causal, dtype)
     device.sync()
     log(group, f"# {group.size} ranks ({type(group).__name__}), {'GPU' if device.gpu else 'CPU'}"
                f", {args.dtype}, {args.heads} heads / {args.kv_heads} kv heads of D = "
@@ -284,6 +279,26 @@ def scaling(group, device, args):
                 device.pool.free_all_blocks()
             log(group, "row: " + ", ".join(f"{key}={_show(value)}" for key, value in row.items()))
     log(group, "\n" + table(rows, group.size))
+
+
+def warm_up(group, device, args, n, causal, dtype):
+    """One untimed ring forward and backward at N (and the single-device pass on rank 0)."""
+    q, k, v, do = local_problem(device, args, n, group.rank, dtype)
+    o, lse = td.forward(q, k, v, group=group, layout=args.layout, causal=causal,
+                        return_lse=True, backend=args.backend)
+    td.backward(do, q, k, v, o, lse, group=group, layout=args.layout, causal=causal,
+                backend=args.backend)
+    del q, k, v, do, o, lse
+    if group.rank == 0 and not args.no_baseline:
+        shape = (1, 1, n, args.head_dim)
+        q, k, v, do = (device.random(shape, dtype, seed) for seed in range(4))
+        o, lse = tileattn.forward(q, k, v, causal=causal, return_lse=True,
+                                  backend=args.backend)
+        tileattn.backward(do, q, k, v, o, lse, causal=causal, backend=args.backend)
+        del q, k, v, do, o, lse
+    if device.gpu:
+        device.pool.free_all_blocks()
+    quiet_barrier(group)
 
 
 def baseline(group, device, args, n, causal, dtype):
