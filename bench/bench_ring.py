@@ -524,6 +524,9 @@ def reach(group, device, args):
 # --------------------------------------------------------------------------- main
 
 
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
 def _dtype(name):
     return bfloat16() if name == "bfloat16" else np.dtype(name)
 
@@ -572,7 +575,43 @@ def parse(argv=None):
     args.kv_heads = args.kv_heads or args.heads
     args.head_dim = args.head_dim or (128 if gpu else 64)
     args.seqlens = args.seqlens or ([131072, 524288] if gpu else [2048, 4096])
+    _check_arguments(parser, args)
     return args
+
+
+def _check_arguments(parser, args) -> None:
+    """One-line errors (exit 2) for what the ring or the kernels would refuse later."""
+    positive = {"--simulate": args.simulate, "--heads": args.heads,
+                "--kv-heads": args.kv_heads, "--head-dim": args.head_dim,
+                "--repeats": args.repeats, "--check-seqlen": args.check_seqlen,
+                "--reach-start": args.reach_start, "--reach-stop": args.reach_stop}
+    for name, value in positive.items():
+        if value is not None and value < 1:
+            parser.error(f"{name} must be at least 1, got {value}")
+    if any(n < 1 for n in args.seqlens):
+        parser.error(f"--seqlens must be at least 1 each, got {args.seqlens}")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads "
+                     f"({args.kv_heads})")
+    if args.reach_start > args.reach_stop:
+        parser.error(f"--reach-start ({args.reach_start}) exceeds --reach-stop "
+                     f"({args.reach_stop})")
+    names = [args.dtype] + list(args.check_dtypes or [])
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown:
+        parser.error(f"unknown dtype {unknown[0]!r}: choose from {', '.join(DTYPES)}")
+
+
+def check_divisible(args, ranks: int) -> None:
+    """Every sequence length splits into the layout's chunks (P, or 2P for zigzag): a
+    one-line error before any rank starts, rather than the ring's error on every rank."""
+    chunks = 2 * ranks if args.layout == "zigzag" else ranks
+    lengths = ([args.check_seqlen] if args.check else [args.reach_start] if args.reach
+               else args.seqlens)
+    uneven = [n for n in lengths if n % chunks]
+    if uneven:
+        raise SystemExit(f"bench_ring.py: N = {uneven[0]} does not split into the "
+                         f"{chunks} chunks of layout={args.layout!r} on {ranks} ranks")
 
 
 def run(group, args):
@@ -588,10 +627,12 @@ def run(group, args):
 def main(argv=None):
     args = parse(argv)
     if args.simulate:
+        check_divisible(args, args.simulate)
         results = td.simulate(args.simulate, run, args, device=0 if args.gpu else None)
         failures = results[0]
     else:
         group = td.init()
+        check_divisible(args, group.size)
         try:
             failures = run(group, args)
         except BaseException:

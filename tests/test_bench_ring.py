@@ -1,0 +1,58 @@
+"""bench/bench_ring.py on the CPU with simulated ranks: each mode runs and says what it
+found, and arguments the ring would refuse get a one-line error, not a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "bench" / "bench_ring.py"
+TINY = ["--simulate", "2", "--heads", "2", "--head-dim", "16"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_scaling_prints_a_row_per_length_and_causality():
+    result = bench(*TINY, "--seqlens", "256", "512", "--layout", "contiguous")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines()
+            if line.startswith(("| 256 |", "| 512 |"))]
+    assert len(rows) == 4, result.stdout
+    assert "eff fwd+bwd" in result.stdout and "peak mem / rank" in result.stdout
+
+
+def test_check_mode_compares_every_layout_and_exits_zero_when_exact():
+    result = bench(*TINY, "--check", "--check-seqlen", "256", "--check-dtypes", "float64")
+    assert result.returncode == 0, result.stderr
+    assert "check: 0 failures" in result.stdout
+    for layout in ("contiguous", "zigzag"):
+        assert f"float64 {layout} causal=True" in result.stdout
+
+
+def test_reach_mode_reports_the_longest_length():
+    result = bench(*TINY, "--reach", "--reach-start", "256", "--reach-stop", "512")
+    assert result.returncode == 0, result.stderr
+    assert "reach: longest N = 512" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--simulate", "0"], "--simulate must be at least 1, got 0"),
+    (["--simulate", "2", "--seqlens", "255"],
+     "N = 255 does not split into the 4 chunks of layout='zigzag' on 2 ranks"),
+    (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a multiple of --kv-heads (2)"),
+    (["--dtype", "float8"], "unknown dtype 'float8'"),
+    (["--seqlens", "0"], "--seqlens must be at least 1 each"),
+    (["--reach", "--reach-start", "8", "--reach-stop", "4"], "--reach-start (8) exceeds"),
+    (["--layout", "bogus"], "invalid choice: 'bogus'"),
+])
+def test_bad_arguments_get_one_line_errors(args, message):
+    result = bench(*args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
