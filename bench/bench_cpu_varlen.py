@@ -62,12 +62,15 @@ def packed_rows(args):
     for causal in (False, True):
         options = {"causal": causal, "backend": "cpu"}
         lengths_kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu}
-        # correctness first: the packed call against the golden model on three sequences
-        part = slice(0, int(cu[3]))
-        o = tileattn.forward(q[:, part], k[:, part], v[:, part], cu_seqlens_q=cu[:4],
-                             cu_seqlens_k=cu[:4], causal=causal, backend="cpu")
+        # correctness first: the packed call against the golden model on (up to) three
+        # sequences
+        checked = min(3, len(lengths))
+        part = slice(0, int(cu[checked]))
+        o = tileattn.forward(q[:, part], k[:, part], v[:, part],
+                             cu_seqlens_q=cu[:checked + 1], cu_seqlens_k=cu[:checked + 1],
+                             causal=causal, backend="cpu")
         expected, _ = rv.forward_packed(*(a[:, part].astype(np.float64) for a in (q, k, v)),
-                                        cu[:4], cu[:4], causal=causal)
+                                        cu[:checked + 1], cu[:checked + 1], causal=causal)
         assert_attention_close(o, expected, np.float32, name="packed o")
         flops = 4.0 * h * d * kept_pairs(lengths, causal)
         one_flops = 4.0 * h * d * kept_pairs([total], causal)
@@ -120,6 +123,10 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     args = parser.parse_args()
+    for name in ("sequences", "heads", "head_dim"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got "
+                         f"{getattr(args, name)}")
     lengths, rows = packed_rows(args)
     print(f"packed: {args.sequences} sequences, lengths {lengths.min()}-{lengths.max()} "
           f"(total {lengths.sum()}), H={args.heads}, D={args.head_dim}, float32")

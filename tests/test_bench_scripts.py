@@ -1,5 +1,6 @@
-"""bench/bench_ring.py on the CPU with simulated ranks: each mode runs and says what it
-found, and arguments the ring would refuse get a one-line error, not a traceback."""
+"""The CPU benchmark scripts added with the ring and the variable-length work: each mode
+runs and says what it found (bench/bench_ring.py on simulated CPU ranks,
+bench/bench_cpu_varlen.py), and a bad argument gets a one-line error, not a traceback."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / "bench" / "bench_ring.py"
+BENCH = Path(__file__).parents[1] / "bench"
 TINY = ["--simulate", "2", "--heads", "2", "--head-dim", "16"]
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
+def bench(*args: str, script: str = "bench_ring.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
                           text=True, timeout=300, check=False)
 
 
@@ -55,4 +56,20 @@ def test_bad_arguments_get_one_line_errors(args, message):
     result = bench(*args)
     assert result.returncode != 0
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_varlen_benchmark_runs_on_one_small_sequence():
+    result = bench("--sequences", "1", "--heads", "1", "--head-dim", "8",
+                   script="bench_cpu_varlen.py")
+    assert result.returncode == 0, result.stderr
+    assert "| causal | packed |" in result.stdout
+    assert "paged / contiguous" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["--sequences", "--heads", "--head-dim"])
+def test_varlen_benchmark_refuses_non_positive_sizes(name):
+    result = bench(name, "0", script="bench_cpu_varlen.py")
+    assert result.returncode == 2
+    assert f"{name} must be at least 1, got 0" in result.stderr
     assert "Traceback" not in result.stderr
