@@ -202,6 +202,33 @@ def test_unknown_layout():
         td.simulate(1, lambda group: td.shard(np.zeros((4, 2)), group, layout="bhsd"))
 
 
+@pytest.mark.parametrize("axis", [5, -5, 1.0, True])
+def test_shard_and_unshard_name_an_axis_the_array_lacks(axis):
+    x = np.zeros((2, 8, 4))
+    for function in (td.shard, td.unshard):
+        with pytest.raises(ValueError, match=f"axis={axis!r} is not an axis of an array "
+                                             r"with 3 dimensions \(shape \(2, 8, 4\)\)"):
+            td.simulate(1, lambda group, f=function: f(x, group, layout="contiguous",
+                                                       axis=axis))
+
+
+def test_an_option_of_the_wrong_type_on_every_rank_is_a_type_error():
+    """As `tileattn.forward`: a TypeError, the same on every rank (no hang)."""
+    q, k, v, _ = problem(np.float64, n_q=24, n_k=24)
+
+    def run(group):
+        local = [td.shard(a, group, layout="zigzag") for a in (q, k, v)]
+        try:
+            td.forward(*local, group=group, backend="reference", causal="yes")
+        except TypeError as error:
+            return str(error)
+        return None
+
+    messages = td.simulate(2, run)
+    assert messages[0] is not None and "causal must be a bool, got 'yes'" in messages[0]
+    assert messages[0] == messages[1]
+
+
 # --------------------------------------------------------------------------- agreement
 
 

@@ -43,6 +43,7 @@ def shard(x, group, layout: str = "zigzag", axis: int = -2):
     when N does not divide into P (contiguous) or 2P (zigzag) chunks.
     """
     check_layout(layout)
+    _check_axis("shard", x, axis)
     n_total = x.shape[axis]
     n_local = check_divisible(n_total, layout, group.size)
     rows = [(seg.global_start, seg.length)
@@ -50,11 +51,20 @@ def shard(x, group, layout: str = "zigzag", axis: int = -2):
     return take_rows(x, rows, axis)
 
 
+def _check_axis(function: str, x, axis) -> None:
+    """An axis that `x` has (an int in [-ndim, ndim)), else a ValueError naming it."""
+    ndim = len(x.shape)
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(f"tileattn.distributed.{function}: axis={axis!r} is not an axis of "
+                         f"an array with {ndim} dimensions (shape {tuple(x.shape)})")
+
+
 def unshard(x_local, group, layout: str = "zigzag", axis: int = -2):
     """The whole array, gathered on every rank from each rank's `x_local` (`shard`'s
     inverse). It passes the shards around the ring (P - 1 shifts), so it holds the whole
     array: meant for tests and small outputs."""
     check_layout(layout)
+    _check_axis("unshard", x_local, axis)
     x_local = contiguous(x_local)
     n_local = x_local.shape[axis]
     descriptions = group.allgather((tuple(x_local.shape), str(x_local.dtype)))

@@ -179,7 +179,9 @@ def _array_description(named: dict) -> dict:
 def agree(group, function: str, named: dict, options: dict, check) -> object:
     """Run `check()` (local validation) on every rank, then one all-gather of what each rank
     was given and whether its check passed; every rank raises the same ValueError when a rank
-    failed or the ranks disagree, so no rank is left waiting in the ring."""
+    failed or the ranks disagree, so no rank is left waiting in the ring. Where every rank
+    failed with a TypeError (an option of the wrong type, passed alike everywhere), that is
+    what they raise, as `tileattn.forward` does."""
     result, error, description = None, None, {}
     try:
         description = {**_array_description(named), **_option_description(options)}
@@ -190,8 +192,11 @@ def agree(group, function: str, named: dict, options: dict, check) -> object:
     failed = [(rank, message) for rank, (_, message) in enumerate(gathered) if message]
     if failed:
         lines = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
-        raise ValueError(f"tileattn.distributed.{function}: rejected on {len(failed)} of "
-                         f"{group.size} ranks: {lines}")
+        every_type_error = len(failed) == group.size and all(
+            message.startswith("TypeError: ") for _, message in failed)
+        raise (TypeError if every_type_error else ValueError)(
+            f"tileattn.distributed.{function}: rejected on {len(failed)} of {group.size} "
+            f"ranks: {lines}")
     first = gathered[0][0]
     for key in first:
         values = [description.get(key) for description, _ in gathered]
