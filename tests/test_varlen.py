@@ -397,6 +397,8 @@ def _paged_args():
 ERRORS = [
     # padded
     (_padded_args, {"seqlens_q": np.array([1, -1])}, ValueError, "seqlens_q must be >= 0"),
+    (_padded_args, {"seqlens_k": np.array([2**63, 1], dtype=np.uint64)}, ValueError,
+     r"seqlens_k holds 9223372036854775808 at \(0,\), beyond any sequence length"),
     (_padded_args, {"seqlens_q": np.array([1, 6])}, ValueError, r"seqlens_q must be <= Nq = 5"),
     (_padded_args, {"seqlens_k": np.array([7, 1])}, ValueError, r"seqlens_k must be <= Nk = 6"),
     (_padded_args, {"seqlens_k": np.array([1.0, 2.0])}, TypeError, "seqlens_k must have an "

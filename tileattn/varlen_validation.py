@@ -21,6 +21,11 @@ def _integer_array(name: str, values) -> np.ndarray:
     values = np.asarray(arrays.to_host(arrays.to_native(values)))
     if values.dtype.kind not in "iu":
         raise TypeError(f"{name} must have an integer dtype, got dtype {values.dtype}")
+    if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
+        # int64 would wrap it to a negative number and the error would show that instead
+        where = _first(values > np.iinfo(np.int64).max)
+        raise ValueError(f"{name} holds {int(values[where])} at {where}, beyond any sequence "
+                         f"length (int64)")
     return values.astype(np.int64)
 
 
