@@ -97,6 +97,17 @@ def _check_memory(named_arrays: dict) -> str:
     return memory
 
 
+def _check_dims_and_heads(d: int, d_v: int, n_q_heads: int, n_kv_heads: int) -> None:
+    """Positive head dims, and query heads a multiple of key/value heads (GQA/MQA)."""
+    if d < 1:
+        raise ValueError(f"q head dim D must be positive, got D={d}")
+    if d_v < 1:
+        raise ValueError(f"v head dim Dv must be positive, got Dv={d_v}")
+    if n_kv_heads == 0 and n_q_heads > 0 or n_kv_heads > 0 and n_q_heads % n_kv_heads:
+        raise ValueError(f"q heads must be a multiple of k/v heads (Hq % Hkv == 0), "
+                         f"got Hq={n_q_heads}, Hkv={n_kv_heads}")
+
+
 def _check_shapes(q, k, v, shapes: dict):
     """Returns ``(batch_shape, Hq, Hkv, Nq, Nk, D, Dv, single_head)``; messages show
     `shapes`, the caller's shapes in the caller's layout."""
@@ -125,13 +136,7 @@ def _check_shapes(q, k, v, shapes: dict):
     if v.shape[-2] != n_k:
         raise ValueError(f"v sequence length must equal k's Nk={n_k}, got {v.shape[-2]}")
     d_v = v.shape[-1]
-    if d < 1:
-        raise ValueError(f"q head dim D must be positive, got D={d}")
-    if d_v < 1:
-        raise ValueError(f"v head dim Dv must be positive, got Dv={d_v}")
-    if n_kv_heads == 0 and n_q_heads > 0 or n_kv_heads > 0 and n_q_heads % n_kv_heads:
-        raise ValueError(f"q heads must be a multiple of k/v heads (Hq % Hkv == 0), "
-                         f"got Hq={n_q_heads}, Hkv={n_kv_heads}")
+    _check_dims_and_heads(d, d_v, n_q_heads, n_kv_heads)
     return batch_shape, n_q_heads, n_kv_heads, n_q, n_k, d, d_v, single_head
 
 
@@ -148,13 +153,7 @@ def _check_paged_shapes(q, k, v, shapes: dict):
     if d_k != d:
         raise ValueError(f"k head dim must equal q head dim D={d}, got {d_k} "
                          f"(q {_describe(shapes['q'])}, k {_describe(shapes['k'])})")
-    if d < 1:
-        raise ValueError(f"q head dim D must be positive, got D={d}")
-    if d_v < 1:
-        raise ValueError(f"v head dim Dv must be positive, got Dv={d_v}")
-    if n_kv_heads == 0 and n_q_heads > 0 or n_kv_heads > 0 and n_q_heads % n_kv_heads:
-        raise ValueError(f"q heads must be a multiple of k/v heads (Hq % Hkv == 0), "
-                         f"got Hq={n_q_heads}, Hkv={n_kv_heads}")
+    _check_dims_and_heads(d, d_v, n_q_heads, n_kv_heads)
     return tuple(q.shape[:-3]), n_q_heads, n_kv_heads, n_q, d, d_v, num_pages, page_size
 
 
