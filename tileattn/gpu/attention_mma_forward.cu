@@ -178,25 +178,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         online_softmax_step(s, row_max, row_sum, o_acc);
         if (DROPOUT) drop_probabilities(s, row_states, col_start + dropout_col0, dropout_threshold);
 
-        // A cut tile (needs_mask is block-uniform) with a non-finite V: the kept pairs'
-        // products with it on CUDA cores, then zeros in its place for the tensor cores
-        // (kept_products.cuh). The barriers order every warp's reads before the zeroing
-        // and the zeroing before every warp's P V.
-        if (kBandMasksKeys && needs_mask &&
-            __syncthreads_or(tile_has_non_finite<BLOCK_K, kValueWidth, kVPitch,
-                                                               kThreads>(v_tile))) {
-            // The mask again rather than kept live across the softmax (registers).
-            add_kept_non_finite_values<BLOCK_K / 8>(
-                o_acc,
-                KeptKeysOfRows<kRowTiles>{
-                    my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k)},
-                HeldFromScores<kRowTiles, BLOCK_K / 8>{s}, [&](int key, int col) {
-                return element_value(v_tile[key * kVPitch + col]);
-            });
-            __syncthreads();
-            zero_non_finite<BLOCK_K, kValueWidth, kVPitch, kThreads>(v_tile);
-            __syncthreads();
-        }
+        // A cut tile (needs_mask is block-uniform) with a non-finite V (kept_products.cuh).
+        if (kBandMasksKeys && needs_mask)
+            add_and_zero_non_finite_values<BLOCK_K, kValueWidth, kVPitch, kThreads>(
+                o_acc, my_rows, s, v_tile, [&] {
+                    return tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k);
+                });
 
         // O += P V. The S accumulators of key tiles 2kk and 2kk+1 are exactly the A
         // fragment of a 16x16 P block; V's B fragment needs the transposing ldmatrix.

@@ -191,6 +191,26 @@ struct KeptKeysOfRows {
     }
 };
 
+// The mma.sync and 3xTF32 forwards' step on a key tile the mask cuts, V in shared memory
+// in rows of Pitch elements: when V holds inf or NaN, the kept pairs' products with it on
+// CUDA cores, then zeros in its place for the tensor cores' P V. Every thread of the block
+// calls it (the scan's result is block-uniform; the barriers order every warp's reads
+// before the zeroing and the zeroing before every warp's P V). `mask_of()` makes the tile's
+// mask only when needed, rather than keeping it live across the softmax (registers).
+template <int BlockK, int Width, int Pitch, int Threads, int RowTiles, int OutFrags,
+          typename T, typename MaskOf>
+__device__ __forceinline__ void add_and_zero_non_finite_values(
+    float (&o_acc)[RowTiles][OutFrags][4], const i64 (&rows)[RowTiles][2],
+    const float (&p)[RowTiles][BlockK / 8][4], T* v_tile, MaskOf mask_of) {
+    if (!__syncthreads_or(tile_has_non_finite<BlockK, Width, Pitch, Threads>(v_tile))) return;
+    add_kept_non_finite_values<BlockK / 8>(
+        o_acc, KeptKeysOfRows<RowTiles>{rows, mask_of()}, HeldFromScores<RowTiles, BlockK / 8>{p},
+        [&](int key, int col) { return element_value(v_tile[key * Pitch + col]); });
+    __syncthreads();
+    zero_non_finite<BlockK, Width, Pitch, Threads>(v_tile);
+    __syncthreads();
+}
+
 // The same for one row tile's accumulators, float[OutFrags][4] (the backwards' layout).
 template <int KeyFrags, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
 __device__ __forceinline__ void add_kept_non_finite_values(float (&acc)[OutFrags][4],
