@@ -223,10 +223,10 @@ def test_query_tiles_shrink_until_every_thread_has_work():
                           (1000, 600, 100, 30, None), (512, 512, -1, -1, None),
                           (600, 1000, 700, 0, 900), (600, 1000, -1, 0, -300)])
 def test_tasks_run_longest_first(n_q, n_k, window_left, window_right, band_offset):
-    """The order `schedule.longest_first` deals tiles in, for query and for key tiles,
+    """The order `tile_order.longest_first` deals tiles in, for query and for key tiles,
     against kept pairs counted from `tileattn.options.keeps`; a `band_offset` other than
     ``n_k - n_q`` is a block placed in a longer sequence."""
-    from tileattn.cpu.schedule import longest_first
+    from tileattn.tile_order import longest_first
     from tileattn.options import keeps
 
     if band_offset is None:

@@ -64,6 +64,12 @@ JOBS = [
      "HEAD_DIM=64", "VALUE_DIM=64", "BLOCK_K=32", "STAGES=4", "THREADS=128",
      "COPY_BYTES=16"]),
 ]
+# Variable-length and paged forwards (sequences.cuh): each forward family once more, with
+# the tile table and the block table.
+VARLEN = ["VARLEN=1", "PAGED=1"]
+JOBS += [(name, arch, defines + VARLEN) for name, arch, defines in JOBS
+         if "forward" in name or name == "attention_generic.cu"
+         or name == "attention_decode.cu" and "ROWS=16" in defines]
 
 
 def _decode_shared(defines) -> list[str]:
@@ -94,7 +100,7 @@ def compile_one(job, directory: str) -> str:
     report = [line.split("info    :")[-1].strip() for line in output.splitlines()
               if "registers" in line or ("spill" in line and " 0 bytes spill" not in line)]
     decode_keys = ('STORAGE', 'ROWS', 'HEAD_DIM', 'VALUE_DIM', 'BLOCK_K', 'THREADS')
-    shown = ' '.join(d for d in defines if d.startswith('IS_')
+    shown = ' '.join(d for d in defines if d.startswith(('IS_', 'VARLEN'))
                      or name.startswith('attention_decode') and d.startswith(decode_keys))
     return f"{name} ({shown}): ok; " + " | ".join(report)
 

@@ -24,7 +24,8 @@ import numpy as np
 from ..dropout import dropout_key, dropout_threshold
 from ..options import BAND, KEYS, ROWS, AttentionOptions, Blocks, dense_descriptors
 from ..reference import lse_dtype
-from . import (blas, compile_notice, decode, schedule,  # noqa: F401 (compile_notice listens)
+from .. import tile_order
+from . import (blas, compile_notice, decode,  # noqa: F401 (compile_notice listens)
                threads)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
 from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
@@ -137,12 +138,12 @@ class Sequences:
         if not self.varlen:  # every sequence alike: count one
             return len(d) * _dense_pairs(self.max_rows, self.max_keys, int(d[0, BAND]),
                                          options.window_left, options.window_right)
-        return schedule.tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], max(1, self.max_rows),
+        return tile_order.tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], max(1, self.max_rows),
                                   options.window_left, options.window_right)[1]
 
     def tiles(self, block: int, options: AttentionOptions, keys: bool = False):
         """``(sequence, first row)`` pairs of every query tile (or with `keys`, first key of
-        every key tile), longest first (`schedule.tile_list`). A dense batch orders one
+        every key tile), longest first (`tile_order.tile_list`). A dense batch orders one
         sequence's tiles and deals each to every batch element in turn."""
         d = self.descriptors
         rows, cols, bands = (d[:, KEYS], d[:, ROWS], -d[:, BAND]) if keys else (
@@ -150,7 +151,7 @@ class Sequences:
         left, right = ((options.window_right, options.window_left) if keys
                        else (options.window_left, options.window_right))
         if self.varlen or not len(d):
-            return schedule.tile_list(rows, cols, bands, block, left, right)[0]
+            return tile_order.tile_list(rows, cols, bands, block, left, right)[0]
         return _dense_tiles(len(d), int(rows[0]), int(cols[0]), int(bands[0]), block, left,
                             right)
 
@@ -168,7 +169,7 @@ def _dense_descriptors(batch: int, n_q: int, n_k: int, band_offset: int) -> np.n
 
 @functools.lru_cache(maxsize=256)
 def _dense_pairs(n_rows, n_cols, band_offset, window_left, window_right) -> int:
-    return int(schedule.kept_pairs_per_row(n_rows, n_cols, band_offset, window_left,
+    return int(tile_order.kept_pairs_per_row(n_rows, n_cols, band_offset, window_left,
                                            window_right).sum())
 
 
@@ -184,7 +185,7 @@ def _in_order(n_sequences: int) -> np.ndarray:
 @functools.lru_cache(maxsize=32)
 def _dense_tiles(batch, n_rows, n_cols, band_offset, block, window_left, window_right):
     """One sequence's tiles longest first, each dealt to every batch element in turn."""
-    order = schedule.longest_first(-(-n_rows // block), block, n_rows, n_cols, band_offset,
+    order = tile_order.longest_first(-(-n_rows // block), block, n_rows, n_cols, band_offset,
                                    window_left, window_right)
     tiles = np.empty((order.size * batch, 2), np.int64)
     tiles[:, 0] = np.tile(np.arange(batch, dtype=np.int64), order.size)

@@ -28,14 +28,15 @@
 // * Masks are selects (a masked score becomes -inf whatever q . k was), so a NaN or Inf in
 //   K or V at a masked key never reaches any row (SPEC, Errors).
 //
-// Keys come through `KeyRows` (a base pointer and a row stride per (batch, kv head)); the
-// paged and variable-length forms (issue 19) replace it with a page-table lookup per row and
-// a per-sequence key count (`KeyRows::n_k`): tiles past a sequence's length are never
-// visited, and rows past it inside the last tile are zero-filled, never loaded.
+// Keys come through `KeyValueRows`: strided rows, or under PAGED a block-table lookup per
+// row (sequences.cuh), and the sequence's key count: under VARLEN batch element b is
+// sequence b (padded and paged batches), tiles past its keys are never visited, rows past
+// them inside the last tile are zero-filled, never loaded, and its query rows past its
+// length keep no key (o = 0, lse = -inf).
 //
 // Compile-time configuration (NVRTC -D options): STORAGE, ACCUM, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES, ROWS (packed-row capacity, a power of two), BLOCK_K, STAGES, THREADS,
-// LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, PAGED.
 #include "mma.cuh"
 
 typedef STORAGE T;
@@ -115,18 +116,17 @@ template <int N> struct alignas(N * sizeof(Acc) < 16 ? N * sizeof(Acc) : 16) Acc
     Acc values[N];
 };
 
-// The keys of one (batch, kv head): row j of K at k_rows + j * k_stride (V alike).
-struct KeyRows {
-    const T* k_rows;
-    const T* v_rows;
-    i64 k_stride;
-    i64 v_stride;
-    i64 n_k;  // keys of this sequence (issue 19: seqlens_k[b])
+// The keys of one (batch, kv head): strided rows, or pages through the block table
+// (sequences.cuh), and the sequence's key count.
+struct KeyValueRows {
+    KeyRows<T> k_rows;
+    KeyRows<T> v_rows;
+    i64 n_k;
 };
 
 // Keys [row_start, row_start + BLOCK_K) into one stage; rows past n_k become zeros without
 // a load (copy_row_chunk's `row_valid`).
-__device__ __forceinline__ void load_key_tile(T* k_tile, T* v_tile, const KeyRows& keys,
+__device__ __forceinline__ void load_key_tile(T* k_tile, T* v_tile, const KeyValueRows& keys,
                                               i64 row_start) {
     constexpr int k_chunks = kHeadWidth / kElements, v_chunks = kValueWidth / kElements;
     for (int chunk = threadIdx.x; chunk < BLOCK_K * (k_chunks + v_chunks); chunk += THREADS) {
@@ -138,12 +138,12 @@ __device__ __forceinline__ void load_key_tile(T* k_tile, T* v_tile, const KeyRow
         const bool valid = row < keys.n_k;
         if (is_key)
             copy_row_chunk<HEAD_DIM, kHeadWidth, COPY_BYTES>(
-                shared_address(k_tile + r * kKPitch + c),
-                keys.k_rows + (valid ? row : 0) * keys.k_stride, keys.k_rows, c, valid);
+                shared_address(k_tile + r * kKPitch + c), keys.k_rows.at(valid ? row : 0, valid),
+                keys.k_rows.fallback(), c, valid);
         else
             copy_row_chunk<VALUE_DIM, kValueWidth, COPY_BYTES>(
-                shared_address(v_tile + r * kVPitch + c),
-                keys.v_rows + (valid ? row : 0) * keys.v_stride, keys.v_rows, c, valid);
+                shared_address(v_tile + r * kVPitch + c), keys.v_rows.at(valid ? row : 0, valid),
+                keys.v_rows.fallback(), c, valid);
     }
 }
 
@@ -204,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
     Acc scale, Acc softcap, i64 band_offset, i64 window_left, i64 window_right,
     u32 dropout_key, u32 dropout_threshold, Acc dropout_scale, u32 dropout_row0,
-    u32 dropout_col0) {
+    u32 dropout_col0, SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     // STAGES x (K tile [BLOCK_K][kKPitch], V tile [BLOCK_K][kVPitch]), then Q, P, row state.
     T* stages = reinterpret_cast<T*>(shared_bytes);
@@ -229,9 +229,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
     const int kv_head = static_cast<int>(bkv % n_kv_heads);
     const int rows = static_cast<int>(group_size * n_q);  // packed rows in use (<= ROWS)
     const i64 out_row0 = bkv * rows;  // flat (b, h, i) of packed row 0 in o and lse
-    const Band band{band_offset, window_left, window_right};
-    const KeyRows keys{k + batch * k_sb + kv_head * k_sh, v + batch * v_sb + kv_head * v_sh,
-                       k_sn, v_sn, n_k};
+    // A padded or paged batch: batch element b is sequence b, whose rows past seq_rows are
+    // padding (they keep no key: o = 0, lse = -inf) and whose keys number n_k there.
+    const SequenceTables tables = SEQUENCE_TABLES;
+    i64 seq_rows = n_q, seq_keys = n_k, seq_band = band_offset;
+    if (VARLEN) {
+        const Sequence sequence = sequence_at(tables.descriptors, batch);
+        seq_rows = sequence.rows;
+        seq_keys = sequence.keys;
+        seq_band = sequence.band + band_offset;
+    }
+    const Band band{seq_band, window_left, window_right};
+    const KeyValueRows keys{key_rows(k, batch, kv_head, k_sb, k_sh, k_sn, 0, tables),
+                            key_rows(v, batch, kv_head, v_sb, v_sh, v_sn, 0, tables), seq_keys};
 
     // Per packed row: query row, ALiBi slope, dropout state; running max and sum.
     for (int r = threadIdx.x; r < ROWS; r += THREADS) {
@@ -257,10 +267,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
         q_tile[r * kQPitch + d] = value;
     }
 
-    // This split's key tiles: the band's tiles for rows [0, n_q) cut into n_splits ranges.
+    // This split's key tiles: the band's tiles for rows [0, seq_rows) cut into n_splits ranges.
     i64 tile_begin, tile_end;
-    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, n_q, keys.n_k, BLOCK_K, &tile_begin,
+    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, seq_rows, keys.n_k, BLOCK_K, &tile_begin,
                                             &tile_end);
+    if (VARLEN && seq_rows == 0) tile_end = tile_begin;
     const i64 n_tiles = tile_end - tile_begin;
     const i64 my_begin = tile_begin + n_tiles * split / n_splits;
     const i64 my_end = tile_begin + n_tiles * (split + 1) / n_splits;
@@ -339,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
                     const int r = group + i * kScoreGroups;
                     if (r < ROWS) {
                         Acc score = negative_infinity<Acc>();
-                        if (r < rows && col < keys.n_k)
+                        if (r < rows && col < keys.n_k && (!VARLEN || row_query[r] < seq_rows))
                             score = transform_score(dots[j][i], row_query[r], col, row_slope[r],
                                                     scale, softcap, band);
                         scores[c * kScorePitch + r] = score;
@@ -399,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 #pragma unroll
                 for (int j = 0; j < kCpt; ++j) acc[i][j] *= rescale;
             }
-            if (tile_crosses_band_edge(band, n_q, col_start))
+            if (tile_crosses_band_edge(band, seq_rows, col_start))
                 accumulate_pv<true>(acc, scores + p_row0, v_tile + p_col0);
             else
                 accumulate_pv<false>(acc, scores + p_row0, v_tile + p_col0);

@@ -13,7 +13,9 @@
 //                            the caller's tile sizes, so an override costs no new compile
 //   THREADS                  threads per block
 //   LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT   0/1 option switches
-#include "common.cuh"
+//   VARLEN, PAGED                                      variable-length and paged forward
+//                                                      (sequences.cuh)
+#include "sequences.cuh"
 
 template <typename TStorage, typename TAcc, int HeadDimPad, int ValueDimPad, int BlockQ,
           int BlockK, int Threads, bool LimitLeft, bool LimitRight, bool Softcap, bool Alibi,
@@ -70,21 +72,29 @@ __device__ __forceinline__ void require_shared_bytes(u64 needed) {
 // columns contribute nothing and never carry NaN from uninitialised memory). Returns
 // whether this thread loaded a non-finite element (x - x is 0 for finite x only): the
 // caller ORs it over the block with the barrier that follows the load, for free.
-template <class C, int Rows, int Pad>
-__device__ __forceinline__ bool load_tile(typename C::Acc* tile, const typename C::T* head,
-                                          const HeadStrides& strides, i64 row_start, int rows,
-                                          int cols) {
+template <class C, int Rows, int Pad, class Source>
+__device__ __forceinline__ bool load_rows(typename C::Acc* tile, const Source& source,
+                                          i64 col_stride, i64 row_start, int rows, int cols) {
     bool non_finite = false;
     for (int element = threadIdx.x; element < Rows * Pad; element += C::threads) {
         const int r = element / Pad, c = element % Pad;
         typename C::Acc value = 0;
         if (r < rows && c < cols)
             value = static_cast<typename C::Acc>(
-                widen(head[(row_start + r) * strides.row + c * strides.col]));
+                widen(source.at(row_start + r, true)[c * col_stride]));
         non_finite |= !(value - value == typename C::Acc(0));
         tile[r * (Pad + 1) + c] = value;
     }
     return non_finite;
+}
+
+// The same for rows of one head with `strides`.
+template <class C, int Rows, int Pad>
+__device__ __forceinline__ bool load_tile(typename C::Acc* tile, const typename C::T* head,
+                                          const HeadStrides& strides, i64 row_start, int rows,
+                                          int cols) {
+    return load_rows<C, Rows, Pad>(tile, StridedRows<typename C::T>{head, strides.row},
+                                   strides.col, row_start, rows, cols);
 }
 
 // The score tile is split so that a thread owns one column c = threadIdx.x % block_k and
@@ -198,10 +208,12 @@ __device__ __forceinline__ typename C::Acc alibi_slope_of(const double* slopes, 
 template <class C>
 __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
                              const typename C::T* v, typename C::T* o, typename C::Acc* lse,
-                             const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
-                             int group_size, int head_dim, int value_dim, int block_q,
-                             int block_k, HeadStrides q_strides, HeadStrides k_strides,
-                             HeadStrides v_strides, ScoreOptions<typename C::Acc> options) {
+                             const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
+                             int n_q_heads, int group_size, int head_dim, int value_dim,
+                             int block_q, int block_k, HeadStrides q_strides,
+                             HeadStrides k_strides, HeadStrides v_strides,
+                             ScoreOptions<typename C::Acc> options,
+                             const SequenceTables& tables) {
     typedef typename C::Acc Acc;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Acc* q_tile = reinterpret_cast<Acc*>(shared_bytes);         // [block_q][head_pitch]
@@ -213,13 +225,19 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
     Acc* row_rescale = row_sum + C::block_q;                    // [block_q]
     require_shared_bytes(sizeof(Acc) * (row_rescale + C::block_q - q_tile));
 
-    const QueryTile owned = query_tile_of_block(n_q, block_q, n_q_heads, group_size);
-    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
-    const int head = owned.head, kv_head = owned.kv_head;
-    const typename C::T* q_head = q + batch * q_strides.batch + head * q_strides.head;
-    const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head;
-    const typename C::T* v_head = v + batch * v_strides.batch + kv_head * v_strides.head;
-    const i64 row_start = tile * block_q;
+    const QueryBlock owned = query_block(block_q, n_q_total, n_k_total, options.band.offset, n_q_heads,
+                                         group_size, tables);
+    const i64 bh = owned.bh, n_q = owned.n_q, n_k = owned.n_k;
+    options.band.offset = owned.band_offset;
+    const typename C::T* q_head = q + owned.batch * q_strides.batch +
+                                  owned.head * q_strides.head + owned.row_base * q_strides.row;
+    const KeyRows<typename C::T> k_head =
+        key_rows(k, owned.batch, owned.kv_head, k_strides.batch, k_strides.head, k_strides.row,
+                 owned.key_base, tables);
+    const KeyRows<typename C::T> v_head =
+        key_rows(v, owned.batch, owned.kv_head, v_strides.batch, v_strides.head, v_strides.row,
+                 owned.key_base, tables);
+    const i64 row_start = owned.row_start;
     const int rows = static_cast<int>(min(static_cast<i64>(block_q), n_q - row_start));
     const Acc slope = alibi_slope_of<C>(alibi_slopes, bh);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -245,11 +263,11 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
         const i64 col_start = key_tile * block_k;
         const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
         __syncthreads();  // the previous tile's readers are done with k_tile/v_tile/scores
-        load_tile<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides, col_start, cols,
-                                                  head_dim);
+        load_rows<C, C::block_k, C::head_dim_pad>(k_tile, k_head, k_strides.col, col_start,
+                                                  cols, head_dim);
         // A non-finite K needs nothing here: its masked scores are selected to -inf.
-        const bool v_non_finite = __syncthreads_or(load_tile<C, C::block_k, C::value_dim_pad>(
-            v_tile, v_head, v_strides, col_start, cols, value_dim));
+        const bool v_non_finite = __syncthreads_or(load_rows<C, C::block_k, C::value_dim_pad>(
+            v_tile, v_head, v_strides.col, col_start, cols, value_dim));
 
         {
             const int c = threadIdx.x % C::block_k, r0 = threadIdx.x / C::block_k;
@@ -327,7 +345,7 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 
     // Deferred normalisation (FlashAttention-2 section 3.1.1). row_sum == 0 means no key
     // was kept: o = 0 and lse = -inf. A NaN row_sum is not 0, so NaN reaches o and lse.
-    const i64 out_row0 = bh * n_q + row_start;
+    const i64 out_row0 = owned.out_head * n_q_total + owned.row_base + row_start;
 #pragma unroll
     for (int i = 0; i < outputs_per_thread; ++i) {
         const int element = threadIdx.x + i * C::threads;
@@ -646,11 +664,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                       ACCUM* lse, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
                       int group_size, int head_dim, int value_dim, int block_q, int block_k,
                       i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
-                      i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, SCORE_OPTION_PARAMS) {
+                      i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, SCORE_OPTION_PARAMS,
+                      SEQUENCE_PARAMETERS) {
     forward_tile<Config>(q, k, v, o, lse, alibi_slopes, n_q, n_k, n_q_heads, group_size,
                          head_dim, value_dim, block_q, block_k, HeadStrides{q_sb, q_sh, q_sn, q_sd},
                          HeadStrides{k_sb, k_sh, k_sn, k_sd}, HeadStrides{v_sb, v_sh, v_sn, v_sd},
-                         SCORE_OPTIONS);
+                         SCORE_OPTIONS, SEQUENCE_TABLES);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv(

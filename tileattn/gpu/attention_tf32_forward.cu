@@ -21,7 +21,8 @@
 // * head dims that are not a multiple of 8 are zero-padded to one in shared memory.
 //
 // Compile-time configuration (NVRTC -D options): HEAD_DIM, VALUE_DIM, COPY_BYTES, BLOCK_Q,
-// BLOCK_K, WARP_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// BLOCK_K, WARP_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, PAGED
+// (sequences.cuh).
 #include "forward_softmax.cuh"
 #include "tf32.cuh"
 
@@ -36,37 +37,40 @@ static_assert(BLOCK_K % 8 == 0 && BLOCK_Q % WARP_ROWS == 0 && WARP_ROWS % 16 == 
               "mma tiles");
 
 // Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
-__device__ __forceinline__ void load_key_tiles(float* k_tile, float* v_tile, const float* k_head,
-                                               i64 k_sn, const float* v_head, i64 v_sn,
-                                               i64 row, i64 n_k) {
-    load_tile_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-        k_tile, k_head, k_sn, row, n_k);
-    load_tile_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-        v_tile, v_head, v_sn, row, n_k);
+__device__ __forceinline__ void load_key_tiles(float* k_tile, float* v_tile,
+                                               const KeyRows<float>& n_k_total,
+                                               const KeyRows<float>& v_rows, i64 row, i64 n_k) {
+    load_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+        k_tile, n_k_total, row, n_k);
+    load_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+        v_tile, v_rows, row, n_k);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     const float* q, const float* k, const float* v, float* o, float* lse,
-    const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, i64 q_sb,
+    const double* alibi_slopes, i64 n_q_total, i64 n_k_total, int n_q_heads, int group_size, i64 q_sb,
     i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,
+    float scale, float softcap, i64 band_shift, i64 window_left, i64 window_right,
     u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,
-    u32 dropout_col0) {
+    u32 dropout_col0, SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(16) float shared_floats[];
     float* q_tile = shared_floats;                      // [BLOCK_Q][kQkPitch]
     float* k_tiles = q_tile + BLOCK_Q * kQkPitch;       // [2][BLOCK_K][kQkPitch]
     float* v_tiles = k_tiles + 2 * BLOCK_K * kQkPitch;  // [2][BLOCK_K][kVPitch]
 
-    const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
-    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
-    const int head = owned.head, kv_head = owned.kv_head;
-    const float* q_head = q + batch * q_sb + head * q_sh;
-    const float* k_head = k + batch * k_sb + kv_head * k_sh;
-    const float* v_head = v + batch * v_sb + kv_head * v_sh;
-    float* o_head = o + bh * n_q * VALUE_DIM;
-    float* lse_head = lse + bh * n_q;
-    const i64 row_start = tile * BLOCK_Q;
+    const SequenceTables tables = SEQUENCE_TABLES;
+    const QueryBlock owned =
+        query_block(BLOCK_Q, n_q_total, n_k_total, band_shift, n_q_heads, group_size, tables);
+    const i64 bh = owned.bh, n_q = owned.n_q, n_k = owned.n_k;
+    const Band band{owned.band_offset, window_left, window_right};
+    const float* q_head = q + owned.batch * q_sb + owned.head * q_sh + owned.row_base * q_sn;
+    const KeyRows<float> k_head = key_rows(k, owned.batch, owned.kv_head, k_sb, k_sh, k_sn,
+                                           owned.key_base, tables);
+    const KeyRows<float> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
+                                           owned.key_base, tables);
+    float* o_head = o + (owned.out_head * n_q_total + owned.row_base) * VALUE_DIM;
+    float* lse_head = lse + owned.out_head * n_q_total + owned.row_base;
+    const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -89,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
 
     load_tile_async<BLOCK_Q, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
         q_tile, q_head, q_sn, row_start, n_q);
-    load_key_tiles(k_tiles, v_tiles, k_head, k_sn, v_head, v_sn, tile_begin * BLOCK_K, n_k);
+    load_key_tiles(k_tiles, v_tiles, k_head, v_head, tile_begin * BLOCK_K, n_k);
     commit_copies();
 
     // O, the running max (base-2 units) and this thread's share of the running sum, per row.
@@ -107,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
             // barrier, so it is free to refill.
             const i64 next_row = (key_tile + 1) * BLOCK_K;
             load_key_tiles(k_tiles + (stage ^ 1) * BLOCK_K * kQkPitch,
-                           v_tiles + (stage ^ 1) * BLOCK_K * kVPitch, k_head, k_sn, v_head, v_sn,
+                           v_tiles + (stage ^ 1) * BLOCK_K * kVPitch, k_head, v_head,
                            next_row, n_k);
             commit_copies();
             wait_copies<1>();

@@ -26,7 +26,8 @@
 // of 16 up to 256), STAGES (>= 2), BLOCKS_PER_SM (the residency the registers
 // are capped for: 2 lets a second block's main loop cover one block's prologue and
 // epilogue, which short sequences pay per block), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
-// DROPOUT. Needs -arch=sm_90a.
+// DROPOUT, VARLEN and PAGED (sequences.cuh: variable-length and paged calls). Needs
+// -arch=sm_90a.
 #include "wgmma.cuh"
 #include "forward_softmax.cuh"
 
@@ -49,22 +50,23 @@ constexpr bool kWarpgroupSkips =
     kWarpgroups > 1 && kWarpgroups * BLOCKS_PER_SM < 4 && (LIMIT_LEFT || LIMIT_RIGHT);
 
 // Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
-__device__ __forceinline__ void load_key_tiles(u32 k_tile, u32 v_tile, const bits16* k_head,
-                                               i64 k_sn, const bits16* v_head, i64 v_sn,
-                                               i64 row, i64 n_k) {
-    load_swizzled_tile_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
-        k_tile, k_head, k_sn, row, n_k);
-    load_swizzled_tile_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
-        v_tile, v_head, v_sn, row, n_k);
+__device__ __forceinline__ void load_key_tiles(u32 k_tile, u32 v_tile,
+                                               const KeyRows<bits16>& k_rows,
+                                               const KeyRows<bits16>& v_rows, i64 row,
+                                               i64 n_k) {
+    load_swizzled_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
+        k_tile, k_rows, row, n_k);
+    load_swizzled_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
+        v_tile, v_rows, row, n_k);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_forward_wgmma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
-    const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, i64 q_sb,
+    const double* alibi_slopes, i64 n_q_total, i64 n_k_total, int n_q_heads, int group_size, i64 q_sb,
     i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,
+    float scale, float softcap, i64 band_shift, i64 window_left, i64 window_right,
     u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,
-    u32 dropout_col0) {
+    u32 dropout_col0, SEQUENCE_PARAMETERS) {
     // The swizzle pattern repeats every 1024 bytes of address: align the tiles to it (the
     // launch asks for 1024 bytes of slack).
     extern __shared__ __align__(128) unsigned char shared_bytes[];
@@ -73,15 +75,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     const u32 k_tiles = q_tile + kQTileBytes;               // [STAGES] swizzled K tiles
     const u32 v_tiles = k_tiles + STAGES * kKTileBytes;     // [STAGES] swizzled V tiles
 
-    const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(n_q, BLOCK_Q, n_q_heads, group_size);
-    const i64 bh = owned.bh;
-    const bits16* q_head = q + owned.batch * q_sb + owned.head * q_sh;
-    const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh;
-    const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh;
-    bits16* o_head = o + bh * n_q * VALUE_DIM;
-    float* lse_head = lse + bh * n_q;
-    const i64 row_start = owned.tile * BLOCK_Q;
+    const SequenceTables tables = SEQUENCE_TABLES;
+    const QueryBlock owned =
+        query_block(BLOCK_Q, n_q_total, n_k_total, band_shift, n_q_heads, group_size, tables);
+    const i64 bh = owned.bh, n_q = owned.n_q, n_k = owned.n_k;
+    const Band band{owned.band_offset, window_left, window_right};
+    const bits16* q_head = q + owned.batch * q_sb + owned.head * q_sh + owned.row_base * q_sn;
+    const KeyRows<bits16> k_head = key_rows(k, owned.batch, owned.kv_head, k_sb, k_sh, k_sn,
+                                            owned.key_base, tables);
+    const KeyRows<bits16> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
+                                            owned.key_base, tables);
+    bits16* o_head = o + (owned.out_head * n_q_total + owned.row_base) * VALUE_DIM;
+    float* lse_head = lse + owned.out_head * n_q_total + owned.row_base;
+    const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
     const ForwardScores scores =
         make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
@@ -110,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         const i64 key_tile = tile_begin + stage;
         if (key_tile < tile_end) {
             load_key_tiles(k_tiles + stage * kKTileBytes, v_tiles + stage * kVTileBytes,
-                           k_head, k_sn, v_head, v_sn, key_tile * BLOCK_K, n_k);
+                           k_head, v_head, key_tile * BLOCK_K, n_k);
         }
         commit_copies();
     }
@@ -160,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
             const int ahead_stage = (step + STAGES - 1) % STAGES;
             if (ahead < tile_end) {
                 load_key_tiles(k_tiles + ahead_stage * kKTileBytes,
-                               v_tiles + ahead_stage * kVTileBytes, k_head, k_sn, v_head, v_sn,
+                               v_tiles + ahead_stage * kVTileBytes, k_head, v_head,
                                ahead * BLOCK_K, n_k);
             }
             commit_copies();

@@ -41,9 +41,12 @@ def band_keys(options: AttentionOptions, n_q: int, n_k: int) -> int:
     return max(0, high - low)
 
 
-def decode_shape(q, k, options: AttentionOptions) -> DecodeShape:
+def decode_shape(q, k, options: AttentionOptions, n_k: int | None = None) -> DecodeShape:
+    """The decode table's view of a problem; `n_k` overrides the keys of `k` (the longest
+    sequence of a variable-length or paged call)."""
     batch, n_q_heads, n_q, _ = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    n_kv_heads = k.shape[1]
+    n_k = k.shape[2] if n_k is None else n_k
     return DecodeShape(n_q=n_q, group=n_q_heads // n_kv_heads,
                        batch_kv_heads=batch * n_kv_heads, batch_q_heads=batch * n_q_heads,
                        band_keys=band_keys(options, n_q, n_k), sm_count=sm_count(q.device.id))
@@ -109,8 +112,12 @@ class DecodeLaunch:
         self.merge(partial_o, partial_lse, o, lse)
 
 
-def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTiles) -> tuple:
-    """Runs the decode forward of `tiles` into o and lse: ``(launch, alignment)``."""
+def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTiles,
+                   sequences=None) -> tuple:
+    """Runs the decode forward of `tiles` into o and lse: ``(launch, alignment)``. With
+    `sequences` (a padded or paged `varlen.Sequences`), batch element b is sequence b."""
+    from .varlen import dense_arguments
+
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = n_q_heads // n_kv_heads
@@ -127,6 +134,11 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTile
                ("ROWS", tiles.rows), ("STAGES", tiles.stages),
                ("STORAGE", STORAGE[np.dtype(q.dtype).name]), ("THREADS", tiles.threads),
                ("VALUE_DIM", value_dim)) + Switches.of(options).defines()
+    if sequences is not None:
+        defines += sequences.defines()
+        tables = sequences.arguments(None)[0]
+    else:
+        tables = dense_arguments(q.device.id)
     defines = tuple(sorted(defines))
     shared = tiles.shared_bytes(q.itemsize, accum.itemsize, head_dim, value_dim)
     function = _compile.kernel(DECODE_SOURCE, "attention_decode", defines, shared)
@@ -135,7 +147,7 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTile
     decode = Launch(function, (batch * n_kv_heads * splits,), (tiles.threads,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(group), np.int32(splits), *q_strides[:3], *k_strides[:3],
-                     *v_strides[:3], *score_arguments(options, n_q, n_k, accum)))
+                     *v_strides[:3], *score_arguments(options, n_q, n_k, accum), *tables))
     merge = None
     if splits > 1:
         merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge", defines)

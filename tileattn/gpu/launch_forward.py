@@ -14,10 +14,11 @@ from ..options import AttentionOptions, Blocks
 from . import _compile
 from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
-                       element_strides, plan_key, problem_of, remember, score_arguments,
+                       element_strides, plan_key, problem_for, remember, score_arguments,
                        tensor_core_operands)
 from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
                     choose_forward)
+from .varlen import Sequences, dense_arguments
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
@@ -34,55 +35,72 @@ def _dims_defines(q, v, copy_bytes: int) -> tuple:
     return (("COPY_BYTES", copy_bytes), ("HEAD_DIM", q.shape[3]), ("VALUE_DIM", v.shape[3]))
 
 
+def _grid_and_tables(q, block_q: int, sequences: Sequences | None) -> tuple[int, tuple]:
+    """Blocks of a query-tile forward (one per `block_q` rows of a head: of each batch
+    element, or of each sequence's tile-table entry) and its trailing table arguments."""
+    batch, n_q_heads, n_q, _ = q.shape
+    if sequences is None:
+        return -(-n_q // block_q) * batch * n_q_heads, dense_arguments(q.device.id)
+    tables, entries = sequences.arguments(block_q)
+    return entries * n_q_heads, tables
+
+
 def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k, v, o, lse,
-                        strides, options: AttentionOptions) -> Launch:
+                        strides, options: AttentionOptions,
+                        sequences: Sequences | None) -> Launch:
     """Launches a tensor-core forward (one block per `block_q` query rows of a head, the
     arguments every such kernel takes) and returns the launch."""
-    batch, n_q_heads, n_q, _ = q.shape
+    _, n_q_heads, n_q, _ = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     q_strides, k_strides, v_strides = strides
-    launch = Launch(function, (-(-n_q // block_q) * batch * n_q_heads,), (threads,), shared,
+    blocks, tables = _grid_and_tables(q, block_q, sequences)
+    launch = Launch(function, (blocks,), (threads,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
-                     *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32)))
+                     *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32), *tables))
     launch(q, k, v, o, lse)
     return launch
 
 
 def _forward_on_tensor_cores(source: str, entry: str, family_defines: tuple, step: int,
                              arch: str | None, q, k, v, o, lse, options: AttentionOptions,
-                             tiles) -> tuple:
+                             tiles, sequences: Sequences | None) -> tuple:
     """A tensor-core forward of `tiles` (widths padded to `step`), the arrays read in place
     with the widest copies their rows allow: ``(launch, copy bytes)``."""
     (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
     defines = family_defines + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
+    if sequences is not None:
+        defines += sequences.defines()
     shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], step))
     function = _compile.kernel(source, entry, tuple(sorted(defines)), shared, arch=arch)
     return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
-                               strides, options), copy_bytes
+                               strides, options, sequences), copy_bytes
 
 
-def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles) -> tuple:
+def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles,
+                  sequences: Sequences | None = None) -> tuple:
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("BLOCKS_PER_SM", tiles.blocks_per_sm),
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages))
     return _forward_on_tensor_cores(WGMMA_SOURCE, "attention_forward_wgmma", defines, 16, "90a",
-                                    q, k, v, o, lse, options, tiles)
+                                    q, k, v, o, lse, options, tiles, sequences)
 
 
-def forward_mma(q, k, v, o, lse, options: AttentionOptions, tiles: MmaTiles) -> tuple:
+def forward_mma(q, k, v, o, lse, options: AttentionOptions, tiles: MmaTiles,
+                sequences: Sequences | None = None) -> tuple:
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
                ("Q_IN_REGISTERS", int(tiles.q_in_registers)), ("WARP_ROWS", tiles.warp_rows))
     return _forward_on_tensor_cores(MMA_SOURCE, "attention_forward_mma", defines, 16, None,
-                                    q, k, v, o, lse, options, tiles)
+                                    q, k, v, o, lse, options, tiles, sequences)
 
 
-def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles) -> tuple:
+def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles,
+                 sequences: Sequences | None = None) -> tuple:
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("WARP_ROWS", tiles.warp_rows))
     return _forward_on_tensor_cores(TF32_SOURCE, "attention_forward_tf32", defines, 8, None,
-                                    q, k, v, o, lse, options, tiles)
+                                    q, k, v, o, lse, options, tiles, sequences)
 
 
 # --------------------------------------------------------------------------- generic
@@ -143,7 +161,7 @@ class GenericConfig:
         return Blocks(min(wanted.block_q, self.capacity.block_q),
                       min(wanted.block_k, self.capacity.block_k))
 
-    def kernel(self, entry: str):
+    def kernel(self, entry: str, extra_defines: tuple = ()):
         accum = accumulation_dtype(self.dtype)
         shared = _generic_shared_bytes(accum.itemsize, self.head_pad, self.value_pad,
                                        self.capacity.block_q, self.capacity.block_k)[entry]
@@ -151,24 +169,26 @@ class GenericConfig:
                    ("BLOCK_K", self.capacity.block_k), ("BLOCK_Q", self.capacity.block_q),
                    ("HEAD_DIM_PAD", self.head_pad), ("STORAGE", STORAGE[self.dtype]),
                    ("THREADS", GENERIC_THREADS),
-                   ("VALUE_DIM_PAD", self.value_pad)) + self.switches.defines()
+                   ("VALUE_DIM_PAD", self.value_pad)) + self.switches.defines() + extra_defines
         return _compile.kernel(GENERIC_SOURCE, entry, tuple(sorted(defines)), shared), shared
 
 
-def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None) -> tuple:
-    batch, n_q_heads, n_q, head_dim = q.shape
+def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None,
+                    sequences: Sequences | None = None) -> tuple:
+    _, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
     blocks = config.blocks(options)
-    function, shared = config.kernel("attention_forward")
+    function, shared = config.kernel(
+        "attention_forward", sequences.defines() if sequences is not None else ())
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-    n_tiles = -(-n_q // blocks.block_q)
-    launch = Launch(function, (n_tiles * batch * n_q_heads,), (GENERIC_THREADS,), shared,
+    grid, tables = _grid_and_tables(q, blocks.block_q, sequences)
+    launch = Launch(function, (grid,), (GENERIC_THREADS,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), np.int32(head_dim),
                      np.int32(value_dim), np.int32(blocks.block_q), np.int32(blocks.block_k),
                      *q_strides, *k_strides, *v_strides,
-                     *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype))))
+                     *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype)), *tables))
     launch(q, k, v, o, lse)
     return launch, 1
 
@@ -181,11 +201,16 @@ _LAUNCHERS = {"wgmma": forward_wgmma, "mma": forward_mma, "tf32": forward_tf32,
               "generic": forward_generic, "decode": forward_decode}
 
 
-def choose(q, k, v, options: AttentionOptions) -> Choice:
+def choose(q, k, v, options: AttentionOptions, sequences: Sequences | None = None) -> Choice:
     """The forward's family and tiles: decode where `tiles.choose_decode` takes the problem
-    (few packed query rows, many keys), else the prefill table's choice."""
-    problem = problem_of(q, k, v, options)
-    decode = choose_decode(problem, decode_shape(q, k, options))
+    (few packed query rows, many keys), else the prefill table's choice. A variable-length
+    call is chosen for by its longest sequence; packed sequences never decode (the decode
+    kernel's blocks are batch elements)."""
+    n_k = k.shape[2] if sequences is None else max(1, sequences.max_keys)
+    problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], n_k, options)
+    if sequences is not None and sequences.packed:
+        return choose_forward(problem)
+    decode = choose_decode(problem, decode_shape(q, k, options, n_k))
     return decode if decode is not None else choose_forward(problem)
 
 
@@ -213,6 +238,8 @@ def run(choice: Choice, q, k, v, options: AttentionOptions):
 
 
 def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
+    if options.varlen is not None:
+        return _forward_varlen(q, k, v, options, out, lse_out)
     key = plan_key("forward", options, q, k, v)
     launches = cached(key, q, k, v)
     o, lse = _outputs(q, v, out, lse_out)
@@ -222,4 +249,18 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     choice = choose(q, k, v, options)
     launch, alignment = _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)
     remember(key, (launch,), alignment, q, k, v)
+    return o, lse
+
+
+def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
+    """A variable-length or paged forward: one launch over the tile table (or, for few
+    query rows a batch element, the decode kernel over the batch). Rows of no sequence are
+    never written by the query-tile kernels, so o and lse start as 0 and -inf (SPEC)."""
+    sequences = Sequences(q, k, options)
+    choice = choose(q, k, v, options, sequences)
+    o, lse = _outputs(q, v, out, lse_out)
+    if choice.family != "decode":
+        o.fill(0)
+        lse.fill(-np.inf)
+    _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles, sequences)
     return o, lse

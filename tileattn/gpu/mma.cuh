@@ -2,7 +2,7 @@
 // attention_mma_backward.cu, attention_tf32_forward.cu): cp.async copies, ldmatrix, mma.sync.m16n8k16 and the
 // packing of float pairs into its 16-bit operands. IS_BFLOAT16 (a -D option) picks the type.
 #pragma once
-#include "common.cuh"
+#include "sequences.cuh"
 
 typedef unsigned short bits16;
 
@@ -166,9 +166,10 @@ __device__ __forceinline__ void copy_row_chunk(u32 destination, const T* row_poi
 // columns, Columns of them) into tile[Rows][Pitch] (Width <= Pitch columns used: Columns
 // and zero padding) by `Threads` threads in 16-byte chunks, each in copies of ChunkBytes;
 // rows at or past `row_limit` become zeros.
-template <int Rows, int Columns, int Width, int Threads, int Pitch, int ChunkBytes, typename T>
-__device__ __forceinline__ void load_tile_async(T* tile, const T* head, i64 row_stride,
-                                                i64 row_start, i64 row_limit) {
+template <int Rows, int Columns, int Width, int Threads, int Pitch, int ChunkBytes, typename T,
+          class Source>
+__device__ __forceinline__ void load_rows_async(T* tile, const Source& source, i64 row_start,
+                                                i64 row_limit) {
     constexpr int chunk_elements = 16 / sizeof(T);
     constexpr int chunks_per_row = Width / chunk_elements;
     static_assert(Width % chunk_elements == 0 && Width <= Pitch, "whole chunks per row");
@@ -176,10 +177,19 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head, i64 row_
     for (int chunk = threadIdx.x; chunk < Rows * chunks_per_row; chunk += Threads) {
         const int r = chunk / chunks_per_row, c = chunk % chunks_per_row;
         const i64 row = row_start + r;
+        const bool valid = row < row_limit;
         copy_row_chunk<Columns, Width, ChunkBytes>(
-            shared_address(tile + r * Pitch + c * chunk_elements), head + row * row_stride, head,
-            c * chunk_elements, row < row_limit);
+            shared_address(tile + r * Pitch + c * chunk_elements), source.at(row, valid),
+            source.fallback(), c * chunk_elements, valid);
     }
+}
+
+// The same for rows `row_stride` apart from `head`.
+template <int Rows, int Columns, int Width, int Threads, int Pitch, int ChunkBytes, typename T>
+__device__ __forceinline__ void load_tile_async(T* tile, const T* head, i64 row_stride,
+                                                i64 row_start, i64 row_limit) {
+    load_rows_async<Rows, Columns, Width, Threads, Pitch, ChunkBytes>(
+        tile, StridedRows<T>{head, row_stride}, row_start, row_limit);
 }
 
 // The A fragment (16 x 16, row-major) at rows [row0, row0 + 16), columns [col0, col0 + 16)

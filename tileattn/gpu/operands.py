@@ -77,7 +77,8 @@ class Switches:
 
 
 def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tuple:
-    """The run-time score options in the kernels' parameter order.
+    """The run-time score options in the kernels' parameter order (for a variable-length
+    call, the band offset is only the global-position shift; sequences.cuh adds the rest).
 
     Window sides are clamped to ``Nq + Nk + |band offset|``: a wider window keeps the same
     keys, and the clamp keeps the kernels' 64-bit band arithmetic far from overflow. The
@@ -85,7 +86,11 @@ def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tup
     a block of a longer sequence, `AttentionOptions.row_offset`).
     """
     accum = np.dtype(accum).type
-    band_offset = options.band_offset(n_q, n_k)
+    if options.varlen is None:
+        band_offset = options.band_offset(n_q, n_k)
+    else:  # the kernels add each sequence's own bottom-right offset (sequences.cuh)
+        band_offset = options.row_offset - options.col_offset
+        n_k = options.varlen.key_capacity(n_k)
     reach = n_q + n_k + abs(band_offset)
 
     def side(value):
@@ -176,7 +181,9 @@ class Launch:
     arguments: tuple
 
     def __call__(self, *arrays):
-        self.function(self.grid, self.block, arrays + self.arguments, shared_mem=self.shared)
+        if self.grid[0]:  # a variable-length call of empty sequences has no tile
+            self.function(self.grid, self.block, arrays + self.arguments,
+                          shared_mem=self.shared)
 
 
 # --------------------------------------------------------------------------- launch cache
@@ -201,7 +208,7 @@ def plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None
     """What a problem's launches depend on besides the arrays' addresses, or None when they
     are not cached: ALiBi slopes are an array of their own, and dropout's seed usually
     changes with every call."""
-    if options.alibi_slopes is not None or options.dropout_p > 0:
+    if options.alibi_slopes is not None or options.dropout_p > 0 or options.varlen is not None:
         return None
     return (direction, options.window_left, options.window_right, options.scale,
             options.softcap, options.block_q, options.block_k, options.deterministic,

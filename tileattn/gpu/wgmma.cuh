@@ -10,6 +10,7 @@
 // over all 32 banks without the padding the mma.sync kernels use.
 #pragma once
 #include "mma.cuh"
+#include "sequences.cuh"
 
 #if IS_BFLOAT16
 #define WGMMA_TYPES ".f32.bf16.bf16"
@@ -69,10 +70,9 @@ constexpr int kTileAlignment = 1024;
 // threadIdx.x + Threads, ... compiled to a remainder loop, with spills, in the two-block
 // forward: bench/NOTES-gpu.md, v13b). Other widths walk the chunks in that order, with the
 // division by the compile-time chunk count unrolled the same way.
-template <int Rows, int Columns, int Width, int Threads, int ChunkBytes = 16>
-__device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16* head,
-                                                         i64 row_stride, i64 row_start,
-                                                         i64 row_limit) {
+template <int Rows, int Columns, int Width, int Threads, int ChunkBytes = 16, class Source>
+__device__ __forceinline__ void load_swizzled_rows_async(u32 tile, const Source& source,
+                                                         i64 row_start, i64 row_limit) {
     using S = Swizzled<Width>;
     constexpr int kRowChunks = Width / 8;
     constexpr bool kFixedChunk = Threads % kRowChunks == 0 && (Threads / kRowChunks) % 8 == 0;
@@ -86,9 +86,10 @@ __device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16*
             const int r = r0 + step * kRowStep;
             if (Rows % kRowStep != 0 && r >= Rows) break;
             const i64 row = row_start + r;
+            const bool valid = row < row_limit;
             copy_row_chunk<Columns, Width, ChunkBytes>(
-                first + step * kRowStep * S::kRowBytes, head + row * row_stride, head, c * 8,
-                row < row_limit);
+                first + step * kRowStep * S::kRowBytes, source.at(row, valid),
+                source.fallback(), c * 8, valid);
         }
     } else {
         constexpr int kTotal = Rows * kRowChunks;
@@ -98,12 +99,22 @@ __device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16*
             if (kTotal % Threads != 0 && i >= kTotal) break;
             const int r = i / kRowChunks, c = i % kRowChunks;
             const i64 row = row_start + r;
+            const bool valid = row < row_limit;
             copy_row_chunk<Columns, Width, ChunkBytes>(
                 tile + (c / S::kChunks) * (Rows * S::kRowBytes) + r * S::kRowBytes +
                     (S::chunk(c % S::kChunks, r) << 4),
-                head + row * row_stride, head, c * 8, row < row_limit);
+                source.at(row, valid), source.fallback(), c * 8, valid);
         }
     }
+}
+
+// The same for rows `row_stride` apart from `head`.
+template <int Rows, int Columns, int Width, int Threads, int ChunkBytes = 16>
+__device__ __forceinline__ void load_swizzled_tile_async(u32 tile, const bits16* head,
+                                                         i64 row_stride, i64 row_start,
+                                                         i64 row_limit) {
+    load_swizzled_rows_async<Rows, Columns, Width, Threads, ChunkBytes>(
+        tile, StridedRows<bits16>{head, row_stride}, row_start, row_limit);
 }
 
 // A wgmma shared-memory matrix descriptor for a swizzled tile: start address, leading- and

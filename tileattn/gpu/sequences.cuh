@@ -1,0 +1,160 @@
+// Variable-length batches and paged K/V (SPEC "Variable-length batches and paged K/V"):
+// which query tile a block owns, which rows and keys form its sequence, and where a key row
+// lies in memory. Every kernel family reads its problem through these, so a dense call and
+// a variable-length one differ only in the compile-time switches below.
+//
+// VARLEN (0/1): the grid walks a tile table of (sequence, first row) pairs, built on the
+// host longest first (tileattn/gpu/varlen.py), times the query heads: tiles past a
+// sequence's end are never launched, and each block reads its sequence's descriptor (the
+// columns of tileattn.options.DESCRIPTOR_COLUMNS): its batch element, first row and row
+// count, first key and key count, band offset (bottom-right per sequence) and index (its
+// dropout heads and ALiBi row are index * Hq + h).
+// PAGED (0/1): keys are read through a block table: logical key j of batch element b is
+// slot j % page_size of page table[b][j / page_size] of the K and V pools, whose "batch"
+// stride is the page stride. Page ids are clamped into the pool, so a bad table (the
+// caller's opt-out of the contents check) gives wrong numbers, never a fault.
+#pragma once
+#include "common.cuh"
+
+#ifndef VARLEN
+#define VARLEN 0
+#endif
+#ifndef PAGED
+#define PAGED 0
+#endif
+
+// The tables of a variable-length call, passed to every kernel (null and 0 when dense).
+struct SequenceTables {
+    const i64* descriptors;  // [S][7]: batch, row base, rows, key base, keys, band, index
+    const i64* tiles;        // [entries][2]: sequence, first row (or first key) of a tile
+    const i64* block_table;  // [B][table_stride] page ids (PAGED)
+    i64 table_stride;
+    i64 page_size;
+    i64 n_pages;
+};
+
+struct Sequence {
+    i64 batch;
+    i64 row_base;
+    i64 rows;
+    i64 key_base;
+    i64 keys;
+    i64 band;
+    i64 index;
+};
+
+__device__ __forceinline__ Sequence sequence_at(const i64* descriptors, i64 s) {
+    const i64* d = descriptors + s * 7;
+    return {d[0], d[1], d[2], d[3], d[4], d[5], d[6]};
+}
+
+// The query tile a block owns and the sequence it lies in, in the sequence's own indices.
+struct QueryBlock {
+    i64 bh;          // dropout hash and ALiBi head: index * Hq + head (dense: batch * Hq + head)
+    i64 out_head;    // flat (batch, head) of the o, lse (and dq) arrays
+    i64 batch;
+    int head;
+    int kv_head;
+    i64 row_start;   // the tile's first row, within the sequence
+    i64 n_q;         // the sequence's rows
+    i64 n_k;         // the sequence's keys
+    i64 row_base;    // the sequence's first row in the arrays' row axis
+    i64 key_base;    // the sequence's first key (0 when paged: keys are logical)
+    i64 band_offset;
+};
+
+// Dense calls keep `query_tile_of_block`'s order; a variable-length call takes entry
+// blockIdx.x / Hq of the tile table (longest first, so every head's long tiles start
+// before any short one), `band_shift` then being the global-position shift of the band
+// (row_offset - col_offset) that each sequence's bottom-right offset is added to.
+__device__ __forceinline__ QueryBlock query_block(int block_rows, i64 n_q, i64 n_k,
+                                                  i64 band_offset, int n_q_heads,
+                                                  int group_size, const SequenceTables& tables) {
+    QueryBlock block;
+#if VARLEN
+    const i64 entry = blockIdx.x / n_q_heads;
+    block.head = static_cast<int>(blockIdx.x % n_q_heads);
+    const Sequence sequence = sequence_at(tables.descriptors, tables.tiles[2 * entry]);
+    block.row_start = tables.tiles[2 * entry + 1];
+    block.batch = sequence.batch;
+    block.bh = sequence.index * n_q_heads + block.head;
+    block.out_head = sequence.batch * n_q_heads + block.head;
+    block.n_q = sequence.rows;
+    block.n_k = sequence.keys;
+    block.row_base = sequence.row_base;
+    block.key_base = sequence.key_base;
+    block.band_offset = sequence.band + band_offset;
+#else
+    const QueryTile owned = query_tile_of_block(n_q, block_rows, n_q_heads, group_size);
+    block.head = owned.head;
+    block.row_start = owned.tile * block_rows;
+    block.batch = owned.batch;
+    block.bh = block.out_head = owned.bh;
+    block.n_q = n_q;
+    block.n_k = n_k;
+    block.row_base = block.key_base = 0;
+    block.band_offset = band_offset;
+#endif
+    block.kv_head = block.head / group_size;
+    return block;
+}
+
+// ------------------------------------------------------------------ where a row lies
+
+// Rows at a fixed stride from a base (a dense head).
+template <typename T> struct StridedRows {
+    const T* base;
+    i64 stride;
+    // `valid` is false for rows past the end, which are zero-filled, never read: any
+    // address will do, and a strided one costs nothing to form.
+    __device__ __forceinline__ const T* at(i64 row, bool) const { return base + row * stride; }
+    __device__ __forceinline__ const T* fallback() const { return base; }
+};
+
+// Logical key rows of one (batch element, kv head) through its block-table row.
+template <typename T> struct PagedRows {
+    const T* pool;       // the pool at this kv head (page 0, slot 0)
+    const i64* table;    // this batch element's row of the block table
+    i64 page_size;
+    i64 page_stride;
+    i64 slot_stride;
+    i64 last_page;
+    __device__ __forceinline__ const T* at(i64 row, bool valid) const {
+        if (!valid) return pool;  // past the sequence: the table may not name a page there
+        const i64 page = min(max(table[row / page_size], i64(0)), last_page);
+        return pool + page * page_stride + (row % page_size) * slot_stride;
+    }
+    __device__ __forceinline__ const T* fallback() const { return pool; }
+};
+
+#if PAGED
+template <typename T> using KeyRows = PagedRows<T>;
+#else
+template <typename T> using KeyRows = StridedRows<T>;
+#endif
+
+// K (or V) rows of a block's (batch element, kv head): `array` with its batch (page), head
+// and row strides; dense and packed calls start at the sequence's first key.
+template <typename T>
+__device__ __forceinline__ KeyRows<T> key_rows(const T* array, i64 batch, int kv_head,
+                                               i64 batch_stride, i64 head_stride,
+                                               i64 row_stride, i64 key_base,
+                                               const SequenceTables& tables) {
+#if PAGED
+    return {array + kv_head * head_stride, tables.block_table + batch * tables.table_stride,
+            tables.page_size, batch_stride, row_stride, tables.n_pages - 1};
+#else
+    return {array + batch * batch_stride + kv_head * head_stride + key_base * row_stride,
+            row_stride};
+#endif
+}
+
+// The kernels' trailing parameters that carry the tables (tileattn/gpu/varlen.py passes
+// them, null and 0 for a dense call), and the tables they make.
+#define SEQUENCE_PARAMETERS                                                                  \
+    const i64 *sequence_descriptors, const i64 *sequence_tiles, const i64 *block_table,      \
+        i64 table_stride, i64 page_size, i64 n_pages
+#define SEQUENCE_TABLES                                                                      \
+    SequenceTables {                                                                         \
+        sequence_descriptors, sequence_tiles, block_table, table_stride, page_size, n_pages \
+    }

@@ -1,0 +1,66 @@
+"""The tables a variable-length or paged call hands the kernels (sequences.cuh).
+
+A dense call passes null tables and compiles without VARLEN/PAGED, so its kernels and their
+compile-cache keys are what they were. A variable-length call uploads, in one copy, its
+sequence descriptors (`tileattn.options.VarlenLayout.descriptors`), the tile table of the
+launch (every sequence's query tiles, longest first: `tileattn.tile_order.tile_list`) and,
+for paged K/V, the block table. The grid is then the tile table's length times the query
+heads, so the work follows the real tokens, not the padded or longest length.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from ..options import BAND, KEYS, ROWS, AttentionOptions
+from ..tile_order import tile_list
+from .operands import empty
+
+
+def dense_arguments(device_id: int) -> tuple:
+    """The trailing kernel arguments of a dense call: no tables (sequences.cuh)."""
+    none = empty(device_id, "int64")
+    return (none, none, none, np.int64(0), np.int64(0), np.int64(0))
+
+
+class Sequences:
+    """A variable-length call's sequences on the device, for launches of any tile height."""
+
+    def __init__(self, q, k, options: AttentionOptions):
+        layout = options.varlen
+        batch, _, n_q, _ = q.shape
+        self.paged = layout.family == "paged"
+        self.packed = layout.family == "packed"
+        self.key_capacity = layout.key_capacity(k.shape[2])
+        self.descriptors = layout.descriptors(batch, n_q, k.shape[2])
+        self.max_rows = int(self.descriptors[:, ROWS].max(initial=0))
+        self.max_keys = int(self.descriptors[:, KEYS].max(initial=0))
+        self.n_pages = layout.num_pages if self.paged else 0
+        self.page_size = layout.page_size if self.paged else 0
+        self._table = (np.ascontiguousarray(layout.block_table, dtype=np.int64) if self.paged
+                       else np.zeros((0, 0), np.int64))
+        self._options = options
+
+    def defines(self) -> tuple:
+        return (("PAGED", int(self.paged)), ("VARLEN", 1))
+
+    def tiles(self, block_rows: int) -> np.ndarray:
+        """``(sequence, first row)`` of every query tile of `block_rows` rows, longest first."""
+        d = self.descriptors
+        return tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], block_rows,
+                         self._options.window_left, self._options.window_right)[0]
+
+    def arguments(self, block_rows: int | None) -> tuple[tuple, int]:
+        """The trailing kernel arguments for launches of `block_rows`-row query tiles (None:
+        no tile table, for the decode kernel, whose blocks are batch elements) and the
+        tile table's length."""
+        tiles = (self.tiles(block_rows) if block_rows is not None
+                 else np.zeros((0, 2), np.int64))
+        host = np.concatenate([self.descriptors.ravel(), tiles.ravel(), self._table.ravel()])
+        device = cupy.asarray(host)
+        descriptors_end = self.descriptors.size
+        tiles_end = descriptors_end + tiles.size
+        return ((device[:descriptors_end], device[descriptors_end:tiles_end],
+                 device[tiles_end:], np.int64(self._table.shape[1]), np.int64(self.page_size),
+                 np.int64(self.n_pages)), len(tiles))

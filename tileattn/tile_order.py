@@ -1,0 +1,72 @@
+"""The order of a call's tiles, longest first, shared by the CPU and GPU launchers.
+
+A causal or windowed tile's cost grows with the keys its rows keep, and sequences of a
+variable-length call differ in length: running the tiles with the most kept (row, key) pairs
+first lets the short ones fill in at the end instead of one long tile starting last
+(bench/NOTES-cpu.md, v5). Plain NumPy, run by the host before a launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .options import UNLIMITED
+
+
+def kept_pairs_per_row(n_rows, n_cols, band_offset, window_left, window_right):
+    """How many keys each of `n_rows` query rows keeps (int64 array; the band of
+    `tileattn.options.keeps`, `band_offset` from `AttentionOptions.band_offset`)."""
+    diagonal = np.arange(n_rows, dtype=np.int64) + band_offset
+    lo = np.zeros(n_rows, np.int64)
+    hi = np.full(n_rows, n_cols, np.int64)
+    if window_left != UNLIMITED:
+        lo = np.maximum(diagonal - window_left, 0)
+    if window_right != UNLIMITED:
+        hi = np.minimum(diagonal + window_right + 1, n_cols)
+    return np.maximum(hi - lo, 0)
+
+
+def longest_first(n_tiles, block, n_rows, n_cols, band_offset, window_left, window_right):
+    """Query-tile indices (int64), the most kept (row, key) pairs first (stable).
+
+    For key tiles, swap the roles: ``longest_first(n_k_tiles, block_k, n_k, n_q,
+    -band_offset, window_right, window_left)`` (key ``j`` is kept by rows
+    ``j - band_offset - window_right`` to ``j - band_offset + window_left``, the same band
+    transposed). NumPy, in the launcher: the order is the kernels' input, and compiling
+    Numba's argsort cost a second.
+    """
+    cost = tile_costs(n_tiles, block, n_rows, n_cols, band_offset, window_left, window_right)
+    return np.argsort(-cost, kind="stable").astype(np.int64)
+
+
+def tile_costs(n_tiles, block, n_rows, n_cols, band_offset, window_left, window_right):
+    """Kept (row, key) pairs of each tile of `block` rows, plus a fixed 1 per tile: the
+    fixed cost keeps empty and tiny tiles last."""
+    pairs = kept_pairs_per_row(n_rows, n_cols, band_offset, window_left, window_right)
+    starts = np.arange(n_tiles, dtype=np.int64) * block
+    return np.add.reduceat(pairs, starts) + 1 if n_tiles else np.zeros(0, np.int64)
+
+
+def tile_list(rows, cols, bands, block, window_left, window_right):
+    """The tiles of every sequence as ``(sequence, first row)`` pairs (int64, ``(T, 2)``),
+    the most kept (row, key) pairs first (stable), and their total kept pairs.
+
+    `rows`, `cols`, `bands` are per-sequence counts and band offsets (columns of the
+    descriptors, `tileattn.options.DESCRIPTOR_COLUMNS`); for key tiles pass keys as
+    `rows` and the band transposed, as `longest_first` says. Sequences of equal shape
+    share one cost computation: a dense batch costs what one sequence does.
+    """
+    shapes, inverse = np.unique(np.stack([rows, cols, bands], axis=1), axis=0,
+                                return_inverse=True)
+    inverse = inverse.reshape(-1)
+    costs = [tile_costs(-(-int(n) // block), block, int(n), int(m), int(band), window_left,
+                        window_right) for n, m, band in shapes]
+    n_tiles = -(-np.asarray(rows, np.int64) // block)
+    sequence = np.repeat(np.arange(len(rows), dtype=np.int64), n_tiles)
+    tile = np.arange(sequence.size, dtype=np.int64) - np.repeat(np.cumsum(n_tiles) - n_tiles,
+                                                                  n_tiles)
+    cost = (np.concatenate([costs[u] for u in inverse]) if sequence.size
+            else np.zeros(0, np.int64))
+    order = np.argsort(-cost, kind="stable")
+    pairs = int(cost.sum() - cost.size)
+    return np.stack([sequence[order], tile[order] * block], axis=1), pairs
