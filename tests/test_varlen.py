@@ -5,9 +5,7 @@ layouts, output buffers, the errors naming each argument, and ``check_lengths=Fa
 
 The drawn problems (`tileattn.testing.varlen_problems`) hold NaN wherever nothing may be
 read (padding rows and keys, pages no row names, page slots past a length, table entries
-past the ones read), so every comparison also proves that none of it leaks. The GPU backend
-serves the forwards; its variable-length backward is not written yet, and there each test
-expects its `NotImplementedError`.
+past the ones read), so every comparison also proves that none of it leaks.
 """
 
 from __future__ import annotations
@@ -50,20 +48,6 @@ def _golden_backward(problem, o, lse):
         **problem.lengths, **problem.options)
 
 
-def _gpu_backward_refuses(backend, lengths: dict, call) -> bool:
-    """Whether `call` is the GPU's variable-length backward, which refuses with a clear
-    NotImplementedError that points elsewhere. (A padded draw with neither length is a
-    dense call, and the API answers empty problems itself: both are served as usual.)"""
-    if backend.name != "gpu" or not _given(lengths):
-        return False
-    try:
-        call()
-    except NotImplementedError as error:
-        assert "backend='cpu'" in str(error)
-        return True
-    return False
-
-
 def check_forward(backend, problem, **blocks):
     o, lse = backend.forward(problem.q, problem.k, problem.v, return_lse=True,
                              **_given(problem.lengths), **problem.options, **blocks)
@@ -83,8 +67,6 @@ def check_backward(backend, problem, **blocks):
         return backend.backward(problem.do, problem.q, problem.k, problem.v, o, lse,
                                 **_given(problem.lengths), **problem.options, **blocks)
 
-    if _gpu_backward_refuses(backend, problem.lengths, run):
-        return
     grads = run()
     expected = _golden_backward(problem, o, lse)
     for name, grad, want, like in zip(("dq", "dk", "dv"), grads, expected,
@@ -174,8 +156,6 @@ def test_padding_is_zero_and_never_read(backend, options):
         return backend.backward(do, q, k, v, o, lse, block_q=8, block_k=8, **lengths,
                                 **options)
 
-    if _gpu_backward_refuses(backend, lengths, backward):
-        return
     dq, dk, dv = backward()
     expected_grads = rv.backward_padded(do, q, k, v, *expected, **lengths, **options)
     for name, actual, want in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv),
@@ -211,7 +191,7 @@ def test_all_padding_and_empty_batches(backend, family):
     def backward():
         return backend.backward(np.zeros_like(o), *args, o, lse, **lengths)
 
-    if family != "paged" and not _gpu_backward_refuses(backend, lengths, backward):
+    if family != "paged":
         grads = backward()
         for grad, like in zip(grads, args):
             assert grad.shape == like.shape and (grad == 0).all()
@@ -301,16 +281,11 @@ def test_bshd_layout_and_output_buffers(backend):
     np.testing.assert_array_equal(o_bshd, o.swapaxes(1, 2))
     np.testing.assert_array_equal(lse_bshd, lse)
 
-    def backward():
-        return backend.backward(do, q, k, v, o, lse, causal=True, **lengths)
-
-    gradients = not _gpu_backward_refuses(backend, lengths, backward)
-    if gradients:
-        grads = backward()
-        grads_bshd = backend.backward(bshd[3], *bshd[:3], o_bshd, lse_bshd, causal=True,
-                                      layout="bshd", **lengths)
-        for a, b in zip(grads_bshd, grads):
-            np.testing.assert_array_equal(a, b.swapaxes(1, 2))
+    grads = backend.backward(do, q, k, v, o, lse, causal=True, **lengths)
+    grads_bshd = backend.backward(bshd[3], *bshd[:3], o_bshd, lse_bshd, causal=True,
+                                  layout="bshd", **lengths)
+    for a, b in zip(grads_bshd, grads):
+        np.testing.assert_array_equal(a, b.swapaxes(1, 2))
     if backend.memory == "host":
         out, lse_out = np.full_like(o, 5.0), np.full_like(lse, 5.0)
         result = tileattn.forward(q, k, v, return_lse=True, causal=True, out=out,
@@ -380,7 +355,7 @@ def test_unchecked_bad_lengths_never_fault(backend, family):
         return backend.backward(np.ones_like(o), part, *args[1:], o, lse,
                                 check_lengths=False, **lengths)
 
-    if family != "paged" and not _gpu_backward_refuses(backend, lengths, backward):
+    if family != "paged":
         grads = backward()
         assert [g.shape for g in grads] == [a.shape for a in (part, *args[1:])]
 

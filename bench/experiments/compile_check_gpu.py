@@ -64,12 +64,13 @@ JOBS = [
      "HEAD_DIM=64", "VALUE_DIM=64", "BLOCK_K=32", "STAGES=4", "THREADS=128",
      "COPY_BYTES=16"]),
 ]
-# Variable-length and paged forwards (sequences.cuh): each forward family once more, with
-# the tile table and the block table.
+# Variable-length calls (sequences.cuh): each family once more with the tile tables, the
+# forwards also with the block table (paged K/V); the backwards have no single pass there.
 VARLEN = ["VARLEN=1", "PAGED=1"]
-JOBS += [(name, arch, defines + VARLEN) for name, arch, defines in JOBS
-         if "forward" in name or name == "attention_generic.cu"
-         or name == "attention_decode.cu" and "ROWS=16" in defines]
+JOBS += [(name, arch, [{"ORDERED=1": "ORDERED=0"}.get(d, d) for d in defines]
+          + (["VARLEN=1"] if "backward" in name else VARLEN))
+         for name, arch, defines in JOBS
+         if name != "attention_decode.cu" or "ROWS=16" in defines]
 
 
 def _decode_shared(defines) -> list[str]:

@@ -62,7 +62,7 @@ def availability() -> str | None:
 
 
 WRITES_OUT = True  # the kernels write into the caller's output buffers (`tileattn.backends`)
-VARLEN = True  # variable-length and paged forwards (`tileattn.backends`, gpu/varlen.py)
+VARLEN = True  # variable-length and paged calls (`tileattn.backends`, gpu/varlen.py)
 
 
 def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
@@ -78,12 +78,6 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions, dq_out=None, dk_out
              dv_out=None):
     """``(dq, dk, dv)`` for CuPy arrays; see `tileattn.backends` for the contract."""
     from . import launch_backward
-
-    if options.varlen is not None:
-        raise NotImplementedError(
-            "the variable-length backward (seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k) "
-            "is not implemented on the GPU backend yet; the forward is. Use backend='cpu' "
-            "(host arrays) or backend='reference' for the gradients")
 
     with q.device:
         return launch_backward.backward(do, q, k, v, o, lse, options,

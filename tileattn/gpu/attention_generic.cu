@@ -13,7 +13,8 @@
 //                            the caller's tile sizes, so an override costs no new compile
 //   THREADS                  threads per block
 //   LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT   0/1 option switches
-//   VARLEN, PAGED                                      variable-length and paged forward
+//   VARLEN, PAGED                                      variable-length (both directions)
+//                                                      and paged (forward) calls
 //                                                      (sequences.cuh)
 #include "sequences.cuh"
 
@@ -433,20 +434,20 @@ __device__ __forceinline__ void score_grad_slots(
     }
 }
 
+// lse and D of rows [row_start, row_start + rows) of one head: `lse_head` and `delta_head`
+// point at the head's (or sequence's) row 0.
 template <class C>
 __device__ __forceinline__ void load_row_stats(typename C::Acc* lse_tile,
                                                typename C::Acc* delta_tile,
-                                               const typename C::Acc* lse,
-                                               const typename C::Acc* delta, i64 batch,
-                                               int head, i64 bh, i64 n_q, i64 row_start,
-                                               int rows, i64 lse_batch_stride,
-                                               i64 lse_head_stride, i64 lse_row_stride) {
+                                               const typename C::Acc* lse_head,
+                                               i64 lse_row_stride,
+                                               const typename C::Acc* delta_head,
+                                               i64 row_start, int rows) {
     for (int r = threadIdx.x; r < C::block_q; r += C::threads) {
         typename C::Acc lse_value = 0, delta_value = 0;
         if (r < rows) {
-            lse_value = lse[batch * lse_batch_stride + head * lse_head_stride +
-                            (row_start + r) * lse_row_stride];
-            if (delta != nullptr) delta_value = delta[bh * n_q + row_start + r];
+            lse_value = lse_head[(row_start + r) * lse_row_stride];
+            delta_value = delta_head[row_start + r];
         }
         lse_tile[r] = lse_value;
         delta_tile[r] = delta_value;
@@ -457,11 +458,11 @@ template <class C>
 __device__ void backward_dkdv_tile(
     const typename C::T* q, const typename C::T* k, const typename C::T* v,
     const typename C::T* d_out, const typename C::Acc* lse, const typename C::Acc* delta,
-    typename C::T* dk, typename C::T* dv, const double* alibi_slopes, i64 n_q, i64 n_k,
-    int n_q_heads, int group_size, int head_dim, int value_dim, int block_q, int block_k,
-    HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
+    typename C::T* dk, typename C::T* dv, const double* alibi_slopes, i64 n_q_total,
+    i64 n_k_total, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
+    int block_k, HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
     HeadStrides do_strides, i64 lse_batch_stride, i64 lse_head_stride, i64 lse_row_stride,
-    ScoreOptions<typename C::Acc> options) {
+    ScoreOptions<typename C::Acc> options, const SequenceTables& tables) {
     typedef typename C::Acc Acc;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Acc* k_tile = reinterpret_cast<Acc*>(shared_bytes);       // [block_k][head_pitch]
@@ -475,18 +476,22 @@ __device__ void backward_dkdv_tile(
     require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
 
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyTile owned = key_tile_of_block(n_k, block_k, n_kv_heads);
-    const i64 batch_kv_head = owned.batch_kv_head, tile = owned.tile, batch = owned.batch;
+    const KeyBlock owned = key_block(block_k, n_q_total, n_k_total, options.band.offset,
+                                     n_kv_heads, tables);
+    const i64 batch = owned.batch, n_q = owned.n_q, n_k = owned.n_k;
     const int kv_head = owned.kv_head;
-    const i64 col_start = tile * block_k;
+    options.band.offset = owned.band_offset;
+    const i64 col_start = owned.key_start;
     const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
 
     load_tile<C, C::block_k, C::head_dim_pad>(
-        k_tile, k + batch * k_strides.batch + kv_head * k_strides.head, k_strides, col_start,
-        cols, head_dim);
+        k_tile,
+        k + batch * k_strides.batch + kv_head * k_strides.head + owned.key_base * k_strides.row,
+        k_strides, col_start, cols, head_dim);
     load_tile<C, C::block_k, C::value_dim_pad>(
-        v_tile, v + batch * v_strides.batch + kv_head * v_strides.head, v_strides, col_start,
-        cols, value_dim);
+        v_tile,
+        v + batch * v_strides.batch + kv_head * v_strides.head + owned.key_base * v_strides.row,
+        v_strides, col_start, cols, value_dim);
 
     constexpr int dk_per_thread = C::block_k * C::head_dim_pad / C::threads;
     constexpr int dv_per_thread = C::block_k * C::value_dim_pad / C::threads;
@@ -504,21 +509,28 @@ __device__ void backward_dkdv_tile(
 
     for (int member = 0; member < group_size; ++member) {
         const int head = kv_head * group_size + member;
-        const i64 bh = batch * n_q_heads + head;
+        const i64 bh = owned.index * n_q_heads + head;  // dropout and ALiBi
+        const i64 array_head = batch * n_q_heads + head;
         const Acc slope = alibi_slope_of<C>(alibi_slopes, bh);
         for (i64 query_tile = tile_begin; query_tile < tile_end; ++query_tile) {
             const i64 row_start = query_tile * block_q;
             const int rows = static_cast<int>(min(static_cast<i64>(block_q), n_q - row_start));
             __syncthreads();  // the previous query tile's readers are done
             const bool q_loaded_non_finite = load_tile<C, C::block_q, C::head_dim_pad>(
-                q_tile, q + batch * q_strides.batch + head * q_strides.head, q_strides,
-                row_start, rows, head_dim);
+                q_tile,
+                q + batch * q_strides.batch + head * q_strides.head +
+                    owned.row_base * q_strides.row,
+                q_strides, row_start, rows, head_dim);
             const bool do_loaded_non_finite = load_tile<C, C::block_q, C::value_dim_pad>(
-                do_tile, d_out + batch * do_strides.batch + head * do_strides.head, do_strides,
-                row_start, rows, value_dim);
-            load_row_stats<C>(lse_tile, delta_tile, lse, delta, batch, head, bh, n_q,
-                              row_start, rows, lse_batch_stride, lse_head_stride,
-                              lse_row_stride);
+                do_tile,
+                d_out + batch * do_strides.batch + head * do_strides.head +
+                    owned.row_base * do_strides.row,
+                do_strides, row_start, rows, value_dim);
+            load_row_stats<C>(lse_tile, delta_tile,
+                              lse + batch * lse_batch_stride + head * lse_head_stride +
+                                  owned.row_base * lse_row_stride,
+                              lse_row_stride, delta + array_head * n_q_total + owned.row_base,
+                              row_start, rows);
             const bool q_non_finite = __syncthreads_or(q_loaded_non_finite);
             const bool do_non_finite = __syncthreads_or(do_loaded_non_finite);
 
@@ -547,7 +559,7 @@ __device__ void backward_dkdv_tile(
         }
     }
 
-    const i64 out_row0 = batch_kv_head * n_k + col_start;
+    const i64 out_row0 = owned.out_head * n_k_total + owned.key_base + col_start;
 #pragma unroll
     for (int i = 0; i < dk_per_thread; ++i) {
         const int element = threadIdx.x + i * C::threads;
@@ -568,11 +580,11 @@ template <class C>
 __device__ void backward_dq_tile(
     const typename C::T* q, const typename C::T* k, const typename C::T* v,
     const typename C::T* d_out, const typename C::Acc* lse, const typename C::Acc* delta,
-    typename C::T* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
-    int group_size, int head_dim, int value_dim, int block_q, int block_k,
+    typename C::T* dq, const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
+    int n_q_heads, int group_size, int head_dim, int value_dim, int block_q, int block_k,
     HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
     HeadStrides do_strides, i64 lse_batch_stride, i64 lse_head_stride, i64 lse_row_stride,
-    ScoreOptions<typename C::Acc> options) {
+    ScoreOptions<typename C::Acc> options, const SequenceTables& tables) {
     typedef typename C::Acc Acc;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Acc* k_tile = reinterpret_cast<Acc*>(shared_bytes);       // [block_k][head_pitch]
@@ -584,23 +596,33 @@ __device__ void backward_dq_tile(
     Acc* delta_tile = lse_tile + C::block_q;                  // [block_q]
     require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
 
-    const QueryTile owned = query_tile_of_block(n_q, block_q, n_q_heads, group_size);
-    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
+    const QueryBlock owned = query_block(block_q, n_q_total, n_k_total, options.band.offset,
+                                         n_q_heads, group_size, tables);
+    const i64 bh = owned.bh, batch = owned.batch, n_q = owned.n_q, n_k = owned.n_k;
     const int head = owned.head, kv_head = owned.kv_head;
-    const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head;
-    const typename C::T* v_head = v + batch * v_strides.batch + kv_head * v_strides.head;
-    const i64 row_start = tile * block_q;
+    options.band.offset = owned.band_offset;
+    const typename C::T* k_head = k + batch * k_strides.batch + kv_head * k_strides.head +
+                                  owned.key_base * k_strides.row;
+    const typename C::T* v_head = v + batch * v_strides.batch + kv_head * v_strides.head +
+                                  owned.key_base * v_strides.row;
+    const i64 row_start = owned.row_start;
     const int rows = static_cast<int>(min(static_cast<i64>(block_q), n_q - row_start));
     const Acc slope = alibi_slope_of<C>(alibi_slopes, bh);
 
     load_tile<C, C::block_q, C::head_dim_pad>(
-        q_tile, q + batch * q_strides.batch + head * q_strides.head, q_strides, row_start,
-        rows, head_dim);
+        q_tile,
+        q + batch * q_strides.batch + head * q_strides.head + owned.row_base * q_strides.row,
+        q_strides, row_start, rows, head_dim);
     load_tile<C, C::block_q, C::value_dim_pad>(
-        do_tile, d_out + batch * do_strides.batch + head * do_strides.head, do_strides,
-        row_start, rows, value_dim);
-    load_row_stats<C>(lse_tile, delta_tile, lse, delta, batch, head, bh, n_q, row_start,
-                      rows, lse_batch_stride, lse_head_stride, lse_row_stride);
+        do_tile,
+        d_out + batch * do_strides.batch + head * do_strides.head +
+            owned.row_base * do_strides.row,
+        do_strides, row_start, rows, value_dim);
+    load_row_stats<C>(lse_tile, delta_tile,
+                      lse + batch * lse_batch_stride + head * lse_head_stride +
+                          owned.row_base * lse_row_stride,
+                      lse_row_stride, delta + owned.out_head * n_q_total + owned.row_base,
+                      row_start, rows);
 
     constexpr int dq_per_thread = C::block_q * C::head_dim_pad / C::threads;
     Acc dq_acc[dq_per_thread];
@@ -639,7 +661,7 @@ __device__ void backward_dq_tile(
                 dq_acc, dscores, C::score_pitch, 1, k_tile, C::head_pitch);
     }
 
-    const i64 out_row0 = bh * n_q + row_start;
+    const i64 out_row0 = owned.out_head * n_q_total + owned.row_base + row_start;
 #pragma unroll
     for (int i = 0; i < dq_per_thread; ++i) {
         const int element = threadIdx.x + i * C::threads;
@@ -678,14 +700,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv(
     i64 n_q, i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
     int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,
-    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS) {
+    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
     backward_dkdv_tile<Config>(q, k, v, d_out, lse, delta, dk, dv, alibi_slopes, n_q, n_k,
                                n_q_heads, group_size, head_dim, value_dim, block_q, block_k,
                                HeadStrides{q_sb, q_sh, q_sn, q_sd},
                                HeadStrides{k_sb, k_sh, k_sn, k_sd},
                                HeadStrides{v_sb, v_sh, v_sn, v_sd},
                                HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh, lse_sn,
-                               SCORE_OPTIONS);
+                               SCORE_OPTIONS, SEQUENCE_TABLES);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(
@@ -694,12 +716,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(
     i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
     int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,
-    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS) {
+    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
     backward_dq_tile<Config>(q, k, v, d_out, lse, delta, dq, alibi_slopes, n_q, n_k, n_q_heads,
                              group_size, head_dim, value_dim, block_q, block_k,
                              HeadStrides{q_sb, q_sh, q_sn, q_sd},
                              HeadStrides{k_sb, k_sh, k_sn, k_sd},
                              HeadStrides{v_sb, v_sh, v_sn, v_sd},
                              HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh, lse_sn,
-                             SCORE_OPTIONS);
+                             SCORE_OPTIONS, SEQUENCE_TABLES);
 }

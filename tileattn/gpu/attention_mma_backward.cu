@@ -38,7 +38,8 @@
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
 // VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED and DKDV_PART (dK/dV
-// kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT.
+// kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN (sequences.cuh; not with
+// SINGLE_PASS).
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
 #if IS_FLOAT32
@@ -353,22 +354,28 @@ __device__ __forceinline__ void pass_turn(int* turn) {
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma(
     const element* q, const element* k, const element* v, const element* d_out, const float* lse,
-    const float* delta, element* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
-    int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
-    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
+    const float* delta, element* dq, const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
+    int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+    i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS,
+    SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(16) element shared_tiles[];
     element* q_tile = shared_tiles;                             // [OWNED_ROWS][kQkPitch]
     element* do_tile = q_tile + OWNED_ROWS * kQkPitch;          // [OWNED_ROWS][kVPitch]
     element* k_tiles = do_tile + OWNED_ROWS * kVPitch;          // [2][STREAMED_ROWS][kQkPitch]
     element* v_tiles = k_tiles + 2 * STREAMED_ROWS * kQkPitch;  // [2][STREAMED_ROWS][kVPitch]
 
-    const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
-    const i64 bh = owned.bh, tile = owned.tile, batch = owned.batch;
+    const SequenceTables tables = SEQUENCE_TABLES;
+    const QueryBlock owned = query_block(OWNED_ROWS, n_q_total, n_k_total, band_offset,
+                                         n_q_heads, group_size, tables);
+    const i64 bh = owned.bh, batch = owned.batch, n_q = owned.n_q, n_k = owned.n_k;
     const int head = owned.head, kv_head = owned.kv_head;
-    const element* k_head = k + batch * k_sb + kv_head * k_sh;
-    const element* v_head = v + batch * v_sb + kv_head * v_sh;
-    const i64 row_start = tile * OWNED_ROWS;
+    const Band band{owned.band_offset, window_left, window_right};
+    const element* k_head = k + batch * k_sb + kv_head * k_sh + owned.key_base * k_sn;
+    const element* v_head = v + batch * v_sb + kv_head * v_sh + owned.key_base * v_sn;
+    // The sequence's row 0 of this head in dq, lse and D.
+    const i64 head_row0 = owned.out_head * n_q_total + owned.row_base;
+    element* dq_head = dq + head_row0 * HEAD_DIM;
+    const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
                                       dropout_threshold, dropout_scale,
@@ -379,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
                                             &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0
         for (i64 i = threadIdx.x; i < (row_stop - row_start) * HEAD_DIM; i += kThreads)
-            dq[(bh * n_q + row_start) * HEAD_DIM + i] = 0;
+            dq_head[row_start * HEAD_DIM + i] = 0;
         return;
     }
 
@@ -389,7 +396,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
                             row_start + warp * 16 + quad_row + 8};
     float lse_log2[2], row_delta[2];
     u32 row_states[2];
-    load_query_row_terms(scores, lse, delta, bh, n_q, my_rows, lse_log2, row_delta, row_states);
+    load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, lse_log2,
+                         row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
         load_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
@@ -409,9 +417,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     };
 
     load_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-        q_tile, q + batch * q_sb + head * q_sh, q_sn, row_start, n_q);
+        q_tile, q + batch * q_sb + head * q_sh + owned.row_base * q_sn, q_sn, row_start, n_q);
     load_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-        do_tile, d_out + batch * do_sb + head * do_sh, do_sn, row_start, n_q);
+        do_tile, d_out + batch * do_sb + head * do_sh + owned.row_base * do_sn, do_sn,
+        row_start, n_q);
     commit_copies();
 
     // dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
@@ -447,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         }
         accumulate_product(s, k_tile, dq_acc);
     });
-    store_rows<HEAD_DIM>(dq_acc, scale, dq + bh * n_q * HEAD_DIM, row_start + warp * 16, n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale, dq_head, row_start + warp * 16, n_q);
 }
 
 // ------------------------------------------------------------------ dK, dV
@@ -455,10 +464,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_mma(
     const element* q, const element* k, const element* v, const element* d_out, const float* lse,
     const float* delta, element* dk, element* dv, float* dq_sum, int* dq_turns,
-    const double* alibi_slopes, i64 n_q, i64 n_k,
+    const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
-    SCORE_OPTION_PARAMS) {
+    SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(16) element shared_tiles[];
     element* k_tile = shared_tiles;                               // [OWNED_ROWS][kQkPitch]
     element* v_tile = k_tile + OWNED_ROWS * kQkPitch;             // [OWNED_ROWS][kVPitch]
@@ -470,19 +479,23 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][kDsPitch].
     bits16* ds_tile = reinterpret_cast<bits16*>(delta_tiles + 2 * STREAMED_ROWS);
 
-    const Band band{band_offset, window_left, window_right};
+    const SequenceTables tables = SEQUENCE_TABLES;
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyTile owned = key_tile_of_block<kBandedGrid && !ORDERED>(n_k, OWNED_ROWS, n_kv_heads);
-    const i64 batch_kv_head = owned.batch_kv_head, tile = owned.tile, batch = owned.batch;
+    const KeyBlock owned = key_block<kBandedGrid && !ORDERED>(OWNED_ROWS, n_q_total, n_k_total,
+                                                              band_offset, n_kv_heads, tables);
+    const i64 batch = owned.batch, n_q = owned.n_q, n_k = owned.n_k;
     const int kv_head = owned.kv_head;
-    const i64 col_start = tile * OWNED_ROWS;
+    const Band band{owned.band_offset, window_left, window_right};
+    const i64 col_start = owned.key_start;
+    const i64 tile = col_start / OWNED_ROWS;
     const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad_row = lane / 4;
     const i64 my_keys[2] = {col_start + warp * 16 + quad_row,
                             col_start + warp * 16 + quad_row + 8};
-    element* dk_head = dk + batch_kv_head * n_k * HEAD_DIM;
-    element* dv_head = dv + batch_kv_head * n_k * VALUE_DIM;
+    const i64 key_row0 = owned.out_head * n_k_total + owned.key_base;  // in dk and dv
+    element* dk_head = dk + key_row0 * HEAD_DIM;
+    element* dv_head = dv + key_row0 * VALUE_DIM;
 
     // The part's accumulators (the other part's are never touched: no registers).
     Accumulators<kHeadWidth> dk_acc;
@@ -499,20 +512,23 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     }
 
     load_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-        k_tile, k + batch * k_sb + kv_head * k_sh, k_sn, col_start, n_k);
+        k_tile, k + batch * k_sb + kv_head * k_sh + owned.key_base * k_sn, k_sn, col_start, n_k);
     if (kComputesDk)
         load_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-            v_tile, v + batch * v_sb + kv_head * v_sh, v_sn, col_start, n_k);
+            v_tile, v + batch * v_sb + kv_head * v_sh + owned.key_base * v_sn, v_sn, col_start,
+            n_k);
     commit_copies();
 
     for (int member = 0; member < group_size; ++member) {
         const int head = kv_head * group_size + member;
-        const i64 bh = batch * n_q_heads + head;
+        const i64 bh = owned.index * n_q_heads + head;  // dropout and ALiBi
+        const i64 array_head = batch * n_q_heads + head;  // q, dO, lse, D
         const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
                                           dropout_threshold, dropout_scale,
                                       dropout_row0, dropout_col0);
-        const element* q_head = q + batch * q_sb + head * q_sh;
-        const element* do_head = d_out + batch * do_sb + head * do_sh;
+        const element* q_head = q + batch * q_sb + head * q_sh + owned.row_base * q_sn;
+        const element* do_head = d_out + batch * do_sb + head * do_sh + owned.row_base * do_sn;
+        const i64 head_row0 = array_head * n_q_total + owned.row_base;  // in lse and D
         // ORDERED without a band: block `tile` starts at its own query tile and wraps.
         const i64 n_q_tiles = (n_q + STREAMED_ROWS - 1) / STREAMED_ROWS;
         const i64 n_k_blocks = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
@@ -528,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
                 const int r = i % STREAMED_ROWS;
                 const bool valid = start + r < n_q;
-                const float* source = (i < STREAMED_ROWS ? lse : delta) + bh * n_q +
+                const float* source = (i < STREAMED_ROWS ? lse : delta) + head_row0 +
                                       (valid ? start + r : 0);
                 float* destination = (i < STREAMED_ROWS ? lse_tiles : delta_tiles) +
                                      stage * STREAMED_ROWS + r;
@@ -603,12 +619,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 #if SINGLE_PASS
             {
                 __syncthreads();  // every warp's dS^T rows are in ds_tile
-                int* turn = dq_turns + bh * n_q_tiles + query_tile;
+                int* turn = dq_turns + array_head * n_q_tiles + query_tile;
                 if (ORDERED)
                     wait_for_turn(turn, dq_turn_rank(band, query_tile, tile, n_q_tiles,
                                                      n_k_blocks, n_q, n_k));
-                add_query_tile_dq(ds_tile, k_tile, dq_sum + bh * n_q * HEAD_DIM, query_start,
-                                  n_q);
+                add_query_tile_dq(ds_tile, k_tile, dq_sum + array_head * n_q * HEAD_DIM,
+                                  query_start, n_q);
                 if (ORDERED) pass_turn(turn);
             }
 #endif

@@ -42,7 +42,7 @@
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES, OWNED_ROWS (a multiple of 64), STREAMED_ROWS (a multiple of 16 up to 256),
 // STAGES (>= 2), SINGLE_PASS and DKDV_PART (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
-// ALIBI, DROPOUT. Needs -arch=sm_90a.
+// ALIBI, DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS). Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "backward_scores.cuh"
 
@@ -196,9 +196,10 @@ __device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load 
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    const float* delta, bits16* dq, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
-    int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
-    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS) {
+    const float* delta, bits16* dq, const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
+    int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+    i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS,
+    SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(128) unsigned char shared_bytes[];
     const u32 q_tile = (shared_address(shared_bytes) + kTileAlignment - 1) &
                        ~static_cast<u32>(kTileAlignment - 1);
@@ -206,12 +207,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const u32 k_tiles = do_tile + kOwnedValueBytes;             // [STAGES] swizzled K tiles
     const u32 v_tiles = k_tiles + STAGES * kStreamedHeadBytes;  // [STAGES] swizzled V tiles
 
-    const Band band{band_offset, window_left, window_right};
-    const QueryTile owned = query_tile_of_block(n_q, OWNED_ROWS, n_q_heads, group_size);
-    const i64 bh = owned.bh;
-    const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh;
-    const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh;
-    const i64 row_start = owned.tile * OWNED_ROWS;
+    const SequenceTables tables = SEQUENCE_TABLES;
+    const QueryBlock owned = query_block(OWNED_ROWS, n_q_total, n_k_total, band_offset,
+                                         n_q_heads, group_size, tables);
+    const i64 bh = owned.bh, n_q = owned.n_q, n_k = owned.n_k;
+    const Band band{owned.band_offset, window_left, window_right};
+    const bits16* k_head = k + owned.batch * k_sb + owned.kv_head * k_sh + owned.key_base * k_sn;
+    const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh + owned.key_base * v_sn;
+    // The sequence's row 0 of this head in dq, lse and D.
+    const i64 head_row0 = owned.out_head * n_q_total + owned.row_base;
+    bits16* dq_head = dq + head_row0 * HEAD_DIM;
+    const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
                                       dropout_threshold, dropout_scale,
@@ -223,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
-            dq[(bh * n_q + row_start) * HEAD_DIM + element] = 0;
+            dq_head[row_start * HEAD_DIM + element] = 0;
         return;
     }
 
@@ -232,7 +238,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const i64 my_rows[2] = {warp_row0 + lane / 4, warp_row0 + lane / 4 + 8};
     float lse_log2[2], row_delta[2];
     u32 row_states[2];
-    load_query_row_terms(scores, lse, delta, bh, n_q, my_rows, lse_log2, row_delta, row_states);
+    load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, lse_log2,
+                         row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
         load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
@@ -250,9 +257,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     };
 
     load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
-        q_tile, q + owned.batch * q_sb + owned.head * q_sh, q_sn, row_start, n_q);
+        q_tile, q + owned.batch * q_sb + owned.head * q_sh + owned.row_base * q_sn, q_sn,
+        row_start, n_q);
     load_swizzled_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
-        do_tile, d_out + owned.batch * do_sb + owned.head * do_sh, do_sn, row_start, n_q);
+        do_tile, d_out + owned.batch * do_sb + owned.head * do_sh + owned.row_base * do_sn,
+        do_sn, row_start, n_q);
     commit_copies();
     // This warpgroup's 64 rows of the owned tiles.
     const u32 q_rows = q_tile + warpgroup * 64 * QkSwizzle::kRowBytes;
@@ -276,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         wgmma_wait<0>();
         wgmma_pin(dq_acc);
     });
-    store_rows<HEAD_DIM>(dq_acc, scale, dq + bh * n_q * HEAD_DIM, warp_row0, n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale, dq_head, warp_row0, n_q);
 }
 
 // ------------------------------------------------------------------ the single pass's dQ
@@ -355,10 +364,10 @@ extern "C" __global__ void attention_backward_dq_unblock(const float* dq_sum, bi
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
     const float* delta, bits16* dk, bits16* dv, float* dq_sum, const double* alibi_slopes,
-    i64 n_q, i64 n_k,
+    i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
-    SCORE_OPTION_PARAMS) {
+    SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(128) unsigned char shared_bytes[];
     const u32 k_tile = (shared_address(shared_bytes) + kTileAlignment - 1) &
                        ~static_cast<u32>(kTileAlignment - 1);
@@ -380,16 +389,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
         ds_tile + OWNED_ROWS * kSwizzleRowBytes + (threadIdx.x / 128) * kStagedBytes;
     unsigned char* staged_bytes = shared_bytes + (staged - shared_address(shared_bytes));
 
-    const Band band{band_offset, window_left, window_right};
+    const SequenceTables tables = SEQUENCE_TABLES;
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyTile owned = key_tile_of_block(n_k, OWNED_ROWS, n_kv_heads);
-    const i64 col_start = owned.tile * OWNED_ROWS;
+    const KeyBlock owned =
+        key_block(OWNED_ROWS, n_q_total, n_k_total, band_offset, n_kv_heads, tables);
+    const i64 n_q = owned.n_q, n_k = owned.n_k;
+    const Band band{owned.band_offset, window_left, window_right};
+    const i64 col_start = owned.key_start;
     const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
     const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
     const i64 warp_key0 = col_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;
     const i64 my_keys[2] = {warp_key0 + lane / 4, warp_key0 + lane / 4 + 8};
-    bits16* dk_head = dk + owned.batch_kv_head * n_k * HEAD_DIM;
-    bits16* dv_head = dv + owned.batch_kv_head * n_k * VALUE_DIM;
+    const i64 key_row0 = owned.out_head * n_k_total + owned.key_base;  // in dk and dv
+    bits16* dk_head = dk + key_row0 * HEAD_DIM;
+    bits16* dv_head = dv + key_row0 * VALUE_DIM;
 
     // The part's accumulators (the other part's are never touched: no registers).
     float dk_acc[kHeadWidth / 8][4], dv_acc[kValueWidth / 8][4];
@@ -405,10 +418,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     }
 
     load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
-        k_tile, k + owned.batch * k_sb + owned.kv_head * k_sh, k_sn, col_start, n_k);
+        k_tile, k + owned.batch * k_sb + owned.kv_head * k_sh + owned.key_base * k_sn, k_sn,
+        col_start, n_k);
     if (kComputesDk)
         load_swizzled_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
-            v_tile, v + owned.batch * v_sb + owned.kv_head * v_sh, v_sn, col_start, n_k);
+            v_tile, v + owned.batch * v_sb + owned.kv_head * v_sh + owned.key_base * v_sn, v_sn,
+            col_start, n_k);
     commit_copies();
     // This warpgroup's 64 keys of the owned tiles.
     const u32 k_rows = k_tile + warpgroup * 64 * QkSwizzle::kRowBytes;
@@ -416,12 +431,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
 
     for (int member = 0; member < group_size; ++member) {
         const int head = owned.kv_head * group_size + member;
-        const i64 bh = owned.batch * n_q_heads + head;
+        const i64 bh = owned.index * n_q_heads + head;  // dropout and ALiBi
+        const i64 array_head = owned.batch * n_q_heads + head;  // q, dO, lse, D
         const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
                                           dropout_threshold, dropout_scale,
                                       dropout_row0, dropout_col0);
-        const bits16* q_head = q + owned.batch * q_sb + head * q_sh;
-        const bits16* do_head = d_out + owned.batch * do_sb + head * do_sh;
+        const bits16* q_head = q + owned.batch * q_sb + head * q_sh + owned.row_base * q_sn;
+        const bits16* do_head =
+            d_out + owned.batch * do_sb + head * do_sh + owned.row_base * do_sn;
+        const i64 head_row0 = array_head * n_q_total + owned.row_base;  // in lse and D
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
             load_swizzled_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
@@ -431,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
                 const int r = i % STREAMED_ROWS;
                 const bool valid = start + r < n_q;
-                const float* source = (i < STREAMED_ROWS ? lse : delta) + bh * n_q +
+                const float* source = (i < STREAMED_ROWS ? lse : delta) + head_row0 +
                                       (valid ? start + r : 0);
                 float* destination = (i < STREAMED_ROWS ? lse_tiles : delta_tiles) +
                                      stage * STREAMED_ROWS + r;
@@ -485,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
                 fence_shared_for_async_proxy();
                 warpgroup_sync();
                 if (threadIdx.x % 128 == 0) {
-                    bulk_reduce_add(dq_sum_block(dq_sum, bh, query_tile, n_q) +
+                    bulk_reduce_add(dq_sum_block(dq_sum, array_head, query_tile, n_q) +
                                         dq_block * 64 * kSwizzleColumns,
                                     staged, kStagedBytes);
                     bulk_commit();

@@ -11,9 +11,10 @@ from ..options import AttentionOptions
 from . import _compile
 from .launch_forward import GENERIC_THREADS, GenericConfig
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
-                       element_strides, empty, plan_key, problem_of, remember,
+                       element_strides, empty, plan_key, problem_for, problem_of, remember,
                        score_arguments, tensor_core_operands)
 from .tiles import Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, choose_backward
+from .varlen import Sequences, dense_arguments
 
 WGMMA_SOURCE = "attention_wgmma_backward.cu"
 MMA_SOURCE = "attention_mma_backward.cu"
@@ -21,11 +22,17 @@ DELTA_SOURCE = "attention_backward_delta.cu"
 DELTA_THREADS = 256
 
 
-def _outputs(q, k, v, given=(None, None, None)) -> tuple:
+def _outputs(q, k, v, given=(None, None, None), zeroed: bool = False) -> tuple:
     """dq, dk, dv: the caller's buffers where given (validated: shape, dtype, C-contiguous),
-    else new ones; uninitialised, every element is written."""
-    return tuple(cupy.empty(like.shape, dtype=q.dtype) if buffer is None else buffer
-                 for like, buffer in zip((q, k, v), given))
+    else new ones; uninitialised, every element is written, unless `zeroed` (a
+    variable-length call, whose padding rows and keys no kernel writes: their gradients
+    are 0)."""
+    outputs = tuple(cupy.empty(like.shape, dtype=q.dtype) if buffer is None else buffer
+                    for like, buffer in zip((q, k, v), given))
+    if zeroed:
+        for output in outputs:
+            output.fill(0)
+    return outputs
 
 
 # --------------------------------------------------------------------------- D
@@ -77,15 +84,17 @@ def row_deltas(do, o) -> tuple:
 # --------------------------------------------------------------------------- tensor cores
 
 
-def _operands(do, q, k, v, lse, options: AttentionOptions, given=(None, None, None)):
+def _operands(do, q, k, v, lse, options: AttentionOptions, given=(None, None, None),
+              sequences: Sequences | None = None):
     """What the tensor-core backwards launch with: the inputs read in place, lse as float32,
-    the outputs (dq, dk, dv), the arguments after the arrays and the copy width."""
+    the outputs (dq, dk, dv; zeroed for a variable-length call), the arguments after the
+    arrays but for the tables, and the copy width."""
     n_q_heads, n_q = q.shape[1], q.shape[2]
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     (q, k, v, do), (q_strides, k_strides, v_strides, do_strides), copy_bytes = (
         tensor_core_operands(q, k, v, do))
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    outputs = _outputs(q, k, v, given)
+    outputs = _outputs(q, k, v, given, zeroed=sequences is not None)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
@@ -98,15 +107,18 @@ def _dkdv_parts(split: bool) -> tuple:
 
 
 def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaBackwardTiles,
-                   single_pass: bool = False, given=(None, None, None)):
+                   single_pass: bool = False, given=(None, None, None),
+                   sequences: Sequences | None = None):
     """D = rowsum(do * o) first, then the dQ and the dK/dV kernels, which both read it.
 
     `single_pass` (measured, not the default): no dQ kernel; the dK/dV kernel adds dQ into
     a float32 buffer (B * Hq * Nq rounded up to 64 * D * 4 bytes) by bulk reductions, in
     arrival order, so dq's last bits depend on scheduling. It is slower than the two kernels
     on the H100 (bench/NOTES-gpu.md, v7, v10 and v11), so both settings of
-    ``deterministic`` run the two kernels by default.
+    ``deterministic`` run the two kernels by default. A variable-length call (`sequences`)
+    runs the two kernels over its tile tables.
     """
+    single_pass = single_pass and sequences is None
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     key = plan_key("backward", options, do, q, k, v, o) if not single_pass else None
@@ -123,16 +135,16 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     delta, delta_launch = row_deltas(do, o)
     launches = [delta_launch]
     (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options,
-                                                                     given)
+                                                                     given, sequences)
     widths = Widths.padded(head_dim, v.shape[3], 16)
     # The single pass's dQ buffer: (batch x head, query tile of 64, column block of 64)
     # blocks of 64 x 64 floats, one bulk reduction's destination each.
     dq_sum = (cupy.zeros(batch * n_q_heads * -(-n_q // 64) * 64 * head_dim, dtype=cupy.float32)
               if single_pass else empty(q.device.id, "float32"))
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
-                                        batch * n_q_heads)])
+                                        n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k,
-                 batch * n_kv_heads) for part in _dkdv_parts(tiles.split)]
+                 n_kv_heads) for part in _dkdv_parts(tiles.split)]
     for entry, part, arrays, n_rows, heads in kernels:
         owned, streamed = getattr(tiles, entry)
         defines = (("COPY_BYTES", copy_bytes), ("DKDV_PART", part), ("HEAD_DIM", head_dim),
@@ -140,11 +152,15 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
                    ("OWNED_ROWS", owned), ("SINGLE_PASS", int(single_pass)),
                    ("STAGES", tiles.stages), ("STREAMED_ROWS", streamed),
                    ("VALUE_DIM", v.shape[3])) + Switches.of(options).defines()
+        if sequences is not None:
+            defines += (("VARLEN", 1),)
         shared = tiles.shared_bytes(entry, widths, single_pass, part)
         function = _compile.kernel(WGMMA_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
-        launches.append(Launch(function, (-(-n_rows // owned) * heads,), (owned // 64 * 128,),
-                               shared, common))
+        grid, tables = _tile_grid(heads, n_rows, owned, batch, sequences,
+                                  keys=entry == "dkdv")
+        launches.append(Launch(function, (grid,), (owned // 64 * 128,), shared,
+                               common + tables))
         launches[-1](*arrays)
     remember(key, tuple(launches), copy_bytes, *arrays_in)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
@@ -156,7 +172,8 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
 
 
 def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackwardTiles,
-                 single_pass: bool | None = None, given=(None, None, None)):
+                 single_pass: bool | None = None, given=(None, None, None),
+                 sequences: Sequences | None = None):
     """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32).
 
     `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
@@ -173,19 +190,19 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     can_single = (not is_float32 and head_dim == value_dim and head_dim % 16 == 0
                   and not tiles.split)
     single_pass = (not options.deterministic if single_pass is None else single_pass)
-    single_pass = single_pass and can_single
+    single_pass = single_pass and can_single and sequences is None
     ordered = single_pass and options.deterministic
     delta = row_deltas(do, o)[0]
     (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options,
-                                                                     given)
+                                                                     given, sequences)
     widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles.dkdv[1])
     dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
-                                        batch * n_q_heads)])
+                                        n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k,
-                 batch * n_kv_heads) for part in _dkdv_parts(tiles.split)]
+                 n_kv_heads) for part in _dkdv_parts(tiles.split)]
     for entry, part, arrays, n_rows, heads in kernels:
         owned, streamed = getattr(tiles, entry)
         defines = (("COPY_BYTES", copy_bytes), ("DKDV_PART", part), ("HEAD_DIM", head_dim),
@@ -194,11 +211,16 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                    ("OWNED_ROWS", owned), ("SINGLE_PASS", int(single_pass)),
                    ("STREAMED_ROWS", streamed), ("VALUE_DIM", value_dim)
                    ) + Switches.of(options).defines()
+        if sequences is not None:
+            defines += (("VARLEN", 1),)
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
-        function((-(-n_rows // owned) * heads,), (owned // 16 * 32,), arrays + common,
-                 shared_mem=shared)
+        grid, tables = _tile_grid(heads, n_rows, owned, batch, sequences,
+                                  keys=entry == "dkdv")
+        if grid:
+            function((grid,), (owned // 16 * 32,), arrays + common + tables,
+                     shared_mem=shared)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
         convert = _compile.kernel(MMA_SOURCE, "attention_backward_dq_convert",
                                   tuple(sorted(defines)), 0)
@@ -210,7 +232,19 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
 # --------------------------------------------------------------------------- generic
 
 
-def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None)):
+def _tile_grid(heads: int, n_rows: int, block: int, batch: int, sequences: Sequences | None,
+               keys: bool = False) -> tuple[int, tuple]:
+    """Blocks of a query-tile (or, with `keys`, key-tile) kernel: `heads` per tile of
+    `block` rows of each batch element, or of each entry of the sequences' tile table; and
+    the trailing table arguments (sequences.cuh)."""
+    if sequences is None:
+        return -(-n_rows // block) * batch * heads, dense_arguments(cupy.cuda.Device().id)
+    tables, entries = sequences.arguments(block, keys)
+    return entries * heads, tables
+
+
+def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None),
+                     sequences: Sequences | None = None):
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     accum = accumulation_dtype(q.dtype)
@@ -221,18 +255,23 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
         lse = lse.astype(accum)
     (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-    dq, dk, dv = _outputs(q, k, v, given)
+    dq, dk, dv = _outputs(q, k, v, given, zeroed=sequences is not None)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
               np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,
               *v_strides, *do_strides, *lse_strides,
               *score_arguments(options, n_q, n_k, accum))
-    function, shared = config.kernel("attention_backward_dq")
-    function((-(-n_q // blocks.block_q) * batch * n_q_heads,), (GENERIC_THREADS,),
-             (q, k, v, do, lse, delta, dq) + common, shared_mem=shared)
-    function, shared = config.kernel("attention_backward_dkdv")
-    function((-(-n_k // blocks.block_k) * batch * n_kv_heads,), (GENERIC_THREADS,),
-             (q, k, v, do, lse, delta, dk, dv) + common, shared_mem=shared)
+    extra = sequences.defines() if sequences is not None else ()
+    function, shared = config.kernel("attention_backward_dq", extra)
+    grid, tables = _tile_grid(n_q_heads, n_q, blocks.block_q, batch, sequences)
+    if grid:
+        function((grid,), (GENERIC_THREADS,), (q, k, v, do, lse, delta, dq) + common + tables,
+                 shared_mem=shared)
+    function, shared = config.kernel("attention_backward_dkdv", extra)
+    grid, tables = _tile_grid(n_kv_heads, n_k, blocks.block_k, batch, sequences, keys=True)
+    if grid:
+        function((grid,), (GENERIC_THREADS,),
+                 (q, k, v, do, lse, delta, dk, dv) + common + tables, shared_mem=shared)
     return dq, dk, dv
 
 
@@ -240,16 +279,23 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
 
 
 def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
-        given=(None, None, None)):
+        given=(None, None, None), sequences: Sequences | None = None):
     """``(dq, dk, dv)`` with the family and tiles of `choice` (the sweeps pass their own),
     written into the `given` buffers where there are some."""
     if choice.family == "wgmma":
-        return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles, given=given)
+        return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles, given=given,
+                              sequences=sequences)
     if choice.family in ("mma", "tf32"):
-        return backward_mma(do, q, k, v, o, lse, options, choice.tiles, given=given)
-    return backward_generic(do, q, k, v, o, lse, options, given)
+        return backward_mma(do, q, k, v, o, lse, options, choice.tiles, given=given,
+                            sequences=sequences)
+    return backward_generic(do, q, k, v, o, lse, options, given, sequences)
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None)):
+    if options.varlen is not None:
+        sequences = Sequences(q, k, options)
+        problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3],
+                              max(1, sequences.max_keys), options)
+        return run(choose_backward(problem), do, q, k, v, o, lse, options, given, sequences)
     return run(choose_backward(problem_of(q, k, v, options)), do, q, k, v, o, lse, options,
                given)

@@ -99,6 +99,54 @@ __device__ __forceinline__ QueryBlock query_block(int block_rows, i64 n_q, i64 n
     return block;
 }
 
+// The key tile a block owns (the dK/dV kernels) and the sequence it lies in.
+struct KeyBlock {
+    i64 index;       // the sequence's index: its query head h's dropout and ALiBi head is
+                     // index * Hq + h (dense: the batch element)
+    i64 batch;
+    int kv_head;
+    i64 out_head;    // flat (batch, kv head) of the dk and dv arrays
+    i64 key_start;   // the tile's first key, within the sequence
+    i64 n_q;
+    i64 n_k;
+    i64 row_base;
+    i64 key_base;
+    i64 band_offset;
+};
+
+// Dense calls keep `key_tile_of_block`'s order (`kTileMajor` as there); a variable-length
+// call takes entry blockIdx.x / Hkv of the key-tile table.
+template <bool kTileMajor = kBandedGrid>
+__device__ __forceinline__ KeyBlock key_block(int block_keys, i64 n_q, i64 n_k,
+                                              i64 band_offset, int n_kv_heads,
+                                              const SequenceTables& tables) {
+    KeyBlock block;
+#if VARLEN
+    const i64 entry = blockIdx.x / n_kv_heads;
+    block.kv_head = static_cast<int>(blockIdx.x % n_kv_heads);
+    const Sequence sequence = sequence_at(tables.descriptors, tables.tiles[2 * entry]);
+    block.key_start = tables.tiles[2 * entry + 1];
+    block.index = sequence.index;
+    block.batch = sequence.batch;
+    block.n_q = sequence.rows;
+    block.n_k = sequence.keys;
+    block.row_base = sequence.row_base;
+    block.key_base = sequence.key_base;
+    block.band_offset = sequence.band + band_offset;
+#else
+    const KeyTile owned = key_tile_of_block<kTileMajor>(n_k, block_keys, n_kv_heads);
+    block.kv_head = owned.kv_head;
+    block.key_start = owned.tile * block_keys;
+    block.index = block.batch = owned.batch;
+    block.n_q = n_q;
+    block.n_k = n_k;
+    block.row_base = block.key_base = 0;
+    block.band_offset = band_offset;
+#endif
+    block.out_head = block.batch * n_kv_heads + block.kv_head;
+    return block;
+}
+
 // ------------------------------------------------------------------ where a row lies
 
 // Rows at a fixed stride from a base (a dense head).

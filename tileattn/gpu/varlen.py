@@ -45,17 +45,19 @@ class Sequences:
     def defines(self) -> tuple:
         return (("PAGED", int(self.paged)), ("VARLEN", 1))
 
-    def tiles(self, block_rows: int) -> np.ndarray:
-        """``(sequence, first row)`` of every query tile of `block_rows` rows, longest first."""
-        d = self.descriptors
-        return tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], block_rows,
-                         self._options.window_left, self._options.window_right)[0]
+    def tiles(self, block_rows: int, keys: bool = False) -> np.ndarray:
+        """``(sequence, first row)`` of every query tile of `block_rows` rows (with `keys`,
+        ``(sequence, first key)`` of every key tile), longest first."""
+        d, left, right = self.descriptors, self._options.window_left, self._options.window_right
+        if keys:  # the band transposed: key j is kept by rows j - band - right .. + left
+            return tile_list(d[:, KEYS], d[:, ROWS], -d[:, BAND], block_rows, right, left)[0]
+        return tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], block_rows, left, right)[0]
 
-    def arguments(self, block_rows: int | None) -> tuple[tuple, int]:
-        """The trailing kernel arguments for launches of `block_rows`-row query tiles (None:
-        no tile table, for the decode kernel, whose blocks are batch elements) and the
-        tile table's length."""
-        tiles = (self.tiles(block_rows) if block_rows is not None
+    def arguments(self, block_rows: int | None, keys: bool = False) -> tuple[tuple, int]:
+        """The trailing kernel arguments for launches of `block_rows`-row query tiles (or
+        key tiles, with `keys`; None: no tile table, for the decode kernel, whose blocks are
+        batch elements) and the tile table's length."""
+        tiles = (self.tiles(block_rows, keys) if block_rows is not None
                  else np.zeros((0, 2), np.int64))
         host = np.concatenate([self.descriptors.ravel(), tiles.ravel(), self._table.ravel()])
         device = cupy.asarray(host)
