@@ -71,9 +71,9 @@ def _check_serves(module, problem: Problem) -> None:
     """Variable-length and paged calls need a backend that declares ``VARLEN``."""
     if problem.options.varlen is not None and not getattr(module, "VARLEN", False):
         raise NotImplementedError(
-            "variable-length and paged attention (seqlens_q, seqlens_k, cu_seqlens_q, "
-            "cu_seqlens_k, block_table) is not implemented on the GPU backend yet; use "
-            "backend='cpu' (host arrays) or backend='reference'")
+            f"variable-length and paged attention (seqlens_q, seqlens_k, cu_seqlens_q, "
+            f"cu_seqlens_k, block_table) is not implemented by the backend module "
+            f"{module.__name__}; the 'cpu', 'gpu' and 'reference' backends serve it")
 
 
 def _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table):

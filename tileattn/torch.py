@@ -213,8 +213,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     with ``block_table`` ``(*batch, max_pages)``, ``seqlens_k`` and k, v page pools
     ``(num_pages, Hkv, page_size, D)`` (``(num_pages, page_size, Hkv, D)`` with "bshd").
     They are integer tensors, NumPy arrays or lists and get no gradient. Paged K/V is
-    forward only: a backward through it raises tileattn.backward's ValueError. The GPU
-    backend does not serve these calls yet (NotImplementedError).
+    forward only: a backward through it raises tileattn.backward's ValueError.
 
     Same options as `tileattn.forward` (`alibi_slopes` as a tensor, a NumPy array or a
     list); `deterministic` applies to the backward pass. Returns ``o``, a tensor of q's dtype

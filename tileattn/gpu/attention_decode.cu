@@ -129,6 +129,8 @@ struct KeyValueRows {
 __device__ __forceinline__ void load_key_tile(T* k_tile, T* v_tile, const KeyValueRows& keys,
                                               i64 row_start) {
     constexpr int k_chunks = kHeadWidth / kElements, v_chunks = kValueWidth / kElements;
+    const auto k_rows = keys.k_rows.for_tile(row_start, BLOCK_K);
+    const auto v_rows = keys.v_rows.for_tile(row_start, BLOCK_K);
     for (int chunk = threadIdx.x; chunk < BLOCK_K * (k_chunks + v_chunks); chunk += THREADS) {
         const bool is_key = chunk < BLOCK_K * k_chunks;
         const int local = is_key ? chunk : chunk - BLOCK_K * k_chunks;
@@ -138,12 +140,12 @@ __device__ __forceinline__ void load_key_tile(T* k_tile, T* v_tile, const KeyVal
         const bool valid = row < keys.n_k;
         if (is_key)
             copy_row_chunk<HEAD_DIM, kHeadWidth, COPY_BYTES>(
-                shared_address(k_tile + r * kKPitch + c), keys.k_rows.at(valid ? row : 0, valid),
-                keys.k_rows.fallback(), c, valid);
+                shared_address(k_tile + r * kKPitch + c), k_rows.at(valid ? row : 0, valid),
+                k_rows.fallback(), c, valid);
         else
             copy_row_chunk<VALUE_DIM, kValueWidth, COPY_BYTES>(
-                shared_address(v_tile + r * kVPitch + c), keys.v_rows.at(valid ? row : 0, valid),
-                keys.v_rows.fallback(), c, valid);
+                shared_address(v_tile + r * kVPitch + c), v_rows.at(valid ? row : 0, valid),
+                v_rows.fallback(), c, valid);
     }
 }
 

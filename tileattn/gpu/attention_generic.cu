@@ -77,12 +77,13 @@ template <class C, int Rows, int Pad, class Source>
 __device__ __forceinline__ bool load_rows(typename C::Acc* tile, const Source& source,
                                           i64 col_stride, i64 row_start, int rows, int cols) {
     bool non_finite = false;
+    const auto tile_rows = source.for_tile(row_start, Rows);
     for (int element = threadIdx.x; element < Rows * Pad; element += C::threads) {
         const int r = element / Pad, c = element % Pad;
         typename C::Acc value = 0;
         if (r < rows && c < cols)
             value = static_cast<typename C::Acc>(
-                widen(source.at(row_start + r, true)[c * col_stride]));
+                widen(tile_rows.at(row_start + r, true)[c * col_stride]));
         non_finite |= !(value - value == typename C::Acc(0));
         tile[r * (Pad + 1) + c] = value;
     }

@@ -173,14 +173,15 @@ __device__ __forceinline__ void load_rows_async(T* tile, const Source& source, i
     constexpr int chunk_elements = 16 / sizeof(T);
     constexpr int chunks_per_row = Width / chunk_elements;
     static_assert(Width % chunk_elements == 0 && Width <= Pitch, "whole chunks per row");
+    const auto rows = source.for_tile(row_start, Rows);
 #pragma unroll
     for (int chunk = threadIdx.x; chunk < Rows * chunks_per_row; chunk += Threads) {
         const int r = chunk / chunks_per_row, c = chunk % chunks_per_row;
         const i64 row = row_start + r;
         const bool valid = row < row_limit;
         copy_row_chunk<Columns, Width, ChunkBytes>(
-            shared_address(tile + r * Pitch + c * chunk_elements), source.at(row, valid),
-            source.fallback(), c * chunk_elements, valid);
+            shared_address(tile + r * Pitch + c * chunk_elements), rows.at(row, valid),
+            rows.fallback(), c * chunk_elements, valid);
     }
 }
 

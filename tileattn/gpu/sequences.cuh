@@ -149,7 +149,8 @@ __device__ __forceinline__ KeyBlock key_block(int block_keys, i64 n_q, i64 n_k,
 
 // ------------------------------------------------------------------ where a row lies
 
-// Rows at a fixed stride from a base (a dense head).
+// Rows at a fixed stride from a base (a dense head). A tile loader asks `for_tile` first:
+// the row sources below answer with what serves that tile's rows fastest.
 template <typename T> struct StridedRows {
     const T* base;
     i64 stride;
@@ -157,7 +158,10 @@ template <typename T> struct StridedRows {
     // address will do, and a strided one costs nothing to form.
     __device__ __forceinline__ const T* at(i64 row, bool) const { return base + row * stride; }
     __device__ __forceinline__ const T* fallback() const { return base; }
+    __device__ __forceinline__ StridedRows for_tile(i64, int) const { return *this; }
 };
+
+template <typename T> struct PagedTile;
 
 // Logical key rows of one (batch element, kv head) through its block-table row.
 template <typename T> struct PagedRows {
@@ -167,13 +171,40 @@ template <typename T> struct PagedRows {
     i64 page_stride;
     i64 slot_stride;
     i64 last_page;
+    int page_shift;      // log2(page_size) for a power of two (what servers use), else -1
+
+    __device__ __forceinline__ i64 page_of(i64 row) const {
+        return page_shift >= 0 ? row >> page_shift : row / page_size;
+    }
     __device__ __forceinline__ const T* at(i64 row, bool valid) const {
         if (!valid) return pool;  // past the sequence: the table may not name a page there
-        const i64 page = min(max(table[row / page_size], i64(0)), last_page);
-        return pool + page * page_stride + (row % page_size) * slot_stride;
+        const i64 index = page_of(row);
+        const i64 page = min(max(table[index], i64(0)), last_page);
+        return pool + page * page_stride + (row - index * page_size) * slot_stride;
     }
     __device__ __forceinline__ const T* fallback() const { return pool; }
+    __device__ __forceinline__ PagedTile<T> for_tile(i64 row_start, int rows) const;
 };
+
+// The rows of one tile: when they lie in one page (a page of at least the tile's height,
+// which is every tile of an aligned grid then), a strided run from one table lookup per
+// tile; otherwise a lookup per row. The test is the same for every thread of the block.
+template <typename T> struct PagedTile {
+    const T* base;  // row row0's address when the tile lies in one page, else null
+    i64 row0;
+    PagedRows<T> pages;
+    __device__ __forceinline__ const T* at(i64 row, bool valid) const {
+        if (base != nullptr) return base + (row - row0) * pages.slot_stride;
+        return pages.at(row, valid);
+    }
+    __device__ __forceinline__ const T* fallback() const { return pages.pool; }
+};
+
+template <typename T>
+__device__ __forceinline__ PagedTile<T> PagedRows<T>::for_tile(i64 row_start, int rows) const {
+    const bool one_page = page_of(row_start) == page_of(row_start + rows - 1);
+    return {one_page ? at(row_start, true) : nullptr, row_start, *this};
+}
 
 #if PAGED
 template <typename T> using KeyRows = PagedRows<T>;
@@ -189,8 +220,10 @@ __device__ __forceinline__ KeyRows<T> key_rows(const T* array, i64 batch, int kv
                                                i64 row_stride, i64 key_base,
                                                const SequenceTables& tables) {
 #if PAGED
+    const bool power_of_two = (tables.page_size & (tables.page_size - 1)) == 0;
     return {array + kv_head * head_stride, tables.block_table + batch * tables.table_stride,
-            tables.page_size, batch_stride, row_stride, tables.n_pages - 1};
+            tables.page_size, batch_stride, row_stride, tables.n_pages - 1,
+            power_of_two ? __ffsll(tables.page_size) - 1 : -1};
 #else
     return {array + batch * batch_stride + kv_head * head_stride + key_base * row_stride,
             row_stride};

@@ -74,6 +74,7 @@ template <int Rows, int Columns, int Width, int Threads, int ChunkBytes = 16, cl
 __device__ __forceinline__ void load_swizzled_rows_async(u32 tile, const Source& source,
                                                          i64 row_start, i64 row_limit) {
     using S = Swizzled<Width>;
+    const auto rows = source.for_tile(row_start, Rows);
     constexpr int kRowChunks = Width / 8;
     constexpr bool kFixedChunk = Threads % kRowChunks == 0 && (Threads / kRowChunks) % 8 == 0;
     if constexpr (kFixedChunk) {
@@ -88,8 +89,8 @@ __device__ __forceinline__ void load_swizzled_rows_async(u32 tile, const Source&
             const i64 row = row_start + r;
             const bool valid = row < row_limit;
             copy_row_chunk<Columns, Width, ChunkBytes>(
-                first + step * kRowStep * S::kRowBytes, source.at(row, valid),
-                source.fallback(), c * 8, valid);
+                first + step * kRowStep * S::kRowBytes, rows.at(row, valid), rows.fallback(),
+                c * 8, valid);
         }
     } else {
         constexpr int kTotal = Rows * kRowChunks;
@@ -103,7 +104,7 @@ __device__ __forceinline__ void load_swizzled_rows_async(u32 tile, const Source&
             copy_row_chunk<Columns, Width, ChunkBytes>(
                 tile + (c / S::kChunks) * (Rows * S::kRowBytes) + r * S::kRowBytes +
                     (S::chunk(c % S::kChunks, r) << 4),
-                source.at(row, valid), source.fallback(), c * 8, valid);
+                rows.at(row, valid), rows.fallback(), c * 8, valid);
         }
     }
 }
