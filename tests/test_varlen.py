@@ -490,3 +490,23 @@ def test_cpu_varlen_calls_add_no_kernel_signature():
         after = [len(kernel.signatures) for kernel in (forward_kernel, decode_kernel,
                                                        backward_kernel)]
         assert after == before
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (7, 0), (3, 5)])
+def test_both_tile_orders_cover_every_tile_once_longest_first(window):
+    """The GPU launcher's estimated order (`tile_list_by_estimate`) deals the same tiles as
+    the exact one, and where the band cuts no tile its costs are the exact ones."""
+    from tileattn.tile_order import kept_pairs_per_row, tile_list, tile_list_by_estimate
+
+    rows, cols = np.array([0, 1, 37, 64, 200]), np.array([5, 0, 40, 64, 150])
+    bands = cols - rows
+    exact = tile_list(rows, cols, bands, 16, *window)[0]
+    estimated = tile_list_by_estimate(rows, cols, bands, 16, *window)
+    assert sorted(map(tuple, exact)) == sorted(map(tuple, estimated))
+    assert len(estimated) == int((-(-rows // 16)).sum())
+    if window == (-1, -1):  # every row keeps every key: both orders are exact
+        costs = [min(16, rows[s] - r) * cols[s] for s, r in estimated]
+        assert costs == sorted(costs, reverse=True)
+        pairs = [kept_pairs_per_row(rows[s], cols[s], bands[s], *window)[r:r + 16].sum()
+                 for s, r in estimated]
+        assert pairs == costs

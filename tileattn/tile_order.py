@@ -70,3 +70,27 @@ def tile_list(rows, cols, bands, block, window_left, window_right):
     order = np.argsort(-cost, kind="stable")
     pairs = int(cost.sum() - cost.size)
     return np.stack([sequence[order], tile[order] * block], axis=1), pairs
+
+
+def tile_list_by_estimate(rows, cols, bands, block, window_left, window_right):
+    """`tile_list`'s tiles, ordered by an estimate of their kept pairs (the keys the tile's
+    middle row keeps, times its rows), in time proportional to the tiles rather than the
+    rows: the GPU launcher orders a packed batch of 140k rows in ~50 us where `tile_list`
+    takes ~1 ms. The kept keys per row are linear between the band's clips, so the
+    estimate is exact for tiles that no clip crosses."""
+    rows = np.asarray(rows, np.int64)
+    n_tiles = -(-rows // block)
+    sequence = np.repeat(np.arange(len(rows), dtype=np.int64), n_tiles)
+    first = (np.arange(sequence.size, dtype=np.int64)
+             - np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)) * block
+    height = np.minimum(block, rows[sequence] - first)
+    middle = first + (height - 1) / 2
+    diagonal = middle + np.asarray(bands, np.int64)[sequence]
+    n_cols = np.asarray(cols, np.int64)[sequence]
+    low = np.zeros(sequence.size) if window_left == UNLIMITED else np.maximum(
+        diagonal - window_left, 0)
+    high = n_cols if window_right == UNLIMITED else np.minimum(diagonal + window_right + 1,
+                                                               n_cols)
+    cost = np.maximum(high - low, 0) * height + 1
+    order = np.argsort(-cost, kind="stable")
+    return np.stack([sequence[order], first[order]], axis=1)

@@ -255,11 +255,11 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
 def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     """A variable-length or paged forward: one launch over the tile table (or, for few
     query rows a batch element, the decode kernel over the batch). Rows of no sequence are
-    never written by the query-tile kernels, so o and lse start as 0 and -inf (SPEC)."""
+    never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC)."""
     sequences = Sequences(q, k, options)
     choice = choose(q, k, v, options, sequences)
     o, lse = _outputs(q, v, out, lse_out)
-    if choice.family != "decode":
+    if choice.family != "decode" and not sequences.covers_every_row:
         o.fill(0)
         lse.fill(-np.inf)
     _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles, sequences)

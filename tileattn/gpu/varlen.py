@@ -3,7 +3,7 @@
 A dense call passes null tables and compiles without VARLEN/PAGED, so its kernels and their
 compile-cache keys are what they were. A variable-length call uploads, in one copy, its
 sequence descriptors (`tileattn.options.VarlenLayout.descriptors`), the tile table of the
-launch (every sequence's query tiles, longest first: `tileattn.tile_order.tile_list`) and,
+launch (every sequence's query tiles, longest first: `tileattn.tile_order`) and,
 for paged K/V, the block table. The grid is then the tile table's length times the query
 heads, so the work follows the real tokens, not the padded or longest length.
 """
@@ -14,7 +14,7 @@ import cupy
 import numpy as np
 
 from ..options import BAND, KEYS, ROWS, AttentionOptions
-from ..tile_order import tile_list
+from ..tile_order import tile_list_by_estimate
 from .operands import empty
 
 
@@ -32,6 +32,10 @@ class Sequences:
         batch, _, n_q, _ = q.shape
         self.paged = layout.family == "paged"
         self.packed = layout.family == "packed"
+        # Checked packed sequences tile the row and key axes (cu_seqlens run from 0 to the
+        # totals), so the kernels write every output row; otherwise padding rows and keys
+        # are left to the launcher to zero.
+        self.covers_every_row = self.packed and layout.checked
         self.key_capacity = layout.key_capacity(k.shape[2])
         self.descriptors = layout.descriptors(batch, n_q, k.shape[2])
         self.max_rows = int(self.descriptors[:, ROWS].max(initial=0))
@@ -50,8 +54,9 @@ class Sequences:
         ``(sequence, first key)`` of every key tile), longest first."""
         d, left, right = self.descriptors, self._options.window_left, self._options.window_right
         if keys:  # the band transposed: key j is kept by rows j - band - right .. + left
-            return tile_list(d[:, KEYS], d[:, ROWS], -d[:, BAND], block_rows, right, left)[0]
-        return tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], block_rows, left, right)[0]
+            return tile_list_by_estimate(d[:, KEYS], d[:, ROWS], -d[:, BAND], block_rows, right,
+                                         left)
+        return tile_list_by_estimate(d[:, ROWS], d[:, KEYS], d[:, BAND], block_rows, left, right)
 
     def arguments(self, block_rows: int | None, keys: bool = False) -> tuple[tuple, int]:
         """The trailing kernel arguments for launches of `block_rows`-row query tiles (or
