@@ -154,6 +154,9 @@ def _buffer_callback_body(function_name, options, base_ndim, context, outputs, *
 
     inputs, outputs = [_cupy_view(b) for b in inputs], [_cupy_view(b) for b in outputs]
     device = inputs[0].device.id
+    # XLA's callback thread may have no CUDA context current, and `Device(device)` only
+    # switches devices when the current one differs: make the device's context current.
+    cupy.cuda.runtime.setDevice(device)
     with cupy.cuda.Device(device), cupy.cuda.ExternalStream(context.stream, device):
         _call(function_name, options, base_ndim, inputs, outputs)
 

@@ -20,6 +20,7 @@ _INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"\s*$', re.MULTILINE)
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}  # cupy.RawModule per (device, source, defines)
 _kernels: dict[tuple, object] = {}  # cupy.RawKernel per (device, source, defines, entry)
+_opted_in: dict[tuple, int] = {}  # the dynamic shared memory each kernel was raised to
 
 
 @lru_cache(maxsize=None)
@@ -72,8 +73,12 @@ def kernel(source_name: str, entry: str, defines: tuple[tuple[str, object], ...]
                 _modules[module_key] = module
             function = module.get_function(entry)
             _kernels[module_key + (entry,)] = function
-        if shared_bytes > 48 * 1024 and function.max_dynamic_shared_size_bytes < shared_bytes:
+        if shared_bytes > 48 * 1024 and _opted_in.get(module_key + (entry,), 0) < shared_bytes:
+            # Set once per kernel instead of read and compared on every call: each read is a
+            # driver call of host time, and one failed inside a JAX callback with
+            # CUDA_ERROR_FUNCTION_NOT_LOADED (bench/NOTES-gpu.md, v17).
             function.max_dynamic_shared_size_bytes = shared_bytes
+            _opted_in[module_key + (entry,)] = shared_bytes
     return function
 
 
