@@ -278,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         // orders every warpgroup's S = Q K^T (each waited for its own) before the zeroing.
         if (kBandMasksKeys && tile_is_masked(key_tile) &&
             __syncthreads_or(shared_tile_has_non_finite<kStreamedHeadBytes, kThreads>(k_tile))) {
-            const TileMask mask = key_tile_mask(key_tile);
+            const TileMask mask = key_tile_mask(opaque(key_tile));
             add_kept_non_finite_values_rolled<kScoreFrags>(
                 dq_acc,
                 [&](int, int half) {
@@ -526,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             if (kBandMasksKeys && masked)
                 add_and_zero_non_finite_queries(pt, dst, dv_acc, dk_acc, q_stage, do_stage,
                                                 tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(
-                                                    band, query_start, col_start, n_k),
+                                                    band, opaque(query_start), col_start, n_k),
                                                 my_keys, col_start);
             // SINGLE_PASS: dS^T to shared memory for this warpgroup's share of dQ.
             if (SINGLE_PASS) {

@@ -21,6 +21,16 @@
 // exactly as they were, registers included.
 constexpr bool kBandMasksKeys = LIMIT_LEFT || LIMIT_RIGHT;
 
+// x, through an instruction the compiler may not merge or move: a cold path's mask is then
+// recomputed from it where it is used, not kept live from the hot path's identical
+// computation across the tile's peak of registers (ptxas: fewer spill bytes in the wgmma
+// backward's dQ kernel with every option).
+__device__ __forceinline__ i64 opaque(i64 x) {
+    i64 y;
+    asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+    return y;
+}
+
 // Whether a 16-bit element (float16 or bfloat16 by IS_BFLOAT16) or a float is inf or NaN:
 // its exponent bits are all ones.
 __device__ __forceinline__ bool bits_non_finite(bits16 x) {
