@@ -502,15 +502,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             const u32 q_stage = q_tiles + stage * kStreamedHeadBytes;
             const u32 do_stage = do_tiles + stage * kStreamedValueBytes;
             const i64 query_start = query_tile * STREAMED_ROWS;
+            // Keys past n_k are not written: they need no mask.
+            const bool masked =
+                tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
+            // A cut tile (block-uniform) whose dO or Q holds inf or NaN: scanned here, before
+            // the score products, where few registers are live (scanned after the packing,
+            // ptxas spilled 140 bytes in the every-option D = 64 kernel's score loop; here 84).
+            const bool non_finite =
+                kBandMasksKeys && masked &&
+                __syncthreads_or(
+                    (kComputesDk &&
+                     shared_tile_has_non_finite<kStreamedHeadBytes, kThreads>(q_stage)) ||
+                    (kComputesDv &&
+                     shared_tile_has_non_finite<kStreamedValueBytes, kThreads>(do_stage)));
             // S^T and dP^T: rows are this warpgroup's keys, columns the tile's queries.
             float st[kScoreFrags][4], dpt[kScoreFrags][4];
             if (kComputesDk)
                 score_products(k_rows, q_stage, v_rows, do_stage, st, dpt);
             else
                 score_product(k_rows, q_stage, st);
-            // Keys past n_k are not written: they need no mask.
-            const bool masked =
-                tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
             transposed_probabilities<kScoreFrags, SINGLE_PASS>(
                 scores, st, dpt, lse_tiles + stage * STREAMED_ROWS,
                 delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, col_start, n_q, n_k,
@@ -518,12 +528,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             u32 pt[STREAMED_ROWS / 16][4], dst[STREAMED_ROWS / 16][4];
             if (kComputesDv) pack_fragments(st, pt);
             if (kComputesDk) pack_fragments(dpt, dst);
-            // A cut tile (block-uniform) with inf/NaN in dO or Q: the kept pairs' P^T dO and
-            // dS^T Q terms with it on CUDA cores from the packed fragments, then zeros for
-            // the tensor cores, as in the dQ kernel; keys are the rows here, queries the
-            // inner index. Each scan's barrier also orders every warpgroup's score products
-            // before the zeroing.
-            if (kBandMasksKeys && masked)
+            // There: the kept pairs' P^T dO and dS^T Q terms with those elements on CUDA cores
+            // from the packed fragments, then zeros for the tensor cores, as in the dQ kernel;
+            // keys are the rows here, queries the inner index. Each operand's scan there again
+            // (its barrier orders every warpgroup's score products before the zeroing).
+            if (non_finite)
                 add_and_zero_non_finite_queries(pt, dst, dv_acc, dk_acc, q_stage, do_stage,
                                                 tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(
                                                     band, opaque(query_start), col_start, n_k),
