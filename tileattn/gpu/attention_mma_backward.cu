@@ -275,15 +275,16 @@ __device__ __forceinline__ void store_transposed_scores(const Accumulators<STREA
 // dq_head[query_start + r][c] += sum over this block's keys of dS[r][key] K[key][c], each
 // warp one 16-row slab x kDqColumns columns; A = dS from ds_tile (stored keys x queries,
 // hence the transposing ldmatrix), B = the K tile. Rows past n_q are not added.
-// KNonFinite (a tile the band cuts, whose owned K holds inf or NaN): the K fragments'
-// non-finite halves are made 0 in registers, so a masked dS = 0 meets 0, not 0 x NaN, and
-// the kept pairs' terms with them are added on CUDA cores from ds_tile and the K tile
-// (kept_products.cuh; `mask`'s rows are the tile's queries, its columns the owned keys).
-// The owned K tile itself stays as it is, since every later query tile's S^T reads it.
-template <bool KNonFinite>
+// k_non_finite (block-uniform: a tile the band cuts, whose owned K holds inf or NaN): the
+// K fragments' non-finite halves are made 0 in registers, so a masked dS = 0 meets 0, not
+// 0 x NaN, and the kept pairs' terms with them are added on CUDA cores from ds_tile and the
+// K tile (kept_products.cuh; `mask`'s rows are the tile's queries, its columns the owned
+// keys). The owned K tile itself stays as it is: every later query tile's S^T reads it.
+// One body with a run-time flag, not two instantiations: ptxas spilled 4-32 bytes more
+// with two (bench/NOTES-gpu.md, v17).
 __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const bits16* k_tile,
                                                   float* dq_head, i64 query_start, i64 n_q,
-                                                  const TileMask& mask) {
+                                                  bool k_non_finite, const TileMask& mask) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int slab = warp % kDqRowSlabs, column0 = (warp / kDqRowSlabs) * kDqColumns;
     Accumulators<kDqColumns> acc;
@@ -296,14 +297,14 @@ __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const b
         for (int dn = 0; dn < kDqColumns / 16; ++dn) {
             u32 b[4];
             load_b_fragments_transposed<kHeadWidth>(k_tile, kk * 16, column0 + dn * 16, b);
-            if (KNonFinite)
+            if (kBandMasksKeys && k_non_finite)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) b[i] = zero_non_finite_pair(b[i]);
             mma_16x8x16(acc.tile[2 * dn], a, b[0], b[1]);
             mma_16x8x16(acc.tile[2 * dn + 1], a, b[2], b[3]);
         }
     }
-    if (KNonFinite) {
+    if (kBandMasksKeys && k_non_finite) {
         const int row0 = slab * 16 + lane / 4, quad_col = lane % 4;
         add_kept_non_finite_values<OWNED_ROWS / 8>(
             acc.tile, [&](int, int half) { return mask.row_window(row0 + 8 * half, 0); },
@@ -638,12 +639,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                                                      n_k_blocks, n_q, n_k));
                 const TileMask mask =
                     tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k);
-                if (k_non_finite)
-                    add_query_tile_dq<true>(ds_tile, k_tile, dq_sum + bh * n_q * HEAD_DIM,
-                                            query_start, n_q, mask);
-                else
-                    add_query_tile_dq<false>(ds_tile, k_tile, dq_sum + bh * n_q * HEAD_DIM,
-                                             query_start, n_q, mask);
+                add_query_tile_dq(ds_tile, k_tile, dq_sum + bh * n_q * HEAD_DIM, query_start, n_q,
+                                  k_non_finite, mask);
                 if (ORDERED) pass_turn(turn);
             }
 #endif
