@@ -13,12 +13,14 @@ with the non-finite values replaced by zeros, which those entries never read.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tileattn
+from tileattn import backends
 from tileattn.options import UNLIMITED, keeps
-from tileattn.testing import assert_attention_close
+from tileattn.testing import assert_attention_close, bfloat16
 
 # --------------------------------------------------------------------------- prediction
 
@@ -218,21 +220,25 @@ def test_infinite_values_follow_ieee_on_kept_keys_only(backend):
 
 
 @st.composite
-def poisoned_problems(draw):
+def poisoned_problems(draw, dtypes=(np.float32, np.float64), max_len=11,
+                      head_dims=st.integers(1, 5), values=(np.nan, np.inf, -np.inf),
+                      named_blocks=True):
     """A small problem (GQA, Nq != Nk, masks, tiles from 1 up) with 1-3 non-finite values in
-    one of q, k, v, do."""
-    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    one of q, k, v, do. The keywords widen it for the 16-bit tests below: longer sequences,
+    head dims the tensor-core tables serve, the tables' own tiles (`named_blocks=False`)."""
+    dtype = draw(st.sampled_from(list(dtypes)))
     batch, n_kv_heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     n_q_heads = n_kv_heads * draw(st.integers(1, 3))
-    n_q, n_k = draw(st.integers(1, 11)), draw(st.integers(1, 11))
-    head_dim, value_dim = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    n_q, n_k = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    head_dim = draw(head_dims)
+    value_dim = head_dim if draw(st.booleans()) else draw(head_dims)
     q, k, v, do = _normal(draw(st.integers(0, 2**32 - 1)),
                           (batch, n_q_heads, n_q, head_dim), (batch, n_kv_heads, n_k, head_dim),
                           (batch, n_kv_heads, n_k, value_dim),
                           (batch, n_q_heads, n_q, value_dim), dtype=dtype)
     arrays = {"q": q, "k": k, "v": v, "do": do}
     poisoned = draw(st.sampled_from(sorted(arrays)))
-    value = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    value = draw(st.sampled_from(list(values)))
     target = arrays[poisoned]
     for _ in range(draw(st.integers(1, 3))):
         index = tuple(draw(st.integers(0, size - 1)) for size in target.shape)
@@ -245,7 +251,7 @@ def poisoned_problems(draw):
     if "window" in mask:
         options["window"] = (draw(side), None if "causal" in mask else draw(side))
     for block in ("block_q", "block_k"):
-        options[block] = draw(st.sampled_from([None, 1, 2, 3, 5, 16]))
+        options[block] = draw(st.sampled_from([None, 1, 2, 3, 5, 16])) if named_blocks else None
     # An infinite score is capped to a finite one: only NaN keeps its reach through it.
     if (np.isnan(value) or poisoned in ("v", "do")) and draw(st.booleans()):
         options["softcap"] = 2.0
@@ -258,3 +264,78 @@ def poisoned_problems(draw):
 def test_non_finite_inputs_reach_exactly_the_entries_that_keep_them(backend, problem):
     q, k, v, do, options, exact = problem
     check_problem(backend, q, k, v, do, options, exact)
+
+
+# --------------------------------------------------------------------------- 16-bit
+
+
+def _half_dtypes():
+    return [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() is not None else [])
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@settings(max_examples=25)
+@given(data=st.data())
+def test_16_bit_non_finite_inputs_reach_exactly_the_entries_that_keep_them(backend, dtype, data):
+    """float16 and bfloat16 through the tensor-core kernels on the GPU (the wgmma backward on
+    Hopper, mma.sync elsewhere): the tables' own tiles (named ones go to the generic kernels),
+    sequences past one 64-row tile so that bands cut some tiles and keep others whole, head
+    dims up to 128. NaN only: a kept probability that rounds to 0 in 16 bits meets an
+    infinity as 0 x inf = NaN where the float64 golden model, given the same inputs, keeps
+    a tiny p and gets the infinity, so the non-finite values would differ in kind."""
+    q, k, v, do, options, exact = data.draw(poisoned_problems(
+        dtypes=[dtype], max_len=200, head_dims=st.sampled_from([8, 16, 40, 64, 128]),
+        values=[np.nan], named_blocks=False))
+    check_problem(backend, q, k, v, do, options, exact)
+
+
+def _gpu_single_pass(q, k, v, do, options):
+    """The mma.sync single pass (deterministic=False where the table sends 16-bit inputs to
+    mma.sync, i.e. not on Hopper), called directly, with the golden o and lse as given."""
+    import cupy
+
+    from tileattn.gpu import launch_backward
+    from tileattn.gpu.tiles import MmaBackwardTiles
+    from tileattn.validation import validate
+
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=False)
+    resolved = validate(q, k, v, **{**defaults, **options}).options
+    golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                            backend="reference", return_lse=True, **options)
+    o_given, lse_given = golden_o.astype(q.dtype), golden_lse.astype(np.float32)
+    tiles = {64: MmaBackwardTiles((64, 64), (128, 64)),
+             128: MmaBackwardTiles((128, 128), (128, 64))}[q.shape[-1]]
+    device = [cupy.asarray(a) for a in (do, q, k, v, o_given, lse_given)]
+    grads = launch_backward.backward_mma(*device, resolved, tiles, single_pass=True)
+    return [g.get() for g in grads], o_given, lse_given
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backends.availability("gpu") is not None,
+                    reason=str(backends.availability("gpu")))
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("poisoned", ["k", "q", "do"])
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 10)}],
+                         ids=["causal", "window"])
+def test_16_bit_single_pass_dq_ignores_masked_non_finite_keys(dtype, head_dim, poisoned,
+                                                              options):
+    """The single pass's dQ share, dS K over the owned keys, with a NaN in K (and in Q, dO:
+    its dK/dV products) at rows and keys that cut tiles mask for some rows and keep for
+    others: dq, dk, dv are non-finite exactly where `reach` says, and match the golden
+    model there and elsewhere."""
+    q, k, v = _normal(7, (1, 4, 300, head_dim), (1, 2, 330, head_dim), (1, 2, 330, head_dim),
+                      dtype=dtype)
+    (do,) = _normal(8, (1, 4, 300, head_dim), dtype=dtype)
+    target = {"q": q, "k": k, "do": do}[poisoned]
+    for row in (70, 129, 200):  # inside a 64-key tile, just past one, mid-sequence
+        target[..., min(row, target.shape[-2] - 1), 3] = np.nan
+    grads, o_given, lse_given = _gpu_single_pass(q, k, v, do, options)
+    kept = kept_mask(q.shape[2], k.shape[2], options.get("causal", False), options.get("window"))
+    predicted = reach(q, k, v, do, o_given, kept)
+    golden = tileattn.backward(*(a.astype(np.float64) for a in (do, q, k, v, o_given)),
+                               lse_given, backend="reference", **options)
+    for name, actual, want in zip(("dq", "dk", "dv"), grads, golden):
+        check_reach(name, actual, predicted[name], exact=True)
+        assert_attention_close(actual, want, dtype, name=name)

@@ -1,10 +1,13 @@
 """Compile every tensor-core and generic kernel with nvcc, no GPU needed: syntax, registers
 and spills per entry point, with every score option on (the heaviest variant).
 
-    python3 bench/experiments/compile_check_gpu.py [--keep DIR]
+    python3 bench/experiments/compile_check_gpu.py [--keep DIR] [--backward-rows]
 
 Needs nvcc (CUDA 12+) on the PATH. Each line: source, result, ptxas's register and spill
 report. A kernel that gains spills here has grown past its register budget.
+--backward-rows compiles the 16-bit backward rows of the tile tables instead (wgmma D = 64,
+128, 192, 256 and the mma.sync single pass), each without a band, causal, and with every
+option: the rows whose registers the cut-tile non-finite corrections must not grow.
 """
 
 from __future__ import annotations
@@ -73,6 +76,36 @@ JOBS += [(name, arch, [{"ORDERED=1": "ORDERED=0"}.get(d, d) for d in defines]
          if name != "attention_decode.cu" or "ROWS=16" in defines]
 
 
+NO_BAND = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=0", "LIMIT_RIGHT=0", "SOFTCAP=0"]
+CAUSAL = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=0", "LIMIT_RIGHT=1", "SOFTCAP=0"]
+_WGMMA_ROWS = [  # (head dim, (dq owned, streamed), (dkdv owned, streamed), stages, split)
+    (64, (192, 64), (192, 64), 3, False), (128, (192, 64), (128, 64), 2, False),
+    (128, (192, 64), (128, 64), 3, False), (192, (128, 64), (128, 64), 2, True),
+    (256, (128, 32), (128, 32), 2, True)]
+
+
+def _backward_rows():
+    """(source, arch, defines, options) of the 16-bit backward rows, per option set."""
+    jobs = []
+    for options in (NO_BAND, CAUSAL, EVERY_OPTION):
+        for dim, dq, dkdv, stages, split in _WGMMA_ROWS:
+            for part in ((1, 2) if split else (0,)):
+                for entry, (owned, streamed) in (("dq", dq), ("dkdv", dkdv)):
+                    if entry == "dq" and part == 2:
+                        continue
+                    jobs.append(("attention_wgmma_backward.cu", "90a",
+                                 ["COPY_BYTES=16", f"DKDV_PART={part}", "IS_BFLOAT16=0",
+                                  "SINGLE_PASS=0", f"HEAD_DIM={dim}", f"VALUE_DIM={dim}",
+                                  f"OWNED_ROWS={owned}", f"STREAMED_ROWS={streamed}",
+                                  f"STAGES={stages}", f"ENTRY={entry}"], options))
+        for dim, owned, streamed in ((64, 128, 64), (128, 128, 64), (128, 64, 64)):
+            jobs.append(("attention_mma_backward.cu", "90",
+                         ["COPY_BYTES=16", "DKDV_PART=0", "IS_BFLOAT16=0", "IS_FLOAT32=0",
+                          "ORDERED=0", "SINGLE_PASS=1", f"HEAD_DIM={dim}", f"VALUE_DIM={dim}",
+                          f"OWNED_ROWS={owned}", f"STREAMED_ROWS={streamed}"], options))
+    return jobs
+
+
 def _decode_shared(defines) -> list[str]:
     """-DEXPECTED_SHARED_BYTES from DecodeTiles.shared_bytes, which the kernel asserts."""
     from tileattn.gpu.tiles import DecodeTiles
@@ -86,34 +119,52 @@ def _decode_shared(defines) -> list[str]:
 
 
 def compile_one(job, directory: str) -> str:
-    index, (name, arch, defines) = job
+    index, (name, arch, defines, *options) = job
+    options = options[0] if options else EVERY_OPTION
     if name == "attention_decode.cu":
         defines = defines + _decode_shared(defines)
     path = os.path.join(directory, f"{index}_{name}")
     with open(path, "w") as handle:
         handle.write(source(name))
     command = ["nvcc", "-cubin", f"-arch=sm_{arch}", "-std=c++17", "-ftz=true", "-Xptxas", "-v",
-               "-o", path + ".cubin", path] + [f"-D{d}" for d in defines + EVERY_OPTION]
+               "-o", path + ".cubin", path] + [f"-D{d}" for d in defines + options]
     result = subprocess.run(command, capture_output=True, text=True)
     output = result.stdout + result.stderr
     if result.returncode:
         return f"{name}: FAILED\n{output[:4000]}"
-    report = [line.split("info    :")[-1].strip() for line in output.splitlines()
-              if "registers" in line or ("spill" in line and " 0 bytes spill" not in line)]
+    entry = next((d.split("=")[1] for d in defines if d.startswith("ENTRY=")), None)
+    report, function = [], ""
+    for line in output.splitlines():
+        if "Compiling entry function" in line:
+            function = line.split("'")[1]
+        if entry and not function.endswith(f"_{entry}_wgmma"):
+            continue
+        if "registers" in line or ("spill" in line and " 0 bytes spill" not in line):
+            shown_line = line.split("info    :")[-1].strip()
+            if entry or "SINGLE_PASS=1" in defines:
+                shown_line = f"{function.split('attention_')[-1][:24]}: {shown_line}"
+            report.append(shown_line)
     decode_keys = ('STORAGE', 'ROWS', 'HEAD_DIM', 'VALUE_DIM', 'BLOCK_K', 'THREADS')
     shown = ' '.join(d for d in defines if d.startswith(('IS_', 'VARLEN'))
                      or name.startswith('attention_decode') and d.startswith(decode_keys))
+    if entry or "SINGLE_PASS=1" in defines:
+        shown = ' '.join(d for d in defines if d.startswith(
+            ('HEAD_DIM', 'OWNED', 'STREAMED', 'STAGES', 'DKDV', 'ENTRY', 'SINGLE')))
+        shown += ' ' + {id(NO_BAND): 'none', id(CAUSAL): 'causal'}.get(id(options), 'every')
     return f"{name} ({shown}): ok; " + " | ".join(report)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="keep the spliced sources and cubins in this folder")
+    parser.add_argument("--backward-rows", action="store_true",
+                        help="the 16-bit backward rows, no band / causal / every option")
     args = parser.parse_args()
+    jobs = _backward_rows() if args.backward_rows else JOBS
     directory = args.keep or tempfile.mkdtemp(prefix="tileattn-nvcc-")
     os.makedirs(directory, exist_ok=True)
-    with ThreadPoolExecutor(len(JOBS)) as pool:
-        results = list(pool.map(lambda job: compile_one(job, directory), enumerate(JOBS)))
+    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 4)) as pool:
+        results = list(pool.map(lambda job: compile_one(job, directory), enumerate(jobs)))
     print("\n".join(results))
     sys.exit(any("FAILED" in r for r in results))
 

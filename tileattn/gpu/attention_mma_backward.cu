@@ -276,8 +276,16 @@ __device__ __forceinline__ void store_transposed_scores(const Accumulators<STREA
 // dq_head[query_start + r][c] += sum over this block's keys of dS[r][key] K[key][c], each
 // warp one 16-row slab x kDqColumns columns; A = dS from ds_tile (stored keys x queries,
 // hence the transposing ldmatrix), B = the K tile. Rows past n_q are not added.
+// k_non_finite (block-uniform: a tile the band cuts, whose owned K holds inf or NaN): the
+// K fragments' non-finite halves are made 0 in registers, so a masked dS = 0 meets 0, not
+// 0 x NaN, and the kept pairs' terms with them are added on CUDA cores from ds_tile and the
+// K tile (kept_products.cuh; `mask`'s rows are the tile's queries, its columns the owned
+// keys). The owned K tile itself stays as it is: every later query tile's S^T reads it.
+// One body with a run-time flag, not two instantiations: ptxas spilled 4-32 bytes more
+// with two (bench/NOTES-gpu.md, v17).
 __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const bits16* k_tile,
-                                                  float* dq_head, i64 query_start, i64 n_q) {
+                                                  float* dq_head, i64 query_start, i64 n_q,
+                                                  bool k_non_finite, const TileMask& mask) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int slab = warp % kDqRowSlabs, column0 = (warp / kDqRowSlabs) * kDqColumns;
     Accumulators<kDqColumns> acc;
@@ -290,9 +298,24 @@ __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const b
         for (int dn = 0; dn < kDqColumns / 16; ++dn) {
             u32 b[4];
             load_b_fragments_transposed<kHeadWidth>(k_tile, kk * 16, column0 + dn * 16, b);
+            if (kBandMasksKeys && k_non_finite)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) b[i] = zero_non_finite_pair(b[i]);
             mma_16x8x16(acc.tile[2 * dn], a, b[0], b[1]);
             mma_16x8x16(acc.tile[2 * dn + 1], a, b[2], b[3]);
         }
+    }
+    if (kBandMasksKeys && k_non_finite) {
+        const int row0 = slab * 16 + lane / 4, quad_col = lane % 4;
+        add_kept_non_finite_values<OWNED_ROWS / 8>(
+            acc.tile, [&](int, int half) { return mask.row_window(row0 + 8 * half, 0); },
+            [&](int, int n, int half, int odd) {
+                return element_value(
+                    ds_tile[(n * 8 + 2 * quad_col + odd) * kDsPitch + row0 + 8 * half]);
+            },
+            [&](int key, int col) {
+                return element_value(k_tile[key * kQkPitch + column0 + col]);
+            });
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -618,13 +641,22 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             if (kComputesDk) accumulate_product(dpt, q_tile, dk_acc);
 #if SINGLE_PASS
             {
-                __syncthreads();  // every warp's dS^T rows are in ds_tile
+                // Every warp's dS^T rows are in ds_tile. On a cut tile the barrier also ORs
+                // a scan of the owned K tile for inf or NaN (add_query_tile_dq).
+                const bool k_non_finite =
+                    kBandMasksKeys
+                        ? __syncthreads_or(
+                              masked && tile_has_non_finite<OWNED_ROWS, kHeadWidth, kQkPitch,
+                                                            kThreads>(k_tile))
+                        : (__syncthreads(), false);
                 int* turn = dq_turns + array_head * n_q_tiles + query_tile;
                 if (ORDERED)
                     wait_for_turn(turn, dq_turn_rank(band, query_tile, tile, n_q_tiles,
                                                      n_k_blocks, n_q, n_k));
+                const TileMask mask =
+                    tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k);
                 add_query_tile_dq(ds_tile, k_tile, dq_sum + array_head * n_q * HEAD_DIM,
-                                  query_start, n_q);
+                                  query_start, n_q, k_non_finite, mask);
                 if (ORDERED) pass_turn(turn);
             }
 #endif

@@ -45,6 +45,7 @@
 // ALIBI, DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS). Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "backward_scores.cuh"
+#include "kept_products.cuh"
 
 constexpr int kWarpgroups = OWNED_ROWS / 64;
 constexpr int kThreads = kWarpgroups * 128;
@@ -279,6 +280,28 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
                      key_tile_mask(key_tile));
         u32 ds[STREAMED_ROWS / 16][4];
         pack_fragments(s, ds);
+        // A cut tile (block-uniform) with inf/NaN in K: the kept pairs' dS K terms with it
+        // on CUDA cores, then zeros for the tensor cores (kept_products.cuh). Here, after
+        // the packing, so that only dQ and the 16-bit dS are live (dS as floats beside dQ
+        // spilled, v15), and the mask again rather than kept live. The scan's barrier also
+        // orders every warpgroup's S = Q K^T (each waited for its own) before the zeroing.
+        if (kBandMasksKeys && tile_is_masked(key_tile) &&
+            __syncthreads_or(shared_tile_has_non_finite<kStreamedHeadBytes, kThreads>(k_tile))) {
+            const TileMask mask = key_tile_mask(opaque(key_tile));
+            add_kept_non_finite_values_rolled<kScoreFrags>(
+                dq_acc,
+                [&](int, int half) {
+                    return mask.row_window(static_cast<int>(my_rows[half] - mask.row0), 0);
+                },
+                HeldFromPacked<kScoreFrags>{ds}, [&](int key, int col) {
+                    return element_value(
+                        load_shared_bits16(k_tile + QkSwizzle::element(key, col, STREAMED_ROWS)));
+                });
+            __syncthreads();
+            zero_non_finite_shared_tile<kStreamedHeadBytes, kThreads>(k_tile);
+            fence_shared_for_async_proxy();
+            __syncthreads();
+        }
         wgmma_fence();
         issue_accumulate<kHeadWidth>(dq_acc, ds, k_tile);
         wgmma_commit();
@@ -360,6 +383,43 @@ extern "C" __global__ void attention_backward_dq_unblock(const float* dq_sum, bi
 }
 
 // ------------------------------------------------------------------ dK, dV
+
+// The dK/dV kernel's step on a query tile the band cuts: for each of the streamed dO and Q
+// tiles that holds inf or NaN, the kept (key, query) pairs' products with those elements
+// on CUDA cores (weights: P^T and dS^T as packed for the tensor cores), then zeros in their
+// place, made visible to the tensor cores (async proxy). Every thread calls it.
+__device__ __forceinline__ void add_and_zero_non_finite_queries(
+    const u32 (&pt)[STREAMED_ROWS / 16][4], const u32 (&dst)[STREAMED_ROWS / 16][4],
+    float (&dv_acc)[kValueWidth / 8][4], float (&dk_acc)[kHeadWidth / 8][4], u32 q_stage,
+    u32 do_stage, const TileMask& mask, const i64 (&my_keys)[2], i64 col_start) {
+    const auto kept_queries = [&](int, int half) {
+        return mask.column_window(static_cast<int>(my_keys[half] - col_start), 0);
+    };
+    if (kComputesDv &&
+        __syncthreads_or(shared_tile_has_non_finite<kStreamedValueBytes, kThreads>(do_stage))) {
+        add_kept_non_finite_values_rolled<kScoreFrags>(
+            dv_acc, kept_queries, HeldFromPacked<kScoreFrags>{pt}, [&](int query, int col) {
+                return element_value(
+                    load_shared_bits16(do_stage + VSwizzle::element(query, col, STREAMED_ROWS)));
+            });
+        __syncthreads();
+        zero_non_finite_shared_tile<kStreamedValueBytes, kThreads>(do_stage);
+        fence_shared_for_async_proxy();
+        __syncthreads();
+    }
+    if (kComputesDk &&
+        __syncthreads_or(shared_tile_has_non_finite<kStreamedHeadBytes, kThreads>(q_stage))) {
+        add_kept_non_finite_values_rolled<kScoreFrags>(
+            dk_acc, kept_queries, HeldFromPacked<kScoreFrags>{dst}, [&](int query, int col) {
+                return element_value(
+                    load_shared_bits16(q_stage + QkSwizzle::element(query, col, STREAMED_ROWS)));
+            });
+        __syncthreads();
+        zero_non_finite_shared_tile<kStreamedHeadBytes, kThreads>(q_stage);
+        fence_shared_for_async_proxy();
+        __syncthreads();
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
@@ -460,15 +520,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             const u32 q_stage = q_tiles + stage * kStreamedHeadBytes;
             const u32 do_stage = do_tiles + stage * kStreamedValueBytes;
             const i64 query_start = query_tile * STREAMED_ROWS;
+            // Keys past n_k are not written: they need no mask.
+            const bool masked =
+                tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
+            // A cut tile (block-uniform) whose dO or Q holds inf or NaN: scanned here, before
+            // the score products, where few registers are live (scanned after the packing,
+            // ptxas spilled 140 bytes in the every-option D = 64 kernel's score loop; here 84).
+            const bool non_finite =
+                kBandMasksKeys && masked &&
+                __syncthreads_or(
+                    (kComputesDk &&
+                     shared_tile_has_non_finite<kStreamedHeadBytes, kThreads>(q_stage)) ||
+                    (kComputesDv &&
+                     shared_tile_has_non_finite<kStreamedValueBytes, kThreads>(do_stage)));
             // S^T and dP^T: rows are this warpgroup's keys, columns the tile's queries.
             float st[kScoreFrags][4], dpt[kScoreFrags][4];
             if (kComputesDk)
                 score_products(k_rows, q_stage, v_rows, do_stage, st, dpt);
             else
                 score_product(k_rows, q_stage, st);
-            // Keys past n_k are not written: they need no mask.
-            const bool masked =
-                tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
             transposed_probabilities<kScoreFrags, SINGLE_PASS>(
                 scores, st, dpt, lse_tiles + stage * STREAMED_ROWS,
                 delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, col_start, n_q, n_k,
@@ -476,6 +546,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
             u32 pt[STREAMED_ROWS / 16][4], dst[STREAMED_ROWS / 16][4];
             if (kComputesDv) pack_fragments(st, pt);
             if (kComputesDk) pack_fragments(dpt, dst);
+            // There: the kept pairs' P^T dO and dS^T Q terms with those elements on CUDA cores
+            // from the packed fragments, then zeros for the tensor cores, as in the dQ kernel;
+            // keys are the rows here, queries the inner index. Each operand's scan there again
+            // (its barrier orders every warpgroup's score products before the zeroing).
+            if (non_finite)
+                add_and_zero_non_finite_queries(pt, dst, dv_acc, dk_acc, q_stage, do_stage,
+                                                tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(
+                                                    band, opaque(query_start), col_start, n_k),
+                                                my_keys, col_start);
             // SINGLE_PASS: dS^T to shared memory for this warpgroup's share of dQ.
             if (SINGLE_PASS) {
                 store_transposed_ds(dpt, ds_bytes, warp_key0 - col_start);

@@ -21,6 +21,16 @@
 // exactly as they were, registers included.
 constexpr bool kBandMasksKeys = LIMIT_LEFT || LIMIT_RIGHT;
 
+// x, through an instruction the compiler may not merge or move: a cold path's mask is then
+// recomputed from it where it is used, not kept live from the hot path's identical
+// computation across the tile's peak of registers (ptxas: fewer spill bytes in the wgmma
+// backward's dQ kernel with every option).
+__device__ __forceinline__ i64 opaque(i64 x) {
+    i64 y;
+    asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+    return y;
+}
+
 // Whether a 16-bit element (float16 or bfloat16 by IS_BFLOAT16) or a float is inf or NaN:
 // its exponent bits are all ones.
 __device__ __forceinline__ bool bits_non_finite(bits16 x) {
@@ -228,3 +238,74 @@ struct HeldFromTile {
         return p[n][2 * half + odd];
     }
 };
+
+// held_of for one row tile's weights already rounded to the input type as register A
+// fragments, u32[KeyFrags / 2][4] (pack_a_fragment: fragment n is kk = n / 2's words
+// 2 (n % 2) + half, its element `odd` the word's high half). Half the registers of the
+// float tile: the wgmma backward's corrections read these, as its float tiles and dQ do
+// not fit beside each other (bench/NOTES-gpu.md, v15). They are also what the tensor cores
+// multiply, so a kept term is the same product there and here.
+template <int KeyFrags>
+struct HeldFromPacked {
+    const u32 (&a)[KeyFrags / 2][4];
+    __device__ __forceinline__ float operator()(int, int n, int half, int odd) const {
+        const u32 word = a[n / 2][2 * (n % 2) + half];
+        return element_value(static_cast<bits16>(odd ? word >> 16 : word & 0xffffu));
+    }
+};
+
+// A pair of 16-bit elements (one register of an mma.sync fragment) with its inf and NaN
+// halves made +0: the tensor cores then meet 0 where the element was not finite.
+__device__ __forceinline__ u32 zero_non_finite_pair(u32 pair) {
+#if IS_BFLOAT16
+    constexpr u32 exponents = 0x7f807f80u;
+#else
+    constexpr u32 exponents = 0x7c007c00u;
+#endif
+    const u32 missing = (pair & exponents) ^ exponents;  // a zero half: all ones there
+    return pair & (((missing & 0xffffu) ? 0xffffu : 0u) | ((missing >> 16) ? 0xffff0000u : 0u));
+}
+
+// add_kept_non_finite_values for one row tile with the loop over output fragments rolled:
+// each pass sums one fragment's terms and adds them to it by an unrolled select over the
+// fragments (a run-time index would put the accumulators in local memory). Less code held
+// at once, for kernels where the unrolled form spills (the wgmma backward, whose dQ, dK
+// and dV tiles leave a few registers beside the packed weights).
+template <int KeyFrags, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
+__device__ __forceinline__ void add_kept_non_finite_values_rolled(float (&acc)[OutFrags][4],
+                                                                  WindowOf window_of,
+                                                                  HeldOf held_of,
+                                                                  ValueAt value_at) {
+    const int lane = threadIdx.x % 32, quad_col = lane % 4, quad_lane0 = lane & ~3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const Window kept = window_of(0, half);
+#pragma unroll 1
+        for (int dn = 0; dn < OutFrags; ++dn) {
+            const int col = dn * 8 + 2 * quad_col;
+            float non_finite_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int n = 0; n < KeyFrags; ++n) {
+                const float held_even = held_of(0, n, half, 0);
+                const float held_odd = held_of(0, n, half, 1);
+#pragma unroll 1
+                for (int j = 0; j < 8; ++j) {
+                    const float weight = __shfl_sync(
+                        0xffffffffu, (j & 1) ? held_odd : held_even, quad_lane0 | (j / 2));
+                    if (!kept.keeps(n * 8 + j)) continue;
+#pragma unroll
+                    for (int f = 0; f < 2; ++f) {
+                        const float value = value_at(n * 8 + j, col + f);
+                        if (bits_non_finite(value)) non_finite_sum[f] += weight * value;
+                    }
+                }
+            }
+#pragma unroll
+            for (int target = 0; target < OutFrags; ++target)
+                if (target == dn) {
+                    acc[target][2 * half] += non_finite_sum[0];
+                    acc[target][2 * half + 1] += non_finite_sum[1];
+                }
+        }
+    }
+}
