@@ -25,9 +25,10 @@
 //
 // Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
 // t is multiplied), skip tiles outside the band and evaluate the per-score mask only on
-// tiles that straddle its edge (or the end of the keys). Probabilities are recomputed in
-// base 2 from lse (ex2.approx); P (after dropout) and dS are rounded to the input type
-// for the tensor cores, accumulation is float32.
+// tiles that straddle its edge (or the end of the keys). Probabilities are recomputed
+// from lse in the forward's logit units (mma.cuh: base 2, natural for IS_FLOAT32;
+// ex2.approx); P (after dropout) and dS are rounded to the input type for the tensor cores,
+// accumulation is float32.
 //
 // IS_FLOAT32: the same kernels for float32 on TF32 tensor cores at float32 accuracy
 // (3xTF32, tf32.cuh), without the single pass (its dS^T tile goes through ldmatrix).
@@ -387,9 +388,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const int quad_row = lane / 4, quad_col = lane % 4;
     const i64 my_rows[2] = {row_start + warp * 16 + quad_row,
                             row_start + warp * 16 + quad_row + 8};
-    float lse_log2[2], row_delta[2];
+    float row_lse[2], row_delta[2];
     u32 row_states[2];
-    load_query_row_terms(scores, lse, delta, bh, n_q, my_rows, lse_log2, row_delta, row_states);
+    load_query_row_terms(scores, lse, delta, bh, n_q, my_rows, row_lse, row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
         load_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
@@ -425,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kVPitch,
                            warp * 16, s, dp);
         const bool masked = tile_is_masked(key_tile);
-        scores_to_ds(scores, s.tile, dp.tile, lse_log2, my_rows, row_states, row_delta,
+        scores_to_ds(scores, s.tile, dp.tile, row_lse, my_rows, row_states, row_delta,
                      key_tile * STREAMED_ROWS, masked, key_tile_mask(key_tile));
         // A cut tile (block-uniform) with inf/NaN in K: the kept pairs' dS K terms with it
         // on CUDA cores, then zeros for the tensor cores (kept_products.cuh). The first
