@@ -27,8 +27,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from tileattn.testing import attention_error  # noqa: E402
-from test_backend_suite import _float32_backward_from_lse, _golden_gradients  # noqa: E402
+from test_backend_suite import _float32_backward_from_lse, _golden_gradients
+
+from tileattn.testing import attention_error
 
 f32 = np.float32
 LOG2E, LN2 = f32(1.4426950408889634), f32(0.6931471805599453)
@@ -114,7 +115,7 @@ def main() -> None:
         golden_o = golden_p @ v.astype(np.float64)
         golden_dv = _golden_gradients(do, q, k, v, golden_o.astype(f32), scale=1.0)[2]
         scores = exact.astype(f32)
-        naive_o, naive_grads = _float32_backward_from_lse(q, k, v, do, f32(1.0))
+        naive_o, _ = _float32_backward_from_lse(q, k, v, do, f32(1.0))
         naive_golden_dv = _golden_gradients(do, q, k, v, naive_o, scale=1.0)[2]
         naive_scores = q @ np.swapaxes(k, -1, -2)
         naive_p = np.exp(naive_scores - naive_lse(naive_scores)[..., None])
