@@ -25,9 +25,10 @@
 //
 // Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
 // t is multiplied), skip tiles outside the band and evaluate the per-score mask only on
-// tiles that straddle its edge (or the end of the keys). Probabilities are recomputed in
-// base 2 from lse (ex2.approx); P (after dropout) and dS are rounded to the input type
-// for the tensor cores, accumulation is float32.
+// tiles that straddle its edge (or the end of the keys). Probabilities are recomputed
+// from lse in the forward's logit units (mma.cuh: base 2, natural for IS_FLOAT32;
+// ex2.approx); P (after dropout) and dS are rounded to the input type for the tensor cores,
+// accumulation is float32.
 //
 // IS_FLOAT32: the same kernels for float32 on TF32 tensor cores at float32 accuracy
 // (3xTF32, tf32.cuh), without the single pass (its dS^T tile goes through ldmatrix).
@@ -83,8 +84,10 @@ template <int Columns> struct Accumulators {
 // row-major tiles a1, a2 (HEAD_DIM wide) against the Columns rows of b1, b2: S and dP (or
 // their transposes) in one sweep over the head dim.
 #if IS_FLOAT32
-// out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b.
-template <int Width, int Columns>
+// out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b;
+// Transposed: the dK/dV kernel's S^T = K Q^T and dP^T = V dO^T, whose elements then round
+// as the dQ kernel's and the forward's S (mma_16x8x8_3xtf32, tf32.cuh).
+template <bool Transposed, int Width, int Columns>
 __device__ __forceinline__ void score_product(const float* a, const float* b, int row0,
                                               Accumulators<Columns>& out) {
     const int lane = threadIdx.x % 32;
@@ -97,27 +100,28 @@ __device__ __forceinline__ void score_product(const float* a, const float* b, in
         for (int n = 0; n < Columns / 8; ++n) {
             float b0, b1;
             load_shared_pair(b + (n * 8 + lane / 4) * kPitch + kk * 8 + 2 * (lane % 4), b0, b1);
-            mma_16x8x8_3xtf32(out.tile[n], a_big, a_small, split_tf32(b0), split_tf32(b1));
+            mma_16x8x8_3xtf32<Transposed>(out.tile[n], a_big, a_small, split_tf32(b0),
+                                          split_tf32(b1));
         }
     }
 }
 
-template <int Columns>
+template <bool Transposed = false, int Columns>
 __device__ __forceinline__ void one_score_product(const float* a1, const float* b1, int row0,
                                                   Accumulators<Columns>& first) {
     first.clear();
-    score_product<kHeadWidth>(a1, b1, row0, first);
+    score_product<Transposed, kHeadWidth>(a1, b1, row0, first);
 }
 
-template <int Columns>
+template <bool Transposed = false, int Columns>
 __device__ __forceinline__ void two_score_products(const float* a1, const float* b1,
                                                    const float* a2, const float* b2, int row0,
                                                    Accumulators<Columns>& first,
                                                    Accumulators<Columns>& second) {
     first.clear();
     second.clear();
-    score_product<kHeadWidth>(a1, b1, row0, first);
-    score_product<kValueWidth>(a2, b2, row0, second);
+    score_product<Transposed, kHeadWidth>(a1, b1, row0, first);
+    score_product<Transposed, kValueWidth>(a2, b2, row0, second);
 }
 
 // out += X B, X this warp's 16 x Inner accumulators, B the row-major Inner x Width tile
@@ -164,14 +168,15 @@ __device__ __forceinline__ void score_product(const bits16* a, const bits16* b, 
     }
 }
 
-template <int Columns>
+// Transposed is the float32 kernels' (above); one 16-bit mma has no order to choose.
+template <bool Transposed = false, int Columns>
 __device__ __forceinline__ void one_score_product(const bits16* a1, const bits16* b1, int row0,
                                                   Accumulators<Columns>& first) {
     first.clear();
     score_product<kHeadWidth>(a1, b1, row0, first);
 }
 
-template <int Columns>
+template <bool Transposed = false, int Columns>
 __device__ __forceinline__ void two_score_products(const bits16* a1, const bits16* b1,
                                                    const bits16* a2, const bits16* b2,
                                                    int row0, Accumulators<Columns>& first,
@@ -417,9 +422,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const int quad_row = lane / 4, quad_col = lane % 4;
     const i64 my_rows[2] = {row_start + warp * 16 + quad_row,
                             row_start + warp * 16 + quad_row + 8};
-    float lse_log2[2], row_delta[2];
+    float row_lse[2], row_delta[2];
     u32 row_states[2];
-    load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, lse_log2,
+    load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, row_lse,
                          row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
@@ -457,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kVPitch,
                            warp * 16, s, dp);
         const bool masked = tile_is_masked(key_tile);
-        scores_to_ds(scores, s.tile, dp.tile, lse_log2, my_rows, row_states, row_delta,
+        scores_to_ds(scores, s.tile, dp.tile, row_lse, my_rows, row_states, row_delta,
                      key_tile * STREAMED_ROWS, masked, key_tile_mask(key_tile));
         // A cut tile (block-uniform) with inf/NaN in K: the kept pairs' dS K terms with it
         // on CUDA cores, then zeros for the tensor cores (kept_products.cuh). The first
@@ -589,9 +594,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             // S^T and dP^T: rows are this warp's keys, columns the tile's queries.
             Accumulators<STREAMED_ROWS> st, dpt;
             if (kComputesDk)
-                two_score_products(k_tile, q_tile, v_tile, do_tile, warp * 16, st, dpt);
+                two_score_products<true>(k_tile, q_tile, v_tile, do_tile, warp * 16, st, dpt);
             else
-                one_score_product(k_tile, q_tile, warp * 16, st);
+                one_score_product<true>(k_tile, q_tile, warp * 16, st);
             // Keys past n_k are not written; outside the single pass they need no mask.
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);

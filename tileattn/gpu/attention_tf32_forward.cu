@@ -8,7 +8,9 @@
 //   fragments per k8 step (the split Q of a warp would need 2 x D / 2 registers per row
 //   tile, which D = 128 cannot spare beside O);
 // * K/V tiles stream through shared memory with cp.async, two stages;
-// * S = Q K^T in float32 accumulators, the online softmax on them in base-2 units; P is
+// * S = Q K^T in float32 accumulators, the online softmax on them in natural units
+//   (IS_FLOAT32, mma.cuh's kNaturalLogits: the float32 backward recomputes P from this lse
+//   without a base-2 round trip); P is
 //   split and fed back as the A operand of O += P V from registers. With logical
 //   k = t, t + 4 of each k8 step standing for keys 2t, 2t + 1 (tf32.cuh), S's accumulator
 //   fragment of 8 keys is the A fragment of those 8 keys unchanged, and V's B fragment is
@@ -23,6 +25,7 @@
 // Compile-time configuration (NVRTC -D options): HEAD_DIM, VALUE_DIM, COPY_BYTES, BLOCK_Q,
 // BLOCK_K, WARP_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, PAGED
 // (sequences.cuh).
+#define IS_FLOAT32 1  // this kernel is the float32 forward: natural-unit logits (mma.cuh)
 #include "forward_softmax.cuh"
 #include "tf32.cuh"
 
@@ -96,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     load_key_tiles(k_tiles, v_tiles, k_head, v_head, tile_begin * BLOCK_K, n_k);
     commit_copies();
 
-    // O, the running max (base-2 units) and this thread's share of the running sum, per row.
+    // O, the running max (natural units) and this thread's share of the running sum, per row.
     float o_acc[kRowTiles][kValueWidth / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
     start_online_softmax(o_acc, row_max, row_sum);
     const ForwardScores scores =

@@ -237,9 +237,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
     const i64 warp_row0 = row_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;
     const i64 my_rows[2] = {warp_row0 + lane / 4, warp_row0 + lane / 4 + 8};
-    float lse_log2[2], row_delta[2];
+    float row_lse[2], row_delta[2];
     u32 row_states[2];
-    load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, lse_log2,
+    load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, row_lse,
                          row_delta, row_states);
 
     const auto load_keys = [&](int stage, i64 key_tile) {
@@ -275,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         const u32 k_tile = k_tiles + stage * kStreamedHeadBytes;
         float s[kScoreFrags][4], dp[kScoreFrags][4];
         score_products(q_rows, k_tile, do_rows, v_tiles + stage * kStreamedValueBytes, s, dp);
-        scores_to_ds(scores, s, dp, lse_log2, my_rows, row_states, row_delta,
+        scores_to_ds(scores, s, dp, row_lse, my_rows, row_states, row_delta,
                      key_tile * STREAMED_ROWS, tile_is_masked(key_tile),
                      key_tile_mask(key_tile));
         u32 ds[STREAMED_ROWS / 16][4];

@@ -1,15 +1,16 @@
 // The element-wise half of the tensor-core backwards (attention_mma_backward.cu with
-// mma.sync, attention_wgmma_backward.cu with wgmma): probabilities recomputed in base 2
-// from lse, the softcap's derivative, ALiBi, the band and dropout, per score.
+// mma.sync, attention_wgmma_backward.cu with wgmma): probabilities recomputed from lse in
+// the forward's logit units (kLogitUnit, mma.cuh: base 2 for 16-bit inputs, natural for
+// float32), the softcap's derivative, ALiBi, the band and dropout, per score.
 #pragma once
 #include "mma.cuh"
 
-// The run-time score options, pre-multiplied into base-2 units where they scale a score.
+// The run-time score options, pre-multiplied into logit units where they scale a score.
 struct Scores {
-    float scale_log2;          // scale * log2(e)
+    float logit_scale;         // scale * kLogitUnit
     float scale_over_softcap;  // scale / softcap
-    float softcap_log2;        // softcap * log2(e)
-    float slope_log2;          // this head's ALiBi slope * log2(e)
+    float logit_softcap;       // softcap * kLogitUnit
+    float logit_slope;         // this head's ALiBi slope * kLogitUnit
     Band band;
     u32 dropout_key;
     u32 dropout_threshold;
@@ -24,10 +25,10 @@ __device__ __forceinline__ Scores make_scores(float scale, float softcap, const 
                                               u32 dropout_threshold, float dropout_scale,
                                               u32 dropout_row0, u32 dropout_col0) {
     Scores scores;
-    scores.scale_log2 = scale * kLog2e;
+    scores.logit_scale = scale * kLogitUnit;
     scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
-    scores.softcap_log2 = softcap * kLog2e;
-    scores.slope_log2 = ALIBI ? static_cast<float>(slopes[bh]) * kLog2e : 0.0f;
+    scores.logit_softcap = softcap * kLogitUnit;
+    scores.logit_slope = ALIBI ? static_cast<float>(slopes[bh]) * kLogitUnit : 0.0f;
     scores.band = band;
     scores.dropout_key = dropout_key;
     scores.dropout_threshold = dropout_threshold;
@@ -38,10 +39,10 @@ __device__ __forceinline__ Scores make_scores(float scale, float softcap, const 
     return scores;
 }
 
-// lse in base 2, with -inf (a row that kept nothing) turned into +inf so that every P of
-// the row comes out exp2(score - inf) = 0.
-__device__ __forceinline__ float lse_base2(float lse) {
-    return lse == negative_infinity<float>() ? -negative_infinity<float>() : lse * kLog2e;
+// lse in logit units, with -inf (a row that kept nothing) turned into +inf so that every P
+// of the row comes out e^(logit - inf) = 0.
+__device__ __forceinline__ float lse_in_logit_units(float lse) {
+    return lse == negative_infinity<float>() ? -negative_infinity<float>() : lse * kLogitUnit;
 }
 
 // Whether the tile of queries [row_start, row_start + rows) x keys [col_start,
@@ -54,27 +55,27 @@ __device__ __forceinline__ bool tile_straddles_band(const Band& band, i64 row_st
     return straddles;
 }
 
-// P_ij = exp2(score_log2 - lse_log2) for the raw q.k `dot`, and d(score)/d(scaled dot)
+// P_ij = e^(logit - lse), both in logit units, for the raw q.k `dot`, and d(score)/d(scaled dot)
 // (the softcap's 1 - tanh^2, else 1) in *capped_grad; 0 unless `kept` (the band and the key
 // range, from a TileMask).
-__device__ __forceinline__ float probability(const Scores& scores, float dot, float lse_log2,
+__device__ __forceinline__ float probability(const Scores& scores, float dot, float row_lse,
                                              i64 query, i64 key, bool kept,
                                              float* capped_grad) {
     float score;
     if (SOFTCAP) {
         const float capped = tanhf(dot * scores.scale_over_softcap);
-        score = scores.softcap_log2 * capped;
+        score = scores.logit_softcap * capped;
         *capped_grad = 1.0f - capped * capped;
     } else {
-        score = dot * scores.scale_log2;
+        score = dot * scores.logit_scale;
         *capped_grad = 1.0f;
     }
     if (ALIBI) {
         const i64 distance = query + scores.band.offset - key;
-        score -= scores.slope_log2 * static_cast<float>(distance < 0 ? -distance : distance);
+        score -= scores.logit_slope * static_cast<float>(distance < 0 ? -distance : distance);
     }
     if (!kept) score = negative_infinity<float>();
-    return exp2_approx(score - lse_log2);
+    return exp_of_logit_difference(score - row_lse);
 }
 
 // keep / (1 - dropout_p) for (query, key), the factor the forward applied to P_ij.
@@ -92,18 +93,18 @@ __device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
                    : 0u;
 }
 
-// A dQ kernel's terms for the two query rows `rows` a thread holds: lse in base 2, D and the
+// A dQ kernel's terms for the two query rows `rows` a thread holds: lse in logit units, D and the
 // dropout state. Rows past n_q get lse = -inf, hence P = 0: they need no mask.
 __device__ __forceinline__ void load_query_row_terms(const Scores& scores, const float* lse,
                                                      const float* delta, i64 bh, i64 n_q,
-                                                     const i64 (&rows)[2], float (&lse_log2)[2],
+                                                     const i64 (&rows)[2], float (&row_lse)[2],
                                                      float (&row_delta)[2],
                                                      u32 (&row_states)[2]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const bool valid = rows[half] < n_q;
-        lse_log2[half] = lse_base2(valid ? lse[bh * n_q + rows[half]]
-                                         : negative_infinity<float>());
+        row_lse[half] = lse_in_logit_units(valid ? lse[bh * n_q + rows[half]]
+                                                 : negative_infinity<float>());
         row_delta[half] = valid ? delta[bh * n_q + rows[half]] : 0.0f;
         row_states[half] = dropout_state(scores, rows[half]);
     }
@@ -146,7 +147,7 @@ extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bi
 template <int Frags>
 __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Frags][4],
                                              const float (&dp)[Frags][4],
-                                             const float (&lse_log2)[2], const i64 (&rows)[2],
+                                             const float (&row_lse)[2], const i64 (&rows)[2],
                                              const u32 (&row_states)[2],
                                              const float (&row_delta)[2], i64 key_start,
                                              bool masked, const TileMask& mask) {
@@ -161,7 +162,7 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
             const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
             const bool kept_pair = !masked || kept[e >> 1].keeps(n * 8 + (e & 1));
             float capped_grad;
-            const float p = probability(scores, s[n][e], lse_log2[e >> 1], rows[e >> 1], key,
+            const float p = probability(scores, s[n][e], row_lse[e >> 1], rows[e >> 1], key,
                                         kept_pair, &capped_grad);
             // A masked dS is 0 by this select, not P = 0 times a dP that may be NaN there
             // (a non-finite V or dO), nor a P that is NaN on a row whose lse is.
@@ -176,7 +177,7 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
 // keys `keys` against the query tile starting at `query_start`, whose lse and D sit in
 // shared memory. Queries past n_q get lse = -inf, hence P = 0. ZeroKeysPastEnd: keys past
 // n_k (zero rows of K) get P = 0 explicitly, for products that carry dS to dQ: their P is
-// exp2(-lse), which may overflow, and inf * 0 would be NaN.
+// e^(-lse), which may overflow, and inf * 0 would be NaN.
 // `mask` is relative to (query_start, the block's first key `col0`) and applies when
 // `masked`.
 template <int Frags, bool ZeroKeysPastEnd>
@@ -199,7 +200,7 @@ __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
             const int r = n * 8 + 2 * quad_col + column;
             const i64 query = query_start + r;
             const float query_lse =
-                lse_base2(query < n_q ? lse_tile[r] : negative_infinity<float>());
+                lse_in_logit_units(query < n_q ? lse_tile[r] : negative_infinity<float>());
             const float query_delta = delta_tile[r];
             const u32 row_state = dropout_state(scores, query);
 #pragma unroll

@@ -5,8 +5,9 @@
 // 8 n + 2 quad_col + {0, 1} of each 8-key fragment n. Arrays are indexed [m][n][e]: e = 0, 1
 // the first row, e = 2, 3 the second.
 //
-// Scores become base-2 logits (scale * log2(e) folded into one multiply) so that the
-// online softmax (FlashAttention-2 section 3.1.1) runs on ex2.approx; the four threads of
+// Scores become logits in kLogitUnit units (mma.cuh: base 2 for 16-bit inputs, scale *
+// log2(e) folded into one multiply; natural for float32) and the online softmax
+// (FlashAttention-2 section 3.1.1) runs on ex2.approx; the four threads of
 // a quad share a row, so row maxima take two shuffles and row sums stay per-thread partial
 // sums until the end (the rescale is quad-uniform).
 #pragma once
@@ -15,12 +16,12 @@
 
 constexpr float kLn2 = 0.6931471805599453f;
 
-// The run-time score options, pre-multiplied into base-2 units.
+// The run-time score options, pre-multiplied into logit units (kLogitUnit).
 struct ForwardScores {
-    float scale_log2;          // scale * log2(e)
+    float logit_scale;         // scale * kLogitUnit
     float scale_over_softcap;  // scale / softcap
-    float softcap_log2;        // softcap * log2(e)
-    float slope_log2;          // this head's ALiBi slope * log2(e)
+    float logit_softcap;       // softcap * kLogitUnit
+    float logit_slope;         // this head's ALiBi slope * kLogitUnit
     Band band;
     i64 n_k;
 };
@@ -29,10 +30,10 @@ __device__ __forceinline__ ForwardScores make_forward_scores(float scale, float 
                                                              const double* slopes, i64 bh,
                                                              Band band, i64 n_k) {
     ForwardScores scores;
-    scores.scale_log2 = scale * kLog2e;
+    scores.logit_scale = scale * kLogitUnit;
     scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
-    scores.softcap_log2 = softcap * kLog2e;
-    scores.slope_log2 = ALIBI ? static_cast<float>(slopes[bh]) * kLog2e : 0.0f;
+    scores.logit_softcap = softcap * kLogitUnit;
+    scores.logit_slope = ALIBI ? static_cast<float>(slopes[bh]) * kLogitUnit : 0.0f;
     scores.band = band;
     scores.n_k = n_k;
     return scores;
@@ -53,7 +54,7 @@ __device__ __forceinline__ bool key_tile_needs_mask(const ForwardScores& scores,
     return needs_mask;
 }
 
-// Raw products Q K^T -> base-2 logits: scale, softcap, ALiBi, then, when `needs_mask`, the
+// Raw products Q K^T -> logits: scale, softcap, ALiBi, then, when `needs_mask`, the
 // mask (relative to the tile at row mask.row0, key col_start) by select.
 template <int RowTiles, int KeyFrags>
 __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][4],
@@ -73,13 +74,13 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
             for (int e = 0; e < 4; ++e) {
                 float score;
                 if (SOFTCAP)
-                    score = scores.softcap_log2 * tanhf(s[m][n][e] * scores.scale_over_softcap);
+                    score = scores.logit_softcap * tanhf(s[m][n][e] * scores.scale_over_softcap);
                 else
-                    score = s[m][n][e] * scores.scale_log2;
+                    score = s[m][n][e] * scores.logit_scale;
                 if (ALIBI) {
                     const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
                     const i64 distance = rows[m][e >> 1] + scores.band.offset - col;
-                    score -= scores.slope_log2 *
+                    score -= scores.logit_slope *
                              static_cast<float>(distance < 0 ? -distance : distance);
                 }
                 if (needs_mask && !kept[e >> 1].keeps(n * 8 + (e & 1)))
@@ -89,7 +90,7 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
     }
 }
 
-// Before the first key tile: O = 0, running max -inf (in base-2 units), running sums 0.
+// Before the first key tile: O = 0, running max -inf (in logit units), running sums 0.
 template <int RowTiles, int OutFrags>
 __device__ __forceinline__ void start_online_softmax(float (&o_acc)[RowTiles][OutFrags][4],
                                                      float (&row_max)[RowTiles][2],
@@ -118,7 +119,7 @@ __device__ __forceinline__ void dropout_row_states(u32 (&states)[RowTiles][2], u
 }
 
 // One online-softmax step without touching O: logits -> unnormalised probabilities in
-// place, the running max and partial sums updated, and `rescale` = exp2(old max - new max),
+// place, the running max and partial sums updated, and `rescale` = e^(old max - new max),
 // the factor O still has to take (the wgmma forward applies it once the previous tile's
 // P V product, which is still running while this executes, has landed in O).
 template <int RowTiles, int KeyFrags>
@@ -138,13 +139,13 @@ __device__ __forceinline__ void softmax_probabilities(float (&s)[RowTiles][KeyFr
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
             const float new_max = fmaxf(row_max[m][half], tile_max);
             const float safe_max = new_max == negative_infinity<float>() ? 0.0f : new_max;
-            rescale[m][half] = exp2_approx(row_max[m][half] - safe_max);
+            rescale[m][half] = exp_of_logit_difference(row_max[m][half] - safe_max);
             row_max[m][half] = new_max;
             float tile_sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < KeyFrags; ++n) {
-                const float p0 = exp2_approx(s[m][n][2 * half] - safe_max);
-                const float p1 = exp2_approx(s[m][n][2 * half + 1] - safe_max);
+                const float p0 = exp_of_logit_difference(s[m][n][2 * half] - safe_max);
+                const float p1 = exp_of_logit_difference(s[m][n][2 * half + 1] - safe_max);
                 tile_sum += p0 + p1;
                 s[m][n][2 * half] = p0;
                 s[m][n][2 * half + 1] = p1;
@@ -227,7 +228,8 @@ __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles]
                                                  o_acc[m][n][2 * half + 1] * factor);
                 if (quad_col == 0)
                     lse_head[row] = total == 0.0f ? negative_infinity<float>()
-                                                  : row_max[m][half] * kLn2 + logf(total);
+                                    : kNaturalLogits ? row_max[m][half] + logf(total)
+                                                     : row_max[m][half] * kLn2 + logf(total);
             }
         }
 }

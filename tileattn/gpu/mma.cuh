@@ -113,11 +113,35 @@ __device__ __forceinline__ void store_row_pair(float* row, int col, float low, f
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The units of the logits that the softmax of the tensor-core kernels runs on
+// (forward_softmax.cuh, backward_scores.cuh). 16-bit inputs: base 2, scale * log2(e) folded
+// into the one multiply per score, lse stored as (max + log2 sum) * ln 2 and multiplied back
+// by log2(e) in the backward; their tolerances absorb those roundings. float32 (IS_FLOAT32:
+// the 3xTF32 forward and the float32 backward): natural units, as the golden model and the
+// CPU backend, with P = exp2((logit - max or lse) * log2(e)), the subtraction first. At
+// |logit| ~ 1e4 the base-2 round trip of lse left the dominant key's P ~1e-3 off, 1.35x the
+// float32 tolerance in dV (tests/test_backend_suite.py's large-score test, NOTES-gpu.md).
+#if defined(IS_FLOAT32) && IS_FLOAT32
+constexpr bool kNaturalLogits = true;
+#else
+constexpr bool kNaturalLogits = false;
+#endif
+// The factor from scaled scores to logits in those units.
+constexpr float kLogitUnit = kNaturalLogits ? 1.0f : kLog2e;
+
 // 2^x; -inf gives +0 and NaN stays NaN, which the masking and the NaN semantics rely on.
 __device__ __forceinline__ float exp2_approx(float x) {
     float result;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x));
     return result;
+}
+
+// e^difference for a difference of two logits: in natural units exp2(difference * log2(e)),
+// the difference rounded once before the multiply (__fmul_rn: no fma may fold it into the
+// subtraction, which would round differently); in base 2 exp2(difference).
+__device__ __forceinline__ float exp_of_logit_difference(float difference) {
+    if constexpr (kNaturalLogits) return exp2_approx(__fmul_rn(difference, kLog2e));
+    return exp2_approx(difference);
 }
 
 // ------------------------------------------------------------------ tiles and fragments

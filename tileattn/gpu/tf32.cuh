@@ -48,12 +48,22 @@ __device__ __forceinline__ void mma_16x8x8_tf32(float* c, const u32 (&a)[4], u32
 }
 
 // c += a * b at float32 accuracy from split operands; the small products go first, while
-// c is still small, so that they lose the fewest bits to its rounding.
+// c is still small, so that they lose the fewest bits to its rounding. Transposed: this
+// product is the transpose of one taken with the operands swapped (the backward's
+// S^T = K Q^T of the forward's S = Q K^T), so its cross terms go in the swapped order and
+// each element is the same sequence of roundings, the same float: P = exp(S - lse) of a
+// dominant key then comes out 1 in the dK/dV kernel too (the large-score test).
+template <bool Transposed = false>
 __device__ __forceinline__ void mma_16x8x8_3xtf32(float* c, const u32 (&a_big)[4],
                                                   const u32 (&a_small)[4], Tf32Split b0,
                                                   Tf32Split b1) {
-    mma_16x8x8_tf32(c, a_small, b0.big, b1.big);
-    mma_16x8x8_tf32(c, a_big, b0.small, b1.small);
+    if constexpr (Transposed) {
+        mma_16x8x8_tf32(c, a_big, b0.small, b1.small);
+        mma_16x8x8_tf32(c, a_small, b0.big, b1.big);
+    } else {
+        mma_16x8x8_tf32(c, a_small, b0.big, b1.big);
+        mma_16x8x8_tf32(c, a_big, b0.small, b1.small);
+    }
     mma_16x8x8_tf32(c, a_big, b0.big, b1.big);
 }
 
