@@ -17,11 +17,16 @@ import tileattn
 from tileattn import backends
 
 # Kernels compile on first use (Numba, NVRTC), so no per-example deadline. The "ci" profile
-# is the default; TILEATTN_HYPOTHESIS_PROFILE=thorough runs ten times more examples.
+# is the default; TILEATTN_HYPOTHESIS_PROFILE=thorough runs ten times more examples, and
+# "device" a third as many, for GPU runs under a time limit (each drawn option set is a
+# kernel compile there).
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.data_too_large])
 settings.register_profile("thorough", max_examples=600, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.data_too_large])
+settings.register_profile("device", max_examples=20, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("TILEATTN_HYPOTHESIS_PROFILE", "ci"))
