@@ -510,3 +510,25 @@ def test_both_tile_orders_cover_every_tile_once_longest_first(window):
         pairs = [kept_pairs_per_row(rows[s], cols[s], bands[s], *window)[r:r + 16].sum()
                  for s, r in estimated]
         assert pairs == costs
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_prefill_over_pages_shorter_than_key_tiles(backend, dtype, page_size):
+    """A prefill of new rows onto a paged cache, pages shorter than the key tiles the
+    dense table picks (the GPU then runs tiles of one page): the contiguous call's
+    results, to the dtype's tolerance, and the golden model's."""
+    rng = np.random.default_rng(page_size)
+    lengths_k = [700, 333]
+    k, v, (k_pool, v_pool), table = _paged_cache(rng, 2, 2, lengths_k, page_size, 64, 64,
+                                                 False, dtype)
+    q = rng.standard_normal((2, 4, 200, 64)).astype(dtype)
+    lengths = {"seqlens_k": np.array(lengths_k)}
+    paged = backend.forward(q, k_pool, v_pool, return_lse=True, causal=True,
+                            block_table=table, **lengths)
+    contiguous = backend.forward(q, k, v, return_lse=True, causal=True, **lengths)
+    expected = rv.forward_padded(*(a.astype(np.float64) for a in (q, k, v)), np.full(2, 200),
+                                 np.array(lengths_k), causal=True)
+    for name, actual, same, want in zip(("o", "lse"), paged, contiguous, expected):
+        assert_attention_close(actual, same, dtype, name=name)
+        assert_attention_close(actual, want, dtype, name=name)

@@ -4,7 +4,7 @@ turns its row into compile-time defines, a grid and arguments."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cupy
 import numpy as np
@@ -16,8 +16,8 @@ from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, plan_key, problem_for, remember, score_arguments,
                        tensor_core_operands)
-from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
-                    choose_forward)
+from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
+                    WgmmaTiles, Widths, choose_decode, choose_forward)
 from .varlen import Sequences, dense_arguments
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
@@ -257,10 +257,31 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     query rows a batch element, the decode kernel over the batch). Rows of no sequence are
     never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC)."""
     sequences = Sequences(q, k, options)
-    choice = choose(q, k, v, options, sequences)
+    choice = _within_pages(choose(q, k, v, options, sequences), sequences)
     o, lse = _outputs(q, v, out, lse_out)
     if choice.family != "decode" and not sequences.covers_every_row:
         o.fill(0)
         lse.fill(-np.inf)
     _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles, sequences)
     return o, lse
+
+
+# The key-tile heights each query-tile family is built and tested for.
+_BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK_K}
+
+
+def _within_pages(choice: Choice, sequences: Sequences) -> Choice:
+    """For paged K/V, key tiles no taller than a page where the family is built for such a
+    height, so that each tile lies in one page and costs one block-table lookup
+    (sequences.cuh, PagedRows::for_tile) instead of one per row: 128-key tiles over 64-key
+    pages ran the paged prefill at 0.37-0.43x the contiguous call (bench/NOTES-gpu.md,
+    v18). Smaller pages keep the table's tiles (a lookup per row)."""
+    page = sequences.page_size
+    if not sequences.paged or choice.family not in _BUILT_BLOCK_K:
+        return choice
+    if choice.tiles.block_k <= page and page % choice.tiles.block_k == 0:
+        return choice
+    fitting = [b for b in _BUILT_BLOCK_K[choice.family] if b <= page and page % b == 0]
+    if not fitting:
+        return choice
+    return replace(choice, tiles=replace(choice.tiles, block_k=max(fitting)))
