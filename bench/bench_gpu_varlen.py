@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="add forward+backward rows to the packed training table")
     parser.add_argument("--no-torch", action="store_true", help="leave out torch's rows")
     parser.add_argument("--out", default=None, help="also write the markdown tables here")
+    parser.add_argument("--parts", default="123",
+                        help="which parts to run: 1 packed, 2 paged prefill, 3 paged decode "
+                             "(default: 123)")
     parser.add_argument("--sequences", type=int, default=None,
                         help="packed sequences (default 32, --quick 8)")
     parser.add_argument("--min-length", type=int, default=128)
@@ -109,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.min_length > args.max_length:
         parser.error(f"--min-length ({args.min_length}) exceeds --max-length "
                      f"({args.max_length})")
+    if not args.parts or set(args.parts) - set("123"):
+        parser.error(f"--parts takes digits of 1, 2, 3, got {args.parts!r}")
     return args
 
 
@@ -686,9 +691,12 @@ def main(argv=None) -> None:
     report(f"CuPy {cupy.__version__}, torch {torch.__version__ if torch else 'absent'}; "
            f"median of {args.repetitions}, L2 flushed; dtypes {', '.join(args.dtypes)}"
            f"{'; --quick' if args.quick else ''}")
-    packed_part(args, report)
-    paged_prefill_part(args, report, args.dtypes[0])
-    paged_decode_part(args, report, args.dtypes[0])
+    if "1" in args.parts:
+        packed_part(args, report)
+    if "2" in args.parts:
+        paged_prefill_part(args, report, args.dtypes[0])
+    if "3" in args.parts:
+        paged_decode_part(args, report, args.dtypes[0])
 
 
 if __name__ == "__main__":
