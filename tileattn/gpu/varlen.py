@@ -65,9 +65,40 @@ class Sequences:
         tiles = (self.tiles(block_rows, keys) if block_rows is not None
                  else np.zeros((0, 2), np.int64))
         host = np.concatenate([self.descriptors.ravel(), tiles.ravel(), self._table.ravel()])
-        device = cupy.asarray(host)
+        device = upload(host)
         descriptors_end = self.descriptors.size
         tiles_end = descriptors_end + tiles.size
         return ((device[:descriptors_end], device[descriptors_end:tiles_end],
                  device[tiles_end:], np.int64(self._table.shape[1]), np.int64(self.page_size),
                  np.int64(self.n_pages)), len(tiles))
+
+
+# Pinned staging for the tables: a copy from pageable host memory waits for the stream's
+# earlier work, which serialised each variable-length call's host time with the kernels
+# before it (bench/NOTES-gpu.md, v18); from pinned memory the copy is queued like a kernel.
+# A slot is reused only once its last copy has run (its event), so the ring never blocks
+# unless more than _SLOTS calls are queued at once.
+_SLOTS = 8
+_staging: dict[int, list] = {}  # device -> [next slot, [(pinned array, event) per slot]]
+
+
+def upload(host: np.ndarray):
+    """`host` (int64) as a new device array, copied asynchronously on the current stream."""
+    ring = _staging.setdefault(cupy.cuda.Device().id, [0, [None] * _SLOTS])
+    index = ring[0]
+    ring[0] = (index + 1) % _SLOTS
+    slot = ring[1][index]
+    if slot is not None:
+        slot[1].synchronize()  # the copy that last read this slot has run
+    if slot is None or slot[0].size < host.size:
+        memory = cupy.cuda.alloc_pinned_memory(max(host.size, 1024) * 8)
+        slot = (np.frombuffer(memory, np.int64), cupy.cuda.Event(disable_timing=True))
+        ring[1][index] = slot
+    staged = slot[0][:host.size]
+    staged[...] = host
+    device = cupy.empty(host.size, np.int64)
+    stream = cupy.cuda.get_current_stream()
+    if host.size:
+        device.data.copy_from_host_async(staged.ctypes.data, host.nbytes, stream)
+    slot[1].record(stream)
+    return device
