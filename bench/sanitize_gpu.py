@@ -1,7 +1,7 @@
 """A small, representative workload for compute-sanitizer: every kernel of the GPU backend.
 
-    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only]
-    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only]
+    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only | --varlen-only]
+    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only | --varlen-only]
 
 Sizes are small (the sanitizer slows kernels down a hundredfold) but ragged, so every
 kernel sees partial tiles, fully masked rows, GQA and each option switch. Each case is also
@@ -60,6 +60,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     if "--decode-only" in sys.argv[1:]:
         return decode_cases(rng)
+    if "--varlen-only" in sys.argv[1:]:
+        return varlen_cases(rng)
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
         options = dict(options)
         deterministic = options.pop("deterministic", True)
@@ -136,7 +138,87 @@ def main() -> int:
             for grad_name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
                 assert_attention_close(grad.get(), want, q.dtype, name=grad_name)
             print(f"ok float16 D={head_dim} {name} single-pass backward (dQ added in arrival order)")
-    return decode_cases(rng)
+    decode_cases(rng)
+    return varlen_cases(rng)
+
+
+def varlen_cases(rng) -> int:
+    """Variable-length and paged calls (`--varlen-only`: these alone): the tile tables of
+    every family, padding full of NaN that no kernel may read, empty sequences, pages in
+    shuffled order in both pool layouts, unchecked lengths past their axes."""
+    for dtype, family, options in VARLEN_CASES:
+        dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+        q, k, v, do, lengths = _varlen_problem(rng, dtype, family)
+        device = [cupy.asarray(a) for a in (q, k, v, do)]
+        o, lse = tileattn.forward(*device[:3], backend="gpu", return_lse=True, **lengths,
+                                  **options)
+        host = [a.astype(np.float64) for a in (q, k, v, do)]
+        golden_o, golden_lse = tileattn.forward(*host[:3], backend="reference",
+                                                return_lse=True, **lengths, **options)
+        assert_attention_close(o.get(), golden_o, dtype, name="o")
+        assert_attention_close(lse.get(), golden_lse, dtype, name="lse")
+        if family != "paged":
+            grads = tileattn.backward(device[3], *device[:3], o, lse, backend="gpu",
+                                      **lengths, **options)
+            golden = tileattn.backward(host[3], *host[:3], o.get().astype(np.float64),
+                                       lse.get(), backend="reference", **lengths, **options)
+            for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
+                assert_attention_close(grad.get(), want, dtype, name=name)
+        print(f"ok {dtype} {family} {sorted(options)} variable-length")
+    q, k, v, _, lengths = _varlen_problem(rng, np.dtype(np.float16), "paged")
+    wild = {"seqlens_k": np.array([10**6, 7, -3]), "block_table": lengths["block_table"] + 50}
+    tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu", check_lengths=False, **wild)
+    cupy.cuda.Device().synchronize()
+    print("ok float16 paged, unchecked lengths and page ids out of range (clamped)")
+    return 0
+
+
+# (dtype, family, options): packed with an empty sequence and GQA, padded with a window,
+# paged at pages of 16 (page-major pool) and 64.
+VARLEN_CASES = [
+    ("float16", "packed", dict(causal=True, dropout_p=0.2, seed=3)),
+    ("float32", "padded", dict(window=(20, 5), softcap=3.0)),
+    ("bfloat16", "padded", dict(causal=True, alibi_slopes=np.array([0.2, 0.3, 0.4, 0.5]))),
+    ("float64", "packed", dict(causal=True)),
+    ("float16", "paged", dict(causal=True)),
+]
+
+
+def _varlen_problem(rng, dtype, family):
+    """Arrays (NaN wherever no sequence reaches) and the length keywords of one call: 3
+    sequences of Hq 4, Hkv 2, D 64, lengths up to 150 keys."""
+    rows, keys = np.array([70, 0, 33]), np.array([150, 40, 90])
+    n_q, n_k, d = int(rows.max()), int(keys.max()), 64
+
+    def normal(shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    if family == "packed":
+        cu_q, cu_k = np.concatenate([[0], np.cumsum(rows)]), np.concatenate([[0], np.cumsum(keys)])
+        q, do = normal((4, cu_q[-1], d)), normal((4, cu_q[-1], d))
+        k, v = normal((2, cu_k[-1], d)), normal((2, cu_k[-1], d))
+        return q, k, v, do, {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    q, do = normal((3, 4, n_q, d)), normal((3, 4, n_q, d))
+    for b, n in enumerate(rows):
+        q[b, :, n:] = do[b, :, n:] = np.nan
+    if family == "padded":
+        k, v = normal((3, 2, n_k, d)), normal((3, 2, n_k, d))
+        for b, n in enumerate(keys):
+            k[b, :, n:] = v[b, :, n:] = np.nan
+        return q, k, v, do, {"seqlens_q": rows, "seqlens_k": keys}
+    page = 16
+    pages = -(-keys // page)
+    order = rng.permutation(int(pages.sum()) + 2)
+    table = np.full((3, int(pages.max())), -1, np.int64)
+    stored = np.full((len(order), page, 2, d), np.nan, dtype)  # page-major, as vLLM stores
+    first = 0
+    for b in range(3):
+        table[b, :pages[b]] = order[first:first + pages[b]]
+        first += pages[b]
+        for j in range(keys[b]):
+            stored[table[b, j // page], j % page] = normal((2, d))
+    pool = stored.transpose(0, 2, 1, 3)
+    return q, pool, pool, do, {"seqlens_q": rows, "seqlens_k": keys, "block_table": table}
 
 
 def decode_cases(rng) -> int:
