@@ -76,7 +76,7 @@ def kernel(source_name: str, entry: str, defines: tuple[tuple[str, object], ...]
         if shared_bytes > 48 * 1024 and _opted_in.get(module_key + (entry,), 0) < shared_bytes:
             # Set once per kernel instead of read and compared on every call: each read is a
             # driver call of host time, and one failed inside a JAX callback with
-            # CUDA_ERROR_FUNCTION_NOT_LOADED (bench/NOTES-gpu.md, v17).
+            # CUDA_ERROR_FUNCTION_NOT_LOADED (bench/NOTES-gpu.md, v18).
             function.max_dynamic_shared_size_bytes = shared_bytes
             _opted_in[module_key + (entry,)] = shared_bytes
     return function

@@ -273,9 +273,8 @@ _BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK
 def _within_pages(choice: Choice, sequences: Sequences) -> Choice:
     """For paged K/V, key tiles no taller than a page where the family is built for such a
     height, so that each tile lies in one page and costs one block-table lookup
-    (sequences.cuh, PagedRows::for_tile) instead of one per row: 128-key tiles over 64-key
-    pages ran the paged prefill at 0.37-0.43x the contiguous call (bench/NOTES-gpu.md,
-    v18). Smaller pages keep the table's tiles (a lookup per row)."""
+    (sequences.cuh, PagedRows::for_tile) instead of one per row, a dependent load before
+    each row's copy. Smaller pages keep the table's tiles (a lookup per row)."""
     page = sequences.page_size
     if not sequences.paged or choice.family not in _BUILT_BLOCK_K:
         return choice
