@@ -13,8 +13,10 @@ Per shape, first validated, then timed: tileattn's o for batch 0's first K/V gro
 against a float64 CuPy computation (the golden formula) within tileattn.testing's tolerance,
 torch's the same way; then CUDA events around each call, L2 flushed (a 128 MiB write) before
 each, median of the repetitions. Columns: the bytes of K and V (what decoding must read), the
-time, the share of the device-to-device copy bandwidth measured at the start of this run
-(2 x bytes / time of a 2 GiB copy), torch flash's time (enable_gqa where Hq != Hkv) and
+time of a `tileattn.forward` call (its host time past the flush's ~45 us included), the
+share of the device-to-device copy bandwidth measured at the start of this run (2 x bytes /
+time of a 2 GiB copy), the same two for the chosen kernels alone (their launch replayed,
+whose host time hides under the flush), torch flash's time (enable_gqa where Hq != Hkv) and
 torch / tileattn (> 1: tileattn faster), and the kernel tileattn chose; with --compare (on
 in --quick) also the time of the kernel it did not choose (the prefill family beside decode,
 the decode kernel beside prefill up to 64 packed rows), which checks the dispatch threshold.
@@ -226,6 +228,23 @@ def choice_of(q, k, v) -> str:
     return _describe(launch_forward.choose(q, k, v, _options(q, k, v)))
 
 
+def chosen_kernels(q, k, v):
+    """The chosen kernels' launch replayed directly, for the kernel-only column: a replay
+    costs ~10-20 us of host time, less than the L2 flush queued before it, so the events
+    around it time the kernels alone, where a `tileattn.forward` call's host time (~110 us)
+    would lie between them."""
+    options = _options(q, k, v)
+    o = cupy.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
+    launch = launch_forward.launch(launch_forward.choose(q, k, v, options), q, k, v, o, lse,
+                                   options)
+
+    def run():
+        launch(q, k, v, o, lse)
+        return o
+    return run
+
+
 def alternative(q, k, v):
     """The kernel the dispatch did not choose, built once: the prefill family's where decode
     runs, the decode kernel where a prefill family runs (up to 64 packed rows); so that the
@@ -271,8 +290,13 @@ def run_shape(shape: Shape, bandwidth: float, repetitions: int,
     assert_attention_close(_as_float64(ours()[0, :group]).get(), expected, dtype,
                            name=f"tileattn o, {shape.name}")
     ours_us = median_us(ours, repetitions)
+    kernels = chosen_kernels(q, k, v)
+    assert_attention_close(_as_float64(kernels()[0, :group]).get(), expected, dtype,
+                           name=f"tileattn kernels o, {shape.name}")
+    kernel_us = median_us(kernels, repetitions)
     line = (f"| {shape.name} | {shape.kv_bytes / 2**20:,.0f} | {ours_us:,.1f} | "
-            f"{shape.kv_bytes / (ours_us * 1e-6) / bandwidth:.2f} |")
+            f"{shape.kv_bytes / (ours_us * 1e-6) / bandwidth:.2f} | {kernel_us:,.1f} | "
+            f"{shape.kv_bytes / (kernel_us * 1e-6) / bandwidth:.2f} |")
     flash = torch_flash(q, k, v)
     if flash is None:
         line += " n/a | n/a |"
@@ -328,8 +352,9 @@ def main() -> None:
     print(f"{name}, {props['multiProcessorCount']} SMs; device-to-device copy "
           f"{bandwidth / 1e12:.2f} TB/s; torch {torch.__version__ if torch else 'absent'}; "
           f"median of {repetitions}, L2 flushed", flush=True)
-    print("\n| shape | K+V MiB | tileattn us | share of copy bw | flash us | flash / tileattn "
-          "| tileattn kernel |\n|---|---|---|---|---|---|---|", flush=True)
+    print("\n| shape | K+V MiB | tileattn us | share of copy bw | kernels alone us | their "
+          "share | flash us | flash / tileattn | tileattn kernel |\n"
+          "|---|---|---|---|---|---|---|---|---|", flush=True)
     for shape in (QUICK if args.quick else grid()):
         line = run_shape(shape, bandwidth, repetitions, args.quick or args.compare)
         print(line if line is not None else f"| {shape.name} | skipped: K/V over a third of "
