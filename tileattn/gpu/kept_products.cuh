@@ -133,6 +133,34 @@ __device__ __forceinline__ void zero_non_finite_shared_tile(u32 tile) {
                          : "memory");
 }
 
+// The non-finite terms p_rj v[j][col + f] (f = 0, 1) of row half `half` of row tile m over
+// the keys j that `kept` keeps, summed (the layout and shuffles of
+// add_kept_non_finite_values, below).
+template <int KeyFrags, class HeldOf, class ValueAt>
+__device__ __forceinline__ void sum_kept_non_finite_terms(float (&sum)[2], const Window& kept,
+                                                          HeldOf held_of, ValueAt value_at,
+                                                          int m, int half, int col) {
+    const int quad_lane0 = (threadIdx.x % 32) & ~3;
+    sum[0] = sum[1] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < KeyFrags; ++n) {
+        const float held_even = held_of(m, n, half, 0);
+        const float held_odd = held_of(m, n, half, 1);
+#pragma unroll 1
+        for (int j = 0; j < 8; ++j) {
+            // Key n * 8 + j: the holder's element j % 2 of fragment n.
+            const float weight =
+                __shfl_sync(0xffffffffu, (j & 1) ? held_odd : held_even, quad_lane0 | (j / 2));
+            if (!kept.keeps(n * 8 + j)) continue;
+#pragma unroll
+            for (int f = 0; f < 2; ++f) {
+                const float value = value_at(n * 8 + j, col + f);
+                if (bits_non_finite(value)) sum[f] += weight * value;
+            }
+        }
+    }
+}
+
 // O += p_rj v[j][d] for this thread's rows r and O columns d, over the keys j that row r
 // keeps (window_of(m, half): the Window of tile-relative keys kept by row half `half` of
 // row tile m) and the d where v[j][d] = value_at(j, d) is not finite (value_at is called
@@ -149,7 +177,7 @@ template <int KeyFrags, int RowTiles, int OutFrags, class WindowOf, class HeldOf
 __device__ __forceinline__ void add_kept_non_finite_values(float (&o_acc)[RowTiles][OutFrags][4],
                                                            WindowOf window_of, HeldOf held_of,
                                                            ValueAt value_at) {
-    const int lane = threadIdx.x % 32, quad_col = lane % 4, quad_lane0 = lane & ~3;
+    const int quad_col = threadIdx.x % 4;
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m)
 #pragma unroll
@@ -157,25 +185,9 @@ __device__ __forceinline__ void add_kept_non_finite_values(float (&o_acc)[RowTil
             const Window kept = window_of(m, half);
 #pragma unroll
             for (int dn = 0; dn < OutFrags; ++dn) {
-                const int col = dn * 8 + 2 * quad_col;
-                float non_finite_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-                for (int n = 0; n < KeyFrags; ++n) {
-                    const float held_even = held_of(m, n, half, 0);
-                    const float held_odd = held_of(m, n, half, 1);
-#pragma unroll 1
-                    for (int j = 0; j < 8; ++j) {
-                        // Key n * 8 + j: the holder's element j % 2 of fragment n.
-                        const float weight = __shfl_sync(
-                            0xffffffffu, (j & 1) ? held_odd : held_even, quad_lane0 | (j / 2));
-                        if (!kept.keeps(n * 8 + j)) continue;
-#pragma unroll
-                        for (int f = 0; f < 2; ++f) {
-                            const float value = value_at(n * 8 + j, col + f);
-                            if (bits_non_finite(value)) non_finite_sum[f] += weight * value;
-                        }
-                    }
-                }
+                float non_finite_sum[2];
+                sum_kept_non_finite_terms<KeyFrags>(non_finite_sum, kept, held_of, value_at, m,
+                                                    half, dn * 8 + 2 * quad_col);
                 o_acc[m][dn][2 * half] += non_finite_sum[0];
                 o_acc[m][dn][2 * half + 1] += non_finite_sum[1];
             }
@@ -276,30 +288,15 @@ __device__ __forceinline__ void add_kept_non_finite_values_rolled(float (&acc)[O
                                                                   WindowOf window_of,
                                                                   HeldOf held_of,
                                                                   ValueAt value_at) {
-    const int lane = threadIdx.x % 32, quad_col = lane % 4, quad_lane0 = lane & ~3;
+    const int quad_col = threadIdx.x % 4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const Window kept = window_of(0, half);
 #pragma unroll 1
         for (int dn = 0; dn < OutFrags; ++dn) {
-            const int col = dn * 8 + 2 * quad_col;
-            float non_finite_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int n = 0; n < KeyFrags; ++n) {
-                const float held_even = held_of(0, n, half, 0);
-                const float held_odd = held_of(0, n, half, 1);
-#pragma unroll 1
-                for (int j = 0; j < 8; ++j) {
-                    const float weight = __shfl_sync(
-                        0xffffffffu, (j & 1) ? held_odd : held_even, quad_lane0 | (j / 2));
-                    if (!kept.keeps(n * 8 + j)) continue;
-#pragma unroll
-                    for (int f = 0; f < 2; ++f) {
-                        const float value = value_at(n * 8 + j, col + f);
-                        if (bits_non_finite(value)) non_finite_sum[f] += weight * value;
-                    }
-                }
-            }
+            float non_finite_sum[2];
+            sum_kept_non_finite_terms<KeyFrags>(non_finite_sum, kept, held_of, value_at, 0, half,
+                                                dn * 8 + 2 * quad_col);
 #pragma unroll
             for (int target = 0; target < OutFrags; ++target)
                 if (target == dn) {

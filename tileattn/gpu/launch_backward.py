@@ -14,7 +14,7 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        element_strides, empty, plan_key, problem_for, problem_of, remember,
                        score_arguments, tensor_core_operands)
 from .tiles import Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, choose_backward
-from .varlen import Sequences, dense_arguments
+from .varlen import Sequences, tile_grid
 
 WGMMA_SOURCE = "attention_wgmma_backward.cu"
 MMA_SOURCE = "attention_mma_backward.cu"
@@ -163,7 +163,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
         shared = tiles.shared_bytes(entry, widths, single_pass, part)
         function = _compile.kernel(WGMMA_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
-        grid, tables = _tile_grid(heads, n_rows, owned, batch, sequences,
+        grid, tables = tile_grid(heads, n_rows, owned, batch, sequences,
                                   keys=entry == "dkdv")
         launches.append(Launch(function, (grid,), (owned // 64 * 128,), shared,
                                common + tables))
@@ -222,7 +222,7 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
-        grid, tables = _tile_grid(heads, n_rows, owned, batch, sequences,
+        grid, tables = tile_grid(heads, n_rows, owned, batch, sequences,
                                   keys=entry == "dkdv")
         if grid:
             function((grid,), (owned // 16 * 32,), arrays + common + tables,
@@ -236,17 +236,6 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
 
 
 # --------------------------------------------------------------------------- generic
-
-
-def _tile_grid(heads: int, n_rows: int, block: int, batch: int, sequences: Sequences | None,
-               keys: bool = False) -> tuple[int, tuple]:
-    """Blocks of a query-tile (or, with `keys`, key-tile) kernel: `heads` per tile of
-    `block` rows of each batch element, or of each entry of the sequences' tile table; and
-    the trailing table arguments (sequences.cuh)."""
-    if sequences is None:
-        return -(-n_rows // block) * batch * heads, dense_arguments(cupy.cuda.Device().id)
-    tables, entries = sequences.arguments(block, keys)
-    return entries * heads, tables
 
 
 def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None),
@@ -269,12 +258,12 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
               *score_arguments(options, n_q, n_k, accum))
     extra = sequences.defines() if sequences is not None else ()
     function, shared = config.kernel("attention_backward_dq", extra)
-    grid, tables = _tile_grid(n_q_heads, n_q, blocks.block_q, batch, sequences)
+    grid, tables = tile_grid(n_q_heads, n_q, blocks.block_q, batch, sequences)
     if grid:
         function((grid,), (GENERIC_THREADS,), (q, k, v, do, lse, delta, dq) + common + tables,
                  shared_mem=shared)
     function, shared = config.kernel("attention_backward_dkdv", extra)
-    grid, tables = _tile_grid(n_kv_heads, n_k, blocks.block_k, batch, sequences, keys=True)
+    grid, tables = tile_grid(n_kv_heads, n_k, blocks.block_k, batch, sequences, keys=True)
     if grid:
         function((grid,), (GENERIC_THREADS,),
                  (q, k, v, do, lse, delta, dk, dv) + common + tables, shared_mem=shared)

@@ -20,6 +20,7 @@ from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
                        score_arguments, tensor_core_operands)
 from .tiles import DecodeShape, DecodeTiles
+from .varlen import dense_arguments
 
 DECODE_SOURCE = "attention_decode.cu"
 MERGE_THREADS = 128  # attention_decode_merge's __launch_bounds__
@@ -116,8 +117,6 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTile
                    sequences=None) -> tuple:
     """Runs the decode forward of `tiles` into o and lse: ``(launch, alignment)``. With
     `sequences` (a padded or paged `varlen.Sequences`), batch element b is sequence b."""
-    from .varlen import dense_arguments
-
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = n_q_heads // n_kv_heads

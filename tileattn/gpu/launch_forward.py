@@ -18,7 +18,7 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        tensor_core_operands)
 from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
                     WgmmaTiles, Widths, choose_decode, choose_forward)
-from .varlen import Sequences, dense_arguments
+from .varlen import Sequences, tile_grid
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
@@ -35,25 +35,15 @@ def _dims_defines(q, v, copy_bytes: int) -> tuple:
     return (("COPY_BYTES", copy_bytes), ("HEAD_DIM", q.shape[3]), ("VALUE_DIM", v.shape[3]))
 
 
-def _grid_and_tables(q, block_q: int, sequences: Sequences | None) -> tuple[int, tuple]:
-    """Blocks of a query-tile forward (one per `block_q` rows of a head: of each batch
-    element, or of each sequence's tile-table entry) and its trailing table arguments."""
-    batch, n_q_heads, n_q, _ = q.shape
-    if sequences is None:
-        return -(-n_q // block_q) * batch * n_q_heads, dense_arguments(q.device.id)
-    tables, entries = sequences.arguments(block_q)
-    return entries * n_q_heads, tables
-
-
 def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k, v, o, lse,
                         strides, options: AttentionOptions,
                         sequences: Sequences | None) -> Launch:
     """Launches a tensor-core forward (one block per `block_q` query rows of a head, the
     arguments every such kernel takes) and returns the launch."""
-    _, n_q_heads, n_q, _ = q.shape
+    batch, n_q_heads, n_q, _ = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     q_strides, k_strides, v_strides = strides
-    blocks, tables = _grid_and_tables(q, block_q, sequences)
+    blocks, tables = tile_grid(n_q_heads, n_q, block_q, batch, sequences)
     launch = Launch(function, (blocks,), (threads,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
@@ -175,14 +165,14 @@ class GenericConfig:
 
 def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None,
                     sequences: Sequences | None = None) -> tuple:
-    _, n_q_heads, n_q, head_dim = q.shape
+    batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
     blocks = config.blocks(options)
     function, shared = config.kernel(
         "attention_forward", sequences.defines() if sequences is not None else ())
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-    grid, tables = _grid_and_tables(q, blocks.block_q, sequences)
+    grid, tables = tile_grid(n_q_heads, n_q, blocks.block_q, batch, sequences)
     launch = Launch(function, (grid,), (GENERIC_THREADS,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), np.int32(head_dim),

@@ -24,6 +24,17 @@ def dense_arguments(device_id: int) -> tuple:
     return (none, none, none, np.int64(0), np.int64(0), np.int64(0))
 
 
+def tile_grid(heads: int, n_rows: int, block: int, batch: int, sequences: Sequences | None,
+              keys: bool = False) -> tuple[int, tuple]:
+    """Blocks of a query-tile (or, with `keys`, key-tile) kernel: `heads` per tile of
+    `block` rows of each batch element, or of each entry of the sequences' tile table; and
+    the trailing table arguments (sequences.cuh)."""
+    if sequences is None:
+        return -(-n_rows // block) * batch * heads, dense_arguments(cupy.cuda.Device().id)
+    tables, entries = sequences.arguments(block, keys)
+    return entries * heads, tables
+
+
 class Sequences:
     """A variable-length call's sequences on the device, for launches of any tile height."""
 
