@@ -168,16 +168,21 @@ def test_decode_leaves_prefill_shapes_alone():
 
 
 def test_decode_splits_fill_the_device():
-    """One (batch, kv head) is split toward two blocks per SM; a full grid is not split;
-    a split keeps at least two key tiles; the count is capped."""
+    """One (batch, kv head) is split toward one wave of resident blocks, never past it; a grid
+    that fills half the resident blocks is not split; a split keeps at least two key tiles;
+    the count is capped."""
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=262144, **H100)
     single = tiles.choose_decode(problem, _decode_shape(n_q_heads=8, n_kv_heads=1,
                                                         n_k=262144)).tiles
-    assert single.splits == tiles.DECODE_MAX_SPLITS
+    shared = single.shared_bytes(2, 4, 128, 128)
+    per_sm = tiles.decode_blocks_per_sm(shared, single.threads, problem.shared_limit)
+    assert per_sm == 3  # 57 KiB a block (8 rows) and 1 KiB reserved: 3 fit 228 KiB
+    resident = per_sm * 132
+    assert single.splits == min(resident, tiles.DECODE_MAX_SPLITS)
     full = tiles.choose_decode(problem, _decode_shape(batch=64, n_k=4096)).tiles
-    assert full.splits == 1  # 512 blocks >= 2 x 132
+    assert full.splits == 1  # 512 blocks: more than half of 528
     some = tiles.choose_decode(problem, _decode_shape(batch=8, n_k=32768)).tiles
-    assert 64 * some.splits >= 2 * 132 and some.splits <= 5
+    assert some.splits == 8  # 64 x 8 = 512 blocks in one wave of 528, not 9 (576)
     short = tiles.choose_decode(problem, _decode_shape(n_q_heads=1, n_kv_heads=1,
                                                        n_k=256)).tiles
     assert short.splits == 256 // short.block_k // tiles.DECODE_MIN_TILES_PER_SPLIT

@@ -21,8 +21,8 @@
 //   most 16 per byte of fp16 K/V, which the CUDA cores keep up with at HBM speed, while
 //   tensor cores would need the rows padded to 16 and a separate path per dtype (float32
 //   and float64 have none that is exact). One kernel thus serves every dtype.
-// * Per key tile: scores (a thread per key, ROWS / (THREADS / BLOCK_K) rows each, Q from
-//   shared memory as broadcasts), the online softmax of FlashAttention-2 (a warp per row,
+// * Per key tile: scores (a thread per key and a few rows, or a few lanes per dot product
+//   where keys x rows are fewer than the threads; Q from shared memory as broadcasts), the online softmax of FlashAttention-2 (a warp per row,
 //   exact expf/exp), then O += P V (a thread per CPT columns, RPT consecutive rows each, P
 //   stored key-major so a thread's rows of one key are one vector load).
 // * Masks are selects (a masked score becomes -inf whatever q . k was), so a NaN or Inf in
@@ -49,8 +49,9 @@ constexpr int kKPitch = kHeadWidth + kElements;  // +16 bytes: rows land in diff
 constexpr int kVPitch = kValueWidth + kElements;
 constexpr int kWarps = THREADS / 32;
 
-// Scores: thread t owns kKeysPerThread keys, slot + j * kKeySlots (slot = t % kKeySlots), for
-// rows group + i * kScoreGroups (group = t / kKeySlots). Each Q load then serves
+// Scores: score thread u (= t / kDimSplit, below) owns kKeysPerThread keys, slot + j *
+// kKeySlots (slot = u % kKeySlots), for rows group + i * kScoreGroups (group = u / kKeySlots),
+// and part t % kDimSplit of their dot products. Each Q load then serves
 // kKeysPerThread keys, and Q rows are padded by 16 bytes (kQPitch) so that the few rows a
 // warp reads at once lie in different banks: with 4 keys a thread, a warp's 16-byte loads of
 // Q and K are one wavefront each (at 16 rows, D = 128: ~380 wavefronts per 32-key tile
@@ -62,12 +63,25 @@ constexpr int key_blocking(int rows, int block_k, int threads) {
     while (keys > 1 && (block_k % keys != 0 || threads * keys / block_k > rows)) keys /= 2;
     return keys;
 }
-constexpr int kKeysPerThread = key_blocking(ROWS, BLOCK_K, THREADS);
+// With fewer (key, row) pairs than threads (one row per kv head, or 16 keys a tile), each
+// dot product is cut into kDimSplit parts over adjacent lanes, summed by shuffles: otherwise
+// most threads idle while a few run a chain of D dependent multiply-adds (at ROWS = 1, 32
+// keys and D = 128, one warp of four). Parts take interleaved 16-byte chunks of the row.
+constexpr int dim_split(int rows, int block_k, int threads, int chunks) {
+    int parts = threads / (block_k * rows);
+    parts = parts < 1 ? 1 : (parts > 8 ? 8 : parts);
+    while (parts > 1 && (chunks % parts != 0 || (parts & (parts - 1)) != 0)) parts /= 2;
+    return parts;
+}
+constexpr int kDimSplit = dim_split(ROWS, BLOCK_K, THREADS, kHeadWidth / kElements);
+constexpr int kScoreThreads = THREADS / kDimSplit;  // threads that each own whole dots
+constexpr int kKeysPerThread = key_blocking(ROWS, BLOCK_K, kScoreThreads);
 constexpr int kKeySlots = BLOCK_K / kKeysPerThread;
-constexpr int kScoreGroups = THREADS / kKeySlots;
+constexpr int kScoreGroups = kScoreThreads / kKeySlots;
 constexpr int kScoreRows = (ROWS + kScoreGroups - 1) / kScoreGroups;
 constexpr int kQPitch = kHeadWidth + kAccVector;
-static_assert(THREADS % BLOCK_K == 0 && THREADS % 32 == 0, "whole key slots per block");
+static_assert(kScoreThreads % BLOCK_K == 0 && THREADS % 32 == 0, "whole key slots per block");
+static_assert(32 % kDimSplit == 0, "a dot product's parts lie in one warp");
 
 // O += P V: thread t owns kCpt consecutive columns and kRpt consecutive rows.
 constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
@@ -317,14 +331,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 
         // Scores: kKeysPerThread keys x kScoreRows rows a thread, Q and K from shared memory.
         {
-            const int slot = threadIdx.x % kKeySlots, group = threadIdx.x / kKeySlots;
+            const int part = threadIdx.x % kDimSplit, score_thread = threadIdx.x / kDimSplit;
+            const int slot = score_thread % kKeySlots, group = score_thread / kKeySlots;
             Acc dots[kKeysPerThread][kScoreRows];
 #pragma unroll
             for (int j = 0; j < kKeysPerThread; ++j)
 #pragma unroll
                 for (int i = 0; i < kScoreRows; ++i) dots[j][i] = 0;
 #pragma unroll 2
-            for (int d0 = 0; d0 < kHeadWidth; d0 += kElements) {
+            for (int d0 = part * kElements; d0 < kHeadWidth; d0 += kDimSplit * kElements) {
                 Acc key_part[kKeysPerThread][kElements];
 #pragma unroll
                 for (int j = 0; j < kKeysPerThread; ++j)
@@ -343,8 +358,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
                     }
                 }
             }
+            if (kDimSplit > 1) {
 #pragma unroll
-            for (int j = 0; j < kKeysPerThread; ++j) {
+                for (int j = 0; j < kKeysPerThread; ++j)
+#pragma unroll
+                    for (int i = 0; i < kScoreRows; ++i)
+#pragma unroll
+                        for (int lanes = kDimSplit / 2; lanes > 0; lanes /= 2)
+                            dots[j][i] += __shfl_xor_sync(0xffffffffu, dots[j][i], lanes);
+            }
+#pragma unroll
+            for (int j = 0; j < kKeysPerThread && part == 0; ++j) {
                 const int c = slot + j * kKeySlots;
                 const i64 col = col_start + c;
 #pragma unroll
@@ -455,41 +479,64 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
     }
 }
 
-// Combines the splits of one output row (a block per flat (b, h, i) row): with m the
-// largest split lse, w_s = exp(lse_s - m), o = sum_s w_s o_s / sum_s w_s and
-// lse = m + log(sum_s w_s). Every split -inf (no key kept anywhere): o = 0, lse = -inf. A NaN
-// split lse is passed over by fmax and then makes the sum NaN, so NaN reaches o and lse.
-extern "C" __global__ void __launch_bounds__(128) attention_decode_merge(
+// Combines the splits of one output row: with m the largest split lse,
+// w_s = exp(lse_s - m), o = sum_s w_s o_s / sum_s w_s and lse = m + log(sum_s w_s). Every
+// split -inf (no key kept anywhere): o = 0, lse = -inf. A NaN split lse is passed over by
+// fmax and then makes the sum NaN, so NaN reaches o and lse.
+// A block per (row, 32 columns): a single sequence of one kv head has only ROWS rows but
+// hundreds of splits, whose partials (splits x Dv floats a row) a block per row would read
+// through a handful of SMs. Lane = column; the 8 warps take every 8th split, so each warp
+// reads 128 contiguous bytes a split; the weights are computed once per chunk of splits
+// into shared memory, and the warps' sums are added in a fixed order (deterministic).
+constexpr int kMergeWarps = 8;
+constexpr int kMergeThreads = kMergeWarps * 32;  // launch_decode.py's MERGE_THREADS
+extern "C" __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge(
     const Acc* partial_o, const Acc* partial_lse, T* o, Acc* lse, i64 n_rows, int n_splits) {
-    // Each thread recomputes the splits' weights exp(lse_s - max) for its columns rather
-    // than reading them from shared memory: a few exps per split, and no shared array whose
-    // size would follow the run-time split count.
     __shared__ Acc shared_total, shared_max;
+    __shared__ Acc weights[kMergeThreads];
+    __shared__ Acc warp_sums[kMergeWarps][32];
     const i64 row = blockIdx.x;
-    if (threadIdx.x < 32) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int d = blockIdx.y * 32 + lane;
+    if (warp == 0) {
         Acc largest = negative_infinity<Acc>();
-        for (int s = threadIdx.x; s < n_splits; s += 32)
+        for (int s = lane; s < n_splits; s += 32)
             largest = fmax(largest, partial_lse[s * n_rows + row]);
         largest = warp_max(largest);
         const Acc safe_max = largest == negative_infinity<Acc>() ? Acc(0) : largest;
         Acc total = 0;
-        for (int s = threadIdx.x; s < n_splits; s += 32)
+        for (int s = lane; s < n_splits; s += 32)
             total += exp_acc(partial_lse[s * n_rows + row] - safe_max);
         total = warp_sum(total);
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
             shared_total = total;
             shared_max = safe_max;
         }
     }
     __syncthreads();
     const Acc total = shared_total, safe_max = shared_max;
-    for (int d = threadIdx.x; d < VALUE_DIM; d += 128) {
-        Acc sum = 0;
-        for (int s = 0; s < n_splits; ++s)
-            sum += exp_acc(partial_lse[s * n_rows + row] - safe_max) *
-                   partial_o[(s * n_rows + row) * VALUE_DIM + d];
-        o[row * VALUE_DIM + d] = narrow<T>(total == Acc(0) ? Acc(0) : sum / total);
+    Acc sum = 0;
+    for (int first = 0; first < n_splits; first += kMergeThreads) {
+        const int count = n_splits - first < kMergeThreads ? n_splits - first : kMergeThreads;
+        __syncthreads();  // the previous chunk's weights are read
+        if (threadIdx.x < count)
+            weights[threadIdx.x] =
+                exp_acc(partial_lse[(first + threadIdx.x) * n_rows + row] - safe_max);
+        __syncthreads();
+        if (d < VALUE_DIM) {
+#pragma unroll 4
+            for (int s = warp; s < count; s += kMergeWarps)
+                sum += weights[s] * partial_o[((first + s) * n_rows + row) * VALUE_DIM + d];
+        }
     }
-    if (threadIdx.x == 0)
+    warp_sums[warp][lane] = sum;
+    __syncthreads();
+    if (warp == 0 && d < VALUE_DIM) {
+        Acc row_sum = 0;
+#pragma unroll
+        for (int w = 0; w < kMergeWarps; ++w) row_sum += warp_sums[w][lane];
+        o[row * VALUE_DIM + d] = narrow<T>(total == Acc(0) ? Acc(0) : row_sum / total);
+    }
+    if (blockIdx.y == 0 && threadIdx.x == 0)
         lse[row] = total == Acc(0) ? negative_infinity<Acc>() : safe_max + log_acc(total);
 }

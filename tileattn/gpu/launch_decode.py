@@ -23,7 +23,8 @@ from .tiles import DecodeShape, DecodeTiles
 from .varlen import dense_arguments
 
 DECODE_SOURCE = "attention_decode.cu"
-MERGE_THREADS = 128  # attention_decode_merge's __launch_bounds__
+MERGE_THREADS = 256  # attention_decode_merge's __launch_bounds__ (8 warps)
+MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 
 
 @lru_cache(maxsize=None)
@@ -150,7 +151,8 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTile
     merge = None
     if splits > 1:
         merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge", defines)
-        merge = Launch(merge_function, (n_rows,), (MERGE_THREADS,), 0,
+        merge = Launch(merge_function, (n_rows, -(-value_dim // MERGE_COLUMNS)),
+                       (MERGE_THREADS,), 0,
                        (np.int64(n_rows), np.int32(splits)))
     launch = DecodeLaunch(decode, merge, splits * n_rows * value_dim, splits * n_rows, accum)
     launch(q, k, v, o, lse)

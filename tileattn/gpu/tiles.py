@@ -506,9 +506,16 @@ def describe(problem: Problem) -> dict[str, str]:
 # measures them (bench/NOTES-gpu.md, decode v1).
 
 DECODE_MIN_KEYS = 256  # shorter: one or two key tiles, either path is one pass; prefill stays
-DECODE_MAX_SPLITS = 256  # 2 x 132 SMs at B*Hkv = 1; the merge reads splits x rows x Dv floats
+DECODE_MAX_SPLITS = 512  # 4 x 132 SMs at B*Hkv = 1; the merge reads splits x rows x Dv floats
 DECODE_MIN_TILES_PER_SPLIT = 2  # a split's prologue (Q, STAGES - 1 tiles) amortised over >= 2
-DECODE_WAVES = 2  # blocks per SM to aim for: one streams K/V while another computes
+# Splits fill the SMs with one wave of resident blocks, never a second: the blocks stream at
+# the same rate, so 576 blocks where 528 fit take twice as long as 512 (the sweep,
+# bench/experiments/sweep_gpu_decode.py, NOTES-gpu v19: B8 H32/8 Nk128k 8 splits 0.75 of copy
+# bandwidth, 9 splits 0.61; B1 H32/32 Nk64k 16 splits 0.78, 17 splits 0.68). Residency is
+# estimated from shared memory and DECODE_REGISTERS (ptxas: 88-138 per thread at 128).
+DECODE_REGISTERS = 128
+SM_REGISTERS = 64 * 1024
+SM_THREADS = 2048
 DECODE_STAGE_BYTES = 20 * 1024  # K + V bytes of one stage (block_k keys), see DecodeTiles
 DECODE_STAGE_TARGET = 64 * 1024  # stages while they fit this: 3 blocks of ~64 KiB per SM
 
@@ -595,17 +602,25 @@ def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, 
     return block_k, stages
 
 
-def decode_splits(shape: DecodeShape, block_k: int) -> tuple[int, str]:
+def decode_blocks_per_sm(shared_bytes: int, threads: int, shared_limit: int) -> int:
+    """Decode blocks resident on one SM: by shared memory (the per-block limit plus the 1 KiB
+    the runtime reserves a block stands in for the SM's), registers and threads."""
+    by_shared = (shared_limit + 1024) // (shared_bytes + 1024)
+    by_registers = SM_REGISTERS // (threads * DECODE_REGISTERS)
+    return max(1, min(by_shared, by_registers, SM_THREADS // threads))
+
+
+def decode_splits(shape: DecodeShape, block_k: int, blocks_per_sm: int) -> tuple[int, str]:
     """How many key ranges each (batch, kv head) is cut into, and why."""
     blocks = max(1, shape.batch_kv_heads)
-    target = DECODE_WAVES * shape.sm_count
-    if blocks >= target:
-        return 1, f"B*Hkv={blocks} >= {DECODE_WAVES} x {shape.sm_count} SMs: no split"
+    resident = blocks_per_sm * shape.sm_count
+    if 2 * blocks > resident:
+        return 1, f"B*Hkv={blocks} > half of {resident} resident blocks: no split"
     tiles = -(-shape.band_keys // block_k)
-    wanted = -(-target // blocks)
-    splits = max(1, min(wanted, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
-    return splits, (f"{splits} splits: B*Hkv={blocks} blocks toward {DECODE_WAVES} x "
-                    f"{shape.sm_count} SMs, >= {DECODE_MIN_TILES_PER_SPLIT} of {tiles} key "
+    splits = max(1, min(resident // blocks, tiles // DECODE_MIN_TILES_PER_SPLIT,
+                        DECODE_MAX_SPLITS))
+    return splits, (f"{splits} splits: B*Hkv={blocks} blocks in one wave of {resident} "
+                    f"({blocks_per_sm} an SM), >= {DECODE_MIN_TILES_PER_SPLIT} of {tiles} key "
                     f"tiles each, <= {DECODE_MAX_SPLITS}")
 
 
@@ -634,8 +649,15 @@ def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None
     while not decode_fits(problem, tiles) and (tiles.stages > 2 or tiles.block_k > 8):
         tiles = (replace(tiles, stages=2) if tiles.stages > 2
                  else replace(tiles, block_k=tiles.block_k // 2))
-    return replace(tiles, splits=decode_splits(shape, tiles.block_k)[0] if splits is None
+    return replace(tiles, splits=_splits_of(problem, shape, tiles)[0] if splits is None
                    else splits)
+
+
+def _splits_of(problem: Problem, shape: DecodeShape, tiles: DecodeTiles) -> tuple[int, str]:
+    itemsize, accum = _sizes(problem)
+    shared = tiles.shared_bytes(itemsize, accum, problem.head_dim, problem.value_dim)
+    return decode_splits(shape, tiles.block_k,
+                         decode_blocks_per_sm(shared, tiles.threads, problem.shared_limit))
 
 
 @lru_cache(maxsize=1024)
@@ -657,7 +679,7 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     tiles = decode_tiles(problem, shape)
     if not decode_fits(problem, tiles):
         return None  # Q alone (64 float64 rows of 256) outgrows shared memory
-    return Choice("decode", tiles, f"{row.note}; {decode_splits(shape, tiles.block_k)[1]}")
+    return Choice("decode", tiles, f"{row.note}; {_splits_of(problem, shape, tiles)[1]}")
 
 
 def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[str, str]:
