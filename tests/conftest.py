@@ -16,6 +16,11 @@ from hypothesis import HealthCheck, settings
 import tileattn
 from tileattn import backends
 
+# JAX takes 75 % of the GPU's memory at its first use unless told otherwise; with pytest-xdist
+# one worker's JAX would starve every other worker's CuPy, torch and JAX (they fail with out
+# of memory). Set before any test imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # Kernels compile on first use (Numba, NVRTC), so no per-example deadline. The "ci" profile
 # is the default; TILEATTN_HYPOTHESIS_PROFILE=thorough runs ten times more examples, and
 # "device" a third as many, for GPU runs under a time limit (each drawn option set is a
