@@ -22,9 +22,10 @@
 //   tensor cores would need the rows padded to 16 and a separate path per dtype (float32
 //   and float64 have none that is exact). One kernel thus serves every dtype.
 // * Per key tile: scores (a thread per key and a few rows, or a few lanes per dot product
-//   where keys x rows are fewer than the threads; Q from shared memory as broadcasts), the online softmax of FlashAttention-2 (a warp per row,
-//   exact expf/exp), then O += P V (a thread per CPT columns, RPT consecutive rows each, P
-//   stored key-major so a thread's rows of one key are one vector load).
+//   where keys x rows are fewer than the threads; Q from shared memory as broadcasts), the
+//   online softmax of FlashAttention-2 (a warp per row, exact expf/exp), then O += P V (a
+//   thread per CPT columns, RPT consecutive rows each, P stored key-major so a thread's
+//   rows of one key are one vector load).
 // * Masks are selects (a masked score becomes -inf whatever q . k was), so a NaN or Inf in
 //   K or V at a masked key never reaches any row (SPEC, Errors).
 //
