@@ -43,6 +43,8 @@ from tileattn.gpu.operands import problem_of
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
 
+from gpu_timing import flushed_median_ms
+
 try:
     import torch
     import torch.nn.functional as F
@@ -159,25 +161,9 @@ def copy_bandwidth(n_bytes: int = 2 << 30, repetitions: int = 10) -> float:
     return 2 * n_bytes / statistics.median(times[2:])
 
 
-_FLUSH = None
-
-
 def median_us(function, repetitions: int) -> float:
     """Median of CUDA-event times, the L2 cache flushed before each call."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = cupy.empty(128 << 20, dtype=cupy.uint8)
-    function()
-    times = []
-    for _ in range(repetitions):
-        _FLUSH.fill(0)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        function()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return statistics.median(times)
+    return 1e3 * flushed_median_ms(function, repetitions, warmup=1)
 
 
 def host_us_per_call(function, calls: int = 2000) -> float:

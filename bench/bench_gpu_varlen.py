@@ -55,12 +55,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import statistics
 import sys
 import traceback
 from dataclasses import dataclass
 
 import numpy as np
+from gpu_timing import flushed_median_ms
 
 cupy = None  # imported in main(), so that --help and argument errors need no GPU
 torch = None  # imported in main() unless --no-torch
@@ -201,26 +201,9 @@ def golden_o(q, k, v, causal: bool):
 # --------------------------------------------------------------------------- timing
 
 
-_FLUSH = None
-
-
 def median_ms(function, repetitions: int, warmup: int = 2) -> float:
     """Median of CUDA-event times, the L2 cache flushed before each call."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = cupy.empty(128 << 20, dtype=cupy.uint8)
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repetitions):
-        _FLUSH.fill(0)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        function()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    return flushed_median_ms(function, repetitions, warmup)
 
 
 def first_line(error: BaseException) -> str:
