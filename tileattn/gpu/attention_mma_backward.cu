@@ -84,33 +84,43 @@ template <int Columns> struct Accumulators {
 // row-major tiles a1, a2 (HEAD_DIM wide) against the Columns rows of b1, b2: S and dP (or
 // their transposes) in one sweep over the head dim.
 #if IS_FLOAT32
-// out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b;
-// Transposed: the dK/dV kernel's S^T = K Q^T and dP^T = V dO^T, whose elements then round
-// as the dQ kernel's and the forward's S (mma_16x8x8_3xtf32, tf32.cuh).
+// out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b,
+// the operands split as split_tf32(x, nearest); Transposed: the dK/dV kernel's S^T = K Q^T
+// and dP^T = V dO^T, whose elements then round as the dQ kernel's and the forward's S
+// (mma_16x8x8_3xtf32, tf32.cuh).
 template <bool Transposed, int Width, int Columns>
 __device__ __forceinline__ void score_product(const float* a, const float* b, int row0,
-                                              Accumulators<Columns>& out) {
+                                              Accumulators<Columns>& out, bool nearest = false) {
     const int lane = threadIdx.x % 32;
     constexpr int kPitch = kPitchOf<Width>;
 #pragma unroll
     for (int kk = 0; kk < Width / 8; ++kk) {
         u32 a_big[4], a_small[4];
-        load_split_a_fragment<kPitch>(a, row0, kk * 8, a_big, a_small);
+        load_split_a_fragment<kPitch>(a, row0, kk * 8, a_big, a_small, nearest);
 #pragma unroll
         for (int n = 0; n < Columns / 8; ++n) {
             float b0, b1;
             load_shared_pair(b + (n * 8 + lane / 4) * kPitch + kk * 8 + 2 * (lane % 4), b0, b1);
-            mma_16x8x8_3xtf32<Transposed>(out.tile[n], a_big, a_small, split_tf32(b0),
-                                          split_tf32(b1));
+            mma_16x8x8_3xtf32<Transposed>(out.tile[n], a_big, a_small, split_tf32(b0, nearest),
+                                          split_tf32(b1, nearest));
         }
     }
+}
+
+// first = A1 B1^T, the scores S (or S^T), split to nearest as the forward's; NaN scores
+// again on CUDA cores (an infinite input; tf32.cuh).
+template <bool Transposed, int Columns>
+__device__ __forceinline__ void scores_product(const float* a1, const float* b1, int row0,
+                                               Accumulators<Columns>& first) {
+    first.clear();
+    score_product<Transposed, kHeadWidth>(a1, b1, row0, first, true);
+    redo_nan_scores<kQkPitch, kHeadWidth>(first.tile, a1, b1, row0);
 }
 
 template <bool Transposed = false, int Columns>
 __device__ __forceinline__ void one_score_product(const float* a1, const float* b1, int row0,
                                                   Accumulators<Columns>& first) {
-    first.clear();
-    score_product<Transposed, kHeadWidth>(a1, b1, row0, first);
+    scores_product<Transposed>(a1, b1, row0, first);
 }
 
 template <bool Transposed = false, int Columns>
@@ -118,9 +128,8 @@ __device__ __forceinline__ void two_score_products(const float* a1, const float*
                                                    const float* a2, const float* b2, int row0,
                                                    Accumulators<Columns>& first,
                                                    Accumulators<Columns>& second) {
-    first.clear();
+    scores_product<Transposed>(a1, b1, row0, first);
     second.clear();
-    score_product<Transposed, kHeadWidth>(a1, b1, row0, first);
     score_product<Transposed, kValueWidth>(a2, b2, row0, second);
 }
 

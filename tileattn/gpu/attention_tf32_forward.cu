@@ -49,6 +49,39 @@ __device__ __forceinline__ void load_key_tiles(float* k_tile, float* v_tile,
         v_tile, v_rows, row, n_k);
 }
 
+// s = Q K^T for this warp's kRowTiles x 16 rows (from warp_row0) of the Q tile against the
+// K tile's BLOCK_K keys, operands split to nearest (tf32.cuh): B[k][n] = K[key n][dim k], so
+// b0, b1 are dims 2t, 2t + 1 of key g.
+__device__ __forceinline__ void score_tile(float (&s)[kRowTiles][BLOCK_K / 8][4],
+                                           const float* q_tile, const float* k_tile,
+                                           int warp_row0) {
+    constexpr bool nearest = true;
+    const int lane = threadIdx.x % 32, group = lane / 4, thread_in_group = lane % 4;
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int n = 0; n < BLOCK_K / 8; ++n)
+            s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadWidth / 8; ++kk) {
+        u32 a_big[kRowTiles][4], a_small[kRowTiles][4];
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+            load_split_a_fragment<kQkPitch>(q_tile, warp_row0 + m * 16, kk * 8, a_big[m],
+                                            a_small[m], nearest);
+#pragma unroll
+        for (int n = 0; n < BLOCK_K / 8; ++n) {
+            float b0, b1;
+            load_shared_pair(k_tile + (n * 8 + group) * kQkPitch + kk * 8 + 2 * thread_in_group,
+                             b0, b1);
+            const Tf32Split split0 = split_tf32(b0, nearest), split1 = split_tf32(b1, nearest);
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+                mma_16x8x8_3xtf32(s[m][n], a_big[m], a_small[m], split0, split1);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     const float* q, const float* k, const float* v, float* o, float* lse,
     const double* alibi_slopes, i64 n_q_total, i64 n_k_total, int n_q_heads, int group_size, i64 q_sb,
@@ -125,32 +158,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
         const float* k_tile = k_tiles + stage * BLOCK_K * kQkPitch;
         float* v_tile = v_tiles + stage * BLOCK_K * kVPitch;
 
-        // S = Q K^T: B[k][n] = K[key n][dim k], so b0, b1 are dims 2t, 2t + 1 of key g.
+        // S = Q K^T, split to nearest; NaN scores again on CUDA cores (an infinite input:
+        // tf32.cuh).
         float s[kRowTiles][BLOCK_K / 8][4];
+        score_tile(s, q_tile, k_tile, warp_row0);
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-            for (int n = 0; n < BLOCK_K / 8; ++n)
-                s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < kHeadWidth / 8; ++kk) {
-            u32 a_big[kRowTiles][4], a_small[kRowTiles][4];
-#pragma unroll
-            for (int m = 0; m < kRowTiles; ++m)
-                load_split_a_fragment<kQkPitch>(q_tile, warp_row0 + m * 16, kk * 8, a_big[m],
-                                                a_small[m]);
-#pragma unroll
-            for (int n = 0; n < BLOCK_K / 8; ++n) {
-                float b0, b1;
-                load_shared_pair(k_tile + (n * 8 + group) * kQkPitch + kk * 8 +
-                                     2 * thread_in_group,
-                                 b0, b1);
-                const Tf32Split split0 = split_tf32(b0), split1 = split_tf32(b1);
-#pragma unroll
-                for (int m = 0; m < kRowTiles; ++m)
-                    mma_16x8x8_3xtf32(s[m][n], a_big[m], a_small[m], split0, split1);
-            }
-        }
+            redo_nan_scores<kQkPitch, kHeadWidth>(s[m], q_tile, k_tile, warp_row0 + m * 16);
 
         const i64 col_start = key_tile * BLOCK_K;
         const bool needs_mask = key_tile_needs_mask(scores, row_start, BLOCK_Q, col_start,

@@ -9,6 +9,15 @@
 // product (2^-11 per operand) is not. CUTLASS calls this OpMultiplyAddFastF32; torch's
 // memory-efficient attention runs float32 this way on sm_80+.
 //
+// The scores S = Q K^T take big rounded to the nearest TF32 instead (split_tf32 with
+// `nearest`): the rest then has at most 12 significant bits, and a score's error falls from
+// 2^-22.4 of sum |q_d k_d| on average (2^-19.8 at worst) to 2^-24.6 (2^-21.4), near a naive
+// float32 dot product's 2^-25.6 (bench/NOTES-gpu.md v19). At |s| ~ 1e4 that error is what
+// P = exp(s - lse) carries into every gradient; in the other products nothing amplifies
+// it, and they keep the truncated split. Its price: small may have the sign opposite to
+// big, so an infinite partner makes +inf and -inf meet, a NaN where IEEE gives +-inf;
+// redo_nan_scores takes such scores again on CUDA cores.
+//
 // Fragment layouts of m16n8k8 (g = lane / 4, t = lane % 4): A a0 = (g, t), a1 = (g + 8, t),
 // a2 = (g, t + 4), a3 = (g + 8, t + 4); B b0 = (k t, n g), b1 = (k t + 4, n g); C as
 // m16n8k16's (forward_softmax.cuh). The kernels relabel k freely (a sum does not care
@@ -25,17 +34,61 @@ struct Tf32Split {
 
 constexpr u32 kTf32Mask = 0xffffe000u;  // sign, exponent and the top 10 mantissa bits
 
-// x = big + small, two bit operations and a subtraction. An infinite x would have small =
-// inf - inf = NaN and turn a score of +-inf (a kept infinite key) into NaN; min(d, max(d, 0))
-// is d for every number and 0 for NaN (min and max return their non-NaN operand), so an
-// infinite x splits into (x, 0) and its products follow IEEE as SPEC asks. A NaN x keeps
-// its NaN in big.
-__device__ __forceinline__ Tf32Split split_tf32(float x) {
+// x = big + small. big is x truncated to TF32, or, where `nearest`, rounded to the nearest
+// TF32 (ties away from zero: the rounding bit added to the magnitude's bits, then the low 13
+// cleared); magnitudes that would round past the largest TF32, infinities and NaNs (whose
+// compare is false) are truncated, so big never overflows and keeps an infinity or a NaN.
+// `nearest` is a run-time value so that the scores' two passes (see the top) compile once;
+// a literal false folds away. An infinite x would have small = inf - inf = NaN and turn a
+// score of +-inf (a kept infinite key) into NaN; min(d, max(d, 0)) is d for every number
+// and 0 for NaN (min and max return their non-NaN operand), so an infinite x splits into
+// (x, 0) and, truncated, its products follow IEEE as SPEC asks.
+__device__ __forceinline__ Tf32Split split_tf32(float x, bool nearest = false) {
+    constexpr u32 kLastRoundingDown = 0x7f7ff000u;  // magnitudes below round to <= TF32 max
+    const u32 bits = __float_as_uint(x);
+    const u32 rounding =
+        nearest && fabsf(x) < __uint_as_float(kLastRoundingDown) ? 0x1000u : 0u;
     Tf32Split split;
-    split.big = __float_as_uint(x) & kTf32Mask;
+    split.big = (bits + rounding) & kTf32Mask;
     const float rest = x - __uint_as_float(split.big);
     split.small = __float_as_uint(fminf(rest, fmaxf(rest, 0.0f))) & kTf32Mask;
     return split;
+}
+
+// Whether some lane of the warp holds a NaN among its accumulators `c` (any shape of floats).
+template <typename Accumulators>
+__device__ __forceinline__ bool warp_has_nan(const Accumulators& c) {
+    const float* values = reinterpret_cast<const float*>(&c);
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(Accumulators) / sizeof(float)); ++i)
+        nan = nan || values[i] != values[i];
+    return __any_sync(0xffffffffu, nan);
+}
+
+// The scores among this warp's C fragments `tile` (rows row0 + g and row0 + g + 8 of the
+// row-major tile a, columns n * 8 + 2t and + 1 of fragment n: rows of b) that came out NaN,
+// taken again as float32 dot products over Width columns on CUDA cores, in IEEE arithmetic:
+// split to nearest, an infinite operand can meet its partner's small part of the other sign
+// (see the top), and IEEE's +-inf (or NaN) is what the golden model has there. Only
+// non-finite inputs make a NaN score, so other warps pay one vote.
+template <int Pitch, int Width, int Fragments>
+__device__ __forceinline__ void redo_nan_scores(float (&tile)[Fragments][4], const float* a,
+                                                const float* b, int row0) {
+    if (!warp_has_nan(tile)) return;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < Fragments; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (tile[n][e] == tile[n][e]) continue;
+            const float* a_row = a + (row0 + lane / 4 + (e / 2) * 8) * Pitch;
+            const float* b_row = b + (n * 8 + 2 * (lane % 4) + e % 2) * Pitch;
+            float dot = 0.0f;
+#pragma unroll 1
+            for (int d = 0; d < Width; ++d) dot = fmaf(a_row[d], b_row[d], dot);
+            tile[n][e] = dot;
+        }
 }
 
 // c += a * b for one m16n8k8 tile of TF32 operands, float32 accumulators.
@@ -75,10 +128,12 @@ __device__ __forceinline__ void load_shared_pair(const float* pointer, float& lo
 }
 
 // The split A fragment of rows [row0, row0 + 16) at the k8 step whose logical k = t, t + 4
-// are columns col0 + 2t, col0 + 2t + 1 of a row-major float tile of pitch `Pitch`.
+// are columns col0 + 2t, col0 + 2t + 1 of a row-major float tile of pitch `Pitch`, split
+// as split_tf32(x, nearest).
 template <int Pitch>
 __device__ __forceinline__ void load_split_a_fragment(const float* tile, int row0, int col0,
-                                                      u32 (&big)[4], u32 (&small)[4]) {
+                                                      u32 (&big)[4], u32 (&small)[4],
+                                                      bool nearest = false) {
     const int lane = threadIdx.x % 32;
     const float* top = tile + (row0 + lane / 4) * Pitch + col0 + 2 * (lane % 4);
     float x[4];
@@ -86,7 +141,7 @@ __device__ __forceinline__ void load_split_a_fragment(const float* tile, int row
     load_shared_pair(top + 8 * Pitch, x[1], x[3]);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const Tf32Split split = split_tf32(x[i]);
+        const Tf32Split split = split_tf32(x[i], nearest);
         big[i] = split.big;
         small[i] = split.small;
     }
