@@ -38,11 +38,11 @@ constexpr u32 kTf32Mask = 0xffffe000u;  // sign, exponent and the top 10 mantiss
 // TF32 (ties away from zero: the rounding bit added to the magnitude's bits, then the low 13
 // cleared); magnitudes that would round past the largest TF32, infinities and NaNs (whose
 // compare is false) are truncated, so big never overflows and keeps an infinity or a NaN.
-// `nearest` is a run-time value so that the scores' two passes (see the top) compile once;
-// a literal false folds away. An infinite x would have small = inf - inf = NaN and turn a
-// score of +-inf (a kept infinite key) into NaN; min(d, max(d, 0)) is d for every number
-// and 0 for NaN (min and max return their non-NaN operand), so an infinite x splits into
-// (x, 0) and, truncated, its products follow IEEE as SPEC asks.
+// The scores pass nearest = true, every other product the default. An infinite x would
+// have small = inf - inf = NaN and turn a score of +-inf (a kept infinite key) into NaN;
+// min(d, max(d, 0)) is d for every number and 0 for NaN (min and max return their non-NaN
+// operand), so an infinite x splits into (x, 0) and, truncated, its products follow IEEE
+// as SPEC asks.
 __device__ __forceinline__ Tf32Split split_tf32(float x, bool nearest = false) {
     constexpr u32 kLastRoundingDown = 0x7f7ff000u;  // magnitudes below round to <= TF32 max
     const u32 bits = __float_as_uint(x);
