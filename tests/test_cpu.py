@@ -408,3 +408,27 @@ def test_reference_options_object_directly():
     expected_o, expected_lse = reference.dense_forward(q, k, v, options)
     assert_attention_close(o, expected_o, np.float64, name="o")
     assert_attention_close(lse, expected_lse, np.float64, name="lse")
+
+
+def test_scipy_blas_is_single_threaded_inside_and_restored_after():
+    """The kernels' np.dot runs SciPy's BLAS on one thread (cpu/blas.py); each library gets
+    back the thread count it had, whether that was one or more."""
+    from tileattn.cpu import blas
+
+    controller = blas._controller()
+    if controller is None or not controller.lib_controllers:
+        pytest.skip("threadpoolctl or a SciPy BLAS it controls is not installed")
+    libraries = controller.lib_controllers
+    before = [library.get_num_threads() for library in libraries]
+    try:
+        for start in (2, 1):
+            for library in libraries:
+                library.set_num_threads(start)
+            with blas.single_threaded():
+                assert [library.get_num_threads() for library in libraries] == [1] * len(
+                    libraries)
+            assert [library.get_num_threads() for library in libraries] == [start] * len(
+                libraries)
+    finally:
+        for library, threads in zip(libraries, before):
+            library.set_num_threads(threads)
