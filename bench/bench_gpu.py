@@ -44,6 +44,8 @@ import tileattn
 from tileattn.gpu import tiles
 from tileattn.testing import assert_attention_close, bfloat16
 
+from gpu_timing import median_event_ms
+
 try:
     import torch
     import torch.nn.functional as F
@@ -225,17 +227,9 @@ if torch is not None:
 
 
 def median_ms(function, repetitions: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repetitions):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        function()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    """Median of CUDA-event times, per call from an idle GPU (L2 not flushed: the inputs
+    exceed it)."""
+    return median_event_ms(function, repetitions, warmup, flush_l2=False)
 
 
 def back_to_back_ms(function, repetitions: int, warmup: int = 2, rounds: int = 3) -> float:

@@ -43,7 +43,7 @@ from tileattn.gpu.operands import problem_of
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
 
-from gpu_timing import flushed_median_ms
+from gpu_timing import median_event_ms
 
 try:
     import torch
@@ -163,7 +163,7 @@ def copy_bandwidth(n_bytes: int = 2 << 30, repetitions: int = 10) -> float:
 
 def median_us(function, repetitions: int) -> float:
     """Median of CUDA-event times, the L2 cache flushed before each call."""
-    return 1e3 * flushed_median_ms(function, repetitions, warmup=1)
+    return 1e3 * median_event_ms(function, repetitions, warmup=1)
 
 
 def host_us_per_call(function, calls: int = 2000) -> float:

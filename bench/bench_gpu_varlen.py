@@ -60,7 +60,7 @@ import traceback
 from dataclasses import dataclass
 
 import numpy as np
-from gpu_timing import flushed_median_ms
+from gpu_timing import median_event_ms
 
 cupy = None  # imported in main(), so that --help and argument errors need no GPU
 torch = None  # imported in main() unless --no-torch
@@ -203,7 +203,7 @@ def golden_o(q, k, v, causal: bool):
 
 def median_ms(function, repetitions: int, warmup: int = 2) -> float:
     """Median of CUDA-event times, the L2 cache flushed before each call."""
-    return flushed_median_ms(function, repetitions, warmup)
+    return median_event_ms(function, repetitions, warmup)
 
 
 def first_line(error: BaseException) -> str:
