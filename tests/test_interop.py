@@ -362,6 +362,31 @@ def test_torch_library_opcheck_passes(layout, dtype):
         assert set(results.values()) == {"SUCCESS"}, results
 
 
+def test_torch_second_derivative_is_refused_by_name():
+    """Eager calls run outside the dispatcher (a torch.autograd.Function); under
+    create_graph=True their backward is the op, so a second derivative raises torch's error
+    naming tileattn.backward, as in compiled code, instead of a silent zero."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = (torch.from_numpy(a).double().requires_grad_() for a in numpy_problem())
+    (dq,) = torch.autograd.grad(attention(q, k, v, causal=True).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="tileattn.backward"):
+        torch.autograd.grad(dq.sum(), q)
+
+
+def test_torch_func_vmap_equals_the_loop():
+    """torch.func.vmap over `attention` (a batch axis torch adds) runs through the op, whose
+    vmap rule loops; eager calls outside it take the faster autograd.Function: both agree."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = (torch.from_numpy(a) for a in numpy_problem())
+    batched = torch.func.vmap(lambda q_: attention(q_, k[0], v[0], causal=True))(q)
+    looped = torch.stack([attention(q[i], k[0], v[0], causal=True) for i in range(len(q))])
+    assert torch.equal(batched, looped)
+
+
 def test_torch_seed_is_checked_before_the_op():
     torch = require("torch")
     from tileattn.torch import attention

@@ -237,7 +237,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        return _gradients(ctx, do, _run_backward)
+        # Under create_graph=True (grad mode on here) the op, whose missing autograd formula
+        # then refuses a second derivative by name, as in compiled code.
+        backward = torch.ops.tileattn.backward if torch.is_grad_enabled() else _run_backward
+        return _gradients(ctx, do, backward)
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
@@ -274,6 +277,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
                  _lengths_argument(seqlens_k), _lengths_argument(cu_seqlens_q),
                  _lengths_argument(cu_seqlens_k), _lengths_argument(block_table),
                  check_lengths)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _in_functorch_transform(q, k, v):
         return torch.ops.tileattn.forward(q, k, v, *arguments)[0]
     return _EagerAttention.apply(q, k, v, *arguments)
+
+
+def _in_functorch_transform(*tensors) -> bool:
+    """Whether torch.func (vmap, grad, ...) wraps any of `tensors`: the ops have the rules
+    those transforms need (vmap loops over the op), `_EagerAttention` has none."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return wrapped is not None and any(wrapped(tensor) for tensor in tensors)
