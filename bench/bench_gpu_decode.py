@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 bench/bench_gpu_decode.py            # the issue's whole grid
     PYTHONPATH=. python3 bench/bench_gpu_decode.py --quick    # a representative subset (< 2 min)
+    PYTHONPATH=. python3 bench/bench_gpu_decode.py --only ' float16' 'Nq1 ' --min-mib 256
+                                                             # part of the grid
 
 Grid: B in {1, 8, 64}, (Hq, Hkv) in {(32, 32), (32, 8), (8, 1)}, Nk in {4k, 32k, 128k, 256k},
 Nq in {1, 4, 8}, D in {64, 128, 256}, float16 and bfloat16; shapes whose K and V would take
@@ -18,8 +20,9 @@ share of the device-to-device copy bandwidth measured at the start of this run (
 time of a 2 GiB copy), the same two for the chosen kernels alone (their launch replayed,
 whose host time hides under the flush), torch flash's time (enable_gqa where Hq != Hkv) and
 torch / tileattn (> 1: tileattn faster), and the kernel tileattn chose; with --compare (on
-in --quick) also the time of the kernel it did not choose (the prefill family beside decode,
-the decode kernel beside prefill up to 64 packed rows), which checks the dispatch threshold.
+in --quick) also the time of the kernel it did not choose (the CUDA-core decode beside the
+tensor-core one, the prefill family beside the CUDA-core decode, the decode kernel beside
+prefill up to 64 packed rows), which checks the dispatch thresholds.
 Each row is printed as soon as it is measured. Last, the host time per call of a tiny
 decode shape (calls back to back, wall time / calls), tileattn and torch.
 """
@@ -206,8 +209,9 @@ def _options(q, k, v):
 def _describe(choice) -> str:
     if choice.family != "decode":
         return choice.family
-    tiles = choice.tiles
-    return f"decode rows={tiles.rows} k={tiles.block_k}x{tiles.stages} splits={tiles.splits}"
+    config = choice.tiles
+    kind = "decode-mma" if isinstance(config, tiles.DecodeMmaTiles) else "decode"
+    return f"{kind} rows={config.rows} k={config.block_k}x{config.stages} splits={config.splits}"
 
 
 def choice_of(q, k, v) -> str:
@@ -232,15 +236,20 @@ def chosen_kernels(q, k, v):
 
 
 def alternative(q, k, v):
-    """The kernel the dispatch did not choose, built once: the prefill family's where decode
-    runs, the decode kernel where a prefill family runs (up to 64 packed rows); so that the
-    table shows what the threshold in tiles.choose_decode trades. ``(name, function)`` or
-    None."""
+    """The kernel the dispatch did not choose, built once: the CUDA-core decode kernel where
+    the tensor-core one runs, the prefill family's where the CUDA-core decode runs, the
+    decode kernel where a prefill family runs (up to 64 packed rows); so that the table shows
+    what the thresholds in tiles.choose_decode trade. ``(name, function)`` or None."""
     options = _options(q, k, v)
     problem = problem_of(q, k, v, options)
     o = cupy.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
-    if launch_forward.choose(q, k, v, options).family == "decode":
+    chosen = launch_forward.choose(q, k, v, options)
+    if chosen.family == "decode" and isinstance(chosen.tiles, tiles.DecodeMmaTiles):
+        config = tiles.decode_tiles(problem, decode_shape(q, k, options))
+        launch, _ = forward_decode(q, k, v, o, lse, options, config)
+        name = "decode (CUDA cores)"
+    elif chosen.family == "decode":
         choice = tiles.choose_forward(problem)
         launch = launch_forward.launch(choice, q, k, v, o, lse, options)
         name = f"prefill ({choice.family})"
@@ -328,6 +337,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a representative subset")
     parser.add_argument("--repetitions", type=int, default=None)
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="grid shapes whose name contains each of these (' float16', "
+                             "'Nq1 ', 'D128')")
+    parser.add_argument("--min-mib", type=int, default=0,
+                        help="grid shapes of at least this many MiB of K and V")
     parser.add_argument("--compare", action="store_true",
                         help="also time the kernel the dispatch did not choose (--quick does)")
     args = parser.parse_args()
@@ -341,7 +355,10 @@ def main() -> None:
     print("\n| shape | K+V MiB | tileattn us | share of copy bw | kernels alone us | their "
           "share | flash us | flash / tileattn | tileattn kernel |\n"
           "|---|---|---|---|---|---|---|---|---|", flush=True)
-    for shape in (QUICK if args.quick else grid()):
+    shapes = QUICK if args.quick else [
+        s for s in grid() if s.kv_bytes >= args.min_mib * 2**20
+        and all(part in s.name + " " for part in args.only)]
+    for shape in shapes:
         line = run_shape(shape, bandwidth, repetitions, args.quick or args.compare)
         print(line if line is not None else f"| {shape.name} | skipped: K/V over a third of "
               "free memory |", flush=True)

@@ -224,15 +224,18 @@ def _varlen_problem(rng, dtype, family):
 def decode_cases(rng) -> int:
     """The split-KV decode kernel and its merge with forced splits (`--decode-only`: these
     alone, a minute under each tool)."""
-    for dtype, (batch, hq, hkv, nq, nk, d, dv), options, splits in DECODE_CASES:
+    for dtype, (batch, hq, hkv, nq, nk, d, dv), options, splits, *kernel in DECODE_CASES:
         dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
         q = rng.standard_normal((batch, hq, nq, d)).astype(dtype)
         k = rng.standard_normal((batch, hkv, nk, d)).astype(dtype)
         v = rng.standard_normal((batch, hkv, nk, dv)).astype(dtype)
+        if options is _NON_FINITE_V:
+            v[:, :, 458, 3] = np.inf  # kept by query row 0 only, in a stage the window cuts
         device = [cupy.asarray(a) for a in (q, k, v)]
         resolved = _resolved(q, k, v, options)
-        config = tiles.decode_tiles(problem_of(*device, resolved),
-                                    decode_shape(device[0], device[1], resolved), splits=splits)
+        make_tiles = tiles.decode_mma_tiles if kernel else tiles.decode_tiles
+        config = make_tiles(problem_of(*device, resolved),
+                            decode_shape(device[0], device[1], resolved), splits=splits)
         o = cupy.empty((batch, hq, nq, dv), dtype=dtype)
         lse = cupy.empty((batch, hq, nq), dtype=np.float64 if dtype == np.float64 else np.float32)
         forward_decode(*device, o, lse, resolved, config)
@@ -245,8 +248,15 @@ def decode_cases(rng) -> int:
 
 
 # Split-KV decode (attention_decode.cu) with forced splits: the merge, splits with no key
-# tile, band-edge tiles, narrow copies (D = 33), float64, 32 packed rows on 256 threads.
+# tile, band-edge tiles, narrow copies (D = 33), float64, 32 packed rows on 256 threads; then
+# the tensor-core kernel (attention_decode_mma.cu, a fifth field): a cut stage with a
+# non-finite V (its scan and zeroing), two row tiles, odd dims, D = 256.
+_NON_FINITE_V = dict(causal=True, window=(40, None))
 DECODE_CASES = [
+    ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, softcap=2.0), 3, "tensor_cores"),
+    ("bfloat16", (2, 16, 1, 2, 500, 128, 128), _NON_FINITE_V, 4, "tensor_cores"),
+    ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3)), 16, "tensor_cores"),
+    ("float16", (1, 8, 1, 1, 900, 256, 256), {}, 1, "tensor_cores"),
     ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, dropout_p=0.2, seed=4), 3),
     ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3), softcap=3.0), 16),
     ("bfloat16", (1, 4, 4, 1, 200, 128, 128),

@@ -1,6 +1,8 @@
-"""The split-KV decode forward (attention_decode.cu, launch_decode.py) against the golden model.
+"""The split-KV decode forward (attention_decode.cu on CUDA cores, attention_decode_mma.cu on
+tensor cores; launch_decode.py) against the golden model.
 
-Every forced split count (one, a few, an uneven number, many, more splits than key tiles),
+Each kernel (the tensor-core one where it serves: 16-bit, no ALiBi or dropout) at every forced
+split count (one, a few, an uneven number, many, more splits than key tiles),
 Nq from 1 to 16 with GQA/MQA/MHA packing, every option, every dtype, odd head dims and
 Dv != D, strided inputs, out=/lse_out= buffers, non-finite values at masked keys, the
 dispatch that picks the kernel, and CUDA-graph capture. Outputs start as NaN, so every
@@ -33,7 +35,7 @@ if backends.availability("gpu") is None:
     from tileattn.gpu import launch_forward
     from tileattn.gpu.launch_decode import decode_shape, forward_decode
     from tileattn.gpu.operands import accumulation_dtype, problem_of
-    from tileattn.gpu.tiles import decode_tiles
+    from tileattn.gpu.tiles import decode_mma_tiles, decode_tiles
 
 
 def _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, head_dim, value_dim, dtype, seed=0):
@@ -55,14 +57,28 @@ def _resolved(q, k, v, options):
     return validate(q, k, v, **{**defaults, **options}).options
 
 
-def _decode(q, k, v, options, splits):
-    """o and lse of the decode kernel with `splits` key ranges, from NaN-filled outputs;
+KERNELS = ["cuda_cores", "tensor_cores"]
+
+
+def _skip_unserved(kernel, dtype, options):
+    """The tensor-core kernel takes 16-bit inputs without ALiBi or dropout."""
+    if kernel == "tensor_cores" and (
+            np.dtype(dtype).itemsize != 2 or "alibi_slopes" in options
+            or options.get("dropout_p", 0) > 0):
+        pytest.skip("the tensor-core decode takes 16-bit inputs without ALiBi or dropout")
+
+
+def _decode(q, k, v, options, splits, kernel="cuda_cores", **tile_fields):
+    """o and lse of the decode kernel (`kernel`: "cuda_cores" or "tensor_cores", with any
+    `DecodeMmaTiles` fields forced) with `splits` key ranges, from NaN-filled outputs;
     `options` are keyword options or an AttentionOptions."""
     device = [a if isinstance(a, cupy.ndarray) else cupy.asarray(a) for a in (q, k, v)]
     resolved = (options if isinstance(options, AttentionOptions)
                 else _resolved(*device, options))
-    tiles = decode_tiles(problem_of(*device, resolved), decode_shape(device[0], device[1],
-                                                                      resolved), splits=splits)
+    make_tiles = decode_mma_tiles if kernel == "tensor_cores" else decode_tiles
+    tiles = make_tiles(problem_of(*device, resolved),
+                       decode_shape(device[0], device[1], resolved), splits=splits,
+                       **tile_fields)
     batch, n_q_heads, n_q, _ = device[0].shape
     # NaN-filled on the host: CuPy's fill may not take bfloat16.
     o = cupy.asarray(np.full((batch, n_q_heads, n_q, device[2].shape[3]), np.nan,
@@ -73,8 +89,9 @@ def _decode(q, k, v, options, splits):
     return o.get(), lse.get()
 
 
-def _check(q, k, v, options, splits):
-    o, lse = _decode(q, k, v, options, splits)
+def _check(q, k, v, options, splits, kernel="cuda_cores", **tile_fields):
+    _skip_unserved(kernel, q.dtype, options)
+    o, lse = _decode(q, k, v, options, splits, kernel, **tile_fields)
     expected_o, expected_lse = _golden(q, k, v, **options)
     assert_attention_close(o, expected_o, q.dtype, name="o")
     assert_attention_close(lse, expected_lse, q.dtype, name="lse")
@@ -91,21 +108,37 @@ SPLITS = [1, 2, 3, 64, 1000]
 PACKINGS = [(4, 4, 1), (8, 2, 3), (8, 1, 2), (6, 2, 5)]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("packing", PACKINGS, ids=lambda p: f"Hq{p[0]}-Hkv{p[1]}-Nq{p[2]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
-def test_every_split_count(splits, packing, causal):
+def test_every_split_count(splits, packing, causal, kernel):
     n_q_heads, n_kv_heads, n_q = packing
     q, k, v = _inputs(2, n_q_heads, n_kv_heads, n_q, 333, 64, 64, np.float16)
-    _check(q, k, v, {"causal": causal}, splits)
+    _check(q, k, v, {"causal": causal}, splits, kernel)
 
 
+# The tensor-core kernel's shapes: warps splitting stages of 32-256 keys, 2-4 stages, and
+# 1-4 row tiles (rows 16-64: group 8 x Nq 2-8).
+TENSOR_CORE_TILES = [dict(warps=1, warp_keys=32, stages=2), dict(warps=2, warp_keys=16, stages=4),
+                     dict(warps=4, warp_keys=32, stages=2), dict(warps=8, warp_keys=16, stages=3)]
+
+
+@pytest.mark.parametrize("fields", TENSOR_CORE_TILES,
+                         ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
+@pytest.mark.parametrize("n_q", [1, 2, 5, 8])
+def test_tensor_core_tile_shapes(fields, n_q):
+    q, k, v = _inputs(2, 8, 1, n_q, 700, 64, 64, np.float16, seed=n_q)
+    _check(q, k, v, {"causal": True, "window": (500, None)}, 3, "tensor_cores", **fields)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("n_q", range(1, 17))
-def test_every_query_row_count(n_q):
+def test_every_query_row_count(n_q, kernel):
     """Speculative decoding: Nq = 1..16 new rows (group 2: 2..32 packed rows), causal
     bottom-right, so the rows see different numbers of keys."""
     q, k, v = _inputs(1, 4, 2, n_q, 300, 64, 64, np.float16, seed=n_q)
-    _check(q, k, v, {"causal": True}, 3)
+    _check(q, k, v, {"causal": True}, 3, kernel)
 
 
 DECODE_OPTIONS = [
@@ -121,11 +154,12 @@ DECODE_OPTIONS = [
 OPTION_IDS = lambda o: ",".join(o) or "plain"  # noqa: E731
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("splits", [1, 5])
 @pytest.mark.parametrize("options", DECODE_OPTIONS, ids=OPTION_IDS)
-def test_every_option(options, splits):
+def test_every_option(options, splits, kernel):
     q, k, v = _inputs(2, 8, 2, 4, 517, 64, 64, np.float16, seed=3)
-    _check(q, k, v, options, splits)
+    _check(q, k, v, options, splits, kernel)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -133,9 +167,10 @@ def test_every_option(options, splits):
                          ids=lambda d: d.name)
 @pytest.mark.parametrize("options", [DECODE_OPTIONS[0], DECODE_OPTIONS[-1]],
                          ids=["plain", "every"])
-def test_every_dtype(dtype, options, splits):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_dtype(dtype, options, splits, kernel):
     q, k, v = _inputs(1, 8, 2, 3, 450, 64, 64, dtype, seed=4)
-    _check(q, k, v, options, splits)
+    _check(q, k, v, options, splits, kernel)
 
 
 # Head dims of real models, ones that are not a multiple of 8 (zero-padded in shared
@@ -144,10 +179,11 @@ HEAD_DIMS = [(1, 1), (32, 32), (33, 33), (40, 40), (80, 80), (100, 100), (128, 1
              (160, 160), (256, 256), (192, 128), (64, 128), (24, 200)]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"D{d[0]}-Dv{d[1]}")
-def test_every_head_dim(dims):
+def test_every_head_dim(dims, kernel):
     q, k, v = _inputs(2, 4, 2, 2, 290, *dims, np.float16, seed=5)
-    _check(q, k, v, {"causal": True}, 4)
+    _check(q, k, v, {"causal": True}, 4, kernel)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -167,8 +203,9 @@ def _unaligned(array):
     return view
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("layout", ["bshd", "unaligned", "reversed_keys", "strided_last"])
-def test_strided_inputs(layout):
+def test_strided_inputs(layout, kernel):
     """Views read in place (transposed heads, rows at 2-byte offsets, negative key strides)
     or copied where the last axis is strided; the answer is the same."""
     q, k, v = _inputs(2, 8, 2, 3, 310, 64, 64, np.float16, seed=7)
@@ -186,7 +223,7 @@ def test_strided_inputs(layout):
     for original, view in zip((q, k, v), device):
         np.testing.assert_array_equal(view.get(), original)
     for splits in (1, 3):
-        o, lse = _decode(*device, {"causal": True}, splits)
+        o, lse = _decode(*device, {"causal": True}, splits, kernel)
         expected_o, expected_lse = _golden(q, k, v, causal=True)
         assert_attention_close(o, expected_o, q.dtype, name="o")
         assert_attention_close(lse, expected_lse, q.dtype, name="lse")
@@ -208,27 +245,30 @@ def test_a_placed_block_uses_global_positions(splits):
     assert_attention_close(lse, expected_lse, q.dtype, name="lse")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_rows_that_keep_no_key(splits):
+def test_rows_that_keep_no_key(splits, kernel):
     """Causal with Nq > Nk (bottom-right: the first rows keep nothing) and a window that
     leaves a split no key: o = 0, lse = -inf, never NaN."""
     q, k, v = _inputs(1, 4, 2, 8, 5, 32, 32, np.float16, seed=8)
-    _check(q, k, v, {"causal": True}, splits)
+    _check(q, k, v, {"causal": True}, splits, kernel)
     q, k, v = _inputs(1, 4, 2, 4, 400, 32, 32, np.float16, seed=9)
-    _check(q, k, v, {"window": (2, 0)}, splits)
+    _check(q, k, v, {"window": (2, 0)}, splits, kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_non_finite_values_at_masked_keys_do_not_leak(splits):
+def test_non_finite_values_at_masked_keys_do_not_leak(splits, kernel):
     """NaN and Inf in K and V at keys that a row masks (past the causal diagonal, before a
     window's left edge) reach no row that masks them; a NaN at a kept key reaches exactly
     the rows that keep it, as in the golden model."""
-    q, k, v = _inputs(1, 4, 2, 4, 300, 64, 64, np.float32, seed=10)
+    dtype = np.float16 if kernel == "tensor_cores" else np.float32
+    q, k, v = _inputs(1, 4, 2, 4, 300, 64, 64, dtype, seed=10)
     v[:, :, 299, 3] = np.nan  # kept by the last query row only (causal, Nq = 4)
     k[:, :, 298, 5] = np.inf  # kept by the last two rows: their scores go +-inf
     v[:, :, 297, 0] = np.inf
     for options in ({"causal": True}, {"causal": True, "window": (3, None)}):
-        o, lse = _decode(q, k, v, options, splits)
+        o, lse = _decode(q, k, v, options, splits, kernel)
         expected_o, expected_lse = _golden(q, k, v, **options)
         assert_attention_close(o, expected_o, q.dtype, name="o")
         assert_attention_close(lse, expected_lse, q.dtype, name="lse")
@@ -264,8 +304,8 @@ def test_info_shows_the_decode_kernel():
     lines = []
     describe(seq_len=1, n_k=4096, head_dim=128, heads=8, kv_heads=1, dtype="float16",
              print_fn=lines.append)
-    assert any(line.strip().startswith("forward kernel: decode DecodeTiles") for line in lines), \
-        lines
+    assert any(line.strip().startswith("forward kernel: decode DecodeMmaTiles")
+               for line in lines), lines
 
 
 def test_prefill_shapes_keep_the_prefill_path():

@@ -146,16 +146,27 @@ def test_decode_takes_every_head_dim_and_row_count_and_fits(device, dtype):
                 continue
             assert choice.family == "decode", (head_dim, n_q, group)
             config = choice.tiles
-            assert config.rows >= n_q * group and config.threads % config.block_k == 0
-            assert config.shared_bytes(itemsize, 8 if dtype == "float64" else 4, head_dim,
-                                       value_dim) <= problem.shared_limit
+            assert config.rows >= n_q * group
+            if isinstance(config, tiles.DecodeMmaTiles):
+                assert dtype in ("float16", "bfloat16") and config.block_k % 16 == 0
+                shared = config.shared_bytes(head_dim, value_dim)
+            else:
+                assert config.threads % config.block_k == 0
+                shared = config.shared_bytes(itemsize, 8 if dtype == "float64" else 4,
+                                             head_dim, value_dim)
+            assert shared <= problem.shared_limit
 
 
 def test_decode_leaves_prefill_shapes_alone():
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, **H100)
     # Many rows per K/V head with a full prefill grid, too few keys, named tile sizes, sm_75.
     assert tiles.choose_decode(problem, _decode_shape(n_q=128, batch=8)) is None
-    assert tiles.choose_decode(problem, _decode_shape(n_q=8, batch=64)) is None  # 32 rows
+    # 32 rows a kv head: prefill for float32 (CUDA-core decode products); 16-bit decodes on
+    # tensor cores, reading K/V once per group instead of once per query head.
+    wide = Problem(dtype="float32", head_dim=128, value_dim=128, n_k=4096, **H100)
+    assert tiles.choose_decode(wide, _decode_shape(n_q=8, batch=64)) is None
+    assert isinstance(tiles.choose_decode(problem, _decode_shape(n_q=8, batch=64)).tiles,
+                      tiles.DecodeMmaTiles)
     assert tiles.choose_decode(problem, _decode_shape(n_k=100)) is None
     named = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, block_k=64, **H100)
     assert tiles.choose_decode(named, _decode_shape()) is None
@@ -171,9 +182,12 @@ def test_decode_splits_fill_the_device():
     """One (batch, kv head) is split toward one wave of resident blocks, never past it; a grid
     that fills half the resident blocks is not split; a split keeps at least two key tiles;
     the count is capped."""
-    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=262144, **H100)
+    # ALiBi keeps float16 on the CUDA-core kernel (a slope per packed row).
+    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=262144,
+                      per_row_options=True, **H100)
     single = tiles.choose_decode(problem, _decode_shape(n_q_heads=8, n_kv_heads=1,
                                                         n_k=262144)).tiles
+    assert isinstance(single, tiles.DecodeTiles)
     shared = single.shared_bytes(2, 4, 128, 128)
     per_sm = tiles.decode_blocks_per_sm(shared, single.threads, problem.shared_limit)
     assert per_sm == 3  # 57 KiB a block (8 rows) and 1 KiB reserved: 3 fit 228 KiB
@@ -188,9 +202,50 @@ def test_decode_splits_fill_the_device():
     assert short.splits == 256 // short.block_k // tiles.DECODE_MIN_TILES_PER_SPLIT
 
 
+def test_tensor_core_decode_splits_fill_the_device():
+    """The same rule for the tensor-core kernel, whose residency is set by its shared memory
+    and registers: at D = 128, 72 KiB and ~176 registers a thread keep 2 blocks an SM."""
+    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=262144, **H100)
+    single = tiles.choose_decode(problem, _decode_shape(n_q_heads=8, n_kv_heads=1,
+                                                        n_k=262144)).tiles
+    assert isinstance(single, tiles.DecodeMmaTiles) and single.rows == 16
+    assert single.stages == 2 and single.block_k == 64
+    shared = single.shared_bytes(128, 128)
+    assert shared == 2 * 64 * (128 + 128 + 16) * 2 + 16 * 136 * 2
+    per_sm = tiles.decode_blocks_per_sm(shared, single.threads, problem.shared_limit,
+                                        single.registers(128, 128))
+    assert per_sm == 2
+    assert single.splits == 2 * 132
+    some = tiles.choose_decode(problem, _decode_shape(batch=8, n_k=32768)).tiles
+    assert some.splits == 4  # 64 x 4 = 256 blocks in one wave of 264
+
+
+def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():
+    """16-bit inputs from one packed row up to what O's registers hold (16 rows at Dv = 256,
+    32 at 128, 64 at 64); float32, float64, ALiBi and dropout stay on CUDA cores."""
+    def kernel(dtype="float16", value_dim=128, n_q=1, group=4, per_row=False):
+        problem = Problem(dtype=dtype, head_dim=128, value_dim=value_dim, n_k=65536,
+                          per_row_options=per_row, **H100)
+        choice = tiles.choose_decode(problem, _decode_shape(n_q=n_q, n_q_heads=group,
+                                                            n_kv_heads=1))
+        return type(choice.tiles).__name__
+
+    assert kernel() == kernel(dtype="bfloat16") == "DecodeMmaTiles"
+    assert kernel(dtype="float32") == kernel(dtype="float64") == "DecodeTiles"
+    assert kernel(per_row=True) == "DecodeTiles"
+    assert kernel(group=1) == "DecodeMmaTiles"
+    assert kernel(value_dim=256, group=16) == "DecodeMmaTiles"
+    assert kernel(value_dim=256, group=32) == "DecodeTiles"
+    assert kernel(value_dim=128, n_q=8, group=4) == "DecodeMmaTiles"
+    assert kernel(value_dim=64, n_q=16, group=4) == "DecodeMmaTiles"
+
+
 def test_describe_names_the_decode_row():
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=131072, **H100)
     lines = tiles.describe_with_decode(problem, _decode_shape())
-    assert lines["forward"].startswith("decode DecodeTiles(rows=4")
+    assert lines["forward"].startswith("decode DecodeMmaTiles(row_tiles=1")
+    wide = Problem(dtype="float32", head_dim=128, value_dim=128, n_k=131072, **H100)
+    assert tiles.describe_with_decode(wide, _decode_shape())["forward"].startswith(
+        "decode DecodeTiles(rows=4")
     assert "splits" in lines["forward"] and lines["backward"].startswith("wgmma")
     assert tiles.describe_with_decode(problem, None) == tiles.describe(problem)

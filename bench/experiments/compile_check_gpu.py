@@ -67,12 +67,21 @@ JOBS = [
      "HEAD_DIM=64", "VALUE_DIM=64", "BLOCK_K=32", "STAGES=4", "THREADS=128",
      "COPY_BYTES=16"]),
 ]
+# The tensor-core decode (DecodeMmaTiles): D = 128 as the table runs it, D = 256, four row
+# tiles at D = 64, odd dims; every option it takes (ALiBi and dropout decode on CUDA cores).
+DECODE_MMA_OPTIONS = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
+JOBS += [("attention_decode_mma.cu", "90", [f"COPY_BYTES={copy}", "IS_BFLOAT16=0",
+          f"HEAD_DIM={d}", f"VALUE_DIM={dv}", f"ROW_TILES={row_tiles}", "WARPS=4",
+          "WARP_KEYS=16", f"STAGES={stages}"], DECODE_MMA_OPTIONS)
+         for d, dv, row_tiles, stages, copy in ((128, 128, 1, 3, 16), (256, 256, 1, 2, 16),
+                                                (64, 64, 4, 3, 16), (128, 128, 2, 3, 16),
+                                                (33, 200, 1, 2, 2))]
 # Variable-length calls (sequences.cuh): each family once more with the tile tables, the
 # forwards also with the block table (paged K/V); the backwards have no single pass there.
 VARLEN = ["VARLEN=1", "PAGED=1"]
 JOBS += [(name, arch, [{"ORDERED=1": "ORDERED=0"}.get(d, d) for d in defines]
-          + (["VARLEN=1"] if "backward" in name else VARLEN))
-         for name, arch, defines in JOBS
+          + (["VARLEN=1"] if "backward" in name else VARLEN), *options)
+         for name, arch, defines, *options in JOBS
          if name != "attention_decode.cu" or "ROWS=16" in defines]
 
 
@@ -107,10 +116,16 @@ def _backward_rows():
 
 
 def _decode_shared(defines) -> list[str]:
-    """-DEXPECTED_SHARED_BYTES from DecodeTiles.shared_bytes, which the kernel asserts."""
-    from tileattn.gpu.tiles import DecodeTiles
+    """-DEXPECTED_SHARED_BYTES from DecodeTiles.shared_bytes (DecodeMmaTiles'), which the
+    kernel asserts."""
+    from tileattn.gpu.tiles import DecodeMmaTiles, DecodeTiles
 
     value = dict(d.split("=") for d in defines)
+    if "ROW_TILES" in value:
+        tiles = DecodeMmaTiles(int(value["ROW_TILES"]), int(value["WARPS"]),
+                               int(value["WARP_KEYS"]), int(value["STAGES"]), 1)
+        shared = tiles.shared_bytes(int(value["HEAD_DIM"]), int(value["VALUE_DIM"]))
+        return [f"EXPECTED_SHARED_BYTES={shared}"]
     itemsize = {"half_storage": 2, "bfloat16_storage": 2, "float": 4, "double": 8}[value["STORAGE"]]
     tiles = DecodeTiles(int(value["ROWS"]), int(value["BLOCK_K"]), int(value["STAGES"]),
                         int(value["THREADS"]), 1)
@@ -121,7 +136,7 @@ def _decode_shared(defines) -> list[str]:
 def compile_one(job, directory: str) -> str:
     index, (name, arch, defines, *options) = job
     options = options[0] if options else EVERY_OPTION
-    if name == "attention_decode.cu":
+    if name.startswith("attention_decode"):
         defines = defines + _decode_shared(defines)
     path = os.path.join(directory, f"{index}_{name}")
     with open(path, "w") as handle:
@@ -144,7 +159,8 @@ def compile_one(job, directory: str) -> str:
             if entry or "SINGLE_PASS=1" in defines:
                 shown_line = f"{function.split('attention_')[-1][:24]}: {shown_line}"
             report.append(shown_line)
-    decode_keys = ('STORAGE', 'ROWS', 'HEAD_DIM', 'VALUE_DIM', 'BLOCK_K', 'THREADS')
+    decode_keys = ('STORAGE', 'ROWS', 'HEAD_DIM', 'VALUE_DIM', 'BLOCK_K', 'THREADS', 'ROW_TILES',
+                   'STAGES')
     shown = ' '.join(d for d in defines if d.startswith(('IS_', 'VARLEN'))
                      or name.startswith('attention_decode') and d.startswith(decode_keys))
     if entry or "SINGLE_PASS=1" in defines:

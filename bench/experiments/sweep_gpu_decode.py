@@ -1,7 +1,10 @@
-"""Sweep the decode kernel's split count (and thread count) on bench_gpu_decode's quick shapes,
-kernels alone (a cached launch replayed under the L2 flush), to set tiles.decode_splits.
+"""Sweep the decode kernels' split count (and thread count, or the tensor-core kernel's warps,
+keys and stages) on bench_gpu_decode's quick shapes, kernels alone (a cached launch replayed
+under the L2 flush), to set tiles.decode_splits and the decode tables.
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_decode.py [--threads 128 256]
+        [--grid 256 --only 'Nq1 ' float16] [--stage-bytes B --stage-target T --splits ...]
+        [--kernel tensor_cores --mma 4x16x3 4x16x2 ...]
 
 Each line: shape, then per split count the kernels' microseconds and share of the measured
 copy bandwidth; the split count tiles.decode_splits chose is marked with *.
@@ -17,7 +20,7 @@ import sys
 import cupy
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_gpu_decode import QUICK, _options, _random, copy_bandwidth, median_us
+from bench_gpu_decode import QUICK, _options, grid, _random, copy_bandwidth, median_us
 
 from tileattn.gpu import tiles
 from tileattn.gpu.launch_decode import decode_shape, forward_decode
@@ -26,8 +29,24 @@ from tileattn.gpu.operands import problem_of
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def sweep_shape(shape, bandwidth: float, threads_list, repetitions: int, rng,
-                splits_list=SPLITS) -> None:
+def _variants(problem, dshape, kernel: str, threads_list, mma_shapes):
+    """(label, tiles for a split count) for each configuration swept."""
+    if kernel == "tensor_cores":
+        if not tiles.decode_on_tensor_cores(problem, dshape, min_rows=1):
+            return []
+        return [(f"mma {shape}", functools.partial(
+                    lambda warps, keys, stages, splits: tiles.decode_mma_tiles(
+                        problem, dshape, splits=splits, warps=warps, warp_keys=keys,
+                        stages=stages), *map(int, shape.split("x"))))
+                for shape in mma_shapes]
+    return [(f"cuda-cores threads={threads or 'table'}", functools.partial(
+                lambda threads, splits: tiles.decode_tiles(problem, dshape, splits=splits,
+                                                           threads=threads), threads))
+            for threads in threads_list]
+
+
+def sweep_shape(shape, bandwidth: float, repetitions: int, rng, splits_list=SPLITS,
+                kernel: str = "cuda_cores", threads_list=(None,), mma_shapes=()) -> None:
     q = _random((shape.batch, shape.n_q_heads, shape.n_q, shape.head_dim), shape.dtype, rng)
     k = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
     v = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
@@ -36,36 +55,45 @@ def sweep_shape(shape, bandwidth: float, threads_list, repetitions: int, rng,
     dshape = decode_shape(q, k, options)
     if dshape.rows > tiles.DECODE_ROWS[-1].max_rows:
         return
-    chosen = tiles.decode_tiles(problem, dshape).splits
+    table = tiles.choose_decode(problem, dshape)
     o = cupy.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
-    for threads in threads_list:
+    for label, make in _variants(problem, dshape, kernel, threads_list, mma_shapes):
         cells = []
         for splits in splits_list:
-            config = tiles.decode_tiles(problem, dshape, splits=splits, threads=threads)
+            config = make(splits)
             if not tiles.decode_fits(problem, config):
                 continue
             launch, _ = forward_decode(q, k, v, o, lse, options, config)
             us = median_us(functools.partial(launch, q, k, v, o, lse), repetitions)
             share = shape.kv_bytes / (us * 1e-6) / bandwidth
-            mark = "*" if splits == chosen else ""
+            mark = ("*" if table is not None and type(table.tiles) is type(config)
+                    and splits == table.tiles.splits else "")
             cells.append(f"{splits}{mark}:{us:.0f}us/{share:.2f}")
-        config = tiles.decode_tiles(problem, dshape, threads=threads)
-        print(f"{shape.name} threads={threads or 'table'} k={config.block_k}x{config.stages} "
-              f"B*Hkv={dshape.batch_kv_heads}: "
-              + "  ".join(cells), flush=True)
+        config = make(1)
+        print(f"{shape.name} {label} k={config.block_k}x{config.stages} "
+              f"B*Hkv={dshape.batch_kv_heads}: " + "  ".join(cells), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, nargs="*", default=[None])
+    parser.add_argument("--kernel", choices=("cuda_cores", "tensor_cores"),
+                        default="cuda_cores")
+    parser.add_argument("--threads", type=int, nargs="*", default=[None],
+                        help="CUDA-core kernel: threads a block (default: the table's)")
+    parser.add_argument("--mma", nargs="*", default=["4x16x3"],
+                        help="tensor-core kernel: WARPSxWARP_KEYSxSTAGES shapes")
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--stage-bytes", type=int, default=None,
                         help="override tiles.DECODE_STAGE_BYTES (K+V bytes of one stage)")
     parser.add_argument("--stage-target", type=int, default=None,
                         help="override tiles.DECODE_STAGE_TARGET (bytes of all stages)")
     parser.add_argument("--splits", type=int, nargs="*", default=list(SPLITS))
-    parser.add_argument("--only", default="", help="shapes whose name contains this")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="shapes whose name contains each of these")
+    parser.add_argument("--grid", type=int, default=None, metavar="MIB",
+                        help="bench_gpu_decode's whole grid, shapes of >= MIB MiB of K/V "
+                             "that fit a third of free memory, instead of its quick list")
     args = parser.parse_args()
     if args.stage_bytes:
         tiles.DECODE_STAGE_BYTES = args.stage_bytes
@@ -74,9 +102,14 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rng = cupy.random.default_rng(0)
-    for shape in QUICK:
-        if args.only in shape.name:
-            sweep_shape(shape, bandwidth, args.threads, args.repetitions, rng, args.splits)
+    shapes = QUICK
+    if args.grid is not None:
+        free = cupy.cuda.Device().mem_info[0]
+        shapes = [s for s in grid() if args.grid * 2**20 <= s.kv_bytes <= free / 3]
+    for shape in shapes:
+        if all(part in shape.name + " " for part in args.only):
+            sweep_shape(shape, bandwidth, args.repetitions, rng, args.splits, args.kernel,
+                        args.threads, args.mma)
         cupy.get_default_memory_pool().free_all_blocks()
 
 

@@ -1,6 +1,7 @@
-"""Launching the split-KV decode forward (attention_decode.cu): the decode kernel, one block
-per (batch, kv head, key range), and, with more than one range, the merge kernel that
-combines the ranges' partial (o, lse) by log-sum-exp.
+"""Launching the split-KV decode forward: the decode kernel (attention_decode.cu on CUDA
+cores, or attention_decode_mma.cu on tensor cores, by the tiles' type), one block per
+(batch, kv head, key range), and, with more than one range, the merge kernel
+(attention_decode.cu) that combines the ranges' partial (o, lse) by log-sum-exp.
 
 The partials live in a per-(device, stream) workspace that only grows and is never freed,
 so a repeated call allocates nothing and a CUDA graph captured on a stream replays into a
@@ -19,10 +20,11 @@ from ..options import UNLIMITED, AttentionOptions
 from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
                        score_arguments, tensor_core_operands)
-from .tiles import DecodeShape, DecodeTiles
+from .tiles import DecodeMmaTiles, DecodeShape, DecodeTiles
 from .varlen import dense_arguments
 
 DECODE_SOURCE = "attention_decode.cu"
+DECODE_MMA_SOURCE = "attention_decode_mma.cu"
 MERGE_THREADS = 256  # attention_decode_merge's __launch_bounds__ (8 warps)
 MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 
@@ -114,8 +116,8 @@ class DecodeLaunch:
         self.merge(partial_o, partial_lse, o, lse)
 
 
-def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTiles,
-                   sequences=None) -> tuple:
+def forward_decode(q, k, v, o, lse, options: AttentionOptions,
+                   tiles: DecodeTiles | DecodeMmaTiles, sequences=None) -> tuple:
     """Runs the decode forward of `tiles` into o and lse: ``(launch, alignment)``. With
     `sequences` (a padded or paged `varlen.Sequences`), batch element b is sequence b."""
     batch, n_q_heads, n_q, head_dim = q.shape
@@ -129,28 +131,48 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions, tiles: DecodeTile
     (k, v), (k_strides, v_strides), copy_bytes = tensor_core_operands(k, v)
     (q,), (q_strides,), _ = tensor_core_operands(q)
     accum = accumulation_dtype(q.dtype)
-    defines = (("ACCUM", "double" if accum == np.float64 else "float"),
-               ("BLOCK_K", tiles.block_k), ("COPY_BYTES", copy_bytes), ("HEAD_DIM", head_dim),
-               ("ROWS", tiles.rows), ("STAGES", tiles.stages),
-               ("STORAGE", STORAGE[np.dtype(q.dtype).name]), ("THREADS", tiles.threads),
-               ("VALUE_DIM", value_dim)) + Switches.of(options).defines()
+    on_tensor_cores = isinstance(tiles, DecodeMmaTiles)
+    # The merge is attention_decode.cu's: after the tensor-core kernel it is built with a
+    # CUDA-core configuration of the same dims (its tile defines only satisfy that file).
+    cuda_core = tiles if not on_tensor_cores else DecodeTiles(16, 32, 2, 128, tiles.splits)
+    merge_defines = (("ACCUM", "double" if accum == np.float64 else "float"),
+                     ("BLOCK_K", cuda_core.block_k), ("COPY_BYTES", copy_bytes),
+                     ("HEAD_DIM", head_dim), ("ROWS", cuda_core.rows),
+                     ("STAGES", cuda_core.stages), ("STORAGE", STORAGE[np.dtype(q.dtype).name]),
+                     ("THREADS", cuda_core.threads), ("VALUE_DIM", value_dim))
+    merge_defines += Switches.of(options).defines()
+    if on_tensor_cores:
+        defines = (("COPY_BYTES", copy_bytes), ("HEAD_DIM", head_dim),
+                   ("IS_BFLOAT16", int(np.dtype(q.dtype).name == "bfloat16")),
+                   ("ROW_TILES", tiles.row_tiles), ("STAGES", tiles.stages),
+                   ("VALUE_DIM", value_dim), ("WARP_KEYS", tiles.warp_keys),
+                   ("WARPS", tiles.warps)) + Switches.of(options).defines()
+    else:
+        defines = merge_defines
     if sequences is not None:
         defines += sequences.defines()
         tables = sequences.arguments(None)[0]
     else:
         tables = dense_arguments(q.device.id)
     defines = tuple(sorted(defines))
-    shared = tiles.shared_bytes(q.itemsize, accum.itemsize, head_dim, value_dim)
-    function = _compile.kernel(DECODE_SOURCE, "attention_decode", defines, shared)
     n_rows = batch * n_q_heads * n_q
     splits = tiles.splits
+    if on_tensor_cores:
+        shared = tiles.shared_bytes(head_dim, value_dim)
+        function = _compile.kernel(DECODE_MMA_SOURCE, "attention_decode_mma", defines, shared)
+        leading = ()
+    else:
+        shared = tiles.shared_bytes(q.itemsize, accum.itemsize, head_dim, value_dim)
+        function = _compile.kernel(DECODE_SOURCE, "attention_decode", defines, shared)
+        leading = (alibi_slopes(options),)
     decode = Launch(function, (batch * n_kv_heads * splits,), (tiles.threads,), shared,
-                    (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                    (*leading, np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(group), np.int32(splits), *q_strides[:3], *k_strides[:3],
                      *v_strides[:3], *score_arguments(options, n_q, n_k, accum), *tables))
     merge = None
     if splits > 1:
-        merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge", defines)
+        merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge",
+                                         tuple(sorted(merge_defines)))
         merge = Launch(merge_function, (n_rows, -(-value_dim // MERGE_COLUMNS)),
                        (MERGE_THREADS,), 0,
                        (np.int64(n_rows), np.int32(splits)))

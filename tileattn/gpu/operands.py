@@ -42,7 +42,8 @@ def problem_for(device: int, dtype, head_dim: int, value_dim: int, n_k: int,
                    shared_limit=shared_memory_limit(device), dtype=dtype_name(dtype),
                    head_dim=head_dim, value_dim=value_dim, n_k=n_k,
                    score_options=switches.softcap or switches.alibi or switches.dropout,
-                   banded=options.is_masked, block_q=options.block_q, block_k=options.block_k)
+                   banded=options.is_masked, block_q=options.block_q, block_k=options.block_k,
+                   per_row_options=switches.alibi or switches.dropout)
 
 
 def problem_of(q, k, v, options: AttentionOptions) -> Problem:

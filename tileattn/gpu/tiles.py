@@ -11,9 +11,11 @@ Families (the ``.cu`` files' headers say how each works):
 * ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64, head
   dims above 256, GPUs before sm_80, and tile sizes the caller names that no tensor-core
   configuration is built for;
-* ``decode`` (forward only): a few query rows per K/V head against many keys
-  (attention_decode.cu): split-KV with GQA packing on CUDA cores, every dtype; chosen
-  before the others by `choose_decode` from the problem's `DecodeShape`.
+* ``decode`` (forward only): a few query rows per K/V head against many keys:
+  split-KV with GQA packing, on tensor cores for 16-bit inputs (attention_decode_mma.cu,
+  `DecodeMmaTiles`) and on CUDA cores for every dtype and option (attention_decode.cu,
+  `DecodeTiles`); chosen before the others by `choose_decode` from the problem's
+  `DecodeShape`.
 
 Each tensor-core table is a list of rows, the first that matches a problem wins. A row
 matches on the padded head dims (`Widths`: D and Dv rounded up to the tensor cores' K
@@ -50,6 +52,7 @@ class Problem:
     n_k: int
     score_options: bool = False
     banded: bool = False
+    per_row_options: bool = False  # ALiBi or dropout (a slope or hash state per query head)
     block_q: int | None = None
     block_k: int | None = None
 
@@ -602,11 +605,93 @@ def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, 
     return block_k, stages
 
 
-def decode_blocks_per_sm(shared_bytes: int, threads: int, shared_limit: int) -> int:
+# The tensor-core decode (attention_decode_mma.cu) for 16-bit inputs: the packed rows are
+# m16 tiles that every warp holds, the warps split each stage's keys. It serves packed rows
+# up to 16 * floor(DECODE_MMA_WIDTH / padded Dv) (O's accumulators: <= 128 floats a thread)
+# without ALiBi or dropout, whose state differs per packed row (query head). Chosen by the
+# sweep of NOTES-gpu v20 (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
+# 4 warps x 16 keys in 2 stages reach 0.86-0.99 of copy bandwidth on the fp16 Nq = 1 grid
+# at >= 256 MiB of K/V, where 3 stages lost up to 0.2 at B*Hkv >= 512 (no split) and
+# 2 warps or 32 keys a warp were no better; one packed row (MHA) on tensor cores matched or
+# beat the CUDA-core kernel (B8 H32/32 Nk128k 0.99 against 0.92).
+DECODE_MMA_MIN_ROWS = 1
+DECODE_MMA_WIDTH = 256
+DECODE_MMA_WARPS = 4
+DECODE_MMA_WARP_KEYS = 16  # one k16 step of P V a warp a stage
+DECODE_MMA_STAGES = 2
+
+
+@dataclass(frozen=True)
+class DecodeMmaTiles:
+    """attention_decode_mma.cu's configuration: `row_tiles` m16 tiles of packed rows, `warps`
+    that each take `warp_keys` keys of every stage, `stages` cp.async buffers, `splits` key
+    ranges (blocks per (batch, kv head))."""
+
+    row_tiles: int
+    warps: int
+    warp_keys: int
+    stages: int
+    splits: int
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.row_tiles
+
+    @property
+    def block_k(self) -> int:
+        return self.warps * self.warp_keys
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def stage_bytes(self, head_dim: int, value_dim: int) -> int:
+        return self.block_k * (padded(head_dim, 16) + padded(value_dim, 16) + 16) * 2
+
+    def shared_bytes(self, head_dim: int, value_dim: int) -> int:
+        """kSharedBytes: the stages (after the key loop, the warps' partial O, max and sum
+        in float32, rows padded by 16 bytes) and the packed Q tile, rows padded by 16 bytes."""
+        value_width = padded(value_dim, 16)
+        combine = self.warps * self.rows * (value_width + 4 + 2) * 4
+        return (max(self.stages * self.stage_bytes(head_dim, value_dim), combine)
+                + self.rows * (padded(head_dim, 16) + 8) * 2)
+
+    def registers(self, head_dim: int, value_dim: int) -> int:
+        """An estimate of ptxas's registers a thread (residency, so the split count): O's
+        accumulators, Q's fragments where they stay in registers, S, and 72 for the rest.
+        ptxas (sm_90, no options; bench/experiments/compile_check_gpu.py): D = 64 128,
+        D = 128 176, D = 256 234, two row tiles at D = 128 246; the estimate gives 128,
+        176, 208, 216: the same residency (4, 2, 2, 2 blocks of 128 threads)."""
+        head_width, value_width = padded(head_dim, 16), padded(value_dim, 16)
+        q_fragments = self.row_tiles * head_width // 4 if self.row_tiles * head_width <= 128 else 0
+        count = 72 + self.row_tiles * (value_width // 2 + self.warp_keys // 2) + q_fragments
+        return min(255, -(-count // 8) * 8)
+
+
+def decode_on_tensor_cores(problem: Problem, shape: DecodeShape,
+                           min_rows: int = DECODE_MMA_MIN_ROWS) -> bool:
+    """Whether attention_decode_mma.cu serves this decode problem (else attention_decode.cu)."""
+    return (problem.dtype in ("float16", "bfloat16") and not problem.per_row_options
+            and min_rows <= shape.rows
+            <= 16 * (DECODE_MMA_WIDTH // padded(problem.value_dim, 16)))
+
+
+def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
+                     warps: int | None = None, warp_keys: int | None = None,
+                     stages: int | None = None) -> DecodeMmaTiles:
+    """The tensor-core decode configuration (a test or sweep may force any field)."""
+    tiles = DecodeMmaTiles(-(-shape.rows // 16), warps or DECODE_MMA_WARPS,
+                           warp_keys or DECODE_MMA_WARP_KEYS, stages or DECODE_MMA_STAGES, 1)
+    return replace(tiles, splits=_splits_of(problem, shape, tiles)[0] if splits is None
+                   else splits)
+
+
+def decode_blocks_per_sm(shared_bytes: int, threads: int, shared_limit: int,
+                         registers: int = DECODE_REGISTERS) -> int:
     """Decode blocks resident on one SM: by shared memory (the per-block limit plus the 1 KiB
     the runtime reserves a block stands in for the SM's), registers and threads."""
     by_shared = (shared_limit + 1024) // (shared_bytes + 1024)
-    by_registers = SM_REGISTERS // (threads * DECODE_REGISTERS)
+    by_registers = SM_REGISTERS // (threads * registers)
     return max(1, min(by_shared, by_registers, SM_THREADS // threads))
 
 
@@ -630,10 +715,15 @@ def _sizes(problem: Problem) -> tuple[int, int]:
     return itemsize, 8 if itemsize == 8 else 4
 
 
-def decode_fits(problem: Problem, tiles: DecodeTiles) -> bool:
+def _decode_shared_bytes(problem: Problem, tiles) -> int:
+    if isinstance(tiles, DecodeMmaTiles):
+        return tiles.shared_bytes(problem.head_dim, problem.value_dim)
     itemsize, accum = _sizes(problem)
-    return tiles.shared_bytes(itemsize, accum, problem.head_dim,
-                              problem.value_dim) <= problem.shared_limit
+    return tiles.shared_bytes(itemsize, accum, problem.head_dim, problem.value_dim)
+
+
+def decode_fits(problem: Problem, tiles) -> bool:
+    return _decode_shared_bytes(problem, tiles) <= problem.shared_limit
 
 
 def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
@@ -653,11 +743,12 @@ def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None
                    else splits)
 
 
-def _splits_of(problem: Problem, shape: DecodeShape, tiles: DecodeTiles) -> tuple[int, str]:
-    itemsize, accum = _sizes(problem)
-    shared = tiles.shared_bytes(itemsize, accum, problem.head_dim, problem.value_dim)
+def _splits_of(problem: Problem, shape: DecodeShape, tiles) -> tuple[int, str]:
+    registers = (tiles.registers(problem.head_dim, problem.value_dim)
+                 if isinstance(tiles, DecodeMmaTiles) else DECODE_REGISTERS)
     return decode_splits(shape, tiles.block_k,
-                         decode_blocks_per_sm(shared, tiles.threads, problem.shared_limit))
+                         decode_blocks_per_sm(_decode_shared_bytes(problem, tiles),
+                                              tiles.threads, problem.shared_limit, registers))
 
 
 @lru_cache(maxsize=1024)
@@ -674,12 +765,21 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     if row is None:
         return None
     prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
-    if row is not DECODE_ROWS[0] and prefill_blocks >= shape.sm_count:
-        return None  # many query heads fill the GPU on the tensor-core prefill already
-    tiles = decode_tiles(problem, shape)
+    if (row is not DECODE_ROWS[0] and prefill_blocks >= shape.sm_count
+            and not decode_on_tensor_cores(problem, shape)):
+        # Many query heads fill the GPU on the tensor-core prefill already, whose wasted rows
+        # (Nq of its 64-192) cost less than CUDA-core products; the tensor-core decode reads
+        # K/V once per group where the prefill reads it once per query head.
+        return None
+    if decode_on_tensor_cores(problem, shape):
+        tiles = decode_mma_tiles(problem, shape)
+        note = ("16-bit, no ALiBi or dropout: tensor cores (attention_decode_mma.cu), the "
+                "warps split each stage's keys")
+    else:
+        tiles, note = decode_tiles(problem, shape), row.note
     if not decode_fits(problem, tiles):
         return None  # Q alone (64 float64 rows of 256) outgrows shared memory
-    return Choice("decode", tiles, f"{row.note}; {_splits_of(problem, shape, tiles)[1]}")
+    return Choice("decode", tiles, f"{note}; {_splits_of(problem, shape, tiles)[1]}")
 
 
 def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[str, str]:

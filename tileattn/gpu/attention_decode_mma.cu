@@ -1,0 +1,327 @@
+// Split-KV decode forward on tensor cores: float16 / bfloat16, D and Dv up to 256, sm_80+.
+//
+// The same work as attention_decode.cu (GQA packing: one block per (batch, kv head, key
+// range) owns the ROWS = group * Nq query rows that share the kv head; partials merged by
+// attention_decode_merge), with the products on mma.sync instead of CUDA cores. At 8 or
+// more packed rows the CUDA cores cannot keep up with HBM (2 * ROWS * (D + Dv) flops per
+// key), while one m16n8k16 tile serves up to 16 rows at the cost of 8 rows' worth of
+// padding. The layout follows from decoding's shape, few rows and many keys:
+// * the packed rows are ROW_TILES m16 tiles that every warp holds; the warps split each
+//   key tile instead: warp w takes keys [w * WARP_KEYS, (w + 1) * WARP_KEYS) of every stage
+//   and keeps its own online softmax and O accumulators. A tile costs one barrier (the
+//   stage handover), not three, and no warp waits for another's softmax;
+// * after the last tile the warps' (max, sum, O) meet in shared memory and are combined by
+//   log-sum-exp, once per block;
+// * K/V stream through STAGES shared buffers of BLOCK_K = WARPS * WARP_KEYS keys with
+//   cp.async (rows padded by 16 bytes for conflict-free ldmatrix, zeros past the keys and
+//   in the padding columns); the score options, masks and the online softmax are
+//   forward_softmax.cuh's, the same code as the prefill mma.sync forward.
+// Packed row r is query head kv_head * group + r / Nq, query row r % Nq; the masks see the
+// query row, so causal speculative rows (Nq > 1) keep their own keys. Rows past the packed
+// rows in use are zero and never stored. ALiBi (a slope per packed row) and dropout run on
+// the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
+//
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
+// COPY_BYTES, ROW_TILES, WARPS, WARP_KEYS, STAGES, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, VARLEN,
+// PAGED (ALIBI and DROPOUT are 0).
+#include "forward_softmax.cuh"
+
+constexpr int kRowTiles = ROW_TILES;
+constexpr int kRows = 16 * kRowTiles;  // packed-row capacity
+constexpr int kWarps = WARPS;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kWarpKeys = WARP_KEYS;
+constexpr int kBlockK = kWarps * kWarpKeys;  // keys a stage
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);
+constexpr int kValueWidth = padded_width(VALUE_DIM, 16);
+constexpr int kQkPitch = kTilePitch<kHeadWidth>;
+constexpr int kVPitch = kTilePitch<kValueWidth>;
+// Q fragments stay in registers where they are few; wide rows re-read them from shared
+// memory for each product, which leaves the registers to O.
+constexpr bool kQInRegisters = kRowTiles * kHeadWidth <= 128;
+static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole k16 steps of P V");
+static_assert(STAGES >= 2, "one tile in flight while one is used");
+static_assert(!ALIBI && !DROPOUT, "ALiBi and dropout decode on CUDA cores");
+
+// Shared memory (launch_decode.py mirrors it): STAGES x (K tile, V tile), then Q. After
+// the key loop the stages hold the warps' partial results: O [kWarps][kRows][kOPitch]
+// floats, then max and sum [kWarps][kRows] each.
+constexpr int kStageElements = kBlockK * (kQkPitch + kVPitch);
+constexpr int kStagesBytes = STAGES * kStageElements * 2;
+constexpr int kOPitch = kValueWidth + 4;  // 16 bytes of padding: rows in different banks
+constexpr int kCombineBytes = kWarps * kRows * (kOPitch + 2) * 4;
+constexpr int kQOffset = (kStagesBytes > kCombineBytes ? kStagesBytes : kCombineBytes);
+constexpr int kSharedBytes = kQOffset + kRows * kQkPitch * 2;
+static_assert(kQOffset % 16 == 0, "16-byte aligned Q tile");
+#ifdef EXPECTED_SHARED_BYTES  // bench/experiments/compile_check_gpu.py: the launcher's mirror
+static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_bytes disagrees");
+#endif
+
+extern "C" __global__ void __launch_bounds__(kThreads) attention_decode_mma(
+    const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
+    float* partial_o, float* partial_lse, i64 n_q, i64 n_k, int n_q_heads, int group_size,
+    int n_splits, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
+    i64 v_sh, i64 v_sn, float scale, float softcap, i64 band_offset, i64 window_left,
+    i64 window_right, u32 /*dropout_key*/, u32 /*dropout_threshold*/, float /*dropout_scale*/,
+    u32 /*dropout_row0*/, u32 /*dropout_col0*/, SEQUENCE_PARAMETERS) {
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    bits16* stages = reinterpret_cast<bits16*>(shared_bytes);
+    bits16* q_tile = reinterpret_cast<bits16*>(shared_bytes + kQOffset);  // [kRows][kQkPitch]
+    {  // the launcher's shared-memory size must cover this layout
+        u32 provided;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(provided));
+        if (provided < kSharedBytes) __trap();
+    }
+
+    const i64 bkv = blockIdx.x / n_splits;  // flat (batch, kv head)
+    const int split = static_cast<int>(blockIdx.x % n_splits);
+    const int n_kv_heads = n_q_heads / group_size;
+    const i64 batch = bkv / n_kv_heads;
+    const int kv_head = static_cast<int>(bkv % n_kv_heads);
+    const int rows = static_cast<int>(group_size * n_q);  // packed rows in use (<= kRows)
+    const i64 out_row0 = bkv * rows;  // flat (b, h, i) of packed row 0 in o and lse
+    const SequenceTables tables = SEQUENCE_TABLES;
+    i64 seq_rows = n_q, seq_keys = n_k, seq_band = band_offset;
+    if (VARLEN) {  // a padded or paged batch: batch element b is sequence b
+        const Sequence sequence = sequence_at(tables.descriptors, batch);
+        seq_rows = sequence.rows;
+        seq_keys = sequence.keys;
+        seq_band = sequence.band + band_offset;
+    }
+    const Band band{seq_band, window_left, window_right};
+    const KeyRows<bits16> k_rows = key_rows(k, batch, kv_head, k_sb, k_sh, k_sn, 0, tables);
+    const KeyRows<bits16> v_rows = key_rows(v, batch, kv_head, v_sb, v_sh, v_sn, 0, tables);
+
+    // Q rows of the group, packed; zeros past the rows in use and past D (plain loads: a
+    // few hundred bytes, read once).
+    for (int e = threadIdx.x; e < kRows * kHeadWidth; e += kThreads) {
+        const int r = e / kHeadWidth, d = e % kHeadWidth;
+        bits16 value = 0;
+        if (r < rows && d < HEAD_DIM) {
+            const i64 head = static_cast<i64>(kv_head) * group_size + r / n_q;
+            value = q[batch * q_sb + head * q_sh + (r % n_q) * q_sn + d];
+        }
+        q_tile[r * kQkPitch + d] = value;
+    }
+
+    i64 tile_begin, tile_end;
+    key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, seq_rows, seq_keys, kBlockK, &tile_begin,
+                                            &tile_end);
+    if (VARLEN && seq_rows == 0) tile_end = tile_begin;
+    const i64 n_tiles = tile_end - tile_begin;
+    const i64 my_begin = tile_begin + n_tiles * split / n_splits;
+    const i64 my_end = tile_begin + n_tiles * (split + 1) / n_splits;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int quad_row = lane / 4, quad_col = lane % 4;
+    // The query row (for the masks) of this thread's two rows of each row tile; rows past
+    // the packed rows in use take row 0 (computed, never stored).
+    i64 my_rows[kRowTiles][2];
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = m * 16 + quad_row + 8 * half;
+            my_rows[m][half] = r < rows ? r % n_q : 0;
+        }
+
+    // Prologue: STAGES - 1 tiles in flight (a group is committed even when empty, so the
+    // wait below always counts the same number of groups).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (my_begin + s < my_end) {
+            bits16* stage = stages + s * kStageElements;
+            const i64 row = (my_begin + s) * kBlockK;
+            load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+                stage, k_rows, row, seq_keys);
+            load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+                stage + kBlockK * kQkPitch, v_rows, row, seq_keys);
+        }
+        commit_copies();
+    }
+    __syncthreads();  // Q landed
+
+    u32 q_fragments[kQInRegisters ? kRowTiles : 1][kQInRegisters ? kHeadWidth / 16 : 1][4];
+    if (kQInRegisters) {
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+            for (int kk = 0; kk < kHeadWidth / 16; ++kk)
+                load_a_fragment<kHeadWidth>(q_tile, m * 16, kk * 16,
+                                            q_fragments[kQInRegisters ? m : 0]
+                                                       [kQInRegisters ? kk : 0]);
+    }
+
+    float o_acc[kRowTiles][kValueWidth / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
+    start_online_softmax(o_acc, row_max, row_sum);
+    const ForwardScores scores = make_forward_scores(scale, softcap, nullptr, 0, band, seq_keys);
+
+    for (i64 tile = my_begin; tile < my_end; ++tile) {
+        const int slot = static_cast<int>((tile - my_begin) % STAGES);
+        bits16* k_tile = stages + slot * kStageElements;
+        bits16* v_tile = k_tile + kBlockK * kQkPitch;
+        wait_copies<STAGES - 2>();
+        __syncthreads();  // this tile landed for all; the stage refilled below was last
+                          // read in the previous tile, which every warp has finished
+        {
+            const i64 next = tile + STAGES - 1;
+            if (next < my_end) {
+                bits16* stage = stages + static_cast<int>((next - my_begin) % STAGES) *
+                                             kStageElements;
+                load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+                    stage, k_rows, next * kBlockK, seq_keys);
+                load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+                    stage + kBlockK * kQkPitch, v_rows, next * kBlockK, seq_keys);
+            }
+            commit_copies();
+        }
+        const bits16* k_warp = k_tile + warp * kWarpKeys * kQkPitch;
+        const bits16* v_warp = v_tile + warp * kWarpKeys * kVPitch;
+        const i64 col_start = tile * kBlockK + warp * kWarpKeys;
+
+        // S = Q K^T over this warp's keys.
+        float s[kRowTiles][kWarpKeys / 8][4];
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+            for (int n = 0; n < kWarpKeys / 8; ++n)
+                s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < kHeadWidth / 16; ++kk) {
+            u32 a[kRowTiles][4];
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) {
+                if (kQInRegisters) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        a[m][e] = q_fragments[kQInRegisters ? m : 0][kQInRegisters ? kk : 0][e];
+                } else {
+                    load_a_fragment<kHeadWidth>(q_tile, m * 16, kk * 16, a[m]);
+                }
+            }
+#pragma unroll
+            for (int nn = 0; nn < kWarpKeys / 16; ++nn) {
+                u32 b[4];
+                load_b_fragments<kHeadWidth>(k_warp, nn * 16, kk * 16, b);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m) {
+                    mma_16x8x16(s[m][2 * nn], a[m], b[0], b[1]);
+                    mma_16x8x16(s[m][2 * nn + 1], a[m], b[2], b[3]);
+                }
+            }
+        }
+
+        // Masks: this warp's keys against query rows [0, seq_rows); the non-finite-V step
+        // below needs a block-uniform test, so it asks of the whole stage.
+        const bool needs_mask = key_tile_needs_mask(scores, 0, static_cast<int>(seq_rows),
+                                                    col_start, kWarpKeys);
+        scores_to_logits(s, my_rows, col_start, needs_mask,
+                         tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start, seq_keys),
+                         scores);
+        online_softmax_step(s, row_max, row_sum, o_acc);
+
+        // A stage the band cuts with a non-finite V: the kept pairs' products on CUDA cores,
+        // then zeros in V's place for the tensor cores (kept_products.cuh). Keys past the
+        // sequence are zero-filled, never loaded, so only a band limit needs this.
+        if (kBandMasksKeys && key_tile_needs_mask(scores, 0, static_cast<int>(seq_rows),
+                                                  tile * kBlockK, kBlockK)) {
+            if (__syncthreads_or(
+                    tile_has_non_finite<kBlockK, kValueWidth, kVPitch, kThreads>(v_tile))) {
+                add_kept_non_finite_values<kWarpKeys / 8>(
+                    o_acc,
+                    KeptKeysOfRows<kRowTiles>{
+                        my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start,
+                                                                    seq_keys)},
+                    HeldFromScores<kRowTiles, kWarpKeys / 8>{s},
+                    [&](int key, int col) { return element_value(v_warp[key * kVPitch + col]); });
+                __syncthreads();
+                zero_non_finite<kBlockK, kValueWidth, kVPitch, kThreads>(v_tile);
+                __syncthreads();
+            }
+        }
+
+        // O += P V: the S accumulators of key fragments 2kk and 2kk+1 are the A fragment.
+#pragma unroll
+        for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
+            u32 a[kRowTiles][4];
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+                pack_a_fragment(s[m][2 * kk], s[m][2 * kk + 1], a[m]);
+#pragma unroll
+            for (int dn = 0; dn < kValueWidth / 16; ++dn) {
+                u32 b[4];
+                load_b_fragments_transposed<kValueWidth>(v_warp, kk * 16, dn * 16, b);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m) {
+                    mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);
+                    mma_16x8x16(o_acc[m][2 * dn + 1], a[m], b[2], b[3]);
+                }
+            }
+        }
+    }
+    wait_copies<0>();
+    __syncthreads();  // every warp is done with the stages, which now take the partials
+
+    // Each warp's (max, sum, unnormalised O) per packed row into shared memory.
+    float* combine_o = reinterpret_cast<float*>(shared_bytes);  // [kWarps][kRows][kOPitch]
+    float* combine_max = combine_o + kWarps * kRows * kOPitch;  // [kWarps][kRows]
+    float* combine_sum = combine_max + kWarps * kRows;
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float total = row_sum[m][half];
+            total += __shfl_xor_sync(0xffffffffu, total, 1);
+            total += __shfl_xor_sync(0xffffffffu, total, 2);
+            const int r = m * 16 + quad_row + 8 * half;
+            float* o_row = combine_o + (warp * kRows + r) * kOPitch;
+#pragma unroll
+            for (int n = 0; n < kValueWidth / 8; ++n) {
+                o_row[n * 8 + 2 * quad_col] = o_acc[m][n][2 * half];
+                o_row[n * 8 + 2 * quad_col + 1] = o_acc[m][n][2 * half + 1];
+            }
+            if (quad_col == 0) {
+                combine_max[warp * kRows + r] = row_max[m][half];
+                combine_sum[warp * kRows + r] = total;
+            }
+        }
+    __syncthreads();
+
+    // Combined by log-sum-exp over the warps (base-2 logits: exp2 of max differences), a
+    // thread per (row, column pair). total == 0: nothing kept here (o = 0, lse = -inf);
+    // a NaN total is not 0, so NaN reaches o and lse. Padding rows of a padded batch (query
+    // row >= the sequence's rows) keep no key.
+    const bool direct = n_splits == 1;
+    constexpr int kPairs = (VALUE_DIM + 1) / 2;
+    const i64 split_rows = static_cast<i64>(split) * (gridDim.x / n_splits) * rows;
+    for (int e = threadIdx.x; e < rows * kPairs; e += kThreads) {
+        const int r = e / kPairs, col = 2 * (e % kPairs);
+        float largest = negative_infinity<float>();
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, combine_max[w * kRows + r]);
+        const float safe_max = largest == negative_infinity<float>() ? 0.0f : largest;
+        float total = 0.0f, low = 0.0f, high = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            const float weight = exp2_approx(combine_max[w * kRows + r] - safe_max);
+            const float* o_row = combine_o + (w * kRows + r) * kOPitch;
+            total += weight * combine_sum[w * kRows + r];
+            low += weight * o_row[col];
+            high += weight * o_row[col + 1];
+        }
+        if (VARLEN && r % n_q >= seq_rows) total = 0.0f;
+        const float factor = total == 0.0f ? 0.0f : 1.0f / total;
+        const float row_lse = total == 0.0f ? negative_infinity<float>()
+                                            : safe_max * kLn2 + logf(total);
+        const i64 out_row = out_row0 + r;
+        if (direct) {
+            store_row_pair<VALUE_DIM>(o + out_row * VALUE_DIM, col, low * factor, high * factor);
+            if (col == 0) lse[out_row] = row_lse;
+        } else {
+            float* partial_row = partial_o + (split_rows + out_row) * VALUE_DIM;
+            partial_row[col] = low * factor;
+            if (col + 1 < VALUE_DIM) partial_row[col + 1] = high * factor;
+            if (col == 0) partial_lse[split_rows + out_row] = row_lse;
+        }
+    }
+}
