@@ -124,6 +124,18 @@ TENSOR_CORE_TILES = [dict(warps=1, warp_keys=32, stages=2), dict(warps=2, warp_k
                      dict(warps=4, warp_keys=32, stages=2), dict(warps=8, warp_keys=16, stages=3)]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", [(256, 256, 8, 1, 4), (24, 200, 6, 2, 4), (64, 64, 8, 1, 8)],
+                         ids=["D256-32rows", "Dv200-12rows-ragged", "D64-64rows"])
+def test_tensor_core_row_groups(shape, splits):
+    """More packed rows than a block holds (16 at Dv = 256 or 200) run as row groups, a block
+    each; the last group may be partial. 64 rows at D = 64 fit one block (four row tiles)."""
+    head_dim, value_dim, n_q_heads, n_kv_heads, n_q = shape
+    q, k, v = _inputs(2, n_q_heads, n_kv_heads, n_q, 420, head_dim, value_dim, np.float16,
+                      seed=head_dim)
+    _check(q, k, v, {"causal": True}, splits, "tensor_cores")
+
+
 @pytest.mark.parametrize("fields", TENSOR_CORE_TILES,
                          ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
 @pytest.mark.parametrize("n_q", [1, 2, 5, 8])

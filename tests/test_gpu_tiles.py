@@ -146,12 +146,12 @@ def test_decode_takes_every_head_dim_and_row_count_and_fits(device, dtype):
                 continue
             assert choice.family == "decode", (head_dim, n_q, group)
             config = choice.tiles
-            assert config.rows >= n_q * group
             if isinstance(config, tiles.DecodeMmaTiles):
+                assert config.rows * config.row_groups(n_q * group) >= n_q * group
                 assert dtype in ("float16", "bfloat16") and config.block_k % 16 == 0
                 shared = config.shared_bytes(head_dim, value_dim)
             else:
-                assert config.threads % config.block_k == 0
+                assert config.rows >= n_q * group and config.threads % config.block_k == 0
                 shared = config.shared_bytes(itemsize, 8 if dtype == "float64" else 4,
                                              head_dim, value_dim)
             assert shared <= problem.shared_limit
@@ -221,8 +221,9 @@ def test_tensor_core_decode_splits_fill_the_device():
 
 
 def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():
-    """16-bit inputs from one packed row up to what O's registers hold (16 rows at Dv = 256,
-    32 at 128, 64 at 64); float32, float64, ALiBi and dropout stay on CUDA cores."""
+    """16-bit inputs from one packed row up to 64, in blocks of what O's registers hold (16
+    rows at Dv = 256, 32 at 128, 64 at 64; more rows are row groups, a block each, counted
+    as blocks by the split rule); float32, float64, ALiBi and dropout stay on CUDA cores."""
     def kernel(dtype="float16", value_dim=128, n_q=1, group=4, per_row=False):
         problem = Problem(dtype=dtype, head_dim=128, value_dim=value_dim, n_k=65536,
                           per_row_options=per_row, **H100)
@@ -235,9 +236,16 @@ def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():
     assert kernel(per_row=True) == "DecodeTiles"
     assert kernel(group=1) == "DecodeMmaTiles"
     assert kernel(value_dim=256, group=16) == "DecodeMmaTiles"
-    assert kernel(value_dim=256, group=32) == "DecodeTiles"
+    assert kernel(value_dim=256, group=32) == "DecodeMmaTiles"  # two row groups
     assert kernel(value_dim=128, n_q=8, group=4) == "DecodeMmaTiles"
     assert kernel(value_dim=64, n_q=16, group=4) == "DecodeMmaTiles"
+    problem = Problem(dtype="float16", head_dim=256, value_dim=256, n_k=65536, **H100)
+    shape = _decode_shape(n_q=4, n_q_heads=8, n_kv_heads=1, batch=8)
+    grouped = tiles.choose_decode(problem, shape).tiles
+    assert grouped.rows == 16 and grouped.row_groups(shape.rows) == 2
+    one_group = tiles.choose_decode(problem, _decode_shape(n_q=2, n_q_heads=8, n_kv_heads=1,
+                                                           batch=8)).tiles
+    assert grouped.splits == one_group.splits // 2  # 16 blocks a wave where 8 took it
 
 
 def test_describe_names_the_decode_row():

@@ -42,7 +42,8 @@ def memory_of(array) -> str:
 # --------------------------------------------------------------------------- into the backends
 
 
-def _bfloat16():
+def bfloat16_dtype():
+    """ml_dtypes' bfloat16, the dtype tileattn's NumPy and CuPy arrays use for bfloat16."""
     import ml_dtypes
 
     return np.dtype(ml_dtypes.bfloat16)
@@ -67,7 +68,7 @@ def _torch_to_native(tensor):
     # A host tensor's own NumPy view costs a quarter of a DLPack exchange (0.5 us against 2
     # a tensor; a training step hands over nine): the torch adapter's host time.
     host = bits.numpy() if tensor.device.type == "cpu" else _from_dlpack(bits, on_cuda)
-    return host.view(_bfloat16()) if bfloat16 else host
+    return host.view(bfloat16_dtype()) if bfloat16 else host
 
 
 def _jax_to_native(array):
@@ -113,6 +114,28 @@ def to_native_byte_order(array):
     if dtype.isnative:
         return array
     return array.astype(dtype.newbyteorder("="))
+
+
+def device_view(pointer: int, shape: tuple, dtype, owner, device: int | None = None,
+                strides: tuple | None = None):
+    """A CuPy array over another library's GPU memory at `pointer` (`strides` in bytes;
+    None: dense row-major), kept alive by `owner`. No exchange protocol: DLPack's stream
+    handshake cost ~40 us a torch tensor (bench/NOTES-gpu.md, v20) and
+    ``__cuda_array_interface__`` may synchronise on the stream it names, so the caller
+    orders the work itself by running it on the owner's stream (the adapters do).
+    `device` saves the driver call that would otherwise find it."""
+    import cupy
+
+    dtype = np.dtype(dtype)
+    if strides is None:
+        extent = int(np.prod(shape)) * dtype.itemsize
+    else:  # the bytes from the lowest to the highest element the strides reach
+        extent = dtype.itemsize + sum((n - 1) * abs(stride) for n, stride in zip(shape, strides))
+        if any(n == 0 for n in shape):
+            extent = 0
+    memory = cupy.cuda.UnownedMemory(pointer, extent, owner,
+                                     device if device is not None else -1)
+    return cupy.ndarray(tuple(shape), dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
 
 
 # --------------------------------------------------------------------------- back to the caller

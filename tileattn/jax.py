@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api
+from . import api, arrays
 from .reference import lse_dtype
 from .validation import check_layout
 from .varlen_validation import VARLEN_KEYWORDS, varlen_family
@@ -132,14 +132,9 @@ def _host_callback(function_name, options, base_ndim, result_shapes, *inputs):
 
 def _cupy_view(buffer):
     """An XLA GPU buffer as a CuPy array over the same memory (XLA buffers are dense and
-    row-major). The raw pointer, not ``cupy.asarray``: the latter may synchronise on the
-    stream the interface names, and the callback already runs on XLA's stream."""
-    import cupy
-
-    dtype = np.dtype(buffer.dtype)
-    pointer = buffer.__cuda_array_interface__["data"][0]
-    memory = cupy.cuda.UnownedMemory(pointer, math.prod(buffer.shape) * dtype.itemsize, buffer)
-    return cupy.ndarray(tuple(buffer.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
+    row-major; `arrays.device_view`): the callback already runs on XLA's stream."""
+    return arrays.device_view(buffer.__cuda_array_interface__["data"][0], tuple(buffer.shape),
+                              buffer.dtype, buffer)
 
 
 def _buffer_callback_body(function_name, options, base_ndim, context, outputs, *inputs):

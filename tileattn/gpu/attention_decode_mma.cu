@@ -18,7 +18,9 @@
 //   forward_softmax.cuh's, the same code as the prefill mma.sync forward.
 // Packed row r is query head kv_head * group + r / Nq, query row r % Nq; the masks see the
 // query row, so causal speculative rows (Nq > 1) keep their own keys. Rows past the packed
-// rows in use are zero and never stored. ALiBi (a slope per packed row) and dropout run on
+// rows in use are zero and never stored. More packed rows than a block holds (16 * ROW_TILES,
+// which O's registers bound) are cut into row groups, a block each: K/V is then read once
+// per row group, still far less than once per query head. ALiBi (a slope per packed row) and dropout run on
 // the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
@@ -73,12 +75,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_decode_mma(
         if (provided < kSharedBytes) __trap();
     }
 
-    const i64 bkv = blockIdx.x / n_splits;  // flat (batch, kv head)
+    // Blocks in (batch, kv head, row group, split) order.
+    const int rows = static_cast<int>(group_size * n_q);  // packed rows of a kv head
+    const int row_groups = (rows + kRows - 1) / kRows;
     const int split = static_cast<int>(blockIdx.x % n_splits);
+    const int row_group = static_cast<int>(blockIdx.x / n_splits % row_groups);
+    const i64 bkv = blockIdx.x / n_splits / row_groups;  // flat (batch, kv head)
     const int n_kv_heads = n_q_heads / group_size;
     const i64 batch = bkv / n_kv_heads;
     const int kv_head = static_cast<int>(bkv % n_kv_heads);
-    const int rows = static_cast<int>(group_size * n_q);  // packed rows in use (<= kRows)
+    const int first_row = row_group * kRows;  // this block's packed rows: first_row + [0, kRows)
     const i64 out_row0 = bkv * rows;  // flat (b, h, i) of packed row 0 in o and lse
     const SequenceTables tables = SEQUENCE_TABLES;
     i64 seq_rows = n_q, seq_keys = n_k, seq_band = band_offset;
@@ -95,11 +101,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_decode_mma(
     // Q rows of the group, packed; zeros past the rows in use and past D (plain loads: a
     // few hundred bytes, read once).
     for (int e = threadIdx.x; e < kRows * kHeadWidth; e += kThreads) {
-        const int r = e / kHeadWidth, d = e % kHeadWidth;
+        const int r = e / kHeadWidth, d = e % kHeadWidth, packed = first_row + r;
         bits16 value = 0;
-        if (r < rows && d < HEAD_DIM) {
-            const i64 head = static_cast<i64>(kv_head) * group_size + r / n_q;
-            value = q[batch * q_sb + head * q_sh + (r % n_q) * q_sn + d];
+        if (packed < rows && d < HEAD_DIM) {
+            const i64 head = static_cast<i64>(kv_head) * group_size + packed / n_q;
+            value = q[batch * q_sb + head * q_sh + (packed % n_q) * q_sn + d];
         }
         q_tile[r * kQkPitch + d] = value;
     }
@@ -121,8 +127,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_decode_mma(
     for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int r = m * 16 + quad_row + 8 * half;
-            my_rows[m][half] = r < rows ? r % n_q : 0;
+            const int packed = first_row + m * 16 + quad_row + 8 * half;
+            my_rows[m][half] = packed < rows ? packed % n_q : 0;
         }
 
     // Prologue: STAGES - 1 tiles in flight (a group is committed even when empty, so the
@@ -293,8 +299,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_decode_mma(
     // row >= the sequence's rows) keep no key.
     const bool direct = n_splits == 1;
     constexpr int kPairs = (VALUE_DIM + 1) / 2;
-    const i64 split_rows = static_cast<i64>(split) * (gridDim.x / n_splits) * rows;
-    for (int e = threadIdx.x; e < rows * kPairs; e += kThreads) {
+    const int block_rows = min(kRows, rows - first_row);
+    const i64 split_rows = static_cast<i64>(split) * (gridDim.x / n_splits / row_groups) * rows;
+    for (int e = threadIdx.x; e < block_rows * kPairs; e += kThreads) {
         const int r = e / kPairs, col = 2 * (e % kPairs);
         float largest = negative_infinity<float>();
 #pragma unroll
@@ -309,11 +316,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_decode_mma(
             low += weight * o_row[col];
             high += weight * o_row[col + 1];
         }
-        if (VARLEN && r % n_q >= seq_rows) total = 0.0f;
+        if (VARLEN && (first_row + r) % n_q >= seq_rows) total = 0.0f;
         const float factor = total == 0.0f ? 0.0f : 1.0f / total;
         const float row_lse = total == 0.0f ? negative_infinity<float>()
                                             : safe_max * kLn2 + logf(total);
-        const i64 out_row = out_row0 + r;
+        const i64 out_row = out_row0 + first_row + r;
         if (direct) {
             store_row_pair<VALUE_DIM>(o + out_row * VALUE_DIM, col, low * factor, high * factor);
             if (col == 0) lse[out_row] = row_lse;

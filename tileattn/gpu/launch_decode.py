@@ -123,7 +123,10 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = n_q_heads // n_kv_heads
-    if group * n_q > tiles.rows:
+    on_tensor_cores = isinstance(tiles, DecodeMmaTiles)
+    # The tensor-core kernel cuts more packed rows than it holds into row groups.
+    row_groups = tiles.row_groups(group * n_q) if on_tensor_cores else 1
+    if group * n_q > tiles.rows * row_groups:
         raise ValueError(f"decode tiles hold rows={tiles.rows} packed rows, the problem has "
                          f"group * Nq = {group * n_q}")
     # K and V are streamed with cp.async in copies as wide as their rows allow; Q is read
@@ -131,7 +134,6 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
     (k, v), (k_strides, v_strides), copy_bytes = tensor_core_operands(k, v)
     (q,), (q_strides,), _ = tensor_core_operands(q)
     accum = accumulation_dtype(q.dtype)
-    on_tensor_cores = isinstance(tiles, DecodeMmaTiles)
     # The merge is attention_decode.cu's: after the tensor-core kernel it is built with a
     # CUDA-core configuration of the same dims (its tile defines only satisfy that file).
     cuda_core = tiles if not on_tensor_cores else DecodeTiles(16, 32, 2, 128, tiles.splits)
@@ -165,7 +167,8 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
         shared = tiles.shared_bytes(q.itemsize, accum.itemsize, head_dim, value_dim)
         function = _compile.kernel(DECODE_SOURCE, "attention_decode", defines, shared)
         leading = (alibi_slopes(options),)
-    decode = Launch(function, (batch * n_kv_heads * splits,), (tiles.threads,), shared,
+    decode = Launch(function, (batch * n_kv_heads * row_groups * splits,), (tiles.threads,),
+                    shared,
                     (*leading, np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(group), np.int32(splits), *q_strides[:3], *k_strides[:3],
                      *v_strides[:3], *score_arguments(options, n_q, n_k, accum), *tables))

@@ -606,9 +606,11 @@ def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, 
 
 
 # The tensor-core decode (attention_decode_mma.cu) for 16-bit inputs: the packed rows are
-# m16 tiles that every warp holds, the warps split each stage's keys. It serves packed rows
-# up to 16 * floor(DECODE_MMA_WIDTH / padded Dv) (O's accumulators: <= 128 floats a thread)
-# without ALiBi or dropout, whose state differs per packed row (query head). Chosen by the
+# m16 tiles that every warp holds, the warps split each stage's keys. A block holds up to
+# 16 * floor(DECODE_MMA_WIDTH / padded Dv) packed rows (O's accumulators: <= 128 floats a
+# thread); more (up to DECODE_ROWS' 64) are cut into row groups, a block each, which read K/V
+# once per group. Not with ALiBi or dropout, whose state differs per packed row (query
+# head). Chosen by the
 # sweep of NOTES-gpu v20 (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
 # 4 warps x 16 keys in 2 stages reach 0.86-0.99 of copy bandwidth on the fp16 Nq = 1 grid
 # at >= 256 MiB of K/V, where 3 stages lost up to 0.2 at B*Hkv >= 512 (no split) and
@@ -645,6 +647,10 @@ class DecodeMmaTiles:
     def threads(self) -> int:
         return 32 * self.warps
 
+    def row_groups(self, rows: int) -> int:
+        """Blocks a (batch, kv head, key range) takes for `rows` packed rows."""
+        return -(-rows // self.rows)
+
     def stage_bytes(self, head_dim: int, value_dim: int) -> int:
         return self.block_k * (padded(head_dim, 16) + padded(value_dim, 16) + 16) * 2
 
@@ -672,15 +678,15 @@ def decode_on_tensor_cores(problem: Problem, shape: DecodeShape,
                            min_rows: int = DECODE_MMA_MIN_ROWS) -> bool:
     """Whether attention_decode_mma.cu serves this decode problem (else attention_decode.cu)."""
     return (problem.dtype in ("float16", "bfloat16") and not problem.per_row_options
-            and min_rows <= shape.rows
-            <= 16 * (DECODE_MMA_WIDTH // padded(problem.value_dim, 16)))
+            and min_rows <= shape.rows <= DECODE_ROWS[-1].max_rows)
 
 
 def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
                      warps: int | None = None, warp_keys: int | None = None,
                      stages: int | None = None) -> DecodeMmaTiles:
     """The tensor-core decode configuration (a test or sweep may force any field)."""
-    tiles = DecodeMmaTiles(-(-shape.rows // 16), warps or DECODE_MMA_WARPS,
+    most = max(1, DECODE_MMA_WIDTH // padded(problem.value_dim, 16))
+    tiles = DecodeMmaTiles(min(-(-shape.rows // 16), most), warps or DECODE_MMA_WARPS,
                            warp_keys or DECODE_MMA_WARP_KEYS, stages or DECODE_MMA_STAGES, 1)
     return replace(tiles, splits=_splits_of(problem, shape, tiles)[0] if splits is None
                    else splits)
@@ -744,8 +750,11 @@ def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None
 
 
 def _splits_of(problem: Problem, shape: DecodeShape, tiles) -> tuple[int, str]:
-    registers = (tiles.registers(problem.head_dim, problem.value_dim)
-                 if isinstance(tiles, DecodeMmaTiles) else DECODE_REGISTERS)
+    registers = DECODE_REGISTERS
+    if isinstance(tiles, DecodeMmaTiles):
+        registers = tiles.registers(problem.head_dim, problem.value_dim)
+        # Row groups are blocks beside the (batch, kv head) ones.
+        shape = replace(shape, batch_kv_heads=shape.batch_kv_heads * tiles.row_groups(shape.rows))
     return decode_splits(shape, tiles.block_k,
                          decode_blocks_per_sm(_decode_shared_bytes(problem, tiles),
                                               tiles.threads, problem.shared_limit, registers))
