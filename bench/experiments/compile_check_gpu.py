@@ -72,10 +72,11 @@ JOBS = [
 DECODE_MMA_OPTIONS = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
 JOBS += [("attention_decode_mma.cu", "90", [f"COPY_BYTES={copy}", "IS_BFLOAT16=0",
           f"HEAD_DIM={d}", f"VALUE_DIM={dv}", f"ROW_TILES={row_tiles}", "WARPS=4",
+          f"MIN_BLOCKS={4 if (d, row_tiles) == (64, 1) else 2}",
           "WARP_KEYS=16", f"STAGES={stages}"], DECODE_MMA_OPTIONS)
-         for d, dv, row_tiles, stages, copy in ((128, 128, 1, 3, 16), (256, 256, 1, 2, 16),
-                                                (64, 64, 4, 3, 16), (128, 128, 2, 3, 16),
-                                                (33, 200, 1, 2, 2))]
+         for d, dv, row_tiles, stages, copy in ((128, 128, 1, 2, 16), (256, 256, 1, 2, 16),
+                                                (64, 64, 4, 2, 16), (128, 128, 2, 2, 16),
+                                                (64, 64, 1, 2, 16), (33, 200, 1, 2, 2))]
 # Variable-length calls (sequences.cuh): each family once more with the tile tables, the
 # forwards also with the block table (paged K/V); the backwards have no single pass there.
 VARLEN = ["VARLEN=1", "PAGED=1"]

@@ -24,8 +24,8 @@
 // the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
-// COPY_BYTES, ROW_TILES, WARPS, WARP_KEYS, STAGES, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, VARLEN,
-// PAGED (ALIBI and DROPOUT are 0).
+// COPY_BYTES, ROW_TILES, WARPS, WARP_KEYS, STAGES, MIN_BLOCKS, LIMIT_LEFT, LIMIT_RIGHT,
+// SOFTCAP, VARLEN, PAGED (ALIBI and DROPOUT are 0).
 #include "forward_softmax.cuh"
 
 constexpr int kRowTiles = ROW_TILES;
@@ -59,7 +59,9 @@ static_assert(kQOffset % 16 == 0, "16-byte aligned Q tile");
 static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_bytes disagrees");
 #endif
 
-extern "C" __global__ void __launch_bounds__(kThreads) attention_decode_mma(
+// MIN_BLOCKS: the blocks an SM holds in the launcher's split count (tiles.decode_residency),
+// so ptxas keeps the registers within it.
+extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_decode_mma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
     float* partial_o, float* partial_lse, i64 n_q, i64 n_k, int n_q_heads, int group_size,
     int n_splits, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,

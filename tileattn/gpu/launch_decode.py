@@ -19,8 +19,8 @@ import numpy as np
 from ..options import UNLIMITED, AttentionOptions
 from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
-                       score_arguments, tensor_core_operands)
-from .tiles import DecodeMmaTiles, DecodeShape, DecodeTiles
+                       problem_for, score_arguments, tensor_core_operands)
+from .tiles import DecodeMmaTiles, DecodeShape, DecodeTiles, decode_residency
 from .varlen import dense_arguments
 
 DECODE_SOURCE = "attention_decode.cu"
@@ -144,9 +144,12 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                      ("THREADS", cuda_core.threads), ("VALUE_DIM", value_dim))
     merge_defines += Switches.of(options).defines()
     if on_tensor_cores:
+        residency = decode_residency(problem_for(q.device.id, q.dtype, head_dim, value_dim, n_k,
+                                                 options), tiles)
         defines = (("COPY_BYTES", copy_bytes), ("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(np.dtype(q.dtype).name == "bfloat16")),
-                   ("ROW_TILES", tiles.row_tiles), ("STAGES", tiles.stages),
+                   ("MIN_BLOCKS", residency), ("ROW_TILES", tiles.row_tiles),
+                   ("STAGES", tiles.stages),
                    ("VALUE_DIM", value_dim), ("WARP_KEYS", tiles.warp_keys),
                    ("WARPS", tiles.warps)) + Switches.of(options).defines()
     else:
