@@ -14,8 +14,8 @@ arrays as optional tensor arguments of both operators; they get no gradient.
 Tensors are handed to tileattn without copying (CPU tensors as NumPy views, CUDA tensors as
 CuPy views of their memory, results back through ``__cuda_array_interface__``); CPU tensors
 run on the CPU backend and CUDA tensors on the GPU backend (``backend="auto"``), on torch's
-current CUDA stream. The backward recomputes score tiles from the saved log-sum-exp, so only ``o`` and
-``lse`` are kept between the passes.
+current CUDA stream. The backward recomputes score tiles from the saved log-sum-exp, so only
+``o`` and ``lse`` are kept between the passes.
 """
 
 from __future__ import annotations

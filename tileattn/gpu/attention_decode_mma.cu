@@ -20,8 +20,8 @@
 // query row, so causal speculative rows (Nq > 1) keep their own keys. Rows past the packed
 // rows in use are zero and never stored. More packed rows than a block holds (16 * ROW_TILES,
 // which O's registers bound) are cut into row groups, a block each: K/V is then read once
-// per row group, still far less than once per query head. ALiBi (a slope per packed row) and dropout run on
-// the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
+// per row group, still far less than once per query head. ALiBi (a slope per packed row)
+// and dropout run on the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES, ROW_TILES, WARPS, WARP_KEYS, STAGES, MIN_BLOCKS, LIMIT_LEFT, LIMIT_RIGHT,
