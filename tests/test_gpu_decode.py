@@ -309,6 +309,32 @@ def test_dispatch_picks_decode_and_writes_into_out_buffers():
     assert_attention_close(out.get(), expected_o, q.dtype, name="o (cached launch)")
 
 
+def test_repeated_calls_launch_through_packed_arguments():
+    """From the second call of a plan on, its launches go through `PackedLaunch` (one
+    cuLaunchKernel over an argument buffer built once, the array addresses written per
+    call): new arrays of the same shapes give their own results, bit for bit as the first
+    call's path on the same values."""
+    from tileattn.gpu.operands import cached, plan_key
+
+    shapes = [(1, 8, 1, 64), (1, 1, 700, 64), (1, 1, 700, 64)]
+    first = _inputs(1, 8, 1, 1, 700, 64, 64, np.float16, seed=15)
+    second = _inputs(1, 8, 1, 1, 700, 64, 64, np.float16, seed=16)
+    device = [cupy.asarray(a) for a in first]
+    expected = tileattn.forward(*device, causal=True).get()  # CuPy's launch, then cached
+    tileattn.forward(*device, causal=True)
+    options = _resolved(*device, {"causal": True})
+    launch = cached(plan_key("forward", options, *device), *device)[0]
+    assert launch.decode._packed, "the cached decode launch packed its arguments"
+    np.testing.assert_array_equal(tileattn.forward(*device, causal=True).get(), expected)
+    other = [cupy.asarray(a) for a in second]
+    assert [a.shape for a in other] == shapes
+    np.testing.assert_array_equal(tileattn.forward(*other, causal=True).get(),
+                                  tileattn.forward(*(cupy.asarray(a.copy()) for a in second),
+                                                   causal=True).get())
+    assert_attention_close(tileattn.forward(*other, causal=True).get(),
+                           _golden(*second, causal=True)[0], np.float16, name="o")
+
+
 def test_info_shows_the_decode_kernel():
     """python -m tileattn info --seq-len 1 --n-k 4096 --heads 8 --kv-heads 1 names it."""
     from tileattn.info import describe

@@ -3,7 +3,7 @@ scalar score arguments, the device's limits, and the cache of a problem's launch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import cupy
@@ -12,6 +12,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..dropout import dropout_key, dropout_threshold
 from ..options import UNLIMITED, AttentionOptions
+from .packed_launch import PackedLaunch
 from .tiles import Problem
 
 STORAGE = {"float16": "half_storage", "bfloat16": "bfloat16_storage", "float32": "float",
@@ -170,19 +171,33 @@ def tensor_core_operands(*arrays):
     return [a for a, _ in ready], [s for _, s in ready], copy_bytes
 
 
-@dataclass(frozen=True)
+@dataclass
 class Launch:
     """One kernel launch but for its array arguments, which come first: the grid, block,
-    shared memory and the scalar arguments after the arrays."""
+    shared memory and the scalar arguments after the arrays. From its second call on (a
+    cached plan) it launches through a `PackedLaunch`, its arguments converted once; a
+    one-off launch (a variable-length call builds its own) keeps CuPy's."""
 
     function: object
     grid: tuple
     block: tuple
     shared: int
     arguments: tuple
+    _packed: object = field(default=None, init=False, repr=False, compare=False)
+    _calls: int = field(default=0, init=False, repr=False, compare=False)
 
     def __call__(self, *arrays):
-        if self.grid[0]:  # a variable-length call of empty sequences has no tile
+        if not self.grid[0]:  # a variable-length call of empty sequences has no tile
+            return
+        packed = self._packed
+        if packed is None and self._calls:
+            packed = self._packed = PackedLaunch.build(
+                self.function, self.grid, self.block, self.shared, len(arrays),
+                self.arguments) or False
+        self._calls += 1
+        if packed and packed.n_arrays == len(arrays):
+            packed(arrays)
+        else:
             self.function(self.grid, self.block, arrays + self.arguments,
                           shared_mem=self.shared)
 
