@@ -11,8 +11,6 @@ kernel launch with as many arguments as the decode kernel's and with two.
 
 from __future__ import annotations
 
-import time
-
 import cupy
 import numpy as np
 
@@ -22,16 +20,7 @@ from tileattn.gpu import launch_forward
 from tileattn.gpu.operands import cached, plan_key
 from tileattn.validation import validate
 
-
-def per_call_us(function, calls: int = 3000) -> float:
-    function()
-    cupy.cuda.Device().synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        function()
-    elapsed = time.perf_counter() - start
-    cupy.cuda.Device().synchronize()
-    return elapsed / calls * 1e6
+from overhead_gpu import per_call_us  # noqa: E402  (this folder, first on sys.path)
 
 
 def say(name: str, us: float) -> None:
