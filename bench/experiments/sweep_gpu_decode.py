@@ -32,7 +32,7 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 def _variants(problem, dshape, kernel: str, threads_list, mma_shapes):
     """(label, tiles for a split count) for each configuration swept."""
     if kernel == "tensor_cores":
-        if not tiles.decode_on_tensor_cores(problem, dshape, min_rows=1):
+        if not tiles.decode_on_tensor_cores(problem, dshape):
             return []
         return [(f"mma {shape}", functools.partial(
                     lambda warps, keys, stages, splits: tiles.decode_mma_tiles(

@@ -134,6 +134,7 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
     (k, v), (k_strides, v_strides), copy_bytes = tensor_core_operands(k, v)
     (q,), (q_strides,), _ = tensor_core_operands(q)
     accum = accumulation_dtype(q.dtype)
+    switches = Switches.of(options).defines()
     # The merge is attention_decode.cu's: after the tensor-core kernel it is built with a
     # CUDA-core configuration of the same dims (its tile defines only satisfy that file).
     cuda_core = tiles if not on_tensor_cores else DecodeTiles(16, 32, 2, 128, tiles.splits)
@@ -141,19 +142,16 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                      ("BLOCK_K", cuda_core.block_k), ("COPY_BYTES", copy_bytes),
                      ("HEAD_DIM", head_dim), ("ROWS", cuda_core.rows),
                      ("STAGES", cuda_core.stages), ("STORAGE", STORAGE[np.dtype(q.dtype).name]),
-                     ("THREADS", cuda_core.threads), ("VALUE_DIM", value_dim))
-    merge_defines += Switches.of(options).defines()
+                     ("THREADS", cuda_core.threads), ("VALUE_DIM", value_dim)) + switches
+    defines = merge_defines
     if on_tensor_cores:
         residency = decode_residency(problem_for(q.device.id, q.dtype, head_dim, value_dim, n_k,
                                                  options), tiles)
         defines = (("COPY_BYTES", copy_bytes), ("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(np.dtype(q.dtype).name == "bfloat16")),
                    ("MIN_BLOCKS", residency), ("ROW_TILES", tiles.row_tiles),
-                   ("STAGES", tiles.stages),
-                   ("VALUE_DIM", value_dim), ("WARP_KEYS", tiles.warp_keys),
-                   ("WARPS", tiles.warps)) + Switches.of(options).defines()
-    else:
-        defines = merge_defines
+                   ("STAGES", tiles.stages), ("VALUE_DIM", value_dim),
+                   ("WARP_KEYS", tiles.warp_keys), ("WARPS", tiles.warps)) + switches
     if sequences is not None:
         defines += sequences.defines()
         tables = sequences.arguments(None)[0]

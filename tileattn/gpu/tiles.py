@@ -610,13 +610,11 @@ def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, 
 # 16 * floor(DECODE_MMA_WIDTH / padded Dv) packed rows (O's accumulators: <= 128 floats a
 # thread); more (up to DECODE_ROWS' 64) are cut into row groups, a block each, which read K/V
 # once per group. Not with ALiBi or dropout, whose state differs per packed row (query
-# head). Chosen by the
-# sweep of NOTES-gpu v20 (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
+# head). Chosen by the sweep of NOTES-gpu v20 (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
 # 4 warps x 16 keys in 2 stages reach 0.86-0.99 of copy bandwidth on the fp16 Nq = 1 grid
 # at >= 256 MiB of K/V, where 3 stages lost up to 0.2 at B*Hkv >= 512 (no split) and
 # 2 warps or 32 keys a warp were no better; one packed row (MHA) on tensor cores matched or
 # beat the CUDA-core kernel (B8 H32/32 Nk128k 0.99 against 0.92).
-DECODE_MMA_MIN_ROWS = 1
 DECODE_MMA_WIDTH = 256
 DECODE_MMA_WARPS = 4
 DECODE_MMA_WARP_KEYS = 16  # one k16 step of P V a warp a stage
@@ -674,11 +672,10 @@ class DecodeMmaTiles:
         return min(255, -(-count // 8) * 8)
 
 
-def decode_on_tensor_cores(problem: Problem, shape: DecodeShape,
-                           min_rows: int = DECODE_MMA_MIN_ROWS) -> bool:
+def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
     """Whether attention_decode_mma.cu serves this decode problem (else attention_decode.cu)."""
     return (problem.dtype in ("float16", "bfloat16") and not problem.per_row_options
-            and min_rows <= shape.rows <= DECODE_ROWS[-1].max_rows)
+            and shape.rows <= DECODE_ROWS[-1].max_rows)
 
 
 def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
