@@ -10,7 +10,8 @@ import numpy as np
 
 from . import arrays, backends
 from .reference import lse_dtype
-from .validation import Problem, check_backend_name, validate
+from .problem_cache import validate_call
+from .validation import Problem, check_backend_name
 
 _CAUSAL_PICTURE = """
     Causal mask, bottom-right aligned (Nq=3, Nk=5; 1 = kept)::
@@ -225,13 +226,13 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
         (`out` and `lse_out` themselves when given)
     """
-    problem = validate(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
-                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                       block_q=block_q, block_k=block_k, deterministic=True, layout=layout,
-                       outputs={"out": out, "lse_out": lse_out},
-                       varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
-                                               cu_seqlens_k, block_table),
-                       check_lengths=check_lengths)
+    problem = validate_call(q, k, v, causal=causal, window=window, scale=scale,
+                            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                            seed=seed, block_q=block_q, block_k=block_k, deterministic=True,
+                            layout=layout, outputs={"out": out, "lse_out": lse_out},
+                            varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
+                                                    cu_seqlens_k, block_table),
+                            check_lengths=check_lengths)
     o, lse = run_forward(problem, backend)
     o = problem.layout.restore(o, problem.n_q_heads) if out is None else out
     if not return_lse:
@@ -287,14 +288,14 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
         For GQA/MQA, ``dk`` and ``dv`` sum over the query heads that share a kv head.
         (`dq_out`, `dk_out`, `dv_out` themselves when given)
     """
-    problem = validate(q, k, v, do=do, o=o, lse=lse, causal=causal, window=window, scale=scale,
-                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                       seed=seed, block_q=block_q, block_k=block_k,
-                       deterministic=deterministic, layout=layout,
-                       outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out},
-                       varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
-                                               cu_seqlens_k, block_table),
-                       check_lengths=check_lengths)
+    problem = validate_call(q, k, v, do=do, o=o, lse=lse, causal=causal, window=window,
+                            scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                            dropout_p=dropout_p, seed=seed, block_q=block_q, block_k=block_k,
+                            deterministic=deterministic, layout=layout,
+                            outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out},
+                            varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
+                                                    cu_seqlens_k, block_table),
+                            check_lengths=check_lengths)
     dq, dk, dv = run_backward(problem, backend)
     return tuple(problem.layout.restore(result, heads) if given is None else given
                  for result, heads, given in ((dq, problem.n_q_heads, dq_out),

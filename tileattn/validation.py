@@ -57,7 +57,7 @@ def check_layout(layout) -> bool:
     return layout == "bshd"
 
 
-def _swap_heads_and_sequence(array):
+def swap_heads_and_sequence(array):
     """A ``(*batch, N, H, D)`` array as the ``(*batch, H, N, D)`` view the backends read:
     swapaxes only changes strides, so the caller's memory is never copied. 2-D ``(N, D)``
     arrays have no head axis and are the same in both layouts."""
@@ -187,6 +187,18 @@ def _to_4d(array, batch: int, single_head: bool):
     if array.ndim == 4:  # already (B, H, N, D): no reshape (a CuPy reshape costs microseconds)
         return array
     return array.reshape((batch,) + tuple(array.shape[-3:]))
+
+
+def backend_views(named: dict, batch: int, single_head: bool) -> dict:
+    """The backends' 4-D views of dense arrays in ``(*batch, H, N, D)`` order (lse: 3-D)."""
+    views = {}
+    for name, array in named.items():
+        if name != "lse":
+            views[name] = _to_4d(array, batch, single_head)
+        else:
+            views[name] = (array if array.ndim == 3 and not single_head
+                           else _to_4d(array[..., None], batch, single_head)[..., 0])
+    return views
 
 
 def _check_int(name, value, *, minimum):
@@ -496,7 +508,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
              for name, a in named.items()}
     shapes = {name: tuple(a.shape) for name, a in named.items()}
     if sequence_first:  # lse is (*batch, H, N) in both layouts, as flash-attn's softmax_lse
-        named = {name: a if name == "lse" else _swap_heads_and_sequence(a)
+        named = {name: a if name == "lse" else swap_heads_and_sequence(a)
                  for name, a in named.items()}
     memory = _check_memory(named)
     q, k, v = named["q"], named["k"], named["v"]
@@ -524,7 +536,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     if family == "paged":
         tensors = {"q": _to_4d(q, batch, False), "k": k, "v": v}
     else:
-        tensors = {name: _to_4d(named[name], batch, single_head) for name in ("q", "k", "v")}
+        tensors = backend_views({name: named[name] for name in ("q", "k", "v")}, batch,
+                                single_head)
     out_shape = (n_q, d_v) if single_head else batch_shape + (
         (n_q, n_q_heads, d_v) if sequence_first else (n_q_heads, n_q, d_v))
     lse_shape = (n_q,) if single_head else batch_shape + (n_q_heads, n_q)
@@ -537,11 +550,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
         _check_dtypes({"q": q, "do": named["do"], "o": named["o"]})
         if not arrays.is_supported_float(named["lse"].dtype):
             raise TypeError(f"lse must have a floating dtype, got {named['lse'].dtype}")
-        tensors["do"] = _to_4d(named["do"], batch, single_head)
-        tensors["o"] = _to_4d(named["o"], batch, single_head)
-        lse = named["lse"]
-        tensors["lse"] = (lse if lse.ndim == 3 and not single_head
-                          else _to_4d(lse[..., None], batch, single_head)[..., 0])
+        tensors.update(backend_views({name: named[name] for name in ("do", "o", "lse")},
+                                     batch, single_head))
     packed_slopes = None
     if family == "packed":
         packed_slopes = option_kwargs.pop("alibi_slopes", None)
@@ -566,7 +576,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
             if name == "lse_out":
                 return array, (array if array.ndim == 3 and not single_head
                                else _to_4d(array[..., None], batch, single_head)[..., 0])
-            ordered = _swap_heads_and_sequence(array) if sequence_first else array
+            ordered = swap_heads_and_sequence(array) if sequence_first else array
             return ordered, _to_4d(ordered, batch, single_head)
 
         output_views = _check_outputs(outputs, expected, to_backend, named, memory)

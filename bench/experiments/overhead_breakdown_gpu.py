@@ -4,9 +4,10 @@
 
 A tiny decode step (B 1, Hq 8, Hkv 1, Nq 1, Nk 512, D 64, float16: the split-KV kernel and
 its merge), calls queued back to back and the device synchronised once, so each figure is
-host microseconds per call: the whole call, validation, the backend call, the cached
-launches, one launch, output allocation, CuPy's device and stream lookups, and a bare
-kernel launch with as many arguments as the decode kernel's and with two.
+host microseconds per call: the whole call, validation (and the remembered problem of a
+repeated signature), the backend call, the cached launches, one launch, output
+allocation, CuPy's device and stream lookups, and a bare kernel launch with as many
+arguments as the decode kernel's and with two.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tileattn
 from tileattn import gpu
 from tileattn.gpu import launch_forward
 from tileattn.gpu.operands import cached, plan_key
+from tileattn.problem_cache import validate_call
 from tileattn.validation import validate
 
 from overhead_gpu import per_call_us  # noqa: E402  (this folder, first on sys.path)
@@ -52,6 +54,11 @@ def main() -> None:
     print("kernel:", launch_forward.choose(q, k, v, options).tiles)
     say("tileattn.forward", per_call_us(lambda: tileattn.forward(q, k, v)))
     say("validate", per_call_us(lambda: validate(
+        q, k, v, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+        dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True,
+        layout="bhsd", outputs={"out": None, "lse_out": None}, varlen=None,
+        check_lengths=True)))
+    say("validate_call (remembered signature)", per_call_us(lambda: validate_call(
         q, k, v, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
         dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True,
         layout="bhsd", outputs={"out": None, "lse_out": None}, varlen=None,

@@ -1,0 +1,144 @@
+"""The validated-problem cache (`tileattn.problem_cache`): a repeated call gets exactly the
+problem validation would give, with its own arrays, and a call validation rejects is
+rejected even when a call of the same shapes was remembered before."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import fields
+
+import numpy as np
+import pytest
+
+import tileattn
+from tileattn import problem_cache
+from tileattn.validation import validate
+
+FORWARD_OPTIONS = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                       dropout_p=0.0, seed=None, block_q=None, block_k=None,
+                       deterministic=True)
+
+
+def _arrays(shape_q, shape_k, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_k).astype(dtype)
+    v = rng.standard_normal(shape_k).astype(dtype)
+    return q, k, v
+
+
+def _same_problem(got, expected):
+    for field in fields(expected):
+        if field.name == "tensors":
+            assert got.tensors.keys() == expected.tensors.keys()
+            for name, array in expected.tensors.items():
+                assert got.tensors[name].shape == array.shape
+                assert got.tensors[name].strides == array.strides
+                assert np.shares_memory(got.tensors[name], array) or array.size == 0
+        elif field.name == "options":  # AttentionOptions compares by identity
+            for option in fields(expected.options):
+                assert (getattr(got.options, option.name)
+                        == getattr(expected.options, option.name)), option.name
+        else:
+            assert getattr(got, field.name) == getattr(expected, field.name), field.name
+
+
+CASES = {
+    "4-D": ((2, 4, 8, 16), (2, 2, 12, 16), "bhsd"),
+    "bshd": ((2, 8, 4, 16), (2, 12, 2, 16), "bshd"),
+    "2-D": ((8, 16), (12, 16), "bhsd"),
+    "two batch axes": ((2, 3, 4, 8, 16), (2, 3, 1, 12, 16), "bhsd"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_repeated_call_gets_the_problem_validation_gives(case):
+    shape_q, shape_k, layout = CASES[case]
+    first = _arrays(shape_q, shape_k, seed=1)
+    second = _arrays(shape_q, shape_k, seed=2)
+    problem_cache.validate_call(*first, layout=layout, **FORWARD_OPTIONS)
+    remembered = problem_cache.validate_call(*second, layout=layout, **FORWARD_OPTIONS)
+    _same_problem(remembered, validate(*second, layout=layout, **FORWARD_OPTIONS))
+    for name, array in zip("qkv", second):
+        assert np.shares_memory(remembered.tensors[name], array)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_repeated_backward_call_gets_the_problem_validation_gives(case):
+    shape_q, shape_k, layout = CASES[case]
+    q, k, v = _arrays(shape_q, shape_k)
+    o, lse = tileattn.forward(q, k, v, layout=layout, return_lse=True, backend="reference")
+    do = np.ones_like(o)
+    options = dict(FORWARD_OPTIONS, deterministic=False)
+    problem_cache.validate_call(q, k, v, do=do, o=o, lse=lse, layout=layout, **options)
+    do_again, lse_again = do + 1, lse.copy()
+    remembered = problem_cache.validate_call(q, k, v, do=do_again, o=o, lse=lse_again,
+                                             layout=layout, **options)
+    _same_problem(remembered, validate(q, k, v, do=do_again, o=o, lse=lse_again,
+                                       layout=layout, **options))
+    assert np.shares_memory(remembered.tensors["do"], do_again)
+    assert np.shares_memory(remembered.tensors["lse"], lse_again)
+
+
+def test_repeated_calls_give_the_results_of_fresh_ones():
+    q, k, v = _arrays((1, 2, 5, 8), (1, 2, 7, 8))
+    first = tileattn.forward(q, k, v, causal=True, backend="reference")
+    for seed in (3, 4):
+        q2, k2, v2 = _arrays((1, 2, 5, 8), (1, 2, 7, 8), seed=seed)
+        again = tileattn.forward(q2, k2, v2, causal=True, backend="reference")
+        problem_cache._PROBLEMS.clear()
+        fresh = tileattn.forward(q2, k2, v2, causal=True, backend="reference")
+        np.testing.assert_array_equal(again, fresh)
+        assert not np.array_equal(again, first)
+
+
+def test_calls_validation_rejects_stay_rejected_after_a_remembered_one():
+    """Option values equal to a remembered one but of another type (causal=1 == True), other
+    dtypes, shapes, strides and byte orders are validated again."""
+    q, k, v = _arrays((1, 2, 4, 8), (1, 2, 4, 8))
+    tileattn.forward(q, k, v, causal=True, scale=1.0, backend="reference")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        tileattn.forward(q, k, v, causal=1, scale=1.0, backend="reference")
+    with pytest.raises(TypeError, match="dtype"):
+        tileattn.forward(q, k.astype(np.float64), v, causal=True, scale=1.0,
+                         backend="reference")
+    with pytest.raises(ValueError, match="head dim"):
+        tileattn.forward(q, k[..., :4], v, causal=True, scale=1.0, backend="reference")
+    with pytest.raises(ValueError, match="scale"):
+        tileattn.forward(q, k, v, causal=True, scale=float("nan"), backend="reference")
+    swapped = q.astype(q.dtype.newbyteorder())
+    swapped[...] = q
+    o = tileattn.forward(swapped, k, v, causal=True, scale=1.0, backend="reference")
+    assert o.dtype == np.float32 and o.dtype.isnative
+
+
+def test_the_cache_keeps_no_array_alive():
+    q, k, v = _arrays((1, 1, 4, 8), (1, 1, 4, 8))
+    tileattn.forward(q, k, v, backend="reference")
+    tileattn.forward(q, k, v, backend="reference")
+    references = [weakref.ref(a) for a in (q, k, v)]
+    del q, k, v
+    gc.collect()
+    assert all(reference() is None for reference in references)
+
+
+def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
+    """Output buffers, ALiBi slopes, lengths and unhashable option values."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(problem_cache, "validate", counting)
+    q, k, v = _arrays((1, 2, 4, 8), (1, 2, 4, 8))
+    for _ in range(2):
+        tileattn.forward(q, k, v, out=np.empty_like(q), backend="reference")
+        tileattn.forward(q, k, v, alibi_slopes=np.ones(2), backend="reference")
+        tileattn.forward(q, k, v, window=[1, 1], backend="reference")
+        tileattn.forward(q, k, v, seqlens_k=np.array([3]), backend="reference")
+    assert len(calls) == 8
+    tileattn.forward(q, k, v, window=(1, 1), backend="reference")
+    tileattn.forward(q, k, v, window=(1, 1), backend="reference")
+    assert len(calls) == 9
