@@ -216,14 +216,24 @@ def test_infinite_values_follow_ieee_on_kept_keys_only(backend):
         assert np.isfinite(o[0, 2]) and np.all(o[1:5, 2] == np.inf) and np.isnan(o[5, 2])
 
 
+def test_a_probability_of_one_against_an_infinite_gradient_or_value_follows_ieee(backend):
+    """One key per row gives P = 1, a number whose 3xTF32 split (GPU float32) has a zero
+    small part: against an infinite dO or V, P x inf must be IEEE's inf, not 0 x inf = NaN
+    (the property test's Nq = Nk = D = 1 example, dO = inf)."""
+    for dtype in (np.float32, np.float64):
+        for poisoned in ("do", "v"):
+            q, k, v, do = _normal(11, (3, 8), (1, 8), (1, 8), (3, 8), dtype=dtype)
+            (do if poisoned == "do" else v)[0 if poisoned == "v" else 1, 2] = np.inf
+            check_problem(backend, *_four_d(q, k, v, do), {})
+        one = [np.ones((1, 1), dtype) for _ in range(4)]
+        one[3][0, 0] = np.inf
+        check_problem(backend, *_four_d(*one), {})
+
+
 def test_an_infinite_key_that_every_row_scores_minus_inf_drops_out(backend):
     """k[5, 0] = +inf against q[:, 0] < 0 (values no 19-bit float holds, so the GPU's 3xTF32
     split of them rounds, and half its small parts have the sign opposite to the big ones):
     every score of key 5 is -inf, so key 5 drops out of every row, which stays finite."""
-    if backend.name == "gpu":
-        pytest.xfail("GPU dK/dV kernels: the zero rows of Q past Nq in the last query tile "
-                     "score inf x 0 = NaN against an infinite key, and dk of that key comes "
-                     "out NaN where it is 0 (bench/NOTES-gpu.md v19)")
     for dtype in (np.float32, np.float64):
         q, k, v, do = _normal(7, (12, 8), (40, 8), (40, 8), (12, 8), dtype=dtype)
         q[:, 0] = -np.abs(q[:, 0]) - 0.1

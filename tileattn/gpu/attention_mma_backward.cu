@@ -38,11 +38,15 @@
 // fit the registers. Head dims are zero-padded in shared memory to the tensor cores' K step.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
-// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED and DKDV_PART (dK/dV
-// kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN (sequences.cuh; not with
-// SINGLE_PASS).
+// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DKDV_PART and
+// QUERY_TAIL (dK/dV kernel; QUERY_TAIL, default 0: a streamed query tile may end past n_q,
+// backward_scores.cuh), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN
+// (sequences.cuh; not with SINGLE_PASS).
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
+#ifndef QUERY_TAIL
+#define QUERY_TAIL 0
+#endif
 #if IS_FLOAT32
 #include "tf32.cuh"
 // float32 on TF32 tensor cores at float32 accuracy (tf32.cuh): rows of the width + 8 floats,
@@ -609,7 +613,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             // Keys past n_k are not written; outside the single pass they need no mask.
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
-            transposed_probabilities<STREAMED_ROWS / 8, SINGLE_PASS>(
+            transposed_probabilities<STREAMED_ROWS / 8, SINGLE_PASS, QUERY_TAIL>(
                 scores, st.tile, dpt.tile, lse_tile, delta_tile, query_start, my_keys, col_start,
                 n_q, n_k, masked,
                 tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));

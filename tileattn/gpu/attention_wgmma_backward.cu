@@ -539,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
                 score_products(k_rows, q_stage, v_rows, do_stage, st, dpt);
             else
                 score_product(k_rows, q_stage, st);
-            transposed_probabilities<kScoreFrags, SINGLE_PASS>(
+            transposed_probabilities<kScoreFrags, SINGLE_PASS, false>(
                 scores, st, dpt, lse_tiles + stage * STREAMED_ROWS,
                 delta_tiles + stage * STREAMED_ROWS, query_start, my_keys, col_start, n_q, n_k,
                 masked, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k));

@@ -175,12 +175,17 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
 
 // dK/dV kernel: S^T -> P^T (after dropout) and dP^T -> dS^T in place, for this thread's two
 // keys `keys` against the query tile starting at `query_start`, whose lse and D sit in
-// shared memory. Queries past n_q get lse = -inf, hence P = 0. ZeroKeysPastEnd: keys past
-// n_k (zero rows of K) get P = 0 explicitly, for products that carry dS to dQ: their P is
-// e^(-lse), which may overflow, and inf * 0 would be NaN.
+// shared memory. Queries past n_q get lse = -inf, hence P = 0 from a finite score.
+// QueryTail (a query tile may end past n_q): those queries' P^T and dS^T are 0 by select,
+// since their zero rows of Q score 0 x inf = NaN against an infinite key, and e^(NaN) is
+// no 0. The float32 kernel takes it where Nq is not a multiple of the streamed tile; the
+// 16-bit ones do not (a select per element there costs 6-10 % of the backward,
+// bench/NOTES-gpu.md v21). ZeroKeysPastEnd: keys past n_k (zero rows of K) get P = 0
+// explicitly, for products that carry dS to dQ: their P is e^(-lse), which may overflow,
+// and inf * 0 would be NaN.
 // `mask` is relative to (query_start, the block's first key `col0`) and applies when
 // `masked`.
-template <int Frags, bool ZeroKeysPastEnd>
+template <int Frags, bool ZeroKeysPastEnd, bool QueryTail>
 __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
                                                          float (&st)[Frags][4],
                                                          float (&dpt)[Frags][4],
@@ -207,7 +212,8 @@ __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
             for (int half = 0; half < 2; ++half) {
                 const int e = 2 * half + column;
                 const i64 key = keys[half];
-                const bool kept_pair = !masked || kept[half].keeps(n * 8 + column);
+                const bool kept_pair =
+                    (!masked || kept[half].keeps(n * 8 + column)) && (!QueryTail || query < n_q);
                 float capped_grad;
                 float p = probability(scores, st[n][e], query_lse, query, key, kept_pair,
                                       &capped_grad);

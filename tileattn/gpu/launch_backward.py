@@ -219,6 +219,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                    ) + Switches.of(options).defines()
         if sequences is not None:
             defines += (("VARLEN", 1),)
+        if entry == "dkdv" and is_float32 and (sequences is not None or n_q % streamed):
+            defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)

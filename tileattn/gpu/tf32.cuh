@@ -15,8 +15,9 @@
 // float32 dot product's 2^-25.6 (bench/NOTES-gpu.md v19). At |s| ~ 1e4 that error is what
 // P = exp(s - lse) carries into every gradient; in the other products nothing amplifies
 // it, and they keep the truncated split. Its price: small may have the sign opposite to
-// big, so an infinite partner makes +inf and -inf meet, a NaN where IEEE gives +-inf;
-// redo_nan_scores takes such scores again on CUDA cores.
+// big, and where |small| > 1 its product with an infinite partner's big part (the largest
+// TF32, see split_tf32) overflows to the infinity opposite to IEEE's: +inf and -inf meet
+// in a NaN; redo_nan_scores takes such scores again on CUDA cores.
 //
 // Fragment layouts of m16n8k8 (g = lane / 4, t = lane % 4): A a0 = (g, t), a1 = (g + 8, t),
 // a2 = (g, t + 4), a3 = (g + 8, t + 4); B b0 = (k t, n g), b1 = (k t + 4, n g); C as
@@ -36,22 +37,28 @@ constexpr u32 kTf32Mask = 0xffffe000u;  // sign, exponent and the top 10 mantiss
 
 // x = big + small. big is x truncated to TF32, or, where `nearest`, rounded to the nearest
 // TF32 (ties away from zero: the rounding bit added to the magnitude's bits, then the low 13
-// cleared); magnitudes that would round past the largest TF32, infinities and NaNs (whose
-// compare is false) are truncated, so big never overflows and keeps an infinity or a NaN.
-// The scores pass nearest = true, every other product the default. An infinite x would
-// have small = inf - inf = NaN and turn a score of +-inf (a kept infinite key) into NaN;
-// min(d, max(d, 0)) is d for every number and 0 for NaN (min and max return their non-NaN
-// operand), so an infinite x splits into (x, 0) and, truncated, its products follow IEEE
-// as SPEC asks.
+// cleared); magnitudes that would round past the largest TF32 are truncated, so big never
+// overflows. The scores pass nearest = true, every other product the default.
+// Magnitudes above the largest TF32 (infinities, and NaNs, whose bits are larger still)
+// give big that largest TF32 with x's sign, so the rest is the infinity (or a NaN) and
+// lands in small: each of the three products of an infinite x with a finite partner b is
+// then finite or the infinity of sign(x b), and their sum is IEEE's x b, also where b is a
+// TF32 number (small part 0; with x split as (inf, 0), 0 x inf would be NaN), and NaN
+// where b is 0. A NaN x keeps a NaN in small, whatever its payload bits. The clamp takes
+// the place of the two min/max ops that a split into (inf, inf - inf = NaN) would need, so
+// a split costs what it did.
 __device__ __forceinline__ Tf32Split split_tf32(float x, bool nearest = false) {
     constexpr u32 kLastRoundingDown = 0x7f7ff000u;  // magnitudes below round to <= TF32 max
+    constexpr u32 kLargestTf32 = 0x7f7fe000u;
+    constexpr u32 kSign = 0x80000000u;
     const u32 bits = __float_as_uint(x);
     const u32 rounding =
         nearest && fabsf(x) < __uint_as_float(kLastRoundingDown) ? 0x1000u : 0u;
+    const u32 magnitude = min((bits + rounding) & kTf32Mask & ~kSign, kLargestTf32);
     Tf32Split split;
-    split.big = (bits + rounding) & kTf32Mask;
+    split.big = magnitude | (bits & kSign);
     const float rest = x - __uint_as_float(split.big);
-    split.small = __float_as_uint(fminf(rest, fmaxf(rest, 0.0f))) & kTf32Mask;
+    split.small = __float_as_uint(rest) & kTf32Mask;
     return split;
 }
 
