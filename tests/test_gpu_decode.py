@@ -118,22 +118,33 @@ def test_every_split_count(splits, packing, causal, kernel):
     _check(q, k, v, {"causal": causal}, splits, kernel)
 
 
-# The tensor-core kernel's shapes: warps splitting stages of 32-256 keys, 2-4 stages, and
-# 1-4 row tiles (rows 16-64: group 8 x Nq 2-8).
-TENSOR_CORE_TILES = [dict(warps=1, warp_keys=32, stages=2), dict(warps=2, warp_keys=16, stages=4),
-                     dict(warps=4, warp_keys=32, stages=2), dict(warps=8, warp_keys=16, stages=3)]
+# The tensor-core kernel's shapes: warps splitting stages of 32-256 keys, 2-4 stages, 1-4
+# row tiles a warp (rows 16-64: group 8 x Nq 2-8) with one row warp, and 2-4 row warps.
+TENSOR_CORE_TILES = [dict(warps=1, warp_keys=32, stages=2, row_warps=1),
+                     dict(warps=2, warp_keys=16, stages=4, row_warps=1),
+                     dict(warps=4, warp_keys=32, stages=2, row_warps=1),
+                     dict(warps=8, warp_keys=16, stages=3, row_warps=1),
+                     dict(warps=2, warp_keys=32, stages=2, row_warps=2),
+                     dict(warps=1, warp_keys=64, stages=2, row_warps=4),
+                     dict(warps=2, warp_keys=16, stages=3, row_warps=4, row_tiles=1)]
 
 
+@pytest.mark.parametrize("row_warps", [None, 1], ids=["table", "one-row-warp"])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("shape", [(256, 256, 8, 1, 4), (24, 200, 6, 2, 4), (64, 64, 8, 1, 8)],
-                         ids=["D256-32rows", "Dv200-12rows-ragged", "D64-64rows"])
-def test_tensor_core_row_groups(shape, splits):
-    """More packed rows than a block holds (16 at Dv = 256 or 200) run as row groups, a block
-    each; the last group may be partial. 64 rows at D = 64 fit one block (four row tiles)."""
+@pytest.mark.parametrize("shape", [(256, 256, 8, 1, 4), (24, 200, 6, 2, 4), (64, 64, 8, 1, 8),
+                                   (256, 256, 8, 1, 8)],
+                         ids=["D256-32rows", "Dv200-12rows-ragged", "D64-64rows",
+                              "D256-64rows"])
+def test_tensor_core_row_groups(shape, splits, row_warps):
+    """The table's row warps hold up to 64 packed rows in one block; with one row warp,
+    more packed rows than a warp holds (16 at Dv = 256 or 200) run as row groups, a block
+    each, and the last group may be partial. 64 rows at D = 64 fit one warp (four row
+    tiles)."""
     head_dim, value_dim, n_q_heads, n_kv_heads, n_q = shape
     q, k, v = _inputs(2, n_q_heads, n_kv_heads, n_q, 420, head_dim, value_dim, np.float16,
                       seed=head_dim)
-    _check(q, k, v, {"causal": True}, splits, "tensor_cores")
+    fields = {} if row_warps is None else {"row_warps": 1}
+    _check(q, k, v, {"causal": True}, splits, "tensor_cores", **fields)
 
 
 @pytest.mark.parametrize("fields", TENSOR_CORE_TILES,

@@ -222,8 +222,9 @@ def test_tensor_core_decode_splits_fill_the_device():
 
 def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():
     """16-bit inputs from one packed row up to 64, in blocks of what O's registers hold (16
-    rows at Dv = 256, 32 at 128, 64 at 64; more rows are row groups, a block each, counted
-    as blocks by the split rule); float32, float64, ALiBi and dropout stay on CUDA cores."""
+    rows a warp at Dv = 256, 32 at 128, 64 at 64; more rows take row warps, up to four,
+    and forced tiles with fewer row warps cut them into row groups, a block each, counted as
+    blocks by the split rule); float32, float64, ALiBi and dropout stay on CUDA cores."""
     def kernel(dtype="float16", value_dim=128, n_q=1, group=4, per_row=False):
         problem = Problem(dtype=dtype, head_dim=128, value_dim=value_dim, n_k=65536,
                           per_row_options=per_row, **H100)
@@ -236,16 +237,25 @@ def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():
     assert kernel(per_row=True) == "DecodeTiles"
     assert kernel(group=1) == "DecodeMmaTiles"
     assert kernel(value_dim=256, group=16) == "DecodeMmaTiles"
-    assert kernel(value_dim=256, group=32) == "DecodeMmaTiles"  # two row groups
+    assert kernel(value_dim=256, group=32) == "DecodeMmaTiles"  # two row warps
     assert kernel(value_dim=128, n_q=8, group=4) == "DecodeMmaTiles"
     assert kernel(value_dim=64, n_q=16, group=4) == "DecodeMmaTiles"
     problem = Problem(dtype="float16", head_dim=256, value_dim=256, n_k=65536, **H100)
+    for n_q, row_warps, warps, warp_keys in ((1, 1, 4, 16), (2, 1, 4, 16), (4, 2, 2, 32),
+                                             (8, 4, 1, 32)):
+        shape = _decode_shape(n_q=n_q, n_q_heads=8, n_kv_heads=1, batch=8)
+        chosen = tiles.choose_decode(problem, shape).tiles
+        assert (chosen.row_tiles, chosen.row_warps, chosen.warps, chosen.warp_keys) == (
+            1, row_warps, warps, warp_keys)
+        assert chosen.row_groups(shape.rows) == 1
+    # One row warp (forced) cuts 32 rows of Dv = 256 into two row groups, which the split
+    # rule counts as blocks: 16 blocks a wave where 8 took it.
     shape = _decode_shape(n_q=4, n_q_heads=8, n_kv_heads=1, batch=8)
-    grouped = tiles.choose_decode(problem, shape).tiles
+    grouped = tiles.decode_mma_tiles(problem, shape, row_warps=1, warps=4, warp_keys=16)
     assert grouped.rows == 16 and grouped.row_groups(shape.rows) == 2
-    one_group = tiles.choose_decode(problem, _decode_shape(n_q=2, n_q_heads=8, n_kv_heads=1,
+    one_group = tiles.choose_decode(problem, _decode_shape(n_q=1, n_q_heads=8, n_kv_heads=1,
                                                            batch=8)).tiles
-    assert grouped.splits == one_group.splits // 2  # 16 blocks a wave where 8 took it
+    assert grouped.splits == one_group.splits // 2
 
 
 def test_describe_names_the_decode_row():

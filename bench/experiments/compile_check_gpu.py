@@ -68,15 +68,19 @@ JOBS = [
      "COPY_BYTES=16"]),
 ]
 # The tensor-core decode (DecodeMmaTiles): D = 128 as the table runs it, D = 256, four row
-# tiles at D = 64, odd dims; every option it takes (ALiBi and dropout decode on CUDA cores).
+# tiles at D = 64, row warps (32 rows at D = 128, 64 at D = 64 and 256), odd dims; every
+# option it takes (ALiBi and dropout decode on CUDA cores).
 DECODE_MMA_OPTIONS = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
 JOBS += [("attention_decode_mma.cu", "90", [f"COPY_BYTES={copy}", "IS_BFLOAT16=0",
-          f"HEAD_DIM={d}", f"VALUE_DIM={dv}", f"ROW_TILES={row_tiles}", "WARPS=4",
-          f"MIN_BLOCKS={4 if (d, row_tiles) == (64, 1) else 2}",
-          "WARP_KEYS=16", f"STAGES={stages}"], DECODE_MMA_OPTIONS)
-         for d, dv, row_tiles, stages, copy in ((128, 128, 1, 2, 16), (256, 256, 1, 2, 16),
-                                                (64, 64, 4, 2, 16), (128, 128, 2, 2, 16),
-                                                (64, 64, 1, 2, 16), (33, 200, 1, 2, 2))]
+          f"HEAD_DIM={d}", f"VALUE_DIM={dv}", f"ROW_TILES={row_tiles}", f"WARPS={warps}",
+          f"MIN_BLOCKS={4 if (d, row_tiles) == (64, 1) else 2}", f"ROW_WARPS={row_warps}",
+          f"WARP_KEYS={keys}", f"STAGES={stages}"], DECODE_MMA_OPTIONS)
+         for d, dv, row_tiles, warps, keys, row_warps, stages, copy in (
+             (128, 128, 1, 4, 16, 1, 2, 16), (256, 256, 1, 4, 16, 1, 2, 16),
+             (64, 64, 4, 4, 16, 1, 2, 16), (128, 128, 2, 4, 16, 1, 2, 16),
+             (64, 64, 1, 4, 16, 1, 2, 16), (33, 200, 1, 4, 16, 1, 2, 2),
+             (128, 128, 1, 2, 32, 2, 2, 16), (64, 64, 1, 1, 64, 4, 2, 16),
+             (256, 256, 1, 1, 64, 4, 2, 16))]
 # Variable-length calls (sequences.cuh): each family once more with the tile tables, the
 # forwards also with the block table (paged K/V); the backwards have no single pass there.
 VARLEN = ["VARLEN=1", "PAGED=1"]
@@ -124,7 +128,8 @@ def _decode_shared(defines) -> list[str]:
     value = dict(d.split("=") for d in defines)
     if "ROW_TILES" in value:
         tiles = DecodeMmaTiles(int(value["ROW_TILES"]), int(value["WARPS"]),
-                               int(value["WARP_KEYS"]), int(value["STAGES"]), 1)
+                               int(value["WARP_KEYS"]), int(value["STAGES"]), 1,
+                               int(value["ROW_WARPS"]))
         shared = tiles.shared_bytes(int(value["HEAD_DIM"]), int(value["VALUE_DIM"]))
         return [f"EXPECTED_SHARED_BYTES={shared}"]
     itemsize = {"half_storage": 2, "bfloat16_storage": 2, "float": 4, "double": 8}[value["STORAGE"]]
@@ -161,7 +166,7 @@ def compile_one(job, directory: str) -> str:
                 shown_line = f"{function.split('attention_')[-1][:24]}: {shown_line}"
             report.append(shown_line)
     decode_keys = ('STORAGE', 'ROWS', 'HEAD_DIM', 'VALUE_DIM', 'BLOCK_K', 'THREADS', 'ROW_TILES',
-                   'STAGES')
+                   'STAGES', 'WARPS', 'WARP_KEYS', 'ROW_WARPS')
     shown = ' '.join(d for d in defines if d.startswith(('IS_', 'VARLEN'))
                      or name.startswith('attention_decode') and d.startswith(decode_keys))
     if entry or "SINGLE_PASS=1" in defines:

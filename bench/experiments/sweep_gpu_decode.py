@@ -4,7 +4,7 @@ under the L2 flush), to set tiles.decode_splits and the decode tables.
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_decode.py [--threads 128 256]
         [--grid 256 --only 'Nq1 ' float16] [--stage-bytes B --stage-target T --splits ...]
-        [--kernel tensor_cores --mma 4x16x3 4x16x2 ...]
+        [--kernel tensor_cores --mma 4x16x3 4x16x2 1x64x2x4 table ...]
 
 Each line: shape, then per split count the kernels' microseconds and share of the measured
 copy bandwidth; the split count tiles.decode_splits chose is marked with *.
@@ -34,10 +34,12 @@ def _variants(problem, dshape, kernel: str, threads_list, mma_shapes):
     if kernel == "tensor_cores":
         if not tiles.decode_on_tensor_cores(problem, dshape):
             return []
-        return [(f"mma {shape}", functools.partial(
-                    lambda warps, keys, stages, splits: tiles.decode_mma_tiles(
-                        problem, dshape, splits=splits, warps=warps, warp_keys=keys,
-                        stages=stages), *map(int, shape.split("x"))))
+        def forced(shape):  # "WxKxS" or "WxKxSxR": key warps, keys a warp, stages, row warps
+            warps, keys, stages, row_warps = (list(map(int, shape.split("x"))) + [1])[:4]
+            return functools.partial(tiles.decode_mma_tiles, problem, dshape, warps=warps,
+                                     warp_keys=keys, stages=stages, row_warps=row_warps)
+        return [(f"mma {shape}", (functools.partial(tiles.decode_mma_tiles, problem, dshape)
+                                  if shape == "table" else forced(shape)))
                 for shape in mma_shapes]
     return [(f"cuda-cores threads={threads or 'table'}", functools.partial(
                 lambda threads, splits: tiles.decode_tiles(problem, dshape, splits=splits,
@@ -82,7 +84,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="*", default=[None],
                         help="CUDA-core kernel: threads a block (default: the table's)")
     parser.add_argument("--mma", nargs="*", default=["4x16x3"],
-                        help="tensor-core kernel: WARPSxWARP_KEYSxSTAGES shapes")
+                        help="tensor-core kernel: WARPSxWARP_KEYSxSTAGES[xROW_WARPS] shapes "
+                             "(row warps 1 unless given), or 'table' for the table's")
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--stage-bytes", type=int, default=None,
                         help="override tiles.DECODE_STAGE_BYTES (K+V bytes of one stage)")

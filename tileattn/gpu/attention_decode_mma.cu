@@ -6,32 +6,36 @@
 // more packed rows the CUDA cores cannot keep up with HBM (2 * ROWS * (D + Dv) flops per
 // key), while one m16n8k16 tile serves up to 16 rows at the cost of 8 rows' worth of
 // padding. The layout follows from decoding's shape, few rows and many keys:
-// * the packed rows are ROW_TILES m16 tiles that every warp holds; the warps split each
-//   key tile instead: warp w takes keys [w * WARP_KEYS, (w + 1) * WARP_KEYS) of every stage
+// * the block's WARPS x ROW_WARPS warps form ROW_WARPS groups of ROW_TILES m16 tiles of
+//   packed rows each; within a group the WARPS warps hold the same rows and split each key
+//   tile: warp w of a group takes keys [w * WARP_KEYS, (w + 1) * WARP_KEYS) of every stage
 //   and keeps its own online softmax and O accumulators. A tile costs one barrier (the
-//   stage handover), not three, and no warp waits for another's softmax;
-// * after the last tile the warps' (max, sum, O) meet in shared memory and are combined by
-//   log-sum-exp, once per block;
+//   stage handover), not three, and no warp waits for another's softmax. Row warps let a
+//   block hold more rows than one warp's registers can (O: ROW_TILES x Dv floats a warp)
+//   while every row group still reads each K/V stage once;
+// * after the last tile the key warps' (max, sum, O) meet in shared memory and are
+//   combined by log-sum-exp, once per block;
 // * K/V stream through STAGES shared buffers of BLOCK_K = WARPS * WARP_KEYS keys with
 //   cp.async (rows padded by 16 bytes for conflict-free ldmatrix, zeros past the keys and
 //   in the padding columns); the score options, masks and the online softmax are
 //   forward_softmax.cuh's, the same code as the prefill mma.sync forward.
 // Packed row r is query head kv_head * group + r / Nq, query row r % Nq; the masks see the
 // query row, so causal speculative rows (Nq > 1) keep their own keys. Rows past the packed
-// rows in use are zero and never stored. More packed rows than a block holds (16 * ROW_TILES,
-// which O's registers bound) are cut into row groups, a block each: K/V is then read once
+// rows in use are zero and never stored. More packed rows than a block holds
+// (16 * ROW_TILES * ROW_WARPS) are cut into row groups, a block each: K/V is then read once
 // per row group, still far less than once per query head. ALiBi (a slope per packed row)
 // and dropout run on the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
-// COPY_BYTES, ROW_TILES, WARPS, WARP_KEYS, STAGES, MIN_BLOCKS, LIMIT_LEFT, LIMIT_RIGHT,
-// SOFTCAP, VARLEN, PAGED (ALIBI and DROPOUT are 0).
+// COPY_BYTES, ROW_TILES, ROW_WARPS, WARPS, WARP_KEYS, STAGES, MIN_BLOCKS, LIMIT_LEFT,
+// LIMIT_RIGHT, SOFTCAP, VARLEN, PAGED (ALIBI and DROPOUT are 0).
 #include "forward_softmax.cuh"
 
-constexpr int kRowTiles = ROW_TILES;
-constexpr int kRows = 16 * kRowTiles;  // packed-row capacity
-constexpr int kWarps = WARPS;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kRowTiles = ROW_TILES;  // a warp's m16 tiles of packed rows
+constexpr int kRowWarps = ROW_WARPS;  // warp groups holding different rows
+constexpr int kRows = 16 * kRowTiles * kRowWarps;  // packed-row capacity
+constexpr int kWarps = WARPS;  // key warps: a group's warps, splitting each stage's keys
+constexpr int kThreads = 32 * kWarps * kRowWarps;
 constexpr int kWarpKeys = WARP_KEYS;
 constexpr int kBlockK = kWarps * kWarpKeys;  // keys a stage
 constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);
@@ -46,7 +50,7 @@ static_assert(STAGES >= 2, "one tile in flight while one is used");
 static_assert(!ALIBI && !DROPOUT, "ALiBi and dropout decode on CUDA cores");
 
 // Shared memory (launch_decode.py mirrors it): STAGES x (K tile, V tile), then Q. After
-// the key loop the stages hold the warps' partial results: O [kWarps][kRows][kOPitch]
+// the key loop the stages hold the key warps' partial results: O [kWarps][kRows][kOPitch]
 // floats, then max and sum [kWarps][kRows] each.
 constexpr int kStageElements = kBlockK * (kQkPitch + kVPitch);
 constexpr int kStagesBytes = STAGES * kStageElements * 2;
@@ -120,7 +124,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const i64 my_begin = tile_begin + n_tiles * split / n_splits;
     const i64 my_end = tile_begin + n_tiles * (split + 1) / n_splits;
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32 % kWarps, lane = threadIdx.x % 32;  // warp: key warp
+    const int warp_row0 = threadIdx.x / 32 / kWarps * 16 * kRowTiles;  // its group's rows
     const int quad_row = lane / 4, quad_col = lane % 4;
     // The query row (for the masks) of this thread's two rows of each row tile; rows past
     // the packed rows in use take row 0 (computed, never stored).
@@ -129,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int packed = first_row + m * 16 + quad_row + 8 * half;
+            const int packed = first_row + warp_row0 + m * 16 + quad_row + 8 * half;
             my_rows[m][half] = packed < rows ? packed % n_q : 0;
         }
 
@@ -155,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
             for (int kk = 0; kk < kHeadWidth / 16; ++kk)
-                load_a_fragment<kHeadWidth>(q_tile, m * 16, kk * 16,
+                load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16,
                                             q_fragments[kQInRegisters ? m : 0]
                                                        [kQInRegisters ? kk : 0]);
     }
@@ -204,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                     for (int e = 0; e < 4; ++e)
                         a[m][e] = q_fragments[kQInRegisters ? m : 0][kQInRegisters ? kk : 0][e];
                 } else {
-                    load_a_fragment<kHeadWidth>(q_tile, m * 16, kk * 16, a[m]);
+                    load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
                 }
             }
 #pragma unroll
@@ -270,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     wait_copies<0>();
     __syncthreads();  // every warp is done with the stages, which now take the partials
 
-    // Each warp's (max, sum, unnormalised O) per packed row into shared memory.
+    // Each warp's (max, sum, unnormalised O) per packed row of its group into shared memory.
     float* combine_o = reinterpret_cast<float*>(shared_bytes);  // [kWarps][kRows][kOPitch]
     float* combine_max = combine_o + kWarps * kRows * kOPitch;  // [kWarps][kRows]
     float* combine_sum = combine_max + kWarps * kRows;
@@ -281,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
             float total = row_sum[m][half];
             total += __shfl_xor_sync(0xffffffffu, total, 1);
             total += __shfl_xor_sync(0xffffffffu, total, 2);
-            const int r = m * 16 + quad_row + 8 * half;
+            const int r = warp_row0 + m * 16 + quad_row + 8 * half;
             float* o_row = combine_o + (warp * kRows + r) * kOPitch;
 #pragma unroll
             for (int n = 0; n < kValueWidth / 8; ++n) {

@@ -150,6 +150,7 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
         defines = (("COPY_BYTES", copy_bytes), ("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(np.dtype(q.dtype).name == "bfloat16")),
                    ("MIN_BLOCKS", residency), ("ROW_TILES", tiles.row_tiles),
+                   ("ROW_WARPS", tiles.row_warps),
                    ("STAGES", tiles.stages), ("VALUE_DIM", value_dim),
                    ("WARP_KEYS", tiles.warp_keys), ("WARPS", tiles.warps)) + switches
     if sequences is not None:

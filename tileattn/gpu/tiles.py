@@ -606,25 +606,34 @@ def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, 
 
 
 # The tensor-core decode (attention_decode_mma.cu) for 16-bit inputs: the packed rows are
-# m16 tiles that every warp holds, the warps split each stage's keys. A block holds up to
-# 16 * floor(DECODE_MMA_WIDTH / padded Dv) packed rows (O's accumulators: <= 128 floats a
-# thread); more (up to DECODE_ROWS' 64) are cut into row groups, a block each, which read K/V
-# once per group. Not with ALiBi or dropout, whose state differs per packed row (query
-# head). Chosen by the sweep of NOTES-gpu v20 (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
-# 4 warps x 16 keys in 2 stages reach 0.86-0.99 of copy bandwidth on the fp16 Nq = 1 grid
-# at >= 256 MiB of K/V, where 3 stages lost up to 0.2 at B*Hkv >= 512 (no split) and
-# 2 warps or 32 keys a warp were no better; one packed row (MHA) on tensor cores matched or
-# beat the CUDA-core kernel (B8 H32/32 Nk128k 0.99 against 0.92).
+# m16 tiles that a group of warps holds, the group's warps split each stage's keys. A warp
+# holds up to 16 * floor(DECODE_MMA_WIDTH / padded Dv) packed rows (O's accumulators: <= 128
+# floats a thread). More than 16 rows take DECODE_MMA_ROW_WARPS groups at most, a row tile
+# each, with fewer key warps taking more keys, so that a block keeps DECODE_MMA_WARPS warps
+# and a stage of 64 keys (32 where Dv > 128: S's registers would spill beside O's); every
+# group reads the same stages, so K/V is read once per block. Row groups (a block each,
+# K/V read once per group) remain for tile shapes a test or sweep forces. Not with ALiBi or
+# dropout, whose state differs per packed row (query head).
+# Chosen by sweeps (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
+# NOTES-gpu v20: 4 warps x 16 keys in 2 stages reach 0.86-0.99 of copy bandwidth on the
+# fp16 Nq = 1 grid at >= 256 MiB of K/V, where 3 stages lost up to 0.2 at B*Hkv >= 512 (no
+# split) and 2 warps or 32 keys a warp were no better; one packed row (MHA) on tensor cores
+# matched or beat the CUDA-core kernel (B8 H32/32 Nk128k 0.99 against 0.92). NOTES-gpu v21:
+# row warps at 32-64 packed rows (Nq 8, GQA 4-8) took the fp16 grid at >= 256 MiB from
+# 0.51-0.61 to 0.61-0.94 of copy bandwidth at 64 rows, and D = 256 at 32 rows from
+# 0.56-0.60 to 0.84-0.97; at 32 rows and D <= 128 they matched one row warp of two tiles.
 DECODE_MMA_WIDTH = 256
 DECODE_MMA_WARPS = 4
 DECODE_MMA_WARP_KEYS = 16  # one k16 step of P V a warp a stage
 DECODE_MMA_STAGES = 2
+DECODE_MMA_ROW_WARPS = 4
 
 
 @dataclass(frozen=True)
 class DecodeMmaTiles:
-    """attention_decode_mma.cu's configuration: `row_tiles` m16 tiles of packed rows, `warps`
-    that each take `warp_keys` keys of every stage, `stages` cp.async buffers, `splits` key
+    """attention_decode_mma.cu's configuration: `row_warps` groups of warps, each group
+    holding `row_tiles` m16 tiles of packed rows in each of its `warps` (key warps) that
+    each take `warp_keys` keys of every stage, `stages` cp.async buffers, `splits` key
     ranges (blocks per (batch, kv head))."""
 
     row_tiles: int
@@ -632,10 +641,11 @@ class DecodeMmaTiles:
     warp_keys: int
     stages: int
     splits: int
+    row_warps: int = 1
 
     @property
     def rows(self) -> int:
-        return 16 * self.row_tiles
+        return 16 * self.row_tiles * self.row_warps
 
     @property
     def block_k(self) -> int:
@@ -643,7 +653,7 @@ class DecodeMmaTiles:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps * self.row_warps
 
     def row_groups(self, rows: int) -> int:
         """Blocks a (batch, kv head, key range) takes for `rows` packed rows."""
@@ -680,11 +690,25 @@ def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
 
 def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
                      warps: int | None = None, warp_keys: int | None = None,
-                     stages: int | None = None) -> DecodeMmaTiles:
+                     stages: int | None = None, row_warps: int | None = None,
+                     row_tiles: int | None = None) -> DecodeMmaTiles:
     """The tensor-core decode configuration (a test or sweep may force any field)."""
     most = max(1, DECODE_MMA_WIDTH // padded(problem.value_dim, 16))
-    tiles = DecodeMmaTiles(min(-(-shape.rows // 16), most), warps or DECODE_MMA_WARPS,
-                           warp_keys or DECODE_MMA_WARP_KEYS, stages or DECODE_MMA_STAGES, 1)
+    row_tiles_needed = -(-shape.rows // 16)
+    if row_warps is None:
+        row_warps = min(row_tiles_needed, DECODE_MMA_ROW_WARPS)
+    if row_tiles is None:
+        row_tiles = min(-(-row_tiles_needed // row_warps), most)
+    if warps is None:
+        warps = max(1, DECODE_MMA_WARPS // row_warps)
+    if warp_keys is None:  # a stage of DECODE_MMA_WARPS * DECODE_MMA_WARP_KEYS keys,
+        warp_keys = max(DECODE_MMA_WARP_KEYS,
+                        DECODE_MMA_WARPS * DECODE_MMA_WARP_KEYS // warps)
+        if padded(problem.value_dim, 16) > DECODE_MMA_WIDTH // 2:
+            # or of half that where O's registers are many: S's registers spill otherwise
+            warp_keys = min(warp_keys, 2 * DECODE_MMA_WARP_KEYS)
+    tiles = DecodeMmaTiles(row_tiles, warps, warp_keys, stages or DECODE_MMA_STAGES, 1,
+                           row_warps)
     return replace(tiles, splits=_splits_of(problem, shape, tiles)[0] if splits is None
                    else splits)
 
