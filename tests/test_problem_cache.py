@@ -123,8 +123,41 @@ def test_the_cache_keeps_no_array_alive():
     assert all(reference() is None for reference in references)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_output_buffers_of_a_remembered_call_are_checked_and_written(layout):
+    """out= and lse_out= of a remembered signature: the results land in this call's
+    buffers, and buffers that overlap an input or are read-only are still rejected."""
+    shape_q, shape_k = ((1, 2, 5, 8), (1, 2, 7, 8)) if layout == "bhsd" else (
+        (1, 5, 2, 8), (1, 7, 2, 8))
+    q, k, v = _arrays(shape_q, shape_k)
+    expected, expected_lse = tileattn.forward(q, k, v, layout=layout, return_lse=True,
+                                              backend="reference")
+    for _ in range(2):
+        out, lse_out = np.empty_like(expected), np.empty_like(expected_lse)
+        if layout == "bshd":  # a swapaxes view of a (B, H, N, D) buffer, as results are
+            out = np.empty((1, 2, 5, 8), np.float32).swapaxes(1, 2)
+        o, lse = tileattn.forward(q, k, v, layout=layout, return_lse=True, out=out,
+                                  lse_out=lse_out, backend="reference")
+        assert o is out and lse is lse_out
+        np.testing.assert_array_equal(out, expected)
+        np.testing.assert_array_equal(lse_out, expected_lse)
+    # The remembered signature, with lse_out on k's first bytes.
+    k_memory = np.empty(k.size, np.float32)
+    k_shared = k_memory.reshape(k.shape)
+    k_shared[...] = k
+    with pytest.raises(ValueError, match="lse_out must not share memory with k"):
+        tileattn.forward(q, k_shared, v, layout=layout, return_lse=True, out=out,
+                         lse_out=k_memory[:lse_out.size].reshape(lse_out.shape),
+                         backend="reference")
+    read_only = np.empty_like(out)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        tileattn.forward(q, k, v, layout=layout, out=read_only, lse_out=lse_out,
+                         backend="reference")
+
+
 def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
-    """Output buffers, ALiBi slopes, lengths and unhashable option values."""
+    """ALiBi slopes, lengths and unhashable option values."""
     calls = []
 
     def counting(*args, **kwargs):
@@ -134,11 +167,11 @@ def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
     monkeypatch.setattr(problem_cache, "validate", counting)
     q, k, v = _arrays((1, 2, 4, 8), (1, 2, 4, 8))
     for _ in range(2):
-        tileattn.forward(q, k, v, out=np.empty_like(q), backend="reference")
         tileattn.forward(q, k, v, alibi_slopes=np.ones(2), backend="reference")
         tileattn.forward(q, k, v, window=[1, 1], backend="reference")
         tileattn.forward(q, k, v, seqlens_k=np.array([3]), backend="reference")
+    assert len(calls) == 6
+    for _ in range(2):
+        tileattn.forward(q, k, v, window=(1, 1), backend="reference")
+        tileattn.forward(q, k, v, window=(1, 1), out=np.empty_like(q), backend="reference")
     assert len(calls) == 8
-    tileattn.forward(q, k, v, window=(1, 1), backend="reference")
-    tileattn.forward(q, k, v, window=(1, 1), backend="reference")
-    assert len(calls) == 9

@@ -1,16 +1,17 @@
 """Validated problems remembered per call signature, so that a repeated call skips validation.
 
-Everything `validation.validate` checks and derives for a dense call without output
-buffers depends only on the arrays' types, shapes, strides, dtypes and devices and on the
-option values (never on the arrays' contents or addresses). A call whose signature was
-validated before therefore gets that problem again with its own arrays in it, in a few
-microseconds instead of the ~25 that validation costs: on the GPU a small call or a decode
-step is counted in tens of microseconds of host time (bench/NOTES-gpu.md).
+Everything `validation.validate` checks and derives for a dense call depends only on the
+arrays' types, shapes, strides, dtypes and devices (and, for host output buffers, whether
+they are writeable) and on the option values, never on the arrays' contents, except the
+output buffers' addresses: their alignment and overlap with the inputs are checked on
+every call (`validation.check_output_addresses`). A call whose signature was validated
+before therefore gets that problem again with its own arrays in it, in a few microseconds
+instead of the ~25-40 that validation costs: on the GPU a small call or a decode step is
+counted in tens of microseconds of host time (bench/NOTES-gpu.md).
 
 Calls this does not remember, validated every time: variable-length and paged calls (their
-lengths are contents), output buffers (their addresses are checked against the inputs),
-ALiBi slopes (an array), arrays other than NumPy and CuPy ones in native byte order, and
-option values that are not hashable.
+lengths are contents), ALiBi slopes (an array), arrays other than NumPy and CuPy ones in
+native byte order, and option values that are not hashable.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .validation import Problem, backend_views, swap_heads_and_sequence, validate
+from .validation import (Problem, backend_views, check_output_addresses,
+                         swap_heads_and_sequence, validate)
 
 _LIMIT = 256  # signatures remembered; the whole cache is dropped when it is full
 _PROBLEMS: dict = {}
@@ -32,7 +34,8 @@ def _array_signature(array):
     """What validation reads of an array, or None for an array this does not remember."""
     kind = type(array)
     if kind is np.ndarray:
-        return array.shape, array.strides, array.dtype if array.dtype.isnative else None
+        return (array.shape, array.strides, array.dtype if array.dtype.isnative else None,
+                array.flags.writeable)
     cupy = sys.modules.get("cupy")
     if cupy is not None and kind is cupy.ndarray:
         return array.shape, array.strides, array.dtype, array.data.device_id
@@ -55,11 +58,13 @@ def _signature(arrays_in: tuple, layout, check_lengths, options: dict):
 def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
                   varlen=None, check_lengths=True, **options) -> Problem:
     """`validation.validate` with the same arguments, remembered per call signature."""
-    if varlen is not None or (outputs and any(b is not None for b in outputs.values())):
+    if varlen is not None:
         return validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
                         varlen=varlen, check_lengths=check_lengths, **options)
     arrays_in = (q, k, v) if do is None else (q, k, v, do, o, lse)
-    key = _signature(arrays_in, layout, check_lengths, options)
+    given = {name: b for name, b in outputs.items() if b is not None} if outputs else {}
+    key = _signature(arrays_in + tuple(given.values()), layout, check_lengths,
+                     dict(options, outputs=tuple(given)))
     try:
         remembered = _PROBLEMS.get(key) if key is not None else None
     except TypeError:  # an option value that is not hashable, e.g. window given as a list
@@ -71,7 +76,8 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
             if len(_PROBLEMS) >= _LIMIT:
                 _PROBLEMS.clear()
             # Without its arrays, which the cache must not keep alive.
-            _PROBLEMS[key] = (problem.tensors["q"].shape[0], replace(problem, tensors={}))
+            _PROBLEMS[key] = (problem.tensors["q"].shape[0],
+                              replace(problem, tensors={}, outputs={}))
         return problem
     batch, template = remembered
     named = dict(zip(_FORWARD_NAMES if do is None else _BACKWARD_NAMES, arrays_in))
@@ -80,6 +86,17 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
         named = {name: a if name == "lse" else swap_heads_and_sequence(a)
                  for name, a in named.items()}
     tensors = backend_views(named, batch, layout_of.single_head)
+    views = {}
+    if given:
+        check_output_addresses(given, named, layout_of.memory)
+        for name, array in given.items():
+            if name == "lse_out":
+                views[name] = backend_views({"lse": array}, batch, layout_of.single_head)["lse"]
+            else:
+                ordered = (swap_heads_and_sequence(array) if layout_of.sequence_first
+                           else array)
+                views[name] = backend_views({name: ordered}, batch,
+                                            layout_of.single_head)[name]
     return Problem(tensors, layout_of, template.options, template.dtype, template.n_q_heads,
                    template.n_kv_heads, template.n_q, template.n_k, template.head_dim,
-                   template.value_dim)
+                   template.value_dim, views)
