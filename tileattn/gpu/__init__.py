@@ -8,13 +8,13 @@ Four kernel families; `tiles` chooses one per problem and direction from its tab
 * float16/bfloat16 on other sm_80+ GPUs: mma.sync ones (attention_mma_*.cu);
 * float32 on sm_80+: the mma.sync kernels on TF32 tensor cores at float32 accuracy
   ("3xTF32": each float32 product as three TF32 products, as torch's memory-efficient
-  attention does; an infinite input comes out as NaN in the rows it reaches);
+  attention does; infinities follow IEEE as SPEC asks, tf32.cuh says how);
 * everything else (float64, head dims above 256, older GPUs, tile sizes the caller names
   that no tensor-core kernel is built for): CUDA-core kernels (attention_generic.cu);
-* forward decoding, every dtype on sm_80+ (a few query rows per K/V head, group x Nq <= 16,
-  or <= 64 where the prefill grid would leave SMs idle, against >= 256 keys): split-KV
-  with GQA packing on CUDA cores (attention_decode.cu, launch_decode.py), K/V read once
-  per group, partials merged by log-sum-exp.
+* forward decoding, every dtype on sm_80+ (a few query rows per K/V head, group x Nq <= 64,
+  against >= 256 keys): split-KV with GQA packing, K/V read once per group, partials
+  merged by log-sum-exp; 16-bit inputs on tensor cores (attention_decode_mma.cu), the rest
+  and ALiBi or dropout on CUDA cores (attention_decode.cu; launch_decode.py for both).
 
 The tensor-core kernels take every D and Dv up to 256 (Dv != D included): head dims are
 zero-padded in shared memory to the tensor cores' K step (16, or 8 for TF32), and the
