@@ -1,6 +1,7 @@
 """float32 backward accuracy on the GPU (3xTF32) against a naive float32 backward, per draw.
 
     PYTHONPATH=. python3 bench/experiments/float32_backward_accuracy_gpu.py [--draws 40]
+        [--head-dim 128 --scale 2.5]
 
 Each draw: q, k, v, dO ~ N(0, 1) in float32, one batch, 2 heads, N = 40-300, D = 16-128,
 scale 1/sqrt(D), 1 or 2.5 (test_backend_suite's longer-sequence property draws these).
@@ -38,6 +39,8 @@ def naive_float32_backward(do, q, k, v, o, lse, scale):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=40)
+    parser.add_argument("--head-dim", type=int, default=None, help="only this D")
+    parser.add_argument("--scale", type=float, default=None, help="only this scale")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     worst = {"gpu": 0.0, "naive": 0.0}
@@ -46,6 +49,7 @@ def main() -> None:
     for _ in range(args.draws):
         n, d = int(rng.integers(40, 301)), int(rng.choice([16, 32, 64, 128]))
         scale = float(rng.choice([1 / np.sqrt(d), 1.0, 2.5]))
+        d, scale = args.head_dim or d, args.scale or scale
         q, k, v, do = (rng.standard_normal((1, 2, n, d)).astype(np.float32) for _ in range(4))
         as64 = [a.astype(np.float64) for a in (q, k, v, do)]
         o64, lse64 = tileattn.forward(*as64[:3], scale=scale, return_lse=True,

@@ -89,24 +89,56 @@ template <int Columns> struct Accumulators {
 // their transposes) in one sweep over the head dim.
 #if IS_FLOAT32
 // out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b,
-// the operands split as split_tf32(x, nearest); Transposed: the dK/dV kernel's S^T = K Q^T
-// and dP^T = V dO^T, whose elements then round as the dQ kernel's and the forward's S
-// (mma_16x8x8_3xtf32, tf32.cuh).
+// truncated splits (dP = dO V^T); Transposed: the dK/dV kernel's dP^T = V dO^T, whose
+// elements then round as the dQ kernel's (mma_16x8x8_3xtf32, tf32.cuh).
 template <bool Transposed, int Width, int Columns>
 __device__ __forceinline__ void score_product(const float* a, const float* b, int row0,
-                                              Accumulators<Columns>& out, bool nearest = false) {
+                                              Accumulators<Columns>& out) {
     const int lane = threadIdx.x % 32;
     constexpr int kPitch = kPitchOf<Width>;
 #pragma unroll
     for (int kk = 0; kk < Width / 8; ++kk) {
         u32 a_big[4], a_small[4];
-        load_split_a_fragment<kPitch>(a, row0, kk * 8, a_big, a_small, nearest);
+        load_split_a_fragment<kPitch>(a, row0, kk * 8, a_big, a_small);
 #pragma unroll
         for (int n = 0; n < Columns / 8; ++n) {
             float b0, b1;
             load_shared_pair(b + (n * 8 + lane / 4) * kPitch + kk * 8 + 2 * (lane % 4), b0, b1);
-            mma_16x8x8_3xtf32<Transposed>(out.tile[n], a_big, a_small, split_tf32(b0, nearest),
-                                          split_tf32(b1, nearest));
+            mma_16x8x8_3xtf32<Transposed>(out.tile[n], a_big, a_small, split_tf32(b0),
+                                          split_tf32(b1));
+        }
+    }
+}
+
+// out = A B^T for the scores S (Transposed: the dK/dV kernel's S^T = K Q^T): operands split
+// to nearest, kScoreChunk k8 steps at a time into a zero tile added to out in IEEE
+// float32, as the forward's scores, so that each score is the same float (tf32.cuh).
+template <bool Transposed, int Width, int Columns>
+__device__ __forceinline__ void chunked_score_product(const float* a, const float* b, int row0,
+                                                      Accumulators<Columns>& out) {
+    const int lane = threadIdx.x % 32;
+    constexpr int kPitch = kPitchOf<Width>, kSteps = Width / 8;
+#pragma unroll
+    for (int k0 = 0; k0 < kSteps; k0 += kScoreChunk) {
+        u32 a_big[kScoreChunk][4], a_small[kScoreChunk][4];
+#pragma unroll
+        for (int c = 0; c < kScoreChunk; ++c)
+            if (k0 + c < kSteps)
+                load_split_a_fragment<kPitch>(a, row0, (k0 + c) * 8, a_big[c], a_small[c], true);
+#pragma unroll
+        for (int n = 0; n < Columns / 8; ++n) {
+            float chunk[4] = {};
+#pragma unroll
+            for (int c = 0; c < kScoreChunk; ++c) {
+                if (k0 + c >= kSteps) continue;
+                float b0, b1;
+                load_shared_pair(b + (n * 8 + lane / 4) * kPitch + (k0 + c) * 8 + 2 * (lane % 4),
+                                 b0, b1);
+                mma_16x8x8_3xtf32<Transposed>(chunk, a_big[c], a_small[c],
+                                              split_tf32(b0, true), split_tf32(b1, true));
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) out.tile[n][e] += chunk[e];
         }
     }
 }
@@ -117,7 +149,7 @@ template <bool Transposed, int Columns>
 __device__ __forceinline__ void scores_product(const float* a1, const float* b1, int row0,
                                                Accumulators<Columns>& first) {
     first.clear();
-    score_product<Transposed, kHeadWidth>(a1, b1, row0, first, true);
+    chunked_score_product<Transposed, kHeadWidth>(a1, b1, row0, first);
     redo_nan_scores<kQkPitch, kHeadWidth>(first.tile, a1, b1, row0);
 }
 

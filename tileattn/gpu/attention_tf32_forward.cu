@@ -50,8 +50,9 @@ __device__ __forceinline__ void load_key_tiles(float* k_tile, float* v_tile,
 }
 
 // s = Q K^T for this warp's kRowTiles x 16 rows (from warp_row0) of the Q tile against the
-// K tile's BLOCK_K keys, operands split to nearest (tf32.cuh): B[k][n] = K[key n][dim k], so
-// b0, b1 are dims 2t, 2t + 1 of key g.
+// K tile's BLOCK_K keys, operands split to nearest and kScoreChunk k8 steps at a time added
+// in IEEE float32 (tf32.cuh): B[k][n] = K[key n][dim k], so b0, b1 are dims 2t, 2t + 1 of
+// key g.
 __device__ __forceinline__ void score_tile(float (&s)[kRowTiles][BLOCK_K / 8][4],
                                            const float* q_tile, const float* k_tile,
                                            int warp_row0) {
@@ -62,22 +63,36 @@ __device__ __forceinline__ void score_tile(float (&s)[kRowTiles][BLOCK_K / 8][4]
 #pragma unroll
         for (int n = 0; n < BLOCK_K / 8; ++n)
             s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+    constexpr int kSteps = kHeadWidth / 8;
 #pragma unroll
-    for (int kk = 0; kk < kHeadWidth / 8; ++kk) {
-        u32 a_big[kRowTiles][4], a_small[kRowTiles][4];
+    for (int k0 = 0; k0 < kSteps; k0 += kScoreChunk) {
+        u32 a_big[kScoreChunk][kRowTiles][4], a_small[kScoreChunk][kRowTiles][4];
 #pragma unroll
-        for (int m = 0; m < kRowTiles; ++m)
-            load_split_a_fragment<kQkPitch>(q_tile, warp_row0 + m * 16, kk * 8, a_big[m],
-                                            a_small[m], nearest);
-#pragma unroll
-        for (int n = 0; n < BLOCK_K / 8; ++n) {
-            float b0, b1;
-            load_shared_pair(k_tile + (n * 8 + group) * kQkPitch + kk * 8 + 2 * thread_in_group,
-                             b0, b1);
-            const Tf32Split split0 = split_tf32(b0, nearest), split1 = split_tf32(b1, nearest);
+        for (int c = 0; c < kScoreChunk; ++c)
 #pragma unroll
             for (int m = 0; m < kRowTiles; ++m)
-                mma_16x8x8_3xtf32(s[m][n], a_big[m], a_small[m], split0, split1);
+                if (k0 + c < kSteps)
+                    load_split_a_fragment<kQkPitch>(q_tile, warp_row0 + m * 16, (k0 + c) * 8,
+                                                    a_big[c][m], a_small[c][m], nearest);
+#pragma unroll
+        for (int n = 0; n < BLOCK_K / 8; ++n) {
+            float chunk[kRowTiles][4] = {};
+#pragma unroll
+            for (int c = 0; c < kScoreChunk; ++c) {
+                if (k0 + c >= kSteps) continue;
+                float b0, b1;
+                load_shared_pair(k_tile + (n * 8 + group) * kQkPitch + (k0 + c) * 8 +
+                                     2 * thread_in_group, b0, b1);
+                const Tf32Split split0 = split_tf32(b0, nearest);
+                const Tf32Split split1 = split_tf32(b1, nearest);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m)
+                    mma_16x8x8_3xtf32(chunk[m], a_big[c][m], a_small[c][m], split0, split1);
+            }
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][n][e] += chunk[m][e];
         }
     }
 }

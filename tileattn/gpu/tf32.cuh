@@ -127,6 +127,19 @@ __device__ __forceinline__ void mma_16x8x8_3xtf32(float* c, const u32 (&a_big)[4
     mma_16x8x8_tf32(c, a_big, b0.big, b1.big);
 }
 
+// The scores' k8 steps are taken kScoreChunk at a time into a zero tile, which is then
+// added to the score in IEEE float32 on CUDA cores. The tensor cores' float32
+// accumulation does not round as IEEE's, and over a head dim of k8 steps into one
+// accumulator it gave scores whose error, amplified by P = exp(s - lse) at |s| ~ 100, took
+// the float32 backward to 2-3x a naive float32 backward's error
+// (bench/experiments/float32_backward_accuracy_gpu.py, NOTES-gpu v21). The forward and
+// both backward kernels take the same chunks in the same order, so a score is the same
+// float in each (the large-score test). Four steps a chunk: on the H100 (D = 128, scale
+// 2.5) the worst backward error fell from 3.29x the float32 tolerance to 1.60x (a naive
+// float32 backward: 2.94x, one step a chunk 1.43x) for 4 % of the float32 forward +
+// backward at D = 128 (12 % of the forward; one step a chunk cost 12 % and 20 %).
+constexpr int kScoreChunk = 4;
+
 // Two adjacent floats of shared memory (8-byte aligned) in one load.
 __device__ __forceinline__ void load_shared_pair(const float* pointer, float& low, float& high) {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
