@@ -44,9 +44,8 @@ constexpr u32 kTf32Mask = 0xffffe000u;  // sign, exponent and the top 10 mantiss
 // lands in small: each of the three products of an infinite x with a finite partner b is
 // then finite or the infinity of sign(x b), and their sum is IEEE's x b, also where b is a
 // TF32 number (small part 0; with x split as (inf, 0), 0 x inf would be NaN), and NaN
-// where b is 0. A NaN x keeps a NaN in small, whatever its payload bits. The clamp takes
-// the place of the two min/max ops that a split into (inf, inf - inf = NaN) would need, so
-// a split costs what it did.
+// where b is 0. A NaN x keeps a NaN in small, whatever its payload bits. The rest needs
+// no NaN guard (a split into (inf, inf - inf) would), so the clamp adds no op to a split.
 __device__ __forceinline__ Tf32Split split_tf32(float x, bool nearest = false) {
     constexpr u32 kLastRoundingDown = 0x7f7ff000u;  // magnitudes below round to <= TF32 max
     constexpr u32 kLargestTf32 = 0x7f7fe000u;
