@@ -389,13 +389,20 @@ def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, see
         deterministic=bool(deterministic))
 
 
-def _byte_range(array) -> tuple:
-    """``[low, high)``: the bytes `array` can touch, from its pointer, shape and strides."""
-    pointer = (array.data.ptr if arrays.memory_of(array) == "cuda"
-               else array.__array_interface__["data"][0])
-    low = pointer + sum(min(0, (n - 1) * s) for n, s in zip(array.shape, array.strides))
-    high = pointer + sum(max(0, (n - 1) * s) for n, s in zip(array.shape, array.strides))
-    return low, high + array.itemsize
+@lru_cache(maxsize=1024)
+def _extent(shape: tuple, strides: tuple, itemsize: int) -> tuple:
+    """``[low, high)`` of the bytes an array of this layout touches, from its pointer (a
+    call with out= asks it of five arrays: remembered, it costs a lookup, not two sums)."""
+    low = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides))
+    return low, high + itemsize
+
+
+def _byte_range(array, memory: str) -> tuple:
+    """``[low, high)``: the bytes `array` (in `memory`) can touch."""
+    pointer = array.data.ptr if memory == "cuda" else array.ctypes.data
+    low, high = _extent(array.shape, array.strides, array.itemsize)
+    return pointer + low, pointer + high
 
 
 def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory: str):
@@ -454,7 +461,7 @@ def check_output_addresses(outputs: dict, inputs: dict, memory: str) -> None:
                              f"({2 * array.itemsize} bytes), got {array.data.ptr:#x}")
     # Each range once: on the GPU a range reads a few CuPy attributes, and a decode step
     # with out= and lse_out= would otherwise take sixteen of them.
-    ranges = {name: _byte_range(array)
+    ranges = {name: _byte_range(array, memory)
               for name, array in list(inputs.items()) + list(outputs.items()) if array.size}
     for name in outputs:
         if name not in ranges:
