@@ -175,3 +175,26 @@ def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
         tileattn.forward(q, k, v, window=(1, 1), backend="reference")
         tileattn.forward(q, k, v, window=(1, 1), out=np.empty_like(q), backend="reference")
     assert len(calls) == 8
+
+
+def test_host_torch_tensors_are_remembered_and_get_tensors_back(monkeypatch):
+    torch = pytest.importorskip("torch")
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(problem_cache, "validate", counting)
+    q, k, v = (torch.from_numpy(a) for a in _arrays((1, 2, 5, 8), (1, 2, 7, 8), seed=7))
+    results = [tileattn.forward(q, k, v, causal=True, backend="reference") for _ in range(2)]
+    q2 = q + 1
+    results.append(tileattn.forward(q2, k, v, causal=True, backend="reference"))
+    assert len(calls) == 1
+    assert all(isinstance(o, torch.Tensor) for o in results)
+    expected = tileattn.forward(q2.numpy(), k.numpy(), v.numpy(), causal=True,
+                                backend="reference")
+    np.testing.assert_array_equal(results[2].numpy(), expected)
+    # A NumPy call of the same shapes is its own signature: its results stay NumPy.
+    assert isinstance(tileattn.forward(q.numpy(), k.numpy(), v.numpy(), causal=True,
+                                       backend="reference"), np.ndarray)

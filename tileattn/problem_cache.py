@@ -9,9 +9,11 @@ before therefore gets that problem again with its own arrays in it, in a few mic
 instead of the ~25-40 that validation costs: on the GPU a small call or a decode step is
 counted in tens of microseconds of host time (bench/NOTES-gpu.md).
 
+Host torch tensors (the torch adapter on the CPU) are remembered through their NumPy views
+(`arrays.to_native`), under their own type, so that results still go back as tensors.
 Calls this does not remember, validated every time: variable-length and paged calls (their
-lengths are contents), ALiBi slopes (an array), arrays other than NumPy and CuPy ones in
-native byte order, and option values that are not hashable.
+lengths are contents), ALiBi slopes (an array), other arrays than those in native byte
+order, and option values that are not hashable.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from . import arrays
 from .validation import (Problem, backend_views, check_output_addresses,
                          swap_heads_and_sequence, validate)
 
@@ -42,17 +45,33 @@ def _array_signature(array):
     return None
 
 
-def _signature(arrays_in: tuple, layout, check_lengths, options: dict):
+def _natives(arrays_in: tuple) -> tuple | None:
+    """The arrays as validation reads them (NumPy or CuPy), or None for kinds this does not
+    remember: host torch tensors become their NumPy views, which is what validation makes
+    of them too; CUDA tensors and JAX arrays would cost a DLPack exchange here and another
+    in validation."""
+    natives = []
+    for array in arrays_in:
+        if type(array) is not np.ndarray and arrays.library_of(array) != "cupy":
+            if arrays.library_of(array) != "torch" or array.device.type != "cpu":
+                return None
+            array = arrays.to_native(array)
+        natives.append(array)
+    return tuple(natives)
+
+
+def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options: dict):
     """The key of a call, or None when it is not remembered."""
     if options.get("alibi_slopes") is not None:
         return None
-    signatures = tuple(map(_array_signature, arrays_in))
+    signatures = tuple(map(_array_signature, natives))
     if None in signatures or any(s[2] is None for s in signatures):
         return None
     values = tuple(options.values())
     # The types too: causal=1 and causal=True compare (and hash) equal, but validation
-    # rejects the int.
-    return layout, check_lengths, tuple(options), values, tuple(map(type, values)), signatures
+    # rejects the int; and a tensor's results go back as tensors.
+    return (layout, check_lengths, tuple(options), values, tuple(map(type, values)),
+            tuple(map(type, arrays_in)), signatures)
 
 
 def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
@@ -63,8 +82,10 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
                         varlen=varlen, check_lengths=check_lengths, **options)
     arrays_in = (q, k, v) if do is None else (q, k, v, do, o, lse)
     given = {name: b for name, b in outputs.items() if b is not None} if outputs else {}
-    key = _signature(arrays_in + tuple(given.values()), layout, check_lengths,
-                     dict(options, outputs=tuple(given)))
+    natives = _natives(arrays_in + tuple(given.values()))
+    key = (None if natives is None else
+           _signature(arrays_in + tuple(given.values()), natives, layout, check_lengths,
+                      dict(options, outputs=tuple(given))))
     try:
         remembered = _PROBLEMS.get(key) if key is not None else None
     except TypeError:  # an option value that is not hashable, e.g. window given as a list
@@ -80,7 +101,8 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
                               replace(problem, tensors={}, outputs={}))
         return problem
     batch, template = remembered
-    named = dict(zip(_FORWARD_NAMES if do is None else _BACKWARD_NAMES, arrays_in))
+    named = dict(zip(_FORWARD_NAMES if do is None else _BACKWARD_NAMES, natives))
+    given = dict(zip(given, natives[len(named):]))
     layout_of = template.layout
     if layout_of.sequence_first:
         named = {name: a if name == "lse" else swap_heads_and_sequence(a)
