@@ -24,8 +24,8 @@ from dataclasses import replace
 import numpy as np
 
 from . import arrays
-from .validation import (Problem, backend_views, check_output_addresses,
-                         swap_heads_and_sequence, validate)
+from .validation import (Problem, backend_views, check_output_addresses, heads_first,
+                         output_view, validate)
 
 _LIMIT = 256  # signatures remembered; the whole cache is dropped when it is full
 _PROBLEMS: dict = {}
@@ -34,15 +34,13 @@ _BACKWARD_NAMES = ("q", "k", "v", "do", "o", "lse")
 
 
 def _array_signature(array):
-    """What validation reads of an array, or None for an array this does not remember."""
-    kind = type(array)
-    if kind is np.ndarray:
-        return (array.shape, array.strides, array.dtype if array.dtype.isnative else None,
-                array.flags.writeable)
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and kind is cupy.ndarray:
-        return array.shape, array.strides, array.dtype, array.data.device_id
-    return None
+    """What validation reads of a NumPy or CuPy array, or None for one this does not
+    remember (a non-native byte order)."""
+    if type(array) is np.ndarray:
+        if not array.dtype.isnative:
+            return None
+        return array.shape, array.strides, array.dtype, array.flags.writeable
+    return array.shape, array.strides, array.dtype, array.data.device_id
 
 
 def _natives(arrays_in: tuple) -> tuple | None:
@@ -50,9 +48,11 @@ def _natives(arrays_in: tuple) -> tuple | None:
     remember: host torch tensors become their NumPy views, which is what validation makes
     of them too; CUDA tensors and JAX arrays would cost a DLPack exchange here and another
     in validation."""
+    cupy = sys.modules.get("cupy")
     natives = []
     for array in arrays_in:
-        if type(array) is not np.ndarray and arrays.library_of(array) != "cupy":
+        kind = type(array)
+        if kind is not np.ndarray and (cupy is None or kind is not cupy.ndarray):
             if arrays.library_of(array) != "torch" or array.device.type != "cpu":
                 return None
             array = arrays.to_native(array)
@@ -65,7 +65,7 @@ def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options:
     if options.get("alibi_slopes") is not None:
         return None
     signatures = tuple(map(_array_signature, natives))
-    if None in signatures or any(s[2] is None for s in signatures):
+    if None in signatures:
         return None
     values = tuple(options.values())
     # The types too: causal=1 and causal=True compare (and hash) equal, but validation
@@ -105,20 +105,11 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     given = dict(zip(given, natives[len(named):]))
     layout_of = template.layout
     if layout_of.sequence_first:
-        named = {name: a if name == "lse" else swap_heads_and_sequence(a)
-                 for name, a in named.items()}
+        named = heads_first(named)
     tensors = backend_views(named, batch, layout_of.single_head)
-    views = {}
-    if given:
-        check_output_addresses(given, named, layout_of.memory)
-        for name, array in given.items():
-            if name == "lse_out":
-                views[name] = backend_views({"lse": array}, batch, layout_of.single_head)["lse"]
-            else:
-                ordered = (swap_heads_and_sequence(array) if layout_of.sequence_first
-                           else array)
-                views[name] = backend_views({name: ordered}, batch,
-                                            layout_of.single_head)[name]
+    check_output_addresses(given, named, layout_of.memory)
+    views = {name: output_view(name, array, batch, layout_of.single_head,
+                               layout_of.sequence_first)[1] for name, array in given.items()}
     return Problem(tensors, layout_of, template.options, template.dtype, template.n_q_heads,
                    template.n_kv_heads, template.n_q, template.n_k, template.head_dim,
                    template.value_dim, views)

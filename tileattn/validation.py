@@ -57,7 +57,7 @@ def check_layout(layout) -> bool:
     return layout == "bshd"
 
 
-def swap_heads_and_sequence(array):
+def _swap_heads_and_sequence(array):
     """A ``(*batch, N, H, D)`` array as the ``(*batch, H, N, D)`` view the backends read:
     swapaxes only changes strides, so the caller's memory is never copied. 2-D ``(N, D)``
     arrays have no head axis and are the same in both layouts."""
@@ -189,16 +189,31 @@ def _to_4d(array, batch: int, single_head: bool):
     return array.reshape((batch,) + tuple(array.shape[-3:]))
 
 
+def _lse_view(array, batch: int, single_head: bool):
+    return (array if array.ndim == 3 and not single_head
+            else _to_4d(array[..., None], batch, single_head)[..., 0])
+
+
 def backend_views(named: dict, batch: int, single_head: bool) -> dict:
     """The backends' 4-D views of dense arrays in ``(*batch, H, N, D)`` order (lse: 3-D)."""
-    views = {}
-    for name, array in named.items():
-        if name != "lse":
-            views[name] = _to_4d(array, batch, single_head)
-        else:
-            views[name] = (array if array.ndim == 3 and not single_head
-                           else _to_4d(array[..., None], batch, single_head)[..., 0])
-    return views
+    return {name: _lse_view(array, batch, single_head) if name == "lse"
+            else _to_4d(array, batch, single_head) for name, array in named.items()}
+
+
+def heads_first(named: dict) -> dict:
+    """A "bshd" call's arrays in ``(*batch, H, N, D)`` order; lse is ``(*batch, H, N)`` in
+    both layouts, as flash-attn's softmax_lse."""
+    return {name: a if name == "lse" else _swap_heads_and_sequence(a)
+            for name, a in named.items()}
+
+
+def output_view(name: str, array, batch: int, single_head: bool, sequence_first: bool):
+    """A caller's output buffer in the backends' axis order, and as their 4-D view (lse_out:
+    3-D); the latter is a view indeed once the former is C-contiguous."""
+    if name == "lse_out":
+        return array, _lse_view(array, batch, single_head)
+    ordered = _swap_heads_and_sequence(array) if sequence_first else array
+    return ordered, _to_4d(ordered, batch, single_head)
 
 
 def _check_int(name, value, *, minimum):
@@ -521,9 +536,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     named = {name: arrays.to_native_byte_order(arrays.to_native(a))
              for name, a in named.items()}
     shapes = {name: tuple(a.shape) for name, a in named.items()}
-    if sequence_first:  # lse is (*batch, H, N) in both layouts, as flash-attn's softmax_lse
-        named = {name: a if name == "lse" else swap_heads_and_sequence(a)
-                 for name, a in named.items()}
+    if sequence_first:
+        named = heads_first(named)
     memory = _check_memory(named)
     q, k, v = named["q"], named["k"], named["v"]
     dtype = _check_dtypes({name: named[name] for name in ("q", "k", "v")})
@@ -587,11 +601,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
                     "dv_out": (shapes["v"], dtype)}
 
         def to_backend(name, array):
-            if name == "lse_out":
-                return array, (array if array.ndim == 3 and not single_head
-                               else _to_4d(array[..., None], batch, single_head)[..., 0])
-            ordered = swap_heads_and_sequence(array) if sequence_first else array
-            return ordered, _to_4d(ordered, batch, single_head)
+            return output_view(name, array, batch, single_head, sequence_first)
 
         output_views = _check_outputs(outputs, expected, to_backend, named, memory)
     return Problem(tensors=tensors,
