@@ -1,7 +1,9 @@
 """A small, representative workload for compute-sanitizer: every kernel of the GPU backend.
 
-    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only | --varlen-only]
-    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only | --varlen-only]
+    compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only | --varlen-only
+                                                                     | --redo-only]
+    compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only | --varlen-only
+                                                                     | --redo-only]
 
 Sizes are small (the sanitizer slows kernels down a hundredfold) but ragged, so every
 kernel sees partial tiles, fully masked rows, GQA and each option switch. Each case is also
@@ -62,6 +64,8 @@ def main() -> int:
         return decode_cases(rng)
     if "--varlen-only" in sys.argv[1:]:
         return varlen_cases(rng)
+    if "--redo-only" in sys.argv[1:]:
+        return redo_cases(rng)
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
         options = dict(options)
         deterministic = options.pop("deterministic", True)
@@ -139,7 +143,38 @@ def main() -> int:
                 assert_attention_close(grad.get(), want, q.dtype, name=grad_name)
             print(f"ok float16 D={head_dim} {name} single-pass backward (dQ added in arrival order)")
     decode_cases(rng)
+    redo_cases(rng)
     return varlen_cases(rng)
+
+
+def redo_cases(rng) -> int:
+    """An infinite key that every query scores -inf, beside a partial last query tile: the
+    16-bit dK/dV kernels flag its block and attention_backward_dkdv_redo computes the block
+    again (`--redo-only`: these alone)."""
+    for dtype, options, single_pass in (("float16", {}, False),
+                                        ("bfloat16", {"window": (40, 10)}, False),
+                                        ("float16", {"causal": True}, True)):
+        dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+        q, k, v, do = (rng.standard_normal(shape).astype(dtype) for shape in
+                       ((2, 4, 70, 64), (2, 2, 150, 64), (2, 2, 150, 64), (2, 4, 70, 64)))
+        q[..., 0] = -np.abs(q[..., 0]) - np.asarray(0.1, dtype)
+        k[1, 1, 140, 0] = np.inf
+        device = [cupy.asarray(a) for a in (q, k, v, do)]
+        o, lse = tileattn.forward(*device[:3], backend="gpu", return_lse=True, **options)
+        if single_pass:  # the mma.sync single pass (its dK/dV kernel flags too)
+            _, dk, dv = launch_backward.backward_mma(
+                device[3], *device[:3], o, lse, _resolved(q, k, v, options),
+                SINGLE_PASS_TILES["mma"][64], single_pass=True)
+        else:
+            _, dk, dv = tileattn.backward(device[3], *device[:3], o, lse, backend="gpu",
+                                          **options)
+        golden = _golden_grads(do, q, k, v, o, lse, **options)
+        for name, grad, want in (("dk", dk, golden[1]), ("dv", dv, golden[2])):
+            assert_attention_close(grad.get(), want, q.dtype, name=name)
+        assert not cupy.any(dk[1, 1, 140]) and not cupy.any(dv[1, 1, 140])
+        print(f"ok {dtype} {sorted(options)} {'mma.sync single pass' if single_pass else ''} "
+              "an infinite key beside a query tail (redo)")
+    return 0
 
 
 def varlen_cases(rng) -> int:

@@ -243,6 +243,28 @@ def test_an_infinite_key_that_every_row_scores_minus_inf_drops_out(backend):
         assert np.isfinite(o).all()
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)]
+                         + [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() else []),
+                         ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(12, 40, 5, {}), (100, 300, 200, {"window": (150, 10)}),
+                                   (70, 260, 259, {"causal": True})],
+                         ids=["short", "window", "causal"])
+def test_an_infinite_key_drops_out_beside_a_partial_query_tile(backend, dtype, shape):
+    """As above with GQA, two batch elements and Nq a multiple of no tile, so the GPU's
+    dK/dV kernels stream a last query tile with zero rows past Nq (inf x 0 = NaN against
+    the key): the 16-bit kernels flag the key's block and compute it again on CUDA cores
+    (attention_backward_dkdv_redo), float32 zeroes those rows' probabilities. dk and dv
+    of the key are 0, as the golden model has them."""
+    n_q, n_k, key, options = shape
+    q, k, v, do = _normal(9, (2, 2, n_q, 8), (2, 1, n_k, 8), (2, 1, n_k, 8), (2, 2, n_q, 8),
+                          dtype=dtype)
+    q[..., 0] = -np.abs(q[..., 0]) - np.asarray(0.1, dtype)
+    k[1, 0, key, 0] = np.inf
+    o, (dq, dk, dv) = check_problem(backend, q, k, v, do, options, exact=False)
+    assert np.isfinite(o).all()
+    assert (dk[1, 0, key] == 0).all() and (dv[1, 0, key] == 0).all()
+
+
 def test_an_infinite_query_against_keys_of_one_sign_scores_minus_inf(backend):
     """q[3, 0] = +inf against k[:, 0] < 0 (not TF32 numbers either): row 3's scores are all
     -inf, and no other row is touched."""

@@ -1,13 +1,14 @@
 """Compile every tensor-core and generic kernel with nvcc, no GPU needed: syntax, registers
 and spills per entry point, with every score option on (the heaviest variant).
 
-    python3 bench/experiments/compile_check_gpu.py [--keep DIR] [--backward-rows]
+    python3 bench/experiments/compile_check_gpu.py [--keep DIR] [--backward-rows [--flag-keys]]
 
 Needs nvcc (CUDA 12+) on the PATH. Each line: source, result, ptxas's register and spill
 report. A kernel that gains spills here has grown past its register budget.
 --backward-rows compiles the 16-bit backward rows of the tile tables instead (wgmma D = 64,
 128, 192, 256 and the mma.sync single pass), each without a band, causal, and with every
-option: the rows whose registers the cut-tile non-finite corrections must not grow.
+option: the rows whose registers the cut-tile non-finite corrections must not grow;
+--flag-keys compiles them as a query tail does (FLAG_NON_FINITE_KEYS).
 """
 
 from __future__ import annotations
@@ -38,13 +39,21 @@ JOBS = [
       "VALUE_DIM=64"]),
     ("attention_wgmma_backward.cu", "90a",
      BACKWARD + ["OWNED_ROWS=128", "STAGES=2", "STREAMED_ROWS=64"]),
+    ("attention_wgmma_backward.cu", "90a",
+     BACKWARD + ["OWNED_ROWS=128", "STAGES=2", "STREAMED_ROWS=64", "FLAG_NON_FINITE_KEYS=1"]),
     ("attention_mma_backward.cu", "90",
      BACKWARD + ["IS_FLOAT32=0", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=64"]),
+    ("attention_mma_backward.cu", "90",
+     BACKWARD + ["IS_FLOAT32=0", "ORDERED=0", "OWNED_ROWS=64", "STREAMED_ROWS=64",
+                 "FLAG_NON_FINITE_KEYS=1"]),
     ("attention_mma_backward.cu", "90",
      BACKWARD + ["IS_FLOAT32=1", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=32"]),
     ("attention_generic.cu", "90",
      ["ACCUM=float", "BLOCK_K=32", "BLOCK_Q=32", "HEAD_DIM_PAD=64", "STORAGE=float",
       "THREADS=256", "VALUE_DIM_PAD=64"]),
+    ("attention_generic.cu", "90",
+     ["ACCUM=float", "BLOCK_K=64", "BLOCK_Q=32", "HEAD_DIM_PAD=128", "STORAGE=half_storage",
+      "THREADS=256", "VALUE_DIM_PAD=128"]),
     ("attention_generic.cu", "90",
      ["ACCUM=double", "BLOCK_K=16", "BLOCK_Q=16", "HEAD_DIM_PAD=16", "STORAGE=double",
       "THREADS=256", "VALUE_DIM_PAD=16"]),
@@ -98,8 +107,9 @@ _WGMMA_ROWS = [  # (head dim, (dq owned, streamed), (dkdv owned, streamed), stag
     (256, (128, 32), (128, 32), 2, True)]
 
 
-def _backward_rows():
-    """(source, arch, defines, options) of the 16-bit backward rows, per option set."""
+def _backward_rows(extra: list[str]):
+    """(source, arch, defines, options) of the 16-bit backward rows, per option set, with
+    `extra` defines."""
     jobs = []
     for options in (NO_BAND, CAUSAL, EVERY_OPTION):
         for dim, dq, dkdv, stages, split in _WGMMA_ROWS:
@@ -111,12 +121,13 @@ def _backward_rows():
                                  ["COPY_BYTES=16", f"DKDV_PART={part}", "IS_BFLOAT16=0",
                                   "SINGLE_PASS=0", f"HEAD_DIM={dim}", f"VALUE_DIM={dim}",
                                   f"OWNED_ROWS={owned}", f"STREAMED_ROWS={streamed}",
-                                  f"STAGES={stages}", f"ENTRY={entry}"], options))
+                                  f"STAGES={stages}", f"ENTRY={entry}"] + extra, options))
         for dim, owned, streamed in ((64, 128, 64), (128, 128, 64), (128, 64, 64)):
             jobs.append(("attention_mma_backward.cu", "90",
                          ["COPY_BYTES=16", "DKDV_PART=0", "IS_BFLOAT16=0", "IS_FLOAT32=0",
                           "ORDERED=0", "SINGLE_PASS=1", f"HEAD_DIM={dim}", f"VALUE_DIM={dim}",
-                          f"OWNED_ROWS={owned}", f"STREAMED_ROWS={streamed}"], options))
+                          f"OWNED_ROWS={owned}", f"STREAMED_ROWS={streamed}"] + extra,
+                         options))
     return jobs
 
 
@@ -181,8 +192,11 @@ def main() -> None:
     parser.add_argument("--keep", help="keep the spliced sources and cubins in this folder")
     parser.add_argument("--backward-rows", action="store_true",
                         help="the 16-bit backward rows, no band / causal / every option")
+    parser.add_argument("--flag-keys", action="store_true",
+                        help="--backward-rows with FLAG_NON_FINITE_KEYS=1 (a query tail)")
     args = parser.parse_args()
-    jobs = _backward_rows() if args.backward_rows else JOBS
+    extra = ["FLAG_NON_FINITE_KEYS=1"] if args.flag_keys else []
+    jobs = _backward_rows(extra) if args.backward_rows else JOBS
     directory = args.keep or tempfile.mkdtemp(prefix="tileattn-nvcc-")
     os.makedirs(directory, exist_ok=True)
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 4)) as pool:

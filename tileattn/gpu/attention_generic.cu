@@ -463,7 +463,7 @@ __device__ void backward_dkdv_tile(
     i64 n_k_total, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
     int block_k, HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
     HeadStrides do_strides, i64 lse_batch_stride, i64 lse_head_stride, i64 lse_row_stride,
-    ScoreOptions<typename C::Acc> options, const SequenceTables& tables) {
+    ScoreOptions<typename C::Acc> options, const KeyBlock& owned, i64 col_start) {
     typedef typename C::Acc Acc;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Acc* k_tile = reinterpret_cast<Acc*>(shared_bytes);       // [block_k][head_pitch]
@@ -476,14 +476,11 @@ __device__ void backward_dkdv_tile(
     Acc* delta_tile = lse_tile + C::block_q;                  // [block_q]
     require_shared_bytes(sizeof(Acc) * (delta_tile + C::block_q - k_tile));
 
-    const int n_kv_heads = n_q_heads / group_size;
-    const KeyBlock owned = key_block(block_k, n_q_total, n_k_total, options.band.offset,
-                                     n_kv_heads, tables);
     const i64 batch = owned.batch, n_q = owned.n_q, n_k = owned.n_k;
     const int kv_head = owned.kv_head;
     options.band.offset = owned.band_offset;
-    const i64 col_start = owned.key_start;
     const int cols = static_cast<int>(min(static_cast<i64>(block_k), n_k - col_start));
+    __syncthreads();  // a previous tile's readers of the K and V tiles are done
 
     load_tile<C, C::block_k, C::head_dim_pad>(
         k_tile,
@@ -695,20 +692,51 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                          SCORE_OPTIONS, SEQUENCE_TABLES);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv(
-    const STORAGE* q, const STORAGE* k, const STORAGE* v, const STORAGE* d_out,
-    const ACCUM* lse, const ACCUM* delta, STORAGE* dk, STORAGE* dv, const double* alibi_slopes,
-    i64 n_q, i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
-    int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
-    i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,
-    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
-    backward_dkdv_tile<Config>(q, k, v, d_out, lse, delta, dk, dv, alibi_slopes, n_q, n_k,
-                               n_q_heads, group_size, head_dim, value_dim, block_q, block_k,
-                               HeadStrides{q_sb, q_sh, q_sn, q_sd},
-                               HeadStrides{k_sb, k_sh, k_sn, k_sd},
-                               HeadStrides{v_sb, v_sh, v_sn, v_sd},
-                               HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh, lse_sn,
-                               SCORE_OPTIONS, SEQUENCE_TABLES);
+#define BACKWARD_DKDV_ARRAYS                                                                 \
+    const STORAGE *q, const STORAGE *k, const STORAGE *v, const STORAGE *d_out,              \
+        const ACCUM *lse, const ACCUM *delta, STORAGE *dk, STORAGE *dv
+#define BACKWARD_DKDV_SCALARS                                                                \
+    const double *alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size,             \
+        int head_dim, int value_dim, int block_q, int block_k, i64 q_sb, i64 q_sh, i64 q_sn, \
+        i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn, i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn,      \
+        i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn, i64 do_sd, i64 lse_sb, i64 lse_sh,        \
+        i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS
+#define BACKWARD_DKDV_TILE(owned, col_start)                                                 \
+    backward_dkdv_tile<Config>(q, k, v, d_out, lse, delta, dk, dv, alibi_slopes, n_q, n_k,   \
+                               n_q_heads, group_size, head_dim, value_dim, block_q, block_k, \
+                               HeadStrides{q_sb, q_sh, q_sn, q_sd},                          \
+                               HeadStrides{k_sb, k_sh, k_sn, k_sd},                          \
+                               HeadStrides{v_sb, v_sh, v_sn, v_sd},                          \
+                               HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh,      \
+                               lse_sn, SCORE_OPTIONS, owned, col_start)
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attention_backward_dkdv(BACKWARD_DKDV_ARRAYS, BACKWARD_DKDV_SCALARS) {
+    const KeyBlock owned = key_block(block_k, n_q, n_k, band_offset, n_q_heads / group_size,
+                                     SEQUENCE_TABLES);
+    BACKWARD_DKDV_TILE(owned, owned.key_start);
+}
+
+// dK and dV again for the key blocks of a 16-bit tensor-core dK/dV kernel that flagged
+// inf or NaN in their owned K or V rows (`key_flags[block]`, FLAG_NON_FINITE_KEYS there),
+// with that kernel's grid: `owned_rows` keys a block, in its block order (`tile_major`).
+// Those kernels stream query tiles whose rows past n_q are zero rows of Q, dO, lse and D;
+// against an infinite key element they score 0 x inf = NaN, which would reach dk and dv of
+// a key that no real query keeps. Here only real rows are read. Any other block returns
+// at once, so with finite keys this costs a launch.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attention_backward_dkdv_redo(BACKWARD_DKDV_ARRAYS, const int* key_flags,
+                                 BACKWARD_DKDV_SCALARS, int owned_rows, int tile_major) {
+    if (!key_flags[blockIdx.x]) return;
+    const int n_kv_heads = n_q_heads / group_size;
+    const KeyBlock owned =
+        tile_major ? key_block<true>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
+                                     SEQUENCE_TABLES)
+                   : key_block<false>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
+                                      SEQUENCE_TABLES);
+    const i64 stop = min(owned.key_start + owned_rows, owned.n_k);
+    for (i64 col_start = owned.key_start; col_start < stop; col_start += block_k)
+        BACKWARD_DKDV_TILE(owned, col_start);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(

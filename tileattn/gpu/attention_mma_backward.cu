@@ -40,13 +40,18 @@
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
 // VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DKDV_PART and
 // QUERY_TAIL (dK/dV kernel; QUERY_TAIL, default 0: a streamed query tile may end past n_q,
-// backward_scores.cuh), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN
-// (sequences.cuh; not with SINGLE_PASS).
+// backward_scores.cuh), FLAG_NON_FINITE_KEYS (16-bit dK/dV kernel, default 0; the same
+// tail, kept_products.cuh: flag_non_finite_keys), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
+// DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS).
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
 #ifndef QUERY_TAIL
 #define QUERY_TAIL 0
 #endif
+#ifndef FLAG_NON_FINITE_KEYS
+#define FLAG_NON_FINITE_KEYS 0
+#endif
+static_assert(!(FLAG_NON_FINITE_KEYS && IS_FLOAT32), "float32 zeroes its tail (QUERY_TAIL)");
 #if IS_FLOAT32
 #include "tf32.cuh"
 // float32 on TF32 tensor cores at float32 accuracy (tf32.cuh): rows of the width + 8 floats,
@@ -536,7 +541,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_mma(
     const element* q, const element* k, const element* v, const element* d_out, const float* lse,
-    const float* delta, element* dk, element* dv, float* dq_sum, int* dq_turns,
+    const float* delta, element* dk, element* dv, float* dq_sum, int* dq_turns, int* key_flags,
     const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
@@ -581,6 +586,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
         if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, 0.0f, dk_head, col_start + warp * 16, n_k);
         if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 0.0f, dv_head, col_start + warp * 16, n_k);
+        if (FLAG_NON_FINITE_KEYS && kComputesDk && threadIdx.x == 0) key_flags[blockIdx.x] = 0;
         return;
     }
 
@@ -714,4 +720,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     }
     if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, scale, dk_head, col_start + warp * 16, n_k);
     if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 1.0f, dv_head, col_start + warp * 16, n_k);
+    // The owned tiles are still in shared memory (zeros past n_k and past the head dims).
+    if (FLAG_NON_FINITE_KEYS && kComputesDk)
+        flag_non_finite_keys(
+            key_flags,
+            tile_has_non_finite<OWNED_ROWS, kHeadWidth, kQkPitch, kThreads>(k_tile) ||
+                tile_has_non_finite<OWNED_ROWS, kValueWidth, kVPitch, kThreads>(v_tile));
 }

@@ -42,10 +42,14 @@
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES, OWNED_ROWS (a multiple of 64), STREAMED_ROWS (a multiple of 16 up to 256),
 // STAGES (>= 2), SINGLE_PASS and DKDV_PART (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
-// ALIBI, DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS). Needs -arch=sm_90a.
+// ALIBI, DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS), FLAG_NON_FINITE_KEYS
+// (dK/dV kernel, default 0: see flag_non_finite_keys). Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
+#ifndef FLAG_NON_FINITE_KEYS
+#define FLAG_NON_FINITE_KEYS 0
+#endif
 
 constexpr int kWarpgroups = OWNED_ROWS / 64;
 constexpr int kThreads = kWarpgroups * 128;
@@ -423,8 +427,8 @@ __device__ __forceinline__ void add_and_zero_non_finite_queries(
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma(
     const bits16* q, const bits16* k, const bits16* v, const bits16* d_out, const float* lse,
-    const float* delta, bits16* dk, bits16* dv, float* dq_sum, const double* alibi_slopes,
-    i64 n_q_total, i64 n_k_total,
+    const float* delta, bits16* dk, bits16* dv, float* dq_sum, int* key_flags,
+    const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
@@ -474,6 +478,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
         if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, 0.0f, dk_head, warp_key0, n_k);
         if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 0.0f, dv_head, warp_key0, n_k);
+        if (FLAG_NON_FINITE_KEYS && kComputesDk && threadIdx.x == 0) key_flags[blockIdx.x] = 0;
         return;
     }
 
@@ -593,4 +598,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     if (SINGLE_PASS) bulk_wait<0>();  // the staging blocks outlive their reductions
     if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, scale, dk_head, warp_key0, n_k);
     if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 1.0f, dv_head, warp_key0, n_k);
+    // The owned tiles are still in shared memory (zeros past n_k and past the head dims).
+    if (FLAG_NON_FINITE_KEYS && kComputesDk)
+        flag_non_finite_keys(key_flags,
+                             shared_tile_has_non_finite<kOwnedHeadBytes, kThreads>(k_tile) ||
+                                 shared_tile_has_non_finite<kOwnedValueBytes, kThreads>(v_tile));
 }

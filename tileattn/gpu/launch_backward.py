@@ -112,6 +112,43 @@ def _dkdv_parts(split: bool) -> tuple:
     return (1, 2) if split else (0,)
 
 
+def _has_query_tail(n_q: int, streamed: int, sequences: Sequences | None) -> bool:
+    """Whether a dK/dV kernel streaming `streamed` query rows a tile meets tiles that end
+    past a sequence's last query (their rows past it are zero rows)."""
+    return sequences is not None or n_q % streamed != 0
+
+
+def _key_flags(redo: Launch | None):
+    """The dK/dV kernels' flag per block for `redo` (each block writes its own), or an empty
+    stand-in when they flag nothing."""
+    if redo is None:
+        return empty(cupy.cuda.Device().id, "int32")
+    return cupy.empty(redo.grid[0], dtype=cupy.int32)
+
+
+def _key_redo(q, k, v, do, lse, options: AttentionOptions, owned: int, tile_major: bool,
+              grid: int, tables: tuple, sequences: Sequences | None) -> Launch:
+    """attention_generic.cu's attention_backward_dkdv_redo over a 16-bit dK/dV kernel's grid
+    (`owned` keys a block, its block order, its table arguments): dk and dv again, on CUDA
+    cores from the real queries only, for the blocks that flagged inf or NaN in their K or
+    V rows (FLAG_NON_FINITE_KEYS). Called as ``launch(q, k, v, do, lse, delta, dk, dv,
+    flags)`` with the arrays the tensor-core kernels read."""
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    blocks = config.blocks(options)
+    function, shared = config.kernel("attention_backward_dkdv_redo",
+                                     sequences.defines() if sequences is not None else ())
+    strides = [s for array in (q, k, v, do, lse) for s in element_strides(array)[1]]
+    arguments = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                 np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
+                 np.int32(blocks.block_q), np.int32(blocks.block_k))
+    return Launch(function, (grid,), (GENERIC_THREADS,), shared,
+                  arguments + tuple(strides)
+                  + score_arguments(options, n_q, n_k, np.float32) + tables
+                  + (np.int32(owned), np.int32(tile_major)))
+
+
 def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaBackwardTiles,
                    single_pass: bool = False, given=(None, None, None),
                    sequences: Sequences | None = None):
@@ -132,10 +169,14 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
         delta = _new_delta(o)
         dq, dk, dv = _outputs(q, k, v, given)
-        launches[0](do, o, delta)
-        launches[1](q, k, v, do, lse, delta, dq)
-        for launch in launches[2:]:
-            launch(q, k, v, do, lse, delta, dk, dv, empty(q.device.id, "float32"))
+        delta_launch, dq_launch, *dkdv_launches, redo = launches
+        flags = _key_flags(redo)
+        delta_launch(do, o, delta)
+        dq_launch(q, k, v, do, lse, delta, dq)
+        for launch in dkdv_launches:
+            launch(q, k, v, do, lse, delta, dk, dv, empty(q.device.id, "float32"), flags)
+        if redo is not None:
+            redo(q, k, v, do, lse, delta, dk, dv, flags)
         return dq, dk, dv
     arrays_in = (do, q, k, v, o)
     delta, delta_launch = row_deltas(do, o)
@@ -147,9 +188,15 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     # blocks of 64 x 64 floats, one bulk reduction's destination each.
     dq_sum = (cupy.zeros(batch * n_q_heads * -(-n_q // 64) * 64 * head_dim, dtype=cupy.float32)
               if single_pass else empty(q.device.id, "float32"))
+    owned, streamed = tiles.dkdv
+    flagging = _has_query_tail(n_q, streamed, sequences)
+    key_grid, key_tables = tile_grid(n_kv_heads, n_k, owned, batch, sequences, keys=True)
+    redo = (_key_redo(q, k, v, do, lse, options, owned, Switches.of(options).banded, key_grid,
+                      key_tables, sequences) if flagging else None)
+    flags = _key_flags(redo)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
-    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum), n_k,
+    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, flags), n_k,
                  n_kv_heads) for part in _dkdv_parts(tiles.split)]
     for entry, part, arrays, n_rows, heads in kernels:
         owned, streamed = getattr(tiles, entry)
@@ -160,15 +207,19 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
                    ("VALUE_DIM", v.shape[3])) + Switches.of(options).defines()
         if sequences is not None:
             defines += (("VARLEN", 1),)
+        if entry == "dkdv" and flagging:
+            defines += (("FLAG_NON_FINITE_KEYS", 1),)
         shared = tiles.shared_bytes(entry, widths, single_pass, part)
         function = _compile.kernel(WGMMA_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
-        grid, tables = tile_grid(heads, n_rows, owned, batch, sequences,
-                                  keys=entry == "dkdv")
+        grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
+                        tile_grid(heads, n_rows, owned, batch, sequences))
         launches.append(Launch(function, (grid,), (owned // 64 * 128,), shared,
                                common + tables))
         launches[-1](*arrays)
-    remember(key, tuple(launches), copy_bytes, *arrays_in)
+    if redo is not None:
+        redo(q, k, v, do, lse, delta, dk, dv, flags)
+    remember(key, tuple(launches) + (redo,), copy_bytes, *arrays_in)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
         unblock = _compile.kernel(WGMMA_SOURCE, "attention_backward_dq_unblock",
                                   tuple(sorted(defines)), 0, arch="90a")
@@ -205,9 +256,17 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles.dkdv[1])
     dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
+    owned, streamed = tiles.dkdv
+    # float32 zeroes the tail's probabilities instead (QUERY_TAIL below), at no cost there.
+    flagging = not is_float32 and _has_query_tail(n_q, streamed, sequences)
+    key_grid, key_tables = tile_grid(n_kv_heads, n_k, owned, batch, sequences, keys=True)
+    redo = (_key_redo(q, k, v, do, lse, options, owned,
+                      Switches.of(options).banded and not ordered, key_grid, key_tables,
+                      sequences) if flagging else None)
+    flags = _key_flags(redo)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
-    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns), n_k,
+    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns, flags), n_k,
                  n_kv_heads) for part in _dkdv_parts(tiles.split)]
     for entry, part, arrays, n_rows, heads in kernels:
         owned, streamed = getattr(tiles, entry)
@@ -219,16 +278,20 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                    ) + Switches.of(options).defines()
         if sequences is not None:
             defines += (("VARLEN", 1),)
-        if entry == "dkdv" and is_float32 and (sequences is not None or n_q % streamed):
+        if entry == "dkdv" and is_float32 and _has_query_tail(n_q, streamed, sequences):
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
+        if entry == "dkdv" and flagging:
+            defines += (("FLAG_NON_FINITE_KEYS", 1),)
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
-        grid, tables = tile_grid(heads, n_rows, owned, batch, sequences,
-                                  keys=entry == "dkdv")
+        grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
+                        tile_grid(heads, n_rows, owned, batch, sequences))
         if grid:
             function((grid,), (owned // 16 * 32,), arrays + common + tables,
                      shared_mem=shared)
+    if redo is not None:
+        redo(q, k, v, do, lse, delta, dk, dv, flags)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
         convert = _compile.kernel(MMA_SOURCE, "attention_backward_dq_convert",
                                   tuple(sorted(defines)), 0)

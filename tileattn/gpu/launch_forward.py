@@ -108,11 +108,12 @@ def _generic_shared_bytes(accum_size: int, head_pad: int, value_pad: int,
     head_pitch, value_pitch, score_pitch = head_pad + 1, value_pad + 1, block_k + 1
     kv = block_k * (head_pitch + value_pitch)
     q_do = block_q * (head_pitch + value_pitch)
+    dkdv = accum_size * (kv + q_do + 2 * block_q * score_pitch + 2 * block_q)
     return {
         "attention_forward": accum_size * (block_q * head_pitch + kv + block_q * score_pitch
                                            + 3 * block_q),
-        "attention_backward_dkdv": accum_size * (kv + q_do + 2 * block_q * score_pitch
-                                                 + 2 * block_q),
+        "attention_backward_dkdv": dkdv,
+        "attention_backward_dkdv_redo": dkdv,
         "attention_backward_dq": accum_size * (kv + q_do + block_q * score_pitch
                                                + 2 * block_q),
     }

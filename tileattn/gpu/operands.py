@@ -72,6 +72,12 @@ class Switches:
                    softcap=options.softcap > 0, alibi=options.alibi_slopes is not None,
                    dropout=options.dropout_p > 0)
 
+    @property
+    def banded(self) -> bool:
+        """A window side is limited: the kernels' grids then run tile-major (common.cuh:
+        kBandedGrid)."""
+        return self.limit_left or self.limit_right
+
     def defines(self) -> tuple:
         return (("ALIBI", int(self.alibi)), ("DROPOUT", int(self.dropout)),
                 ("LIMIT_LEFT", int(self.limit_left)), ("LIMIT_RIGHT", int(self.limit_right)),
