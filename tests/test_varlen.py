@@ -532,3 +532,111 @@ def test_paged_prefill_over_pages_shorter_than_key_tiles(backend, dtype, page_si
     for name, actual, same, want in zip(("o", "lse"), paged, contiguous, expected):
         assert_attention_close(actual, same, dtype, name=name)
         assert_attention_close(actual, want, dtype, name=name)
+
+
+# --------------------------------------------------------------------------- device lengths
+
+_NO_GPU = tileattn.backends.availability("gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
+@pytest.mark.parametrize("family", ["padded", "paged"])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("n_q", [3, 90], ids=["decode", "tiles"])
+def test_unchecked_device_lengths_stay_on_the_device(monkeypatch, family, index_dtype, n_q):
+    """An unchecked padded or paged forward with CuPy lengths and table (what a serving loop
+    passes) reads none of them on the host (the descriptors come from a kernel, the tile
+    table lists every padded tile) and gives what the checked call with host lengths gives:
+    int32 and int64, some sequences shorter than the padded axis (tiles past their rows
+    return at once), the decode path and the query-tile kernels, causal."""
+    import cupy
+
+    from tileattn import options as options_module
+
+    rng = np.random.default_rng(n_q)
+    lengths_k = [300, 35, 0, 170]
+    lengths_q = np.array([n_q, 1, 0, n_q // 2], dtype=index_dtype)
+    q = rng.standard_normal((4, 4, n_q, 64)).astype(np.float16)
+    if family == "paged":
+        _, _, (k, v), table = _paged_cache(rng, 4, 2, lengths_k, 16, 64, 64, False, np.float16)
+        lengths = {"block_table": table.astype(index_dtype)}
+    else:
+        k, v = (rng.standard_normal((4, 2, 300, 64)).astype(np.float16) for _ in range(2))
+        lengths = {}
+    lengths.update(seqlens_k=np.array(lengths_k, dtype=index_dtype), seqlens_q=lengths_q)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    checked = tileattn.forward(*device, return_lse=True, causal=True, **lengths)
+
+    def no_host_copy(*_):
+        raise AssertionError("an unchecked call read its device lengths on the host")
+
+    monkeypatch.setattr(tileattn.arrays, "to_host", no_host_copy)
+    monkeypatch.setattr(options_module.VarlenLayout, "on_host", no_host_copy)
+    unchecked = tileattn.forward(*device, return_lse=True, causal=True, check_lengths=False,
+                                 **{name: cupy.asarray(a) for name, a in lengths.items()})
+    monkeypatch.undo()
+    for name, a, b in zip(("o", "lse"), checked, unchecked):
+        assert_attention_close(b.get(), a.get().astype(np.float64), np.float16, name=name)
+    padding = np.arange(n_q)[None, :] >= lengths_q[:, None]
+    assert (unchecked[0].get()[padding.nonzero()[0], :, padding.nonzero()[1]] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
+def test_unchecked_device_lengths_serve_the_backward_and_the_reference():
+    """The backward (its key tiles need the lengths on the host) and the reference backend
+    (which computes on the host) read an unchecked call's device lengths there."""
+    import cupy
+
+    rng = np.random.default_rng(4)
+    q, k, v, do, lengths_q, lengths_k = _padded_problem(rng, dtype=np.float32)
+    lengths = {"seqlens_q": lengths_q, "seqlens_k": lengths_k}
+    device = {name: cupy.asarray(a.astype(np.int32)) for name, a in lengths.items()}
+    arrays = [cupy.asarray(a) for a in (q, k, v, do)]
+    golden_o, golden_lse = rv.forward_padded(*(a.astype(np.float64) for a in (q, k, v)),
+                                             lengths_q, lengths_k, causal=True)
+    for backend in ("gpu", "reference"):
+        o, lse = tileattn.forward(*arrays[:3], return_lse=True, causal=True,
+                                  check_lengths=False, backend=backend, **device)
+        assert_attention_close(o.get(), golden_o, np.float32, name="o")
+        grads = tileattn.backward(arrays[3], *arrays[:3], o, lse, causal=True,
+                                  check_lengths=False, backend=backend, **device)
+        expected = rv.backward_padded(*(a.astype(np.float64) for a in (do, q, k, v)),
+                                      o.get().astype(np.float64), lse.get(), lengths_q,
+                                      lengths_k, causal=True)
+        for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+            assert_attention_close(grad.get(), want, np.float32, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
+@pytest.mark.parametrize("n_q", [1, 90], ids=["decode", "tiles"])
+def test_repeated_unchecked_device_calls_follow_lengths_changed_in_place(n_q):
+    """A decode loop: the same CuPy lengths and table, updated in place between calls of
+    one signature (remembered: problem_cache, the plan's tables refilled per call), on the
+    default stream and on another one: every call reads the lengths it was given."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    lengths_k = np.array([200, 35, 0, 120])
+    _, _, (k, v), table = _paged_cache(rng, 4, 2, [260, 95, 60, 180], 16, 64, 64, False,
+                                       np.float16)
+    q = cupy.asarray(rng.standard_normal((4, 8, n_q, 64)).astype(np.float16))
+    k, v = cupy.asarray(k), cupy.asarray(v)
+    device_lengths, device_table = cupy.asarray(lengths_k, np.int32), cupy.asarray(table)
+    for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)):
+        with stream:
+            for step in range(3):
+                device_lengths += 20
+                o, lse = tileattn.forward(q, k, v, return_lse=True, causal=True,
+                                          check_lengths=False, seqlens_k=device_lengths,
+                                          block_table=device_table)
+                expected = tileattn.forward(q, k, v, return_lse=True, causal=True,
+                                            seqlens_k=lengths_k + 20 * (step + 1),
+                                            block_table=table)
+                for name, a, b in zip(("o", "lse"), (o, lse), expected):
+                    assert_attention_close(a.get(), b.get().astype(np.float64), np.float16,
+                                           name=f"{name} at step {step}")
+            device_lengths -= 60
+            stream.synchronize()

@@ -6,6 +6,8 @@ and an `AttentionOptions`. Empty problems are answered here so no backend specia
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from . import arrays, backends
@@ -48,12 +50,15 @@ def _run(module, function_name: str, problem: Problem):
     crosses_to_host = module.MEMORY == "host" and problem.layout.memory == "cuda"
     if crosses_to_host:
         tensors = {name: arrays.to_host(a) for name, a in tensors.items()}
+    options = problem.options
+    if crosses_to_host and options.varlen is not None:  # lengths an unchecked call kept there
+        options = replace(options, varlen=options.varlen.on_host())
     names = ("q", "k", "v") if function_name == "forward" else ("do", "q", "k", "v", "o", "lse")
     buffers = {}
     if getattr(module, "WRITES_OUT", False) and not crosses_to_host:
         buffers = {name: problem.outputs[name] for name in _OUTPUT_NAMES[function_name]
                    if name in problem.outputs}
-    results = getattr(module, function_name)(*(tensors[n] for n in names), problem.options,
+    results = getattr(module, function_name)(*(tensors[n] for n in names), options,
                                              **buffers)
     if crosses_to_host:
         results = tuple(arrays.to_device_like(r, problem.tensors["q"]) for r in results)

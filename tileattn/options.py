@@ -6,7 +6,7 @@ The API layer (`tileattn.validation`) turns the caller's keyword arguments into 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -164,6 +164,8 @@ class VarlenLayout:
     family : {"padded", "packed", "paged"}
     seqlens_q, seqlens_k : numpy.ndarray or None
         ``(B,)`` over the flattened batch (padded and paged); None means the full axis.
+        An unchecked padded or paged GPU call keeps the caller's device arrays here and in
+        `block_table` (int32 or int64, `on_device`; tileattn.varlen_validation).
     cu_seqlens_q, cu_seqlens_k : numpy.ndarray or None
         ``(S + 1,)`` (packed).
     block_table : numpy.ndarray or None
@@ -193,6 +195,33 @@ class VarlenLayout:
         if self.family == "packed":
             return len(self.cu_seqlens_q) - 1
         return len(self.seqlens_k if self.seqlens_k is not None else self.seqlens_q)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the lengths or the table are device arrays (not yet read on the host)."""
+        return any(a is not None and not isinstance(a, np.ndarray)
+                   for a in (self.seqlens_q, self.seqlens_k, self.block_table))
+
+    def on_host(self) -> "VarlenLayout":
+        """This layout with host int64 arrays (a device-to-host copy where `on_device`)."""
+        if not self.on_device:
+            return self
+
+        def host(array):
+            if array is None or isinstance(array, np.ndarray):
+                return array
+            return np.asarray(array.get(), dtype=np.int64)
+        return replace(self, seqlens_q=host(self.seqlens_q), seqlens_k=host(self.seqlens_k),
+                       block_table=host(self.block_table))
+
+    def signature(self) -> tuple:
+        """What launches over this layout's tables depend on besides the arrays' contents
+        (a forward whose lengths stay on the device plans by it)."""
+        def of(array):
+            return None if array is None else (type(array), array.shape, array.strides,
+                                               array.dtype)
+        return (self.family, self.page_size, self.num_pages, self.checked,
+                of(self.seqlens_q), of(self.seqlens_k), of(self.block_table))
 
     def key_capacity(self, n_k: int) -> int:
         """Logical keys per batch element: ``max_pages * page_size`` when paged, else n_k."""

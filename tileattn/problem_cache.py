@@ -11,9 +11,13 @@ counted in tens of microseconds of host time (bench/NOTES-gpu.md).
 
 Host torch tensors (the torch adapter on the CPU) are remembered through their NumPy views
 (`arrays.to_native`), under their own type, so that results still go back as tensors.
-Calls this does not remember, validated every time: variable-length and paged calls (their
-lengths are contents), ALiBi slopes (an array), other arrays than those in native byte
-order, and option values that are not hashable.
+Variable-length and paged calls are remembered only when their lengths and table are CuPy
+arrays with ``check_lengths=False``: validation then reads nothing of them but their types,
+shapes and dtypes, so a remembered call re-derives only its `VarlenLayout` around the new
+arrays (`validation.with_device_lengths`), as a decode loop's step needs. Calls this does
+not remember, validated every time: other variable-length calls (their lengths are
+contents), ALiBi slopes (an array), other arrays than those in native byte order, and
+option values that are not hashable.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 
 from . import arrays
 from .validation import (Problem, backend_views, check_output_addresses, heads_first,
-                         output_view, validate)
+                         output_view, validate, with_device_lengths)
 
 _LIMIT = 256  # signatures remembered; the whole cache is dropped when it is full
 _PROBLEMS: dict = {}
@@ -77,15 +81,18 @@ def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options:
 def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
                   varlen=None, check_lengths=True, **options) -> Problem:
     """`validation.validate` with the same arguments, remembered per call signature."""
+    lengths = None
     if varlen is not None:
-        return validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
-                        varlen=varlen, check_lengths=check_lengths, **options)
+        lengths = _device_lengths_signature(varlen) if check_lengths is False else None
+        if lengths is None:
+            return validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
+                            varlen=varlen, check_lengths=check_lengths, **options)
     arrays_in = (q, k, v) if do is None else (q, k, v, do, o, lse)
     given = {name: b for name, b in outputs.items() if b is not None} if outputs else {}
     natives = _natives(arrays_in + tuple(given.values()))
     key = (None if natives is None else
            _signature(arrays_in + tuple(given.values()), natives, layout, check_lengths,
-                      dict(options, outputs=tuple(given))))
+                      dict(options, outputs=tuple(given), lengths=lengths)))
     try:
         remembered = _PROBLEMS.get(key) if key is not None else None
     except TypeError:  # an option value that is not hashable, e.g. window given as a list
@@ -110,6 +117,23 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     check_output_addresses(given, named, layout_of.memory)
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
-    return Problem(tensors, layout_of, template.options, template.dtype, template.n_q_heads,
+    options_of = (template.options if varlen is None
+                  else with_device_lengths(template, varlen, do is not None))
+    return Problem(tensors, layout_of, options_of, template.dtype, template.n_q_heads,
                    template.n_kv_heads, template.n_q, template.n_k, template.head_dim,
                    template.value_dim, views)
+
+
+def _device_lengths_signature(varlen: dict) -> tuple | None:
+    """The signature of an unchecked call's lengths and table when they are all CuPy
+    arrays (what validation reads of them), else None."""
+    cupy = sys.modules.get("cupy")
+    signature = []
+    for name, array in varlen.items():
+        if array is None:
+            continue
+        if cupy is None or type(array) is not cupy.ndarray:
+            return None
+        signature.append((name, array.shape, array.strides, array.dtype,
+                          array.data.device_id))
+    return tuple(signature)

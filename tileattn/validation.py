@@ -157,26 +157,41 @@ def _check_paged_shapes(q, k, v, shapes: dict):
     return tuple(q.shape[:-3]), n_q_heads, n_kv_heads, n_q, d, d_v, num_pages, page_size
 
 
-def _check_varlen(family, keywords, batch_shape, n_q, n_k, check_lengths, paging):
+def with_device_lengths(template: Problem, varlen: dict, backward: bool):
+    """The options of a remembered unchecked call (`template`, validated with CuPy lengths
+    of the same signature) around this call's `varlen` arrays (tileattn.problem_cache)."""
+    layout = template.options.varlen
+    paging = (layout.num_pages, layout.page_size) if layout.family == "paged" else None
+    fresh = _check_varlen(varlen_family(varlen, backward=backward), varlen,
+                          template.layout.batch_shape, template.n_q, template.n_k, False,
+                          paging, True)
+    return replace(template.options, varlen=fresh)
+
+
+def _check_varlen(family, keywords, batch_shape, n_q, n_k, check_lengths, paging,
+                  on_gpu=False):
     """The length keywords of `family` as a `VarlenLayout` (contents checked unless
-    ``check_lengths=False``); `paging` is ``(num_pages, page_size)`` for paged K/V."""
+    ``check_lengths=False``); `paging` is ``(num_pages, page_size)`` for paged K/V. An
+    unchecked padded or paged call `on_gpu` keeps device lengths and tables where they are
+    (varlen_validation's docstring)."""
+    keep = on_gpu and not check_lengths
     if family == "packed":
         cu_q, cu_k = check_cu_seqlens_pair(keywords["cu_seqlens_q"], keywords["cu_seqlens_k"],
                                            n_q, n_k, check_lengths)
         return VarlenLayout("packed", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                             checked=check_lengths)
     seqlens_q = (None if keywords.get("seqlens_q") is None else check_seqlens(
-        "seqlens_q", keywords["seqlens_q"], batch_shape, n_q, "Nq", check_lengths))
+        "seqlens_q", keywords["seqlens_q"], batch_shape, n_q, "Nq", check_lengths, keep))
     if family == "padded":
         seqlens_k = (None if keywords.get("seqlens_k") is None else check_seqlens(
-            "seqlens_k", keywords["seqlens_k"], batch_shape, n_k, "Nk", check_lengths))
+            "seqlens_k", keywords["seqlens_k"], batch_shape, n_k, "Nk", check_lengths, keep))
         return VarlenLayout("padded", seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                             checked=check_lengths)
     num_pages, page_size = paging
     seqlens_k = check_seqlens("seqlens_k", keywords["seqlens_k"], batch_shape, None,
-                              check_values=check_lengths)
+                              check_values=check_lengths, keep_device=keep)
     table = check_block_table(keywords["block_table"], seqlens_k, batch_shape, num_pages,
-                              page_size, check_lengths)
+                              page_size, check_lengths, keep)
     return VarlenLayout("paged", seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_table=table,
                         page_size=page_size, num_pages=num_pages, checked=check_lengths)
 
@@ -559,7 +574,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     varlen_layout = None
     if family is not None:
         varlen_layout = _check_varlen(family, varlen, batch_shape, n_q, n_k,
-                                      bool(check_lengths), paging)
+                                      bool(check_lengths), paging, memory == "cuda")
         n_k = varlen_layout.key_capacity(n_k)
     if family == "paged":
         tensors = {"q": _to_4d(q, batch, False), "k": k, "v": v}

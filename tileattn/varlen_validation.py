@@ -5,7 +5,10 @@ Each check takes the caller's array (NumPy, or anything `tileattn.arrays.to_host
 such as CuPy: the contents check is a small device-to-host copy), raises a `TypeError` for a
 non-integer dtype and a `ValueError` for a bad shape or value, naming the argument, what was
 expected and what was given, and returns the lengths as a host ``int64`` array the caller can
-index without overflow. Nothing here writes to the caller's arrays.
+index without overflow. Unchecked lengths and tables of a GPU call (`keep_device`, for
+``check_lengths=False``) stay on the device as int32 or int64, with no copy and no wait for
+the device: a decode loop's step then costs no synchronisation. Nothing here writes to the
+caller's arrays.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import numpy as np
 from . import arrays
 
 
-def _integer_array(name: str, values) -> np.ndarray:
-    values = np.asarray(arrays.to_host(arrays.to_native(values)))
+def _integer_array(name: str, values, keep_device: bool = False):
+    values = arrays.to_native(values)
+    if keep_device and arrays.memory_of(values) == "cuda":
+        return _device_integers(name, values)
+    values = np.asarray(arrays.to_host(values))
     if values.dtype.kind not in "iu":
         raise TypeError(f"{name} must have an integer dtype, got dtype {values.dtype}")
     if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
@@ -29,12 +35,23 @@ def _integer_array(name: str, values) -> np.ndarray:
     return values.astype(np.int64)
 
 
+def _device_integers(name: str, values):
+    """A device array of an unchecked call, left where it is: int32 and int64 as they are
+    (the kernels read either), other integer dtypes as int64."""
+    if values.dtype.kind not in "iu":
+        raise TypeError(f"{name} must have an integer dtype, got dtype {values.dtype}")
+    if values.dtype not in (np.int32, np.int64):
+        values = values.astype(np.int64)
+    return values
+
+
 def _first(condition: np.ndarray) -> tuple:
     return tuple(int(i) for i in np.argwhere(condition)[0])
 
 
 def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
-                  limit_name: str = "", check_values: bool = True) -> np.ndarray:
+                  limit_name: str = "", check_values: bool = True,
+                  keep_device: bool = False) -> np.ndarray:
     """Lengths of a padded batch: ``0 <= seqlens[b] <= limit`` for every batch element.
 
     Parameters
@@ -54,15 +71,19 @@ def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
     check_values : bool
         False (``check_lengths=False``): only the dtype and shape are checked; the kernels
         clamp the values (`tileattn.options.VarlenLayout.descriptors`).
+    keep_device : bool
+        With `check_values` False, a device array stays on its device (see the module's
+        docstring).
 
     Returns
     -------
-    numpy.ndarray of int64, shape ``(prod(batch_shape),)``
+    numpy.ndarray of int64, shape ``(prod(batch_shape),)`` (with `keep_device`, maybe a
+    device array of int32 or int64)
     """
     batch = math.prod(batch_shape)
     if seqlens is None:
         return np.full(batch, limit, dtype=np.int64)
-    values = _integer_array(name, seqlens)
+    values = _integer_array(name, seqlens, keep_device and not check_values)
     if values.shape != tuple(batch_shape):
         raise ValueError(f"{name} must have the batch shape of q, {tuple(batch_shape)}, "
                          f"got shape {values.shape}")
@@ -138,7 +159,8 @@ def check_page_pools(k_pages, v_pages) -> tuple[int, int]:
 
 
 def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, num_pages: int,
-                      page_size: int, check_values: bool = True) -> np.ndarray:
+                      page_size: int, check_values: bool = True,
+                      keep_device: bool = False) -> np.ndarray:
     """A block table ``(*batch, max_pages)`` that holds every key of every batch element.
 
     Batch element ``b`` reads the first ``ceil(seqlens_k[b] / page_size)`` entries of its
@@ -152,12 +174,15 @@ def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, nu
     check_values : bool
         False (``check_lengths=False``): only the dtype and shape are checked; kernels
         clamp page ids and lengths instead.
+    keep_device : bool
+        As in `check_seqlens`.
 
     Returns
     -------
-    numpy.ndarray of int64, shape ``(prod(batch_shape), max_pages)``
+    numpy.ndarray of int64, shape ``(prod(batch_shape), max_pages)`` (with `keep_device`,
+    maybe a device array of int32 or int64)
     """
-    table = _integer_array("block_table", block_table)
+    table = _integer_array("block_table", block_table, keep_device and not check_values)
     if table.ndim != len(batch_shape) + 1 or table.shape[:-1] != tuple(batch_shape):
         raise ValueError(f"block_table must have shape (*batch, max_pages) with the batch "
                          f"shape of q, {tuple(batch_shape)}, got shape {table.shape}")

@@ -10,7 +10,8 @@ forward's calls. At FlashAttention's N = 1k benchmark shapes the forward's kerne
 instead (B 1, Hq 8, Hkv 1, Nq 1, Nk 512, D 64: the split-KV kernel and its merge);
 ``--varlen`` a packed call (8 sequences of 128 rows, Hq 2, D 64, causal, forward and
 backward) and a paged decode step (B 8, Hq 32, Hkv 8, page 64, 512 keys each, lengths
-unchecked), with host NumPy lengths and tables.
+unchecked), with host NumPy lengths and tables, then with CuPy int32 ones (which stay on the
+device), beside a dense step of 64 keys.
 """
 
 from __future__ import annotations
@@ -88,10 +89,22 @@ def varlen(rng) -> None:
                      "seqlens_k": np.full(8, 512), "check_lengths": False}
     paged = lambda: tileattn.forward(step_q, pool, pool, backend="gpu",  # noqa: E731
                                      **paged_lengths)
+    device_lengths = {"block_table": cupy.asarray(paged_lengths["block_table"], np.int32),
+                      "seqlens_k": cupy.asarray(paged_lengths["seqlens_k"], np.int32),
+                      "check_lengths": False}
+    paged_device = lambda: tileattn.forward(step_q, pool, pool, backend="gpu",  # noqa: E731
+                                            **device_lengths)
+    dense_step = lambda: tileattn.forward(step_q, pool[:8].reshape(8, 8, 64, 128),  # noqa
+                                          pool[:8].reshape(8, 8, 64, 128), backend="gpu")
     print(f"packed forward : {per_call_us(packed, 500):7.1f} us per call (host)")
     print(f"packed backward: {per_call_us(packed_backward, 500):7.1f} us per call (host)")
     print(f"paged decode   : {per_call_us(paged, 500):7.1f} us per call (host)")
-    for name, function in (("packed forward", packed), ("paged decode", paged)):
+    print(f"paged decode, device int32 lengths and table: {per_call_us(paged_device, 500):7.1f}"
+          f" us per call (host)")
+    print(f"dense decode step of the same shape (64 keys): {per_call_us(dense_step, 500):7.1f}"
+          f" us per call (host)")
+    for name, function in (("packed forward", packed), ("paged decode", paged),
+                           ("paged decode, device tables", paged_device)):
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(200):

@@ -229,6 +229,7 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 
     const QueryBlock owned = query_block(block_q, n_q_total, n_k_total, options.band.offset, n_q_heads,
                                          group_size, tables);
+    if (tile_past_rows(owned)) return;
     const i64 bh = owned.bh, n_q = owned.n_q, n_k = owned.n_k;
     options.band.offset = owned.band_offset;
     const typename C::T* q_head = q + owned.batch * q_strides.batch +

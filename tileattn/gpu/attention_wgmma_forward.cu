@@ -78,6 +78,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     const SequenceTables tables = SEQUENCE_TABLES;
     const QueryBlock owned =
         query_block(BLOCK_Q, n_q_total, n_k_total, band_shift, n_q_heads, group_size, tables);
+    if (tile_past_rows(owned)) return;
     const i64 bh = owned.bh, n_q = owned.n_q, n_k = owned.n_k;
     const Band band{owned.band_offset, window_left, window_right};
     const bits16* q_head = q + owned.batch * q_sb + owned.head * q_sh + owned.row_base * q_sn;

@@ -18,7 +18,7 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        tensor_core_operands)
 from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
                     WgmmaTiles, Widths, choose_decode, choose_forward)
-from .varlen import Sequences, tile_grid
+from .varlen import DeviceTables, Sequences, tile_grid
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
@@ -246,14 +246,30 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
 def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     """A variable-length or paged forward: one launch over the tile table (or, for few
     query rows a batch element, the decode kernel over the batch). Rows of no sequence are
-    never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC)."""
-    sequences = Sequences(q, k, options)
-    choice = _within_pages(choose(q, k, v, options, sequences), sequences)
+    never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC).
+    A call whose lengths stay on the device (`Sequences.dense_grid`) is planned once per
+    signature: a repeated one fills its tables (`DeviceTables.prepare`) and launches."""
+    key = plan_key("forward", options, q, k, v)
+    plan = cached(key, q, k, v)
     o, lse = _outputs(q, v, out, lse_out)
-    if choice.family != "decode" and not sequences.covers_every_row:
+    if plan is not None:
+        tables, launch, fills = plan
+        if fills:
+            o.fill(0)
+            lse.fill(-np.inf)
+        tables.prepare(*DeviceTables.inputs(options.varlen))
+        launch(q, k, v, o, lse)
+        return o, lse
+    sequences = Sequences(q, k, options, forward=True)
+    choice = _within_pages(choose(q, k, v, options, sequences), sequences)
+    fills = choice.family != "decode" and not sequences.covers_every_row
+    if fills:
         o.fill(0)
         lse.fill(-np.inf)
-    _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles, sequences)
+    launch, alignment = _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles,
+                                                  sequences)
+    if sequences.dense_grid:
+        remember(key, (sequences.device_tables, launch, fills), alignment, q, k, v)
     return o, lse
 
 

@@ -228,14 +228,21 @@ class Plan:
 
 def plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None:
     """What a problem's launches depend on besides the arrays' addresses, or None when they
-    are not cached: ALiBi slopes are an array of their own, and dropout's seed usually
-    changes with every call."""
-    if options.alibi_slopes is not None or options.dropout_p > 0 or options.varlen is not None:
+    are not cached: ALiBi slopes are an array of their own, dropout's seed usually changes
+    with every call, and a variable-length call's tables hold its lengths, except for a
+    forward whose lengths stay on the device (varlen.DeviceTables: its tables are buffers
+    of the plan, refilled per call on the current stream, so plans are per stream)."""
+    if options.alibi_slopes is not None or options.dropout_p > 0:
         return None
+    lengths = ()
+    if options.varlen is not None:
+        if direction != "forward" or not options.varlen.on_device:
+            return None
+        lengths = (options.varlen.signature(), cupy.cuda.get_current_stream().ptr)
     return (direction, options.window_left, options.window_right, options.scale,
             options.softcap, options.block_q, options.block_k, options.deterministic,
             options.row_offset, options.col_offset, options.alignment,
-            arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays)
+            arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays) + lengths
 
 
 def remember(key: tuple | None, launches: tuple, alignment: int, *arrays) -> None:

@@ -99,6 +99,13 @@ __device__ __forceinline__ QueryBlock query_block(int block_rows, i64 n_q, i64 n
     return block;
 }
 
+// A dense tile table (tileattn/gpu/varlen.py: Sequences.dense_grid, a forward whose
+// lengths stay on the device) lists every tile of the padded row axis: a tile at or past
+// its sequence's rows has nothing to do. Host-built tables never list one.
+__device__ __forceinline__ bool tile_past_rows(const QueryBlock& block) {
+    return VARLEN && block.row_start >= block.n_q;
+}
+
 // The key tile a block owns (the dK/dV kernels) and the sequence it lies in.
 struct KeyBlock {
     i64 index;       // the sequence's index: its query head h's dropout and ALiBi head is

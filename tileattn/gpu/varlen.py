@@ -10,12 +10,17 @@ heads, so the work follows the real tokens, not the padded or longest length.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import cupy
 import numpy as np
 
-from ..options import BAND, KEYS, ROWS, AttentionOptions
+from ..options import BAND, DESCRIPTOR_COLUMNS, KEYS, ROWS, AttentionOptions
 from ..tile_order import tile_list_by_estimate
-from .operands import empty
+from . import _compile
+from .operands import Launch, empty
+
+DESCRIPTORS_SOURCE = "sequence_descriptors.cu"
 
 
 def dense_arguments(device_id: int) -> tuple:
@@ -36,26 +41,46 @@ def tile_grid(heads: int, n_rows: int, block: int, batch: int, sequences: Sequen
 
 
 class Sequences:
-    """A variable-length call's sequences on the device, for launches of any tile height."""
+    """A variable-length call's sequences on the device, for launches of any tile height.
 
-    def __init__(self, q, k, options: AttentionOptions):
+    A forward whose lengths (and block table) are still device arrays (an unchecked padded
+    or paged call, `VarlenLayout.on_device`) keeps them there: its descriptors come from a
+    kernel (sequence_descriptors.cu) and its tile table lists every tile of the padded row
+    axis (`dense_grid`), the same for every call of that shape, so the host reads no length
+    and waits for nothing; a tile past its sequence's rows returns at once
+    (sequences.cuh: tile_past_rows). Its choices then go by the key capacity. Any other
+    call (a backward, whose key tiles need the lengths) reads them on the host.
+    """
+
+    def __init__(self, q, k, options: AttentionOptions, forward: bool = False):
         layout = options.varlen
         batch, _, n_q, _ = q.shape
         self.paged = layout.family == "paged"
         self.packed = layout.family == "packed"
+        self.dense_grid = forward and layout.on_device
+        if not self.dense_grid:
+            layout = layout.on_host()
         # Checked packed sequences tile the row and key axes (cu_seqlens run from 0 to the
         # totals), so the kernels write every output row; otherwise padding rows and keys
         # are left to the launcher to zero.
         self.covers_every_row = self.packed and layout.checked
         self.key_capacity = layout.key_capacity(k.shape[2])
+        self.n_pages = layout.num_pages if self.paged else 0
+        self.page_size = layout.page_size if self.paged else 0
+        self._batch, self._n_q = batch, n_q
+        self._options = options
+        if self.dense_grid:
+            self.descriptors = None
+            self.max_rows, self.max_keys = n_q, self.key_capacity
+            self.device_tables = DeviceTables(layout, batch, n_q, self.key_capacity)
+            self.device_tables.prepare(*DeviceTables.inputs(layout))
+            self._table = self.device_tables.table
+            return
         self.descriptors = layout.descriptors(batch, n_q, k.shape[2])
         self.max_rows = int(self.descriptors[:, ROWS].max(initial=0))
         self.max_keys = int(self.descriptors[:, KEYS].max(initial=0))
-        self.n_pages = layout.num_pages if self.paged else 0
-        self.page_size = layout.page_size if self.paged else 0
         self._table = (np.ascontiguousarray(layout.block_table, dtype=np.int64) if self.paged
                        else np.zeros((0, 0), np.int64))
-        self._options = options
 
     def defines(self) -> tuple:
         return (("PAGED", int(self.paged)), ("VARLEN", 1))
@@ -73,6 +98,13 @@ class Sequences:
         """The trailing kernel arguments for launches of `block_rows`-row query tiles (or
         key tiles, with `keys`; None: no tile table, for the decode kernel, whose blocks are
         batch elements) and the tile table's length."""
+        if self.dense_grid:
+            assert not keys, "key tiles need the lengths on the host"
+            tiles = (_dense_tiles(cupy.cuda.Device().id, self._batch, self._n_q, block_rows)
+                     if block_rows is not None else empty(cupy.cuda.Device().id, "int64"))
+            table_stride = self._table.shape[1] if self.paged else 0
+            return ((self.device_tables.descriptors, tiles, self._table, np.int64(table_stride),
+                     np.int64(self.page_size), np.int64(self.n_pages)), tiles.size // 2)
         tiles = (self.tiles(block_rows, keys) if block_rows is not None
                  else np.zeros((0, 2), np.int64))
         host = np.concatenate([self.descriptors.ravel(), tiles.ravel(), self._table.ravel()])
@@ -82,6 +114,64 @@ class Sequences:
         return ((device[:descriptors_end], device[descriptors_end:tiles_end],
                  device[tiles_end:], np.int64(self._table.shape[1]), np.int64(self.page_size),
                  np.int64(self.n_pages)), len(tiles))
+
+
+class DeviceTables:
+    """The descriptors and block table of a padded or paged forward whose lengths stay on
+    the device, in buffers of their own that a kernel (sequence_descriptors.cu:
+    padded_tables) fills from the caller's arrays at every call: a repeated call's cached
+    launches read these buffers, so only the filling launch takes the new arrays. One
+    stream's calls run in order, so a call never overwrites tables that an earlier call's
+    kernels still read; plans are kept per stream (launch_forward.py)."""
+
+    def __init__(self, layout, batch: int, n_q: int, n_keys: int):
+        device = cupy.cuda.Device().id
+        self.descriptors = cupy.empty((batch, DESCRIPTOR_COLUMNS), np.int64)
+        self.paged = layout.family == "paged"
+        pages = layout.block_table.shape[1] if self.paged else 0
+        self.table = (cupy.empty((batch, pages), np.int64) if self.paged
+                      else empty(device, "int64"))
+        inputs = self.inputs(layout)
+        defines = tuple(("i64" if a.dtype == np.int64 else "int") for a in inputs)
+        function = _compile.kernel(DESCRIPTORS_SOURCE, "padded_tables",
+                                   (("K_LENGTH", defines[1]), ("Q_LENGTH", defines[0]),
+                                    ("TABLE", defines[2])))
+        row_stride = inputs[2].strides[0] // inputs[2].itemsize if self.paged else 0
+        threads = max(batch, batch * pages)
+        self.prepare = Launch(function, (-(-threads // 128),), (128,), 0,
+                              (np.int64(batch), np.int64(n_q), np.int64(n_keys),
+                               np.int64(row_stride), np.int64(pages), self.descriptors,
+                               self.table))
+
+    @staticmethod
+    def inputs(layout) -> tuple:
+        """``(seqlens_q, seqlens_k, block_table)`` of a call as the filling kernel reads
+        them (1-D lengths, table rows of unit column stride; empty stand-ins for absent
+        ones): the arrays to call `prepare` with."""
+        device = cupy.cuda.Device().id
+        arrays = []
+        for array in (layout.seqlens_q, layout.seqlens_k, layout.block_table):
+            if array is None:
+                arrays.append(empty(device, "int32"))
+                continue
+            if isinstance(array, np.ndarray):
+                array = upload(np.ascontiguousarray(array, dtype=np.int64))
+            if array.ndim == 1 or array.strides[-1] != array.itemsize:
+                array = cupy.ascontiguousarray(array)
+            arrays.append(array)
+        return tuple(arrays)
+
+
+@lru_cache(maxsize=64)
+def _dense_tiles(device_id: int, batch: int, n_rows: int, block_rows: int):
+    """``(sequence, first row)`` of every tile of `block_rows` rows of the padded axis, for
+    every batch element, on the device: the last tiles first (with a band they hold the
+    most keys). The same for every call of a shape, so it is built once."""
+    starts = np.arange(-(-n_rows // block_rows) - 1, -1, -1, dtype=np.int64) * block_rows
+    table = np.stack([np.tile(np.arange(batch, dtype=np.int64), len(starts)),
+                      np.repeat(starts, batch)], axis=1)
+    with cupy.cuda.Device(device_id):
+        return cupy.asarray(table.ravel())
 
 
 # Pinned staging for the tables: a copy from pageable host memory waits for the stream's
