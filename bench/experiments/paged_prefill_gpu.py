@@ -3,7 +3,11 @@ tables (no device-to-host copy) so that back-to-back calls overlap the host's ti
 the kernels': B 4, Hq = Hkv = 16, 512 new rows onto 8192 cached keys, D 128, float16,
 causal, pages of 16, 64 and 256 in shuffled order.
 
-    PYTHONPATH=. python3 bench/experiments/paged_prefill_gpu.py
+    PYTHONPATH=. python3 bench/experiments/paged_prefill_gpu.py [--tiles]
+
+``--tiles`` times the wgmma forward's candidate tiles instead (contiguous ms | the same
+keys with device lengths (a variable-length launch over every tile) | with host lengths
+(over the host's tile table) | page 16 ms | page 64 ms per line).
 """
 
 from __future__ import annotations
@@ -53,5 +57,60 @@ def main() -> None:
               f"contiguous / paged {dense / paged:.2f}, max |diff| {same:.1e}")
 
 
+def sweep_tiles() -> None:
+    """``--tiles``: the wgmma forward's tiles on the contiguous call and on pages of 16 and
+    64 (the tables made once, outside the timing), to choose the tiles a page size gets."""
+    import sys
+
+    from tileattn.gpu import launch_forward
+    from tileattn.gpu.tiles import WgmmaTiles
+    from tileattn.gpu.varlen import Sequences
+    from tileattn.validation import validate
+
+    batch, heads, n_new, n_keys, dim = 4, 16, 512, 8704, 128
+    rng = np.random.default_rng(0)
+    q = cupy.asarray(rng.standard_normal((batch, heads, n_new, dim)), dtype=cupy.float16)
+    k = cupy.asarray(rng.standard_normal((batch, heads, n_keys, dim)), dtype=cupy.float16)
+    o = cupy.empty_like(q)
+    lse = cupy.empty((batch, heads, n_new), cupy.float32)
+    defaults = dict(causal=True, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    dense_options = validate(q, k, k, **defaults).options
+    calls = {}
+    padded = {"seqlens_k": cupy.full(batch, n_keys, dtype=cupy.int32)}
+    options = validate(q, k, k, varlen=padded, check_lengths=False, **defaults).options
+    calls["padded"] = (k, options, Sequences(q, k, options, forward=True))
+    options = validate(q, k, k, varlen={"seqlens_k": np.full(batch, n_keys)},
+                       **defaults).options
+    calls["padded, host tables"] = (k, options, Sequences(q, k, options, forward=True))
+    for page in (16, 64):
+        pages = n_keys // page
+        order = rng.permutation(batch * pages)
+        pool = cupy.empty((batch * pages, heads, page, dim), dtype=cupy.float16)
+        pool[cupy.asarray(order)] = k.reshape(batch, heads, pages, page, dim).transpose(
+            0, 2, 1, 3, 4).reshape(batch * pages, heads, page, dim)
+        varlen = {"block_table": order.reshape(batch, pages),
+                  "seqlens_k": np.full(batch, n_keys)}
+        options = validate(q, pool, pool, varlen=varlen, **defaults).options
+        calls[page] = (pool, options, Sequences(q, pool, options, forward=True))
+    candidates = [WgmmaTiles(*t) for t in ((192, 128, 2), (192, 64, 2), (192, 64, 3),
+                                           (128, 128, 2, 2), (128, 64, 2, 2), (128, 64, 3, 2),
+                                           (128, 64, 3), (256, 64, 2))]
+    for tiles in candidates:
+        row = [f"{tiles}"]
+        try:
+            row.append(back_to_back_ms(lambda: launch_forward.forward_wgmma(
+                q, k, k, o, lse, dense_options, tiles)))
+            for page, (pool, options, sequences) in calls.items():
+                row.append(back_to_back_ms(lambda: launch_forward.forward_wgmma(
+                    q, pool, pool, o, lse, options, tiles, sequences)))
+        except Exception as error:  # noqa: BLE001 (a candidate that does not fit)
+            row.append(f"failed: {str(error).splitlines()[0][:80]}")
+        print(" | ".join(f"{x:.3f}" if isinstance(x, float) else x for x in row),
+              file=sys.stdout, flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sweep_tiles() if "--tiles" in sys.argv[1:] else main()

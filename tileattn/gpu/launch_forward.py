@@ -261,7 +261,12 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         launch(q, k, v, o, lse)
         return o, lse
     sequences = Sequences(q, k, options, forward=True)
-    choice = _within_pages(choose(q, k, v, options, sequences), sequences)
+    switches = Switches.of(options)
+    # Named tiles stay; score options spill in _WGMMA_PAGED (ptxas: 172-180 bytes).
+    keep_rows = (options.block_q is not None or options.block_k is not None
+                 or switches.softcap or switches.alibi or switches.dropout)
+    choice = _within_pages(choose(q, k, v, options, sequences), sequences,
+                           max(q.shape[3], v.shape[3]), keep_rows)
     fills = choice.family != "decode" and not sequences.covers_every_row
     if fills:
         o.fill(0)
@@ -277,16 +282,28 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
 _BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK_K}
 
 
-def _within_pages(choice: Choice, sequences: Sequences) -> Choice:
+# Hopper's paged tiles where pages are shorter than the table's key tiles, D and Dv <= 128:
+# bench/experiments/paged_prefill_gpu.py --tiles (B 4, H 16, 512 rows onto 8704 keys, D 128,
+# causal, NOTES-gpu v23): 0.437 / 0.511 ms at pages of 64 / 16 against 0.659 for 192 x 64
+# (the table's 192 x 128 shrunk to a page) and 0.720 for 192 x 128 (a lookup per row).
+_WGMMA_PAGED = WgmmaTiles(256, 64, 2)
+
+
+def _within_pages(choice: Choice, sequences: Sequences, width: int,
+                  keep_rows: bool) -> Choice:
     """For paged K/V, key tiles no taller than a page where the family is built for such a
     height, so that each tile lies in one page and costs one block-table lookup
     (sequences.cuh, PagedRows::for_tile) instead of one per row, a dependent load before
-    each row's copy. Smaller pages keep the table's tiles (a lookup per row)."""
+    each row's copy. Smaller pages keep the table's tiles (a lookup per row); on Hopper,
+    head dims (`width`: the larger of D and Dv) up to 128 take `_WGMMA_PAGED` whenever the
+    table's key tiles span pages, unless `keep_rows` (named tiles, score options)."""
     page = sequences.page_size
     if not sequences.paged or choice.family not in _BUILT_BLOCK_K:
         return choice
     if choice.tiles.block_k <= page and page % choice.tiles.block_k == 0:
         return choice
+    if choice.family == "wgmma" and width <= 128 and not keep_rows:
+        return replace(choice, tiles=_WGMMA_PAGED)
     fitting = [b for b in _BUILT_BLOCK_K[choice.family] if b <= page and page % b == 0]
     if not fitting:
         return choice
