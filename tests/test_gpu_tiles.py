@@ -267,3 +267,26 @@ def test_describe_names_the_decode_row():
         "decode DecodeTiles(rows=4")
     assert "splits" in lines["forward"] and lines["backward"].startswith("wgmma")
     assert tiles.describe_with_decode(problem, None) == tiles.describe(problem)
+
+
+def test_forward_grids_of_few_waves_take_two_blocks_per_multiprocessor():
+    """Hopper, D = 64 and 128: a forward grid of few waves of the table's 192-row blocks
+    (under 24 and 8: B = 1 prefill, a short query block over a long cache) takes 128-row
+    tiles at two blocks per multiprocessor; a full grid, an unknown one (the backward, variable-length
+    calls), other widths and score options keep their rows."""
+    def forward(head_dim, query_heads, n_q, n_k=8192, **fields):
+        problem = Problem(dtype="float16", head_dim=head_dim, value_dim=head_dim, n_k=n_k,
+                          query_heads=query_heads, n_q=n_q, multiprocessors=132, **fields,
+                          **H100)
+        return tiles.choose_forward(problem).tiles
+
+    assert forward(128, 16, 4096) == tiles.WgmmaTiles(128, 64, 2, 2)
+    assert forward(128, 64, 512) == tiles.WgmmaTiles(128, 64, 2, 2)
+    assert forward(64, 32, 8192) == tiles.WgmmaTiles(128, 128, 2, 2)
+    assert forward(128, 64, 16384) == tiles.WgmmaTiles(192, 128, 2)  # 43 waves
+    assert forward(64, 128, 16384) == tiles.WgmmaTiles(192, 128, 2)
+    assert forward(128, 0, 0) == tiles.WgmmaTiles(192, 128, 2)
+    assert forward(96, 16, 4096) == forward(96, 0, 0)
+    assert forward(128, 16, 4096, score_options=True) == forward(128, 0, 0, score_options=True)
+    assert Problem(dtype="float16", head_dim=64, value_dim=64, n_k=1, query_heads=10, n_q=400,
+                   multiprocessors=4, **H100).waves(192, 1) == 10 * 3 / 4

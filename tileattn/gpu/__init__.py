@@ -99,12 +99,14 @@ def hardware() -> dict[str, str]:
     }
 
 
-def _problem(n_k: int, head_dim: int, value_dim: int, dtype, options: AttentionOptions):
+def _problem(n_k: int, head_dim: int, value_dim: int, dtype, options: AttentionOptions,
+             query_heads: int = 0, n_q: int = 0):
     import cupy
 
     from .operands import problem_for
 
-    return problem_for(cupy.cuda.Device().id, dtype, head_dim, value_dim, n_k, options)
+    return problem_for(cupy.cuda.Device().id, dtype, head_dim, value_dim, n_k, options,
+                       query_heads, n_q)
 
 
 def describe(n_k: int, head_dim: int, value_dim: int, dtype,
@@ -115,17 +117,21 @@ def describe(n_k: int, head_dim: int, value_dim: int, dtype,
     line names the split-KV decode kernel where it runs (`tiles.choose_decode`)."""
     import cupy
 
-    from .launch_decode import band_keys, sm_count
+    from .launch_decode import band_keys
+    from .operands import sm_count
     from .tiles import DecodeShape, describe_with_decode
 
     options = options or AttentionOptions()
     shape = None
+    grid = (0, 0)
     if n_q is not None:
         kv_heads = heads if kv_heads is None else kv_heads
         shape = DecodeShape(n_q=n_q, group=heads // kv_heads, batch_kv_heads=batch * kv_heads,
                             batch_q_heads=batch * heads, band_keys=band_keys(options, n_q, n_k),
                             sm_count=sm_count(cupy.cuda.Device().id))
-    return describe_with_decode(_problem(n_k, head_dim, value_dim, dtype, options), shape)
+        grid = (batch * heads, n_q)
+    return describe_with_decode(_problem(n_k, head_dim, value_dim, dtype, options, *grid),
+                                shape)
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,

@@ -19,7 +19,7 @@ import numpy as np
 from ..options import UNLIMITED, AttentionOptions
 from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
-                       problem_for, score_arguments, tensor_core_operands)
+                       problem_for, score_arguments, sm_count, tensor_core_operands)
 from .tiles import DecodeMmaTiles, DecodeShape, DecodeTiles, decode_residency
 from .varlen import dense_arguments
 
@@ -30,10 +30,6 @@ MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 
 
 @lru_cache(maxsize=None)
-def sm_count(device_id: int) -> int:
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
-
-
 def band_keys(options: AttentionOptions, n_q: int, n_k: int) -> int:
     """How many keys some query row of [0, n_q) keeps (the kernel's key_tile_range)."""
     offset = options.band_offset(n_q, n_k)

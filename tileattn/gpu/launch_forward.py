@@ -198,7 +198,9 @@ def choose(q, k, v, options: AttentionOptions, sequences: Sequences | None = Non
     call is chosen for by its longest sequence; packed sequences never decode (the decode
     kernel's blocks are batch elements)."""
     n_k = k.shape[2] if sequences is None else max(1, sequences.max_keys)
-    problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], n_k, options)
+    # A dense grid is known here (rows that go by waves); a tile table's is not.
+    grid = (q.shape[0] * q.shape[1], q.shape[2]) if sequences is None else (0, 0)
+    problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], n_k, options, *grid)
     if sequences is not None and sequences.packed:
         return choose_forward(problem)
     decode = choose_decode(problem, decode_shape(q, k, options, n_k))

@@ -35,16 +35,25 @@ def shared_memory_limit(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"])
 
 
+@lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """The device's multiprocessors."""
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
 def problem_for(device: int, dtype, head_dim: int, value_dim: int, n_k: int,
-                options: AttentionOptions) -> Problem:
-    """The `tiles.Problem` of a shape on a device."""
+                options: AttentionOptions, query_heads: int = 0, n_q: int = 0) -> Problem:
+    """The `tiles.Problem` of a shape on a device; with the forward's grid (`query_heads` =
+    B x Hq heads of `n_q` rows) where rows of the tables go by waves."""
     switches = Switches.of(options)
     return Problem(capability=compute_capability(device),
                    shared_limit=shared_memory_limit(device), dtype=dtype_name(dtype),
                    head_dim=head_dim, value_dim=value_dim, n_k=n_k,
                    score_options=switches.softcap or switches.alibi or switches.dropout,
                    banded=options.is_masked, block_q=options.block_q, block_k=options.block_k,
-                   per_row_options=switches.alibi or switches.dropout)
+                   per_row_options=switches.alibi or switches.dropout,
+                   query_heads=query_heads, n_q=n_q,
+                   multiprocessors=sm_count(device) if query_heads else 0)
 
 
 def problem_of(q, k, v, options: AttentionOptions) -> Problem:
