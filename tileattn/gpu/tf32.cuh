@@ -133,11 +133,11 @@ __device__ __forceinline__ void mma_16x8x8_3xtf32(float* c, const u32 (&a_big)[4
 // the float32 backward to 2-3x a naive float32 backward's error
 // (bench/experiments/float32_backward_accuracy_gpu.py, NOTES-gpu v21). The forward and
 // both backward kernels take the same chunks in the same order, so a score is the same
-// float in each (the large-score test). Four steps a chunk: on the H100 (D = 128, scale
-// 2.5) the worst backward error fell from 3.29x the float32 tolerance to 1.60x (a naive
-// float32 backward: 2.94x, one step a chunk 1.43x) for 4 % of the float32 forward +
-// backward at D = 128 (12 % of the forward; one step a chunk cost 12 % and 20 %).
-constexpr int kScoreChunk = 4;
+// float in each (the large-score test). Eight steps a chunk: on the H100 (D = 128, scale
+// 2.5) the worst backward error fell from 3.29x the float32 tolerance to 1.96x (a naive
+// float32 backward: 2.94x; four steps a chunk 1.60x, one step 1.43x) for 7 % of the
+// float32 forward at D = 128 (four steps cost 12 %, one step 20 %; NOTES-gpu v21, v23).
+constexpr int kScoreChunk = 8;
 
 // Two adjacent floats of shared memory (8-byte aligned) in one load.
 __device__ __forceinline__ void load_shared_pair(const float* pointer, float& low, float& high) {
