@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 from dataclasses import dataclass, replace
 
 import cupy
@@ -44,7 +43,7 @@ import tileattn
 from tileattn.gpu import tiles
 from tileattn.testing import assert_attention_close, bfloat16
 
-from gpu_timing import median_event_ms
+from gpu_timing import back_to_back_ms, median_event_ms
 
 try:
     import torch
@@ -230,24 +229,6 @@ def median_ms(function, repetitions: int, warmup: int = 3) -> float:
     """Median of CUDA-event times, per call from an idle GPU (L2 not flushed: the inputs
     exceed it)."""
     return median_event_ms(function, repetitions, warmup, flush_l2=False)
-
-
-def back_to_back_ms(function, repetitions: int, warmup: int = 2, rounds: int = 3) -> float:
-    """Milliseconds per call of `repetitions` calls queued back to back (FlashAttention's
-    benchmark method), the median of `rounds` such runs."""
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(rounds):
-        cupy.cuda.Device().synchronize()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(repetitions):
-            function()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / repetitions)
-    return statistics.median(times)
 
 
 TIMINGS = {"back-to-back": back_to_back_ms, "per-call": median_ms}

@@ -30,3 +30,23 @@ def median_event_ms(function, repetitions: int, warmup: int, flush_l2: bool = Tr
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop))
     return statistics.median(times)
+
+
+def back_to_back_ms(function, repetitions: int, warmup: int = 2, rounds: int = 3) -> float:
+    """Milliseconds per call of `repetitions` calls queued back to back (FlashAttention's
+    benchmark method), the median of `rounds` such runs."""
+    import cupy
+
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(rounds):
+        cupy.cuda.Device().synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(repetitions):
+            function()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / repetitions)
+    return statistics.median(times)

@@ -12,21 +12,18 @@ keys with device lengths (a variable-length launch over every tile) | with host 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import cupy
 import numpy as np
 
 import tileattn
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_timing import back_to_back_ms  # noqa: E402
 
-def back_to_back_ms(function, calls: int = 50) -> float:
-    function()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(calls):
-        function()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / calls
+CALLS = 50
 
 
 def main() -> None:
@@ -34,7 +31,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     q = cupy.asarray(rng.standard_normal((batch, heads, n_new, dim)), dtype=cupy.float16)
     k = cupy.asarray(rng.standard_normal((batch, heads, n_keys, dim)), dtype=cupy.float16)
-    dense = back_to_back_ms(lambda: tileattn.forward(q, k, k, causal=True, backend="gpu"))
+    dense = back_to_back_ms(lambda: tileattn.forward(q, k, k, causal=True, backend="gpu"),
+                            CALLS)
     print(f"contiguous: {dense:.3f} ms")
     for page in (16, 64, 256):
         pages = n_keys // page
@@ -47,9 +45,9 @@ def main() -> None:
                    "check_lengths": False}
         padded = back_to_back_ms(lambda: tileattn.forward(
             q, k, k, causal=True, backend="gpu", seqlens_k=np.full(batch, n_keys),
-            check_lengths=False))
+            check_lengths=False), CALLS)
         paged = back_to_back_ms(lambda: tileattn.forward(q, pool, pool, causal=True,
-                                                         backend="gpu", **lengths))
+                                                         backend="gpu", **lengths), CALLS)
         same = float(cupy.abs(tileattn.forward(q, pool, pool, causal=True, backend="gpu",
                                                **lengths)
                               - tileattn.forward(q, k, k, causal=True, backend="gpu")).max())
@@ -100,10 +98,10 @@ def sweep_tiles() -> None:
         row = [f"{tiles}"]
         try:
             row.append(back_to_back_ms(lambda: launch_forward.forward_wgmma(
-                q, k, k, o, lse, dense_options, tiles)))
+                q, k, k, o, lse, dense_options, tiles), CALLS))
             for page, (pool, options, sequences) in calls.items():
                 row.append(back_to_back_ms(lambda: launch_forward.forward_wgmma(
-                    q, pool, pool, o, lse, options, tiles, sequences)))
+                    q, pool, pool, o, lse, options, tiles, sequences), CALLS))
         except Exception as error:  # noqa: BLE001 (a candidate that does not fit)
             row.append(f"failed: {str(error).splitlines()[0][:80]}")
         print(" | ".join(f"{x:.3f}" if isinstance(x, float) else x for x in row),

@@ -5,14 +5,16 @@ cache), where the table's 192-row tiles can leave most of a last wave idle.
     PYTHONPATH=. python3 bench/experiments/wave_tiles_gpu.py [--dims 64,128]
 
 Each line: the shape, the tiles the forward chooses and their grid in waves of resident
-blocks, then ms
-(back to back, median of 3 runs of 20 calls) per candidate; the best is starred.
+blocks, then ms per candidate (back to back, median of 3 runs of 20 calls:
+gpu_timing.back_to_back_ms); the best is starred.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 
 import cupy
 import numpy as np
@@ -20,6 +22,9 @@ import numpy as np
 from tileattn.gpu import launch_forward
 from tileattn.gpu.tiles import WgmmaTiles
 from tileattn.validation import validate
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_timing import back_to_back_ms  # noqa: E402
 
 CANDIDATES = {
     64: [WgmmaTiles(192, 128, 2), WgmmaTiles(128, 128, 2, 2), WgmmaTiles(128, 64, 2, 2),
@@ -31,20 +36,6 @@ SHAPES = [(1, heads, n, n) for heads in (8, 16, 32) for n in (1024, 2048, 4096, 
     (4, 16, 512, 8704), (2, 16, 1024, 16384), (1, 32, 2048, 32768)]
 DEFAULTS = dict(window=None, scale=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
                 seed=None, block_q=None, block_k=None, deterministic=True)
-
-
-def milliseconds(function, calls: int = 20) -> float:
-    function()
-    times = []
-    for _ in range(3):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(calls):
-            function()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -67,8 +58,8 @@ def main() -> None:
                 cells = []
                 for tiles in CANDIDATES[dim]:
                     try:
-                        cells.append(milliseconds(lambda: launch_forward.forward_wgmma(
-                            q, k, k, o, lse, options, tiles)))
+                        cells.append(back_to_back_ms(lambda: launch_forward.forward_wgmma(
+                            q, k, k, o, lse, options, tiles), 20))
                     except Exception:  # noqa: BLE001 (a candidate that does not build)
                         cells.append(float("nan"))
                 best = int(np.nanargmin(cells))
