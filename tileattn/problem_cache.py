@@ -118,7 +118,8 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None
-                  else with_device_lengths(template, varlen, do is not None))
+                  else with_device_lengths(template, varlen, do is not None,
+                                           natives[0].data.device_id))
     return Problem(tensors, layout_of, options_of, template.dtype, template.n_q_heads,
                    template.n_kv_heads, template.n_q, template.n_k, template.head_dim,
                    template.value_dim, views)

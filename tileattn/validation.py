@@ -157,24 +157,25 @@ def _check_paged_shapes(q, k, v, shapes: dict):
     return tuple(q.shape[:-3]), n_q_heads, n_kv_heads, n_q, d, d_v, num_pages, page_size
 
 
-def with_device_lengths(template: Problem, varlen: dict, backward: bool):
-    """The options of a remembered unchecked call (`template`, validated with CuPy lengths
-    of the same signature) around this call's `varlen` arrays (tileattn.problem_cache)."""
+def with_device_lengths(template: Problem, varlen: dict, backward: bool, gpu: int):
+    """The options of a remembered unchecked call on GPU `gpu` (`template`, validated with
+    CuPy lengths of the same signature) around this call's `varlen` arrays
+    (tileattn.problem_cache)."""
     layout = template.options.varlen
     paging = (layout.num_pages, layout.page_size) if layout.family == "paged" else None
     fresh = _check_varlen(varlen_family(varlen, backward=backward), varlen,
                           template.layout.batch_shape, template.n_q, template.n_k, False,
-                          paging, True)
+                          paging, gpu)
     return replace(template.options, varlen=fresh)
 
 
 def _check_varlen(family, keywords, batch_shape, n_q, n_k, check_lengths, paging,
-                  on_gpu=False):
+                  gpu=None):
     """The length keywords of `family` as a `VarlenLayout` (contents checked unless
     ``check_lengths=False``); `paging` is ``(num_pages, page_size)`` for paged K/V. An
-    unchecked padded or paged call `on_gpu` keeps device lengths and tables where they are
-    (varlen_validation's docstring)."""
-    keep = on_gpu and not check_lengths
+    unchecked padded or paged call on GPU `gpu` keeps lengths and tables on that GPU where
+    they are (varlen_validation's docstring)."""
+    keep = None if check_lengths else gpu
     if family == "packed":
         cu_q, cu_k = check_cu_seqlens_pair(keywords["cu_seqlens_q"], keywords["cu_seqlens_k"],
                                            n_q, n_k, check_lengths)
@@ -574,7 +575,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     varlen_layout = None
     if family is not None:
         varlen_layout = _check_varlen(family, varlen, batch_shape, n_q, n_k,
-                                      bool(check_lengths), paging, memory == "cuda")
+                                      bool(check_lengths), paging,
+                                      q.device.id if memory == "cuda" else None)
         n_k = varlen_layout.key_capacity(n_k)
     if family == "paged":
         tensors = {"q": _to_4d(q, batch, False), "k": k, "v": v}

@@ -5,7 +5,7 @@ Each check takes the caller's array (NumPy, or anything `tileattn.arrays.to_host
 such as CuPy: the contents check is a small device-to-host copy), raises a `TypeError` for a
 non-integer dtype and a `ValueError` for a bad shape or value, naming the argument, what was
 expected and what was given, and returns the lengths as a host ``int64`` array the caller can
-index without overflow. Unchecked lengths and tables of a GPU call (`keep_device`, for
+index without overflow. Unchecked lengths and tables of a GPU call on its GPU (`keep_device`, for
 ``check_lengths=False``) stay on the device as int32 or int64, with no copy and no wait for
 the device: a decode loop's step then costs no synchronisation. Nothing here writes to the
 caller's arrays.
@@ -20,9 +20,10 @@ import numpy as np
 from . import arrays
 
 
-def _integer_array(name: str, values, keep_device: bool = False):
+def _integer_array(name: str, values, keep_device: int | None = None):
     values = arrays.to_native(values)
-    if keep_device and arrays.memory_of(values) == "cuda":
+    if (keep_device is not None and arrays.memory_of(values) == "cuda"
+            and values.device.id == keep_device):
         return _device_integers(name, values)
     values = np.asarray(arrays.to_host(values))
     if values.dtype.kind not in "iu":
@@ -51,7 +52,7 @@ def _first(condition: np.ndarray) -> tuple:
 
 def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
                   limit_name: str = "", check_values: bool = True,
-                  keep_device: bool = False) -> np.ndarray:
+                  keep_device: int | None = None) -> np.ndarray:
     """Lengths of a padded batch: ``0 <= seqlens[b] <= limit`` for every batch element.
 
     Parameters
@@ -71,9 +72,9 @@ def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
     check_values : bool
         False (``check_lengths=False``): only the dtype and shape are checked; the kernels
         clamp the values (`tileattn.options.VarlenLayout.descriptors`).
-    keep_device : bool
-        With `check_values` False, a device array stays on its device (see the module's
-        docstring).
+    keep_device : int or None
+        With `check_values` False, an array on this GPU (the call's) stays there (see the
+        module's docstring).
 
     Returns
     -------
@@ -83,7 +84,7 @@ def check_seqlens(name: str, seqlens, batch_shape: tuple, limit: int | None,
     batch = math.prod(batch_shape)
     if seqlens is None:
         return np.full(batch, limit, dtype=np.int64)
-    values = _integer_array(name, seqlens, keep_device and not check_values)
+    values = _integer_array(name, seqlens, None if check_values else keep_device)
     if values.shape != tuple(batch_shape):
         raise ValueError(f"{name} must have the batch shape of q, {tuple(batch_shape)}, "
                          f"got shape {values.shape}")
@@ -160,7 +161,7 @@ def check_page_pools(k_pages, v_pages) -> tuple[int, int]:
 
 def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, num_pages: int,
                       page_size: int, check_values: bool = True,
-                      keep_device: bool = False) -> np.ndarray:
+                      keep_device: int | None = None) -> np.ndarray:
     """A block table ``(*batch, max_pages)`` that holds every key of every batch element.
 
     Batch element ``b`` reads the first ``ceil(seqlens_k[b] / page_size)`` entries of its
@@ -174,7 +175,7 @@ def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, nu
     check_values : bool
         False (``check_lengths=False``): only the dtype and shape are checked; kernels
         clamp page ids and lengths instead.
-    keep_device : bool
+    keep_device : int or None
         As in `check_seqlens`.
 
     Returns
@@ -182,7 +183,7 @@ def check_block_table(block_table, seqlens_k: np.ndarray, batch_shape: tuple, nu
     numpy.ndarray of int64, shape ``(prod(batch_shape), max_pages)`` (with `keep_device`,
     maybe a device array of int32 or int64)
     """
-    table = _integer_array("block_table", block_table, keep_device and not check_values)
+    table = _integer_array("block_table", block_table, None if check_values else keep_device)
     if table.ndim != len(batch_shape) + 1 or table.shape[:-1] != tuple(batch_shape):
         raise ValueError(f"block_table must have shape (*batch, max_pages) with the batch "
                          f"shape of q, {tuple(batch_shape)}, got shape {table.shape}")
