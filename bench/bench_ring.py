@@ -456,12 +456,13 @@ def check(group, device, args):
                     errors[name] = attention_error(device.to_host(got), device.to_host(mine),
                                                    dtype, lse_magnitude=1.0)
                     del mine
-                worst = max(max(e.values()) for e in group.allgather(errors))
+                worst, worst_name = max((error, name) for e in group.allgather(errors)
+                                        for name, error in e.items())
                 ok = worst <= 1.0
                 failures += not ok
                 log(group, f"{'ok  ' if ok else 'FAIL'} {dtype_name} {layout} "
                            f"causal={causal}: worst error {worst:.3g}x the tolerance "
-                           f"(ring fwd+bwd {ring_s:.2f} s)")
+                           f"({worst_name}; ring fwd+bwd {ring_s:.2f} s)")
                 del local, o, lse, grads, o_one, lse_one, grads_one
         del whole
         if device.gpu:
