@@ -34,8 +34,9 @@ Optional, for ``python -m tileattn info``:
 
 ``hardware() -> dict[str, str]``
     The device and the cache or shared-memory sizes the backend detected.
-``tile_sizes(n_q, n_k, head_dim, value_dim, dtype) -> dict[str, Blocks]``
-    The default tiles per pass (``"forward"``, ``"backward"``) for a shape.
+``tile_sizes(n_q, n_k, head_dim, value_dim, dtype, query_heads=0) -> dict[str, Blocks]``
+    The default tiles per pass (``"forward"``, ``"backward"``) for a shape (`query_heads`:
+    B x Hq where the choice depends on the grid; 0 when not known).
 
 Backend modules are imported only when chosen, so ``import tileattn`` loads neither Numba
 nor CuPy.

@@ -52,7 +52,7 @@ def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, kv
                             kv_heads=kv_heads, batch=batch)
             for direction, line in lines.items():
                 print_fn(f"  {direction} kernel: {line}")
-        tiles = tile_sizes(seq_len, n_k, head_dim, value_dim, dtype)
+        tiles = tile_sizes(seq_len, n_k, head_dim, value_dim, dtype, batch * heads)
         print_fn("  tiles for this shape: " + ", ".join(
             f"{direction} block_q={blocks.block_q} block_k={blocks.block_k}"
             for direction, blocks in tiles.items()))

@@ -53,10 +53,11 @@ def hardware() -> dict[str, str]:
             "L2 per core": f"{caches.l2 // 1024} KiB"}
 
 
-def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype) -> dict[str, Blocks]:
+def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
+               query_heads: int = 0) -> dict[str, Blocks]:
     """The default tiles per pass for one head (more heads may get smaller query tiles:
-    `blocks.spread_over_threads`); the forward's are those without a mask (a causal or
-    window mask halves its ``block_q``)."""
+    `blocks.spread_over_threads`; `query_heads` is not read); the forward's are those
+    without a mask (a causal or window mask halves its ``block_q``)."""
     itemsize = _compute_dtype(np.dtype(dtype)).itemsize
     tiles = {}
     for kind in ("forward", "backward"):

@@ -135,15 +135,18 @@ def describe(n_k: int, head_dim: int, value_dim: int, dtype,
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
-               options: AttentionOptions | None = None) -> dict[str, Blocks]:
-    """Default tiles on the current device: the forward's query x key tile, and the
-    backward's dK/dV kernel's (keys owned by a block x queries streamed); the generic
-    kernels' capacity where they run."""
+               query_heads: int = 0, options: AttentionOptions | None = None
+               ) -> dict[str, Blocks]:
+    """Default tiles on the current device: the forward's query x key tile (for a grid of
+    `query_heads` = B x Hq heads where given: rows that go by waves), and the backward's
+    dK/dV kernel's (keys owned by a block x queries streamed); the generic kernels'
+    capacity where they run."""
     from .launch_forward import GenericConfig
     from .tiles import choose_backward, choose_forward
 
     options = options or AttentionOptions()
-    problem = _problem(n_k, head_dim, value_dim, dtype, options)
+    problem = _problem(n_k, head_dim, value_dim, dtype, options, query_heads,
+                       n_q if query_heads else 0)
     capacity = GenericConfig.for_problem(dtype, head_dim, value_dim, options).capacity
     forward_choice, backward_choice = choose_forward(problem), choose_backward(problem)
     forward_tiles = (capacity if forward_choice.tiles is None
