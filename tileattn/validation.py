@@ -175,24 +175,23 @@ def _check_varlen(family, keywords, batch_shape, n_q, n_k, check_lengths, paging
     ``check_lengths=False``); `paging` is ``(num_pages, page_size)`` for paged K/V. An
     unchecked padded or paged call on GPU `gpu` keeps lengths and tables on that GPU where
     they are (varlen_validation's docstring)."""
-    keep = None if check_lengths else gpu
     if family == "packed":
         cu_q, cu_k = check_cu_seqlens_pair(keywords["cu_seqlens_q"], keywords["cu_seqlens_k"],
                                            n_q, n_k, check_lengths)
         return VarlenLayout("packed", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                             checked=check_lengths)
     seqlens_q = (None if keywords.get("seqlens_q") is None else check_seqlens(
-        "seqlens_q", keywords["seqlens_q"], batch_shape, n_q, "Nq", check_lengths, keep))
+        "seqlens_q", keywords["seqlens_q"], batch_shape, n_q, "Nq", check_lengths, gpu))
     if family == "padded":
         seqlens_k = (None if keywords.get("seqlens_k") is None else check_seqlens(
-            "seqlens_k", keywords["seqlens_k"], batch_shape, n_k, "Nk", check_lengths, keep))
+            "seqlens_k", keywords["seqlens_k"], batch_shape, n_k, "Nk", check_lengths, gpu))
         return VarlenLayout("padded", seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                             checked=check_lengths)
     num_pages, page_size = paging
     seqlens_k = check_seqlens("seqlens_k", keywords["seqlens_k"], batch_shape, None,
-                              check_values=check_lengths, keep_device=keep)
+                              check_values=check_lengths, keep_device=gpu)
     table = check_block_table(keywords["block_table"], seqlens_k, batch_shape, num_pages,
-                              page_size, check_lengths, keep)
+                              page_size, check_lengths, gpu)
     return VarlenLayout("paged", seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_table=table,
                         page_size=page_size, num_pages=num_pages, checked=check_lengths)
 

@@ -5,10 +5,10 @@ Each check takes the caller's array (NumPy, or anything `tileattn.arrays.to_host
 such as CuPy: the contents check is a small device-to-host copy), raises a `TypeError` for a
 non-integer dtype and a `ValueError` for a bad shape or value, naming the argument, what was
 expected and what was given, and returns the lengths as a host ``int64`` array the caller can
-index without overflow. Unchecked lengths and tables of a GPU call on its GPU (`keep_device`, for
-``check_lengths=False``) stay on the device as int32 or int64, with no copy and no wait for
-the device: a decode loop's step then costs no synchronisation. Nothing here writes to the
-caller's arrays.
+index without overflow. Unchecked lengths and tables of a GPU call that lie on its GPU
+(`keep_device`, for ``check_lengths=False``) stay there as int32 or int64, with no copy and
+no wait for the device: a decode loop's step then costs no synchronisation. Nothing here
+writes to the caller's arrays.
 """
 
 from __future__ import annotations

@@ -126,6 +126,18 @@ def _key_flags(redo: Launch | None):
     return cupy.empty(redo.grid[0], dtype=cupy.int32)
 
 
+def _key_grid(q, k, v, do, lse, options: AttentionOptions, owned: int, flagging: bool,
+              tile_major: bool, sequences: Sequences | None) -> tuple:
+    """``(grid, tables, redo, flags)`` of the dK/dV kernels (`owned` keys a block, blocks
+    in the order `tile_major` says): their grid and table arguments, and where they flag
+    non-finite keys (`flagging`) the redo launch (`_key_redo`) and the flags' buffer."""
+    batch, n_kv_heads, n_k = q.shape[0], k.shape[1], k.shape[2]
+    grid, tables = tile_grid(n_kv_heads, n_k, owned, batch, sequences, keys=True)
+    redo = (_key_redo(q, k, v, do, lse, options, owned, tile_major, grid, tables, sequences)
+            if flagging else None)
+    return grid, tables, redo, _key_flags(redo)
+
+
 def _key_redo(q, k, v, do, lse, options: AttentionOptions, owned: int, tile_major: bool,
               grid: int, tables: tuple, sequences: Sequences | None) -> Launch:
     """attention_generic.cu's attention_backward_dkdv_redo over a 16-bit dK/dV kernel's grid
@@ -188,12 +200,10 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     # blocks of 64 x 64 floats, one bulk reduction's destination each.
     dq_sum = (cupy.zeros(batch * n_q_heads * -(-n_q // 64) * 64 * head_dim, dtype=cupy.float32)
               if single_pass else empty(q.device.id, "float32"))
-    owned, streamed = tiles.dkdv
-    flagging = _has_query_tail(n_q, streamed, sequences)
-    key_grid, key_tables = tile_grid(n_kv_heads, n_k, owned, batch, sequences, keys=True)
-    redo = (_key_redo(q, k, v, do, lse, options, owned, Switches.of(options).banded, key_grid,
-                      key_tables, sequences) if flagging else None)
-    flags = _key_flags(redo)
+    flagging = _has_query_tail(n_q, tiles.dkdv[1], sequences)
+    key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, options, tiles.dkdv[0],
+                                                  flagging, Switches.of(options).banded,
+                                                  sequences)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, flags), n_k,
@@ -256,14 +266,12 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles.dkdv[1])
     dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
-    owned, streamed = tiles.dkdv
     # float32 zeroes the tail's probabilities instead (QUERY_TAIL below), at no cost there.
-    flagging = not is_float32 and _has_query_tail(n_q, streamed, sequences)
-    key_grid, key_tables = tile_grid(n_kv_heads, n_k, owned, batch, sequences, keys=True)
-    redo = (_key_redo(q, k, v, do, lse, options, owned,
-                      Switches.of(options).banded and not ordered, key_grid, key_tables,
-                      sequences) if flagging else None)
-    flags = _key_flags(redo)
+    flagging = not is_float32 and _has_query_tail(n_q, tiles.dkdv[1], sequences)
+    key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, options, tiles.dkdv[0],
+                                                  flagging,
+                                                  Switches.of(options).banded and not ordered,
+                                                  sequences)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns, flags), n_k,

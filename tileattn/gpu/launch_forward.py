@@ -18,7 +18,7 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        tensor_core_operands)
 from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
                     WgmmaTiles, Widths, choose_decode, choose_forward)
-from .varlen import DeviceTables, Sequences, tile_grid
+from .varlen import Sequences, tile_grid
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
@@ -250,7 +250,7 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     query rows a batch element, the decode kernel over the batch). Rows of no sequence are
     never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC).
     A call whose lengths stay on the device (`Sequences.dense_grid`) is planned once per
-    signature: a repeated one fills its tables (`DeviceTables.prepare`) and launches."""
+    signature: a repeated one fills its tables (`DeviceTables.fill`) and launches."""
     key = plan_key("forward", options, q, k, v)
     plan = cached(key, q, k, v)
     o, lse = _outputs(q, v, out, lse_out)
@@ -259,7 +259,7 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         if fills:
             o.fill(0)
             lse.fill(-np.inf)
-        tables.prepare(*DeviceTables.inputs(options.varlen))
+        tables.fill(options.varlen)
         launch(q, k, v, o, lse)
         return o, lse
     sequences = Sequences(q, k, options, forward=True)

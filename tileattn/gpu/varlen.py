@@ -73,7 +73,6 @@ class Sequences:
             self.descriptors = None
             self.max_rows, self.max_keys = n_q, self.key_capacity
             self.device_tables = DeviceTables(layout, batch, n_q, self.key_capacity)
-            self.device_tables.prepare(*DeviceTables.inputs(layout))
             self._table = self.device_tables.table
             return
         self.descriptors = layout.descriptors(batch, n_q, k.shape[2])
@@ -119,35 +118,41 @@ class Sequences:
 class DeviceTables:
     """The descriptors and block table of a padded or paged forward whose lengths stay on
     the device, in buffers of their own that a kernel (sequence_descriptors.cu:
-    padded_tables) fills from the caller's arrays at every call: a repeated call's cached
-    launches read these buffers, so only the filling launch takes the new arrays. One
-    stream's calls run in order, so a call never overwrites tables that an earlier call's
-    kernels still read; plans are kept per stream (launch_forward.py)."""
+    padded_tables) fills from the caller's arrays at every call (`fill`; the first by the
+    constructor): a repeated call's cached launches read these buffers, so only the filling
+    launch takes the new arrays. One stream's calls run in order, so a call never
+    overwrites tables that an earlier call's kernels still read; plans are kept per stream
+    (launch_forward.py)."""
 
     def __init__(self, layout, batch: int, n_q: int, n_keys: int):
         device = cupy.cuda.Device().id
+        paged = layout.family == "paged"
+        pages = layout.block_table.shape[1] if paged else 0
         self.descriptors = cupy.empty((batch, DESCRIPTOR_COLUMNS), np.int64)
-        self.paged = layout.family == "paged"
-        pages = layout.block_table.shape[1] if self.paged else 0
-        self.table = (cupy.empty((batch, pages), np.int64) if self.paged
+        self.table = (cupy.empty((batch, pages), np.int64) if paged
                       else empty(device, "int64"))
-        inputs = self.inputs(layout)
+        inputs = self._inputs(layout)
         defines = tuple(("i64" if a.dtype == np.int64 else "int") for a in inputs)
         function = _compile.kernel(DESCRIPTORS_SOURCE, "padded_tables",
                                    (("K_LENGTH", defines[1]), ("Q_LENGTH", defines[0]),
                                     ("TABLE", defines[2])))
-        row_stride = inputs[2].strides[0] // inputs[2].itemsize if self.paged else 0
+        row_stride = inputs[2].strides[0] // inputs[2].itemsize if paged else 0
         threads = max(batch, batch * pages)
-        self.prepare = Launch(function, (-(-threads // 128),), (128,), 0,
-                              (np.int64(batch), np.int64(n_q), np.int64(n_keys),
-                               np.int64(row_stride), np.int64(pages), self.descriptors,
-                               self.table))
+        self._prepare = Launch(function, (-(-threads // 128),), (128,), 0,
+                               (np.int64(batch), np.int64(n_q), np.int64(n_keys),
+                                np.int64(row_stride), np.int64(pages), self.descriptors,
+                                self.table))
+        self._prepare(*inputs)
+
+    def fill(self, layout) -> None:
+        """Refill the tables from `layout`'s arrays (a call of this plan's signature)."""
+        self._prepare(*self._inputs(layout))
 
     @staticmethod
-    def inputs(layout) -> tuple:
+    def _inputs(layout) -> tuple:
         """``(seqlens_q, seqlens_k, block_table)`` of a call as the filling kernel reads
         them (1-D lengths, table rows of unit column stride; empty stand-ins for absent
-        ones): the arrays to call `prepare` with."""
+        ones)."""
         device = cupy.cuda.Device().id
         arrays = []
         for array in (layout.seqlens_q, layout.seqlens_k, layout.block_table):
