@@ -200,6 +200,33 @@ def test_large_float32_scores_do_not_overflow(backend):
                    lse_magnitude=float(np.abs(lse).max()))
 
 
+def test_float32_gradients_summed_over_thousands_of_rows_stay_exact(backend):
+    """A causal key's dK and dV are sums over every later row, most of them from the rows
+    next to the key and the rest in thousands of small terms; with GQA a kv head's sum runs
+    over its group's rows as well (8 x 2048 here). Tensor cores that add each small term
+    straight into the large sum lose a little of it, always toward zero: dK reached 2.6x
+    the float32 tolerance at this size on the H100 before the sums went tile by tile."""
+    q, k, v = random_inputs((1, 8, 2048, 64), (1, 1, 2048, 64), (1, 1, 2048, 64), seed=7)
+    do = np.random.default_rng(8).standard_normal(q.shape).astype(np.float32)
+    check_backward(backend, AttentionProblem(q, k, v, do, {"causal": True}))
+
+
+def test_float32_output_dominated_by_one_key_stays_exact(backend):
+    """An attention sink: key 0 scores ~12 against every query, so each row's output is
+    mostly v[0] plus 32k small terms: the forward's running sum meets the same losses as
+    the gradients' sums above (this test failed on the H100 before the sums went tile by
+    tile)."""
+    rng = np.random.default_rng(9)
+    q, k, v = random_inputs((1, 2, 128, 64), (1, 2, 32768, 64), (1, 2, 32768, 64), seed=9)
+    sink = rng.standard_normal(64).astype(np.float32)
+    sink *= np.float32(np.sqrt(12 * np.sqrt(64))) / np.linalg.norm(sink)
+    q += sink
+    k[:, :, 0] = sink
+    _, lse = check_forward(backend, AttentionProblem(q, k, v, np.ones_like(q), {}))
+    sink_weight = np.exp((q.astype(np.float64) @ k[:, :, 0, :, None])[..., 0] / 8 - lse)
+    assert sink_weight.mean() > 0.5  # the sink holds most of the weight
+
+
 @pytest.mark.parametrize("dtype,head_dim", [(np.float32, 16), (np.float16, 64)])
 def test_backward_takes_D_from_the_given_o(backend, dtype, head_dim):
     """SPEC: ``D = rowsum(do * o)`` from the o passed in. With o moved by 5 % the

@@ -131,19 +131,26 @@ __device__ __forceinline__ void chunked_score_product(const float* a, const floa
             if (k0 + c < kSteps)
                 load_split_a_fragment<kPitch>(a, row0, (k0 + c) * 8, a_big[c], a_small[c], true);
 #pragma unroll
-        for (int n = 0; n < Columns / 8; ++n) {
-            float chunk[4] = {};
+        for (int n0 = 0; n0 < Columns / 8; n0 += kChunkChains) {
+            float chunk[kChunkChains][4] = {};
 #pragma unroll
             for (int c = 0; c < kScoreChunk; ++c) {
                 if (k0 + c >= kSteps) continue;
-                float b0, b1;
-                load_shared_pair(b + (n * 8 + lane / 4) * kPitch + (k0 + c) * 8 + 2 * (lane % 4),
-                                 b0, b1);
-                mma_16x8x8_3xtf32<Transposed>(chunk, a_big[c], a_small[c],
-                                              split_tf32(b0, true), split_tf32(b1, true));
+#pragma unroll
+                for (int j = 0; j < kChunkChains; ++j) {
+                    if (n0 + j >= Columns / 8) continue;
+                    float b0, b1;
+                    load_shared_pair(b + ((n0 + j) * 8 + lane / 4) * kPitch + (k0 + c) * 8 +
+                                         2 * (lane % 4), b0, b1);
+                    mma_16x8x8_3xtf32<Transposed>(chunk[j], a_big[c], a_small[c],
+                                                  split_tf32(b0, true), split_tf32(b1, true));
+                }
             }
 #pragma unroll
-            for (int e = 0; e < 4; ++e) out.tile[n][e] += chunk[e];
+            for (int j = 0; j < kChunkChains; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (n0 + j < Columns / 8) out.tile[n0 + j][e] += chunk[j][e];
         }
     }
 }
@@ -176,27 +183,49 @@ __device__ __forceinline__ void two_score_products(const float* a1, const float*
 
 // out += X B, X this warp's 16 x Inner accumulators, B the row-major Inner x Width tile
 // `b`: a C fragment's columns 2t, 2t + 1 are the A fragment's k = t, t + 4 (tf32.cuh), so
-// B's b0, b1 are rows 2t, 2t + 1.
+// B's b0, b1 are rows 2t, 2t + 1; kProductChunk k8 steps at a time into a zero tile added
+// to out in IEEE float32 (tf32.cuh).
 template <int Inner, int Width>
 __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x, const float* b,
                                                    Accumulators<Width>& out) {
-    constexpr int kPitch = kPitchOf<Width>;
+    constexpr int kPitch = kPitchOf<Width>, kSteps = Inner / 8;
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int c = 0; c < Inner / 8; ++c) {
-        u32 a_big[4], a_small[4];
-        const float p[4] = {x.tile[c][0], x.tile[c][2], x.tile[c][1], x.tile[c][3]};
+    for (int c0 = 0; c0 < kSteps; c0 += kProductChunk) {
+        u32 a_big[kProductChunk][4], a_small[kProductChunk][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const Tf32Split split = split_tf32(p[i]);
-            a_big[i] = split.big;
-            a_small[i] = split.small;
+        for (int c = 0; c < kProductChunk; ++c) {
+            if (c0 + c >= kSteps) continue;
+            const float* tile = x.tile[c0 + c];
+            const float p[4] = {tile[0], tile[2], tile[1], tile[3]};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const Tf32Split split = split_tf32(p[i]);
+                a_big[c][i] = split.big;
+                a_small[c][i] = split.small;
+            }
         }
-        const float* rows = b + (c * 8 + 2 * (lane % 4)) * kPitch + lane / 4;
 #pragma unroll
-        for (int dn = 0; dn < Width / 8; ++dn)
-            mma_16x8x8_3xtf32(out.tile[dn], a_big, a_small, split_tf32(rows[dn * 8]),
-                              split_tf32(rows[kPitch + dn * 8]));
+        for (int dn0 = 0; dn0 < Width / 8; dn0 += kChunkChains) {
+            float chunk[kChunkChains][4] = {};
+#pragma unroll
+            for (int c = 0; c < kProductChunk; ++c) {
+                if (c0 + c >= kSteps) continue;
+                const float* rows =
+                    b + ((c0 + c) * 8 + 2 * (lane % 4)) * kPitch + lane / 4 + dn0 * 8;
+#pragma unroll
+                for (int j = 0; j < kChunkChains; ++j)
+                    if (dn0 + j < Width / 8)
+                        mma_16x8x8_3xtf32(chunk[j], a_big[c], a_small[c],
+                                          split_tf32(rows[j * 8]),
+                                          split_tf32(rows[kPitch + j * 8]));
+            }
+#pragma unroll
+            for (int j = 0; j < kChunkChains; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (dn0 + j < Width / 8) out.tile[dn0 + j][e] += chunk[j][e];
+        }
     }
 }
 #else

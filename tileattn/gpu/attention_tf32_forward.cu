@@ -75,24 +75,90 @@ __device__ __forceinline__ void score_tile(float (&s)[kRowTiles][BLOCK_K / 8][4]
                     load_split_a_fragment<kQkPitch>(q_tile, warp_row0 + m * 16, (k0 + c) * 8,
                                                     a_big[c][m], a_small[c][m], nearest);
 #pragma unroll
-        for (int n = 0; n < BLOCK_K / 8; ++n) {
-            float chunk[kRowTiles][4] = {};
+        for (int n0 = 0; n0 < BLOCK_K / 8; n0 += kChunkChains) {
+            float chunk[kChunkChains][kRowTiles][4] = {};
 #pragma unroll
             for (int c = 0; c < kScoreChunk; ++c) {
                 if (k0 + c >= kSteps) continue;
-                float b0, b1;
-                load_shared_pair(k_tile + (n * 8 + group) * kQkPitch + (k0 + c) * 8 +
-                                     2 * thread_in_group, b0, b1);
-                const Tf32Split split0 = split_tf32(b0, nearest);
-                const Tf32Split split1 = split_tf32(b1, nearest);
 #pragma unroll
-                for (int m = 0; m < kRowTiles; ++m)
-                    mma_16x8x8_3xtf32(chunk[m], a_big[c][m], a_small[c][m], split0, split1);
+                for (int j = 0; j < kChunkChains; ++j) {
+                    if (n0 + j >= BLOCK_K / 8) continue;
+                    float b0, b1;
+                    load_shared_pair(k_tile + ((n0 + j) * 8 + group) * kQkPitch + (k0 + c) * 8 +
+                                         2 * thread_in_group, b0, b1);
+                    const Tf32Split split0 = split_tf32(b0, nearest);
+                    const Tf32Split split1 = split_tf32(b1, nearest);
+#pragma unroll
+                    for (int m = 0; m < kRowTiles; ++m)
+                        mma_16x8x8_3xtf32(chunk[j][m], a_big[c][m], a_small[c][m], split0,
+                                          split1);
+                }
             }
 #pragma unroll
-            for (int m = 0; m < kRowTiles; ++m)
+            for (int j = 0; j < kChunkChains; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[m][n][e] += chunk[m][e];
+                for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (n0 + j < BLOCK_K / 8) s[m][n0 + j][e] += chunk[j][m][e];
+        }
+    }
+}
+
+// o_acc += P V for this warp's rows: P = s (probabilities), V the stage's BLOCK_K x
+// kValueWidth tile. This thread's P entries of the 8-key fragment c are keys 2t, 2t + 1 of
+// rows g, g + 8 (a0 = s[0], a2 = s[1], a1 = s[2], a3 = s[3]), so V's b0, b1 are rows
+// 2t, 2t + 1. kProductChunk fragments at a time go into a zero tile added to o_acc in IEEE
+// float32 (tf32.cuh: a large sum takes no truncated small terms).
+__device__ __forceinline__ void value_product(float (&o_acc)[kRowTiles][kValueWidth / 8][4],
+                                              const float (&s)[kRowTiles][BLOCK_K / 8][4],
+                                              const float* v_tile) {
+    const int lane = threadIdx.x % 32;
+    constexpr int kSteps = BLOCK_K / 8;
+#pragma unroll
+    for (int c0 = 0; c0 < kSteps; c0 += kProductChunk) {
+        u32 a_big[kProductChunk][kRowTiles][4], a_small[kProductChunk][kRowTiles][4];
+#pragma unroll
+        for (int c = 0; c < kProductChunk; ++c)
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) {
+                if (c0 + c >= kSteps) continue;
+                const float p[4] = {s[m][c0 + c][0], s[m][c0 + c][2], s[m][c0 + c][1],
+                                    s[m][c0 + c][3]};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const Tf32Split split = split_tf32(p[i]);
+                    a_big[c][m][i] = split.big;
+                    a_small[c][m][i] = split.small;
+                }
+            }
+        constexpr int kColumnTiles = kValueWidth / 8;
+#pragma unroll
+        for (int dn0 = 0; dn0 < kColumnTiles; dn0 += kChunkChains) {
+            float chunk[kChunkChains][kRowTiles][4] = {};
+#pragma unroll
+            for (int c = 0; c < kProductChunk; ++c) {
+                if (c0 + c >= kSteps) continue;
+                const float* v_rows = v_tile + ((c0 + c) * 8 + 2 * (lane % 4)) * kVPitch +
+                                      lane / 4 + dn0 * 8;
+#pragma unroll
+                for (int j = 0; j < kChunkChains; ++j) {
+                    if (dn0 + j >= kColumnTiles) continue;
+                    const Tf32Split split0 = split_tf32(v_rows[j * 8]);
+                    const Tf32Split split1 = split_tf32(v_rows[kVPitch + j * 8]);
+#pragma unroll
+                    for (int m = 0; m < kRowTiles; ++m)
+                        mma_16x8x8_3xtf32(chunk[j][m], a_big[c][m], a_small[c][m], split0,
+                                          split1);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kChunkChains; ++j)
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (dn0 + j < kColumnTiles) o_acc[m][dn0 + j][e] += chunk[j][m][e];
         }
     }
 }
@@ -198,31 +264,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
                     return tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k);
                 });
 
-        // O += P V over the keys of each 8-key fragment c: this thread's P entries are
-        // keys 2t, 2t + 1 of rows g, g + 8, i.e. a0 = s[0], a2 = s[1], a1 = s[2], a3 = s[3].
-#pragma unroll
-        for (int c = 0; c < BLOCK_K / 8; ++c) {
-            u32 a_big[kRowTiles][4], a_small[kRowTiles][4];
-#pragma unroll
-            for (int m = 0; m < kRowTiles; ++m) {
-                const float p[4] = {s[m][c][0], s[m][c][2], s[m][c][1], s[m][c][3]};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const Tf32Split split = split_tf32(p[i]);
-                    a_big[m][i] = split.big;
-                    a_small[m][i] = split.small;
-                }
-            }
-            const float* v_rows = v_tile + (c * 8 + 2 * thread_in_group) * kVPitch + group;
-#pragma unroll
-            for (int dn = 0; dn < kValueWidth / 8; ++dn) {
-                const Tf32Split split0 = split_tf32(v_rows[dn * 8]);
-                const Tf32Split split1 = split_tf32(v_rows[kVPitch + dn * 8]);
-#pragma unroll
-                for (int m = 0; m < kRowTiles; ++m)
-                    mma_16x8x8_3xtf32(o_acc[m][dn], a_big[m], a_small[m], split0, split1);
-            }
-        }
+        value_product(o_acc, s, v_tile);
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
 

@@ -139,6 +139,19 @@ __device__ __forceinline__ void mma_16x8x8_3xtf32(float* c, const u32 (&a_big)[4
 // float32 forward at D = 128 (four steps cost 12 %, one step 20 %; NOTES-gpu v21, v23).
 constexpr int kScoreChunk = 8;
 
+// The other products (P V, P^T dO, dS^T Q, dS K) add a tile's terms to a sum over every
+// tile of the row (O) or of the column (dK, dV, dQ). Accumulated in place on the tensor
+// cores, each small term added to a large sum lost a little, always toward zero: a causal
+// key's dV (most of it from the rows next to the key, the rest from thousands of rows
+// after them) reached 12x the float32 tolerance at N = 16k, an attention sink's O 1x
+// (bench/experiments/ring_accuracy_gpu.py, NOTES-gpu v24). They too go kProductChunk k8
+// steps at a time into a zero tile added in IEEE float32.
+constexpr int kProductChunk = 8;
+
+// A chunk's products into one zero tile form a chain of dependent mma instructions; a
+// chunk takes kChunkChains output tiles at a time, so that as many chains interleave.
+constexpr int kChunkChains = 8;
+
 // Two adjacent floats of shared memory (8-byte aligned) in one load.
 __device__ __forceinline__ void load_shared_pair(const float* pointer, float& low, float& high) {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
