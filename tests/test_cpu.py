@@ -432,3 +432,28 @@ def test_scipy_blas_is_single_threaded_inside_and_restored_after():
     finally:
         for library, threads in zip(libraries, before):
             library.set_num_threads(threads)
+
+
+def _subnormals_work_here() -> bool:
+    tiny = np.array([1e-38], np.float32)
+    return bool((tiny * np.float32(0.01))[0] != 0) and bool((tiny / np.float32(2))[0] != 0)
+
+
+@pytest.mark.parametrize("n_q", [1, 64])  # the decode kernel and the forward kernel
+def test_kernels_flush_subnormals_but_leave_the_callers_arithmetic_ieee(n_q):
+    """The kernels flush subnormals (`tileattn.cpu.denormals`: ALiBi's tiny probabilities
+    made x86 cores take microcode assists) and put the thread's MXCSR back: NumPy on the
+    calling thread still makes subnormals afterwards. Steep ALiBi slopes give
+    probabilities below float32's smallest normal number; the result stays exact."""
+    assert _subnormals_work_here()
+    q, k, v = _inputs((1, 4, n_q, 32), (1, 4, 600, 32), (1, 4, 600, 32), seed=3)
+    slopes = np.full(4, 2.0, np.float32)
+    o, lse = tileattn.forward(q, k, v, alibi_slopes=slopes, causal=True, return_lse=True,
+                              backend="cpu")
+    assert _subnormals_work_here()
+    expected_o, expected_lse = _golden(q, k, v, alibi_slopes=slopes, causal=True)
+    assert_attention_close(o, expected_o, np.float32, name="o")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+    tileattn.backward(np.ones_like(o), q, k, v, o, lse, alibi_slopes=slopes, causal=True,
+                      backend="cpu")
+    assert _subnormals_work_here()

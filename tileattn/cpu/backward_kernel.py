@@ -28,6 +28,7 @@ from numba import njit
 
 from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from . import dropout
+from .denormals import flush_subnormals, restore_subnormals
 from .kept_products import redo_non_finite_columns, redo_non_finite_rows
 from .schedule import claim_next
 from .tiles import (key_span, mask_tile, row_span, tile_is_fully_kept, tile_view,
@@ -371,6 +372,7 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, 
     if task >= n_tasks:
         return
     scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         sequence, start = tiles[task // heads, 0], tiles[task // heads, 1]
         head = task % heads
@@ -393,3 +395,4 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, 
                           col_offset, dropout_key, dropout_threshold, inv_keep, block_q,
                           block_k, slice_rows, scratch)
         task = claim_next(next_task)
+    restore_subnormals(previous)

@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit
 
 from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
+from .denormals import flush_subnormals, restore_subnormals
 from .forward_kernel import _apply_dropout, _softmax_update
 from .kept_products import redo_non_finite_rows
 from .schedule import claim_next
@@ -155,6 +156,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, blo
     paged = block_table.shape[0] > 0
     key_buffer = np.empty(block_k * head_dim if paged else 0, dtype)
     value_buffer = np.empty(block_k * value_dim if paged else 0, dtype)
+    previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         split = task % n_splits
         sequence, kv_head = divmod(task // n_splits, n_kv_heads)
@@ -199,6 +201,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, blo
                 partial_sum[split, b, first_head + g, row] = row_sum[g * n_q + r]
                 for d in range(value_dim):
                     partial_acc[split, b, first_head + g, row, d] = acc[g * n_q + r, d]
+    restore_subnormals(previous)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)

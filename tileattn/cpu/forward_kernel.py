@@ -13,6 +13,7 @@ from numba import njit
 
 from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from . import dropout
+from .denormals import flush_subnormals, restore_subnormals
 from .kept_products import redo_non_finite_rows
 from .schedule import claim_next
 from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
@@ -211,6 +212,7 @@ def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, 
     paged = block_table.shape[0] > 0
     key_buffer = np.empty(block_k * head_dim if paged else 0, dtype)
     value_buffer = np.empty(block_k * value_dim if paged else 0, dtype)
+    previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         h = task % n_q_heads
         sequence = tiles[task // n_q_heads, 0]
@@ -227,3 +229,4 @@ def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, 
                     page_size, slots_outer, block_k, slice_rows, q_scaled, scores_buffer,
                     pv_buffer, acc, row_max, row_sum, rescale, key_buffer, value_buffer)
         task = claim_next(next_task)
+    restore_subnormals(previous)

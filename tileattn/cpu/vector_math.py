@@ -109,3 +109,29 @@ def _exp2_nonpositive_overload(x):
     if x == types.float32:
         return lambda x: _exp2_nonpositive_float32(x)
     return lambda x: np.exp2(x)
+
+
+def tanh(x):
+    """``tanh(x)``; inside Numba kernels float32 takes the vectorisable form below."""
+    return np.tanh(x)
+
+
+@njit(fastmath=FASTMATH, error_model="numpy")
+def _tanh_float32(x):
+    # tanh |x| = (1 - e) / (1 + e) with e = exp(-2 |x|) <= 1 from the polynomial exp2: plain
+    # arithmetic, so a softcap loop vectorises (the scalar tanhf call made a softcapped
+    # forward 4.8x the time of a plain one, bench/NOTES-cpu.md session 10). Its error is
+    # absolute, a few units of float32's epsilon, where tanhf's is relative: for a softcap
+    # that is a few ulp of the cap in a capped score, the size of float32's own rounding of
+    # scores that large. -inf and inf give -1 and 1; NaN stays NaN. NumPy's error model:
+    # Python's raises on division by zero, and that check kept the loop scalar (1 + e >= 1).
+    e = _exp2_nonpositive_float32(np.float32(-2.0 * LOG2_E) * np.abs(x))
+    magnitude = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+    return magnitude if x >= np.float32(0.0) else -magnitude
+
+
+@overload(tanh)
+def _tanh_overload(x):
+    if x == types.float32:
+        return lambda x: _tanh_float32(x)
+    return lambda x: np.tanh(x)
