@@ -73,3 +73,22 @@ def test_varlen_benchmark_refuses_non_positive_sizes(name):
     assert result.returncode == 2
     assert f"{name} must be at least 1, got 0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cliff_sweep_checks_and_times_each_case_and_names_its_anchor():
+    result = bench("--quick", "--only", "softcap", "--rounds", "1", "--pause", "0",
+                   "--no-torch", script="sweep_cliffs_cpu.py")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| softcap |")
+            or line.startswith("| causal softcap |")]
+    assert len(rows) == 4, result.stdout  # two cases, fwd and fwd+bwd
+    assert all("| no option |" in row for row in rows)
+    assert "0 cases outside the float32 tolerance" in result.stdout
+
+
+@pytest.mark.parametrize("argument", [["--rounds", "0"], ["--pause", "-1"],
+                                      ["--threads", "0"], ["--bogus"]])
+def test_cliff_sweep_rejects_a_bad_argument_in_one_line(argument):
+    result = bench(*argument, script="sweep_cliffs_cpu.py")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "error:" in result.stderr
