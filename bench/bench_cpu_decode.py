@@ -83,7 +83,7 @@ def main() -> None:
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     if args.forward_kernel:
-        tileattn.cpu.decode.MAX_QUERY_ROWS = 0
+        tileattn.cpu.decode.MAX_QUERY_ROWS = tileattn.cpu.decode.MAX_GROUP_ROWS = 0
     rng = np.random.default_rng(0)
     path = "forward kernel" if args.forward_kernel else "decode path"
     print(f"threads {args.threads}, float32, D = {HEAD_DIM}, tileattn {path}\n")

@@ -121,6 +121,33 @@ def test_decode_shapes_take_the_decode_path(monkeypatch, n_q):
     assert calls == ([q.shape] if n_q <= decode.MAX_QUERY_ROWS else [])
 
 
+@pytest.mark.parametrize("heads,n_q,n_k,takes", [
+    ((8, 2), 64, 512, True),      # GQA, 256 packed rows, 8 keys a row
+    ((8, 2), 64, 511, False),     # fewer keys than 8 a row: the forward kernel
+    ((8, 1), 129, 8192, False),   # 1032 packed rows: over MAX_GROUP_ROWS
+    ((8, 1), 128, 8192, True),
+    ((4, 4), 17, 8192, False),    # MHA beyond 16 rows keeps the forward kernel
+])
+def test_gqa_calls_with_more_rows_take_the_decode_path_while_the_group_fits(
+        monkeypatch, heads, n_q, n_k, takes):
+    calls = []
+    decode_forward = decode.forward
+
+    def recording_forward(*args, **kwargs):
+        calls.append(args[0].shape)
+        return decode_forward(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "forward", recording_forward)
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, heads[0], n_q, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((1, heads[1], n_k, 16)).astype(np.float32) for _ in range(2))
+    out, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, causal=True)
+    assert calls == ([q.shape] if takes else [])
+    expected_out, expected_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(out, expected_out, np.float32, name="out")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+
+
 def test_split_count_fills_the_threads_but_keeps_splits_a_tile_long():
     assert decode.split_count(1, 65536, 512, 2) == 8
     assert decode.split_count(32, 65536, 512, 2) == 1

@@ -225,7 +225,8 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences):
 
     batch, n_q_heads, n_q, _ = q_c.shape
     scalars = _option_scalars(options, len(shape.descriptors), n_q_heads)
-    if decode.takes(n_q):
+    n_kv_heads = k_c.shape[2] if shape.slots_outer else k_c.shape[1]
+    if decode.takes(n_q, shape.max_keys, n_q_heads // n_kv_heads):
         return decode.forward(q_c, k_c, v_c, options, scalars, _kernel_lock, shape)
     # Rows of no sequence (padding) are never written by the kernel: o 0, lse -inf (SPEC).
     allocate = (np.zeros, lambda shape_, dtype: np.full(shape_, -np.inf, dtype)) \

@@ -20,9 +20,26 @@ for the forward's query tiles (`blocks.spread_over_threads`): tasks are claimed 
 so a core slowed by other load takes fewer."""
 
 
-def takes(n_q: int) -> bool:
-    """Whether a forward with `n_q` query rows runs on the decode path."""
-    return n_q <= MAX_QUERY_ROWS
+MAX_GROUP_ROWS = 1024
+MIN_KEYS_PER_ROW = 8
+"""A GQA or MQA forward with more query rows still takes the decode path while a group's
+packed rows (group x Nq) stay within MAX_GROUP_ROWS and the keys outnumber the rows by
+MIN_KEYS_PER_ROW: each K/V tile is then read once for the whole group, where the forward
+kernel reads it once per query head. 2 threads, D = 128, causal, decode path against
+forward kernel (bench/NOTES-cpu.md, session 10): 32/8 heads over 8192 keys Nq 17-128
+1.17-1.71x faster, Nq 256 (1024 rows) 1.05x, Nq 512 0.97x; MQA 8/1 Nq 17-128 1.09-1.79x,
+Nq 256 0.95x; 16/2 Nq 64 over 32k keys 1.53x, B 8 32/8 Nq 32 over 2048 1.45x; but short
+square problems 0.77-0.90x (32/8 N 128-256, 8/1 N 128) and 32/8 Nq 256 over 1024 keys
+0.96x. MHA (group 1) gains nothing (0.98-1.01x at Nq 17-512) and keeps the forward kernel."""
+
+
+def takes(n_q: int, n_k: int = 0, group: int = 1) -> bool:
+    """Whether a forward with `n_q` query rows (the array's, which sizes the decode
+    kernel's buffers), at most `n_k` keys a sequence and `group` query heads per kv head
+    runs on the decode path."""
+    if n_q <= MAX_QUERY_ROWS:
+        return True
+    return group > 1 and group * n_q <= MAX_GROUP_ROWS and n_k >= MIN_KEYS_PER_ROW * n_q
 
 
 def split_count(n_tasks_per_split: int, n_keys: int, block_k: int, n_threads: int) -> int:
