@@ -5,13 +5,15 @@ Optional: importing this module imports JAX (``import tileattn`` never does). It
 
 Where the computation runs:
 
-- On the CPU each pass is a `jax.pure_callback`: the callback receives host (NumPy) arrays
-  and runs tileattn's CPU backend.
-- On a GPU each pass is a `jax.experimental.buffer_callback`: the callback receives XLA's
-  device buffers and XLA's CUDA stream, views the buffers as CuPy arrays (no copy) and
-  runs tileattn's GPU kernels on that stream, writing straight into XLA's output buffers
-  (``out=``). A JAX without ``buffer_callback`` falls back to the host path, with a
-  warning: on a GPU that copies every array to the host and back and runs at CPU speed.
+- Each pass is a `jax.experimental.buffer_callback`: the callback receives XLA's own
+  buffers and writes straight into XLA's output buffers (``out=``). On a GPU it views them
+  as CuPy arrays (no copy) and runs tileattn's GPU kernels on XLA's CUDA stream; on the
+  CPU it views them as NumPy arrays and runs the CPU backend.
+- `jax.pure_callback` (host arrays in, new host arrays out, copied on each side) is the
+  fallback: for ``backend="cpu"`` on a GPU, and in a JAX without ``buffer_callback``, with
+  a warning on a GPU, where it runs at CPU speed. On the CPU its copies cost 0.6-1.2 ms a
+  forward (B1 H8 D64: a decode step 0.93-1.45 against 0.34 ms through buffer_callback, the
+  direct call 0.24; N = 2048 28.5-31.2 against 24.6-25.1 ms).
 
 Under `jax.vmap` the callbacks see every array with the vmapped axes in front
 (``vmap_method="broadcast_all"``), and tileattn reads leading axes as batch axes, so a
@@ -165,19 +167,20 @@ def _warn_no_buffer_callback():
         RuntimeWarning, stacklevel=4)
 
 
-def _use_device_buffers() -> bool:
-    """Whether the passes run as buffer_callbacks: on a GPU, when JAX has them."""
-    if jax.default_backend() != "gpu":
-        return False
+def _use_buffers(backend: str) -> bool:
+    """Whether the passes run as buffer_callbacks (XLA's buffers, no copies): wherever JAX
+    has them, except ``backend="cpu"`` on a GPU, which needs the host arrays that only the
+    pure_callback path hands over."""
+    on_gpu = jax.default_backend() == "gpu"
     if _buffer_callback is None:
-        _warn_no_buffer_callback()
+        if on_gpu:
+            _warn_no_buffer_callback()
         return False
-    return True
+    return not (on_gpu and backend == "cpu")
 
 
 def _run_pass(function_name, options, base_ndim, result_shapes, *arrays):
-    # backend="cpu" asks for host arrays, which only the pure_callback path hands over
-    if options["backend"] != "cpu" and _use_device_buffers():
+    if _use_buffers(options["backend"]):
         run = _buffer_callback(
             partial(_buffer_callback_body, function_name, options, base_ndim), result_shapes,
             vmap_method="broadcast_all")
