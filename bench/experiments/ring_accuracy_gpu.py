@@ -1,8 +1,9 @@
-"""Ring attention's float32 error on the GPU, split by output: the simulated ring and one
-device, each against a float64 computation of the same inputs (the GPU's float64 kernels),
-in multiples of the float32 tolerance.
+"""Ring attention's error on the GPU, split by output: the simulated ring and one device,
+each against a float64 computation of the same (already rounded) inputs (the GPU's float64
+kernels), in multiples of the dtype's tolerance.
 
     python3 bench/experiments/ring_accuracy_gpu.py [--seqlen 16384] [--heads 32 8] [--ranks 2]
+    python3 bench/experiments/ring_accuracy_gpu.py --dtype float16 --seqlen 131072 --no-ring
 
 `bench_ring.py --check` compares the ring with one device directly; this tells which of the
 two carries the error, and in which output.
@@ -17,7 +18,8 @@ import numpy as np
 
 import tileattn
 import tileattn.distributed as td
-from tileattn.testing import attention_error
+from tileattn.distributed.layouts import from_float, to_float
+from tileattn.testing import attention_error, bfloat16
 
 NAMES = ("o", "lse", "dq", "dk", "dv")
 
@@ -27,8 +29,8 @@ def errors_against(got, want, dtype, shard=None):
     for name, mine, truth in zip(NAMES, got, want):
         if shard is not None:
             truth = shard(truth, -1 if name == "lse" else -2)
-        result[name] = attention_error(cupy.asnumpy(mine), cupy.asnumpy(truth), dtype,
-                                       lse_magnitude=1.0)
+        result[name] = attention_error(cupy.asnumpy(to_float(mine, np.float32)),
+                                       cupy.asnumpy(truth), dtype, lse_magnitude=1.0)
     return result
 
 
@@ -49,7 +51,10 @@ def main():
                         help="give key 0 about this score against every query (an attention "
                              "sink: one large term, then many small ones)")
     parser.add_argument("--no-ring", action="store_true", help="one device only")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                        default="float32")
     args = parser.parse_args()
+    dtype = bfloat16() if args.dtype == "bfloat16" else np.dtype(args.dtype)
     for n in args.seqlen:
         rng = cupy.random.default_rng(0)
         shapes = [(1, args.heads[0], n, args.head_dim), (1, args.heads[1], n, args.head_dim),
@@ -62,11 +67,11 @@ def main():
             u *= b / cupy.linalg.norm(u)
             whole[0] += u
             whole[1][:, :, 0] = u
-        wide = [a.astype(np.float64) for a in whole]
+        whole = [from_float(a, dtype) for a in whole]
+        wide = [to_float(a, np.float64) for a in whole]
         for causal in (False, True):
             truth = one_device(wide, causal, args.backend)
-            single = errors_against(one_device(whole, causal, args.backend), truth,
-                                    np.float32)
+            single = errors_against(one_device(whole, causal, args.backend), truth, dtype)
             print(f"N {n} causal {causal} one device: "
                   + " ".join(f"{k} {v:.3g}" for k, v in single.items()), flush=True)
             for layout in () if args.no_ring else td.LAYOUTS:
@@ -78,7 +83,7 @@ def main():
                                         layout=layout, causal=causal, backend=args.backend)
                     cupy.cuda.get_current_stream().synchronize()
                     return errors_against(
-                        (o, lse, *grads), truth, np.float32,
+                        (o, lse, *grads), truth, dtype,
                         lambda a, axis: td.shard(a, group, layout=layout, axis=axis))
 
                 per_rank = td.simulate(args.ranks, rank, device=0)
