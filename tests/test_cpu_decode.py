@@ -106,8 +106,9 @@ def test_input_dtypes(dtype):
     assert_attention_close(lse, expected_lse, dtype, name="lse")
 
 
-@pytest.mark.parametrize("n_q", [1, decode.MAX_QUERY_ROWS, decode.MAX_QUERY_ROWS + 1])
-def test_decode_shapes_take_the_decode_path(monkeypatch, n_q):
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """The query shapes of the calls that took the decode path."""
     calls = []
     decode_forward = decode.forward
 
@@ -116,9 +117,14 @@ def test_decode_shapes_take_the_decode_path(monkeypatch, n_q):
         return decode_forward(*args, **kwargs)
 
     monkeypatch.setattr(decode, "forward", recording_forward)
+    return calls
+
+
+@pytest.mark.parametrize("n_q", [1, decode.MAX_QUERY_ROWS, decode.MAX_QUERY_ROWS + 1])
+def test_decode_shapes_take_the_decode_path(decode_calls, n_q):
     q, k, v = _inputs(1, 4, 2, n_q, 64)
     tileattn.forward(q, k, v, backend="cpu")
-    assert calls == ([q.shape] if n_q <= decode.MAX_QUERY_ROWS else [])
+    assert decode_calls == ([q.shape] if n_q <= decode.MAX_QUERY_ROWS else [])
 
 
 @pytest.mark.parametrize("heads,n_q,n_k,takes", [
@@ -129,20 +135,12 @@ def test_decode_shapes_take_the_decode_path(monkeypatch, n_q):
     ((4, 4), 17, 8192, False),    # MHA beyond 16 rows keeps the forward kernel
 ])
 def test_gqa_calls_with_more_rows_take_the_decode_path_while_the_group_fits(
-        monkeypatch, heads, n_q, n_k, takes):
-    calls = []
-    decode_forward = decode.forward
-
-    def recording_forward(*args, **kwargs):
-        calls.append(args[0].shape)
-        return decode_forward(*args, **kwargs)
-
-    monkeypatch.setattr(decode, "forward", recording_forward)
+        decode_calls, heads, n_q, n_k, takes):
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, heads[0], n_q, 16)).astype(np.float32)
     k, v = (rng.standard_normal((1, heads[1], n_k, 16)).astype(np.float32) for _ in range(2))
     out, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, causal=True)
-    assert calls == ([q.shape] if takes else [])
+    assert decode_calls == ([q.shape] if takes else [])
     expected_out, expected_lse = _golden(q, k, v, causal=True)
     assert_attention_close(out, expected_out, np.float32, name="out")
     assert_attention_close(lse, expected_lse, np.float32, name="lse")
