@@ -555,6 +555,24 @@ def test_jax_on_the_cpu_runs_in_xla_buffers_without_host_copies(monkeypatch):
     assert adapter._use_buffers("cpu")  # host buffers serve backend="cpu" here
 
 
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_jax_16_bit_arrays_through_the_adapter_match_the_golden_model(dtype_name):
+    """16-bit arrays through whichever callback the adapter takes (NumPy's DLPack has no
+    bfloat16, so the host buffers are viewed through `np.asarray`)."""
+    jax = require("jax")
+    import jax.numpy as jnp
+
+    import tileattn.jax as adapter
+
+    dtype = getattr(jnp, dtype_name)
+    q, k, v = (jnp.asarray(a, dtype=dtype) for a in numpy_problem(seed=5))
+    o = jax.jit(lambda a, b, c: adapter.attention(a, b, c, causal=True))(q, k, v)
+    assert o.dtype == dtype
+    wide = [np.asarray(a, np.float64) for a in (q, k, v)]
+    expected = tileattn.forward(*wide, causal=True, backend="reference")
+    assert_attention_close(np.asarray(o, np.float32), expected, np.dtype(o.dtype))
+
+
 def test_jax_gpu_runs_in_xla_buffers_under_vmap_and_grad():
     """On a GPU the passes are buffer_callbacks over XLA's device buffers and stream."""
     jax = require("jax")

@@ -139,13 +139,24 @@ def _cupy_view(buffer):
                               buffer.dtype, buffer)
 
 
+def _host_view(buffer):
+    """An XLA host buffer as a NumPy array over its memory. `np.asarray`, not DLPack: NumPy's
+    DLPack has no bfloat16. Results written into a copy would never reach XLA's output, so a
+    JAX whose buffers NumPy could only copy is an error, not a silent zero."""
+    view = np.asarray(buffer)
+    if view.flags.owndata or not view.flags.writeable:
+        raise RuntimeError(f"tileattn.jax: NumPy cannot write into this JAX's (jax "
+                           f"{jax.__version__}) buffer_callback host buffers in place")
+    return view
+
+
 def _buffer_callback_body(function_name, options, base_ndim, context, outputs, *inputs):
     """buffer_callback's body: XLA's buffers, written in place. On a GPU they are viewed as
     CuPy arrays and tileattn runs on XLA's stream; on the CPU (where XLA may also lower
     this, for arrays placed there) they are NumPy arrays."""
     if int(inputs[0].__dlpack_device__()[0]) == _DLPACK_CPU:
         _call(function_name, options, base_ndim, [np.asarray(b) for b in inputs],
-              [np.asarray(b) for b in outputs])
+              [_host_view(b) for b in outputs])
         return
     import cupy
 
