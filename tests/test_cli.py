@@ -211,6 +211,19 @@ def test_info_reports_every_value_given(capsys):
     assert "q (1, 8, 1, 64), Nk=131072, Dv=64, Hkv=1, float16" in out
 
 
+@pytest.mark.parametrize("arguments,path", [
+    (["--seq-len", "64", "--n-k", "8192", "--heads", "32", "--kv-heads", "8"],
+     "decode path (cpu/decode_kernel.py)"),
+    (["--seq-len", "64", "--n-k", "8192", "--heads", "8"], "tiled forward"),
+    (["--seq-len", "1", "--n-k", "4096"], "decode path (cpu/decode_kernel.py)"),
+])
+def test_info_names_the_cpu_forward_path(capsys, arguments, path):
+    status, out, err = run_main(["info", *arguments], capsys)
+    assert status == 0, err
+    cpu_section = out.split("[cpu]")[1].split("\n\n")[0]
+    assert f"forward kernel: {path}" in cpu_section, cpu_section
+
+
 # --------------------------------------------------------------------------- warmup
 
 

@@ -53,6 +53,26 @@ def hardware() -> dict[str, str]:
             "L2 per core": f"{caches.l2 // 1024} KiB"}
 
 
+def describe(n_k: int, head_dim: int, value_dim: int, dtype,
+             options: AttentionOptions | None = None, *, n_q: int | None = None,
+             heads: int = 1, kv_heads: int | None = None, batch: int = 1) -> dict[str, str]:
+    """For ``python -m tileattn info``: which kernel each direction of a dense call of this
+    shape runs (`decode.takes` chooses the forward's)."""
+    kv_heads = kv_heads or heads
+    n_q = n_k if n_q is None else n_q
+    group = max(1, heads // kv_heads)
+    if decode.takes(n_q, n_k, group):
+        forward = (f"decode path (cpu/decode_kernel.py): a task per (batch, kv head, key "
+                   f"split); the {group} query head(s) of a kv head x {n_q} row(s) packed "
+                   f"into {group * n_q} rows against each K/V tile, splits merged by their "
+                   f"log-sum-exp")
+    else:
+        forward = "tiled forward (cpu/forward_kernel.py): a task per (query tile, query head)"
+    return {"forward": forward,
+            "backward": "tiled backward (cpu/backward_kernel.py): tasks per kv head, or per "
+                        "key tile and query tile"}
+
+
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
                query_heads: int = 0) -> dict[str, Blocks]:
     """The default tiles per pass for one head (more heads may get smaller query tiles:
