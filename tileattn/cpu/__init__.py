@@ -147,6 +147,10 @@ class Sequences:
             return tuple(_read_only(x.transpose(0, 2, 1, 3), dtype) for x in (k, v))
         return _read_only(k, dtype), _read_only(v, dtype)
 
+    def kv_heads(self, k_pool) -> int:
+        """Hkv of the kernels' view of k (`pools`: a paged pool may hold slots outermost)."""
+        return k_pool.shape[2] if self.slots_outer else k_pool.shape[1]
+
     def query_tasks(self, block_q: int) -> int:
         """Query tiles over all sequences (per head) for tiles of `block_q` rows."""
         if not self.varlen:
@@ -245,8 +249,7 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences):
 
     batch, n_q_heads, n_q, _ = q_c.shape
     scalars = _option_scalars(options, len(shape.descriptors), n_q_heads)
-    n_kv_heads = k_c.shape[2] if shape.slots_outer else k_c.shape[1]
-    if decode.takes(n_q, shape.max_keys, n_q_heads // n_kv_heads):
+    if decode.takes(n_q, shape.max_keys, n_q_heads // shape.kv_heads(k_c)):
         return decode.forward(q_c, k_c, v_c, options, scalars, _kernel_lock, shape)
     # Rows of no sequence (padding) are never written by the kernel: o 0, lse -inf (SPEC).
     allocate = (np.zeros, lambda shape_, dtype: np.full(shape_, -np.inf, dtype)) \

@@ -73,7 +73,7 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
 
     batch, n_q_heads, n_q, head_dim = q_c.shape
     value_dim = v_c.shape[3]
-    n_kv_heads = k_c.shape[2] if shape.slots_outer else k_c.shape[1]
+    n_kv_heads = shape.kv_heads(k_c)
     descriptors = shape.descriptors
     if shape.varlen:
         spans = _key_spans(descriptors, options)

@@ -24,13 +24,18 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _FLUSH_BITS = 0x8040  # FTZ (bit 15): subnormal results become 0; DAZ (bit 6): operands too
 
 
-def _mxcsr_functions(builder):
-    pointer = ir.IntType(8).as_pointer()
-    function_type = ir.FunctionType(ir.VoidType(), [pointer])
-    return (cgutils.get_or_insert_function(builder.module, function_type,
-                                           "llvm.x86.sse.stmxcsr"),
-            cgutils.get_or_insert_function(builder.module, function_type,
-                                           "llvm.x86.sse.ldmxcsr"))
+def _load_and_store(builder):
+    """llvm.x86.sse.ldmxcsr and stmxcsr, which read and write the MXCSR through memory."""
+    function_type = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()])
+    return tuple(cgutils.get_or_insert_function(builder.module, function_type,
+                                                f"llvm.x86.sse.{name}mxcsr")
+                 for name in ("ld", "st"))
+
+
+def _slot(builder):
+    """An int32 stack slot and its address as the intrinsics take it."""
+    slot = cgutils.alloca_once(builder, ir.IntType(32))
+    return slot, builder.bitcast(slot, ir.IntType(8).as_pointer())
 
 
 @intrinsic
@@ -41,9 +46,8 @@ def flush_subnormals(typingctx):
         int32 = ir.IntType(32)
         if not _X86:
             return ir.Constant(int32, 0)
-        store, load = _mxcsr_functions(builder)
-        slot = cgutils.alloca_once(builder, int32)
-        address = builder.bitcast(slot, ir.IntType(8).as_pointer())
+        load, store = _load_and_store(builder)
+        slot, address = _slot(builder)
         builder.call(store, [address])
         previous = builder.load(slot)
         builder.store(builder.or_(previous, ir.Constant(int32, _FLUSH_BITS)), slot)
@@ -56,21 +60,15 @@ def flush_subnormals(typingctx):
 @intrinsic
 def restore_subnormals(typingctx, previous):
     """Put back the MXCSR that `flush_subnormals` returned."""
-    if not isinstance(previous, types.Integer):
+    if previous != types.int32:
         return None
 
     def codegen(context, builder, signature, args):
         if _X86:
-            _, load = _mxcsr_functions(builder)
-            int32 = ir.IntType(32)
-            slot = cgutils.alloca_once(builder, int32)
-            value = args[0]
-            if previous.bitwidth > 32:
-                value = builder.trunc(value, int32)
-            elif previous.bitwidth < 32:
-                value = builder.zext(value, int32)
-            builder.store(value, slot)
-            builder.call(load, [builder.bitcast(slot, ir.IntType(8).as_pointer())])
+            load, _ = _load_and_store(builder)
+            slot, address = _slot(builder)
+            builder.store(args[0], slot)
+            builder.call(load, [address])
         return context.get_dummy_value()
 
-    return types.none(previous), codegen
+    return types.none(types.int32), codegen

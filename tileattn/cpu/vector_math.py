@@ -120,11 +120,11 @@ def tanh(x):
 def _tanh_float32(x):
     # tanh |x| = (1 - e) / (1 + e) with e = exp(-2 |x|) <= 1 from the polynomial exp2: plain
     # arithmetic, so a softcap loop vectorises, where tanhf is a scalar call (3.6 against
-    # 0.43 ns a score; bench/NOTES-cpu.md session 10). Its error is
-    # absolute, a few units of float32's epsilon, where tanhf's is relative: for a softcap
-    # that is a few ulp of the cap in a capped score, the size of float32's own rounding of
-    # scores that large. -inf and inf give -1 and 1; NaN stays NaN. NumPy's error model:
-    # Python's raises on division by zero, and that check kept the loop scalar (1 + e >= 1).
+    # 0.43 ns a score; bench/NOTES-cpu.md session 10). Its error is absolute, a few units of
+    # float32's epsilon, where tanhf's is relative: for a softcap that is a few ulp of the
+    # cap in a capped score, the size of float32's own rounding of scores that large. -inf
+    # and inf give -1 and 1; NaN stays NaN. NumPy's error model: Python's checks every
+    # division for zero, and that check kept the loop scalar (here 1 + e >= 1).
     e = _exp2_nonpositive_float32(np.float32(-2.0 * LOG2_E) * np.abs(x))
     magnitude = (np.float32(1.0) - e) / (np.float32(1.0) + e)
     return magnitude if x >= np.float32(0.0) else -magnitude

@@ -49,6 +49,42 @@ __device__ __forceinline__ void load_key_tiles(float* k_tile, float* v_tile,
         v_tile, v_rows, row, n_k);
 }
 
+// out[m][n] += A B for this warp's row tiles m and the output tiles n < Columns, over the
+// k8 steps c < steps of one chunk: A's split fragments a_big/a_small[c][m], and B's split
+// pair of step c and output tile n from b_pair(c, n, split0, split1). kChunkChains output
+// tiles at a time, each into a zero tile added to out in IEEE float32 (tf32.cuh).
+template <int Chunk, int Columns, typename BPair>
+__device__ __forceinline__ void add_chunk_products(float (&out)[kRowTiles][Columns][4],
+                                                   const u32 (&a_big)[Chunk][kRowTiles][4],
+                                                   const u32 (&a_small)[Chunk][kRowTiles][4],
+                                                   int steps, BPair b_pair) {
+#pragma unroll
+    for (int n0 = 0; n0 < Columns; n0 += kChunkChains) {
+        float chunk[kChunkChains][kRowTiles][4] = {};
+#pragma unroll
+        for (int c = 0; c < Chunk; ++c) {
+            if (c >= steps) continue;
+#pragma unroll
+            for (int j = 0; j < kChunkChains; ++j) {
+                if (n0 + j >= Columns) continue;
+                Tf32Split split0, split1;
+                b_pair(c, n0 + j, split0, split1);
+#pragma unroll
+                for (int m = 0; m < kRowTiles; ++m)
+                    mma_16x8x8_3xtf32(chunk[j][m], a_big[c][m], a_small[c][m], split0,
+                                      split1);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kChunkChains; ++j)
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (n0 + j < Columns) out[m][n0 + j][e] += chunk[j][m][e];
+    }
+}
+
 // s = Q K^T for this warp's kRowTiles x 16 rows (from warp_row0) of the Q tile against the
 // K tile's BLOCK_K keys, operands split to nearest and kScoreChunk k8 steps at a time added
 // in IEEE float32 (tf32.cuh): B[k][n] = K[key n][dim k], so b0, b1 are dims 2t, 2t + 1 of
@@ -74,34 +110,15 @@ __device__ __forceinline__ void score_tile(float (&s)[kRowTiles][BLOCK_K / 8][4]
                 if (k0 + c < kSteps)
                     load_split_a_fragment<kQkPitch>(q_tile, warp_row0 + m * 16, (k0 + c) * 8,
                                                     a_big[c][m], a_small[c][m], nearest);
-#pragma unroll
-        for (int n0 = 0; n0 < BLOCK_K / 8; n0 += kChunkChains) {
-            float chunk[kChunkChains][kRowTiles][4] = {};
-#pragma unroll
-            for (int c = 0; c < kScoreChunk; ++c) {
-                if (k0 + c >= kSteps) continue;
-#pragma unroll
-                for (int j = 0; j < kChunkChains; ++j) {
-                    if (n0 + j >= BLOCK_K / 8) continue;
-                    float b0, b1;
-                    load_shared_pair(k_tile + ((n0 + j) * 8 + group) * kQkPitch + (k0 + c) * 8 +
-                                         2 * thread_in_group, b0, b1);
-                    const Tf32Split split0 = split_tf32(b0, nearest);
-                    const Tf32Split split1 = split_tf32(b1, nearest);
-#pragma unroll
-                    for (int m = 0; m < kRowTiles; ++m)
-                        mma_16x8x8_3xtf32(chunk[j][m], a_big[c][m], a_small[c][m], split0,
-                                          split1);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < kChunkChains; ++j)
-#pragma unroll
-                for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (n0 + j < BLOCK_K / 8) s[m][n0 + j][e] += chunk[j][m][e];
-        }
+        add_chunk_products(s, a_big, a_small, kSteps - k0,
+                           [&](int c, int n, Tf32Split& split0, Tf32Split& split1) {
+                               float b0, b1;
+                               load_shared_pair(k_tile + (n * 8 + group) * kQkPitch +
+                                                    (k0 + c) * 8 + 2 * thread_in_group,
+                                                b0, b1);
+                               split0 = split_tf32(b0, nearest);
+                               split1 = split_tf32(b1, nearest);
+                           });
     }
 }
 
@@ -132,34 +149,14 @@ __device__ __forceinline__ void value_product(float (&o_acc)[kRowTiles][kValueWi
                     a_small[c][m][i] = split.small;
                 }
             }
-        constexpr int kColumnTiles = kValueWidth / 8;
-#pragma unroll
-        for (int dn0 = 0; dn0 < kColumnTiles; dn0 += kChunkChains) {
-            float chunk[kChunkChains][kRowTiles][4] = {};
-#pragma unroll
-            for (int c = 0; c < kProductChunk; ++c) {
-                if (c0 + c >= kSteps) continue;
-                const float* v_rows = v_tile + ((c0 + c) * 8 + 2 * (lane % 4)) * kVPitch +
-                                      lane / 4 + dn0 * 8;
-#pragma unroll
-                for (int j = 0; j < kChunkChains; ++j) {
-                    if (dn0 + j >= kColumnTiles) continue;
-                    const Tf32Split split0 = split_tf32(v_rows[j * 8]);
-                    const Tf32Split split1 = split_tf32(v_rows[kVPitch + j * 8]);
-#pragma unroll
-                    for (int m = 0; m < kRowTiles; ++m)
-                        mma_16x8x8_3xtf32(chunk[j][m], a_big[c][m], a_small[c][m], split0,
-                                          split1);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < kChunkChains; ++j)
-#pragma unroll
-                for (int m = 0; m < kRowTiles; ++m)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (dn0 + j < kColumnTiles) o_acc[m][dn0 + j][e] += chunk[j][m][e];
-        }
+        add_chunk_products(o_acc, a_big, a_small, kSteps - c0,
+                           [&](int c, int dn, Tf32Split& split0, Tf32Split& split1) {
+                               const float* v_rows =
+                                   v_tile + ((c0 + c) * 8 + 2 * (lane % 4)) * kVPitch +
+                                   lane / 4 + dn * 8;
+                               split0 = split_tf32(v_rows[0]);
+                               split1 = split_tf32(v_rows[kVPitch]);
+                           });
     }
 }
 
