@@ -125,23 +125,42 @@ __device__ __forceinline__ void dot_slots(const typename C::Acc* rows,
     }
 }
 
-// Accumulators of a [Rows][Pad] product tile split the same way: a thread owns column
-// d = threadIdx.x % Pad of rows d0 + i * (threads / Pad). acc[i] += sum_j a[row_i][j] * b[j][d]
-// over j < Inner, with a read at a[row * a_pitch + j] and b at b[j * b_pitch + d].
+// Accumulator slots of a [Rows][Pad] product tile: slot i of a thread is element
+// threadIdx.x + i * threads in row-major order, as the loads and stores index it. Where
+// threads % Pad == 0 a thread keeps one column over rows threads / Pad apart; where
+// Pad % threads == 0 (head dims above 256) Pad / threads columns of every row.
+template <class C, int Pad>
+struct ProductSlots {
+    static_assert(C::threads % Pad == 0 || Pad % C::threads == 0,
+                  "a thread keeps whole columns of the product tile");
+    static constexpr int columns = Pad > C::threads ? Pad / C::threads : 1;
+    static constexpr int row_step = Pad > C::threads ? 1 : C::threads / Pad;
+    __device__ __forceinline__ static int row(int slot) {
+        return threadIdx.x / Pad + (slot / columns) * row_step;
+    }
+    __device__ __forceinline__ static int column(int slot) {
+        return threadIdx.x % Pad + (slot % columns) * C::threads;
+    }
+};
+
+// acc[i] += sum_j a[row_i][j] * b[j][column_i] over j < Inner for the slots above, with a
+// read at a[row * a_pitch + j * a_inner_stride] and b at b[j * b_pitch + column].
 template <class C, int Rows, int Pad, int Inner>
 __device__ __forceinline__ void accumulate_product(typename C::Acc* acc,
                                                    const typename C::Acc* a, int a_pitch,
                                                    int a_inner_stride,
                                                    const typename C::Acc* b, int b_pitch) {
-    constexpr int count = Rows * Pad / C::threads, row_step = C::threads / Pad;
-    static_assert(C::threads % Pad == 0, "a thread keeps one output column");
-    const int d = threadIdx.x % Pad, row0 = threadIdx.x / Pad;
+    typedef ProductSlots<C, Pad> Slots;
+    constexpr int count = Rows * Pad / C::threads;
 #pragma unroll 4
     for (int j = 0; j < Inner; ++j) {
-        const typename C::Acc element = b[j * b_pitch + d];
+        typename C::Acc elements[Slots::columns];
+#pragma unroll
+        for (int c = 0; c < Slots::columns; ++c) elements[c] = b[j * b_pitch + Slots::column(c)];
 #pragma unroll
         for (int i = 0; i < count; ++i)
-            acc[i] += a[(row0 + i * row_step) * a_pitch + j * a_inner_stride] * element;
+            acc[i] += a[Slots::row(i) * a_pitch + j * a_inner_stride] *
+                      elements[i % Slots::columns];
     }
 }
 
@@ -157,19 +176,20 @@ template <class C, int Rows, int Pad, int Inner, bool RowsAreKeys>
 __device__ __forceinline__ void accumulate_kept_product(
     typename C::Acc* acc, const typename C::Acc* a, int a_pitch, int a_inner_stride,
     const typename C::Acc* b, int b_pitch, const Band& band, i64 row_start, i64 col_start) {
-    constexpr int count = Rows * Pad / C::threads, row_step = C::threads / Pad;
-    static_assert(C::threads % Pad == 0, "a thread keeps one output column");
-    const int d = threadIdx.x % Pad, row0 = threadIdx.x / Pad;
+    typedef ProductSlots<C, Pad> Slots;
+    constexpr int count = Rows * Pad / C::threads;
 #pragma unroll 1
     for (int j = 0; j < Inner; ++j) {
-        const typename C::Acc element = b[j * b_pitch + d];
+        typename C::Acc elements[Slots::columns];
+#pragma unroll
+        for (int c = 0; c < Slots::columns; ++c) elements[c] = b[j * b_pitch + Slots::column(c)];
 #pragma unroll
         for (int i = 0; i < count; ++i) {
-            const int row = row0 + i * row_step;
+            const int row = Slots::row(i);
             const i64 query = RowsAreKeys ? row_start + j : row_start + row;
             const i64 key = RowsAreKeys ? col_start + row : col_start + j;
             if (band_keeps<C::limit_left, C::limit_right>(band, query, key))
-                acc[i] += a[row * a_pitch + j * a_inner_stride] * element;
+                acc[i] += a[row * a_pitch + j * a_inner_stride] * elements[i % Slots::columns];
         }
     }
 }

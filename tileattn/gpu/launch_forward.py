@@ -15,7 +15,7 @@ from . import _compile
 from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, plan_key, problem_for, remember, score_arguments,
-                       tensor_core_operands)
+                       shared_memory_limit, tensor_core_operands)
 from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
                     WgmmaTiles, Widths, choose_decode, choose_forward)
 from .varlen import Sequences, tile_grid
@@ -97,7 +97,11 @@ def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles,
 
 
 def padded_dim(dim: int) -> int:
-    """A head dim rounded up to a power of two >= 16 (the generic kernels' tile width)."""
+    """The generic kernels' tile width for a head dim: a power of two >= 16 up to the block's
+    threads (a thread keeps one column), a multiple of the threads above (a thread keeps
+    several columns of every row)."""
+    if dim > GENERIC_THREADS:
+        return -(-dim // GENERIC_THREADS) * GENERIC_THREADS
     return max(16, 1 << (dim - 1).bit_length())
 
 
@@ -156,6 +160,13 @@ class GenericConfig:
         accum = accumulation_dtype(self.dtype)
         shared = _generic_shared_bytes(accum.itemsize, self.head_pad, self.value_pad,
                                        self.capacity.block_q, self.capacity.block_k)[entry]
+        limit = shared_memory_limit(cupy.cuda.Device().id)
+        if shared > limit:
+            raise ValueError(
+                f"head dims {self.head_pad}/{self.value_pad} (padded) in {self.dtype} need "
+                f"{shared // 1024} KiB of shared memory a block for {entry} on the GPU's "
+                f"CUDA-core kernels; this device offers {limit // 1024} KiB: use a smaller "
+                f"head dim, a 16-bit or float32 dtype, or backend='cpu'")
         defines = (("ACCUM", "double" if accum == np.float64 else "float"),
                    ("BLOCK_K", self.capacity.block_k), ("BLOCK_Q", self.capacity.block_q),
                    ("HEAD_DIM_PAD", self.head_pad), ("STORAGE", STORAGE[self.dtype]),
