@@ -522,6 +522,32 @@ def test_mma_two_kernel_backward(dims, split, options):
     _backward_with(Choice("mma", tiles), q, k, v, do, options)
 
 
+@pytest.mark.parametrize("family", ["default", "mma", "mma-apart", "float32"])
+@pytest.mark.parametrize("heads", [(8, 1), (12, 3), (6, 2)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
+                         ids=["causal", "every-option"])
+def test_gqa_backward_cut_over_blocks(family, heads, options):
+    """A small grid of few K/V heads cuts each GQA group's query heads over blocks
+    (GROUP_SPLITS), whose partial dK and dV are added up: the sums are the golden model's,
+    in the caller's buffers, from the first call and from the cached launches."""
+    n_q_heads, n_kv_heads = heads
+    dtype = np.float32 if family == "float32" else np.float16
+    head_dim = 64 if family != "mma-apart" else 192
+    q, k, v = _inputs((2, n_q_heads, 256, head_dim), (2, n_kv_heads, 320, head_dim),
+                      (2, n_kv_heads, 320, head_dim), dtype, seed=n_q_heads)
+    do = np.random.default_rng(3).standard_normal(q.shape).astype(dtype)
+    if options.get("alibi_slopes") is not None:
+        options = {**options, "alibi_slopes": np.linspace(0.1, 0.4, n_q_heads)}
+    group = n_q_heads // n_kv_heads
+    assert tile_tables.backward_group_splits(2 * n_kv_heads * 3, group, 132) == group
+    if family == "default":
+        _check(q, k, v, do, **options)
+        _check(q, k, v, do, **options)  # the cached launches
+        return
+    tiles = MmaBackwardTiles((64, 32), (64, 32), split=family == "mma-apart")
+    _backward_with(Choice("mma", tiles), q, k, v, do, options)
+
+
 def test_tensor_core_fully_masked_rows():
     """Causal with Nq > Nk: leading rows keep nothing; a whole query tile keeps nothing."""
     q, k, v = _inputs((1, 2, 300, 64), (1, 2, 100, 64), (1, 2, 100, 64), np.float16)
@@ -594,6 +620,34 @@ def test_generic_head_dims(dtype, head_dim, value_dim):
     do = np.random.default_rng(4).standard_normal((1, 4, 45, value_dim)).astype(dtype)
     _check(q, k, v, do, window=(20, 3), alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]),
            dropout_p=0.2, seed=99)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("head_dim,value_dim", [(264, 264), (320, 64), (64, 300), (512, 512)])
+def test_head_dims_above_256(dtype, head_dim, value_dim):
+    """Above 256 the generic kernels' tiles are wider than a block's 256 threads: each
+    thread keeps several columns of every row. float64's backward tiles at widths above
+    256 outgrow an H100's shared memory: a clear error (the README says so)."""
+    q, k, v = _inputs((1, 2, 45, head_dim), (1, 1, 77, head_dim), (1, 1, 77, value_dim), dtype)
+    do = np.random.default_rng(4).standard_normal((1, 2, 45, value_dim)).astype(dtype)
+    pads = [gpu_forward.padded_dim(d) for d in (head_dim, value_dim)]
+    needs = max(gpu_forward._generic_shared_bytes(8, *pads, 16, 16).values())
+    if dtype is np.float64 and needs > shared_memory_limit(cupy.cuda.Device().id):
+        _forward_with(_choices(q, k, v, {"causal": True})[0], q, k, v, {"causal": True})
+        device = [cupy.asarray(a) for a in (q, k, v, do)]
+        o, lse = tileattn.forward(*device[:3], backend="gpu", return_lse=True)
+        with pytest.raises(ValueError, match=r"shared memory.*backend='cpu'"):
+            tileattn.backward(device[3], *device[:3], o, lse, backend="gpu")
+        return
+    _check(q, k, v, do, causal=True)
+    _check(q, k, v, do, window=(20, 3), softcap=4.0, alibi_slopes=np.array([0.1, 0.3]),
+           dropout_p=0.2, seed=5)
+
+
+def test_head_dim_beyond_shared_memory_names_the_way_out():
+    q = cupy.zeros((1, 1, 8, 1024), np.float64)
+    with pytest.raises(ValueError, match=r"shared memory.*backend='cpu'"):
+        tileattn.forward(q, q, q, backend="gpu")
 
 
 def test_float16_peaked_attention_gradients():

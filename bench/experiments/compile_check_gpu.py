@@ -48,6 +48,12 @@ JOBS = [
                  "FLAG_NON_FINITE_KEYS=1"]),
     ("attention_mma_backward.cu", "90",
      BACKWARD + ["IS_FLOAT32=1", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=32"]),
+    ("attention_wgmma_backward.cu", "90a",  # a GQA group cut over four blocks
+     BACKWARD + ["OWNED_ROWS=128", "STAGES=2", "STREAMED_ROWS=64", "GROUP_SPLITS=4"]),
+    ("attention_mma_backward.cu", "90",
+     BACKWARD + ["IS_FLOAT32=1", "ORDERED=0", "OWNED_ROWS=64", "STREAMED_ROWS=32",
+                 "GROUP_SPLITS=2"]),
+    ("group_sum.cu", "90", ["STORAGE=bfloat16_storage", "ACCUM=float"]),
     ("attention_generic.cu", "90",
      ["ACCUM=float", "BLOCK_K=32", "BLOCK_Q=32", "HEAD_DIM_PAD=64", "STORAGE=float",
       "THREADS=256", "VALUE_DIM_PAD=64"]),
@@ -57,6 +63,9 @@ JOBS = [
     ("attention_generic.cu", "90",
      ["ACCUM=double", "BLOCK_K=16", "BLOCK_Q=16", "HEAD_DIM_PAD=16", "STORAGE=double",
       "THREADS=256", "VALUE_DIM_PAD=16"]),
+    ("attention_generic.cu", "90",  # above 256: a thread keeps two columns of each row
+     ["ACCUM=float", "BLOCK_K=16", "BLOCK_Q=16", "HEAD_DIM_PAD=512", "STORAGE=half_storage",
+      "THREADS=256", "VALUE_DIM_PAD=256"]),
     # The decode kernel (launch_decode.py): the hot fp16 rows, the widest rows, odd dims.
     ("attention_decode.cu", "90", DECODE + ["STORAGE=half_storage", "ACCUM=float", "ROWS=16",
      "HEAD_DIM=128", "VALUE_DIM=128", "BLOCK_K=32", "STAGES=4", "THREADS=128"]),
