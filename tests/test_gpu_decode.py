@@ -298,6 +298,28 @@ def test_non_finite_values_at_masked_keys_do_not_leak(splits, kernel):
         assert np.isfinite(o[:, :, 0]).all()  # row 0 keeps keys up to 296 only
 
 
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(8, 2, 17, 64, 64), (16, 2, 20, 96, 200),
+                                   (16, 1, 16, 256, 256), (12, 1, 9, 40, 40)],
+                         ids=["GQA4-Nq17", "GQA8-Nq20-Dv200", "MQA16-Nq16-D256", "MQA12-Nq9"])
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (300, 3), "softcap": 8.0}],
+                         ids=OPTION_IDS)
+def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
+    """65-256 packed rows of at most 64 queries a head on a small grid (speculative
+    decoding, chunks with wide GQA groups) run the tensor-core decode, with key splits;
+    rows of one block span query rows of several heads and positions."""
+    n_q_heads, n_kv_heads, n_q, head_dim, value_dim = shape
+    q, k, v = _inputs(1, n_q_heads, n_kv_heads, n_q, 1500, head_dim, value_dim, dtype,
+                      seed=n_q)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    choice = launch_forward.choose(*device, _resolved(*device, options))
+    assert choice.family == "decode" and n_q * n_q_heads // n_kv_heads > 64
+    o, lse = tileattn.forward(*device, return_lse=True, **options)
+    expected_o, expected_lse = _golden(q, k, v, **options)
+    assert_attention_close(o.get(), expected_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
+
+
 def test_dispatch_picks_decode_and_writes_into_out_buffers():
     """tileattn.forward on a decode shape runs the decode kernel (describe says so) and
     writes o and lse into the caller's buffers."""

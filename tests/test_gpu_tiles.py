@@ -178,6 +178,35 @@ def test_decode_leaves_prefill_shapes_alone():
         is not None
 
 
+def test_more_rows_decode_on_tensor_cores_only_where_prefill_leaves_sms_idle():
+    """65-256 packed rows of at most 64 queries a head take the tensor-core decode where the
+    prefill grid (a block per query head and 128 rows) is under one block an SM; otherwise,
+    in float32 and above 256 rows, the prefill."""
+    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=8192, **H100)
+    few = _decode_shape(n_q=20, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 160 rows
+    chosen = tiles.choose_decode(problem, few)
+    assert isinstance(chosen.tiles, tiles.DecodeMmaTiles)
+    assert chosen.tiles.rows * chosen.tiles.row_groups(160) >= 160
+    gqa = _decode_shape(n_q=17, n_q_heads=32, n_kv_heads=8, batch=4, n_k=8192)  # 68 rows
+    assert isinstance(tiles.choose_decode(problem, gqa).tiles, tiles.DecodeMmaTiles)
+    full = _decode_shape(n_q=17, n_q_heads=32, n_kv_heads=8, batch=8, n_k=8192)
+    assert tiles.choose_decode(problem, full) is None  # 256 prefill blocks fill 132 SMs
+    mha = _decode_shape(n_q=100, n_q_heads=16, n_kv_heads=16, batch=4, n_k=8192)
+    assert tiles.choose_decode(problem, mha) is None  # over 64 queries a head
+    wide = Problem(dtype="float32", head_dim=128, value_dim=128, n_k=8192, **H100)
+    assert tiles.choose_decode(wide, few) is None
+    many = _decode_shape(n_q=40, n_q_heads=8, n_kv_heads=1, batch=1, n_k=8192)  # 320 rows
+    assert tiles.choose_decode(problem, many) is None
+
+
+def test_gqa_group_splits_reach_two_waves():
+    assert tiles.backward_group_splits(128, 16, 132) == 4  # 512 blocks >= 264
+    assert tiles.backward_group_splits(100, 6, 132) == 3  # 2 gives 200, 3 gives 300
+    assert tiles.backward_group_splits(10, 4, 132) == 4  # the whole group at most
+    assert tiles.backward_group_splits(300, 8, 132) == 1  # two waves already
+    assert tiles.backward_group_splits(4, 1, 132) == 1  # MHA
+
+
 def test_decode_splits_fill_the_device():
     """One (batch, kv head) is split toward one wave of resident blocks, never past it; a grid
     that fills half the resident blocks is not split; a split keeps at least two key tiles;

@@ -42,7 +42,8 @@
 // QUERY_TAIL (dK/dV kernel; QUERY_TAIL, default 0: a streamed query tile may end past n_q,
 // backward_scores.cuh), FLAG_NON_FINITE_KEYS (16-bit dK/dV kernel, default 0; the same
 // tail, kept_products.cuh: flag_non_finite_keys), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
-// DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS).
+// DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS), GROUP_SPLITS (dK/dV kernel,
+// default 1: a GQA group's query heads cut over blocks, attention_wgmma_backward.cu says how).
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
 #ifndef QUERY_TAIL
@@ -50,6 +51,9 @@
 #endif
 #ifndef FLAG_NON_FINITE_KEYS
 #define FLAG_NON_FINITE_KEYS 0
+#endif
+#ifndef GROUP_SPLITS
+#define GROUP_SPLITS 1  // as in attention_wgmma_backward.cu
 #endif
 static_assert(!(FLAG_NON_FINITE_KEYS && IS_FLOAT32), "float32 zeroes its tail (QUERY_TAIL)");
 #if IS_FLOAT32
@@ -619,11 +623,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         return;
     }
 
+    const int kv_source = kv_head / GROUP_SPLITS;  // the head of k and v
     load_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-        k_tile, k + batch * k_sb + kv_head * k_sh + owned.key_base * k_sn, k_sn, col_start, n_k);
+        k_tile, k + batch * k_sb + kv_source * k_sh + owned.key_base * k_sn, k_sn, col_start,
+        n_k);
     if (kComputesDk)
         load_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-            v_tile, v + batch * v_sb + kv_head * v_sh + owned.key_base * v_sn, v_sn, col_start,
+            v_tile, v + batch * v_sb + kv_source * v_sh + owned.key_base * v_sn, v_sn, col_start,
             n_k);
     commit_copies();
 

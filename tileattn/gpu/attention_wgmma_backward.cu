@@ -39,6 +39,11 @@
 // buffer tile t - 1 released). Tiles outside the band are skipped, the per-score mask runs
 // only on tiles that straddle its edge or the end of the keys.
 //
+// GROUP_SPLITS (dK/dV kernel, default 1) cuts each GQA group's query heads into that many
+// blocks where B * Hkv key tiles leave SMs idle: the kernel then sees Hkv * GROUP_SPLITS
+// heads of group / GROUP_SPLITS, reads K and V of head kv_head / GROUP_SPLITS, and writes
+// its partial dK and dV to a buffer that group_sum.cu adds up.
+//
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES, OWNED_ROWS (a multiple of 64), STREAMED_ROWS (a multiple of 16 up to 256),
 // STAGES (>= 2), SINGLE_PASS and DKDV_PART (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
@@ -49,6 +54,9 @@
 #include "kept_products.cuh"
 #ifndef FLAG_NON_FINITE_KEYS
 #define FLAG_NON_FINITE_KEYS 0
+#endif
+#ifndef GROUP_SPLITS
+#define GROUP_SPLITS 1
 #endif
 
 constexpr int kWarpgroups = OWNED_ROWS / 64;
@@ -482,12 +490,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
         return;
     }
 
+    const int kv_head = owned.kv_head / GROUP_SPLITS;  // of k and v
     load_swizzled_tile_async<OWNED_ROWS, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
-        k_tile, k + owned.batch * k_sb + owned.kv_head * k_sh + owned.key_base * k_sn, k_sn,
+        k_tile, k + owned.batch * k_sb + kv_head * k_sh + owned.key_base * k_sn, k_sn,
         col_start, n_k);
     if (kComputesDk)
         load_swizzled_tile_async<OWNED_ROWS, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
-            v_tile, v + owned.batch * v_sb + owned.kv_head * v_sh + owned.key_base * v_sn, v_sn,
+            v_tile, v + owned.batch * v_sb + kv_head * v_sh + owned.key_base * v_sn, v_sn,
             col_start, n_k);
     commit_copies();
     // This warpgroup's 64 keys of the owned tiles.

@@ -12,14 +12,16 @@ from . import _compile
 from .launch_forward import GENERIC_THREADS, GenericConfig
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, empty, plan_key, problem_for, problem_of, remember,
-                       score_arguments, tensor_core_operands)
-from .tiles import Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, choose_backward
+                       score_arguments, sm_count, tensor_core_operands)
+from .tiles import (Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, backward_group_splits,
+                    choose_backward)
 from .varlen import Sequences, tile_grid
 
 WGMMA_SOURCE = "attention_wgmma_backward.cu"
 MMA_SOURCE = "attention_mma_backward.cu"
 DELTA_SOURCE = "attention_backward_delta.cu"
 DELTA_THREADS = 256
+GROUP_SUM_SOURCE = "group_sum.cu"
 
 
 def _outputs(q, k, v, given=(None, None, None), zeroed: bool = False) -> tuple:
@@ -161,6 +163,49 @@ def _key_redo(q, k, v, do, lse, options: AttentionOptions, owned: int, tile_majo
                   + (np.int32(owned), np.int32(tile_major)))
 
 
+class GroupSums:
+    """dK and dV of GQA groups cut over `splits` blocks (the dK/dV kernels' GROUP_SPLITS):
+    the kernels write partial gradients of Hkv * splits heads into buffers from `buffers`,
+    and the call adds each group's partials into dk and dv (group_sum.cu)."""
+
+    def __init__(self, k, v, splits: int):
+        batch, n_kv_heads, n_k = k.shape[:3]
+        self.splits = splits
+        self.dtype = k.dtype
+        self.shapes = [(batch, n_kv_heads * splits, n_k, array.shape[3]) for array in (k, v)]
+        accum = accumulation_dtype(k.dtype)
+        function = _compile.kernel(GROUP_SUM_SOURCE, "group_sum", (
+            ("ACCUM", "double" if accum == np.float64 else "float"),
+            ("STORAGE", STORAGE[dtype_name(k.dtype)])))
+        self.launches = []
+        for shape in self.shapes:
+            total = shape[0] * n_kv_heads * shape[2] * shape[3]
+            self.launches.append(Launch(
+                function, (max(1, min(-(-total // 256), 8192)),), (256,), 0,
+                (np.int64(shape[2] * shape[3]), np.int64(total), np.int32(splits))))
+
+    def buffers(self) -> tuple:
+        return tuple(cupy.empty(shape, dtype=self.dtype) for shape in self.shapes)
+
+    def __call__(self, parts, dk, dv) -> None:
+        for launch, part, out in zip(self.launches, parts, (dk, dv)):
+            launch(part, out)
+
+
+def _group_split(q, k, v, key_grid: int, splittable: bool) -> tuple:
+    """``(group size a dK/dV block takes, GroupSums or None)`` for a dense backward whose
+    dK/dV grid has `key_grid` blocks; `splittable` is False where the kernels flag keys
+    for a redo, run the single pass or walk sequence tables (they are not cut)."""
+    group = q.shape[1] // k.shape[1]
+    splits = backward_group_splits(key_grid, group, sm_count(q.device.id)) if splittable else 1
+    return group // splits, (GroupSums(k, v, splits) if splits > 1 else None)
+
+
+def _with_group(common: tuple, group: int) -> tuple:
+    """`_operands`' arguments with the group size the dK/dV kernels take."""
+    return common[:4] + (np.int32(group),) + common[5:]
+
+
 def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaBackwardTiles,
                    single_pass: bool = False, given=(None, None, None),
                    sequences: Sequences | None = None):
@@ -181,12 +226,15 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
         delta = _new_delta(o)
         dq, dk, dv = _outputs(q, k, v, given)
-        delta_launch, dq_launch, *dkdv_launches, redo = launches
+        delta_launch, dq_launch, *dkdv_launches, redo, sums = launches
         flags = _key_flags(redo)
         delta_launch(do, o, delta)
         dq_launch(q, k, v, do, lse, delta, dq)
+        parts = (dk, dv) if sums is None else sums.buffers()
         for launch in dkdv_launches:
-            launch(q, k, v, do, lse, delta, dk, dv, empty(q.device.id, "float32"), flags)
+            launch(q, k, v, do, lse, delta, *parts, empty(q.device.id, "float32"), flags)
+        if sums is not None:
+            sums(parts, dk, dv)
         if redo is not None:
             redo(q, k, v, do, lse, delta, dk, dv, flags)
         return dq, dk, dv
@@ -204,9 +252,14 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, options, tiles.dkdv[0],
                                                   flagging, Switches.of(options).banded,
                                                   sequences)
+    group, sums = _group_split(q, k, v, key_grid, not (flagging or single_pass or sequences))
+    parts = (dk, dv) if sums is None else sums.buffers()
+    if sums is not None:
+        key_grid, key_tables = tile_grid(n_kv_heads * sums.splits, n_k, tiles.dkdv[0], batch,
+                                         None, keys=True)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
-    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, flags), n_k,
+    kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, flags), n_k,
                  n_kv_heads) for part in _dkdv_parts(tiles.split)]
     for entry, part, arrays, n_rows, heads in kernels:
         owned, streamed = getattr(tiles, entry)
@@ -219,17 +272,22 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
             defines += (("VARLEN", 1),)
         if entry == "dkdv" and flagging:
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
+        if entry == "dkdv" and sums is not None:
+            defines += (("GROUP_SPLITS", sums.splits),)
         shared = tiles.shared_bytes(entry, widths, single_pass, part)
         function = _compile.kernel(WGMMA_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
         grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
                         tile_grid(heads, n_rows, owned, batch, sequences))
+        arguments = _with_group(common, group) if entry == "dkdv" else common
         launches.append(Launch(function, (grid,), (owned // 64 * 128,), shared,
-                               common + tables))
+                               arguments + tables))
         launches[-1](*arrays)
+    if sums is not None:
+        sums(parts, dk, dv)
     if redo is not None:
         redo(q, k, v, do, lse, delta, dk, dv, flags)
-    remember(key, tuple(launches) + (redo,), copy_bytes, *arrays_in)
+    remember(key, tuple(launches) + (redo, sums), copy_bytes, *arrays_in)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
         unblock = _compile.kernel(WGMMA_SOURCE, "attention_backward_dq_unblock",
                                   tuple(sorted(defines)), 0, arch="90a")
@@ -272,10 +330,15 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                                                   flagging,
                                                   Switches.of(options).banded and not ordered,
                                                   sequences)
+    group, sums = _group_split(q, k, v, key_grid, not (flagging or single_pass or sequences))
+    parts = (dk, dv) if sums is None else sums.buffers()
+    if sums is not None:
+        key_grid, key_tables = tile_grid(n_kv_heads * sums.splits, n_k, tiles.dkdv[0], batch,
+                                         None, keys=True)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
-    kernels += [("dkdv", part, (q, k, v, do, lse, delta, dk, dv, dq_sum, dq_turns, flags), n_k,
-                 n_kv_heads) for part in _dkdv_parts(tiles.split)]
+    kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, dq_turns, flags),
+                 n_k, n_kv_heads) for part in _dkdv_parts(tiles.split)]
     for entry, part, arrays, n_rows, heads in kernels:
         owned, streamed = getattr(tiles, entry)
         defines = (("COPY_BYTES", copy_bytes), ("DKDV_PART", part), ("HEAD_DIM", head_dim),
@@ -290,14 +353,19 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         if entry == "dkdv" and flagging:
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
+        if entry == "dkdv" and sums is not None:
+            defines += (("GROUP_SPLITS", sums.splits),)
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
         grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
                         tile_grid(heads, n_rows, owned, batch, sequences))
+        arguments = _with_group(common, group) if entry == "dkdv" else common
         if grid:
-            function((grid,), (owned // 16 * 32,), arrays + common + tables,
+            function((grid,), (owned // 16 * 32,), arrays + arguments + tables,
                      shared_mem=shared)
+    if sums is not None:
+        sums(parts, dk, dv)
     if redo is not None:
         redo(q, k, v, do, lse, delta, dk, dv, flags)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module

@@ -522,6 +522,26 @@ def describe(problem: Problem) -> dict[str, str]:
     return lines
 
 
+# --------------------------------------------------------------------------- GQA backward
+# A dK/dV block owns a key tile of one K/V head and walks every query head of its group, so
+# its grid is B x Hkv x key tiles whatever the group: MQA at B = 4, N = 4096 is 128 blocks
+# on 132 SMs, each walking 16 heads (forward + backward 0.42x cuDNN's, sweep_cliffs_gpu.py,
+# NOTES-gpu v25). Below this many waves of one block an SM, the group's query heads are cut
+# over blocks (GROUP_SPLITS), whose partial dK and dV a small kernel adds up.
+BACKWARD_GROUP_WAVES = 2
+
+
+def backward_group_splits(key_blocks: int, group: int, sm_count: int) -> int:
+    """Into how many blocks each GQA group's query heads are cut for dK/dV: the fewest
+    splits, dividing the group, that give BACKWARD_GROUP_WAVES waves; 1 where the grid has
+    them already or there is no group."""
+    target = BACKWARD_GROUP_WAVES * sm_count
+    if group == 1 or key_blocks >= target:
+        return 1
+    return next(s for s in range(2, group + 1) if group % s == 0 and
+                (key_blocks * s >= target or s == group))
+
+
 # --------------------------------------------------------------------------- decode
 # Decoding (few query rows, long K/V) is bound by reading K and V once; the prefill families
 # run a block per (batch, query head, 128-row tile), which at B = 1 leaves most SMs idle and
@@ -650,6 +670,13 @@ DECODE_MMA_WARPS = 4
 DECODE_MMA_WARP_KEYS = 16  # one k16 step of P V a warp a stage
 DECODE_MMA_STAGES = 2
 DECODE_MMA_ROW_WARPS = 4
+# More packed rows than DECODE_ROWS serve (speculative decoding or chunks of up to 64
+# queries with wide GQA groups: 65-256 rows) still take the tensor-core decode where the
+# prefill grid would not fill the SMs once: the prefill reads K/V once per query head into
+# 128-row tiles mostly empty, the decode once per group and splits the keys. B4 H32/8
+# Nq17 Nk8k: 0.209 -> 0.174 ms. Not for more than 64 queries a head: MHA Nq100 took 0.323
+# ms on the decode kernel against the prefill's 0.209 (sweep_cliffs_gpu.py, NOTES-gpu v25).
+DECODE_MMA_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -708,7 +735,7 @@ class DecodeMmaTiles:
 def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
     """Whether attention_decode_mma.cu serves this decode problem (else attention_decode.cu)."""
     return (problem.dtype in ("float16", "bfloat16") and not problem.per_row_options
-            and shape.rows <= DECODE_ROWS[-1].max_rows)
+            and shape.rows <= DECODE_MMA_MAX_ROWS)
 
 
 def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
@@ -822,9 +849,10 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     if shape.band_keys < DECODE_MIN_KEYS:
         return None
     row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
-    if row is None:
-        return None
     prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
+    if row is None and (prefill_blocks >= shape.sm_count or shape.n_q > DECODE_ROWS[-1].max_rows
+                        or not decode_on_tensor_cores(problem, shape)):
+        return None  # more rows than DECODE_ROWS serve: the prefill, unless SMs stay idle
     if (row is not DECODE_ROWS[0] and prefill_blocks >= shape.sm_count
             and not decode_on_tensor_cores(problem, shape)):
         # Many query heads fill the GPU on the tensor-core prefill already, whose wasted rows
