@@ -92,3 +92,40 @@ def test_cliff_sweep_rejects_a_bad_argument_in_one_line(argument):
     result = bench(*argument, script="sweep_cliffs_cpu.py")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "error:" in result.stderr
+
+
+def _gpu_sweep_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_cliffs_gpu",
+                                                  BENCH / "sweep_cliffs_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_cliff_sweep_cases_have_consistent_shapes_and_options():
+    """Every case of the GPU sweep (which runs on the device only) at full size and at the
+    check's size: whole GQA groups, one ALiBi slope per query head, and a positive FLOP
+    count."""
+    sweep = _gpu_sweep_module()
+    listed = sweep.cases(False, ["float16", "bfloat16"]) + sweep.cases(True, ["float32"])
+    assert len({(case.name, case.dtype) for case in listed}) == len(listed)
+    for case in listed:
+        for scale_down in (1, 8):
+            q, k, v, do = case.shapes(scale_down)
+            heads_axis = 2 if case.bshd else 1
+            assert q[heads_axis] % k[heads_axis] == 0 and k == v[:3] + (case.head_dim,)
+            assert do[3] == v[3] == case.value_dim
+            slopes = case.call_options(scale_down).get("alibi_slopes")
+            assert slopes is None or slopes.shape == (q[heads_axis],)
+        assert case.flops(True) == 3.5 * case.flops(False) > 0
+
+
+@pytest.mark.parametrize("argument", [["--workers", "0"], ["--dtypes", "float64"],
+                                      ["--bogus"]])
+def test_gpu_cliff_sweep_rejects_a_bad_argument_in_one_line(argument):
+    result = bench(*argument, script="sweep_cliffs_gpu.py")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "error:" in result.stderr
