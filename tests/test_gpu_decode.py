@@ -35,7 +35,7 @@ if backends.availability("gpu") is None:
     from tileattn.gpu import launch_forward
     from tileattn.gpu.launch_decode import decode_shape, forward_decode
     from tileattn.gpu.operands import accumulation_dtype, problem_of
-    from tileattn.gpu.tiles import decode_mma_tiles, decode_tiles
+    from tileattn.gpu.tiles import DecodeTiles, decode_mma_tiles, decode_tiles
 
 
 def _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, head_dim, value_dim, dtype, seed=0):
@@ -316,6 +316,25 @@ def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
     assert choice.family == "decode" and n_q * n_q_heads // n_kv_heads > 64
     o, lse = tileattn.forward(*device, return_lse=True, **options)
     expected_o, expected_lse = _golden(q, k, v, **options)
+    assert_attention_close(o.get(), expected_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes() + [np.dtype(np.float32)], ids=lambda d: d.name)
+@pytest.mark.parametrize("dims", [(576, 512), (320, 320), (264, 64)],
+                         ids=lambda d: f"D{d[0]}-Dv{d[1]}")
+def test_head_dims_above_256_decode_on_cuda_cores(dims, dtype):
+    """Above 256 (multi-head latent attention decodes at D = 576, Dv = 512) the CUDA-core
+    decode serves, split and not, through dispatch too; the tensor-core one stops at 256."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs(2, 16, 1, 1, 700, head_dim, value_dim, dtype, seed=head_dim)
+    for splits in (1, 3):
+        _check(q, k, v, {"causal": True}, splits, "cuda_cores")
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    choice = launch_forward.choose(*device, _resolved(*device, {}))
+    assert choice.family == "decode" and isinstance(choice.tiles, DecodeTiles), choice
+    o, lse = tileattn.forward(*device, return_lse=True)
+    expected_o, expected_lse = _golden(q, k, v)
     assert_attention_close(o.get(), expected_o, q.dtype, name="o")
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
 

@@ -73,6 +73,8 @@ JOBS = [
      "HEAD_DIM=128", "VALUE_DIM=128", "BLOCK_K=32", "STAGES=4", "THREADS=128"]),
     ("attention_decode.cu", "90", DECODE + ["STORAGE=bfloat16_storage", "ACCUM=float",
      "ROWS=64", "HEAD_DIM=256", "VALUE_DIM=256", "BLOCK_K=16", "STAGES=4", "THREADS=256"]),
+    ("attention_decode.cu", "90", DECODE + ["STORAGE=bfloat16_storage", "ACCUM=float",
+     "ROWS=16", "HEAD_DIM=576", "VALUE_DIM=512", "BLOCK_K=16", "STAGES=2", "THREADS=128"]),
     ("attention_decode.cu", "90", ["STORAGE=half_storage", "ACCUM=float", "ROWS=8",
      "HEAD_DIM=33", "VALUE_DIM=200", "BLOCK_K=32", "STAGES=4", "THREADS=128", "COPY_BYTES=2"]),
     ("attention_decode.cu", "90", ["STORAGE=double", "ACCUM=double", "ROWS=16",

@@ -735,7 +735,8 @@ class DecodeMmaTiles:
 def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
     """Whether attention_decode_mma.cu serves this decode problem (else attention_decode.cu)."""
     return (problem.dtype in ("float16", "bfloat16") and not problem.per_row_options
-            and shape.rows <= DECODE_MMA_MAX_ROWS)
+            and shape.rows <= DECODE_MMA_MAX_ROWS
+            and max(problem.head_dim, problem.value_dim) <= MAX_TENSOR_CORE_DIM)
 
 
 def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
@@ -844,8 +845,6 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     (the prefill families run it)."""
     if problem.capability < 80 or problem.named_blocks:
         return None  # cp.async needs sm_80; named tile sizes ask for the tiled forward
-    if max(problem.head_dim, problem.value_dim) > MAX_TENSOR_CORE_DIM:
-        return None
     if shape.band_keys < DECODE_MIN_KEYS:
         return None
     row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
