@@ -371,11 +371,11 @@ def test_float32_tensor_core_forward_selection():
     assert choice.family == "tf32"
     named = _choices(q, k, v, {"block_q": 64, "block_k": 32})[0]
     assert named == Choice("tf32", Tf32Tiles(64, 32, choice.tiles.warp_rows), named.note)
-    # Tile sizes it is not built for, float64, head dims above 256: the CUDA-core kernel.
+    # Tile sizes it is not built for, float64, widths above 384: the CUDA-core kernel.
     assert _choices(q, k, v, {"block_k": 16})[0].family == "generic"
     q64 = q.astype(np.float64)
     assert _choices(q64, q64, q64, {})[0].family == "generic"
-    wide = np.zeros((1, 1, 8, 264), np.float32)
+    wide = np.zeros((1, 1, 8, 400), np.float32)
     assert _choices(wide, wide, wide, {})[0].family == "generic"
 
 
@@ -625,9 +625,10 @@ def test_generic_head_dims(dtype, head_dim, value_dim):
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("head_dim,value_dim", [(264, 264), (320, 64), (64, 300), (512, 512)])
 def test_head_dims_above_256(dtype, head_dim, value_dim):
-    """Above 256 the generic kernels' tiles are wider than a block's 256 threads: each
-    thread keeps several columns of every row. float64's backward tiles at widths above
-    256 outgrow an H100's shared memory: a clear error (the README says so)."""
+    """Above 256: mma.sync and 3xTF32 to 384 (the 16-bit forward to 576), the generic
+    kernels beyond, whose tiles are wider than a block's 256 threads (each thread keeps
+    several columns of every row). float64's backward tiles at widths above 256 outgrow an
+    H100's shared memory: a clear error (the README says so)."""
     q, k, v = _inputs((1, 2, 45, head_dim), (1, 1, 77, head_dim), (1, 1, 77, value_dim), dtype)
     do = np.random.default_rng(4).standard_normal((1, 2, 45, value_dim)).astype(dtype)
     pads = [gpu_forward.padded_dim(d) for d in (head_dim, value_dim)]
@@ -642,6 +643,20 @@ def test_head_dims_above_256(dtype, head_dim, value_dim):
     _check(q, k, v, do, causal=True)
     _check(q, k, v, do, window=(20, 3), softcap=4.0, alibi_slopes=np.array([0.1, 0.3]),
            dropout_p=0.2, seed=5)
+
+
+@pytest.mark.parametrize("dims", [(576, 512), (384, 384)], ids=DIM_IDS)
+def test_widest_tensor_core_rows(dims):
+    """The widest rows: the 16-bit forward on mma.sync at 576/512 (its backward on the
+    generic kernels) and every kernel on tensor cores at 384."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((1, 4, 70, head_dim), (1, 2, 90, head_dim), (1, 2, 90, value_dim),
+                      np.float16)
+    do = np.random.default_rng(6).standard_normal((1, 4, 70, value_dim)).astype(np.float16)
+    forward, backward = _choices(q, k, v, {"causal": True})
+    assert forward.family == "mma"
+    assert backward.family == ("mma" if head_dim <= 384 else "generic")
+    _check(q, k, v, do, causal=True, softcap=6.0)
 
 
 def test_head_dim_beyond_shared_memory_names_the_way_out():

@@ -54,8 +54,8 @@ def test_every_head_dim_up_to_256_gets_tensor_cores_that_fit(device, dtype):
 
 
 @pytest.mark.parametrize("problem, reason", [
-    (Problem(dtype="float16", head_dim=264, value_dim=64, n_k=100, **H100), "above 256"),
-    (Problem(dtype="float16", head_dim=64, value_dim=300, n_k=100, **H100), "above 256"),
+    (Problem(dtype="float16", head_dim=600, value_dim=64, n_k=100, **H100), "above 576"),
+    (Problem(dtype="float32", head_dim=64, value_dim=580, n_k=100, **H100), "above 576"),
     (Problem(dtype="float64", head_dim=64, value_dim=64, n_k=100, **H100), "CUDA cores"),
     (Problem(75, 64 * 1024, "float16", 64, 64, 100), "sm_80"),
     (Problem(75, 64 * 1024, "float32", 64, 64, 100), "sm_80"),
@@ -65,6 +65,33 @@ def test_what_runs_on_cuda_cores_and_why(problem, reason):
         choice = choose(problem)
         assert choice.family == "generic" and choice.tiles is None
         assert reason in choice.note
+
+
+@pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
+def test_widths_above_256_on_mma_sync_and_tf32(device):
+    """Above 256 the mma.sync forward serves 16-bit widths to 576, its backward and the
+    3xTF32 kernels to 384, in the device's shared memory; the rest runs the generic
+    kernels, as do wgmma-only problems."""
+    def choices(dtype, head_dim, value_dim):
+        problem = Problem(dtype=dtype, head_dim=head_dim, value_dim=value_dim, n_k=4096,
+                          **device)
+        return tiles.choose_forward(problem), tiles.choose_backward(problem)
+
+    for head_dim, value_dim in ((320, 320), (264, 64), (64, 300), (384, 384)):
+        for dtype, family in (("float16", "mma"), ("bfloat16", "mma"), ("float32", "tf32")):
+            for direction, choice in zip(("forward", "backward"),
+                                         choices(dtype, head_dim, value_dim)):
+                if choice.family == "generic":  # sm_80's 163 KiB: the note says why
+                    assert device is A100 and "shared memory" in choice.note, choice
+                    continue
+                assert choice.family == family, (dtype, head_dim, direction, choice)
+                assert _fits(choice, Problem(dtype=dtype, head_dim=head_dim,
+                                             value_dim=value_dim, n_k=4096, **device),
+                             direction)
+    forward, backward = choices("float16", 576, 512)
+    assert forward.family == ("mma" if device is H100 else "generic")
+    assert backward.family == "generic"
+    assert [c.family for c in choices("float32", 512, 512)] == ["generic", "generic"]
 
 
 def test_named_tile_sizes():

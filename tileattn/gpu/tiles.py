@@ -34,7 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-MAX_TENSOR_CORE_DIM = 256  # above it the generic kernels run (documented in the README)
+MAX_TENSOR_CORE_DIM = 256  # the wgmma and tensor-core decode kernels' widest head dim
+# Above 256 the mma.sync and 3xTF32 kernels still serve, Q read from shared memory, through
+# the rows of widths above 256 below; above MAX_WIDE_DIM (or where no such row fits) the
+# generic kernels run (documented in the README).
+MAX_WIDE_DIM = 576
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,10 @@ WGMMA_BACKWARD = [
         "v14: D<=256, 32 streamed rows fit 193 KiB of shared memory"),
 ]
 
+# Widths above this run the backward (and the float32 forward) on the generic kernels:
+# at 576/512 the mma.sync dK/dV and dQ kernels spill 1-5 KB a thread (ptxas, NOTES-gpu v25).
+WIDE_BACKWARD_DIM = 384
+
 # mma.sync forward (sm_80+; on Hopper for named tile sizes the wgmma kernel lacks). D = 64 and
 # 128: the v3 sweep. Wider: Q re-read from shared memory, which frees the registers O needs.
 MMA_FORWARD = [
@@ -309,6 +317,9 @@ MMA_FORWARD = [
         "v14: D=128 where 128x128 tiles exceed shared memory (sm_80: 163 KiB)"),
     Row(When(256), MmaTiles(64, 64, 16, False), "v14: D<=256, Q from shared memory"),
     Row(When(256), MmaTiles(64, 32, 16, False), "v14: D<=256 in sm_80's 163 KiB"),
+    Row(When(MAX_WIDE_DIM, max_sum=2 * MAX_WIDE_DIM, min_width=256), MmaTiles(64, 32, 16, False),
+        "v25: widths above 256, Q from shared memory (ptxas, every option: 250 registers "
+        "at 320/320, 1.3 KB of spills at 512/512)"),
 ]
 
 MMA_BACKWARD = [
@@ -321,6 +332,9 @@ MMA_BACKWARD = [
         "v14: D+Dv>256, dK and dV in two kernels"),
     Row(When(256), MmaBackwardTiles((32, 32), (32, 32), split=True),
         "v14: D+Dv>256 in sm_80's 163 KiB"),
+    Row(When(WIDE_BACKWARD_DIM, max_sum=2 * WIDE_BACKWARD_DIM, min_width=256),
+        MmaBackwardTiles((32, 32), (32, 32), split=True),
+        "v25: widths 257-384 (ptxas at 320/320: 255 registers, 8-24 bytes of spills)"),
 ]
 
 # float32 on 3xTF32 (sm_80+): v9 (forward) and v13 (backward) sweeps at D = 64 and 128.
@@ -331,6 +345,8 @@ TF32_FORWARD = [
         "v14: D<=192, 8 warps: 42-54 TFLOP/s at D=192 vs 25-39 (64x32)"),
     Row(When(256), Tf32Tiles(64, 32, 16), "v14: D<=256, fits 201 KiB"),
     Row(When(256), Tf32Tiles(32, 16, 16), "v14: D<=256 in sm_80's 163 KiB"),
+    Row(When(WIDE_BACKWARD_DIM, max_sum=2 * WIDE_BACKWARD_DIM, min_width=256),
+        Tf32Tiles(32, 16, 16), "v25: widths 257-384 (ptxas at 320/320: 32 bytes of spills)"),
 ]
 
 TF32_BACKWARD = [
@@ -343,6 +359,9 @@ TF32_BACKWARD = [
         "v14: D<=256, 16 streamed rows: 24 TFLOP/s fwd+bwd vs 14 (32x32)"),
     Row(When(256), MmaBackwardTiles((16, 16), (16, 16), split=True),
         "v14: D<=256 in sm_80's 163 KiB"),
+    Row(When(WIDE_BACKWARD_DIM, max_sum=2 * WIDE_BACKWARD_DIM, min_width=256),
+        MmaBackwardTiles((32, 16), (32, 16), split=True),
+        "v25: widths 257-384 (ptxas at 320/320: 255 registers, 8-32 bytes of spills)"),
 ]
 
 # Tile sizes a caller may name that a tensor-core forward is built for.
@@ -369,8 +388,8 @@ class Choice:
 
 def _tensor_core_dims(problem: Problem) -> str | None:
     """Why no tensor-core family serves these head dims, or None."""
-    if max(problem.head_dim, problem.value_dim) > MAX_TENSOR_CORE_DIM:
-        return f"head dim above {MAX_TENSOR_CORE_DIM}"
+    if max(problem.head_dim, problem.value_dim) > MAX_WIDE_DIM:
+        return f"head dim above {MAX_WIDE_DIM}"
     return None
 
 
