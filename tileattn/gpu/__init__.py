@@ -9,16 +9,21 @@ Four kernel families; `tiles` chooses one per problem and direction from its tab
 * float32 on sm_80+: the mma.sync kernels on TF32 tensor cores at float32 accuracy
   ("3xTF32": each float32 product as three TF32 products, as torch's memory-efficient
   attention does; infinities follow IEEE as SPEC asks, tf32.cuh says how);
-* everything else (float64, head dims above 256, older GPUs, tile sizes the caller names
-  that no tensor-core kernel is built for): CUDA-core kernels (attention_generic.cu);
+* everything else (float64, head dims beyond the tensor-core rows, older GPUs, tile sizes
+  the caller names that no tensor-core kernel is built for): CUDA-core kernels
+  (attention_generic.cu);
 * forward decoding, every dtype on sm_80+ (a few query rows per K/V head, group x Nq <= 64,
-  against >= 256 keys): split-KV with GQA packing, K/V read once per group, partials
-  merged by log-sum-exp; 16-bit inputs on tensor cores (attention_decode_mma.cu), the rest
-  and ALiBi or dropout on CUDA cores (attention_decode.cu; launch_decode.py for both).
+  against >= 256 keys; up to 256 packed rows in 16-bit where the prefill grid leaves SMs
+  idle): split-KV with GQA packing, K/V read once per group, partials merged by
+  log-sum-exp; 16-bit inputs up to D = 256 on tensor cores (attention_decode_mma.cu), the
+  rest, wider heads and ALiBi or dropout on CUDA cores (attention_decode.cu;
+  launch_decode.py for both).
 
-The tensor-core kernels take every D and Dv up to 256 (Dv != D included): head dims are
-zero-padded in shared memory to the tensor cores' K step (16, or 8 for TF32), and the
-caller's arrays are read in place with the widest copies their alignment allows.
+The tensor-core kernels take every D and Dv up to 256 (Dv != D included), and the mma.sync
+and 3xTF32 ones wider heads with Q read from shared memory (tiles.MAX_WIDE_DIM,
+tiles.WIDE_BACKWARD_DIM): head dims are zero-padded in shared memory to the tensor cores' K
+step (16, or 8 for TF32), and the caller's arrays are read in place with the widest copies
+their alignment allows.
 
 Backward: first ``D_i = rowsum(dO_i * o_i)`` from the passed ``o``
 (attention_backward_delta.cu, SPEC's D), then a dQ kernel per query tile and a dK/dV kernel
