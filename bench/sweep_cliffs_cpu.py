@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
+import attention_calls
 import tileattn
 from tileattn.testing import attention_error
 
@@ -100,19 +101,6 @@ def check(case: Case) -> float:
                for got, want in zip((o, lse, *grads), (o64, lse64, *grads64)))
 
 
-def tileattn_calls(case: Case, options: dict, arrays):
-    q, k, v, do = arrays
-
-    def forward():
-        tileattn.forward(q, k, v, backend="cpu", **options)
-
-    def forward_backward():
-        o, lse = tileattn.forward(q, k, v, return_lse=True, backend="cpu", **options)
-        tileattn.backward(do, q, k, v, o, lse, backend="cpu", **options)
-
-    return forward, forward_backward
-
-
 def torch_calls(case: Case, arrays):
     import torch
 
@@ -181,14 +169,14 @@ def run(args) -> int:
         error = check(case)
         failures += not error <= 1.0
         arrays = case.arrays()
-        ours = tileattn_calls(case, case.options, arrays)
+        ours = attention_calls.tileattn_calls(case.options, arrays, "cpu")
         if case.torch_can and have_torch:
             anchor_name, anchor = "torch", torch_calls(case, arrays)
         elif case.torch_can:
             anchor_name, anchor = None, None
         else:
             plain = {"causal": True} if case.options.get("causal") else {}
-            anchor_name, anchor = "no option", tileattn_calls(case, plain, arrays)
+            anchor_name, anchor = "no option", attention_calls.tileattn_calls(plain, arrays, "cpu")
         shape = (f"{case.batch}, {case.heads}/{case.kv_heads}, {case.n_q}, {case.n_k}, "
                  f"{case.head_dim}")
         for index, name in enumerate(("fwd", "fwd+bwd")):

@@ -169,18 +169,9 @@ def check(case: Case) -> float:
 
 
 def tileattn_calls(options: dict, arrays):
-    import tileattn
+    from attention_calls import tileattn_calls as calls  # bench/ is on the path when run
 
-    q, k, v, do = arrays
-
-    def forward():
-        tileattn.forward(q, k, v, backend="gpu", **options)
-
-    def forward_backward():
-        o, lse = tileattn.forward(q, k, v, return_lse=True, backend="gpu", **options)
-        tileattn.backward(do, q, k, v, o, lse, backend="gpu", **options)
-
-    return forward, forward_backward
+    return calls(options, arrays, "gpu")
 
 
 def torch_calls(case: Case, arrays):
@@ -317,10 +308,10 @@ def run(args) -> int:
                 label not in ("-", "no option") and ratio < CLIFF_AGAINST_TORCH)
             cliffs += cliff
             rate = case.flops(index == 1) / mine / 1e9
+            anchor_text = "-" if anchor_ms is None else f"{anchor_ms:.3f}"
             print(f"| {case.name} | {case.dtype} | {shape} | {error:.2g}x | {name} | "
-                  f"{mine:.3f} | {rate:.0f} | {label} | "
-                  f"{'-' if anchor_ms is None else f'{anchor_ms:.3f}'} | {ratio:.2f} | {flash:.2f} | "
-                  f"{'CLIFF' if cliff else ''} |", flush=True)
+                  f"{mine:.3f} | {rate:.0f} | {label} | {anchor_text} | {ratio:.2f} | "
+                  f"{flash:.2f} | {'CLIFF' if cliff else ''} |", flush=True)
     print(f"{cliffs} cliffs; {failures} cases outside their dtype's tolerance")
     return 1 if failures else 0
 

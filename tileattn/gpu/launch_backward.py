@@ -192,13 +192,20 @@ class GroupSums:
             launch(part, out)
 
 
-def _group_split(q, k, v, key_grid: int, splittable: bool) -> tuple:
-    """``(group size a dK/dV block takes, GroupSums or None)`` for a dense backward whose
-    dK/dV grid has `key_grid` blocks; `splittable` is False where the kernels flag keys
-    for a redo, run the single pass or walk sequence tables (they are not cut)."""
+def _group_split(q, k, v, dk, dv, key_grid: int, key_tables: tuple, owned: int,
+                 splittable: bool) -> tuple:
+    """``(group size a dK/dV block takes, GroupSums or None, the dK/dV kernels' outputs, their
+    grid, their tables)`` for a dense backward whose dK/dV kernels own `owned` keys a block
+    on `key_grid` blocks; `splittable` is False where the kernels flag keys for a redo, run
+    the single pass or walk sequence tables (they are not cut)."""
     group = q.shape[1] // k.shape[1]
     splits = backward_group_splits(key_grid, group, sm_count(q.device.id)) if splittable else 1
-    return group // splits, (GroupSums(k, v, splits) if splits > 1 else None)
+    if splits == 1:
+        return group, None, (dk, dv), key_grid, key_tables
+    sums = GroupSums(k, v, splits)
+    grid, tables = tile_grid(k.shape[1] * splits, k.shape[2], owned, q.shape[0], None,
+                             keys=True)
+    return group // splits, sums, sums.buffers(), grid, tables
 
 
 def _with_group(common: tuple, group: int) -> tuple:
@@ -252,11 +259,9 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, options, tiles.dkdv[0],
                                                   flagging, Switches.of(options).banded,
                                                   sequences)
-    group, sums = _group_split(q, k, v, key_grid, not (flagging or single_pass or sequences))
-    parts = (dk, dv) if sums is None else sums.buffers()
-    if sums is not None:
-        key_grid, key_tables = tile_grid(n_kv_heads * sums.splits, n_k, tiles.dkdv[0], batch,
-                                         None, keys=True)
+    group, sums, parts, key_grid, key_tables = _group_split(
+        q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],
+        not (flagging or single_pass or sequences))
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, flags), n_k,
@@ -330,11 +335,9 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                                                   flagging,
                                                   Switches.of(options).banded and not ordered,
                                                   sequences)
-    group, sums = _group_split(q, k, v, key_grid, not (flagging or single_pass or sequences))
-    parts = (dk, dv) if sums is None else sums.buffers()
-    if sums is not None:
-        key_grid, key_tables = tile_grid(n_kv_heads * sums.splits, n_k, tiles.dkdv[0], batch,
-                                         None, keys=True)
+    group, sums, parts, key_grid, key_tables = _group_split(
+        q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],
+        not (flagging or single_pass or sequences))
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, dq_turns, flags),
