@@ -640,3 +640,28 @@ def test_repeated_unchecked_device_calls_follow_lengths_changed_in_place(n_q):
                                            name=f"{name} at step {step}")
             device_lengths -= 60
             stream.synchronize()
+
+
+def test_exact_tile_order_equals_the_per_sequence_count():
+    """`tile_list` (one NumPy pass over every row of every sequence) gives each sequence's
+    tiles the costs `kept_pairs_per_row` gives them one sequence at a time, in the same
+    stable longest-first order, and the same total (random lengths, bands, windows)."""
+    from tileattn.tile_order import kept_pairs, kept_pairs_per_row, tile_list
+
+    rng = np.random.default_rng(12)
+    for _ in range(300):
+        count = int(rng.integers(1, 10))
+        rows, cols = rng.integers(0, 80, count), rng.integers(0, 80, count)
+        bands = rng.integers(-40, 40, count)
+        block = int(rng.choice([1, 5, 16, 64]))
+        window = (int(rng.choice([-1, 0, 7])), int(rng.choice([-1, 0, 3])))
+        tiles, total = tile_list(rows, cols, bands, block, *window)
+        listed, expected_total = [], 0
+        for s in range(count):
+            pairs = kept_pairs_per_row(int(rows[s]), int(cols[s]), int(bands[s]), *window)
+            expected_total += int(pairs.sum())
+            listed += [(-(int(pairs[r:r + block].sum()) + 1), s, r)
+                       for r in range(0, int(rows[s]), block)]
+        expected = [(s, r) for _, s, r in sorted(listed, key=lambda item: item[0])]
+        assert list(map(tuple, tiles.tolist())) == expected
+        assert total == expected_total == kept_pairs(rows, cols, bands, *window)

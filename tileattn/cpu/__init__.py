@@ -163,8 +163,8 @@ class Sequences:
         if not self.varlen:  # every sequence alike: count one
             return len(d) * _dense_pairs(self.max_rows, self.max_keys, int(d[0, BAND]),
                                          options.window_left, options.window_right)
-        return tile_order.tile_list(d[:, ROWS], d[:, KEYS], d[:, BAND], max(1, self.max_rows),
-                                  options.window_left, options.window_right)[1]
+        return tile_order.kept_pairs(d[:, ROWS], d[:, KEYS], d[:, BAND], options.window_left,
+                                     options.window_right)
 
     def tiles(self, block: int, options: AttentionOptions, keys: bool = False):
         """``(sequence, first row)`` pairs of every query tile (or with `keys`, first key of
