@@ -346,3 +346,20 @@ def test_forward_grids_of_few_waves_take_two_blocks_per_multiprocessor():
     assert forward(128, 16, 4096, score_options=True) == forward(128, 0, 0, score_options=True)
     assert Problem(dtype="float16", head_dim=64, value_dim=64, n_k=1, query_heads=10, n_q=400,
                    multiprocessors=4, **H100).waves(192, 1) == 10 * 3 / 4
+
+
+def test_describe_names_the_gqa_cut_of_the_backward():
+    """`python -m tileattn info` says where the backward cuts GQA groups over blocks: MQA
+    at B = 4 and 4k keys, not MHA, not a 16-bit query tail, not a grid of two waves."""
+    problem = Problem(dtype="float16", head_dim=64, value_dim=64, n_k=4096, **H100)
+
+    def backward(n_q=4096, heads=16, kv_heads=1, batch=4):
+        shape = tiles.DecodeShape(n_q=n_q, group=heads // kv_heads,
+                                  batch_kv_heads=batch * kv_heads, batch_q_heads=batch * heads,
+                                  band_keys=4096, sm_count=132)
+        return tiles.describe_with_decode(problem, shape)["backward"]
+
+    assert "each group of 16 query heads cut over 4 blocks" in backward()
+    assert "cut over" not in backward(kv_heads=16)
+    assert "cut over" not in backward(n_q=4000)  # a query tail: keys are flagged instead
+    assert "cut over" not in backward(batch=64)

@@ -888,10 +888,32 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     return Choice("decode", tiles, f"{note}; {_splits_of(problem, shape, tiles)[1]}")
 
 
+def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
+    """Where a dense deterministic backward cuts each GQA group over blocks
+    (`backward_group_splits`), a line saying so, else None."""
+    choice = choose_backward(problem)
+    if choice.family == "generic" or shape.group == 1:
+        return None
+    owned, streamed = choice.tiles.dkdv
+    if problem.dtype != "float32" and shape.n_q % streamed:
+        return None  # a 16-bit query tail: the dK/dV kernels flag keys instead
+    key_blocks = shape.batch_kv_heads * -(-problem.n_k // owned)
+    splits = backward_group_splits(key_blocks, shape.group, shape.sm_count)
+    if splits == 1:
+        return None
+    return (f"dK/dV: each group of {shape.group} query heads cut over {splits} blocks "
+            f"({key_blocks} key-tile blocks are under {BACKWARD_GROUP_WAVES} waves of "
+            f"{shape.sm_count} SMs)")
+
+
 def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[str, str]:
-    """`describe`, with the forward line naming the decode family where it runs."""
+    """`describe`, with the forward line naming the decode family where it runs and the
+    backward line the GQA group's cut where there is one."""
     lines = describe(problem)
     choice = None if shape is None else choose_decode(problem, shape)
     if choice is not None:
         lines["forward"] = f"decode {choice.tiles} ({choice.note})"
+    note = None if shape is None else backward_group_note(problem, shape)
+    if note is not None:
+        lines["backward"] += f"; {note}"
     return lines
