@@ -9,8 +9,9 @@ Families (the ``.cu`` files' headers say how each works):
 * ``tf32``: float32 at float32 accuracy on TF32 tensor cores, sm_80 and later
   (attention_tf32_forward.cu, attention_mma_backward.cu with IS_FLOAT32);
 * ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64, head
-  dims above 256, GPUs before sm_80, and tile sizes the caller names that no tensor-core
-  configuration is built for;
+  dims beyond the tensor-core rows (above 576 for the 16-bit forward, 384 for the rest),
+  GPUs before sm_80, and tile sizes the caller names that no tensor-core configuration is
+  built for;
 * ``decode`` (forward only): a few query rows per K/V head against many keys:
   split-KV with GQA packing, on tensor cores for 16-bit inputs (attention_decode_mma.cu,
   `DecodeMmaTiles`) and on CUDA cores for every dtype and option (attention_decode.cu,
@@ -22,8 +23,8 @@ matches on the padded head dims (`Widths`: D and Dv rounded up to the tensor cor
 step), on the number of keys and on the score options; its note says which sweep chose
 it (bench/NOTES-gpu.md has the sweeps; bench/experiments/sweep_gpu_tiles.py runs them).
 A row whose tiles do not fit the device's shared memory is passed over. A new head dim
-needs no code: every width up to 256 is a template instantiation of the same kernels, and
-the rows cover them by ranges.
+needs no code: every width is a template instantiation of the same kernels, and the rows
+cover them by ranges (wgmma and the tensor-core decode to 256, mma.sync and 3xTF32 wider).
 
 `choose_forward` and `choose_backward` are the one place a family is chosen; `describe`
 says what they chose and why, for ``python -m tileattn info``. Nothing here imports CuPy.
