@@ -434,6 +434,31 @@ def test_scipy_blas_is_single_threaded_inside_and_restored_after():
             library.set_num_threads(threads)
 
 
+def test_decode_limits_blas_only_where_its_products_call_it(monkeypatch):
+    """Up to 16 packed rows the decode kernel's products are plain loops: its call skips
+    the BLAS thread limit (a few microseconds a step); more rows call BLAS and hold it at
+    one thread. Both give the golden model's results."""
+    from tileattn.cpu import blas
+
+    limited = []
+    real = blas.single_threaded
+
+    def counting():
+        limited.append(True)
+        return real()
+
+    monkeypatch.setattr(blas, "single_threaded", counting)
+    rng = np.random.default_rng(3)
+    for n_q_heads, n_q, expect_limit in ((8, 2, False), (8, 3, True)):  # 16 and 24 rows
+        q = rng.standard_normal((1, n_q_heads, n_q, 32))
+        k, v = (rng.standard_normal((1, 1, 600, 32)) for _ in range(2))
+        limited.clear()
+        o = tileattn.forward(q, k, v, backend="cpu", causal=True)
+        assert bool(limited) == expect_limit
+        expected = tileattn.forward(q, k, v, backend="reference", causal=True)
+        assert_attention_close(o, expected, np.float64, name="o")
+
+
 def _subnormals_work_here() -> bool:
     tiny = np.array([1e-38], np.float32)
     return bool((tiny * np.float32(0.01))[0] != 0) and bool((tiny / np.float32(2))[0] != 0)

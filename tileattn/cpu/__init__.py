@@ -218,17 +218,23 @@ def _dense_tiles(batch, n_rows, n_cols, band_offset, block, window_left, window_
     return tiles
 
 
+@functools.lru_cache(maxsize=256)
+def _no_slopes(n_sequences: int, n_q_heads: int) -> np.ndarray:
+    """Zero ALiBi slopes (read-only, shared by every call of this shape): ALiBi off."""
+    return _read_only(np.zeros((n_sequences, n_q_heads)), np.float64)
+
+
 def _option_scalars(options: AttentionOptions, n_sequences: int, n_q_heads: int):
     """The kernels' option arguments, from `scale` to `inv_keep`. The dropout's position
     offsets are plain ints like the window sides (int64 in the kernels: a placed block's
     sides and offsets are the whole sequence's), so they add no specialisation; band
     offsets are per sequence, in the descriptors."""
     slopes = options.alibi_slopes
-    if slopes is None:
-        slopes = np.zeros((n_sequences, n_q_heads))
+    slopes = (_no_slopes(n_sequences, n_q_heads) if slopes is None
+              else _read_only(slopes, np.float64))
     key = dropout_key(options.seed) if options.dropout_p > 0 else 0
     threshold = dropout_threshold(options.dropout_p) if options.dropout_p > 0 else 0
-    return (float(options.scale), float(options.softcap), _read_only(slopes, np.float64),
+    return (float(options.scale), float(options.softcap), slopes,
             int(options.window_left), int(options.window_right), int(options.row_offset),
             int(options.col_offset), int(key), int(threshold), 1.0 / (1.0 - options.dropout_p))
 

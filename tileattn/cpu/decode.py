@@ -3,6 +3,8 @@ splits they get."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import blas, threads
@@ -69,7 +71,7 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
     the backend's kernel lock, `shape` the call's `tileattn.cpu.Sequences`. `n_splits`
     (private, for tests) forces the split count.
     """
-    from .decode_kernel import decode_kernel, merge_kernel
+    from .decode_kernel import MAX_LOOP_ROWS, decode_kernel, merge_kernel
 
     batch, n_q_heads, n_q, head_dim = q_c.shape
     value_dim = v_c.shape[3]
@@ -103,7 +105,11 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
                                                            dtype)
     out = np.empty((batch, n_q_heads, n_q, value_dim), dtype)
     lse = np.empty((batch, n_q_heads, n_q), dtype)
-    with lock, blas.single_threaded():
+    # Up to MAX_LOOP_ROWS packed rows the kernel's products are plain loops and call no BLAS:
+    # nothing to hold at one thread (asking and setting SciPy's BLAS cost ~8 us a call).
+    group_rows = n_q_heads // n_kv_heads * n_q
+    limit = blas.single_threaded() if group_rows > MAX_LOOP_ROWS else contextlib.nullcontext()
+    with lock, limit:
         threads.run(decode_kernel, min(n_threads, n_splits * n_tasks_per_split), q_c, k_c,
                     v_c, partial_acc, partial_max, partial_sum, descriptors,
                     shape.block_table, shape.page_size, shape.slots_outer, *scalars, block_k,
