@@ -76,6 +76,26 @@ def test_torch_autograd_matches_golden_gradients():
         assert_attention_close(tensor.grad.numpy(), want, np.float32, name=f"d{name}")
 
 
+def test_torch_inference_records_no_graph_and_training_does():
+    """Without gradients to take (no tensor requires one, or under no_grad) the adapter runs
+    the forward with no autograd node; with one, the output has a node. Same values."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    arrays = numpy_problem(seed=4)
+    expected, _ = golden(*arrays, np.ones((2, 4, 12, 8), np.float32))
+    plain = [torch.from_numpy(a) for a in arrays]
+    trained = [torch.from_numpy(a).requires_grad_() for a in arrays]
+    with torch.no_grad():
+        under_no_grad = attention(*trained, **OPTIONS)
+    for o in (attention(*plain, **OPTIONS), under_no_grad):
+        assert o.grad_fn is None and not o.requires_grad
+        assert_attention_close(o.numpy(), expected, np.float32)
+    o = attention(*trained, **OPTIONS)
+    assert o.grad_fn is not None
+    assert_attention_close(o.detach().numpy(), expected, np.float32)
+
+
 def test_torch_autograd_agrees_with_torch_sdpa():
     torch = require("torch")
     from tileattn.torch import attention

@@ -144,7 +144,7 @@ def device_view(pointer: int, shape: tuple, dtype, owner, device: int | None = N
 def _torch_from_native(array):
     import torch
 
-    bfloat16 = array.dtype.name == "bfloat16"
+    bfloat16 = dtype_name(array.dtype) == "bfloat16"
     bits = array.view(np.int16) if bfloat16 else array
     # NumPy results through torch.from_numpy, which costs less than DLPack (see above);
     # read-only arrays keep DLPack's refusal rather than from_numpy's warning.
