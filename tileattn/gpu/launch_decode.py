@@ -16,6 +16,7 @@ from functools import lru_cache
 import cupy
 import numpy as np
 
+from ..arrays import dtype_name
 from ..options import UNLIMITED, AttentionOptions
 from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
@@ -63,7 +64,7 @@ _OUTGROWN: list = []
 def _workspace(size: int, dtype):
     """`size` elements of scratch for the current (device, stream); grown (doubling), never
     shrunk or freed."""
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, np.dtype(dtype).name)
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, dtype_name(dtype))
     buffer = _WORKSPACES.get(key)
     if buffer is None or buffer.size < size:
         if buffer is not None:
