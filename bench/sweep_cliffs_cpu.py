@@ -32,10 +32,6 @@ import attention_calls
 import tileattn
 from tileattn.testing import attention_error
 
-CLIFF_AGAINST_TORCH = 0.8
-CLIFF_OPTION_COST = 1.5
-
-
 @dataclass
 class Case:
     name: str
@@ -176,15 +172,15 @@ def run(args) -> int:
             anchor_name, anchor = None, None
         else:
             plain = {"causal": True} if case.options.get("causal") else {}
-            anchor_name, anchor = "no option", attention_calls.tileattn_calls(plain, arrays, "cpu")
+            anchor_name = attention_calls.NO_OPTION
+            anchor = attention_calls.tileattn_calls(plain, arrays, "cpu")
         shape = (f"{case.batch}, {case.heads}/{case.kv_heads}, {case.n_q}, {case.n_k}, "
                  f"{case.head_dim}")
         for index, name in enumerate(("fwd", "fwd+bwd")):
             functions = [ours[index]] + ([anchor[index]] if anchor else [])
             times = median_times(functions, args.rounds, args.pause)
             ratio = times[1] / times[0] if anchor else float("nan")
-            cliff = (anchor_name == "torch" and ratio < CLIFF_AGAINST_TORCH) or (
-                anchor_name == "no option" and 1 / ratio > CLIFF_OPTION_COST)
+            cliff = attention_calls.is_cliff(anchor_name, ratio)
             cliffs += cliff
             anchor_ms = f"{times[1] * 1e3:.2f}" if anchor else "-"
             print(f"| {case.name} | {shape} | {error:.2g}x | {name} | {times[0] * 1e3:.2f} | "

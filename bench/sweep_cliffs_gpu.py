@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-CLIFF_AGAINST_TORCH = 0.8
-CLIFF_OPTION_COST = 1.5
 TORCH_OPTIONS = {"causal", "dropout_p", "seed", "layout"}
 
 
@@ -274,6 +272,8 @@ def run(args) -> int:
     import cupy
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from attention_calls import NO_OPTION, is_cliff
+
     have_torch = torch_available() and not args.no_torch
     print(f"# tileattn GPU ({cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}), "
           f"calls back to back; anchor: the fastest torch SDPA backend where it has the "
@@ -295,7 +295,7 @@ def run(args) -> int:
         if case.torch_can and have_torch:
             anchors = torch_calls(case, arrays)
         elif not case.torch_can:
-            anchors = [("no option", *tileattn_calls(plain_options(case), arrays))]
+            anchors = [(NO_OPTION, *tileattn_calls(plain_options(case), arrays))]
         shape = (f"{case.batch}, {case.heads}/{case.kv_heads}, {case.n_q}, {case.n_k}, "
                  f"{case.head_dim}/{case.value_dim}")
         for index, name in enumerate(("fwd", "fwd+bwd")):
@@ -304,8 +304,7 @@ def run(args) -> int:
             label, anchor_ms = min(timed, key=lambda pair: pair[1]) if timed else ("-", None)
             ratio = anchor_ms / mine if anchor_ms else float("nan")
             flash = dict(timed).get("flash", float("nan")) / mine
-            cliff = (label == "no option" and 1 / ratio > CLIFF_OPTION_COST) or (
-                label not in ("-", "no option") and ratio < CLIFF_AGAINST_TORCH)
+            cliff = is_cliff(label, ratio)
             cliffs += cliff
             rate = case.flops(index == 1) / mine / 1e9
             anchor_text = "-" if anchor_ms is None else f"{anchor_ms:.3f}"
