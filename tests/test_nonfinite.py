@@ -277,6 +277,30 @@ def test_an_infinite_query_against_keys_of_one_sign_scores_minus_inf(backend):
         assert np.isfinite(np.delete(o[0, 0], 3, axis=0)).all()
 
 
+# The GPU paths added for shapes off FlashAttention's benchmark: a GQA group cut over
+# blocks for dK/dV (few K/V heads, no query tail), heads wider than 256 on mma.sync, and a
+# decode wider than 256 on the CUDA-core split-KV kernel. A NaN at a key the mask hides
+# from some rows reaches only the rows (and gradients) that keep it.
+_WIDER_PATHS = {
+    # name: (dtype, q shape, k shape, Dv, options, poisoned array, index)
+    "gqa-cut-backward": (np.float16, (1, 8, 128, 64), (1, 1, 192, 64), 64, {"causal": True},
+                         "k", (0, 0, 150, 3)),
+    "head-dim-320": (np.float16, (1, 2, 70, 320), (1, 1, 90, 320), 320, {"causal": True},
+                     "v", (0, 0, 80, 7)),
+    "decode-576-512": (np.float32, (1, 16, 1, 576), (1, 1, 700, 576), 512,
+                       {"window": (300, 0)}, "k", (0, 0, 100, 11)),
+}
+
+
+@pytest.mark.parametrize("path", sorted(_WIDER_PATHS))
+def test_nan_at_a_masked_key_on_the_wider_paths(backend, path):
+    dtype, q_shape, k_shape, value_dim, options, poisoned, index = _WIDER_PATHS[path]
+    q, k, v, do = _normal(7, q_shape, k_shape, k_shape[:3] + (value_dim,),
+                          q_shape[:3] + (value_dim,), dtype=dtype)
+    {"k": k, "v": v}[poisoned][index] = np.nan
+    check_problem(backend, q, k, v, do, options)
+
+
 # --------------------------------------------------------------------------- properties
 
 
