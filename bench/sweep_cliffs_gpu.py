@@ -116,6 +116,8 @@ def cases(quick: bool, dtypes) -> list:
         add("Nq 17 over keys", 4, 32, 8, 17, keys, 128)
         add("Nq 100 over keys", 4, 16, 16, 100, keys, 128)
         add("chunk 512 of keys", 1, 32, 8, 512, keys, 128)
+        add("MHA Nq 128 over long keys", 1, 32, 32, 128, 4 * keys, 128)
+        add("MHA chunk 256 of keys", 1, 16, 16, 256, keys, 128)
         add("keys 100 under Nq", 4, 16, 16, n, 100, 128, options={})
         add("B 256 of N 64", 256, 16, 16, 64, 64, 64)
         add("B 1024 of N 128", 1024, 8, 8, 128, 128, 128)

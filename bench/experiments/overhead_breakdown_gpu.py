@@ -75,11 +75,11 @@ def main() -> None:
     lse = cupy.empty((1, 8, 1), np.float32)
     say("the cached launches (decode + merge)", per_call_us(lambda: launch(q, k, v, o, lse)))
     if launch.merge is not None:
-        from tileattn.gpu.launch_decode import _partials
-        po, pl = _partials(launch.partial_size, launch.lse_size, launch.accum)
+        from tileattn.gpu.workspace import partials
+        po, pl = partials(launch.partial_size, launch.lse_size, launch.accum)
         say("decode launch alone", per_call_us(lambda: launch.decode(q, k, v, o, lse, po, pl)))
         say("merge launch alone", per_call_us(lambda: launch.merge(po, pl, o, lse)))
-        say("_partials", per_call_us(lambda: _partials(launch.partial_size, launch.lse_size,
+        say("partials", per_call_us(lambda: partials(launch.partial_size, launch.lse_size,
                                                        launch.accum)))
     say("two cupy.empty", per_call_us(lambda: (cupy.empty((1, 8, 1, 64), np.float16),
                                                cupy.empty((1, 8, 1), np.float32))))

@@ -86,8 +86,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                                             owned.key_base, tables);
     const KeyRows<bits16> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
                                             owned.key_base, tables);
-    bits16* o_head = o + (owned.out_head * n_q_total + owned.row_base) * VALUE_DIM;
-    float* lse_head = lse + owned.out_head * n_q_total + owned.row_base;
+    // o and lse, or under SPLIT_KEYS this split's float32 partials (forward_softmax.cuh),
+    // from row `first` on; found where stored, so the key loop keeps no pointer live.
+    static_assert(!(SPLIT_KEYS && VARLEN), "split-KV runs dense grids only");
+    using Out = typename ForwardOutput<SPLIT_KEYS, bits16>::type;
+    const auto o_rows = [&] {
+        return reinterpret_cast<Out*>(o) + (split_rows_before(n_q_total, BLOCK_Q) +
+                                            owned.out_head * n_q_total + owned.row_base) *
+                                               VALUE_DIM;
+    };
+    const auto lse_rows = [&] {
+        return lse + split_rows_before(n_q_total, BLOCK_Q) + owned.out_head * n_q_total +
+               owned.row_base;
+    };
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
     const ForwardScores scores =
@@ -103,8 +114,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
                                             &tile_begin, &tile_end);
-    if (tile_begin == tile_end) {  // no row of this tile keeps any key
-        store_empty_rows<VALUE_DIM, kThreads>(o_head, lse_head, row_start, row_stop);
+    split_key_tiles(&tile_begin, &tile_end);
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this split)
+        store_empty_rows<VALUE_DIM, kThreads>(o_rows(), lse_rows(), row_start, row_stop);
         return;
     }
 
@@ -252,5 +264,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         wgmma_pin(o_acc[0]);
     }
 
-    store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows, o_head, lse_head, n_q, dropout_scale);
+    store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows, o_rows(), lse_rows(), n_q,
+                                 dropout_scale);
 }

@@ -3,9 +3,7 @@ cores, or attention_decode_mma.cu on tensor cores, by the tiles' type), one bloc
 (batch, kv head, key range), and, with more than one range, the merge kernel
 (attention_decode.cu) that combines the ranges' partial (o, lse) by log-sum-exp.
 
-The partials live in a per-(device, stream) workspace that only grows and is never freed,
-so a repeated call allocates nothing and a CUDA graph captured on a stream replays into a
-buffer that stays valid (allocate it with one eager call before capturing: the tests do).
+The partials live in the per-(device, stream) workspace of `workspace.py`.
 """
 
 from __future__ import annotations
@@ -13,16 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import cupy
 import numpy as np
 
-from ..arrays import dtype_name
 from ..options import UNLIMITED, AttentionOptions
 from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
                        problem_for, score_arguments, sm_count, tensor_core_operands)
 from .tiles import DecodeMmaTiles, DecodeShape, DecodeTiles, decode_residency
 from .varlen import dense_arguments
+from .workspace import partials
 
 DECODE_SOURCE = "attention_decode.cu"
 DECODE_MMA_SOURCE = "attention_decode_mma.cu"
@@ -53,45 +50,6 @@ def decode_shape(q, k, options: AttentionOptions, n_k: int | None = None) -> Dec
                        band_keys=band_keys(options, n_q, n_k), sm_count=sm_count(q.device.id))
 
 
-# --------------------------------------------------------------------------- workspace
-
-_WORKSPACES: dict[tuple, object] = {}
-# Outgrown workspaces stay allocated: a CUDA graph captured earlier still writes into its
-# buffer when replayed. Growth doubles, so this holds less than the current one's size.
-_OUTGROWN: list = []
-
-
-def _workspace(size: int, dtype):
-    """`size` elements of scratch for the current (device, stream); grown (doubling), never
-    shrunk or freed."""
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, dtype_name(dtype))
-    buffer = _WORKSPACES.get(key)
-    if buffer is None or buffer.size < size:
-        if buffer is not None:
-            _OUTGROWN.append(buffer)
-        grown = max(size, 2 * buffer.size if buffer is not None else size, 1)
-        buffer = cupy.empty(grown, dtype=dtype)
-        _WORKSPACES[key] = buffer
-    return buffer
-
-
-_PARTIALS: dict[tuple, tuple] = {}
-
-
-def _partials(partial_size: int, lse_size: int, dtype) -> tuple:
-    """The workspace's (partial o, partial lse) views, kept per workspace and sizes: a decode
-    step is microseconds, and two CuPy views a call cost a few of them."""
-    workspace = _workspace(partial_size + lse_size, dtype)
-    key = (workspace.data.ptr, partial_size, lse_size)
-    views = _PARTIALS.get(key)
-    if views is None:
-        if len(_PARTIALS) >= 256:
-            _PARTIALS.clear()
-        views = (workspace[:partial_size], workspace[partial_size:partial_size + lse_size])
-        _PARTIALS[key] = views
-    return views
-
-
 @dataclass(frozen=True)
 class DecodeLaunch:
     """The decode kernel and, with splits, the merge; called with ``(q, k, v, o, lse)``
@@ -108,7 +66,7 @@ class DecodeLaunch:
             unused = empty(q.device.id, self.accum.name)
             self.decode(q, k, v, o, lse, unused, unused)
             return
-        partial_o, partial_lse = _partials(self.partial_size, self.lse_size, self.accum)
+        partial_o, partial_lse = partials(self.partial_size, self.lse_size, self.accum)
         self.decode(q, k, v, o, lse, partial_o, partial_lse)
         self.merge(partial_o, partial_lse, o, lse)
 

@@ -17,13 +17,17 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        element_strides, plan_key, problem_for, remember, score_arguments,
                        shared_memory_limit, tensor_core_operands)
 from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
-                    WgmmaTiles, Widths, choose_decode, choose_forward)
+                    WgmmaTiles, Widths, choose_decode, choose_forward, with_key_splits)
 from .varlen import Sequences, tile_grid
+from .workspace import partials
 
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
 TF32_SOURCE = "attention_tf32_forward.cu"
 GENERIC_SOURCE = "attention_generic.cu"
+MERGE_SOURCE = "split_keys_merge.cu"
+MERGE_THREADS = 256  # split_keys_merge's __launch_bounds__
+MERGE_COLUMNS = 4  # columns of a row a merge thread takes (kColumns)
 GENERIC_THREADS = 256
 # Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
 # more blocks per SM on every CUDA GPU and needs no opt-in; tiles stop shrinking at 16x16
@@ -35,62 +39,94 @@ def _dims_defines(q, v, copy_bytes: int) -> tuple:
     return (("COPY_BYTES", copy_bytes), ("HEAD_DIM", q.shape[3]), ("VALUE_DIM", v.shape[3]))
 
 
+@dataclass(frozen=True)
+class SplitKeysLaunch:
+    """A split-KV forward (`tiles.forward_key_splits`): the kernel over (query tiles, key
+    shares) into the workspace's float32 partials, then split_keys_merge.cu into o and lse."""
+
+    forward: Launch
+    merge: Launch
+    partial_size: int  # shares x rows x Dv
+    lse_size: int  # shares x rows
+
+    def __call__(self, q, k, v, o, lse):
+        partial_o, partial_lse = partials(self.partial_size, self.lse_size, np.float32)
+        self.forward(q, k, v, partial_o, partial_lse)
+        self.merge(partial_o, partial_lse, o, lse)
+
+
+def _merge_launch(dtype, value_dim: int, n_rows: int, splits: int) -> Launch:
+    """split_keys_merge.cu over `n_rows` rows of o: a thread per MERGE_COLUMNS columns."""
+    defines = (("STORAGE", STORAGE[dtype_name(dtype)]), ("VALUE_DIM", value_dim))
+    function = _compile.kernel(MERGE_SOURCE, "split_keys_merge", defines)
+    threads = n_rows * -(-value_dim // MERGE_COLUMNS)
+    return Launch(function, (-(-threads // MERGE_THREADS),), (MERGE_THREADS,), 0,
+                  (np.int64(n_rows), np.int32(splits)))
+
+
 def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k, v, o, lse,
-                        strides, options: AttentionOptions,
-                        sequences: Sequences | None) -> Launch:
-    """Launches a tensor-core forward (one block per `block_q` query rows of a head, the
-    arguments every such kernel takes) and returns the launch."""
+                        strides, options: AttentionOptions, sequences: Sequences | None,
+                        splits: int = 1):
+    """Launches a tensor-core forward (one block per `block_q` query rows of a head and key
+    share, the arguments every such kernel takes) and returns the launch."""
     batch, n_q_heads, n_q, _ = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     q_strides, k_strides, v_strides = strides
     blocks, tables = tile_grid(n_q_heads, n_q, block_q, batch, sequences)
-    launch = Launch(function, (blocks,), (threads,), shared,
+    launch = Launch(function, (blocks, splits) if splits > 1 else (blocks,), (threads,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
                      *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32), *tables))
+    if splits > 1:
+        n_rows = batch * n_q_heads * n_q
+        launch = SplitKeysLaunch(launch, _merge_launch(q.dtype, value_dim, n_rows, splits),
+                                 splits * n_rows * value_dim, splits * n_rows)
     launch(q, k, v, o, lse)
     return launch
 
 
 def _forward_on_tensor_cores(source: str, entry: str, family_defines: tuple, step: int,
                              arch: str | None, q, k, v, o, lse, options: AttentionOptions,
-                             tiles, sequences: Sequences | None) -> tuple:
+                             tiles, sequences: Sequences | None, splits: int) -> tuple:
     """A tensor-core forward of `tiles` (widths padded to `step`), the arrays read in place
-    with the widest copies their rows allow: ``(launch, copy bytes)``."""
+    with the widest copies their rows allow, the keys cut into `splits` shares:
+    ``(launch, copy bytes)``."""
     (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
     defines = family_defines + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
     if sequences is not None:
         defines += sequences.defines()
+    if splits > 1:
+        defines += (("SPLIT_KEYS", 1),)
     shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], step))
     function = _compile.kernel(source, entry, tuple(sorted(defines)), shared, arch=arch)
     return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
-                               strides, options, sequences), copy_bytes
+                               strides, options, sequences, splits), copy_bytes
 
 
 def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles,
-                  sequences: Sequences | None = None) -> tuple:
+                  sequences: Sequences | None = None, splits: int = 1) -> tuple:
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("BLOCKS_PER_SM", tiles.blocks_per_sm),
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages))
     return _forward_on_tensor_cores(WGMMA_SOURCE, "attention_forward_wgmma", defines, 16, "90a",
-                                    q, k, v, o, lse, options, tiles, sequences)
+                                    q, k, v, o, lse, options, tiles, sequences, splits)
 
 
 def forward_mma(q, k, v, o, lse, options: AttentionOptions, tiles: MmaTiles,
-                sequences: Sequences | None = None) -> tuple:
+                sequences: Sequences | None = None, splits: int = 1) -> tuple:
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
                ("Q_IN_REGISTERS", int(tiles.q_in_registers)), ("WARP_ROWS", tiles.warp_rows))
     return _forward_on_tensor_cores(MMA_SOURCE, "attention_forward_mma", defines, 16, None,
-                                    q, k, v, o, lse, options, tiles, sequences)
+                                    q, k, v, o, lse, options, tiles, sequences, splits)
 
 
 def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles,
-                 sequences: Sequences | None = None) -> tuple:
+                 sequences: Sequences | None = None, splits: int = 1) -> tuple:
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("WARP_ROWS", tiles.warp_rows))
     return _forward_on_tensor_cores(TF32_SOURCE, "attention_forward_tf32", defines, 8, None,
-                                    q, k, v, o, lse, options, tiles, sequences)
+                                    q, k, v, o, lse, options, tiles, sequences, splits)
 
 
 # --------------------------------------------------------------------------- generic
@@ -214,8 +250,20 @@ def choose(q, k, v, options: AttentionOptions, sequences: Sequences | None = Non
     problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], n_k, options, *grid)
     if sequences is not None and sequences.packed:
         return choose_forward(problem)
-    decode = choose_decode(problem, decode_shape(q, k, options, n_k))
-    return decode if decode is not None else choose_forward(problem)
+    shape = decode_shape(q, k, options, n_k)
+    decode = choose_decode(problem, shape)
+    if decode is not None:
+        return decode
+    if sequences is not None or problem.named_blocks:
+        return choose_forward(problem)
+    return with_key_splits(choose_forward(problem), shape)
+
+
+def _run(choice: Choice, q, k, v, o, lse, options: AttentionOptions,
+         sequences: Sequences | None = None) -> tuple:
+    """Runs `choice`'s launcher: ``(launch, alignment)``."""
+    extra = {} if choice.key_splits == 1 else {"splits": choice.key_splits}
+    return _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles, sequences, **extra)
 
 
 def _outputs(q, v, out=None, lse_out=None):
@@ -231,7 +279,7 @@ def _outputs(q, v, out=None, lse_out=None):
 def launch(choice: Choice, q, k, v, o, lse, options: AttentionOptions):
     """Runs the family and tiles of `choice` into o and lse and returns the launch, which
     repeats the call on arrays of the same shapes, strides and alignment (benchmarks)."""
-    return _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)[0]
+    return _run(choice, q, k, v, o, lse, options)[0]
 
 
 def run(choice: Choice, q, k, v, options: AttentionOptions):
@@ -251,7 +299,7 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         launches[0](q, k, v, o, lse)
         return o, lse
     choice = choose(q, k, v, options)
-    launch, alignment = _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles)
+    launch, alignment = _run(choice, q, k, v, o, lse, options)
     remember(key, (launch,), alignment, q, k, v)
     return o, lse
 
@@ -284,8 +332,7 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     if fills:
         o.fill(0)
         lse.fill(-np.inf)
-    launch, alignment = _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles,
-                                                  sequences)
+    launch, alignment = _run(choice, q, k, v, o, lse, options, sequences)
     if sequences.dense_grid:
         remember(key, (sequences.device_tables, launch, fills), alignment, q, k, v)
     return o, lse

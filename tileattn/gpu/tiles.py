@@ -380,11 +380,14 @@ TF32_BLOCK_K = (32, 64)
 @dataclass(frozen=True)
 class Choice:
     """A family, its configuration (None for the generic kernels, which size their own
-    tiles) and why: the row's note, or the reason a tensor-core family does not apply."""
+    tiles) and why: the row's note, or the reason a tensor-core family does not apply.
+    `key_splits` > 1: a tensor-core forward cuts each query tile's keys into that many
+    shares, blocks of their own, merged by log-sum-exp (`forward_key_splits`)."""
 
     family: str
     tiles: object = None
     note: str = ""
+    key_splits: int = 1
 
 
 def _tensor_core_dims(problem: Problem) -> str | None:
@@ -889,6 +892,60 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
     return Choice("decode", tiles, f"{note}; {_splits_of(problem, shape, tiles)[1]}")
 
 
+# --------------------------------------------------------------------------- split-KV prefill
+# A dense forward of few query tiles against many keys (a chunk of 65-512 queries of one
+# sequence, MHA with B x Hq under the SM count) leaves multiprocessors idle: its blocks are
+# B x Hq x query tiles, each walking every key. FlashAttention-2 splits the keys there; the
+# tensor-core forwards do so too (SPLIT_KEYS: grid rows of key shares, float32 partials,
+# split_keys_merge.cu). The count follows FlashAttention-2's rule: the fewest shares whose
+# waves of resident blocks are at least FORWARD_SPLIT_EFFICIENCY as full as the best
+# count's, each share at least FORWARD_SPLIT_MIN_KEYS keys (its prologue, Q and the first
+# K/V tiles, and the merge's reading of its partial o amortised over them). H100, float16,
+# bench/experiments/split_keys_gpu.py (NOTES-gpu v26): a wave 0.85 full (7 shares of 32
+# tiles) ran 4-17 % slower than one 0.97 full (8), hence 0.95 where FlashAttention-2 takes
+# 0.85; 512 keys a share beat 341 and 256 (B1 H32 Nq128 over 2048 keys).
+FORWARD_SPLIT_BELOW_WAVES = 0.8  # grids with at least this share of a wave stay whole
+FORWARD_SPLIT_EFFICIENCY = 0.95
+FORWARD_SPLIT_MIN_KEYS = 512
+FORWARD_MAX_SPLITS = 16
+
+
+def forward_key_splits(choice: Choice, shape: DecodeShape) -> tuple[int, str | None]:
+    """Into how many key shares a dense tensor-core forward cuts each query tile, and why
+    (None where it does not). Not for tile sizes a caller named (the callers check)."""
+    if choice.family not in ("wgmma", "mma", "tf32"):
+        return 1, None
+    tiles = choice.tiles
+    blocks = shape.batch_q_heads * -(-shape.n_q // tiles.block_q)
+    resident = shape.sm_count * getattr(tiles, "blocks_per_sm", 1)
+    if blocks >= FORWARD_SPLIT_BELOW_WAVES * resident:
+        return 1, None
+    most = min(FORWARD_MAX_SPLITS, shape.band_keys // FORWARD_SPLIT_MIN_KEYS,
+               -(-shape.band_keys // tiles.block_k))
+
+    def fullness(splits: int) -> float:
+        waves = blocks * splits / resident
+        return waves / -(-waves // 1)
+
+    if most < 2:
+        return 1, None
+    best = max(fullness(splits) for splits in range(1, most + 1))
+    splits = next(s for s in range(1, most + 1)
+                  if fullness(s) >= FORWARD_SPLIT_EFFICIENCY * best)
+    if splits == 1:
+        return 1, None
+    return splits, (f"keys cut into {splits} shares: {blocks} query tiles fill "
+                    f"{blocks / resident:.2f} of a wave of {resident} resident blocks")
+
+
+def with_key_splits(choice: Choice, shape: DecodeShape) -> Choice:
+    """`choice` with the key splits of `forward_key_splits` (and their reason in its note)."""
+    splits, why = forward_key_splits(choice, shape)
+    if splits == 1:
+        return choice
+    return replace(choice, key_splits=splits, note=f"{choice.note}; {why}")
+
+
 def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
     """Where a dense deterministic backward cuts each GQA group over blocks
     (`backward_group_splits`), a line saying so, else None."""
@@ -914,6 +971,10 @@ def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[st
     choice = None if shape is None else choose_decode(problem, shape)
     if choice is not None:
         lines["forward"] = f"decode {choice.tiles} ({choice.note})"
+    elif shape is not None and not problem.named_blocks:
+        split = with_key_splits(choose_forward(problem), shape)
+        if split.key_splits > 1:
+            lines["forward"] = f"{split.family} {split.tiles} ({split.note})"
     note = None if shape is None else backward_group_note(problem, shape)
     if note is not None:
         lines["backward"] += f"; {note}"

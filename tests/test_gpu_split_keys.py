@@ -1,0 +1,179 @@
+"""Split-KV in the tensor-core forwards (tiles.forward_key_splits, SPLIT_KEYS in the
+kernels, split_keys_merge.cu): a dense grid of few query tiles cuts each tile's keys into
+shares whose partial (o, lse) are merged by log-sum-exp. The rule is tested anywhere; the
+kernels against the float64 golden model on a GPU, with the shares forced and as chosen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tileattn
+from tileattn import backends
+from tileattn.gpu import tiles
+from tileattn.gpu.tiles import (Choice, DecodeShape, MmaTiles, Tf32Tiles, WgmmaTiles,
+                                forward_key_splits, with_key_splits)
+from tileattn.testing import assert_attention_close, bfloat16
+from tileattn.validation import validate
+
+GPU_MISSING = backends.availability("gpu")
+
+if GPU_MISSING is None:
+    import cupy
+
+    from tileattn.gpu import describe, launch_forward
+    from tileattn.gpu.operands import problem_of
+
+
+def _shape(query_heads: int, n_q: int, band_keys: int, sm_count: int = 132) -> DecodeShape:
+    return DecodeShape(n_q=n_q, group=1, batch_kv_heads=query_heads,
+                       batch_q_heads=query_heads, band_keys=band_keys, sm_count=sm_count)
+
+
+WGMMA = Choice("wgmma", WgmmaTiles(128, 64, 2, 2), "a row")
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+def test_a_grid_of_a_wave_or_more_stays_whole():
+    # 16 heads x 32 query tiles of 128 rows: 512 blocks, about two waves of 264.
+    assert forward_key_splits(WGMMA, _shape(16, 4096, 4096)) == (1, None)
+    assert with_key_splits(WGMMA, _shape(16, 4096, 4096)) is WGMMA
+
+
+def test_few_query_tiles_over_many_keys_are_split_into_full_waves():
+    # 64 heads of 100 queries: 64 one-tile blocks of 264 resident.
+    splits, why = forward_key_splits(WGMMA, _shape(64, 100, 8192))
+    assert splits == 4  # 256 blocks: the first count whose wave is about as full as the best
+    assert "64 query tiles" in why and "264 resident" in why
+    choice = with_key_splits(WGMMA, _shape(64, 100, 8192))
+    assert choice.key_splits == 4 and choice.tiles == WGMMA.tiles
+    assert choice.note.startswith("a row; keys cut into 4 shares")
+
+
+def test_shares_keep_at_least_the_minimum_keys():
+    # One head of 64 queries: many shares would fill the GPU, but the keys allow only two.
+    keys = 2 * tiles.FORWARD_SPLIT_MIN_KEYS + 100
+    assert forward_key_splits(WGMMA, _shape(1, 64, keys))[0] == 2
+    assert forward_key_splits(WGMMA, _shape(1, 64, tiles.FORWARD_SPLIT_MIN_KEYS + 1))[0] == 1
+    most = forward_key_splits(WGMMA, _shape(1, 64, 10**7))[0]  # near the cap
+    assert tiles.FORWARD_SPLIT_EFFICIENCY * tiles.FORWARD_MAX_SPLITS <= most
+    assert most <= tiles.FORWARD_MAX_SPLITS
+
+
+def test_mma_and_tf32_tiles_count_one_block_an_sm_and_others_never_split():
+    mma = Choice("mma", MmaTiles(128, 64, 32, True))
+    tf32 = Choice("tf32", Tf32Tiles(128, 64, 32))
+    # 33 blocks of 132 resident: four shares fill one wave.
+    assert forward_key_splits(mma, _shape(33, 128, 8192))[0] == 4
+    assert forward_key_splits(tf32, _shape(33, 128, 8192))[0] == 4
+    for family in ("generic", "decode"):
+        assert forward_key_splits(Choice(family, None), _shape(1, 64, 10**6)) == (1, None)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+def _inputs(shape_q, shape_k, shape_v, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_v))
+
+
+def _resolved(q, k, v, options):
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    return validate(q, k, v, **{**defaults, **options}).options
+
+
+def _golden(q, k, v, **options):
+    as64 = [a.astype(np.float64) for a in (q, k, v)]
+    return tileattn.forward(*as64, backend="reference", return_lse=True, **options)
+
+
+def _dtypes_of(family):
+    if family == "tf32":
+        return [np.dtype(np.float32)]
+    return [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() is not None else [])
+
+
+def _table_choice(family, q, k, v, options):
+    """The family's table row for this problem, with the grid unknown (no splits)."""
+    problem = problem_of(*map(cupy.asarray, (q, k, v)), _resolved(q, k, v, options))
+    if family == "wgmma":
+        if cupy.cuda.Device().compute_capability != "90":
+            pytest.skip("the wgmma forward needs an sm_90 GPU")
+        choice = tiles.choose_forward(problem)
+    else:  # the mma.sync and 3xTF32 rows, whatever the device
+        table = tiles.MMA_FORWARD if family == "mma" else tiles.TF32_FORWARD
+        widths = tiles.Widths.of(problem, 8 if family == "tf32" else 16)
+        row = next(r for r in table if r.when.matches(problem, widths))
+        choice = Choice(family, row.tiles, row.note)
+    assert choice.family == family
+    return choice
+
+
+OPTIONS = [
+    {},
+    {"causal": True},
+    {"window": (37, 5)},  # most shares of a tile keep no key: o = 0, lse = -inf to merge
+    {"causal": True, "window": (300, None), "softcap": 3.0},
+    {"alibi_slopes": np.linspace(0.05, 0.5, 4), "scale": 0.3},
+    {"dropout_p": 0.3, "seed": 11, "causal": True},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
+@pytest.mark.parametrize("family", ["wgmma", "mma", "tf32"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(sorted(o)) or "plain")
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize(("n_q", "n_k", "head_dim", "value_dim", "kv_heads"), [
+    (100, 1000, 64, 64, 4),  # a partial query tile, GQA-free
+    (70, 777, 128, 96, 2),  # Dv != D, GQA 4/2, keys not a multiple of any tile
+    (200, 130, 40, 40, 1),  # more queries than keys (bottom-right: the first rows keep none)
+])
+def test_forced_shares_match_the_golden_model(family, options, splits, n_q, n_k, head_dim,
+                                              value_dim, kv_heads):
+    for dtype in _dtypes_of(family):
+        q, k, v = _inputs((2, 4, n_q, head_dim), (2, kv_heads, n_k, head_dim),
+                          (2, kv_heads, n_k, value_dim), dtype, seed=n_q + splits)
+        choice = _table_choice(family, q, k, v, options)
+        forced = Choice(family, choice.tiles, choice.note, key_splits=splits)
+        o, lse = launch_forward.run(forced, *map(cupy.asarray, (q, k, v)),
+                                    _resolved(q, k, v, options))
+        golden_o, golden_lse = _golden(q, k, v, **options)
+        assert_attention_close(o.get(), golden_o, dtype, name="o")
+        assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_public_forward_splits_a_small_grid_and_repeats_from_its_plan(dtype):
+    """One head of 96 queries over 4096 keys fills a few SMs: the chosen forward splits its
+    keys, writes the caller's buffers, leaves the inputs alone and repeats (the cached
+    plan, a packed launch) with the same result; NaN at a masked key reaches no row."""
+    q, k, v = _inputs((1, 2, 96, 64), (1, 2, 4096, 64), (1, 2, 4096, 64), dtype, seed=3)
+    k[:, :, -1] = np.nan  # causal bottom-right: only the last query row keeps the last key
+    options = {"causal": True}
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    kept = [a.copy() for a in device]
+    choice = launch_forward.choose(*device, _resolved(q, k, v, options))
+    assert choice.key_splits > 1, choice
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    out = cupy.full((1, 2, 96, 64), cupy.nan, dtype=dtype)
+    lse_out = cupy.full((1, 2, 96), cupy.nan, dtype=np.float32)
+    for _ in range(3):
+        o, lse = tileattn.forward(*device, backend="gpu", return_lse=True, out=out,
+                                  lse_out=lse_out, **options)
+        assert o is out and lse is lse_out
+        assert np.isnan(o.get()[:, :, -1]).all() and np.isnan(lse.get()[:, :, -1]).all()
+        assert_attention_close(o.get()[:, :, :-1], golden_o[:, :, :-1], dtype, name="o")
+        assert_attention_close(lse.get()[:, :, :-1], golden_lse[:, :, :-1], np.float32,
+                               name="lse")
+    for before, after in zip(kept, device):
+        assert cupy.array_equal(before, after, equal_nan=True)
+    line = describe(4096, 64, 64, np.dtype(dtype).name, _resolved(q, k, v, options), n_q=96,
+                    heads=2)["forward"]
+    assert "keys cut into" in line

@@ -1,0 +1,44 @@
+// The merge of a split-KV forward (forward_softmax.cuh, SPLIT_KEYS): a prefill grid of few
+// query tiles whose key tiles were cut into n_splits shares, each share's O normalised by
+// its own sum with its lse. For each output row, with m the largest share lse and
+// w_s = exp(lse_s - m): o = sum_s w_s o_s / sum_s w_s, lse = m + log(sum_s w_s). No share
+// keeps a key: o = 0, lse = -inf. A NaN share lse is passed over by fmaxf and then makes
+// the sum NaN, so NaN reaches o and lse.
+//
+// The shares are few (a handful, tiles.FORWARD_MAX_SPLITS at most) and the rows many, so a
+// thread takes kColumns adjacent columns of one row and loops over the shares: the partials
+// are read once, consecutive threads reading adjacent columns.
+// (attention_decode.cu's merge serves the opposite case: a few rows, hundreds of splits.)
+//
+// Compile-time configuration (NVRTC -D options): STORAGE (o's type), VALUE_DIM.
+#include "common.cuh"
+
+constexpr int kColumns = 4;
+constexpr int kPieces = (VALUE_DIM + kColumns - 1) / kColumns;  // a row's threads
+
+extern "C" __global__ void __launch_bounds__(256) split_keys_merge(
+    const float* partial_o, const float* partial_lse, STORAGE* o, float* lse, i64 n_rows,
+    int n_splits) {
+    const i64 index = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
+    const i64 row = index / kPieces;
+    const int first = static_cast<int>(index % kPieces) * kColumns;
+    if (row >= n_rows) return;
+    float largest = negative_infinity<float>();
+    for (int s = 0; s < n_splits; ++s) largest = fmaxf(largest, partial_lse[s * n_rows + row]);
+    const float safe_max = largest == negative_infinity<float>() ? 0.0f : largest;
+    float total = 0.0f, sum[kColumns] = {};
+    for (int s = 0; s < n_splits; ++s) {
+        const float weight = expf(partial_lse[s * n_rows + row] - safe_max);
+        const float* part = partial_o + (s * n_rows + row) * VALUE_DIM + first;
+        total += weight;
+#pragma unroll
+        for (int c = 0; c < kColumns; ++c)
+            if (VALUE_DIM % kColumns == 0 || first + c < VALUE_DIM) sum[c] += weight * part[c];
+    }
+    const float factor = total == 0.0f ? 0.0f : 1.0f / total;
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c)
+        if (VALUE_DIM % kColumns == 0 || first + c < VALUE_DIM)
+            o[row * VALUE_DIM + first + c] = narrow<STORAGE>(sum[c] * factor);
+    if (first == 0) lse[row] = total == 0.0f ? negative_infinity<float>() : safe_max + logf(total);
+}
