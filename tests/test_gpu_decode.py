@@ -35,7 +35,8 @@ if backends.availability("gpu") is None:
     from tileattn.gpu import launch_forward
     from tileattn.gpu.launch_decode import decode_shape, forward_decode
     from tileattn.gpu.operands import accumulation_dtype, problem_of
-    from tileattn.gpu.tiles import DecodeTiles, decode_mma_tiles, decode_tiles
+    from tileattn.gpu.tiles import (DECODE_MMA_MANY_ROW_WARPS, DecodeTiles, decode_mma_tiles,
+                                    decode_tiles)
 
 
 def _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, head_dim, value_dim, dtype, seed=0):
@@ -126,7 +127,8 @@ TENSOR_CORE_TILES = [dict(warps=1, warp_keys=32, stages=2, row_warps=1),
                      dict(warps=8, warp_keys=16, stages=3, row_warps=1),
                      dict(warps=2, warp_keys=32, stages=2, row_warps=2),
                      dict(warps=1, warp_keys=64, stages=2, row_warps=4),
-                     dict(warps=2, warp_keys=16, stages=3, row_warps=4, row_tiles=1)]
+                     dict(warps=2, warp_keys=16, stages=3, row_warps=4, row_tiles=1),
+                     dict(warps=1, warp_keys=64, stages=2, row_warps=8, row_tiles=1)]
 
 
 @pytest.mark.parametrize("row_warps", [None, 1], ids=["table", "one-row-warp"])
@@ -299,21 +301,22 @@ def test_non_finite_values_at_masked_keys_do_not_leak(splits, kernel):
 
 
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
-@pytest.mark.parametrize("shape", [(8, 2, 17, 64, 64), (16, 2, 20, 96, 200),
-                                   (16, 1, 16, 256, 256), (12, 1, 9, 40, 40)],
-                         ids=["GQA4-Nq17", "GQA8-Nq20-Dv200", "MQA16-Nq16-D256", "MQA12-Nq9"])
+@pytest.mark.parametrize("shape", [(8, 2, 17, 64, 64), (16, 2, 16, 96, 200),
+                                   (16, 1, 8, 256, 256), (12, 1, 9, 40, 40)],
+                         ids=["GQA4-Nq17", "GQA8-Nq16-Dv200", "MQA16-Nq8-D256", "MQA12-Nq9"])
 @pytest.mark.parametrize("options", [{"causal": True}, {"window": (300, 3), "softcap": 8.0}],
                          ids=OPTION_IDS)
 def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
-    """65-256 packed rows of at most 64 queries a head on a small grid (speculative
-    decoding, chunks with wide GQA groups) run the tensor-core decode, with key splits;
-    rows of one block span query rows of several heads and positions."""
+    """65-128 packed rows of at most 64 queries a head on a small grid (speculative
+    decoding, chunks with wide GQA groups) run the tensor-core decode in 8 row warps, with
+    key splits; rows of one block span query rows of several heads and positions."""
     n_q_heads, n_kv_heads, n_q, head_dim, value_dim = shape
     q, k, v = _inputs(1, n_q_heads, n_kv_heads, n_q, 1500, head_dim, value_dim, dtype,
                       seed=n_q)
     device = [cupy.asarray(a) for a in (q, k, v)]
     choice = launch_forward.choose(*device, _resolved(*device, options))
     assert choice.family == "decode" and n_q * n_q_heads // n_kv_heads > 64
+    assert choice.tiles.row_warps == DECODE_MMA_MANY_ROW_WARPS
     o, lse = tileattn.forward(*device, return_lse=True, **options)
     expected_o, expected_lse = _golden(q, k, v, **options)
     assert_attention_close(o.get(), expected_o, q.dtype, name="o")
@@ -396,6 +399,17 @@ def test_info_shows_the_decode_kernel():
              print_fn=lines.append)
     assert any(line.strip().startswith("forward kernel: decode DecodeMmaTiles")
                for line in lines), lines
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "n_q"), [(16, 1, 9), (4, 4, 17), (4, 4, 64)],
+                         ids=["MQA-129-rows", "MHA-Nq17", "MHA-Nq64"])
+def test_many_rows_and_mha_chunks_take_the_split_prefill(heads, kv_heads, n_q):
+    """More than 128 packed rows, and MHA beyond 16 queries (no group shares K/V), run the
+    tensor-core prefill with its keys split over the idle SMs, not the decode kernel."""
+    q = cupy.empty((1, heads, n_q, 64), dtype=np.float16)
+    k = v = cupy.empty((1, kv_heads, 8192, 64), dtype=np.float16)
+    choice = launch_forward.choose(q, k, v, _resolved(q, k, v, {"causal": True}))
+    assert choice.family != "decode" and choice.key_splits > 1, choice
 
 
 def test_prefill_shapes_keep_the_prefill_path():

@@ -177,3 +177,79 @@ def test_the_public_forward_splits_a_small_grid_and_repeats_from_its_plan(dtype)
     line = describe(4096, 64, 64, np.dtype(dtype).name, _resolved(q, k, v, options), n_q=96,
                     heads=2)["forward"]
     assert "keys cut into" in line
+
+
+def _golden_grads(do, q, k, v, o, lse, **options):
+    as64 = [np.asarray(a).astype(np.float64) for a in (do, q, k, v, o)]
+    return tileattn.backward(*as64, lse, backend="reference", **options)
+
+
+def _backward_choice(family, q, k, v, options):
+    problem = problem_of(*map(cupy.asarray, (q, k, v)), _resolved(q, k, v, options))
+    if family == "wgmma":
+        if cupy.cuda.Device().compute_capability != "90":
+            pytest.skip("the wgmma backward needs an sm_90 GPU")
+        choice = tiles.choose_backward(problem)
+    else:
+        table = tiles.MMA_BACKWARD if family == "mma" else tiles.TF32_BACKWARD
+        widths = tiles.Widths.of(problem, 8 if family == "tf32" else 16)
+        row = next(r for r in table if r.when.matches(problem, widths))
+        choice = Choice(family, row.tiles, row.note)
+    assert choice.family == family
+    return choice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
+@pytest.mark.parametrize("family", ["wgmma", "mma", "tf32"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(sorted(o)) or "plain")
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize(("n_q", "n_k", "head_dim", "value_dim", "kv_heads"), [
+    (100, 1000, 64, 64, 4),
+    (70, 777, 128, 96, 2),
+    (200, 130, 40, 40, 1),
+])
+def test_forced_dq_shares_match_the_golden_model(family, options, splits, n_q, n_k,
+                                                 head_dim, value_dim, kv_heads):
+    """The dQ kernel over forced key shares (dK and dV as ever) against the golden
+    gradients of the golden o."""
+    from tileattn.gpu import launch_backward
+
+    for dtype in _dtypes_of(family):
+        q, k, v = _inputs((2, 4, n_q, head_dim), (2, kv_heads, n_k, head_dim),
+                          (2, kv_heads, n_k, value_dim), dtype, seed=n_k + splits)
+        do = np.random.default_rng(1).standard_normal((2, 4, n_q, value_dim)).astype(dtype)
+        golden_o, golden_lse = _golden(q, k, v, **options)
+        given_o = golden_o.astype(dtype)
+        choice = _backward_choice(family, q, k, v, options)
+        forced = Choice(family, choice.tiles, choice.note, key_splits=splits)
+        grads = launch_backward.run(forced, *map(cupy.asarray, (do, q, k, v, given_o)),
+                                    cupy.asarray(golden_lse.astype(np.float32)),
+                                    _resolved(q, k, v, options))
+        expected = _golden_grads(do, q, k, v, given_o, golden_lse, **options)
+        for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+            assert_attention_close(grad.get(), want, dtype, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_public_backward_splits_a_small_dq_grid_deterministically(dtype):
+    """Two heads of 96 queries over 4096 keys: the dQ kernel's keys are cut into shares
+    (info says so), the gradients match the golden model, and a repeated call (the cached
+    plan) gives the same bits."""
+    q, k, v = _inputs((1, 2, 96, 64), (1, 2, 4096, 64), (1, 2, 4096, 64), dtype, seed=4)
+    do = np.random.default_rng(2).standard_normal((1, 2, 96, 64)).astype(dtype)
+    options = {"causal": True}
+    line = describe(4096, 64, 64, np.dtype(dtype).name, _resolved(q, k, v, options), n_q=96,
+                    heads=2)["backward"]
+    assert "dQ: keys cut into" in line
+    device = [cupy.asarray(a) for a in (do, q, k, v)]
+    o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
+    first = tileattn.backward(*device, o, lse, backend="gpu", **options)
+    again = tileattn.backward(*device, o, lse, backend="gpu", **options)
+    golden_lse = _golden(q, k, v, **options)[1]
+    expected = _golden_grads(do, q, k, v, o.get(), golden_lse, **options)
+    for name, grad, repeat, want in zip(("dq", "dk", "dv"), first, again, expected):
+        assert_attention_close(grad.get(), want, np.dtype(dtype), name=name)
+        assert cupy.array_equal(grad, repeat)

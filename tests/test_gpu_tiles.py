@@ -206,22 +206,31 @@ def test_decode_leaves_prefill_shapes_alone():
 
 
 def test_more_rows_decode_on_tensor_cores_only_where_prefill_leaves_sms_idle():
-    """65-256 packed rows of at most 64 queries a head take the tensor-core decode where the
-    prefill grid (a block per query head and 128 rows) is under one block an SM; otherwise,
-    in float32 and above 256 rows, the prefill."""
+    """65-128 packed rows of at most 64 queries a head take the tensor-core decode (in eight
+    row warps) where the prefill grid (a block per query head and 128 rows) is under one
+    block an SM; otherwise, in float32, above 128 rows and for MHA beyond 16 queries, the
+    prefill (whose keys split where its grid is small)."""
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=8192, **H100)
-    few = _decode_shape(n_q=20, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 160 rows
+    few = _decode_shape(n_q=16, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 128 rows
     chosen = tiles.choose_decode(problem, few)
     assert isinstance(chosen.tiles, tiles.DecodeMmaTiles)
-    assert chosen.tiles.rows * chosen.tiles.row_groups(160) >= 160
+    assert (chosen.tiles.row_warps, chosen.tiles.row_tiles) == (8, 1)
+    assert chosen.tiles.rows * chosen.tiles.row_groups(128) >= 128
     gqa = _decode_shape(n_q=17, n_q_heads=32, n_kv_heads=8, batch=4, n_k=8192)  # 68 rows
     assert isinstance(tiles.choose_decode(problem, gqa).tiles, tiles.DecodeMmaTiles)
     full = _decode_shape(n_q=17, n_q_heads=32, n_kv_heads=8, batch=8, n_k=8192)
     assert tiles.choose_decode(problem, full) is None  # 256 prefill blocks fill 132 SMs
     mha = _decode_shape(n_q=100, n_q_heads=16, n_kv_heads=16, batch=4, n_k=8192)
     assert tiles.choose_decode(problem, mha) is None  # over 64 queries a head
+    for n_q in (17, 33, 64):  # MHA beyond 16 queries: no group shares the reads
+        mha = _decode_shape(n_q=n_q, n_q_heads=16, n_kv_heads=16, batch=1, n_k=8192)
+        assert tiles.choose_decode(problem, mha) is None
+    mha16 = _decode_shape(n_q=16, n_q_heads=16, n_kv_heads=16, batch=1, n_k=8192)
+    assert tiles.choose_decode(problem, mha16) is not None
     wide = Problem(dtype="float32", head_dim=128, value_dim=128, n_k=8192, **H100)
     assert tiles.choose_decode(wide, few) is None
+    more = _decode_shape(n_q=20, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 160 rows
+    assert tiles.choose_decode(problem, more) is None
     many = _decode_shape(n_q=40, n_q_heads=8, n_kv_heads=1, batch=1, n_k=8192)  # 320 rows
     assert tiles.choose_decode(problem, many) is None
 

@@ -294,9 +294,9 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
 // Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the contiguous
 // (rows, Dim) output starting at `out` (row index relative to it); rows at or past
 // `row_limit` and the padding columns are not written.
-template <int Dim, int Width>
+template <int Dim, int Width, typename Out>
 __device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, float factor,
-                                           element* out, i64 row0, i64 row_limit) {
+                                           Out* out, i64 row0, i64 row_limit) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -485,7 +485,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const element* v_head = v + batch * v_sb + kv_head * v_sh + owned.key_base * v_sn;
     // The sequence's row 0 of this head in dq, lse and D.
     const i64 head_row0 = owned.out_head * n_q_total + owned.row_base;
-    element* dq_head = dq + head_row0 * HEAD_DIM;
+    // dq, or under SPLIT_KEYS this share's float32 part (common.cuh), found where stored.
+    static_assert(!(SPLIT_KEYS && VARLEN), "split-KV runs dense grids only");
+    using Out = typename SplitOutput<SPLIT_KEYS, element>::type;
+    const auto dq_rows = [&] {
+        return reinterpret_cast<Out*>(dq) +
+               (split_rows_before(n_q_total, OWNED_ROWS) + head_row0) * HEAD_DIM;
+    };
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
@@ -495,9 +501,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
                                             &tile_begin, &tile_end);
-    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0
+    split_key_tiles(&tile_begin, &tile_end);
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share): dq = 0
         for (i64 i = threadIdx.x; i < (row_stop - row_start) * HEAD_DIM; i += kThreads)
-            dq_head[row_start * HEAD_DIM + i] = 0;
+            dq_rows()[row_start * HEAD_DIM + i] = 0;
         return;
     }
 
@@ -567,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         }
         accumulate_product(s, k_tile, dq_acc);
     });
-    store_rows<HEAD_DIM>(dq_acc, scale, dq_head, row_start + warp * 16, n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale, dq_rows(), row_start + warp * 16, n_q);
 }
 
 // ------------------------------------------------------------------ dK, dV

@@ -159,9 +159,9 @@ __device__ __forceinline__ void issue_accumulate(float (&out)[Width / 8][4],
 // This warp's 16 rows of accumulators (the warpgroup's rows 16 w ..), times `factor`, into
 // the contiguous (rows, Dim) output `out` from row `row0`; rows at or past `row_limit` and
 // the padding columns are not written.
-template <int Dim, int Frags>
+template <int Dim, int Frags, typename Out>
 __device__ __forceinline__ void store_rows(const float (&acc)[Frags][4], float factor,
-                                           bits16* out, i64 row0, i64 row_limit) {
+                                           Out* out, i64 row0, i64 row_limit) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -229,7 +229,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const bits16* v_head = v + owned.batch * v_sb + owned.kv_head * v_sh + owned.key_base * v_sn;
     // The sequence's row 0 of this head in dq, lse and D.
     const i64 head_row0 = owned.out_head * n_q_total + owned.row_base;
-    bits16* dq_head = dq + head_row0 * HEAD_DIM;
+    // dq, or under SPLIT_KEYS this share's float32 part (common.cuh), found where stored.
+    static_assert(!(SPLIT_KEYS && VARLEN), "split-KV runs dense grids only");
+    using Out = typename SplitOutput<SPLIT_KEYS, bits16>::type;
+    const auto dq_rows = [&] {
+        return reinterpret_cast<Out*>(dq) +
+               (split_rows_before(n_q_total, OWNED_ROWS) + head_row0) * HEAD_DIM;
+    };
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
@@ -239,10 +245,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
                                             &tile_begin, &tile_end);
-    if (tile_begin == tile_end) {  // no row of this tile keeps any key: dq = 0
+    split_key_tiles(&tile_begin, &tile_end);
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share): dq = 0
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
-            dq_head[row_start * HEAD_DIM + element] = 0;
+            dq_rows()[row_start * HEAD_DIM + element] = 0;
         return;
     }
 
@@ -320,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         wgmma_wait<0>();
         wgmma_pin(dq_acc);
     });
-    store_rows<HEAD_DIM>(dq_acc, scale, dq_head, warp_row0, n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale, dq_rows(), warp_row0, n_q);
 }
 
 // ------------------------------------------------------------------ the single pass's dQ

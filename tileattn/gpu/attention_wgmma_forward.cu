@@ -86,10 +86,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                                             owned.key_base, tables);
     const KeyRows<bits16> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
                                             owned.key_base, tables);
-    // o and lse, or under SPLIT_KEYS this split's float32 partials (forward_softmax.cuh),
+    // o and lse, or under SPLIT_KEYS this share's float32 partials (common.cuh),
     // from row `first` on; found where stored, so the key loop keeps no pointer live.
     static_assert(!(SPLIT_KEYS && VARLEN), "split-KV runs dense grids only");
-    using Out = typename ForwardOutput<SPLIT_KEYS, bits16>::type;
+    using Out = typename SplitOutput<SPLIT_KEYS, bits16>::type;
     const auto o_rows = [&] {
         return reinterpret_cast<Out*>(o) + (split_rows_before(n_q_total, BLOCK_Q) +
                                             owned.out_head * n_q_total + owned.row_base) *
@@ -115,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
                                             &tile_begin, &tile_end);
     split_key_tiles(&tile_begin, &tile_end);
-    if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this split)
+    if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share)
         store_empty_rows<VALUE_DIM, kThreads>(o_rows(), lse_rows(), row_start, row_stop);
         return;
     }

@@ -293,3 +293,35 @@ template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc x) {
     for (int mask = 16; mask > 0; mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, mask);
     return x;
 }
+
+// ------------------------------------------------------------------ split-KV grids
+
+// SPLIT_KEYS (tiles.py: `forward_key_splits`, `dq_key_splits`): a dense query-tile grid
+// of few blocks against many keys runs gridDim.y shares of each tile's key tiles, grid row
+// blockIdx.y taking an even share, and writes float32 partials [gridDim.y][B x Hq x Nq]
+// (x the row's width) in place of its output rows: the forwards' (o, lse), each share's O
+// normalised by its own sum and merged by log-sum-exp (split_keys_merge.cu), and dQ's
+// parts, added in a fixed order (group_sum.cu). A share may keep no key: its rows store
+// zeros (and lse = -inf).
+#ifndef SPLIT_KEYS
+#define SPLIT_KEYS 0
+#endif
+
+// The type of a split kernel's output rows: float32 partials under SPLIT_KEYS, else T.
+template <bool kSplit, typename T> struct SplitOutput { using type = T; };
+template <typename T> struct SplitOutput<true, T> { using type = float; };
+
+// This block's share of the key tiles [*begin, *end).
+__device__ __forceinline__ void split_key_tiles(i64* begin, i64* end) {
+    if (!SPLIT_KEYS) return;
+    const i64 first = *begin, count = *end - *begin;
+    *begin = first + count * blockIdx.y / gridDim.y;
+    *end = first + count * (blockIdx.y + 1) / gridDim.y;
+}
+
+// The partial rows of the shares before this block's (0 without SPLIT_KEYS): a dense grid
+// has B x Hq x query tiles of `block_q` rows along x.
+__device__ __forceinline__ i64 split_rows_before(i64 n_q, int block_q) {
+    if (!SPLIT_KEYS) return 0;
+    return blockIdx.y * (gridDim.x / ((n_q + block_q - 1) / block_q)) * n_q;
+}

@@ -16,34 +16,6 @@
 
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Split-KV (SPLIT_KEYS; tiles.forward_key_splits: a dense forward whose grid would leave
-// multiprocessors idle, few query rows against many keys): grid row blockIdx.y of gridDim.y
-// takes an even share of its query tile's key tiles, and the kernel's o and lse point at
-// float32 partials [gridDim.y][B x Hq x Nq] (o: x Dv), each share's O normalised by its own
-// sum, which split_keys_merge.cu combines by log-sum-exp. A share may keep no key: its rows
-// store o = 0 and lse = -inf, which the merge weighs as nothing.
-#ifndef SPLIT_KEYS
-#define SPLIT_KEYS 0
-#endif
-
-template <bool kSplit, typename T> struct ForwardOutput { using type = T; };
-template <typename T> struct ForwardOutput<true, T> { using type = float; };
-
-// This block's share of the key tiles [*begin, *end).
-__device__ __forceinline__ void split_key_tiles(i64* begin, i64* end) {
-    if (!SPLIT_KEYS) return;
-    const i64 first = *begin, count = *end - *begin;
-    *begin = first + count * blockIdx.y / gridDim.y;
-    *end = first + count * (blockIdx.y + 1) / gridDim.y;
-}
-
-// The partial rows of the splits before this block's (0 without SPLIT_KEYS): a dense grid
-// has B x Hq x query tiles blocks along x.
-__device__ __forceinline__ i64 split_rows_before(i64 n_q, int block_q) {
-    if (!SPLIT_KEYS) return 0;
-    return blockIdx.y * (gridDim.x / ((n_q + block_q - 1) / block_q)) * n_q;
-}
-
 // The run-time score options, pre-multiplied into logit units (kLogitUnit).
 struct ForwardScores {
     float logit_scale;         // scale * kLogitUnit

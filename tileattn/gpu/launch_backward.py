@@ -3,19 +3,23 @@ the family that `tiles.choose_backward` picked, each launcher only reading its r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cupy
 import numpy as np
 
 from ..arrays import dtype_name
 from ..options import AttentionOptions
 from . import _compile
+from .launch_decode import decode_shape
 from .launch_forward import GENERIC_THREADS, GenericConfig
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, empty, plan_key, problem_for, problem_of, remember,
                        score_arguments, sm_count, tensor_core_operands)
 from .tiles import (Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, backward_group_splits,
-                    choose_backward)
+                    choose_backward, dq_key_splits)
 from .varlen import Sequences, tile_grid
+from .workspace import workspace
 
 WGMMA_SOURCE = "attention_wgmma_backward.cu"
 MMA_SOURCE = "attention_mma_backward.cu"
@@ -208,6 +212,45 @@ def _group_split(q, k, v, dk, dv, key_grid: int, key_tables: tuple, owned: int,
     return group // splits, sums, sums.buffers(), grid, tables
 
 
+@dataclass(frozen=True)
+class SplitDq:
+    """A dQ kernel over (query tiles, key shares) (SPLIT_KEYS, `tiles.dq_key_splits`): each
+    share's float32 part into the split workspace, then group_sum.cu adds the parts into dq
+    in a fixed order. Called as the dQ kernel's launch is."""
+
+    kernel: Launch
+    add: Launch
+    size: int  # shares x dq's elements
+
+    def __call__(self, q, k, v, do, lse, delta, dq):
+        parts = workspace(self.size, np.float32)
+        self.kernel(q, k, v, do, lse, delta, parts)
+        self.add(parts, dq)
+
+
+def _dq_splits(q, k, options: AttentionOptions, tiles, sequences: Sequences | None,
+               single_pass: bool, forced: int | None) -> int:
+    """Key shares of the dQ kernel: `forced` (tests, sweeps) or `tiles.dq_key_splits`; 1 for
+    variable-length calls (tile tables) and the single pass (no dQ kernel)."""
+    if sequences is not None or single_pass:
+        return 1
+    return forced or dq_key_splits(tiles, decode_shape(q, k, options))
+
+
+def _dq_launch(function, grid: int, threads: int, shared: int, arguments: tuple, q,
+               splits: int):
+    """The dQ kernel's launch, over `splits` key shares summed by `SplitDq` where > 1."""
+    if splits == 1:
+        return Launch(function, (grid,), (threads,), shared, arguments)
+    total = q.size
+    add = _compile.kernel(GROUP_SUM_SOURCE, "group_sum", (
+        ("ACCUM", "float"), ("PART", "float"), ("STORAGE", STORAGE[dtype_name(q.dtype)])))
+    return SplitDq(Launch(function, (grid, splits), (threads,), shared, arguments),
+                   Launch(add, (max(1, min(-(-total // 256), 8192)),), (256,), 0,
+                          (np.int64(total), np.int64(total), np.int32(splits))),
+                   splits * total)
+
+
 def _with_group(common: tuple, group: int) -> tuple:
     """`_operands`' arguments with the group size the dK/dV kernels take."""
     return common[:4] + (np.int32(group),) + common[5:]
@@ -215,7 +258,7 @@ def _with_group(common: tuple, group: int) -> tuple:
 
 def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaBackwardTiles,
                    single_pass: bool = False, given=(None, None, None),
-                   sequences: Sequences | None = None):
+                   sequences: Sequences | None = None, dq_splits: int | None = None):
     """D = rowsum(do * o) first, then the dQ and the dK/dV kernels, which both read it.
 
     `single_pass` (measured, not the default): no dQ kernel; the dK/dV kernel adds dQ into
@@ -228,7 +271,9 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     single_pass = single_pass and sequences is None
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
-    key = plan_key("backward", options, do, q, k, v, o) if not single_pass else None
+    # Forced dQ shares (tests, sweeps) are neither taken from nor left in the plan cache.
+    cacheable = not single_pass and dq_splits is None
+    key = plan_key("backward", options, do, q, k, v, o) if cacheable else None
     launches = cached(key, do, q, k, v, o)
     if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
         delta = _new_delta(o)
@@ -262,6 +307,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     group, sums, parts, key_grid, key_tables = _group_split(
         q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],
         not (flagging or single_pass or sequences))
+    dq_splits = _dq_splits(q, k, options, tiles, sequences, single_pass, dq_splits)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, flags), n_k,
@@ -279,14 +325,20 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
         if entry == "dkdv" and sums is not None:
             defines += (("GROUP_SPLITS", sums.splits),)
+        if entry == "dq" and dq_splits > 1:
+            defines += (("SPLIT_KEYS", 1),)
         shared = tiles.shared_bytes(entry, widths, single_pass, part)
         function = _compile.kernel(WGMMA_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
         grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
                         tile_grid(heads, n_rows, owned, batch, sequences))
         arguments = _with_group(common, group) if entry == "dkdv" else common
-        launches.append(Launch(function, (grid,), (owned // 64 * 128,), shared,
-                               arguments + tables))
+        if entry == "dq":
+            launches.append(_dq_launch(function, grid, owned // 64 * 128, shared,
+                                       arguments + tables, q, dq_splits))
+        else:
+            launches.append(Launch(function, (grid,), (owned // 64 * 128,), shared,
+                                   arguments + tables))
         launches[-1](*arrays)
     if sums is not None:
         sums(parts, dk, dv)
@@ -303,7 +355,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
 
 def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackwardTiles,
                  single_pass: bool | None = None, given=(None, None, None),
-                 sequences: Sequences | None = None):
+                 sequences: Sequences | None = None, dq_splits: int | None = None):
     """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32).
 
     `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
@@ -338,6 +390,7 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     group, sums, parts, key_grid, key_tables = _group_split(
         q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],
         not (flagging or single_pass or sequences))
+    dq_splits = _dq_splits(q, k, options, tiles, sequences, single_pass, dq_splits)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, dq_turns, flags),
@@ -358,13 +411,18 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
         if entry == "dkdv" and sums is not None:
             defines += (("GROUP_SPLITS", sums.splits),)
+        if entry == "dq" and dq_splits > 1:
+            defines += (("SPLIT_KEYS", 1),)
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
         grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
                         tile_grid(heads, n_rows, owned, batch, sequences))
         arguments = _with_group(common, group) if entry == "dkdv" else common
-        if grid:
+        if grid and entry == "dq":
+            _dq_launch(function, grid, owned // 16 * 32, shared, arguments + tables, q,
+                       dq_splits)(*arrays)
+        elif grid:
             function((grid,), (owned // 16 * 32,), arrays + arguments + tables,
                      shared_mem=shared)
     if sums is not None:
@@ -419,14 +477,16 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
 
 def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
         given=(None, None, None), sequences: Sequences | None = None):
-    """``(dq, dk, dv)`` with the family and tiles of `choice` (the sweeps pass their own),
-    written into the `given` buffers where there are some."""
+    """``(dq, dk, dv)`` with the family and tiles of `choice` (the sweeps pass their own;
+    its `key_splits` above 1 forces the dQ kernel's key shares), written into the `given`
+    buffers where there are some."""
+    forced = choice.key_splits if choice.key_splits > 1 else None
     if choice.family == "wgmma":
         return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles, given=given,
-                              sequences=sequences)
+                              sequences=sequences, dq_splits=forced)
     if choice.family in ("mma", "tf32"):
         return backward_mma(do, q, k, v, o, lse, options, choice.tiles, given=given,
-                            sequences=sequences)
+                            sequences=sequences, dq_splits=forced)
     return backward_generic(do, q, k, v, o, lse, options, given, sequences)
 
 

@@ -382,7 +382,8 @@ class Choice:
     """A family, its configuration (None for the generic kernels, which size their own
     tiles) and why: the row's note, or the reason a tensor-core family does not apply.
     `key_splits` > 1: a tensor-core forward cuts each query tile's keys into that many
-    shares, blocks of their own, merged by log-sum-exp (`forward_key_splits`)."""
+    shares, blocks of their own, merged by log-sum-exp (`forward_key_splits`); for a
+    backward the dQ kernel's shares (`dq_key_splits` chooses them where this is 1)."""
 
     family: str
     tiles: object = None
@@ -694,12 +695,16 @@ DECODE_MMA_WARP_KEYS = 16  # one k16 step of P V a warp a stage
 DECODE_MMA_STAGES = 2
 DECODE_MMA_ROW_WARPS = 4
 # More packed rows than DECODE_ROWS serve (speculative decoding or chunks of up to 64
-# queries with wide GQA groups: 65-256 rows) still take the tensor-core decode where the
+# queries with wide GQA groups: 65-128 rows) still take the tensor-core decode where the
 # prefill grid would not fill the SMs once: the prefill reads K/V once per query head into
-# 128-row tiles mostly empty, the decode once per group and splits the keys. B4 H32/8
-# Nq17 Nk8k: 0.209 -> 0.174 ms. Not for more than 64 queries a head: MHA Nq100 took 0.323
-# ms on the decode kernel against the prefill's 0.209 (sweep_cliffs_gpu.py, NOTES-gpu v25).
-DECODE_MMA_MAX_ROWS = 256
+# 128-row tiles mostly empty, the decode once per group and splits the keys. Such rows take
+# DECODE_MMA_MANY_ROW_WARPS groups of one m16 tile each (one key warp, 64 keys a stage),
+# not 4 groups of two tiles, whose O and S spill. bench/experiments/decode_rows_gpu.py
+# (H100, float16, causal, NOTES-gpu v26): B4 H32/8 Nk8k Nq17 0.174 -> 0.125 ms (FA2 0.117),
+# Nq32 0.221 -> 0.152 (split prefill 0.168); 256 rows (B1 H32/8 Nq64 over 32k) 0.224 on
+# 8 groups against the split prefill's 0.169, hence at most 128 rows.
+DECODE_MMA_MAX_ROWS = 128
+DECODE_MMA_MANY_ROW_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -770,7 +775,8 @@ def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = 
     most = max(1, DECODE_MMA_WIDTH // padded(problem.value_dim, 16))
     row_tiles_needed = -(-shape.rows // 16)
     if row_warps is None:
-        row_warps = min(row_tiles_needed, DECODE_MMA_ROW_WARPS)
+        row_warps = (min(row_tiles_needed, DECODE_MMA_ROW_WARPS)
+                     if row_tiles_needed <= DECODE_MMA_ROW_WARPS else DECODE_MMA_MANY_ROW_WARPS)
     if row_tiles is None:
         row_tiles = min(-(-row_tiles_needed // row_warps), most)
     if warps is None:
@@ -870,6 +876,13 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         return None  # cp.async needs sm_80; named tile sizes ask for the tiled forward
     if shape.band_keys < DECODE_MIN_KEYS:
         return None
+    if (shape.group == 1 and shape.rows > DECODE_ROWS[0].max_rows
+            and choose_forward(problem).family in ("wgmma", "mma", "tf32")):
+        # MHA beyond 16 queries: no group shares the K/V reads, and the tensor-core prefill
+        # splits the keys as the decode does (forward_key_splits). H100 float16 causal,
+        # B4 H16 Nk8k (decode_rows_gpu.py, NOTES-gpu v26): Nq33 0.153 -> 0.103 ms, Nq64
+        # 0.171 -> 0.106.
+        return None
     row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
     prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
     if row is None and (prefill_blocks >= shape.sm_count or shape.n_q > DECODE_ROWS[-1].max_rows
@@ -910,6 +923,23 @@ FORWARD_SPLIT_MIN_KEYS = 512
 FORWARD_MAX_SPLITS = 16
 
 
+def key_shares(blocks: int, resident: int, band_keys: int, block_k: int) -> int:
+    """Into how many key shares a grid of `blocks` query tiles (of which `resident` fit the
+    GPU at once) cuts each tile's keys (the longest `band_keys`, in tiles of `block_k`)."""
+    if blocks >= FORWARD_SPLIT_BELOW_WAVES * resident:
+        return 1
+    most = min(FORWARD_MAX_SPLITS, band_keys // FORWARD_SPLIT_MIN_KEYS, -(-band_keys // block_k))
+    if most < 2:
+        return 1
+
+    def fullness(splits: int) -> float:
+        waves = blocks * splits / resident
+        return waves / -(-waves // 1)
+
+    best = max(fullness(splits) for splits in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if fullness(s) >= FORWARD_SPLIT_EFFICIENCY * best)
+
+
 def forward_key_splits(choice: Choice, shape: DecodeShape) -> tuple[int, str | None]:
     """Into how many key shares a dense tensor-core forward cuts each query tile, and why
     (None where it does not). Not for tile sizes a caller named (the callers check)."""
@@ -918,24 +948,20 @@ def forward_key_splits(choice: Choice, shape: DecodeShape) -> tuple[int, str | N
     tiles = choice.tiles
     blocks = shape.batch_q_heads * -(-shape.n_q // tiles.block_q)
     resident = shape.sm_count * getattr(tiles, "blocks_per_sm", 1)
-    if blocks >= FORWARD_SPLIT_BELOW_WAVES * resident:
-        return 1, None
-    most = min(FORWARD_MAX_SPLITS, shape.band_keys // FORWARD_SPLIT_MIN_KEYS,
-               -(-shape.band_keys // tiles.block_k))
-
-    def fullness(splits: int) -> float:
-        waves = blocks * splits / resident
-        return waves / -(-waves // 1)
-
-    if most < 2:
-        return 1, None
-    best = max(fullness(splits) for splits in range(1, most + 1))
-    splits = next(s for s in range(1, most + 1)
-                  if fullness(s) >= FORWARD_SPLIT_EFFICIENCY * best)
+    splits = key_shares(blocks, resident, shape.band_keys, tiles.block_k)
     if splits == 1:
         return 1, None
     return splits, (f"keys cut into {splits} shares: {blocks} query tiles fill "
                     f"{blocks / resident:.2f} of a wave of {resident} resident blocks")
+
+
+def dq_key_splits(tiles: WgmmaBackwardTiles | MmaBackwardTiles, shape: DecodeShape) -> int:
+    """Into how many key shares a dense tensor-core backward's dQ kernel (one block an SM)
+    cuts each query tile; its dK/dV kernels walk the queries of a key tile, whose grid
+    grows with the keys."""
+    owned, streamed = tiles.dq
+    blocks = shape.batch_q_heads * -(-shape.n_q // owned)
+    return key_shares(blocks, shape.sm_count, shape.band_keys, streamed)
 
 
 def with_key_splits(choice: Choice, shape: DecodeShape) -> Choice:
@@ -978,4 +1004,9 @@ def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[st
     note = None if shape is None else backward_group_note(problem, shape)
     if note is not None:
         lines["backward"] += f"; {note}"
+    backward = choose_backward(problem)
+    if shape is not None and backward.family != "generic":
+        splits = dq_key_splits(backward.tiles, shape)
+        if splits > 1:
+            lines["backward"] += f"; dQ: keys cut into {splits} shares (a small grid)"
     return lines
