@@ -253,3 +253,67 @@ def test_the_public_backward_splits_a_small_dq_grid_deterministically(dtype):
     for name, grad, repeat, want in zip(("dq", "dk", "dv"), first, again, expected):
         assert_attention_close(grad.get(), want, np.dtype(dtype), name=name)
         assert cupy.array_equal(grad, repeat)
+
+
+def _paged_pools(k, v, lengths, page_size, rng):
+    """k's and v's rows of each sequence in shuffled pages of NaN-filled pools
+    ``(pages, heads, page, dim)``, and the block table (padded with -1)."""
+    used = [-(-n // page_size) for n in lengths]
+    order = rng.permutation(sum(used) + 2)
+    table = np.full((len(lengths), max(used) + 1), -1, np.int32)
+    pools = [np.full((len(order), a.shape[1], page_size, a.shape[3]), np.nan, a.dtype)
+             for a in (k, v)]
+    start = 0
+    for b, n in enumerate(lengths):
+        table[b, :used[b]] = order[start:start + used[b]]
+        start += used[b]
+        j = np.arange(n)
+        for pool, array in zip(pools, (k, v)):
+            pool[table[b, j // page_size], :, j % page_size] = np.swapaxes(array[b, :, :n], 0, 1)
+    return pools, table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
+@pytest.mark.parametrize("family", ["padded", "packed", "paged", "unchecked"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_variable_length_chunks_split_their_keys(family, dtype, monkeypatch):
+    """A chunk of queries of two sequences over long caches (few query tiles: four blocks)
+    cuts its keys into shares in every variable-length family; what lies past a
+    sequence's keys (NaN) or in pages the table does not name reaches nothing, and rows of
+    no sequence come out as o = 0, lse = -inf."""
+    chosen, rule = [], launch_forward.key_shares
+    monkeypatch.setattr(launch_forward, "key_shares",
+                        lambda *arguments: chosen.append(rule(*arguments)) or chosen[-1])
+    rng = np.random.default_rng(7)
+    lengths_q, lengths_k = np.array([90, 50]), np.array([3000, 1700])
+    q = rng.standard_normal((2, 2, 96, 64)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 3072, 64)).astype(dtype) for _ in range(2))
+    for b, n in enumerate(lengths_k):
+        k[b, :, n:] = v[b, :, n:] = np.nan
+    options = {"causal": True}
+    if family == "packed":
+        cu_q, cu_k = np.array([0, 90, 140]), np.array([0, 3000, 4700])
+        packed = [np.concatenate([a[b, :, :n] for b, n in enumerate(lengths)], axis=1)
+                  for a, lengths in ((q, lengths_q), (k, lengths_k), (v, lengths_k))]
+        arrays, keywords = packed, {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    elif family == "paged":
+        (k_pool, v_pool), table = _paged_pools(k, v, lengths_k, 64, rng)
+        arrays = [q, k_pool, v_pool]
+        keywords = {"block_table": table, "seqlens_k": lengths_k, "seqlens_q": lengths_q}
+    else:
+        arrays = [q, k, v]
+        keywords = {"seqlens_q": lengths_q, "seqlens_k": lengths_k}
+    golden_o, golden_lse = tileattn.forward(*[a.astype(np.float64) for a in arrays],
+                                            backend="reference", return_lse=True,
+                                            **keywords, **options)
+    device = [cupy.asarray(a) for a in arrays]
+    if family == "unchecked":
+        keywords = {name: cupy.asarray(a) for name, a in keywords.items()}
+        keywords["check_lengths"] = False
+    o, lse = tileattn.forward(*device, backend="gpu", return_lse=True, **keywords, **options)
+    assert chosen and max(chosen) > 1, chosen
+    assert_attention_close(o.get(), golden_o, np.dtype(dtype), name="o")
+    assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+    if family != "packed":
+        assert (o.get()[1, :, 50:] == 0).all() and (lse.get()[1, :, 50:] == -np.inf).all()

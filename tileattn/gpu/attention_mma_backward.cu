@@ -486,11 +486,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     // The sequence's row 0 of this head in dq, lse and D.
     const i64 head_row0 = owned.out_head * n_q_total + owned.row_base;
     // dq, or under SPLIT_KEYS this share's float32 part (common.cuh), found where stored.
-    static_assert(!(SPLIT_KEYS && VARLEN), "split-KV runs dense grids only");
+    static_assert(!(SPLIT_KEYS && VARLEN), "dQ's shares run dense grids only");
     using Out = typename SplitOutput<SPLIT_KEYS, element>::type;
     const auto dq_rows = [&] {
         return reinterpret_cast<Out*>(dq) +
-               (split_rows_before(n_q_total, OWNED_ROWS) + head_row0) * HEAD_DIM;
+               (split_head_row0(owned.out_head, n_q_total) + owned.row_base) * HEAD_DIM;
     };
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);

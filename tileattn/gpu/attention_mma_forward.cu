@@ -72,18 +72,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
                                             owned.key_base, tables);
     const KeyRows<bits16> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
                                             owned.key_base, tables);
-    // o and lse, or under SPLIT_KEYS this share's float32 partials (common.cuh),
-    // from row `first` on; found where stored, so the key loop keeps no pointer live.
-    static_assert(!(SPLIT_KEYS && VARLEN), "split-KV runs dense grids only");
+    // The sequence's row 0 of this head in o and lse, or under SPLIT_KEYS in this share's
+    // float32 partials (common.cuh); found where stored: the key loop keeps no pointer live.
     using Out = typename SplitOutput<SPLIT_KEYS, bits16>::type;
     const auto o_rows = [&] {
-        return reinterpret_cast<Out*>(o) + (split_rows_before(n_q_total, BLOCK_Q) +
-                                            owned.out_head * n_q_total + owned.row_base) *
-                                               VALUE_DIM;
+        return reinterpret_cast<Out*>(o) +
+               (split_head_row0(owned.out_head, n_q_total) + owned.row_base) * VALUE_DIM;
     };
     const auto lse_rows = [&] {
-        return lse + split_rows_before(n_q_total, BLOCK_Q) + owned.out_head * n_q_total +
-               owned.row_base;
+        return lse + split_head_row0(owned.out_head, n_q_total) + owned.row_base;
     };
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);

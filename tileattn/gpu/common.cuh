@@ -296,12 +296,12 @@ template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc x) {
 
 // ------------------------------------------------------------------ split-KV grids
 
-// SPLIT_KEYS (tiles.py: `forward_key_splits`, `dq_key_splits`): a dense query-tile grid
-// of few blocks against many keys runs gridDim.y shares of each tile's key tiles, grid row
-// blockIdx.y taking an even share, and writes float32 partials [gridDim.y][B x Hq x Nq]
-// (x the row's width) in place of its output rows: the forwards' (o, lse), each share's O
-// normalised by its own sum and merged by log-sum-exp (split_keys_merge.cu), and dQ's
-// parts, added in a fixed order (group_sum.cu). A share may keep no key: its rows store
+// SPLIT_KEYS (tiles.py: `forward_key_splits`, `dq_key_splits`): a query-tile grid of few
+// blocks against many keys runs gridDim.y shares of each tile's key tiles, grid row
+// blockIdx.y taking an even share, and writes float32 partials in place of its output
+// rows, laid out [out head][share][rows] (x the row's width): the forwards' (o, lse), each
+// share's O normalised by its own sum and merged by log-sum-exp (split_keys_merge.cu), and
+// dQ's parts, added in a fixed order (group_sum.cu). A share may keep no key: its rows store
 // zeros (and lse = -inf).
 #ifndef SPLIT_KEYS
 #define SPLIT_KEYS 0
@@ -319,9 +319,8 @@ __device__ __forceinline__ void split_key_tiles(i64* begin, i64* end) {
     *end = first + count * (blockIdx.y + 1) / gridDim.y;
 }
 
-// The partial rows of the shares before this block's (0 without SPLIT_KEYS): a dense grid
-// has B x Hq x query tiles of `block_q` rows along x.
-__device__ __forceinline__ i64 split_rows_before(i64 n_q, int block_q) {
-    if (!SPLIT_KEYS) return 0;
-    return blockIdx.y * (gridDim.x / ((n_q + block_q - 1) / block_q)) * n_q;
+// Row 0 of output head `out_head` (of `n_q` rows each) in the output, or under SPLIT_KEYS
+// in this block's share of the partials.
+__device__ __forceinline__ i64 split_head_row0(i64 out_head, i64 n_q) {
+    return SPLIT_KEYS ? (out_head * gridDim.y + blockIdx.y) * n_q : out_head * n_q;
 }

@@ -1,9 +1,9 @@
 // Gradients computed in parts, added in float32 (or double) in a fixed order, so the result
 // does not depend on scheduling: out[b, h, n, d] = sum over s of parts[b, h * splits + s,
-// n, d] for dK and dV of GQA groups whose query heads were cut over GROUP_SPLITS blocks (the
-// dK/dV kernels' GROUP_SPLITS), and, with one "head" of every element, out[e] = sum over s
-// of parts[s, e] for dQ of a split-KV grid (SPLIT_KEYS, float32 parts). Memory-bound: it
-// reads the parts once and writes out once.
+// n, d]: dK and dV of GQA groups whose query heads were cut over GROUP_SPLITS blocks (the
+// dK/dV kernels' GROUP_SPLITS), and dQ of a split-KV grid (SPLIT_KEYS, common.cuh: float32
+// parts of each head's key shares). Memory-bound: it reads the parts once and writes out
+// once.
 //
 // Compile-time configuration (NVRTC -D options): STORAGE, ACCUM, PART (the parts' type,
 // STORAGE unless given).

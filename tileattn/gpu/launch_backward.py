@@ -242,12 +242,12 @@ def _dq_launch(function, grid: int, threads: int, shared: int, arguments: tuple,
     """The dQ kernel's launch, over `splits` key shares summed by `SplitDq` where > 1."""
     if splits == 1:
         return Launch(function, (grid,), (threads,), shared, arguments)
-    total = q.size
+    total, head_elements = q.size, q.shape[2] * q.shape[3]  # parts [head][share][n][d]
     add = _compile.kernel(GROUP_SUM_SOURCE, "group_sum", (
         ("ACCUM", "float"), ("PART", "float"), ("STORAGE", STORAGE[dtype_name(q.dtype)])))
     return SplitDq(Launch(function, (grid, splits), (threads,), shared, arguments),
                    Launch(add, (max(1, min(-(-total // 256), 8192)),), (256,), 0,
-                          (np.int64(total), np.int64(total), np.int32(splits))),
+                          (np.int64(head_elements), np.int64(total), np.int32(splits))),
                    splits * total)
 
 

@@ -10,14 +10,15 @@ import cupy
 import numpy as np
 
 from ..arrays import dtype_name
-from ..options import AttentionOptions, Blocks
+from ..options import UNLIMITED, AttentionOptions, Blocks
 from . import _compile
 from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, plan_key, problem_for, remember, score_arguments,
-                       shared_memory_limit, tensor_core_operands)
+                       shared_memory_limit, sm_count, tensor_core_operands)
 from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
-                    WgmmaTiles, Widths, choose_decode, choose_forward, with_key_splits)
+                    WgmmaTiles, Widths, choose_decode, choose_forward, key_shares,
+                    with_key_splits)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -42,56 +43,67 @@ def _dims_defines(q, v, copy_bytes: int) -> tuple:
 @dataclass(frozen=True)
 class SplitKeysLaunch:
     """A split-KV forward (`tiles.forward_key_splits`): the kernel over (query tiles, key
-    shares) into the workspace's float32 partials, then split_keys_merge.cu into o and lse."""
+    shares) into the workspace's float32 partials, then split_keys_merge.cu into o and lse.
+    `unwritten_rows`: a variable-length call, whose kernels skip rows of no sequence; their
+    lse partials start as -inf, so the merge writes o = 0 and lse = -inf there."""
 
     forward: Launch
     merge: Launch
     partial_size: int  # shares x rows x Dv
     lse_size: int  # shares x rows
+    unwritten_rows: bool = False
 
     def __call__(self, q, k, v, o, lse):
         partial_o, partial_lse = partials(self.partial_size, self.lse_size, np.float32)
+        if self.unwritten_rows:
+            partial_lse.fill(-np.inf)
         self.forward(q, k, v, partial_o, partial_lse)
         self.merge(partial_o, partial_lse, o, lse)
 
 
-def _merge_launch(dtype, value_dim: int, n_rows: int, splits: int) -> Launch:
-    """split_keys_merge.cu over `n_rows` rows of o: a thread per MERGE_COLUMNS columns."""
+def _merge_launch(dtype, value_dim: int, n_rows: int, n_q: int, splits: int) -> Launch:
+    """split_keys_merge.cu over `n_rows` rows of o (heads of `n_q`): a thread per
+    MERGE_COLUMNS columns."""
     defines = (("STORAGE", STORAGE[dtype_name(dtype)]), ("VALUE_DIM", value_dim))
     function = _compile.kernel(MERGE_SOURCE, "split_keys_merge", defines)
     threads = n_rows * -(-value_dim // MERGE_COLUMNS)
     return Launch(function, (-(-threads // MERGE_THREADS),), (MERGE_THREADS,), 0,
-                  (np.int64(n_rows), np.int32(splits)))
+                  (np.int64(n_rows), np.int64(n_q), np.int32(splits)))
 
 
 def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k, v, o, lse,
-                        strides, options: AttentionOptions, sequences: Sequences | None,
-                        splits: int = 1):
-    """Launches a tensor-core forward (one block per `block_q` query rows of a head and key
-    share, the arguments every such kernel takes) and returns the launch."""
+                        strides, options: AttentionOptions, grid: tuple, splits: int,
+                        sequences: Sequences | None):
+    """Launches a tensor-core forward over `grid` (``(blocks, table arguments)``: a block
+    per `block_q` query rows of a head, `splits` key shares each) with the arguments every
+    such kernel takes, and returns the launch."""
     batch, n_q_heads, n_q, _ = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     q_strides, k_strides, v_strides = strides
-    blocks, tables = tile_grid(n_q_heads, n_q, block_q, batch, sequences)
+    blocks, tables = grid
     launch = Launch(function, (blocks, splits) if splits > 1 else (blocks,), (threads,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
                      *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32), *tables))
     if splits > 1:
         n_rows = batch * n_q_heads * n_q
-        launch = SplitKeysLaunch(launch, _merge_launch(q.dtype, value_dim, n_rows, splits),
-                                 splits * n_rows * value_dim, splits * n_rows)
+        launch = SplitKeysLaunch(launch, _merge_launch(q.dtype, value_dim, n_rows, n_q, splits),
+                                 splits * n_rows * value_dim, splits * n_rows,
+                                 unwritten_rows=sequences is not None)
     launch(q, k, v, o, lse)
     return launch
 
 
 def _forward_on_tensor_cores(source: str, entry: str, family_defines: tuple, step: int,
                              arch: str | None, q, k, v, o, lse, options: AttentionOptions,
-                             tiles, sequences: Sequences | None, splits: int) -> tuple:
+                             tiles, sequences: Sequences | None, splits) -> tuple:
     """A tensor-core forward of `tiles` (widths padded to `step`), the arrays read in place
-    with the widest copies their rows allow, the keys cut into `splits` shares:
-    ``(launch, copy bytes)``."""
+    with the widest copies their rows allow, the keys cut into `splits` shares (or as many
+    as ``splits(blocks)`` says for the grid's blocks): ``(launch, copy bytes)``."""
     (q, k, v), strides, copy_bytes = tensor_core_operands(q, k, v)
+    grid = tile_grid(q.shape[1], q.shape[2], tiles.block_q, q.shape[0], sequences)
+    if callable(splits):
+        splits = splits(grid[0])
     defines = family_defines + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
     if sequences is not None:
         defines += sequences.defines()
@@ -100,7 +112,7 @@ def _forward_on_tensor_cores(source: str, entry: str, family_defines: tuple, ste
     shared = tiles.shared_bytes(Widths.padded(q.shape[3], v.shape[3], step))
     function = _compile.kernel(source, entry, tuple(sorted(defines)), shared, arch=arch)
     return _launch_tensor_core(function, shared, tiles.block_q, tiles.threads, q, k, v, o, lse,
-                               strides, options, sequences, splits), copy_bytes
+                               strides, options, grid, splits, sequences), copy_bytes
 
 
 def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles,
@@ -260,10 +272,26 @@ def choose(q, k, v, options: AttentionOptions, sequences: Sequences | None = Non
 
 
 def _run(choice: Choice, q, k, v, o, lse, options: AttentionOptions,
-         sequences: Sequences | None = None) -> tuple:
-    """Runs `choice`'s launcher: ``(launch, alignment)``."""
-    extra = {} if choice.key_splits == 1 else {"splits": choice.key_splits}
+         sequences: Sequences | None = None, splits=None) -> tuple:
+    """Runs `choice`'s launcher (with `splits` key shares, or a rule giving them for the
+    grid's blocks, in place of the choice's): ``(launch, alignment)``."""
+    splits = choice.key_splits if splits is None else splits
+    extra = {} if splits == 1 else {"splits": splits}
     return _LAUNCHERS[choice.family](q, k, v, o, lse, options, choice.tiles, sequences, **extra)
+
+
+def _varlen_shares(choice: Choice, q, options: AttentionOptions, sequences: Sequences):
+    """The key shares of a variable-length forward, as a rule of its tile table's blocks
+    (`tiles.key_shares`, as for a dense grid, the longest sequence's keys and window
+    bounding a share's), or 1 where the family does not split or tile sizes are named."""
+    if (choice.family not in ("wgmma", "mma", "tf32") or options.block_q is not None
+            or options.block_k is not None):
+        return 1
+    keys = sequences.max_keys
+    if options.window_left != UNLIMITED and options.window_right != UNLIMITED:
+        keys = min(keys, sequences.max_rows + options.window_left + options.window_right)
+    resident = sm_count(q.device.id) * getattr(choice.tiles, "blocks_per_sm", 1)
+    return lambda blocks: key_shares(blocks, resident, keys, choice.tiles.block_k)
 
 
 def _outputs(q, v, out=None, lse_out=None):
@@ -329,10 +357,11 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     choice = _within_pages(choose(q, k, v, options, sequences), sequences,
                            max(q.shape[3], v.shape[3]), keep_rows)
     fills = choice.family != "decode" and not sequences.covers_every_row
-    if fills:
+    if fills:  # (a split launch's merge writes every row anyway)
         o.fill(0)
         lse.fill(-np.inf)
-    launch, alignment = _run(choice, q, k, v, o, lse, options, sequences)
+    launch, alignment = _run(choice, q, k, v, o, lse, options, sequences,
+                             _varlen_shares(choice, q, options, sequences))
     if sequences.dense_grid:
         remember(key, (sequences.device_tables, launch, fills), alignment, q, k, v)
     return o, lse

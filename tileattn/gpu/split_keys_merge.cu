@@ -1,9 +1,11 @@
-// The merge of a split-KV forward (forward_softmax.cuh, SPLIT_KEYS): a prefill grid of few
-// query tiles whose key tiles were cut into n_splits shares, each share's O normalised by
-// its own sum with its lse. For each output row, with m the largest share lse and
-// w_s = exp(lse_s - m): o = sum_s w_s o_s / sum_s w_s, lse = m + log(sum_s w_s). No share
-// keeps a key: o = 0, lse = -inf. A NaN share lse is passed over by fmaxf and then makes
-// the sum NaN, so NaN reaches o and lse.
+// The merge of a split-KV forward (common.cuh, SPLIT_KEYS): a prefill grid of few query
+// tiles whose key tiles were cut into n_splits shares, each share's O normalised by its own
+// sum with its lse, partials laid out [out head][share][n_q rows]. For each output row, with
+// m the largest share lse and w_s = exp(lse_s - m): o = sum_s w_s o_s / sum_s w_s,
+// lse = m + log(sum_s w_s). A share of lse -inf (it kept no key, or, in a variable-length
+// call whose launcher filled the lse partials with -inf, never wrote the row) adds nothing,
+// whatever its o partial holds; no share at all: o = 0, lse = -inf. A NaN share lse is
+// passed over by fmaxf and then makes the sum NaN, so NaN reaches o and lse.
 //
 // The shares are few (a handful, tiles.FORWARD_MAX_SPLITS at most) and the rows many, so a
 // thread takes kColumns adjacent columns of one row and loops over the shares: the partials
@@ -18,18 +20,23 @@ constexpr int kPieces = (VALUE_DIM + kColumns - 1) / kColumns;  // a row's threa
 
 extern "C" __global__ void __launch_bounds__(256) split_keys_merge(
     const float* partial_o, const float* partial_lse, STORAGE* o, float* lse, i64 n_rows,
-    int n_splits) {
+    i64 n_q, int n_splits) {
     const i64 index = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
     const i64 row = index / kPieces;
     const int first = static_cast<int>(index % kPieces) * kColumns;
     if (row >= n_rows) return;
+    // Share s of this row: partial row (head * n_splits + s) * n_q + row % n_q.
+    const i64 share0 = row / n_q * n_splits * n_q + row % n_q;
     float largest = negative_infinity<float>();
-    for (int s = 0; s < n_splits; ++s) largest = fmaxf(largest, partial_lse[s * n_rows + row]);
+    for (int s = 0; s < n_splits; ++s)
+        largest = fmaxf(largest, partial_lse[share0 + s * n_q]);
     const float safe_max = largest == negative_infinity<float>() ? 0.0f : largest;
     float total = 0.0f, sum[kColumns] = {};
     for (int s = 0; s < n_splits; ++s) {
-        const float weight = expf(partial_lse[s * n_rows + row] - safe_max);
-        const float* part = partial_o + (s * n_rows + row) * VALUE_DIM + first;
+        const float share_lse = partial_lse[share0 + s * n_q];
+        if (share_lse == negative_infinity<float>()) continue;
+        const float weight = expf(share_lse - safe_max);
+        const float* part = partial_o + (share0 + s * n_q) * VALUE_DIM + first;
         total += weight;
 #pragma unroll
         for (int c = 0; c < kColumns; ++c)
