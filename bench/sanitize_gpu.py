@@ -1,9 +1,9 @@
 """A small, representative workload for compute-sanitizer: every kernel of the GPU backend.
 
     compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only | --varlen-only
-                                                                     | --redo-only]
+                                                                     | --redo-only | --split-only]
     compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only | --varlen-only
-                                                                     | --redo-only]
+                                                                     | --redo-only | --split-only]
 
 Sizes are small (the sanitizer slows kernels down a hundredfold) but ragged, so every
 kernel sees partial tiles, fully masked rows, GQA and each option switch. Each case is also
@@ -66,6 +66,8 @@ def main() -> int:
         return varlen_cases(rng)
     if "--redo-only" in sys.argv[1:]:
         return redo_cases(rng)
+    if "--split-only" in sys.argv[1:]:
+        return split_cases(rng)
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
         options = dict(options)
         deterministic = options.pop("deterministic", True)
@@ -144,7 +146,61 @@ def main() -> int:
             print(f"ok float16 D={head_dim} {name} single-pass backward (dQ added in arrival order)")
     decode_cases(rng)
     redo_cases(rng)
+    split_cases(rng)
     return varlen_cases(rng)
+
+
+def split_cases(rng) -> int:
+    """Split-KV prefill (SPLIT_KEYS) with forced shares, more than some tiles have key tiles
+    (empty shares): the forward and the dQ kernel of each tensor-core family, and a paged
+    forward whose rule is forced to cut (partials of rows no sequence owns)."""
+    for dtype, family in (("float16", "wgmma"), ("float16", "mma"), ("float32", "tf32")):
+        if family == "wgmma" and cupy.cuda.Device().compute_capability != "90":
+            continue
+        q, do = (rng.standard_normal((1, 4, 70, 64)).astype(dtype) for _ in range(2))
+        k, v = (rng.standard_normal((1, 2, 300, 64)).astype(dtype) for _ in range(2))
+        options = dict(causal=True, window=(200, None), softcap=4.0)
+        resolved = _resolved(q, k, v, options)
+        device = [cupy.asarray(a) for a in (do, q, k, v)]
+        problem = problem_of(*device[1:], resolved)
+        forward, backward = tiles.choose_forward(problem), tiles.choose_backward(problem)
+        if family != "wgmma":  # the family's first table row for these dims
+            table = (tiles.MMA_FORWARD, tiles.MMA_BACKWARD) if family == "mma" else (
+                tiles.TF32_FORWARD, tiles.TF32_BACKWARD)
+            widths = tiles.Widths.of(problem, 8 if family == "tf32" else 16)
+            forward, backward = (tiles.Choice(family, next(
+                r.tiles for r in rows if r.when.matches(problem, widths))) for rows in table)
+        o, lse = launch_forward.run(tiles.Choice(family, forward.tiles, key_splits=5),
+                                    *device[1:], resolved)
+        grads = launch_backward.run(tiles.Choice(family, backward.tiles, key_splits=5),
+                                    *device, o, lse, resolved)
+        cupy.cuda.Device().synchronize()
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True, **options)
+        assert_attention_close(o.get(), golden_o, q.dtype, name="o")
+        golden = _golden_grads(do, q, k, v, o, golden_lse, **options)
+        for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
+            assert_attention_close(grad.get(), want, q.dtype, name=name)
+        print(f"ok {dtype} {family} forward and dQ in 5 key shares")
+    rule = launch_forward.key_shares
+    launch_forward.key_shares = lambda *_: 3
+    try:
+        q = rng.standard_normal((2, 2, 40, 64)).astype(np.float16)
+        k, v = (rng.standard_normal((8, 2, 16, 64)).astype(np.float16) for _ in range(2))
+        table = np.array([[3, 0, 5, -1], [7, 2, -1, -1]], np.int32)
+        lengths = dict(seqlens_q=np.array([40, 9]), seqlens_k=np.array([44, 20]))
+        o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu",
+                                  return_lse=True, causal=True, block_table=table, **lengths)
+        golden_o, golden_lse = tileattn.forward(q.astype(np.float64), k.astype(np.float64),
+                                                v.astype(np.float64), backend="reference",
+                                                return_lse=True, causal=True,
+                                                block_table=table, **lengths)
+        assert_attention_close(o.get(), golden_o, np.dtype(np.float16), name="o")
+        assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+        print("ok float16 paged forward in 3 key shares")
+    finally:
+        launch_forward.key_shares = rule
+    return 0
 
 
 def redo_cases(rng) -> int:
