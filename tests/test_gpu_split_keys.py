@@ -97,17 +97,20 @@ def _dtypes_of(family):
     return [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() is not None else [])
 
 
-def _table_choice(family, q, k, v, options):
-    """The family's table row for this problem, with the grid unknown (no splits)."""
+def _table_choice(family, q, k, v, options, backward=False):
+    """The family's table row for this problem (forward, or with `backward` the backward),
+    the grid unknown (no splits): wgmma's on an sm_90 GPU, the mma.sync and 3xTF32 rows
+    whatever the device."""
     problem = problem_of(*map(cupy.asarray, (q, k, v)), _resolved(q, k, v, options))
     if family == "wgmma":
         if cupy.cuda.Device().compute_capability != "90":
-            pytest.skip("the wgmma forward needs an sm_90 GPU")
-        choice = tiles.choose_forward(problem)
-    else:  # the mma.sync and 3xTF32 rows, whatever the device
-        table = tiles.MMA_FORWARD if family == "mma" else tiles.TF32_FORWARD
+            pytest.skip("the wgmma kernels need an sm_90 GPU")
+        choice = (tiles.choose_backward if backward else tiles.choose_forward)(problem)
+    else:
+        table = {("mma", False): tiles.MMA_FORWARD, ("tf32", False): tiles.TF32_FORWARD,
+                 ("mma", True): tiles.MMA_BACKWARD, ("tf32", True): tiles.TF32_BACKWARD}
         widths = tiles.Widths.of(problem, 8 if family == "tf32" else 16)
-        row = next(r for r in table if r.when.matches(problem, widths))
+        row = next(r for r in table[family, backward] if r.when.matches(problem, widths))
         choice = Choice(family, row.tiles, row.note)
     assert choice.family == family
     return choice
@@ -123,16 +126,27 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
-@pytest.mark.parametrize("family", ["wgmma", "mma", "tf32"])
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(sorted(o)) or "plain")
-@pytest.mark.parametrize("splits", [2, 5])
-@pytest.mark.parametrize(("n_q", "n_k", "head_dim", "value_dim", "kv_heads"), [
-    (100, 1000, 64, 64, 4),  # a partial query tile, GQA-free
-    (70, 777, 128, 96, 2),  # Dv != D, GQA 4/2, keys not a multiple of any tile
-    (200, 130, 40, 40, 1),  # more queries than keys (bottom-right: the first rows keep none)
-])
+def forced_cases(test):
+    """On a GPU, for every family, option set, share count (2, or 5: more than some tiles
+    have key tiles) and shape."""
+    shapes = [
+        (100, 1000, 64, 64, 4),  # a partial query tile, GQA 4/4
+        (70, 777, 128, 96, 2),  # Dv != D, GQA 4/2, keys not a multiple of any tile
+        (200, 130, 40, 40, 1),  # more queries than keys (bottom-right: the first rows keep none)
+    ]
+    for mark in (pytest.mark.parametrize(("n_q", "n_k", "head_dim", "value_dim", "kv_heads"),
+                                         shapes),
+                 pytest.mark.parametrize("splits", [2, 5]),
+                 pytest.mark.parametrize("options", OPTIONS,
+                                         ids=lambda o: "-".join(sorted(o)) or "plain"),
+                 pytest.mark.parametrize("family", ["wgmma", "mma", "tf32"]),
+                 pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING)),
+                 pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@forced_cases
 def test_forced_shares_match_the_golden_model(family, options, splits, n_q, n_k, head_dim,
                                               value_dim, kv_heads):
     for dtype in _dtypes_of(family):
@@ -184,31 +198,7 @@ def _golden_grads(do, q, k, v, o, lse, **options):
     return tileattn.backward(*as64, lse, backend="reference", **options)
 
 
-def _backward_choice(family, q, k, v, options):
-    problem = problem_of(*map(cupy.asarray, (q, k, v)), _resolved(q, k, v, options))
-    if family == "wgmma":
-        if cupy.cuda.Device().compute_capability != "90":
-            pytest.skip("the wgmma backward needs an sm_90 GPU")
-        choice = tiles.choose_backward(problem)
-    else:
-        table = tiles.MMA_BACKWARD if family == "mma" else tiles.TF32_BACKWARD
-        widths = tiles.Widths.of(problem, 8 if family == "tf32" else 16)
-        row = next(r for r in table if r.when.matches(problem, widths))
-        choice = Choice(family, row.tiles, row.note)
-    assert choice.family == family
-    return choice
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
-@pytest.mark.parametrize("family", ["wgmma", "mma", "tf32"])
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(sorted(o)) or "plain")
-@pytest.mark.parametrize("splits", [2, 5])
-@pytest.mark.parametrize(("n_q", "n_k", "head_dim", "value_dim", "kv_heads"), [
-    (100, 1000, 64, 64, 4),
-    (70, 777, 128, 96, 2),
-    (200, 130, 40, 40, 1),
-])
+@forced_cases
 def test_forced_dq_shares_match_the_golden_model(family, options, splits, n_q, n_k,
                                                  head_dim, value_dim, kv_heads):
     """The dQ kernel over forced key shares (dK and dV as ever) against the golden
@@ -221,7 +211,7 @@ def test_forced_dq_shares_match_the_golden_model(family, options, splits, n_q, n
         do = np.random.default_rng(1).standard_normal((2, 4, n_q, value_dim)).astype(dtype)
         golden_o, golden_lse = _golden(q, k, v, **options)
         given_o = golden_o.astype(dtype)
-        choice = _backward_choice(family, q, k, v, options)
+        choice = _table_choice(family, q, k, v, options, backward=True)
         forced = Choice(family, choice.tiles, choice.note, key_splits=splits)
         grads = launch_backward.run(forced, *map(cupy.asarray, (do, q, k, v, given_o)),
                                     cupy.asarray(golden_lse.astype(np.float32)),

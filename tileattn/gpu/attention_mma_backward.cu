@@ -485,13 +485,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const element* v_head = v + batch * v_sb + kv_head * v_sh + owned.key_base * v_sn;
     // The sequence's row 0 of this head in dq, lse and D.
     const i64 head_row0 = owned.out_head * n_q_total + owned.row_base;
-    // dq, or under SPLIT_KEYS this share's float32 part (common.cuh), found where stored.
     static_assert(!(SPLIT_KEYS && VARLEN), "dQ's shares run dense grids only");
-    using Out = typename SplitOutput<SPLIT_KEYS, element>::type;
-    const auto dq_rows = [&] {
-        return reinterpret_cast<Out*>(dq) +
-               (split_head_row0(owned.out_head, n_q_total) + owned.row_base) * HEAD_DIM;
-    };
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
     const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
@@ -504,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     split_key_tiles(&tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share): dq = 0
         for (i64 i = threadIdx.x; i < (row_stop - row_start) * HEAD_DIM; i += kThreads)
-            dq_rows()[row_start * HEAD_DIM + i] = 0;
+            sequence_rows<HEAD_DIM>(dq, owned, n_q_total)[row_start * HEAD_DIM + i] = 0;
         return;
     }
 
@@ -574,7 +568,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         }
         accumulate_product(s, k_tile, dq_acc);
     });
-    store_rows<HEAD_DIM>(dq_acc, scale, dq_rows(), row_start + warp * 16, n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale, sequence_rows<HEAD_DIM>(dq, owned, n_q_total),
+                         row_start + warp * 16, n_q);
 }
 
 // ------------------------------------------------------------------ dK, dV

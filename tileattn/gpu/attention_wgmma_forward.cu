@@ -86,16 +86,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                                             owned.key_base, tables);
     const KeyRows<bits16> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
                                             owned.key_base, tables);
-    // The sequence's row 0 of this head in o and lse, or under SPLIT_KEYS in this share's
-    // float32 partials (common.cuh); found where stored: the key loop keeps no pointer live.
-    using Out = typename SplitOutput<SPLIT_KEYS, bits16>::type;
-    const auto o_rows = [&] {
-        return reinterpret_cast<Out*>(o) +
-               (split_head_row0(owned.out_head, n_q_total) + owned.row_base) * VALUE_DIM;
-    };
-    const auto lse_rows = [&] {
-        return lse + split_head_row0(owned.out_head, n_q_total) + owned.row_base;
-    };
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
     const ForwardScores scores =
@@ -113,7 +103,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                                             &tile_begin, &tile_end);
     split_key_tiles(&tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share)
-        store_empty_rows<VALUE_DIM, kThreads>(o_rows(), lse_rows(), row_start, row_stop);
+        store_empty_rows<VALUE_DIM, kThreads>(sequence_rows<VALUE_DIM>(o, owned, n_q_total),
+                                              sequence_rows<1>(lse, owned, n_q_total),
+                                              row_start, row_stop);
         return;
     }
 
@@ -261,6 +253,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         wgmma_pin(o_acc[0]);
     }
 
-    store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows, o_rows(), lse_rows(), n_q,
-                                 dropout_scale);
+    store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows,
+                                 sequence_rows<VALUE_DIM>(o, owned, n_q_total),
+                                 sequence_rows<1>(lse, owned, n_q_total), n_q, dropout_scale);
 }

@@ -99,6 +99,17 @@ __device__ __forceinline__ QueryBlock query_block(int block_rows, i64 n_q, i64 n
     return block;
 }
 
+// Row 0 of a query block's sequence, in its head, of an output of `Width` columns a row:
+// in `out` itself, or under SPLIT_KEYS in this share's float32 partials (common.cuh).
+// Kernels call it where they store, so the key loop keeps no output pointer live.
+template <int Width, typename T>
+__device__ __forceinline__ typename SplitOutput<SPLIT_KEYS, T>::type* sequence_rows(
+    T* out, const QueryBlock& block, i64 n_q_total) {
+    using Out = typename SplitOutput<SPLIT_KEYS, T>::type;
+    return reinterpret_cast<Out*>(out) +
+           (split_head_row0(block.out_head, n_q_total) + block.row_base) * Width;
+}
+
 // A dense tile table (tileattn/gpu/varlen.py: Sequences.dense_grid, a forward whose
 // lengths stay on the device) lists every tile of the padded row axis: a tile at or past
 // its sequence's rows has nothing to do. Host-built tables never list one.
