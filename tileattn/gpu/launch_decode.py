@@ -27,7 +27,9 @@ MERGE_THREADS = 256  # attention_decode_merge's __launch_bounds__ (8 warps)
 MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 
 
-@lru_cache(maxsize=None)
+# Bounded: options hash by identity, and a call whose options are validated anew (a new
+# dropout seed every step) brings a new object each time.
+@lru_cache(maxsize=256)
 def band_keys(options: AttentionOptions, n_q: int, n_k: int) -> int:
     """How many keys some query row of [0, n_q) keeps (the kernel's key_tile_range)."""
     offset = options.band_offset(n_q, n_k)
