@@ -141,6 +141,43 @@ def test_small_problems_run_on_one_thread_and_large_ones_on_every_allowed_thread
         numba.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("n_q", [1, 96], ids=["decode", "tiled"])
+def test_repeated_calls_reuse_their_plan_and_follow_the_thread_count(monkeypatch, n_q):
+    """A repeated dense call takes the plan its first call made (the same validated options
+    object, shapes and thread count), gives the same bits, and a call after
+    numba.set_num_threads plans anew; other options never share a plan."""
+    import numba
+
+    from tileattn.cpu import threads
+
+    q, k, v = _inputs((2, 4, n_q, 32), (2, 2, 300, 32), (2, 2, 300, 16), seed=n_q)
+    cpu._FORWARD_PLANS.clear()
+    first = tileattn.forward(q, k, v, causal=True, backend="cpu", return_lse=True)
+    assert len(cpu._FORWARD_PLANS) == 1
+    (plan,) = cpu._FORWARD_PLANS.values()
+    assert (plan.decode is not None) == (n_q == 1)
+    planned, original = [], cpu._forward_plan
+    monkeypatch.setattr(cpu, "_forward_plan", lambda *a: planned.append(a) or original(*a))
+    again = tileattn.forward(q, k, v, causal=True, backend="cpu", return_lse=True)
+    assert not planned and len(cpu._FORWARD_PLANS) == 1
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+    other = tileattn.forward(q, k, v, window=(50, 0), backend="cpu", return_lse=True)
+    assert len(planned) == 1 and len(cpu._FORWARD_PLANS) == 2
+    assert not np.array_equal(other[0], first[0])
+    golden = _golden(q, k, v, window=(50, 0))
+    assert_attention_close(other[0], golden[0], np.float32)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        monkeypatch.setattr(threads, "FLOPS_PER_THREAD", 1.0)  # every call would want more
+        tileattn.forward(q, k, v, causal=True, backend="cpu")
+        assert len(planned) == 2
+        assert all(p.n_workers == 1 for key, p in cpu._FORWARD_PLANS.items() if key[-1] == 1)
+    finally:
+        numba.set_num_threads(previous)
+
+
 def test_run_gives_every_task_to_exactly_one_thread_and_reraises_errors():
     from tileattn.cpu import threads
 

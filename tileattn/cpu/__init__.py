@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -249,33 +250,76 @@ def _paging(shape: Sequences):
     return shape.block_table, shape.page_size, shape.slots_outer
 
 
-def _forward(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences):
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """What a forward derives from its shapes and options before any kernel runs: the
+    sequences, the kernels' option arguments, the decode path's sizing where it takes the
+    call, else the tiled kernel's thread count, tiles and task list."""
+
+    shape: Sequences
+    scalars: tuple
+    decode: decode.DecodePlan | None = None
+    n_workers: int = 1
+    blocks: Blocks | None = None
+    tiles: np.ndarray | None = None
+
+
+# Dense forwards per signature: the validated options object (hashed by identity; the
+# problem cache hands the same one back for a repeated call), the arrays' shapes, the
+# compute dtype and Numba's thread count. A decode step or a small call then skips the
+# planning, ~10 us of Python a call (bench/NOTES-cpu.md, session 12). Calls with new
+# options every time (a dropout seed per step) only cycle the cache.
+_FORWARD_PLANS: dict = {}
+_FORWARD_PLAN_LIMIT = 64
+
+
+def _forward_plan(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences) -> _ForwardPlan:
+    n_q_heads, n_q = q_c.shape[1], q_c.shape[2]
+    scalars = _option_scalars(options, len(shape.descriptors), n_q_heads)
+    if decode.takes(n_q, shape.max_keys, n_q_heads // shape.kv_heads(k_c)):
+        return _ForwardPlan(shape, scalars, decode.plan(q_c, k_c, v_c, options, shape))
+    n_threads = threads.threads_for(_flops(q_c, v_c, shape.pairs(options)))
+    blocks = _blocks("forward", q_c, v_c, options, n_threads, shape)
+    tiles = shape.tiles(blocks.block_q, options)
+    return _ForwardPlan(shape, scalars, None, min(n_threads, n_q_heads * len(tiles)), blocks,
+                        tiles)
+
+
+def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan):
     """Forward over prepared (compute-dtype, read-only, contiguous) arrays."""
     from .forward_kernel import forward_kernel
 
+    shape = plan.shape
+    if plan.decode is not None:
+        return decode.forward(q_c, k_c, v_c, options, plan.scalars, _kernel_lock, shape,
+                              sizing=plan.decode)
     batch, n_q_heads, n_q, _ = q_c.shape
-    scalars = _option_scalars(options, len(shape.descriptors), n_q_heads)
-    if decode.takes(n_q, shape.max_keys, n_q_heads // shape.kv_heads(k_c)):
-        return decode.forward(q_c, k_c, v_c, options, scalars, _kernel_lock, shape)
     # Rows of no sequence (padding) are never written by the kernel: o 0, lse -inf (SPEC).
     allocate = (np.zeros, lambda shape_, dtype: np.full(shape_, -np.inf, dtype)) \
         if shape.varlen else (np.empty, np.empty)
     out = allocate[0]((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
     lse = allocate[1]((batch, n_q_heads, n_q), q_c.dtype)
-    n_threads = threads.threads_for(_flops(q_c, v_c, shape.pairs(options)))
-    blocks = _blocks("forward", q_c, v_c, options, n_threads, shape)
-    tiles = shape.tiles(blocks.block_q, options)
     with _kernel_lock, blas.single_threaded():
-        threads.run(forward_kernel, min(n_threads, n_q_heads * len(tiles)),
-                    q_c, k_c, v_c, out, lse, shape.descriptors, tiles, *_paging(shape),
-                    *scalars, blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
+        threads.run(forward_kernel, plan.n_workers, q_c, k_c, v_c, out, lse, shape.descriptors,
+                    plan.tiles, *_paging(shape), *plan.scalars, plan.blocks.block_q,
+                    plan.blocks.block_k, BOUNDARY_SLICE_ROWS)
     return out, lse
 
 
 def forward(q, k, v, options: AttentionOptions):
     dtype = _compute_dtype(q.dtype)
-    shape = Sequences(q, k, options)
-    out, lse = _forward(_read_only(q, dtype), *shape.pools(k, v, dtype), options, shape)
+    key = ((options, q.shape, k.shape, v.shape, dtype, numba.get_num_threads())
+           if options.varlen is None else None)
+    plan = _FORWARD_PLANS.get(key) if key is not None else None
+    shape = Sequences(q, k, options) if plan is None else plan.shape
+    q_c, (k_c, v_c) = _read_only(q, dtype), shape.pools(k, v, dtype)
+    if plan is None:
+        plan = _forward_plan(q_c, k_c, v_c, options, shape)
+        if key is not None:
+            if len(_FORWARD_PLANS) >= _FORWARD_PLAN_LIMIT:
+                _FORWARD_PLANS.clear()
+            _FORWARD_PLANS[key] = plan
+    out, lse = _forward(q_c, k_c, v_c, options, plan)
     return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
 
 

@@ -4,6 +4,7 @@ splits they get."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,16 +65,24 @@ def _key_spans(descriptors, options):
     return np.where(rows > 0, np.maximum(stop - start, 0), 0)
 
 
-def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
-    """``(out, lse)`` for prepared (compute-dtype, read-only, contiguous) arrays.
+@dataclass(frozen=True)
+class DecodePlan:
+    """A decode call's sizing, from its shapes and options alone: `n_workers` threads over
+    `n_splits` key splits of `split_size` keys, key tiles of `block_k`, and whether BLAS is
+    held at one thread (more packed rows than the kernel's plain-loop products take)."""
 
-    `scalars` are the kernels' option arguments (`tileattn.cpu._option_scalars`), `lock`
-    the backend's kernel lock, `shape` the call's `tileattn.cpu.Sequences`. `n_splits`
-    (private, for tests) forces the split count.
-    """
-    from .decode_kernel import MAX_LOOP_ROWS, decode_kernel, merge_kernel
+    n_workers: int
+    n_splits: int
+    split_size: int
+    block_k: int
+    limits_blas: bool
 
-    batch, n_q_heads, n_q, head_dim = q_c.shape
+
+def plan(q_c, k_c, v_c, options, shape, n_splits=None) -> DecodePlan:
+    """The sizing of a decode call over prepared arrays (`forward` says what they are)."""
+    from .decode_kernel import MAX_LOOP_ROWS
+
+    n_q_heads, n_q, head_dim = q_c.shape[1], q_c.shape[2], q_c.shape[3]
     value_dim = v_c.shape[3]
     n_kv_heads = shape.kv_heads(k_c)
     descriptors = shape.descriptors
@@ -93,8 +102,28 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
     n_tasks_per_split = len(descriptors) * n_kv_heads
     if n_splits is None:
         n_splits = split_count(n_tasks_per_split, longest, block_k, n_threads)
-    split_size = max(1, -(-longest // n_splits))
+    # Up to MAX_LOOP_ROWS packed rows the kernel's products are plain loops and call no BLAS:
+    # nothing to hold at one thread (asking and setting SciPy's BLAS cost ~8 us a call).
+    return DecodePlan(min(n_threads, n_splits * n_tasks_per_split), n_splits,
+                      max(1, -(-longest // n_splits)), block_k,
+                      n_q_heads // n_kv_heads * n_q > MAX_LOOP_ROWS)
+
+
+def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None, sizing=None):
+    """``(out, lse)`` for prepared (compute-dtype, read-only, contiguous) arrays.
+
+    `scalars` are the kernels' option arguments (`tileattn.cpu._option_scalars`), `lock`
+    the backend's kernel lock, `shape` the call's `tileattn.cpu.Sequences`, `sizing` its
+    `DecodePlan` where the caller kept one. `n_splits` (private, for tests) forces the
+    split count.
+    """
+    from .decode_kernel import decode_kernel, merge_kernel
+
+    sizing = sizing or plan(q_c, k_c, v_c, options, shape, n_splits)
+    batch, n_q_heads, n_q, _ = q_c.shape
+    value_dim = v_c.shape[3]
     dtype = q_c.dtype
+    n_splits = sizing.n_splits
     # Rows of no sequence (padding) get no partial state from the kernel: give them an
     # empty one, which the merge turns into o = 0, lse = -inf (SPEC).
     partial_acc = (np.zeros if shape.varlen else np.empty)(
@@ -105,14 +134,10 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None):
                                                            dtype)
     out = np.empty((batch, n_q_heads, n_q, value_dim), dtype)
     lse = np.empty((batch, n_q_heads, n_q), dtype)
-    # Up to MAX_LOOP_ROWS packed rows the kernel's products are plain loops and call no BLAS:
-    # nothing to hold at one thread (asking and setting SciPy's BLAS cost ~8 us a call).
-    group_rows = n_q_heads // n_kv_heads * n_q
-    limit = blas.single_threaded() if group_rows > MAX_LOOP_ROWS else contextlib.nullcontext()
+    limit = blas.single_threaded() if sizing.limits_blas else contextlib.nullcontext()
     with lock, limit:
-        threads.run(decode_kernel, min(n_threads, n_splits * n_tasks_per_split), q_c, k_c,
-                    v_c, partial_acc, partial_max, partial_sum, descriptors,
-                    shape.block_table, shape.page_size, shape.slots_outer, *scalars, block_k,
-                    split_size)
+        threads.run(decode_kernel, sizing.n_workers, q_c, k_c, v_c, partial_acc, partial_max,
+                    partial_sum, shape.descriptors, shape.block_table, shape.page_size,
+                    shape.slots_outer, *scalars, sizing.block_k, sizing.split_size)
         merge_kernel(partial_acc, partial_max, partial_sum, out, lse)
     return out, lse
