@@ -208,8 +208,8 @@ def test_decode_leaves_prefill_shapes_alone():
 def test_more_rows_decode_on_tensor_cores_only_where_prefill_leaves_sms_idle():
     """65-128 packed rows of at most 64 queries a head take the tensor-core decode (in eight
     row warps) where the prefill grid (a block per query head and 128 rows) is under one
-    block an SM; otherwise, in float32, above 128 rows and for MHA beyond 16 queries, the
-    prefill (whose keys split where its grid is small)."""
+    block an SM; otherwise, in float32, above 128 rows and for MHA beyond 16 queries (32 in
+    float32), the prefill (whose keys split where its grid is small)."""
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=8192, **H100)
     few = _decode_shape(n_q=16, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 128 rows
     chosen = tiles.choose_decode(problem, few)
@@ -228,6 +228,9 @@ def test_more_rows_decode_on_tensor_cores_only_where_prefill_leaves_sms_idle():
     mha16 = _decode_shape(n_q=16, n_q_heads=16, n_kv_heads=16, batch=1, n_k=8192)
     assert tiles.choose_decode(problem, mha16) is not None
     wide = Problem(dtype="float32", head_dim=128, value_dim=128, n_k=8192, **H100)
+    for n_q, decodes in ((17, True), (32, True), (33, False), (64, False)):  # float32 MHA
+        mha = _decode_shape(n_q=n_q, n_q_heads=16, n_kv_heads=16, batch=1, n_k=8192)
+        assert (tiles.choose_decode(wide, mha) is not None) == decodes, n_q
     assert tiles.choose_decode(wide, few) is None
     more = _decode_shape(n_q=20, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 160 rows
     assert tiles.choose_decode(problem, more) is None

@@ -705,6 +705,14 @@ DECODE_MMA_ROW_WARPS = 4
 # 8 groups against the split prefill's 0.169, hence at most 128 rows.
 DECODE_MMA_MAX_ROWS = 128
 DECODE_MMA_MANY_ROW_WARPS = 8
+# MHA beyond 16 queries (beyond 32 in float32) runs the tensor-core prefill, which splits
+# the keys as the decode does (forward_key_splits): no group shares the K/V reads, and the
+# prefill's products run on tensor cores. H100 causal, B4 H16 over 8k keys, D128, ms
+# (NOTES-gpu v26): float16 Nq 17 / 33 / 64 decode 0.122 / 0.153 / 0.171, split prefill
+# 0.102 / 0.103 / 0.106 (B1 H32 Nq24 over 32k 0.216 / 0.190); float32 (CUDA-core decode
+# against 3xTF32) Nq 17 0.731 / 0.842 and B1 H32 Nq24 over 32k 1.375 / 1.638, but Nq 33 /
+# 64 1.302 / 0.836 and 1.282 / 0.836.
+DECODE_MHA_FLOAT32_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -876,13 +884,11 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         return None  # cp.async needs sm_80; named tile sizes ask for the tiled forward
     if shape.band_keys < DECODE_MIN_KEYS:
         return None
-    if (shape.group == 1 and shape.rows > DECODE_ROWS[0].max_rows
+    if (shape.group == 1
+            and shape.rows > (DECODE_MHA_FLOAT32_ROWS if problem.dtype == "float32"
+                              else DECODE_ROWS[0].max_rows)
             and choose_forward(problem).family in ("wgmma", "mma", "tf32")):
-        # MHA beyond 16 queries: no group shares the K/V reads, and the tensor-core prefill
-        # splits the keys as the decode does (forward_key_splits). H100 float16 causal,
-        # B4 H16 Nk8k (decode_rows_gpu.py, NOTES-gpu v26): Nq33 0.153 -> 0.103 ms, Nq64
-        # 0.171 -> 0.106.
-        return None
+        return None  # MHA: the split tensor-core prefill (DECODE_MHA_FLOAT32_ROWS says why)
     row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
     prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
     if row is None and (prefill_blocks >= shape.sm_count or shape.n_q > DECODE_ROWS[-1].max_rows
