@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tileattn
 from tileattn import backends
@@ -70,6 +72,33 @@ def test_mma_and_tf32_tiles_count_one_block_an_sm_and_others_never_split():
     assert forward_key_splits(tf32, _shape(33, 128, 8192))[0] == 4
     for family in ("generic", "decode"):
         assert forward_key_splits(Choice(family, None), _shape(1, 64, 10**6)) == (1, None)
+
+
+@given(blocks=st.integers(1, 2000), resident=st.integers(1, 1056),
+       band_keys=st.integers(0, 10**6), block_k=st.sampled_from([16, 32, 64, 128, 256]))
+def test_key_shares_fill_waves_within_their_limits(blocks, resident, band_keys, block_k):
+    """Whatever the grid: 1 share where it fills most of a wave or the keys are too few
+    for two; else at most FORWARD_MAX_SPLITS shares of at least FORWARD_SPLIT_MIN_KEYS keys
+    (and a key tile) each, the fewest whose wave is about as full as any allowed count's."""
+    shares = tiles.key_shares(blocks, resident, band_keys, block_k)
+    assert 1 <= shares <= tiles.FORWARD_MAX_SPLITS
+    if blocks >= tiles.FORWARD_SPLIT_BELOW_WAVES * resident:
+        assert shares == 1
+    if shares > 1:
+        assert band_keys // shares >= tiles.FORWARD_SPLIT_MIN_KEYS
+        assert -(-band_keys // block_k) >= shares
+
+    def fullness(count):
+        waves = blocks * count / resident
+        return waves / -(-waves // 1)
+
+    allowed = range(1, min(tiles.FORWARD_MAX_SPLITS, band_keys // tiles.FORWARD_SPLIT_MIN_KEYS,
+                           -(-band_keys // block_k)) + 1)
+    if shares > 1:
+        best = max(fullness(count) for count in allowed)
+        assert fullness(shares) >= tiles.FORWARD_SPLIT_EFFICIENCY * best
+        assert all(fullness(count) < tiles.FORWARD_SPLIT_EFFICIENCY * best
+                   for count in range(1, shares))
 
 
 # ----------------------------------------------------------------------------- the kernels
