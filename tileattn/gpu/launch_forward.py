@@ -17,8 +17,8 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        element_strides, plan_key, problem_for, remember, score_arguments,
                        shared_memory_limit, sm_count, tensor_core_operands)
 from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
-                    WgmmaTiles, Widths, choose_decode, choose_forward, key_shares,
-                    with_key_splits)
+                    WgmmaTiles, Widths, choose_decode, choose_forward,
+                    forward_resident_blocks, key_shares, with_key_splits)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -26,9 +26,9 @@ WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
 TF32_SOURCE = "attention_tf32_forward.cu"
 GENERIC_SOURCE = "attention_generic.cu"
-MERGE_SOURCE = "split_keys_merge.cu"
-MERGE_THREADS = 256  # split_keys_merge's __launch_bounds__
-MERGE_COLUMNS = 4  # columns of a row a merge thread takes (kColumns)
+SPLIT_MERGE_SOURCE = "split_keys_merge.cu"
+SPLIT_MERGE_THREADS = 256  # split_keys_merge's __launch_bounds__
+SPLIT_MERGE_COLUMNS = 4  # columns of a row a merge thread takes (kColumns)
 GENERIC_THREADS = 256
 # Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
 # more blocks per SM on every CUDA GPU and needs no opt-in; tiles stop shrinking at 16x16
@@ -63,11 +63,11 @@ class SplitKeysLaunch:
 
 def _merge_launch(dtype, value_dim: int, n_rows: int, n_q: int, splits: int) -> Launch:
     """split_keys_merge.cu over `n_rows` rows of o (heads of `n_q`): a thread per
-    MERGE_COLUMNS columns."""
+    SPLIT_MERGE_COLUMNS columns."""
     defines = (("STORAGE", STORAGE[dtype_name(dtype)]), ("VALUE_DIM", value_dim))
-    function = _compile.kernel(MERGE_SOURCE, "split_keys_merge", defines)
-    threads = n_rows * -(-value_dim // MERGE_COLUMNS)
-    return Launch(function, (-(-threads // MERGE_THREADS),), (MERGE_THREADS,), 0,
+    function = _compile.kernel(SPLIT_MERGE_SOURCE, "split_keys_merge", defines)
+    threads = n_rows * -(-value_dim // SPLIT_MERGE_COLUMNS)
+    return Launch(function, (-(-threads // SPLIT_MERGE_THREADS),), (SPLIT_MERGE_THREADS,), 0,
                   (np.int64(n_rows), np.int64(n_q), np.int32(splits)))
 
 
@@ -290,7 +290,7 @@ def _varlen_shares(choice: Choice, q, options: AttentionOptions, sequences: Sequ
     keys = sequences.max_keys
     if options.window_left != UNLIMITED and options.window_right != UNLIMITED:
         keys = min(keys, sequences.max_rows + options.window_left + options.window_right)
-    resident = sm_count(q.device.id) * getattr(choice.tiles, "blocks_per_sm", 1)
+    resident = forward_resident_blocks(choice.tiles, sm_count(q.device.id))
     return lambda blocks: key_shares(blocks, resident, keys, choice.tiles.block_k)
 
 

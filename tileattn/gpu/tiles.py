@@ -946,6 +946,11 @@ def key_shares(blocks: int, resident: int, band_keys: int, block_k: int) -> int:
     return next(s for s in range(1, most + 1) if fullness(s) >= FORWARD_SPLIT_EFFICIENCY * best)
 
 
+def forward_resident_blocks(tiles, sm_count: int) -> int:
+    """The blocks of a tensor-core forward's tiles that the GPU holds at once."""
+    return sm_count * getattr(tiles, "blocks_per_sm", 1)
+
+
 def forward_key_splits(choice: Choice, shape: DecodeShape) -> tuple[int, str | None]:
     """Into how many key shares a dense tensor-core forward cuts each query tile, and why
     (None where it does not). Not for tile sizes a caller named (the callers check)."""
@@ -953,7 +958,7 @@ def forward_key_splits(choice: Choice, shape: DecodeShape) -> tuple[int, str | N
         return 1, None
     tiles = choice.tiles
     blocks = shape.batch_q_heads * -(-shape.n_q // tiles.block_q)
-    resident = shape.sm_count * getattr(tiles, "blocks_per_sm", 1)
+    resident = forward_resident_blocks(tiles, shape.sm_count)
     splits = key_shares(blocks, resident, shape.band_keys, tiles.block_k)
     if splits == 1:
         return 1, None
