@@ -14,6 +14,7 @@ from . import arrays, backends
 from .reference import lse_dtype
 from .problem_cache import validate_call
 from .validation import Problem, check_backend_name
+from .varlen_validation import VARLEN_KEYWORDS
 
 _CAUSAL_PICTURE = """
     Causal mask, bottom-right aligned (Nq=3, Nk=5; 1 = kept)::
@@ -123,6 +124,41 @@ def run_backward(problem: Problem, backend: str):
         dq, dk, dv = _run(module, "backward", problem)
     _fill_outputs(problem, "backward", (dq, dk, dv))
     return dq, dk, dv
+
+
+_OPTION_DEFAULTS = (("causal", False), ("window", None), ("scale", None), ("softcap", None),
+                    ("alibi_slopes", None), ("dropout_p", 0.0), ("seed", None),
+                    ("block_q", None), ("block_k", None), ("deterministic", True))
+
+
+def replay(function_name: str, arrays: tuple, *, backend="auto", layout="bhsd",
+           check_lengths=True, **keywords):
+    """For an adapter whose calls repeat one problem on new buffers of the same shapes,
+    strides and dtypes (`tileattn.jax`: XLA compiled them): after a `forward` or
+    `backward` call with these arrays and keywords (the output buffers given), a callable
+    ``replay(*addresses) -> bool`` that runs it again on the device addresses of new
+    arrays (inputs, then outputs, in the call's order), skipping validation; it returns
+    False, having run nothing, where the addresses do not suit it. None where the backend
+    cannot replay the call (the host backends; ALiBi, dropout, variable-length calls)."""
+    if any(keywords.pop(name, None) is not None for name in VARLEN_KEYWORDS):
+        return None
+    forward_call = function_name == "forward"
+    outputs = {name: keywords.pop(name, None) for name in _OUTPUT_NAMES[function_name]}
+    # In the order `forward` and `backward` pass them: the same call signature, which the
+    # problem cache then already knows.
+    options = {name: keywords.pop(name, default) for name, default in _OPTION_DEFAULTS}
+    if keywords:
+        raise TypeError(f"replay() got unexpected keyword arguments {sorted(keywords)}")
+    inputs = dict(zip(("q", "k", "v") if forward_call else ("do", "q", "k", "v", "o", "lse"),
+                      arrays))
+    problem = validate_call(inputs.pop("q"), inputs.pop("k"), inputs.pop("v"), **inputs,
+                            **options, layout=layout, outputs=outputs, varlen=None,
+                            check_lengths=check_lengths)
+    module = _resolve_backend(backend, problem.layout.memory)
+    make = getattr(module, "replay", None)
+    if make is None or problem.is_empty:
+        return None
+    return make(function_name, problem.tensors, problem.options)
 
 
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,

@@ -49,11 +49,30 @@ _DLPACK_CPU = 1  # the DLPack device type of host memory
 _OUTPUT_ARGUMENTS = {"forward": ("out", "lse_out"), "backward": ("dq_out", "dk_out", "dv_out")}
 
 
+def _heads_first(layout: str, ndim: int) -> bool:
+    """Whether arrays of this layout and rank are held heads first between the passes: the
+    kernels write (*batch, H, N, D) rows, so with "bshd" the callbacks' results (o and the
+    gradients) are declared in that order, written in place, and handed back as
+    ``swapaxes(-3, -2)`` (`_sequence_first`), which XLA may fold into their consumer
+    instead of a copy. The inputs are read in their own layout."""
+    return layout == "bshd" and ndim >= 3
+
+
+def _heads_first_shape(shape: tuple, heads_first: bool) -> tuple:
+    return shape[:-3] + (shape[-2], shape[-3], shape[-1]) if heads_first else shape
+
+
+def _sequence_first(array, heads_first: bool):
+    """A result held heads first, in the caller's "bshd" layout."""
+    return jnp.swapaxes(array, -3, -2) if heads_first else array
+
+
 def _shapes(q, v, layout):
-    o_shape = q.shape[:-1] + (v.shape[-1],)
-    lse_shape = q.shape[:-1]
-    if layout == "bshd" and q.ndim >= 3:  # lse is (*batch, H, N) in both layouts
-        lse_shape = lse_shape[:-2] + (lse_shape[-1], lse_shape[-2])
+    """The forward callback's results: o (heads first for "bshd", `_heads_first`) and lse,
+    ``(*batch, H, N)`` in both layouts."""
+    heads_first = _heads_first(layout, q.ndim)
+    o_shape = _heads_first_shape(q.shape[:-1] + (v.shape[-1],), heads_first)
+    lse_shape = o_shape[:-1] if q.ndim >= 3 else q.shape[:-1]
     return (jax.ShapeDtypeStruct(o_shape, q.dtype),
             jax.ShapeDtypeStruct(lse_shape, lse_dtype(q.dtype)))
 
@@ -68,7 +87,12 @@ def _with_head_axis(array, n_vmapped: int):
 def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outputs: list):
     """`tileattn.forward` or `backward` on a callback's arrays (NumPy, or CuPy views of XLA's
     buffers), writing the results into `outputs`. The last ``len(options["length_names"])``
-    inputs are the lengths and block table that the call names.
+    inputs are the lengths and block table that the call names. With "bshd" the outputs
+    and the backward's `o` are held heads first (`_heads_first`), seen here as their
+    ``swapaxes(-3, -2)`` views, which tileattn writes and reads in place.
+
+    Returns ``(inputs, keywords)`` of the one dense call it made (for `api.replay`), or
+    None where it made several or passed lengths.
 
     Under `jax.vmap` every array carries the same leading vmapped axes before the shape
     it has without vmap (q's has `base_ndim` axes). tileattn reads them as more batch axes,
@@ -97,9 +121,14 @@ def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outpu
         for index in range(count):
             _call(function_name, options, base_ndim, [a[index] for a in flat[:len(inputs)]],
                   [a[index] for a in flat[len(inputs):]])
-        return
+        return None
     lengths = dict(zip(length_names, inputs[len(inputs) - len(length_names):]))
     inputs = inputs[:len(inputs) - len(length_names)]
+    if _heads_first(options["layout"], base_ndim):
+        outputs = [a.swapaxes(-3, -2) for a in outputs[:-1]] + outputs[-1:] if (
+            function_name == "forward") else [a.swapaxes(-3, -2) for a in outputs]
+        if function_name == "backward":  # do, q, k, v, o, lse: o as the forward held it
+            inputs = inputs[:4] + [inputs[4].swapaxes(-3, -2)] + inputs[5:]
     slopes = options["alibi_slopes"]
     if vmapped and slopes is not None and slopes.ndim > 1:  # (*batch, Hq): per element
         options = dict(options, alibi_slopes=np.broadcast_to(slopes, vmapped + slopes.shape))
@@ -107,20 +136,12 @@ def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outpu
         options = dict(options, layout="bhsd")
         inputs = [_with_head_axis(a, len(vmapped)) for a in inputs]
         outputs = [_with_head_axis(a, len(vmapped)) for a in outputs]
-    names = _OUTPUT_ARGUMENTS[function_name]
-    # XLA's buffers are row-major in the caller's layout; with "bshd" the kernels write
-    # (*batch, H, N, D) rows instead, so those results are copied in (lse is (*batch, H, N)
-    # in both layouts and always written in place).
-    in_place = options["layout"] == "bhsd" or inputs[0].ndim == 2
-    buffers = {name: output for name, output in zip(names, outputs)
-               if in_place or name == "lse_out"}
+    buffers = dict(zip(_OUTPUT_ARGUMENTS[function_name], outputs))
     if function_name == "forward":
-        results = api.forward(*inputs, return_lse=True, **options, **lengths, **buffers)
+        api.forward(*inputs, return_lse=True, **options, **lengths, **buffers)
     else:
-        results = api.backward(*inputs, **options, **lengths, **buffers)
-    for name, output, result in zip(names, outputs, results):
-        if name not in buffers:
-            output[...] = result
+        api.backward(*inputs, **options, **lengths, **buffers)
+    return None if lengths else (inputs, dict(options, **buffers))
 
 
 def _host_callback(function_name, options, base_ndim, result_shapes, *inputs):
@@ -150,23 +171,74 @@ def _host_view(buffer):
     return view
 
 
-def _buffer_callback_body(function_name, options, base_ndim, context, outputs, *inputs):
-    """buffer_callback's body: XLA's buffers, written in place. On a GPU they are viewed as
-    CuPy arrays and tileattn runs on XLA's stream; on the CPU (where XLA may also lower
-    this, for arrays placed there) they are NumPy arrays."""
-    if int(inputs[0].__dlpack_device__()[0]) == _DLPACK_CPU:
-        _call(function_name, options, base_ndim, [np.asarray(b) for b in inputs],
-              [_host_view(b) for b in outputs])
-        return
+class _BufferCallback:
+    """buffer_callback's body for one traced pass: XLA's buffers, written in place. On a
+    GPU they are viewed as CuPy arrays and tileattn runs on XLA's stream; on the CPU
+    (where XLA may also lower this, for arrays placed there) they are NumPy arrays.
+
+    XLA compiled the pass for fixed shapes, strides and dtypes, so on a GPU, once a dense
+    call has run, later calls replay its launches on the new buffers' addresses
+    (`api.replay`): no validation, views or plan lookups, which cost most of a small
+    call's host time (bench/NOTES-gpu.md v27)."""
+
+    def __init__(self, function_name: str, options: dict, base_ndim: int):
+        self._function_name = function_name
+        self._options = options
+        self._base_ndim = base_ndim
+        self._replay = None  # None: not tried yet; False: this pass does not replay
+        self._device = None
+
+    def __call__(self, context, outputs, *inputs):
+        if int(inputs[0].__dlpack_device__()[0]) == _DLPACK_CPU:
+            _call(self._function_name, self._options, self._base_ndim,
+                  [np.asarray(b) for b in inputs], [_host_view(b) for b in outputs])
+            return
+        if self._replay and self._replayed(context, inputs, outputs):
+            return
+        import cupy
+
+        inputs, outputs = [_cupy_view(b) for b in inputs], [_cupy_view(b) for b in outputs]
+        device = inputs[0].device.id
+        # XLA's callback thread may have no CUDA context current, and `Device(device)`
+        # only switches devices when the current one differs: make its context current.
+        cupy.cuda.runtime.setDevice(device)
+        with cupy.cuda.Device(device), _xla_stream(context.stream, device):
+            call = _call(self._function_name, self._options, self._base_ndim, inputs,
+                         outputs)
+            if self._replay is None:
+                self._device = cupy.cuda.Device(device)
+                self._replay = call is not None and (
+                    api.replay(self._function_name, call[0], **call[1]) or False)
+
+    def _replayed(self, context, inputs, outputs) -> bool:
+        from .gpu.operands import NotReplayable
+
+        addresses = [b.__cuda_array_interface__["data"][0] for b in (*inputs, *outputs)]
+        with self._device, _xla_stream(context.stream, self._device.id):
+            try:
+                return self._replay(*addresses)
+            except NotReplayable:
+                self._replay = False
+                return False
+
+
+_XLA_STREAMS: dict = {}
+
+
+def _xla_stream(pointer: int, device: int):
+    """XLA's CUDA stream as a CuPy stream, one object per stream (XLA keeps its streams
+    for the life of the process; a new wrapper a call costs microseconds)."""
     import cupy
 
-    inputs, outputs = [_cupy_view(b) for b in inputs], [_cupy_view(b) for b in outputs]
-    device = inputs[0].device.id
-    # XLA's callback thread may have no CUDA context current, and `Device(device)` only
-    # switches devices when the current one differs: make the device's context current.
-    cupy.cuda.runtime.setDevice(device)
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(context.stream, device):
-        _call(function_name, options, base_ndim, inputs, outputs)
+    stream = _XLA_STREAMS.get((pointer, device))
+    if stream is None:
+        with warnings.catch_warnings():  # CuPy 14 deprecates it for Stream.from_external,
+            warnings.simplefilter("ignore", DeprecationWarning)  # which CuPy 13 lacks
+            stream = cupy.cuda.ExternalStream(pointer, device)
+        if len(_XLA_STREAMS) >= 64:
+            _XLA_STREAMS.clear()
+        _XLA_STREAMS[(pointer, device)] = stream
+    return stream
 
 
 @cache
@@ -192,9 +264,8 @@ def _use_buffers(backend: str) -> bool:
 
 def _run_pass(function_name, options, base_ndim, result_shapes, *arrays):
     if _use_buffers(options["backend"]):
-        run = _buffer_callback(
-            partial(_buffer_callback_body, function_name, options, base_ndim), result_shapes,
-            vmap_method="broadcast_all")
+        run = _buffer_callback(_BufferCallback(function_name, options, base_ndim),
+                               result_shapes, vmap_method="broadcast_all")
         return tuple(run(*arrays))
     return jax.pure_callback(
         partial(_host_callback, function_name, options, base_ndim, result_shapes),
@@ -223,18 +294,23 @@ def _attention(q, k, v, lengths, frozen_options):
 def _forward_rule(q, k, v, lengths, frozen_options):
     forward_options = {key: value for key, value in _options_dict(frozen_options).items()
                        if key != "deterministic"}
-    o, lse = _run_pass("forward", _with_lengths(forward_options, lengths), q.ndim,
-                       _shapes(q, v, forward_options["layout"]), q, k, v, *lengths.values())
-    return o, (q, k, v, o, lse, lengths)
+    layout = forward_options["layout"]
+    o_held, lse = _run_pass("forward", _with_lengths(forward_options, lengths), q.ndim,
+                            _shapes(q, v, layout), q, k, v, *lengths.values())
+    o = _sequence_first(o_held, _heads_first(layout, q.ndim))
+    return o, (q, k, v, o_held, lse, lengths)
 
 
 def _backward_rule(frozen_options, residuals, do):
-    q, k, v, o, lse, lengths = residuals
+    q, k, v, o_held, lse, lengths = residuals
     varlen_family(lengths, backward=True)  # paged K/V: tileattn.backward's ValueError
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
-    dq, dk, dv = _run_pass("backward", _with_lengths(_options_dict(frozen_options), lengths),
-                           q.ndim, shapes, do.astype(o.dtype), q, k, v, o, lse,
-                           *lengths.values())
+    options = _options_dict(frozen_options)
+    heads_first = _heads_first(options["layout"], q.ndim)
+    shapes = tuple(jax.ShapeDtypeStruct(_heads_first_shape(a.shape, heads_first), a.dtype)
+                   for a in (q, k, v))
+    grads = _run_pass("backward", _with_lengths(options, lengths), q.ndim, shapes,
+                      do.astype(o_held.dtype), q, k, v, o_held, lse, *lengths.values())
+    dq, dk, dv = (_sequence_first(g, heads_first) for g in grads)
     # Integer lengths have no cotangent space: JAX takes None as their symbolic zero
     # (float0 zeros), under vmap as well.
     return dq, dk, dv, {name: None for name in lengths}

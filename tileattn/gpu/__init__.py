@@ -95,6 +95,15 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions, dq_out=None, dk_out
                                         (dq_out, dk_out, dv_out))
 
 
+def replay(function_name: str, tensors: dict, options: AttentionOptions):
+    """The call just run on these validated arrays, repeatable on new device addresses
+    (`replays.Replay`), or None where its plan is not cached."""
+    from .replays import replay as make
+
+    with tensors["q"].device:
+        return make(function_name, tensors, options)
+
+
 def hardware() -> dict[str, str]:
     """The current device as `python -m tileattn info` shows it."""
     import cupy

@@ -251,6 +251,40 @@ def _dq_launch(function, grid: int, threads: int, shared: int, arguments: tuple,
                    splits * total)
 
 
+@dataclass(frozen=True)
+class BackwardPlan:
+    """A tensor-core backward's launches, kept in the plan cache: D, dQ (a `SplitDq` where
+    the keys are cut into shares), the dK/dV kernels, the redo of blocks that flagged
+    non-finite keys and the GQA group sums (None where absent). Called with the arrays, or
+    with their device addresses (`tileattn.gpu.replay`), and the `scratch` of the call."""
+
+    delta: Launch
+    dq: Launch | SplitDq
+    dkdv: tuple
+    redo: Launch | None
+    sums: GroupSums | None
+    n_rows: int  # D's length: B x Hq x Nq
+
+    def scratch(self) -> tuple:
+        """D, the dK/dV kernels' flags and the group sums' partial dK and dV (or None): new
+        arrays, for one call or for all calls of a replay on one stream."""
+        return (cupy.empty(self.n_rows, dtype=cupy.float32), _key_flags(self.redo),
+                None if self.sums is None else self.sums.buffers())
+
+    def __call__(self, do, q, k, v, o, lse, dq, dk, dv, scratch: tuple) -> None:
+        delta, flags, parts = scratch
+        self.delta(do, o, delta)
+        self.dq(q, k, v, do, lse, delta, dq)
+        unused = empty(cupy.cuda.runtime.getDevice(), "float32")
+        for launch in self.dkdv:
+            launch(q, k, v, do, lse, delta, *((dk, dv) if parts is None else parts), unused,
+                   flags)
+        if self.sums is not None:
+            self.sums(parts, dk, dv)
+        if self.redo is not None:
+            self.redo(q, k, v, do, lse, delta, dk, dv, flags)
+
+
 def _with_group(common: tuple, group: int) -> tuple:
     """`_operands`' arguments with the group size the dK/dV kernels take."""
     return common[:4] + (np.int32(group),) + common[5:]
@@ -276,19 +310,9 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     key = plan_key("backward", options, do, q, k, v, o) if cacheable else None
     launches = cached(key, do, q, k, v, o)
     if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
-        delta = _new_delta(o)
+        plan = launches[0]
         dq, dk, dv = _outputs(q, k, v, given)
-        delta_launch, dq_launch, *dkdv_launches, redo, sums = launches
-        flags = _key_flags(redo)
-        delta_launch(do, o, delta)
-        dq_launch(q, k, v, do, lse, delta, dq)
-        parts = (dk, dv) if sums is None else sums.buffers()
-        for launch in dkdv_launches:
-            launch(q, k, v, do, lse, delta, *parts, empty(q.device.id, "float32"), flags)
-        if sums is not None:
-            sums(parts, dk, dv)
-        if redo is not None:
-            redo(q, k, v, do, lse, delta, dk, dv, flags)
+        plan(do, q, k, v, o, lse, dq, dk, dv, plan.scratch())
         return dq, dk, dv
     arrays_in = (do, q, k, v, o)
     delta, delta_launch = row_deltas(do, o)
@@ -344,7 +368,9 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
         sums(parts, dk, dv)
     if redo is not None:
         redo(q, k, v, do, lse, delta, dk, dv, flags)
-    remember(key, tuple(launches) + (redo, sums), copy_bytes, *arrays_in)
+    if key is not None:
+        remember(key, (BackwardPlan(launches[0], launches[1], tuple(launches[2:]), redo,
+                                    sums, delta.size),), copy_bytes, *arrays_in)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
         unblock = _compile.kernel(WGMMA_SOURCE, "attention_backward_dq_unblock",
                                   tuple(sorted(defines)), 0, arch="90a")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import cupy
 import numpy as np
 
 from ..options import UNLIMITED, AttentionOptions
@@ -65,7 +66,7 @@ class DecodeLaunch:
 
     def __call__(self, q, k, v, o, lse):
         if self.merge is None:
-            unused = empty(q.device.id, self.accum.name)
+            unused = empty(cupy.cuda.runtime.getDevice(), self.accum.name)
             self.decode(q, k, v, o, lse, unused, unused)
             return
         partial_o, partial_lse = partials(self.partial_size, self.lse_size, self.accum)

@@ -123,6 +123,7 @@ def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tup
 
 
 @lru_cache(maxsize=None)
+@lru_cache(maxsize=None)
 def empty(device_id: int, dtype: str):
     """A zero-length array standing in for an unused pointer argument, one per device."""
     with cupy.cuda.Device(device_id):
@@ -186,6 +187,14 @@ def tensor_core_operands(*arrays):
     return [a for a, _ in ready], [s for _, s in ready], copy_bytes
 
 
+class NotReplayable(TypeError):
+    """A launch asked to run on device addresses that only CuPy's launch can take."""
+
+
+def _has_addresses(operands: tuple) -> bool:
+    return any(type(operand) is int for operand in operands)
+
+
 @dataclass
 class Launch:
     """One kernel launch but for its array arguments, which come first: the grid, block,
@@ -201,19 +210,23 @@ class Launch:
     _packed: object = field(default=None, init=False, repr=False, compare=False)
     _calls: int = field(default=0, init=False, repr=False, compare=False)
 
-    def __call__(self, *arrays):
+    def __call__(self, *operands):
+        """Launches on `operands`, CuPy arrays or, for a launch that has run before (a
+        `tileattn.gpu.replay`), their device addresses as ints."""
         if not self.grid[0]:  # a variable-length call of empty sequences has no tile
             return
         packed = self._packed
-        if packed is None and self._calls:
+        if packed is None and (self._calls or _has_addresses(operands)):
             packed = self._packed = PackedLaunch.build(
-                self.function, self.grid, self.block, self.shared, len(arrays),
+                self.function, self.grid, self.block, self.shared, len(operands),
                 self.arguments) or False
         self._calls += 1
-        if packed and packed.n_arrays == len(arrays):
-            packed(arrays)
+        if packed and packed.n_arrays == len(operands):
+            packed(operands)
+        elif _has_addresses(operands):
+            raise NotReplayable("a launch whose arguments do not pack takes arrays only")
         else:
-            self.function(self.grid, self.block, arrays + self.arguments,
+            self.function(self.grid, self.block, operands + self.arguments,
                           shared_mem=self.shared)
 
 

@@ -17,6 +17,11 @@ import cupy
 import numpy as np
 from cupy.cuda import driver
 
+# cuLaunchKernel's answer on a thread where no CUDA context is current: a new thread (the
+# caller's worker, torch's autograd engine, XLA's callback) until some runtime call there
+# makes the device's primary context current. CuPy's pooled allocations make none.
+_INVALID_CONTEXT = 201
+
 _SCALARS = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
             np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.float32): ctypes.c_float,
             np.dtype(np.float64): ctypes.c_double}
@@ -39,6 +44,7 @@ class PackedLaunch:
 
     def __init__(self, function_pointer: int, grid: tuple, block: tuple, shared: int,
                  n_arrays: int, fixed: list):
+        self._device = cupy.cuda.runtime.getDevice()
         self._function = function_pointer
         self._grid = tuple(grid) + (1,) * (3 - len(grid))
         self._block = tuple(block) + (1,) * (3 - len(block))
@@ -67,10 +73,21 @@ class PackedLaunch:
     def n_arrays(self) -> int:
         return len(self._slots)
 
-    def __call__(self, arrays) -> None:
+    def __call__(self, operands) -> None:
+        """Launches on `operands`: CuPy arrays or device addresses (ints), on the current
+        stream."""
         stream = cupy.cuda.get_current_stream().ptr
         with self._lock:
-            for slot, array in zip(self._slots, arrays):
-                slot.value = array.data.ptr
-            driver.launchKernel(self._function, *self._grid, *self._block, self._shared,
-                                stream, self._pointer, 0)
+            for slot, operand in zip(self._slots, operands):
+                slot.value = operand if type(operand) is int else operand.data.ptr
+            try:
+                self._launch(stream)
+            except driver.CUDADriverError as error:
+                if getattr(error, "status", None) != _INVALID_CONTEXT:
+                    raise
+                cupy.cuda.runtime.setDevice(self._device)  # makes its primary context current
+                self._launch(stream)
+
+    def _launch(self, stream: int) -> None:
+        driver.launchKernel(self._function, *self._grid, *self._block, self._shared, stream,
+                            self._pointer, 0)

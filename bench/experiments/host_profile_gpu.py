@@ -1,0 +1,216 @@
+"""Where the host time of a small GPU call goes: the direct API, the JAX adapter and the
+torch adapter, each timed per call and profiled.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/experiments/host_profile_gpu.py
+
+A tiny problem (B 1, H 1, N 128, D 64, float16, causal), calls queued back to back and the
+device synchronised once, so every figure is host microseconds per call. For the JAX
+adapter the floors are timed too: a jitted elementwise op and a jitted buffer_callback that
+does nothing; the adapter's callback body is timed on its own (perf_counter inside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import threading
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy
+import numpy as np
+
+import tileattn
+
+SHAPE = (1, 1, 128, 64)
+
+
+def per_call_us(function, sync, calls: int = 1000) -> float:
+    function()
+    function()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        function()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def say(name: str, us: float) -> None:
+    print(f"{name:60s} {us:8.1f} us", flush=True)
+
+
+def profile(name: str, function, calls: int = 300, lines: int = 25) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        function()
+    profiler.disable()
+    show(name, pstats.Stats(profiler), lines)
+
+
+def show(name: str, stats, lines: int = 25) -> None:
+    print(f"\n== cProfile: {name}", flush=True)
+    text = io.StringIO()
+    stats.stream = text
+    stats.sort_stats("tottime").print_stats(lines)
+    print(text.getvalue()[-7000:], flush=True)
+
+
+def cupy_sync() -> None:
+    cupy.cuda.Device().synchronize()
+
+
+def direct(arrays) -> None:
+    q, k, v, do = arrays
+    o, lse = tileattn.forward(q, k, v, causal=True, return_lse=True)
+    say("direct forward", per_call_us(lambda: tileattn.forward(q, k, v, causal=True), cupy_sync))
+    say("direct forward, return_lse",
+        per_call_us(lambda: tileattn.forward(q, k, v, causal=True, return_lse=True), cupy_sync))
+    say("direct backward", per_call_us(
+        lambda: tileattn.backward(do, q, k, v, o, lse, causal=True), cupy_sync))
+    say("cupy.empty", per_call_us(lambda: cupy.empty(SHAPE, cupy.float16), cupy_sync))
+    say("cupy.cuda.get_current_stream()", per_call_us(cupy.cuda.get_current_stream, cupy_sync))
+    result = {}
+
+    def on_thread():
+        result["us"] = per_call_us(lambda: tileattn.backward(do, q, k, v, o, lse, causal=True),
+                                   cupy_sync, 300)
+    thread = threading.Thread(target=on_thread)
+    thread.start()
+    thread.join()
+    say("direct backward from a new thread", result.get("us", float("nan")))
+    profile("direct forward", lambda: tileattn.forward(q, k, v, causal=True))
+    profile("direct backward", lambda: tileattn.backward(do, q, k, v, o, lse, causal=True))
+
+
+def jax_part(host) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import tileattn.jax as tjax
+
+    q, k, v, do = (jnp.asarray(a) for a in host)
+    block = jax.block_until_ready
+    plus = jax.jit(lambda x: x + 1)
+    say("jax: jitted x + 1", per_call_us(lambda: plus(q), lambda: block(plus(q))))
+    nothing = buffer_callback(lambda context, out, x: None,
+                              jax.ShapeDtypeStruct(q.shape, q.dtype))
+    empty_callback = jax.jit(lambda x: nothing(x))
+    say("jax: jitted buffer_callback doing nothing",
+        per_call_us(lambda: empty_callback(q), lambda: block(empty_callback(q))))
+    inside = []
+    original = tjax._BufferCallback.__call__
+
+    def timed_body(*args):
+        start = time.perf_counter()
+        try:
+            return original(*args)
+        finally:
+            inside.append(time.perf_counter() - start)
+    tjax._BufferCallback.__call__ = timed_body
+    for layout in ("bhsd", "bshd"):
+        attend = jax.jit(lambda q, k, v, layout=layout: tjax.attention(q, k, v, causal=True,
+                                                                        layout=layout))
+        inside.clear()
+        say(f"jax adapter forward ({layout})", per_call_us(lambda: attend(q, k, v),
+                                                           lambda: block(attend(q, k, v))))
+        say("  of which the callback body (median)", float(np.median(inside)) * 1e6)
+        step = jax.jit(lambda q, k, v, do, layout=layout: jax.vjp(
+            lambda *a: tjax.attention(*a, causal=True, layout=layout), q, k, v)[1](do))
+        inside.clear()
+        say(f"jax adapter forward + backward ({layout})",
+            per_call_us(lambda: step(q, k, v, do), lambda: block(step(q, k, v, do)), 500))
+        say("  of which callback bodies (median per body)", float(np.median(inside)) * 1e6)
+    profiles = []
+
+    def profiled_body(*args):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            return original(*args)
+        finally:
+            profiler.disable()
+            profiles.append(profiler)
+    tjax._BufferCallback.__call__ = profiled_body
+    attend = jax.jit(lambda q, k, v: tjax.attention(q, k, v, causal=True, scale=0.5))
+    for _ in range(300):
+        attend(q, k, v)
+    block(attend(q, k, v))
+    tjax._BufferCallback.__call__ = original
+    show("jax callback body (forward)", pstats.Stats(*profiles))
+    profile("jax adapter forward, caller's thread", lambda: attend(q, k, v))
+
+
+def torch_part(arrays) -> None:
+    import torch
+
+    import tileattn.torch as tt
+
+    q, k, v, do = (torch.as_tensor(a, device="cuda") for a in arrays)
+    sync = torch.cuda.synchronize
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    with torch.no_grad():
+        say("torch adapter forward, no grad",
+            per_call_us(lambda: tt.attention(q, k, v, causal=True), sync))
+    say("torch adapter forward, grad", per_call_us(lambda: tt.attention(qg, kg, vg, causal=True),
+                                                   sync))
+
+    def step():
+        tt.attention(qg, kg, vg, causal=True).backward(do)
+    say("torch adapter forward + backward", per_call_us(step, sync, 300))
+    say("torch SDPA forward + backward", per_call_us(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            qg, kg, vg, is_causal=True).backward(do), sync, 300))
+    inside = []
+    original = tt._EagerAttention.backward
+
+    def timed_backward(ctx, grad):
+        start = time.perf_counter()
+        try:
+            return original(ctx, grad)
+        finally:
+            inside.append(time.perf_counter() - start)
+    tt._EagerAttention.backward = staticmethod(timed_backward)
+    say("torch adapter forward + backward, timed", per_call_us(step, sync, 300))
+    say("  of which _EagerAttention.backward (median)", float(np.median(inside)) * 1e6)
+    profiles = []
+
+    def profiled_backward(ctx, grad):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            return original(ctx, grad)
+        finally:
+            profiler.disable()
+            profiles.append(profiler)
+    tt._EagerAttention.backward = staticmethod(profiled_backward)
+    for _ in range(200):
+        step()
+    sync()
+    tt._EagerAttention.backward = staticmethod(original)
+    show("torch adapter backward (autograd's thread)", pstats.Stats(*profiles))
+    profile("torch adapter forward with grad", lambda: tt.attention(qg, kg, vg, causal=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("direct", "jax", "torch"), nargs="*",
+                        default=("direct", "jax", "torch"))
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(SHAPE).astype(np.float16) for _ in range(4)]
+    arrays = [cupy.asarray(a) for a in host]
+    for name, part, given in (("direct", direct, arrays), ("jax", jax_part, host),
+                              ("torch", torch_part, arrays)):
+        if name in args.only:
+            part(given)
+
+
+if __name__ == "__main__":
+    main()

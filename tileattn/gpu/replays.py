@@ -1,0 +1,63 @@
+"""A validated GPU call repeated on new device addresses.
+
+The JAX adapter's callbacks run one compiled problem again and again: XLA fixed the
+shapes, strides and dtypes when it compiled the program, and only the buffers' addresses
+change from call to call. A `Replay` runs the launches that the plan cache keeps for that
+problem (`operands.remember`) on those addresses, as ints: no validation, no plan lookup,
+no CuPy views or new outputs, which are most of a small call's host time (a tiny forward
+through `tileattn.forward` costs ~80 us of host time on the H100 machine;
+bench/experiments/host_profile_gpu.py).
+"""
+
+from __future__ import annotations
+
+import cupy
+
+from ..options import AttentionOptions
+from .launch_backward import BackwardPlan
+from .operands import cached, plan_key
+
+# The widest copy any kernel assumes of a row (operands.row_alignment); outputs need two
+# elements. XLA's and CuPy's buffers start 256-byte aligned.
+_ALIGNMENT = 16
+
+
+class Replay:
+    """A cached plan run on device addresses on the stream current at its creation:
+    forward ``(q, k, v, o, lse)``, backward ``(do, q, k, v, o, lse, dq, dk, dv)``, in the
+    layouts of the validated call it repeats. A backward keeps its scratch (D, flags) for
+    every call: calls on one stream run in order."""
+
+    def __init__(self, plan, backward: bool):
+        self._plan = plan
+        self._stream = cupy.cuda.get_current_stream().ptr
+        self._scratch = (plan.scratch(),) if backward else ()
+
+    def __call__(self, *addresses: int) -> bool:
+        """Runs the plan; False, having run nothing, where an address is not aligned as the
+        plan assumes or the current stream is not the replay's."""
+        if cupy.cuda.get_current_stream().ptr != self._stream:
+            return False
+        for address in addresses:
+            if address % _ALIGNMENT:
+                return False
+        self._plan(*addresses, *self._scratch)
+        return True
+
+
+def replay(function_name: str, tensors: dict, options: AttentionOptions) -> Replay | None:
+    """The replay of a validated dense call that has run once (its plan is cached), or None
+    for calls whose plans are not cached (ALiBi, dropout, variable-length, copied inputs)."""
+    if options.varlen is not None:
+        return None
+    if function_name == "forward":
+        launches = cached(plan_key("forward", options, *(tensors[n] for n in "qkv")),
+                          *(tensors[n] for n in "qkv"))
+        return None if launches is None else Replay(launches[0], backward=False)
+    arrays = [tensors[n] for n in ("do", "q", "k", "v", "o")]
+    launches = cached(plan_key("backward", options, *arrays), *arrays)
+    lse = tensors["lse"]
+    if (launches is None or not isinstance(launches[0], BackwardPlan)
+            or lse.dtype != cupy.float32 or not lse.flags.c_contiguous):
+        return None
+    return Replay(launches[0], backward=True)
