@@ -455,6 +455,83 @@ def test_torch_cuda_runs_on_torch_current_stream(monkeypatch):
         assert_attention_close(tensor.grad.cpu().numpy(), want, np.float32, name=f"d{name}")
 
 
+REPLAY_OPTIONS = dict(causal=True, softcap=20.0, window=(48, None))
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_torch_repeated_cuda_calls_replay_what_direct_calls_compute(layout):
+    """From the second call of a signature on, the adapter replays its launches
+    (`api.replay`) into new tensors: bit for bit what `tileattn.forward`/`backward` give
+    on the same tensors, on a side stream too, with new inputs each step."""
+    torch = require("torch")
+    _gpu_or_skip()
+    import tileattn.torch as adapter
+
+    shape_q, shape_kv = ((2, 96, 4, 64), (2, 96, 2, 64)) if layout == "bshd" else (
+        (2, 4, 96, 64), (2, 2, 96, 64))
+    options = dict(REPLAY_OPTIONS, layout=layout)
+    stream = torch.cuda.Stream()
+    for step, on_side_stream in enumerate((False, False, False, True, True)):
+        context = torch.cuda.stream(stream) if on_side_stream else torch.cuda.stream(None)
+        with context:
+            arrays = numpy_problem(shape_q, shape_kv, seed=step)
+            q, k, v = (torch.from_numpy(a).to("cuda", torch.float16).requires_grad_()
+                       for a in arrays)
+            do = torch.randn(shape_q, device="cuda", dtype=torch.float16)
+            o = adapter.attention(q, k, v, **options)
+            o.backward(do)
+            want_o, lse = tileattn.forward(q.detach(), k.detach(), v.detach(),
+                                           return_lse=True, **options)
+            want = tileattn.backward(do, q.detach(), k.detach(), v.detach(), want_o, lse,
+                                     **options)
+        torch.cuda.synchronize()
+        assert torch.equal(o.detach(), want_o)
+        for tensor, grad in zip((q, k, v), want):
+            assert torch.equal(tensor.grad, grad)
+    replays = [key[0] for key, entry in adapter._REPLAYS.items()
+               if entry and key[1][10] == layout]
+    assert replays.count("forward") == 2 and replays.count("backward") == 2  # two streams
+
+
+def test_torch_cuda_graph_captures_a_training_step():
+    """A forward and backward captured in a torch CUDA graph replay like eager calls on new
+    inputs: the passes run on the capture stream, their scratch from torch's allocator."""
+    torch = require("torch")
+    _gpu_or_skip()
+    from tileattn.torch import attention
+
+    def tensors(seed):
+        arrays = numpy_problem((2, 4, 128, 64), (2, 2, 128, 64), seed=seed)
+        do = np.random.default_rng(seed + 10).standard_normal((2, 4, 128, 64))
+        return [torch.from_numpy(a).to("cuda", torch.bfloat16) for a in arrays + (do,)]
+
+    q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(tensors(0)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            q.grad = k.grad = v.grad = None
+            attention(q, k, v, **REPLAY_OPTIONS).backward(do)
+    torch.cuda.current_stream().wait_stream(side)
+    q.grad = k.grad = v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_o = attention(q, k, v, **REPLAY_OPTIONS)
+        captured_o.backward(do)
+    for seed in (1, 2):
+        with torch.no_grad():
+            for static, new in zip((q, k, v, do), tensors(seed)):
+                static.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = [t.detach().clone().requires_grad_(i < 3) for i, t in enumerate((q, k, v, do))]
+        o = attention(*fresh[:3], **REPLAY_OPTIONS)
+        o.backward(fresh[3])
+        assert torch.equal(captured_o, o.detach())
+        for static, eager in zip((q, k, v), fresh):
+            assert torch.equal(static.grad, eager.grad)
+
+
 # --------------------------------------------------------------------------- jax.vmap
 
 

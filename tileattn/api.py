@@ -132,14 +132,16 @@ _OPTION_DEFAULTS = (("causal", False), ("window", None), ("scale", None), ("soft
 
 
 def replay(function_name: str, arrays: tuple, *, backend="auto", layout="bhsd",
-           check_lengths=True, **keywords):
+           check_lengths=True, allocate=None, **keywords):
     """For an adapter whose calls repeat one problem on new buffers of the same shapes,
     strides and dtypes (`tileattn.jax`: XLA compiled them): after a `forward` or
     `backward` call with these arrays and keywords (the output buffers given), a callable
     ``replay(*addresses) -> bool`` that runs it again on the device addresses of new
     arrays (inputs, then outputs, in the call's order), skipping validation; it returns
     False, having run nothing, where the addresses do not suit it. None where the backend
-    cannot replay the call (the host backends; ALiBi, dropout, variable-length calls)."""
+    cannot replay the call (the host backends; ALiBi, dropout, variable-length calls).
+    A backward replay keeps scratch memory; ``allocate(bytes) -> address`` supplies it
+    where given (memory the caller keeps alive as long as the replay)."""
     if any(keywords.pop(name, None) is not None for name in VARLEN_KEYWORDS):
         return None
     forward_call = function_name == "forward"
@@ -158,7 +160,7 @@ def replay(function_name: str, arrays: tuple, *, backend="auto", layout="bhsd",
     make = getattr(module, "replay", None)
     if make is None or problem.is_empty:
         return None
-    return make(function_name, problem.tensors, problem.options)
+    return make(function_name, problem.tensors, problem.options, allocate)
 
 
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,

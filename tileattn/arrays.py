@@ -11,8 +11,8 @@ already come from it and NumPy users never pay for importing CuPy, torch or JAX.
 from __future__ import annotations
 
 import functools
-
 import sys
+import warnings
 
 import numpy as np
 
@@ -210,3 +210,23 @@ def full(shape, fill, dtype, memory: str, like=None):
         with cupy.cuda.Device(like.device.id):
             return cupy.full(shape, fill, dtype=dtype)
     return np.full(shape, fill, dtype=dtype)
+
+
+_CUPY_STREAMS: dict = {}
+
+
+def cupy_stream(pointer: int, device: int):
+    """Another library's CUDA stream (torch's, XLA's) as a CuPy stream, one object per
+    stream: a new wrapper a call costs microseconds, and those libraries keep their streams
+    for long (a freed stream's wrapper is only replaced once 64 are held)."""
+    import cupy
+
+    stream = _CUPY_STREAMS.get((pointer, device))
+    if stream is None:
+        with warnings.catch_warnings():  # CuPy 14 deprecates it for Stream.from_external,
+            warnings.simplefilter("ignore", DeprecationWarning)  # which CuPy 13 lacks
+            stream = cupy.cuda.ExternalStream(pointer, device)
+        if len(_CUPY_STREAMS) >= 64:
+            _CUPY_STREAMS.clear()
+        _CUPY_STREAMS[(pointer, device)] = stream
+    return stream

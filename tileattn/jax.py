@@ -202,7 +202,7 @@ class _BufferCallback:
         # XLA's callback thread may have no CUDA context current, and `Device(device)`
         # only switches devices when the current one differs: make its context current.
         cupy.cuda.runtime.setDevice(device)
-        with cupy.cuda.Device(device), _xla_stream(context.stream, device):
+        with cupy.cuda.Device(device), arrays.cupy_stream(context.stream, device):
             call = _call(self._function_name, self._options, self._base_ndim, inputs,
                          outputs)
             if self._replay is None:
@@ -214,31 +214,12 @@ class _BufferCallback:
         from .gpu.operands import NotReplayable
 
         addresses = [b.__cuda_array_interface__["data"][0] for b in (*inputs, *outputs)]
-        with self._device, _xla_stream(context.stream, self._device.id):
+        with self._device, arrays.cupy_stream(context.stream, self._device.id):
             try:
                 return self._replay(*addresses)
             except NotReplayable:
                 self._replay = False
                 return False
-
-
-_XLA_STREAMS: dict = {}
-
-
-def _xla_stream(pointer: int, device: int):
-    """XLA's CUDA stream as a CuPy stream, one object per stream (XLA keeps its streams
-    for the life of the process; a new wrapper a call costs microseconds)."""
-    import cupy
-
-    stream = _XLA_STREAMS.get((pointer, device))
-    if stream is None:
-        with warnings.catch_warnings():  # CuPy 14 deprecates it for Stream.from_external,
-            warnings.simplefilter("ignore", DeprecationWarning)  # which CuPy 13 lacks
-            stream = cupy.cuda.ExternalStream(pointer, device)
-        if len(_XLA_STREAMS) >= 64:
-            _XLA_STREAMS.clear()
-        _XLA_STREAMS[(pointer, device)] = stream
-    return stream
 
 
 @cache

@@ -95,13 +95,14 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions, dq_out=None, dk_out
                                         (dq_out, dk_out, dv_out))
 
 
-def replay(function_name: str, tensors: dict, options: AttentionOptions):
+def replay(function_name: str, tensors: dict, options: AttentionOptions, allocate=None):
     """The call just run on these validated arrays, repeatable on new device addresses
-    (`replays.Replay`), or None where its plan is not cached."""
+    (`replays.Replay`; its scratch from ``allocate(bytes) -> address`` where given), or
+    None where its plan is not cached."""
     from .replays import replay as make
 
     with tensors["q"].device:
-        return make(function_name, tensors, options)
+        return make(function_name, tensors, options, allocate)
 
 
 def hardware() -> dict[str, str]:

@@ -3,7 +3,9 @@ the family that `tiles.choose_backward` picked, each launcher only reading its r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 
 import cupy
 import numpy as np
@@ -191,6 +193,10 @@ class GroupSums:
     def buffers(self) -> tuple:
         return tuple(cupy.empty(shape, dtype=self.dtype) for shape in self.shapes)
 
+    def part_bytes(self) -> tuple:
+        """The bytes of each of `buffers`, which the kernels read only through its address."""
+        return tuple(math.prod(shape) * self.dtype.itemsize for shape in self.shapes)
+
     def __call__(self, parts, dk, dv) -> None:
         for launch, part, out in zip(self.launches, parts, (dk, dv)):
             launch(part, out)
@@ -265,11 +271,15 @@ class BackwardPlan:
     sums: GroupSums | None
     n_rows: int  # D's length: B x Hq x Nq
 
-    def scratch(self) -> tuple:
-        """D, the dK/dV kernels' flags and the group sums' partial dK and dV (or None): new
-        arrays, for one call or for all calls of a replay on one stream."""
-        return (cupy.empty(self.n_rows, dtype=cupy.float32), _key_flags(self.redo),
-                None if self.sums is None else self.sums.buffers())
+    def scratch(self, allocate) -> tuple:
+        """D, the dK/dV kernels' flags and the group sums' partial dK and dV (or None), as
+        the device addresses ``allocate(bytes)`` gives: memory for one call, or for every
+        call of a replay on one stream (calls on a stream run in order)."""
+        flags = (empty(cupy.cuda.runtime.getDevice(), "int32").data.ptr if self.redo is None
+                 else allocate(4 * self.redo.grid[0]))
+        parts = (None if self.sums is None
+                 else tuple(allocate(size) for size in self.sums.part_bytes()))
+        return allocate(4 * self.n_rows), flags, parts
 
     def __call__(self, do, q, k, v, o, lse, dq, dk, dv, scratch: tuple) -> None:
         delta, flags, parts = scratch
@@ -283,6 +293,13 @@ class BackwardPlan:
             self.sums(parts, dk, dv)
         if self.redo is not None:
             self.redo(q, k, v, do, lse, delta, dk, dv, flags)
+
+
+def new_bytes(held: list, size: int) -> int:
+    """The address of `size` new bytes of CuPy's pool on the current stream, the array kept
+    in `held` (a `BackwardPlan.scratch` allocator)."""
+    held.append(cupy.empty(size, dtype=cupy.uint8))
+    return held[-1].data.ptr
 
 
 def _with_group(common: tuple, group: int) -> tuple:
@@ -312,7 +329,8 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
         plan = launches[0]
         dq, dk, dv = _outputs(q, k, v, given)
-        plan(do, q, k, v, o, lse, dq, dk, dv, plan.scratch())
+        held = []  # the scratch's arrays, alive until the kernels are queued
+        plan(do, q, k, v, o, lse, dq, dk, dv, plan.scratch(partial(new_bytes, held)))
         return dq, dk, dv
     arrays_in = (do, q, k, v, o)
     delta, delta_launch = row_deltas(do, o)

@@ -11,10 +11,12 @@ bench/experiments/host_profile_gpu.py).
 
 from __future__ import annotations
 
+from functools import partial
+
 import cupy
 
 from ..options import AttentionOptions
-from .launch_backward import BackwardPlan
+from .launch_backward import BackwardPlan, new_bytes
 from .operands import cached, plan_key
 
 # The widest copy any kernel assumes of a row (operands.row_alignment); outputs need two
@@ -26,12 +28,17 @@ class Replay:
     """A cached plan run on device addresses on the stream current at its creation:
     forward ``(q, k, v, o, lse)``, backward ``(do, q, k, v, o, lse, dq, dk, dv)``, in the
     layouts of the validated call it repeats. A backward keeps its scratch (D, flags) for
-    every call: calls on one stream run in order."""
+    every call (calls on one stream run in order), from ``allocate(bytes) -> address``
+    where given: an allocator that knows CUDA graph capture (torch's), whose memory the
+    caller keeps alive as long as the replay."""
 
-    def __init__(self, plan, backward: bool):
+    def __init__(self, plan, backward: bool, allocate=None):
         self._plan = plan
         self._stream = cupy.cuda.get_current_stream().ptr
-        self._scratch = (plan.scratch(),) if backward else ()
+        self._held = []
+        if allocate is None:
+            allocate = partial(new_bytes, self._held)
+        self._scratch = (plan.scratch(allocate),) if backward else ()
 
     def __call__(self, *addresses: int) -> bool:
         """Runs the plan; False, having run nothing, where an address is not aligned as the
@@ -45,7 +52,8 @@ class Replay:
         return True
 
 
-def replay(function_name: str, tensors: dict, options: AttentionOptions) -> Replay | None:
+def replay(function_name: str, tensors: dict, options: AttentionOptions,
+           allocate=None) -> Replay | None:
     """The replay of a validated dense call that has run once (its plan is cached), or None
     for calls whose plans are not cached (ALiBi, dropout, variable-length, copied inputs)."""
     if options.varlen is not None:
@@ -60,4 +68,4 @@ def replay(function_name: str, tensors: dict, options: AttentionOptions) -> Repl
     if (launches is None or not isinstance(launches[0], BackwardPlan)
             or lse.dtype != cupy.float32 or not lse.flags.c_contiguous):
         return None
-    return Replay(launches[0], backward=True)
+    return Replay(launches[0], backward=True, allocate=allocate)
