@@ -10,21 +10,17 @@ device synchronised once, so every figure is host microseconds per call:
 - its pieces: DLPack in and out, raw-pointer CuPy views, torch's current stream, the
   CuPy stream/device contexts, a trivial torch.autograd.Function on CUDA tensors (torch's
   own floor), and tileattn.backward run from a second thread (the autograd engine runs the
-  backward on its CUDA worker thread);
-- cProfile of the adapter's forward + backward, the backward profiled on the thread that
-  runs it.
+  backward on its CUDA worker thread).
+
+host_profile_gpu.py profiles whole calls through each adapter.
 """
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import threading
 import time
 
 import cupy
-import numpy as np
 import torch
 
 import tileattn
@@ -123,37 +119,6 @@ def main() -> None:
     say("direct backward (CuPy), from a second thread",
         threaded(lambda: tileattn.backward(cdo, cq, ck, cv, o, lse, backend="gpu",
                                            causal=True)))
-
-    profiles = []
-    original = tt._EagerAttention.backward
-
-    def profiled_backward(ctx, grad):
-        profile = cProfile.Profile()
-        profile.enable()
-        try:
-            return original(ctx, grad)
-        finally:
-            profile.disable()
-            profiles.append(profile)
-    tt._EagerAttention.backward = staticmethod(profiled_backward)
-    forward_profile = cProfile.Profile()
-    for _ in range(200):
-        forward_profile.enable()
-        out = tt.attention(qg, kg, vg, causal=True, backend="gpu")
-        forward_profile.disable()
-        out.backward(do)
-    tt._EagerAttention.backward = staticmethod(original)
-    for name, stats in (("adapter forward (grad)", pstats.Stats(forward_profile)),
-                        ("adapter backward (worker thread)",
-                         pstats.Stats(*profiles) if profiles else None)):
-        print(f"== cProfile: {name}")
-        if stats is None:
-            print("no profile")
-            continue
-        text = io.StringIO()
-        stats.stream = text
-        stats.sort_stats("tottime").print_stats(22)
-        print(text.getvalue()[-6000:])
 
 
 if __name__ == "__main__":
