@@ -7,9 +7,10 @@
    non-default torch stream, in float16, bfloat16 and float32, against the float64 golden
    model. Each entry is the largest error as a multiple of the dtype's tolerance
    (`tileattn.testing.attention_error`; <= 1 passes), worst over o and the gradients.
-2. Overhead: microseconds per call of a tiny problem (B 1, H 1, N 128, D 64) through each
-   adapter, minus the same call made directly on CuPy arrays with `tileattn.forward`; calls
-   are queued back to back and the device synchronised once, so the figure is host time.
+2. Overhead: microseconds per call of a tiny problem (B 1, H 1, N 128, D 64), in both
+   layouts, through each adapter, minus the same call made directly on CuPy arrays with
+   `tileattn.forward`; calls are queued back to back and the device synchronised once, so
+   the figure is host time.
 3. Speed on FlashAttention's shapes (batch * N = 16k tokens, hidden 2048, "bshd" layout),
    forward and forward+backward (`jax.vjp`), per call, back to back: the JAX adapter, a
    direct CuPy call of tileattn on the same shape (the kernels' own time), and
@@ -165,26 +166,31 @@ def _block_cupy(_result):
 
 
 def overhead_us() -> dict:
-    shape = (1, 128, 1, 64)
-    q, k, v, _ = _host_inputs("float16", shape)
-    cq, ck, cv = (cupy.asarray(_to_host(a)).astype(cupy.float16) for a in (q, k, v))
-    direct = per_call_ms(lambda: tileattn.forward(cq, ck, cv, layout="bshd"), _block_cupy,
-                         2000)
-    jitted = jax.jit(lambda q, k, v: tjax.attention(q, k, v, layout="bshd"))
-    through_jax = per_call_ms(lambda: jitted(q, k, v), _block_jax, 2000)
-    results = {"direct CuPy call (us)": direct * 1e3, "JAX adapter (us)": through_jax * 1e3,
-               "JAX overhead (us)": (through_jax - direct) * 1e3}
-    try:
-        import torch
+    """Per-call microseconds of the tiny problem in both layouts: "bhsd" results are
+    written in place, "bshd" ones by the kernels heads first and transposed by XLA."""
+    results = {}
+    for layout in ("bhsd", "bshd"):
+        shape = (1, 1, 128, 64) if layout == "bhsd" else (1, 128, 1, 64)
+        q, k, v, _ = _host_inputs("float16", shape)
+        cq, ck, cv = (cupy.asarray(_to_host(a)).astype(cupy.float16) for a in (q, k, v))
+        direct = per_call_ms(lambda: tileattn.forward(cq, ck, cv, layout=layout),
+                             _block_cupy, 2000)
+        jitted = jax.jit(lambda q, k, v: tjax.attention(q, k, v, layout=layout))
+        through_jax = per_call_ms(lambda: jitted(q, k, v), _block_jax, 2000)
+        results.update({f"{layout}: direct CuPy call (us)": direct * 1e3,
+                        f"{layout}: JAX adapter (us)": through_jax * 1e3,
+                        f"{layout}: JAX overhead (us)": (through_jax - direct) * 1e3})
+        try:
+            import torch
 
-        import tileattn.torch as ttorch
-    except ImportError:
-        return results
-    tq, tk, tv = (torch.from_dlpack(a) for a in (cq, ck, cv))
-    through_torch = per_call_ms(lambda: ttorch.attention(tq, tk, tv, layout="bshd"),
-                                lambda _: torch.cuda.synchronize(), 2000)
-    results["torch adapter (us)"] = through_torch * 1e3
-    results["torch overhead (us)"] = (through_torch - direct) * 1e3
+            import tileattn.torch as ttorch
+        except ImportError:
+            continue
+        tq, tk, tv = (torch.from_dlpack(a) for a in (cq, ck, cv))
+        through_torch = per_call_ms(lambda: ttorch.attention(tq, tk, tv, layout=layout),
+                                    lambda _: torch.cuda.synchronize(), 2000)
+        results[f"{layout}: torch adapter (us)"] = through_torch * 1e3
+        results[f"{layout}: torch overhead (us)"] = (through_torch - direct) * 1e3
     return results
 
 
