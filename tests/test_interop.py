@@ -488,8 +488,8 @@ def test_torch_repeated_cuda_calls_replay_what_direct_calls_compute(layout):
         assert torch.equal(o.detach(), want_o)
         for tensor, grad in zip((q, k, v), want):
             assert torch.equal(tensor.grad, grad)
-    replays = [key[0] for key, entry in adapter._REPLAYS.items()
-               if entry and key[1][10] == layout]
+    replays = [signature[0] for (signature, _stream), entry in adapter._REPLAYS.items()
+               if entry and signature[1][10] == layout]
     assert replays.count("forward") == 2 and replays.count("backward") == 2  # two streams
 
 

@@ -125,8 +125,8 @@ def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outpu
     lengths = dict(zip(length_names, inputs[len(inputs) - len(length_names):]))
     inputs = inputs[:len(inputs) - len(length_names)]
     if _heads_first(options["layout"], base_ndim):
-        outputs = [a.swapaxes(-3, -2) for a in outputs[:-1]] + outputs[-1:] if (
-            function_name == "forward") else [a.swapaxes(-3, -2) for a in outputs]
+        held = 1 if function_name == "forward" else 3  # o (not lse), or dq, dk and dv
+        outputs = [a.swapaxes(-3, -2) for a in outputs[:held]] + outputs[held:]
         if function_name == "backward":  # do, q, k, v, o, lse: o as the forward held it
             inputs = inputs[:4] + [inputs[4].swapaxes(-3, -2)] + inputs[5:]
     slopes = options["alibi_slopes"]

@@ -159,8 +159,9 @@ def _run_forward(q, k, v, causal, window, scale, softcap, alibi_slopes, dropout_
                  block_k, backend, layout, deterministic, seqlens_q, seqlens_k, cu_seqlens_q,
                  cu_seqlens_k, block_table, check_lengths)
     if q.device.type == "cuda" and _replayable(arguments):
-        results = _forward_results(q, v, layout)
-        if _by_replay("forward", (q, k, v), arguments, results):
+        results = _by_replay("forward", (q, k, v), arguments,
+                             lambda: _forward_results(q, v, layout))
+        if results is not None:
             return results
     options = _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
                        block_q, block_k, backend, layout, seqlens_q, seqlens_k,
@@ -229,8 +230,9 @@ def _run_backward(do, q, k, v, o, lse, causal, window, scale, softcap, alibi_slo
                  block_k, backend, layout, deterministic, seqlens_q, seqlens_k, cu_seqlens_q,
                  cu_seqlens_k, block_table, check_lengths)
     if q.device.type == "cuda" and _replayable(arguments):
-        results = _backward_results(q, k, v, layout)
-        if _by_replay("backward", (do, q, k, v, o, lse), arguments, results):
+        results = _by_replay("backward", (do, q, k, v, o, lse), arguments,
+                             lambda: _backward_results(q, k, v, layout))
+        if results is not None:
             return results
     # block_table is in the schema so that tileattn.backward itself refuses it (paged K/V
     # is forward only) with its own ValueError, in eager and compiled code alike.
@@ -256,13 +258,14 @@ def _(do, q, k, v, o, lse, causal, window, scale, softcap, alibi_slopes, dropout
 # --------------------------------------------------------------------------- replays
 
 # A dense CUDA pass whose signature (the arguments; the tensors' shapes, strides and dtypes;
-# the device and torch's current stream) ran before is replayed (`api.replay`): its
+# the device) ran before is replayed (`api.replay`), one replay per torch stream: its
 # launches write into new tensors, skipping validation, CuPy views and plan lookups, most
-# of a small call's host time (bench/NOTES-gpu.md v27). A backward replay's scratch comes
-# from torch's allocator, which knows CUDA graph capture, and lives with the replay.
-# Values: (replay, its scratch tensors), or False for a signature that does not replay.
+# of a small call's host time (bench/NOTES-gpu.md v27). A signature's first call takes the
+# full path, which keeps its plan. A backward replay's scratch comes from torch's
+# allocator, which knows CUDA graph capture, and lives with the replay.
+# Values: (replay, its scratch tensors), or False for a signature whose plan is not kept.
 _REPLAYS: dict = {}
-_MISSED: set = set()  # signatures whose first replay found no plan (a first call)
+_SEEN: dict = {}  # signatures that ran, without the stream
 _REPLAY_LIMIT = 256
 
 
@@ -278,31 +281,37 @@ def _current_stream(device) -> int:
         torch.cuda.current_stream(device).cuda_stream)
 
 
-def _by_replay(name: str, tensors: tuple, arguments: tuple, results: tuple) -> bool:
-    """Runs pass `name` on `tensors` into `results` (new tensors) by a replay, and says
-    whether it did (else nothing ran)."""
+def _remember(table: dict, key, value) -> None:
+    if len(table) >= _REPLAY_LIMIT:
+        table.clear()
+    table[key] = value
+
+
+def _by_replay(name: str, tensors: tuple, arguments: tuple, new_results):
+    """Pass `name` on `tensors` run by a replay into the tensors ``new_results()`` makes,
+    which it returns; None where no replay ran (nothing did)."""
     device = tensors[0].device
-    stream = _current_stream(device)
     window = arguments[1]
-    key = (name, arguments[:1] + (window if window is None else tuple(window),) + arguments[2:],
-           tuple((t.shape, t.stride(), t.dtype) for t in tensors), device.index, stream)
-    entry = _REPLAYS.get(key)
+    signature = (name, arguments[:1] + (window if window is None else tuple(window),)
+                 + arguments[2:], tuple((t.shape, t.stride(), t.dtype) for t in tensors),
+                 device.index)
+    stream = _current_stream(device)
+    entry = _REPLAYS.get((signature, stream))
     if entry is False:
-        return False
+        return None
+    if entry is None and signature not in _SEEN:
+        _remember(_SEEN, signature, True)
+        return None
+    results = new_results()
     import cupy
 
     with cupy.cuda.Device(device.index), arrays.cupy_stream(stream, device.index):
-        if entry is None:
-            entry = _new_replay(name, tensors, arguments, results)
-            if entry is None:
-                if key in _MISSED:
-                    _REPLAYS[key] = False
-                _MISSED.add(key)
-                return False
-            if len(_REPLAYS) >= _REPLAY_LIMIT:
-                _REPLAYS.clear()
-            _REPLAYS[key] = entry
-        return entry[0](*(t.data_ptr() for t in tensors + results))
+        if entry is None:  # seen before (on this stream or another: a graph's capture)
+            entry = _new_replay(name, tensors, arguments, results) or False
+            _remember(_REPLAYS, (signature, stream), entry)
+            if not entry:
+                return None
+        return results if entry[0](*(t.data_ptr() for t in tensors + results)) else None
 
 
 def _new_replay(name: str, tensors: tuple, arguments: tuple, results: tuple):
