@@ -119,7 +119,12 @@ def test_rows_follow_the_key_count_and_options():
         problem = dict(dtype="float16", head_dim=128, value_dim=128, n_k=8192)
         return tiles.choose_forward(Problem(**{**problem, **fields}, **H100)).tiles
 
-    assert forward() == tiles.WgmmaTiles(192, 128, 2)
+    assert forward() == tiles.WgmmaTiles(256, 64, 2)
+    assert forward(banded=True) == tiles.WgmmaTiles(128, 64, 2, 2)
+    assert forward(head_dim=96, value_dim=96) == tiles.WgmmaTiles(192, 128, 2)
+    assert forward(head_dim=80, value_dim=80) == tiles.WgmmaTiles(256, 64, 2)
+    assert forward(head_dim=112, value_dim=112) == tiles.WgmmaTiles(256, 64, 2)
+    assert forward(head_dim=112, value_dim=112, banded=True) == tiles.WgmmaTiles(192, 128, 2)
     assert forward(n_k=1024) == tiles.WgmmaTiles(128, 64, 2, 2)
     assert forward(score_options=True) == tiles.WgmmaTiles(192, 64, 3)
     banded = tiles.choose_backward(Problem(dtype="float16", head_dim=128, value_dim=128,
@@ -338,10 +343,11 @@ def test_describe_names_the_decode_row():
 
 
 def test_forward_grids_of_few_waves_take_two_blocks_per_multiprocessor():
-    """Hopper, D = 64 and 128: a forward grid of few waves of the table's 192-row blocks
-    (under 24 and 8: B = 1 prefill, a short query block over a long cache) takes 128-row
-    tiles at two blocks per multiprocessor; a full grid, an unknown one (the backward, variable-length
-    calls), other widths and score options keep their rows."""
+    """Hopper, D = 128 without a band: a forward grid under 8 waves of 192-row blocks (B = 1
+    prefill, a short query block over a long cache) takes 128-row tiles at two blocks per
+    multiprocessor, a full grid or an unknown one (the backward, variable-length calls)
+    256-row tiles; D <= 64 takes two 128-row blocks per multiprocessor at any grid; other
+    widths and score options keep their rows."""
     def forward(head_dim, query_heads, n_q, n_k=8192, **fields):
         problem = Problem(dtype="float16", head_dim=head_dim, value_dim=head_dim, n_k=n_k,
                           query_heads=query_heads, n_q=n_q, multiprocessors=132, **fields,
@@ -351,9 +357,9 @@ def test_forward_grids_of_few_waves_take_two_blocks_per_multiprocessor():
     assert forward(128, 16, 4096) == tiles.WgmmaTiles(128, 64, 2, 2)
     assert forward(128, 64, 512) == tiles.WgmmaTiles(128, 64, 2, 2)
     assert forward(64, 32, 8192) == tiles.WgmmaTiles(128, 128, 2, 2)
-    assert forward(128, 64, 16384) == tiles.WgmmaTiles(192, 128, 2)  # 43 waves
-    assert forward(64, 128, 16384) == tiles.WgmmaTiles(192, 128, 2)
-    assert forward(128, 0, 0) == tiles.WgmmaTiles(192, 128, 2)
+    assert forward(128, 64, 16384) == tiles.WgmmaTiles(256, 64, 2)  # 43 waves
+    assert forward(64, 128, 16384) == tiles.WgmmaTiles(128, 128, 2, 2)
+    assert forward(128, 0, 0) == tiles.WgmmaTiles(256, 64, 2)
     assert forward(96, 16, 4096) == forward(96, 0, 0)
     assert forward(128, 16, 4096, score_options=True) == forward(128, 0, 0, score_options=True)
     assert Problem(dtype="float16", head_dim=64, value_dim=64, n_k=1, query_heads=10, n_q=400,

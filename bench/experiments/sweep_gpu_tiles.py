@@ -41,6 +41,7 @@ def candidates(family: str, direction: str):
                 (64, 128, 192), (64, 128), (2, 3), (1, 2)):
             if per_sm == 1 or block_q <= 128:
                 yield tiles.WgmmaTiles(block_q, block_k, stages, per_sm)
+        yield tiles.WgmmaTiles(256, 64, 2)  # four warpgroups: 128 registers, D <= 128
     elif family == "wgmma":
         for dq, dkdv, stages, split in itertools.product(
                 ((128, 64), (192, 64), (128, 32), (64, 64)),
@@ -111,6 +112,16 @@ def _checked(job) -> str | None:
         return str(error).splitlines()[0][:160]
 
 
+def _named(config, only: str) -> bool:
+    """Whether a wgmma forward `config` is one of `only`'s comma-separated names."""
+    if not isinstance(config, tiles.WgmmaTiles):
+        return True
+    name = f"{config.block_q}x{config.block_k}x{config.stages}"
+    names = only.split(",")
+    return (f"{name}/{config.blocks_per_sm}" in names
+            or (config.blocks_per_sm == 1 and name in names))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("wgmma", "mma", "tf32"), default="wgmma")
@@ -119,6 +130,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--n", default="1024,4096")
     parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--only", default=None,
+                        help="wgmma forward candidates to time, e.g. 192x128x2,128x64x2/2 "
+                             "(block_q x block_k x stages [/ blocks per SM]); default: all")
     args = parser.parse_args()
     limit = shared_memory_limit(cupy.cuda.Device().id)
     flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
@@ -139,6 +153,8 @@ def main() -> None:
             results = []
             configs = []
             for config in candidates(args.family, args.direction):
+                if args.only and not _named(config, args.only):
+                    continue
                 if args.direction == "forward":
                     fits = config.shared_bytes(widths) <= limit
                 else:

@@ -371,10 +371,12 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
 _BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK_K}
 
 
-# Hopper's paged tiles where pages are shorter than the table's key tiles, D and Dv <= 128:
-# bench/experiments/paged_prefill_gpu.py --tiles (B 4, H 16, 512 rows onto 8704 keys, D 128,
-# causal, NOTES-gpu v23): 0.437 / 0.511 ms at pages of 64 / 16 against 0.659 for 192 x 64
-# (the table's 192 x 128 shrunk to a page) and 0.720 for 192 x 128 (a lookup per row).
+# Hopper's paged tiles, D and Dv <= 128: bench/experiments/paged_prefill_gpu.py --tiles (B 4,
+# H 16, 512 rows onto 8704 keys, D 128, causal, NOTES-gpu v23): 0.437 / 0.511 ms at pages of
+# 64 / 16 against 0.659 for 192 x 64 (192 x 128 shrunk to a page) and 0.720 for 192 x 128 (a
+# lookup per row); v28: 0.425-0.444 / 0.433 at pages of 64 / 256 against 0.451-0.455 /
+# 0.451-0.465 for two 128 x 64 blocks (the table's banded row) and 0.534-0.604 at 256 for
+# 192 x 128.
 _WGMMA_PAGED = WgmmaTiles(256, 64, 2)
 
 
@@ -384,15 +386,17 @@ def _within_pages(choice: Choice, sequences: Sequences, width: int,
     height, so that each tile lies in one page and costs one block-table lookup
     (sequences.cuh, PagedRows::for_tile) instead of one per row, a dependent load before
     each row's copy. Smaller pages keep the table's tiles (a lookup per row); on Hopper,
-    head dims (`width`: the larger of D and Dv) up to 128 take `_WGMMA_PAGED` whenever the
-    table's key tiles span pages, unless `keep_rows` (named tiles, score options)."""
+    head dims (`width`: the larger of D and Dv) above 64 and up to 128 take `_WGMMA_PAGED` at
+    every page size, and up to 64 where the table's key tiles span pages (measured there
+    only), unless `keep_rows` (named tiles, score options)."""
     page = sequences.page_size
     if not sequences.paged or choice.family not in _BUILT_BLOCK_K:
         return choice
-    if choice.tiles.block_k <= page and page % choice.tiles.block_k == 0:
-        return choice
-    if choice.family == "wgmma" and width <= 128 and not keep_rows:
+    spans = not (choice.tiles.block_k <= page and page % choice.tiles.block_k == 0)
+    if choice.family == "wgmma" and width <= 128 and not keep_rows and (spans or width > 64):
         return replace(choice, tiles=_WGMMA_PAGED)
+    if not spans:
+        return choice
     fitting = [b for b in _BUILT_BLOCK_K[choice.family] if b <= page and page % b == 0]
     if not fitting:
         return choice

@@ -262,13 +262,9 @@ class Row:
 WGMMA_FORWARD = [
     Row(When(64, score_options=True), WgmmaTiles(192, 128, 2),
         "v9: softcap/ALiBi/dropout at D=64, three warpgroups"),
-    Row(When(32), WgmmaTiles(128, 128, 2, 2),
-        "v14: D<=32 N=16k, two blocks per SM: 270/266 TFLOP/s vs 212/197 (192x128)"),
-    Row(When(64, max_keys=4096), WgmmaTiles(128, 128, 2, 2),
-        "v10: N<=4k at D=64, two blocks per SM cover a block's prologue"),
-    Row(When(64, max_waves=24), WgmmaTiles(128, 128, 2, 2),
-        "v23: grids under 24 waves of 192-row blocks (B=1, short query blocks): 4-25 % faster"),
-    Row(When(64), WgmmaTiles(192, 128, 2), "v10: D=64 N=1k-16k, three warpgroups"),
+    Row(When(64), WgmmaTiles(128, 128, 2, 2),
+        "v28: D<=64, two blocks per SM at every N (FA shapes N=16k: 386/374 TFLOP/s vs "
+        "353/329 for 192x128, full/causal; v14: 270/266 vs 212/197 at D<=32)"),
     Row(When(128, score_options=True), WgmmaTiles(192, 64, 3),
         "v9: score options at D=128 spill with 128-key tiles (ptxas: 148 bytes)"),
     Row(When(96, max_keys=1024), WgmmaTiles(128, 64, 3, 2),
@@ -277,8 +273,20 @@ WGMMA_FORWARD = [
         "v14: N<=1k at D=112, three warpgroups: 266 TFLOP/s vs 238 (two 128x64 blocks)"),
     Row(When(128, max_keys=1024), WgmmaTiles(128, 64, 2, 2),
         "v10: N<=1k at D=128, two blocks per SM"),
+    Row(When(80, min_width=64), WgmmaTiles(256, 64, 2),
+        "v28: D=65-80, four warpgroups (D=80 N=4k/16k: 354/377 TFLOP/s vs 317/351 for "
+        "192x128, causal 292/339 vs 274/322)"),
+    Row(When(112, min_width=96, banded=False), WgmmaTiles(256, 64, 2),
+        "v28: D=97-112 without a band, four warpgroups (D=112 N=4k/16k: 404/414 TFLOP/s vs "
+        "376/390 for 192x128; causal and D=96 keep 192x128)"),
+    Row(When(128, min_width=112, banded=True), WgmmaTiles(128, 64, 2, 2),
+        "v28: banded D=128, two blocks per SM (FA shapes causal N=4k/16k: 387/454 TFLOP/s "
+        "vs 358/409 for 192x128, 311/427 for 256x64)"),
     Row(When(128, min_width=112, max_waves=8), WgmmaTiles(128, 64, 2, 2),
         "v23: D=128 grids under 8 waves of 192-row blocks: 10-40 % faster (B=1, prefill)"),
+    Row(When(128, min_width=112), WgmmaTiles(256, 64, 2),
+        "v28: D=128, four warpgroups (FA shapes N=4k/16k: 469/491 TFLOP/s vs 416/433 for "
+        "192x128, 457/470 for two 128x64 blocks)"),
     Row(When(128), WgmmaTiles(192, 128, 2), "v10: D=128 N=2k-16k, three warpgroups"),
     Row(When(192), WgmmaTiles(128, 64, 3),
         "v14: D<=192, two warpgroups; O's 96 registers leave no room for 128-key scores"),
