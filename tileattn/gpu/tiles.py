@@ -256,9 +256,9 @@ class Row:
     note: str
 
 
-# Hopper forward. D <= 64 and 64 < D <= 128 are the v10-v13b sweeps at D = 64 and 128; the
-# other widths start from the registers ptxas reports per width (bench/NOTES-gpu.md, v14)
-# until bench/experiments/sweep_gpu_tiles.py measures them.
+# Hopper forward. D = 64, 80, 96, 112 and 128 are bench/experiments/sweep_gpu_tiles.py's
+# (v10-v13b, v28: FlashAttention's shapes, N = 1k-16k); the other widths start from the
+# registers ptxas reports per width (bench/NOTES-gpu.md, v14) until the sweep measures them.
 WGMMA_FORWARD = [
     Row(When(64, score_options=True), WgmmaTiles(192, 128, 2),
         "v9: softcap/ALiBi/dropout at D=64, three warpgroups"),
