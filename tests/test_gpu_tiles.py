@@ -135,6 +135,30 @@ def test_rows_follow_the_key_count_and_options():
     assert wide.tiles.split  # D + Dv > 256: dK and dV in two kernels
 
 
+def test_paged_forwards_take_tiles_within_pages():
+    """Paged K/V: Hopper D 65-128 take the four-warpgroup 64-key tiles at any page size,
+    D <= 64 only where the table's key tiles span pages; other families shrink their key
+    tiles to a page where they are built for that height; named tiles and score options
+    (`keep_rows`) and the generic kernels keep theirs."""
+    def wgmma(tiles_):
+        return Choice("wgmma", tiles_, "row")
+
+    banded_128 = wgmma(tiles.WgmmaTiles(128, 64, 2, 2))
+    for page in (16, 64, 256):
+        assert tiles.within_pages(banded_128, page, 128, False).tiles == tiles.WGMMA_PAGED
+    d64 = wgmma(tiles.WgmmaTiles(128, 128, 2, 2))
+    assert tiles.within_pages(d64, 256, 64, False) == d64
+    assert tiles.within_pages(d64, 64, 64, False).tiles == tiles.WGMMA_PAGED
+    options_row = wgmma(tiles.WgmmaTiles(192, 128, 2))
+    assert tiles.within_pages(options_row, 64, 64, True).tiles == tiles.WgmmaTiles(192, 64, 2)
+    assert tiles.within_pages(options_row, 16, 64, True) == options_row  # no 16-key wgmma
+    mma = Choice("mma", tiles.MmaTiles(128, 128), "row")
+    assert tiles.within_pages(mma, 64, 128, False).tiles == tiles.MmaTiles(128, 64)
+    assert tiles.within_pages(mma, 32, 256, False).tiles == tiles.MmaTiles(128, 32)
+    generic = Choice("generic", None, "row")
+    assert tiles.within_pages(generic, 16, 128, False) == generic
+
+
 def test_widths_pad_to_the_tensor_cores_k_step():
     assert Widths.padded(33, 100, 16) == Widths(48, 112)
     assert Widths.padded(33, 100, 8) == Widths(40, 104)

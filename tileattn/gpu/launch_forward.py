@@ -4,7 +4,7 @@ turns its row into compile-time defines, a grid and arguments."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -16,9 +16,9 @@ from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, plan_key, problem_for, remember, score_arguments,
                        shared_memory_limit, sm_count, tensor_core_operands)
-from .tiles import (MMA_BLOCK_K, TF32_BLOCK_K, WGMMA_BLOCK_K, Choice, MmaTiles, Tf32Tiles,
-                    WgmmaTiles, Widths, choose_decode, choose_forward,
-                    forward_resident_blocks, key_shares, with_key_splits)
+from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
+                    choose_forward, forward_resident_blocks, key_shares, with_key_splits,
+                    within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -351,11 +351,13 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         return o, lse
     sequences = Sequences(q, k, options, forward=True)
     switches = Switches.of(options)
-    # Named tiles stay; score options spill in _WGMMA_PAGED (ptxas: 172-180 bytes).
+    # Named tiles stay; score options spill in tiles.WGMMA_PAGED (ptxas: 172-180 bytes).
     keep_rows = (options.block_q is not None or options.block_k is not None
                  or switches.softcap or switches.alibi or switches.dropout)
-    choice = _within_pages(choose(q, k, v, options, sequences), sequences,
-                           max(q.shape[3], v.shape[3]), keep_rows)
+    choice = choose(q, k, v, options, sequences)
+    if sequences.paged:
+        choice = within_pages(choice, sequences.page_size, max(q.shape[3], v.shape[3]),
+                              keep_rows)
     fills = choice.family != "decode" and not sequences.covers_every_row
     if fills:  # (a split launch's merge writes every row anyway)
         o.fill(0)
@@ -367,37 +369,3 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     return o, lse
 
 
-# The key-tile heights each query-tile family is built and tested for.
-_BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK_K}
-
-
-# Hopper's paged tiles, D and Dv <= 128: bench/experiments/paged_prefill_gpu.py --tiles (B 4,
-# H 16, 512 rows onto 8704 keys, D 128, causal, NOTES-gpu v23): 0.437 / 0.511 ms at pages of
-# 64 / 16 against 0.659 for 192 x 64 (192 x 128 shrunk to a page) and 0.720 for 192 x 128 (a
-# lookup per row); v28: 0.425-0.444 / 0.433 at pages of 64 / 256 against 0.451-0.455 /
-# 0.451-0.465 for two 128 x 64 blocks (the table's banded row) and 0.534-0.604 at 256 for
-# 192 x 128.
-_WGMMA_PAGED = WgmmaTiles(256, 64, 2)
-
-
-def _within_pages(choice: Choice, sequences: Sequences, width: int,
-                  keep_rows: bool) -> Choice:
-    """For paged K/V, key tiles no taller than a page where the family is built for such a
-    height, so that each tile lies in one page and costs one block-table lookup
-    (sequences.cuh, PagedRows::for_tile) instead of one per row, a dependent load before
-    each row's copy. Smaller pages keep the table's tiles (a lookup per row); on Hopper,
-    head dims (`width`: the larger of D and Dv) above 64 and up to 128 take `_WGMMA_PAGED` at
-    every page size, and up to 64 where the table's key tiles span pages (measured there
-    only), unless `keep_rows` (named tiles, score options)."""
-    page = sequences.page_size
-    if not sequences.paged or choice.family not in _BUILT_BLOCK_K:
-        return choice
-    spans = not (choice.tiles.block_k <= page and page % choice.tiles.block_k == 0)
-    if choice.family == "wgmma" and width <= 128 and not keep_rows and (spans or width > 64):
-        return replace(choice, tiles=_WGMMA_PAGED)
-    if not spans:
-        return choice
-    fitting = [b for b in _BUILT_BLOCK_K[choice.family] if b <= page and page % b == 0]
-    if not fitting:
-        return choice
-    return replace(choice, tiles=replace(choice.tiles, block_k=max(fitting)))

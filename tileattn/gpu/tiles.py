@@ -381,6 +381,40 @@ MMA_BLOCK_K = (32, 64, 128)
 TF32_BLOCK_Q = (64, 128)
 TF32_BLOCK_K = (32, 64)
 
+# The key-tile heights each query-tile family is built and tested for.
+BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK_K}
+
+
+# Hopper's paged tiles, D and Dv <= 128: bench/experiments/paged_prefill_gpu.py --tiles (B 4,
+# H 16, 512 rows onto 8704 keys, D 128, causal, NOTES-gpu v23): 0.437 / 0.511 ms at pages of
+# 64 / 16 against 0.659 for 192 x 64 (192 x 128 shrunk to a page) and 0.720 for 192 x 128 (a
+# lookup per row); v28: 0.425-0.444 / 0.433 at pages of 64 / 256 against 0.451-0.455 /
+# 0.451-0.465 for two 128 x 64 blocks (the table's banded row) and 0.534-0.604 at 256 for
+# 192 x 128.
+WGMMA_PAGED = WgmmaTiles(256, 64, 2)
+
+
+def within_pages(choice: Choice, page: int, width: int, keep_rows: bool) -> Choice:
+    """For paged K/V (pages of `page` keys), key tiles no taller than a page where the
+    family is built for such a height, so that each tile lies in one page and costs one
+    block-table lookup
+    (sequences.cuh, PagedRows::for_tile) instead of one per row, a dependent load before
+    each row's copy. Smaller pages keep the table's tiles (a lookup per row); on Hopper,
+    head dims (`width`: the larger of D and Dv) above 64 and up to 128 take `WGMMA_PAGED` at
+    every page size, and up to 64 where the table's key tiles span pages (measured there
+    only), unless `keep_rows` (named tiles, score options)."""
+    if choice.family not in BUILT_BLOCK_K:
+        return choice
+    spans = not (choice.tiles.block_k <= page and page % choice.tiles.block_k == 0)
+    if choice.family == "wgmma" and width <= 128 and not keep_rows and (spans or width > 64):
+        return replace(choice, tiles=WGMMA_PAGED)
+    if not spans:
+        return choice
+    fitting = [b for b in BUILT_BLOCK_K[choice.family] if b <= page and page % b == 0]
+    if not fitting:
+        return choice
+    return replace(choice, tiles=replace(choice.tiles, block_k=max(fitting)))
+
 
 # --------------------------------------------------------------------------- the choice
 
