@@ -1,5 +1,5 @@
 """An experiment: the float32 forward's two tile products on the vector registers, in LLVM
-IR through Numba, against SciPy's OpenBLAS (Numba's ``np.dot``) and torch's MKL.
+IR through Numba, against OpenBLAS (``np.dot``, one thread) and torch's MKL.
 
     PYTHONPATH=. python bench/experiments/gemm_microkernel_cpu.py
 
