@@ -17,7 +17,6 @@ import os
 import sys
 
 import cupy
-import numpy as np
 
 from tileattn.gpu import launch_backward, launch_forward
 from tileattn.gpu.tiles import WgmmaBackwardTiles, WgmmaTiles
@@ -25,16 +24,17 @@ from tileattn.gpu.varlen import Sequences
 from tileattn.validation import validate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_gpu_varlen import HEAD_DIM, HEADS, make_packed_batch, parse_args  # noqa: E402
 from gpu_timing import back_to_back_ms  # noqa: E402
 
-HEADS, HEAD_DIM, CALLS = 16, 128, 10
+CALLS = 10
 FORWARD = [WgmmaTiles(192, 128, 2), WgmmaTiles(128, 128, 2, 2), WgmmaTiles(128, 64, 2, 2),
            WgmmaTiles(128, 64, 3, 2), WgmmaTiles(256, 64, 2), WgmmaTiles(192, 64, 3),
            WgmmaTiles(128, 128, 2), WgmmaTiles(64, 128, 2, 2)]
-BACKWARD = [WgmmaBackwardTiles((192, 64), (128, 64), 2), WgmmaBackwardTiles((192, 64), (128, 64), 3),
-            WgmmaBackwardTiles((128, 64), (128, 64), 2), WgmmaBackwardTiles((128, 64), (128, 64), 3),
-            WgmmaBackwardTiles((192, 64), (64, 64), 2), WgmmaBackwardTiles((128, 64), (64, 64), 3),
-            WgmmaBackwardTiles((64, 64), (128, 64), 2), WgmmaBackwardTiles((192, 64), (192, 64), 2)]
+BACKWARD = [WgmmaBackwardTiles(dq, dkdv, stages) for dq, dkdv, stages in (
+    ((192, 64), (128, 64), 2), ((192, 64), (128, 64), 3), ((128, 64), (128, 64), 2),
+    ((128, 64), (128, 64), 3), ((192, 64), (64, 64), 2), ((128, 64), (64, 64), 3),
+    ((64, 64), (128, 64), 2), ((192, 64), (192, 64), 2))]
 
 
 def main() -> None:
@@ -46,17 +46,9 @@ def main() -> None:
                         help="comma-separated indices of the forward candidates to time")
     args = parser.parse_args()
     causal = not args.full
-    lengths = np.random.default_rng(0).integers(128, 8193, size=32)
-    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total = int(cu_seqlens[-1])
-    dtype = cupy.float16 if args.dtype == "float16" else None
-    rng = cupy.random.default_rng(0)
-
-    def draw(shape):
-        x = rng.standard_normal(shape, dtype=cupy.float32)
-        return x.astype(dtype) if dtype is not None else _bfloat16(x)
-
-    packed = [draw((HEADS, total, HEAD_DIM)) for _ in range(4)]
+    batch = make_packed_batch(parse_args(["--dtype", args.dtype]), args.dtype)
+    lengths, cu_seqlens, total = batch.lengths, batch.cu_seqlens, batch.total
+    packed = [batch.q, batch.k, batch.v, batch.do]
     dense = [a[None] for a in packed]
     defaults = dict(causal=causal, window=None, scale=None, softcap=None, alibi_slopes=None,
                     dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
@@ -73,8 +65,9 @@ def main() -> None:
     dense_flops = 4.0 * HEADS * HEAD_DIM * dense_kept
     print(f"{args.dtype}, {'causal' if causal else 'full'}, {total} tokens in 32 sequences")
     choice = launch_forward.choose(pq, pk, pv, packed_options, sequences)
-    print(f"table: {choice}, key shares "
-          f"{launch_forward._varlen_shares(choice, pq, packed_options, sequences)}")
+    rule = launch_forward._varlen_shares(choice, pq, packed_options, sequences)
+    blocks = len(sequences.tiles(choice.tiles.block_q)) * HEADS
+    print(f"table: {choice}, key shares {rule(blocks) if callable(rule) else rule}")
 
     def row(name, packed_call, dense_call, factor):
         try:
@@ -126,12 +119,6 @@ def main() -> None:
         lambda: tileattn.backward(dense[3], *dense[:3], od, lsed, causal=causal,
                                   backend="gpu"), 2.5)
     print(f"backward: packed (table) / best dense {rates[0] / best_dense:.3f}")
-
-
-def _bfloat16(x):
-    import ml_dtypes
-
-    return cupy.asarray(cupy.asnumpy(x).astype(ml_dtypes.bfloat16))
 
 
 if __name__ == "__main__":

@@ -350,12 +350,12 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         launch(q, k, v, o, lse)
         return o, lse
     sequences = Sequences(q, k, options, forward=True)
-    switches = Switches.of(options)
-    # Named tiles stay; score options spill in tiles.WGMMA_PAGED (ptxas: 172-180 bytes).
-    keep_rows = (options.block_q is not None or options.block_k is not None
-                 or switches.softcap or switches.alibi or switches.dropout)
     choice = choose(q, k, v, options, sequences)
     if sequences.paged:
+        # Named tiles stay; score options spill in tiles.WGMMA_PAGED (ptxas: 172-180 bytes).
+        switches = Switches.of(options)
+        keep_rows = (options.block_q is not None or options.block_k is not None
+                     or switches.softcap or switches.alibi or switches.dropout)
         choice = within_pages(choice, sequences.page_size, max(q.shape[3], v.shape[3]),
                               keep_rows)
     fills = choice.family != "decode" and not sequences.covers_every_row

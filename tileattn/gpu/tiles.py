@@ -397,9 +397,9 @@ WGMMA_PAGED = WgmmaTiles(256, 64, 2)
 def within_pages(choice: Choice, page: int, width: int, keep_rows: bool) -> Choice:
     """For paged K/V (pages of `page` keys), key tiles no taller than a page where the
     family is built for such a height, so that each tile lies in one page and costs one
-    block-table lookup
-    (sequences.cuh, PagedRows::for_tile) instead of one per row, a dependent load before
-    each row's copy. Smaller pages keep the table's tiles (a lookup per row); on Hopper,
+    block-table lookup (sequences.cuh, PagedRows::for_tile) instead of one per row, a
+    dependent load before each row's copy. Smaller pages keep the table's tiles (a lookup
+    per row); on Hopper,
     head dims (`width`: the larger of D and Dv) above 64 and up to 128 take `WGMMA_PAGED` at
     every page size, and up to 64 where the table's key tiles span pages (measured there
     only), unless `keep_rows` (named tiles, score options)."""
