@@ -134,6 +134,10 @@ def cases(quick: bool, dtypes) -> list:
         add("window 256", tokens // n, 16, 16, n, n, 128, options={"window": (256, 0)})
         add("dropout", tokens // n, 16, 16, n, n, 128,
             options={"dropout_p": 0.1, "seed": 3})
+        add("causal dropout", tokens // n, 16, 16, n, n, 128,
+            options={"causal": True, "dropout_p": 0.1, "seed": 3})
+        add("dropout D 64", tokens // n, 32, 32, n, n, 64,
+            options={"dropout_p": 0.1, "seed": 3})
     return listed
 
 

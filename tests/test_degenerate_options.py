@@ -3,7 +3,8 @@
 A scalar option (scale, softcap, an ALiBi slope) that rounds to zero or to a subnormal, or
 overflows, in the compute dtype (float32 for 16/32-bit inputs, float64 for float64) is
 rejected at the boundary with both values named: the backends would silently disagree on
-it. A ``0 < dropout_p < 2**-32`` drops nothing, and every backend treats it as off.
+it. A ``0 < dropout_p < 2**-16`` (the hash's resolution) drops nothing, and every backend
+treats it as off.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import numpy as np
 import pytest
 
 import tileattn
+from tileattn.dropout import RANDOM_BITS
 from tileattn.testing import assert_attention_close
+
+RESOLUTION = 2.0**-RANDOM_BITS  # the smallest dropout_p that drops anything
 
 
 def problem(dtype=np.float32, seed=0):
@@ -113,9 +117,9 @@ def test_values_the_compute_dtype_holds_are_accepted_on_every_backend(backend):
             assert_attention_close(grad, want, dtype, name=f"{name} with {options}")
 
 
-@pytest.mark.parametrize("dropout_p", [1e-300, 2.0**-33, 2.0**-32 * (1 - 2.0**-20)])
+@pytest.mark.parametrize("dropout_p", [1e-300, 2.0**-33, RESOLUTION / 2, RESOLUTION * (1 - 2.0**-20)])
 def test_dropout_below_the_hash_resolution_is_off_on_every_backend(backend, dropout_p):
-    """floor(dropout_p * 2**32) == 0 keeps every entry. The CPU kernels skipped the
+    """floor(dropout_p * 2**16) == 0 keeps every entry. The CPU kernels skipped the
     1 / (1 - p) rescale then and the golden model applied it; now every backend gets
     dropout_p = 0 and gives exactly the dropout-free result."""
     q, k, v, do = problem(np.float64)
@@ -129,10 +133,10 @@ def test_dropout_below_the_hash_resolution_is_off_on_every_backend(backend, drop
 
 
 def test_dropout_at_the_hash_resolution_rescales(backend):
-    """dropout_p = 2**-32 has threshold 1: dropout is on (rescaled by 1 / (1 - p)) and every
+    """dropout_p = 2**-16 has threshold 1: dropout is on (rescaled by 1 / (1 - p)) and every
     backend agrees with the golden model."""
     q, k, v, _ = problem(np.float64)
-    options = dict(dropout_p=2.0**-32, seed=5)
+    options = dict(dropout_p=RESOLUTION, seed=5)
     o = backend.forward(q, k, v, **options)
     golden = tileattn.forward(q, k, v, backend="reference", **options)
     assert_attention_close(o, golden, np.float64)

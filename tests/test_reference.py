@@ -181,14 +181,16 @@ def test_dropout_hash_known_values():
     assert dropout.fmix32(1) == 0x514E28B7
     assert dropout.fmix32(0) == 0
     assert dropout.dropout_threshold(0.0) == 0
-    assert dropout.dropout_threshold(0.5) == 2**31
+    assert dropout.dropout_threshold(0.5) == 2**15
+    assert dropout.dropout_threshold(0.3) == 19660  # floor(0.3 * 2**16)
     key = dropout.dropout_key(2**40 + 7)
-    row = dropout.row_states(key, 3, 5)
-    expected_row = dropout.fmix32((dropout.fmix32(key ^ 3) + 5) & 0xFFFFFFFF)
-    assert int(row) == expected_row
-    bits = dropout.fmix32((dropout.fmix32(expected_row ^ 9) + expected_row) & 0xFFFFFFFF)
-    assert bool(dropout.keep_mask(2**40 + 7, 0.3, 3, 5, 9)) == (
-        bits >= dropout.dropout_threshold(0.3))
+    # Rows 5 and 13 are one pair: one base, one hash a key; row 5 takes its low 16 bits.
+    base = dropout.fmix32((dropout.fmix32(key ^ 3) + 5) & 0xFFFFFFFF) & ~1
+    assert int(dropout.row_states(key, 3, 5)) == base
+    assert int(dropout.row_states(key, 3, 13)) == base | 1
+    bits = dropout.fmix32(((base ^ 9) * 0x9E3779B9 + base) & 0xFFFFFFFF)
+    for row, random in ((5, bits & 0xFFFF), (13, bits >> 16)):
+        assert bool(dropout.keep_mask(2**40 + 7, 0.3, 3, row, 9)) == (random >= 19660)
 
 
 def test_dropout_keep_rate_and_scaling():
@@ -197,6 +199,14 @@ def test_dropout_keep_rate_and_scaling():
     assert abs(keep.mean() - 0.75) < 0.01
     # Rows and heads get different patterns.
     assert (keep[0] != keep[1]).mean() > 0.3 and (keep[0, 0] != keep[0, 1]).mean() > 0.3
+    # The two rows that share a hash (i, i + 8) are independent: both kept at rate 0.75 ** 2.
+    pairs = keep.reshape(8, 8, 2, 8, 128)
+    assert abs((pairs[:, :, 0] & pairs[:, :, 1]).mean() - 0.75**2) < 0.01
+    # No row repeats another's pattern shifted by a few keys (chance agreement: 0.625).
+    rows = keep.reshape(-1, 128)
+    for shift in range(1, 9):
+        agreement = (rows[:, None, shift:] == rows[None, :, :-shift]).mean(axis=-1)
+        assert agreement.max() < 0.9, shift  # a shifted copy agrees at 1.0
     # Scaling by 1/(1-p) keeps the expectation: with uniform scores and v = 1, o averages 1.
     q, k, v = np.zeros((64, 64, 2)), np.zeros((64, 64, 2)), np.ones((64, 64, 1))
     o = tileattn.forward(q, k, v, dropout_p=0.25, seed=11, backend="reference")

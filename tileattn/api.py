@@ -200,8 +200,8 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
         Drops probabilities with the counter-based hash of `tileattn.dropout`, so every
         backend drops the same entries for the same `seed` (required when dropout_p > 0),
         and scales the kept ones by ``1 / (1 - dropout_p)``. The hash drops an entry when
-        its 32 random bits fall below ``floor(dropout_p * 2**32)``, so a
-        ``0 < dropout_p < 2**-32`` drops nothing: every backend treats it as 0 (no
+        its 16 random bits fall below ``floor(dropout_p * 2**16)``, so a
+        ``0 < dropout_p < 2**-16`` drops nothing: every backend treats it as 0 (no
         dropout, no rescale).
     block_q, block_k : int, optional
         Tile sizes; any positive int. Default: chosen by the backend for the cache size.

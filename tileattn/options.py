@@ -54,7 +54,7 @@ class AttentionOptions:
         whose product with log2(e) (and ``scale / softcap``) is finite there.
     dropout_p : float
         The effective dropout, in ``[0, 1)``: 0 when the caller's ``dropout_p`` is below
-        ``2**-32`` (the hash cannot drop anything at that rate), so backends never see
+        ``2**-16`` (the hash cannot drop anything at that rate), so backends never see
         a dropout that drops nothing but rescales.
     seed : int
         In ``[0, 2**64)``; 0 when dropout is off.

@@ -361,8 +361,8 @@ def check_seed(seed):
 def _normalise_dropout(dropout_p, seed):
     """``(dropout_p, seed)`` as every backend reads them: the effective dropout.
 
-    The dropout hash keeps an entry when its 32 random bits reach ``floor(p * 2**32)``
-    (`tileattn.dropout`), so a ``0 < p < 2**-32`` drops nothing. Such a p is off on every
+    The dropout hash keeps an entry when its 16 random bits reach ``floor(p * 2**16)``
+    (`tileattn.dropout`), so a ``0 < p < 2**-16`` drops nothing. Such a p is off on every
     backend: nothing dropped and no ``1 / (1 - p)`` rescale (the CPU kernels skipped the
     rescale while the golden model applied it). Any larger p drops and rescales by
     ``1 / (1 - p)`` as SPEC says. The seed is 0 whenever dropout is off.

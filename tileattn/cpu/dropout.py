@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..dropout import MIX_MULTIPLIER_1, MIX_MULTIPLIER_2
+from ..dropout import GOLDEN_RATIO_32, MIX_MULTIPLIER_1, MIX_MULTIPLIER_2
 
 _MASK32 = np.int64(0xFFFFFFFF)
 _MULTIPLIER_1 = np.int64(MIX_MULTIPLIER_1)
 _MULTIPLIER_2 = np.int64(MIX_MULTIPLIER_2)
+_GOLDEN_RATIO = np.int64(GOLDEN_RATIO_32)
 
 
 @njit
@@ -31,11 +32,17 @@ def fmix32(x):
 
 @njit
 def row_state(key, bh, row):
-    """``fmix32(fmix32(key ^ bh) + row)``, the per-query-row state (absolute `row`)."""
-    return fmix32((fmix32(key ^ (bh & _MASK32)) + row) & _MASK32)
+    """The per-query-row state of absolute `row`: its row pair's base, bit 0 its half."""
+    row &= _MASK32
+    base = fmix32((fmix32(key ^ (bh & _MASK32)) + (row & ~np.int64(8))) & _MASK32)
+    return (base & ~np.int64(1)) | ((row >> 3) & 1)
 
 
 @njit
 def keeps(state, column, threshold):
-    """Whether the score at absolute key `column` of the row with `state` survives dropout."""
-    return fmix32((fmix32(state ^ (column & _MASK32)) + state) & _MASK32) >= threshold
+    """Whether the score at absolute key `column` of the row with `state` survives dropout:
+    the row's 16 bits of its row pair's hash (the high half for the upper row) reach
+    `threshold`."""
+    base = state & ~np.int64(1)
+    bits = fmix32((((base ^ (column & _MASK32)) * _GOLDEN_RATIO) + base) & _MASK32)
+    return (bits >> 16 if state & 1 else bits & 0xFFFF) >= threshold

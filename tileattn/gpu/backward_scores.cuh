@@ -143,6 +143,62 @@ extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bi
 // per-warp slice): Frags n8 fragments, thread (quad_row, quad_col) holding rows quad_row
 // and quad_row + 8, columns 8 n + 2 quad_col + {0, 1}.
 
+// keep / (1 - dropout_p) of the rows `row_states` (r and r + 8) at `key`; RowPairs: they are
+// one row pair, so one hash serves both.
+template <bool RowPairs>
+__device__ __forceinline__ void dropout_factors_of_rows(const Scores& scores,
+                                                        const u32 (&row_states)[2], i64 key,
+                                                        float (&factors)[2]) {
+    factors[0] = factors[1] = 1.0f;
+    if (!DROPOUT) return;
+    const u32 col = static_cast<u32>(key) + scores.dropout_col0;
+    bool lower, upper;
+    if (RowPairs) {
+        const u32 bits = dropout_pair_bits(row_states[0], col);
+        lower = dropout_lower_keeps(bits, scores.dropout_threshold);
+        upper = dropout_upper_keeps(bits, scores.dropout_threshold);
+    } else {
+        lower = dropout_keeps(row_states[0], col, scores.dropout_threshold);
+        upper = dropout_keeps(row_states[1], col, scores.dropout_threshold);
+    }
+    factors[0] = lower ? scores.dropout_scale : 0.0f;
+    factors[1] = upper ? scores.dropout_scale : 0.0f;
+}
+
+template <bool RowPairs, int Frags>
+__device__ __forceinline__ void scores_to_ds_rows(const Scores& scores, float (&s)[Frags][4],
+                                                  const float (&dp)[Frags][4],
+                                                  const float (&row_lse)[2], const i64 (&rows)[2],
+                                                  const u32 (&row_states)[2],
+                                                  const float (&row_delta)[2], i64 key_start,
+                                                  bool masked, const TileMask& mask) {
+    const int quad_col = threadIdx.x % 4;
+    // This thread's keys are n * 8 + column past 2 * quad_col.
+    const Window kept[2] = {mask.row_window(static_cast<int>(rows[0] - mask.row0), 2 * quad_col),
+                            mask.row_window(static_cast<int>(rows[1] - mask.row0), 2 * quad_col)};
+#pragma unroll
+    for (int n = 0; n < Frags; ++n)
+#pragma unroll
+        for (int column = 0; column < 2; ++column) {
+            const i64 key = key_start + n * 8 + 2 * quad_col + column;
+            float factors[2];
+            dropout_factors_of_rows<RowPairs>(scores, row_states, key, factors);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int e = 2 * half + column;
+                const bool kept_pair = !masked || kept[half].keeps(n * 8 + column);
+                float capped_grad;
+                const float p = probability(scores, s[n][e], row_lse[half], rows[half], key,
+                                            kept_pair, &capped_grad);
+                // A masked dS is 0 by this select, not P = 0 times a dP that may be NaN
+                // there (a non-finite V or dO), nor a P that is NaN on a row whose lse is.
+                s[n][e] = kept_pair
+                              ? p * capped_grad * (dp[n][e] * factors[half] - row_delta[half])
+                              : 0.0f;
+            }
+        }
+}
+
 // dQ kernel: S -> dS = P * (dP * dropout - D) * softcap', in place.
 template <int Frags>
 __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Frags][4],
@@ -151,26 +207,12 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
                                              const u32 (&row_states)[2],
                                              const float (&row_delta)[2], i64 key_start,
                                              bool masked, const TileMask& mask) {
-    const int quad_col = threadIdx.x % 4;
-    // This thread's keys are n * 8 + (e & 1) past 2 * quad_col.
-    const Window kept[2] = {mask.row_window(static_cast<int>(rows[0] - mask.row0), 2 * quad_col),
-                            mask.row_window(static_cast<int>(rows[1] - mask.row0), 2 * quad_col)};
-#pragma unroll
-    for (int n = 0; n < Frags; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const i64 key = key_start + n * 8 + 2 * quad_col + (e & 1);
-            const bool kept_pair = !masked || kept[e >> 1].keeps(n * 8 + (e & 1));
-            float capped_grad;
-            const float p = probability(scores, s[n][e], row_lse[e >> 1], rows[e >> 1], key,
-                                        kept_pair, &capped_grad);
-            // A masked dS is 0 by this select, not P = 0 times a dP that may be NaN there
-            // (a non-finite V or dO), nor a P that is NaN on a row whose lse is.
-            s[n][e] = kept_pair ? p * capped_grad *
-                                      (dp[n][e] * dropout_factor(scores, row_states[e >> 1], key) -
-                                       row_delta[e >> 1])
-                                : 0.0f;
-        }
+    if (!DROPOUT || dropout_row_pair(row_states[0], row_states[1]))
+        scores_to_ds_rows<true>(scores, s, dp, row_lse, rows, row_states, row_delta, key_start,
+                                masked, mask);
+    else
+        scores_to_ds_rows<false>(scores, s, dp, row_lse, rows, row_states, row_delta, key_start,
+                                 masked, mask);
 }
 
 // dK/dV kernel: S^T -> P^T (after dropout) and dP^T -> dS^T in place, for this thread's two
@@ -185,6 +227,67 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
 // and inf * 0 would be NaN.
 // `mask` is relative to (query_start, the block's first key `col0`) and applies when
 // `masked`.
+// RowPairs: the queries n * 8 + ... of even n and the same of n + 1 (8 apart) are one row pair
+// for the dropout hash, so one hash a key serves both.
+template <bool RowPairs, int Frags, bool ZeroKeysPastEnd, bool QueryTail>
+__device__ __forceinline__ void transposed_probabilities_rows(
+    const Scores& scores, float (&st)[Frags][4], float (&dpt)[Frags][4], const float* lse_tile,
+    const float* delta_tile, i64 query_start, const i64 (&keys)[2], i64 col0, i64 n_q, i64 n_k,
+    bool masked, const TileMask& mask) {
+    const int quad_col = threadIdx.x % 4;
+    // This thread's queries are n * 8 + column past 2 * quad_col.
+    const Window kept[2] = {mask.column_window(static_cast<int>(keys[0] - col0), 2 * quad_col),
+                            mask.column_window(static_cast<int>(keys[1] - col0), 2 * quad_col)};
+#pragma unroll
+    for (int pair = 0; pair < (Frags + 1) / 2; ++pair)
+#pragma unroll
+        for (int column = 0; column < 2; ++column) {
+            u32 bits[2] = {0u, 0u};  // RowPairs: the pair's hash at each key
+            if (DROPOUT && RowPairs) {
+                const u32 lower = dropout_state(scores, query_start + pair * 16 + 2 * quad_col +
+                                                            column);
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    bits[half] = dropout_pair_bits(
+                        lower, static_cast<u32>(keys[half]) + scores.dropout_col0);
+            }
+#pragma unroll
+            for (int upper = 0; upper < 2; ++upper) {
+                const int n = 2 * pair + upper;
+                if (n >= Frags) break;
+                const int r = n * 8 + 2 * quad_col + column;
+                const i64 query = query_start + r;
+                const float query_lse =
+                    lse_in_logit_units(query < n_q ? lse_tile[r] : negative_infinity<float>());
+                const float query_delta = delta_tile[r];
+                const u32 row_state = RowPairs ? 0u : dropout_state(scores, query);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int e = 2 * half + column;
+                    const i64 key = keys[half];
+                    const bool kept_pair = (!masked || kept[half].keeps(n * 8 + column)) &&
+                                           (!QueryTail || query < n_q);
+                    float capped_grad;
+                    float p = probability(scores, st[n][e], query_lse, query, key, kept_pair,
+                                          &capped_grad);
+                    if (ZeroKeysPastEnd && key >= n_k) p = 0.0f;
+                    float factor = 1.0f;
+                    if (DROPOUT && RowPairs)
+                        factor = (upper ? dropout_upper_keeps(bits[half], scores.dropout_threshold)
+                                        : dropout_lower_keeps(bits[half], scores.dropout_threshold))
+                                     ? scores.dropout_scale
+                                     : 0.0f;
+                    else if (DROPOUT)
+                        factor = dropout_factor(scores, row_state, key);
+                    // Masked P^T and dS^T are 0 by select (as in scores_to_ds).
+                    st[n][e] = kept_pair ? p * factor : 0.0f;
+                    dpt[n][e] = kept_pair ? p * capped_grad * (dpt[n][e] * factor - query_delta)
+                                          : 0.0f;
+                }
+            }
+        }
+}
+
 template <int Frags, bool ZeroKeysPastEnd, bool QueryTail>
 __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
                                                          float (&st)[Frags][4],
@@ -194,35 +297,14 @@ __device__ __forceinline__ void transposed_probabilities(const Scores& scores,
                                                          i64 query_start, const i64 (&keys)[2],
                                                          i64 col0, i64 n_q, i64 n_k,
                                                          bool masked, const TileMask& mask) {
-    const int quad_col = threadIdx.x % 4;
-    // This thread's queries are n * 8 + column past 2 * quad_col.
-    const Window kept[2] = {mask.column_window(static_cast<int>(keys[0] - col0), 2 * quad_col),
-                            mask.column_window(static_cast<int>(keys[1] - col0), 2 * quad_col)};
-#pragma unroll
-    for (int n = 0; n < Frags; ++n)
-#pragma unroll
-        for (int column = 0; column < 2; ++column) {
-            const int r = n * 8 + 2 * quad_col + column;
-            const i64 query = query_start + r;
-            const float query_lse =
-                lse_in_logit_units(query < n_q ? lse_tile[r] : negative_infinity<float>());
-            const float query_delta = delta_tile[r];
-            const u32 row_state = dropout_state(scores, query);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int e = 2 * half + column;
-                const i64 key = keys[half];
-                const bool kept_pair =
-                    (!masked || kept[half].keeps(n * 8 + column)) && (!QueryTail || query < n_q);
-                float capped_grad;
-                float p = probability(scores, st[n][e], query_lse, query, key, kept_pair,
-                                      &capped_grad);
-                if (ZeroKeysPastEnd && key >= n_k) p = 0.0f;
-                const float factor = dropout_factor(scores, row_state, key);
-                // Masked P^T and dS^T are 0 by select (as in scores_to_ds).
-                st[n][e] = kept_pair ? p * factor : 0.0f;
-                dpt[n][e] = kept_pair ? p * capped_grad * (dpt[n][e] * factor - query_delta)
-                                      : 0.0f;
-            }
-        }
+    // Queries i and i + 8 of 16 are one row pair where the tile's global start is a
+    // multiple of 16.
+    if (!DROPOUT || ((static_cast<u32>(query_start) + scores.dropout_row0) & 15u) == 0u)
+        transposed_probabilities_rows<true, Frags, ZeroKeysPastEnd, QueryTail>(
+            scores, st, dpt, lse_tile, delta_tile, query_start, keys, col0, n_q, n_k, masked,
+            mask);
+    else
+        transposed_probabilities_rows<false, Frags, ZeroKeysPastEnd, QueryTail>(
+            scores, st, dpt, lse_tile, delta_tile, query_start, keys, col0, n_q, n_k, masked,
+            mask);
 }

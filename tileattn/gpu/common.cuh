@@ -71,7 +71,8 @@ __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
 // ------------------------------------------------------------------ dropout hash
-// Bit-identical to tileattn/dropout.py: MurmurHash3's fmix32 on wrapping uint32 arithmetic.
+// Bit-identical to tileattn/dropout.py (its docstring is the specification): MurmurHash3's
+// fmix32 on wrapping uint32 arithmetic.
 
 __device__ __forceinline__ u32 fmix32(u32 x) {
     x ^= x >> 16;
@@ -84,13 +85,41 @@ __device__ __forceinline__ u32 fmix32(u32 x) {
 
 // Once per query row: `key` is derived from the seed on the host (dropout_key), `bh` is
 // b * Hq + h of the query head, `row` the global query row (the kernels add the host's
-// dropout_row0 to their own row index: a call may be a block of a longer sequence).
+// dropout_row0 to their own row index: a call may be a block of a longer sequence). Rows
+// i and i ^ 8 share a base (bit 0 clear); a row's state is the base with bit 0 saying
+// whether it is the pair's upper row.
 __device__ __forceinline__ u32 dropout_row_state(u32 key, u32 bh, u32 row) {
-    return fmix32(fmix32(key ^ bh) + row);
+    const u32 base = fmix32(fmix32(key ^ bh) + (row & ~8u)) & ~1u;
+    return base | ((row >> 3) & 1u);
+}
+
+// 32 random bits for a row pair at key `col`: 16 each, the low half the lower row's. One mix
+// serves the rows i and i + 8 that a thread of a tensor-core fragment holds.
+__device__ __forceinline__ u32 dropout_pair_bits(u32 row_state, u32 col) {
+    const u32 base = row_state & ~1u;
+    return fmix32((base ^ col) * 0x9E3779B9u + base);
+}
+
+// `threshold` is floor(dropout_p * 2^16): an entry survives when its 16 bits reach it. The
+// upper row's bits are the high half, compared without shifting them down.
+__device__ __forceinline__ bool dropout_lower_keeps(u32 bits, u32 threshold) {
+    return (bits & 0xFFFFu) >= threshold;
+}
+__device__ __forceinline__ bool dropout_upper_keeps(u32 bits, u32 threshold) {
+    return bits >= (threshold << 16);
 }
 
 __device__ __forceinline__ bool dropout_keeps(u32 row_state, u32 col, u32 threshold) {
-    return fmix32(fmix32(row_state ^ col) + row_state) >= threshold;
+    const u32 bits = dropout_pair_bits(row_state, col);
+    return (row_state & 1u) ? dropout_upper_keeps(bits, threshold)
+                            : dropout_lower_keeps(bits, threshold);
+}
+
+// Whether `lower` and `upper` are the states of one row pair, lower row first: then one
+// dropout_pair_bits serves both (true of a fragment's rows r and r + 8 whenever the call's
+// row offset is a multiple of 16).
+__device__ __forceinline__ bool dropout_row_pair(u32 lower, u32 upper) {
+    return (lower & 1u) == 0u && upper == (lower | 1u);
 }
 
 // ------------------------------------------------------------------ the attention band

@@ -180,21 +180,47 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[RowTiles][KeyFrag
 }
 
 // Dropout zeroes entries of the P that multiplies V (not of the row sum); the 1 / (1 - p)
-// factor is applied once to O at the end. `col_start` is the tile's global key position.
-template <int RowTiles, int KeyFrags>
-__device__ __forceinline__ void drop_probabilities(float (&s)[RowTiles][KeyFrags][4],
-                                                   const u32 (&row_states)[RowTiles][2],
-                                                   i64 col_start, u32 threshold) {
-    const int quad_col = threadIdx.x % 4;
+// factor is applied once to O at the end. A thread's rows r and r + 8 (e = 0, 1 and 2, 3)
+// share one hash a key where they are a row pair (RowPairs).
+template <bool RowPairs, int RowTiles, int KeyFrags>
+__device__ __forceinline__ void drop_row_pairs(float (&s)[RowTiles][KeyFrags][4],
+                                               const u32 (&row_states)[RowTiles][2],
+                                               u32 first_col, u32 threshold) {
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m)
 #pragma unroll
         for (int n = 0; n < KeyFrags; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u32 col = static_cast<u32>(col_start + n * 8 + 2 * quad_col + (e & 1));
-                if (!dropout_keeps(row_states[m][e >> 1], col, threshold)) s[m][n][e] = 0.0f;
+            for (int column = 0; column < 2; ++column) {
+                const u32 col = first_col + n * 8 + column;
+                bool lower, upper;
+                if (RowPairs) {
+                    const u32 bits = dropout_pair_bits(row_states[m][0], col);
+                    lower = dropout_lower_keeps(bits, threshold);
+                    upper = dropout_upper_keeps(bits, threshold);
+                } else {
+                    lower = dropout_keeps(row_states[m][0], col, threshold);
+                    upper = dropout_keeps(row_states[m][1], col, threshold);
+                }
+                if (!lower) s[m][n][column] = 0.0f;
+                if (!upper) s[m][n][2 + column] = 0.0f;
             }
+}
+
+// `col_start` is the tile's global key position.
+template <int RowTiles, int KeyFrags>
+__device__ __forceinline__ void drop_probabilities(float (&s)[RowTiles][KeyFrags][4],
+                                                   const u32 (&row_states)[RowTiles][2],
+                                                   i64 col_start, u32 threshold) {
+    const u32 first_col = static_cast<u32>(col_start) + 2u * (threadIdx.x % 4);
+    bool pairs = true;
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m)
+        pairs = pairs && dropout_row_pair(row_states[m][0], row_states[m][1]);
+    if (pairs)
+        drop_row_pairs<true>(s, row_states, first_col, threshold);
+    else
+        drop_row_pairs<false>(s, row_states, first_col, threshold);
 }
 
 // Deferred normalisation and the stores of o (rows of ValueDim columns; OutFrags * 8 >=

@@ -58,6 +58,7 @@ class Problem:
     score_options: bool = False
     banded: bool = False
     per_row_options: bool = False  # ALiBi or dropout (a slope or hash state per query head)
+    dropout: bool = False
     block_q: int | None = None
     block_k: int | None = None
     # The forward's grid: B x Hq query heads of Nq rows on `multiprocessors` SMs (0: not
@@ -109,7 +110,8 @@ class When:
     """A row's condition: padded widths up to `max_width` (both D and Dv) and above
     `min_width` (the wider of them), where given up to `max_sum` for D + Dv; at most
     `max_keys` keys; a forward grid of fewer than `max_waves` waves of `wave_tiles`
-    (block_q, blocks per SM) blocks; score options and a band as given (None: either)."""
+    (block_q, blocks per SM) blocks; score options, dropout and a band as given (None:
+    either)."""
 
     max_width: int
     max_sum: int = 2 * MAX_TENSOR_CORE_DIM
@@ -119,6 +121,7 @@ class When:
     min_width: int = 0
     max_waves: float | None = None
     wave_tiles: tuple[int, int] = (192, 1)
+    dropout: bool | None = None
 
     def matches(self, problem: Problem, widths: Widths) -> bool:
         waves = problem.waves(*self.wave_tiles) if self.max_waves is not None else None
@@ -127,6 +130,7 @@ class When:
                 and (self.max_keys is None or problem.n_k <= self.max_keys)
                 and (self.max_waves is None or (waves is not None and waves < self.max_waves))
                 and (self.score_options is None or self.score_options == problem.score_options)
+                and (self.dropout is None or self.dropout == problem.dropout)
                 and (self.banded is None or self.banded == problem.banded))
 
 
@@ -260,8 +264,12 @@ class Row:
 # (v10-v13b, v28: FlashAttention's shapes, N = 1k-16k); the other widths start from the
 # registers ptxas reports per width (bench/NOTES-gpu.md, v14) until the sweep measures them.
 WGMMA_FORWARD = [
+    Row(When(64, dropout=True), WgmmaTiles(128, 128, 2, 2),
+        "v29: dropout at D<=64 (N=4k: 236/219 TFLOP/s vs 204/182 for 192x128, full/causal)"),
+    Row(When(128, dropout=True), WgmmaTiles(128, 64, 2, 2),
+        "v29: dropout at D<=128 (D=128 N=4k: 311/296 TFLOP/s vs 293/257 for 192x64x3)"),
     Row(When(64, score_options=True), WgmmaTiles(192, 128, 2),
-        "v9: softcap/ALiBi/dropout at D=64, three warpgroups"),
+        "v9: softcap/ALiBi at D=64, three warpgroups"),
     Row(When(64), WgmmaTiles(128, 128, 2, 2),
         "v28: D<=64, two blocks per SM at every N (FA shapes N=16k: 386/374 TFLOP/s vs "
         "353/329 for 192x128, full/causal; v14: 270/266 vs 212/197 at D<=32)"),
