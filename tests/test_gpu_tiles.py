@@ -126,11 +126,8 @@ def test_rows_follow_the_key_count_and_options():
     assert forward(head_dim=112, value_dim=112) == tiles.WgmmaTiles(256, 64, 2)
     assert forward(head_dim=112, value_dim=112, banded=True) == tiles.WgmmaTiles(192, 128, 2)
     assert forward(n_k=1024) == tiles.WgmmaTiles(128, 64, 2, 2)
-    assert forward(score_options=True) == tiles.WgmmaTiles(192, 64, 3)
-    dropout = dict(score_options=True, per_row_options=True, dropout=True)
-    assert forward(**dropout) == tiles.WgmmaTiles(128, 64, 2, 2)
-    assert forward(head_dim=64, value_dim=64, **dropout) == tiles.WgmmaTiles(128, 128, 2, 2)
-    assert forward(head_dim=64, value_dim=64, score_options=True) == tiles.WgmmaTiles(192, 128, 2)
+    assert forward(score_options=True) == tiles.WgmmaTiles(128, 64, 2, 2)
+    assert forward(head_dim=64, value_dim=64, score_options=True) == tiles.WgmmaTiles(128, 128, 2, 2)
     banded = tiles.choose_backward(Problem(dtype="float16", head_dim=128, value_dim=128,
                                            n_k=8192, banded=True, **H100))
     assert banded.tiles.stages == 2

@@ -1,7 +1,8 @@
 """Sweep of a kernel family's tiles at any head dims: the experiment behind tileattn/gpu/tiles.py.
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_tiles.py --family wgmma --direction forward \
-        --dims 80,96,160 [--dtype float16] [--n 1024,4096] [--dropout 0.1]
+        --dims 80,96,160 [--dtype float16] [--n 1024,4096] [--dropout 0.1 | --softcap 30 |
+        --alibi]
 
 For each head dim (D or D:Dv), causal and not, and sequence length (batch * N = 16k tokens,
 hidden about 2048), every candidate configuration of the family is first checked against
@@ -131,7 +132,11 @@ def main() -> None:
     parser.add_argument("--n", default="1024,4096")
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--dropout", type=float, default=0.0,
-                        help="time with this dropout_p (the table's score-option rows)")
+                        help="time with this dropout_p (the table's dropout rows)")
+    parser.add_argument("--softcap", type=float, default=None,
+                        help="time with this softcap (the table's score-option rows)")
+    parser.add_argument("--alibi", action="store_true",
+                        help="time with ALiBi, a slope per head (the score-option rows)")
     parser.add_argument("--only", default=None,
                         help="wgmma forward candidates to time, e.g. 192x128x2,128x64x2/2 "
                              "(block_q x block_k x stages [/ blocks per SM]); default: all")
@@ -148,8 +153,10 @@ def main() -> None:
             case = Case(args.dtype, 16384 // n, max(1, round(2048 / head_dim)), n, head_dim,
                         causal=causal, value_dim=value_dim)
             q, k, v, do = make_inputs(case)
+            slopes = (np.linspace(0.05, 0.5, q.shape[1]) if args.alibi else None)
             options = _options(q, k, v, causal=causal, dropout_p=args.dropout,
-                               seed=7 if args.dropout else None)
+                               seed=7 if args.dropout else None, softcap=args.softcap,
+                               alibi_slopes=slopes)
             problem = problem_of(q, k, v, options)
             chosen = (tiles.choose_forward(problem) if args.direction == "forward"
                       else tiles.choose_backward(problem))

@@ -58,7 +58,6 @@ class Problem:
     score_options: bool = False
     banded: bool = False
     per_row_options: bool = False  # ALiBi or dropout (a slope or hash state per query head)
-    dropout: bool = False
     block_q: int | None = None
     block_k: int | None = None
     # The forward's grid: B x Hq query heads of Nq rows on `multiprocessors` SMs (0: not
@@ -110,8 +109,7 @@ class When:
     """A row's condition: padded widths up to `max_width` (both D and Dv) and above
     `min_width` (the wider of them), where given up to `max_sum` for D + Dv; at most
     `max_keys` keys; a forward grid of fewer than `max_waves` waves of `wave_tiles`
-    (block_q, blocks per SM) blocks; score options, dropout and a band as given (None:
-    either)."""
+    (block_q, blocks per SM) blocks; score options and a band as given (None: either)."""
 
     max_width: int
     max_sum: int = 2 * MAX_TENSOR_CORE_DIM
@@ -121,7 +119,6 @@ class When:
     min_width: int = 0
     max_waves: float | None = None
     wave_tiles: tuple[int, int] = (192, 1)
-    dropout: bool | None = None
 
     def matches(self, problem: Problem, widths: Widths) -> bool:
         waves = problem.waves(*self.wave_tiles) if self.max_waves is not None else None
@@ -130,7 +127,6 @@ class When:
                 and (self.max_keys is None or problem.n_k <= self.max_keys)
                 and (self.max_waves is None or (waves is not None and waves < self.max_waves))
                 and (self.score_options is None or self.score_options == problem.score_options)
-                and (self.dropout is None or self.dropout == problem.dropout)
                 and (self.banded is None or self.banded == problem.banded))
 
 
@@ -264,17 +260,15 @@ class Row:
 # (v10-v13b, v28: FlashAttention's shapes, N = 1k-16k); the other widths start from the
 # registers ptxas reports per width (bench/NOTES-gpu.md, v14) until the sweep measures them.
 WGMMA_FORWARD = [
-    Row(When(64, dropout=True), WgmmaTiles(128, 128, 2, 2),
-        "v29: dropout at D<=64 (N=4k: 236/219 TFLOP/s vs 204/182 for 192x128, full/causal)"),
-    Row(When(128, dropout=True), WgmmaTiles(128, 64, 2, 2),
-        "v29: dropout at D<=128 (D=128 N=4k: 311/296 TFLOP/s vs 293/257 for 192x64x3)"),
-    Row(When(64, score_options=True), WgmmaTiles(192, 128, 2),
-        "v9: softcap/ALiBi at D=64, three warpgroups"),
     Row(When(64), WgmmaTiles(128, 128, 2, 2),
         "v28: D<=64, two blocks per SM at every N (FA shapes N=16k: 386/374 TFLOP/s vs "
-        "353/329 for 192x128, full/causal; v14: 270/266 vs 212/197 at D<=32)"),
-    Row(When(128, score_options=True), WgmmaTiles(192, 64, 3),
-        "v9: score options at D=128 spill with 128-key tiles (ptxas: 148 bytes)"),
+        "353/329 for 192x128, full/causal; v14: 270/266 vs 212/197 at D<=32); v29: with "
+        "score options too (N=4k, full/causal: dropout 236/219 vs 204/182, ALiBi 212/196 vs "
+        "189/161, softcap 179/181 vs 176/158)"),
+    Row(When(128, score_options=True), WgmmaTiles(128, 64, 2, 2),
+        "v29: score options at D<=128, two blocks per SM (D=128 N=4k, full/causal TFLOP/s: "
+        "dropout 311/296 vs 293/257 for 192x64x3, ALiBi 318/288 vs 277/244, softcap "
+        "288/265 vs 266/234)"),
     Row(When(96, max_keys=1024), WgmmaTiles(128, 64, 3, 2),
         "v14: N<=1k at D=96, a third stage: 362/227 TFLOP/s vs 356/216"),
     Row(When(112, max_keys=1024), WgmmaTiles(192, 64, 3),
