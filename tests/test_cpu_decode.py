@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
+numba = pytest.importorskip("numba")
 
 import tileattn  # noqa: E402
 from tileattn.options import UNLIMITED, AttentionOptions  # noqa: E402
@@ -14,7 +14,7 @@ from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 cpu = pytest.importorskip("tileattn.cpu")
 
-from tileattn.cpu import decode  # noqa: E402
+from tileattn.cpu import decode, threads  # noqa: E402
 
 N_KEYS = 203  # not a multiple of any split size below, nor of the 32-key tiles
 
@@ -151,3 +151,15 @@ def test_split_count_fills_the_threads_but_keeps_splits_a_tile_long():
     assert decode.split_count(32, 65536, 512, 2) == 1
     assert decode.split_count(1, 700, 512, 16) == 2
     assert decode.split_count(1, 0, 512, 16) == 1
+
+
+def test_threads_follow_the_cache_bytes_not_only_the_flops():
+    """An MHA step does ~0.5 FLOP a byte of K/V: its thread count counts the bytes
+    (`decode.BYTE_COST`), so a 33 MB cache takes two threads where its 17 MFLOP alone
+    would keep one."""
+    q, k, v = (np.zeros((1, 8, n, 128), np.float32) for n in (1, 4096, 4096))
+    options = AttentionOptions(scale=0.1)
+    arrays = tuple(cpu._read_only(x, np.dtype(np.float32)) for x in (q, k, v))
+    sizing = decode.plan(*arrays, options, cpu.Sequences(q, k, options))
+    assert 2 * 8 * 4096 * 256 < 2 * threads.FLOPS_PER_THREAD  # one thread by FLOPs
+    assert sizing.n_workers == min(2, numba.get_num_threads())

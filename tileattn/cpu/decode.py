@@ -22,6 +22,11 @@ TASKS_PER_THREAD = 4
 for the forward's query tiles (`blocks.spread_over_threads`): tasks are claimed on demand,
 so a core slowed by other load takes fewer."""
 
+BYTE_COST = 3.0
+"""A decode call streams K/V once and does little arithmetic per byte: for the thread count
+(`threads.threads_for`, which counts FLOPs) each byte of K/V read weighs as many FLOPs as a
+core computes while it streams one (~65 GFLOP/s against ~20 GB/s). By FLOPs alone an MHA
+step over 8-67 MB of cache ran on one thread at 0.44-0.52x torch's two (session 14)."""
 
 MAX_GROUP_ROWS = 1024
 MIN_KEYS_PER_ROW = 8
@@ -90,15 +95,18 @@ def plan(q_c, k_c, v_c, options, shape, n_splits=None) -> DecodePlan:
         spans = _key_spans(descriptors, options)
         longest = int(spans.max(initial=0))
         row_keys = float((descriptors[:, ROWS] * spans).sum())
+        keys_read = float(spans.sum())
     else:  # every sequence alike: the key span of one, in plain ints
         start, stop = key_span(0, n_q, shape.max_keys, int(descriptors[0, BAND]),
                                options.window_left, options.window_right)
         longest = max(min(stop, shape.max_keys) - max(start, 0), 0)
         row_keys = float(len(descriptors) * n_q * longest)
+        keys_read = float(len(descriptors) * longest)
     block_k = options.block_k or default_blocks("forward", head_dim, value_dim,
                                                 q_c.itemsize).block_k
     flops = 2.0 * n_q_heads * row_keys * (head_dim + value_dim)
-    n_threads = threads.threads_for(flops)
+    kv_bytes = n_kv_heads * keys_read * (head_dim + value_dim) * q_c.itemsize
+    n_threads = threads.threads_for(max(flops, BYTE_COST * kv_bytes))
     n_tasks_per_split = len(descriptors) * n_kv_heads
     if n_splits is None:
         n_splits = split_count(n_tasks_per_split, longest, block_k, n_threads)
