@@ -206,6 +206,43 @@ def test_run_gives_every_task_to_exactly_one_thread_and_reraises_errors():
         threads.run(failing, 2)
 
 
+def test_spinning_helpers_run_every_task_once_over_many_calls_and_callers():
+    """Compiled kernels back to back (helpers still spinning from the last call) and from
+    four Python threads at once (one holds the spinning helpers, the others the pool)."""
+    import numba
+    from numba import njit
+
+    from tileattn.cpu import threads
+    from tileattn.cpu.schedule import claim_next
+
+    @njit(nogil=True)
+    def kernel(counts, next_task):
+        task = claim_next(next_task)
+        while task < counts.size:
+            counts[task] += 1
+            for _ in range(200):  # a little work, so that helpers join
+                counts[task] += 0
+            task = claim_next(next_task)
+
+    n_threads = max(2, numba.get_num_threads())
+    failures = []
+
+    def calls(n_calls):
+        for _ in range(n_calls):
+            counts = np.zeros(257, np.int64)
+            threads.run(kernel, n_threads, counts)
+            if not (counts == 1).all():
+                failures.append(counts)
+
+    calls(300)
+    callers = [threading.Thread(target=calls, args=(100,)) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert not failures
+
+
 # --------------------------------------------------------------------------- block sizes
 
 

@@ -33,3 +33,79 @@ def claim_next(typingctx, counter):
                                   "monotonic")
 
     return types.int64(counter), codegen
+
+
+def _element(context, builder, signature, args):
+    """A pointer to ``array[index]`` of an intrinsic's (array, index, ...) arguments."""
+    array = context.make_array(signature.args[0])(context, builder, args[0])
+    return builder.gep(array.data, [args[1]])
+
+
+def _int64_array(array) -> bool:
+    return isinstance(array, types.Array) and array.dtype == types.int64
+
+
+@intrinsic
+def load_acquire(typingctx, array, index):
+    """``array[index]`` read atomically (acquire): a flag another thread writes."""
+    if not _int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_element(context, builder, signature, args), "acquire", 8)
+
+    return types.int64(array, types.intp), codegen
+
+
+@intrinsic
+def store_release(typingctx, array, index, value):
+    """``array[index] = value`` atomically (release): what was written before is seen first."""
+    if not _int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[2], _element(context, builder, signature, args), "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(array, types.intp, types.int64), codegen
+
+
+@intrinsic
+def compare_exchange(typingctx, array, index, expected, new):
+    """``array[index] = new`` if it holds `expected`, atomically; whether it did."""
+    if not _int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pair = builder.cmpxchg(_element(context, builder, signature, args), args[2], args[3],
+                               "acq_rel", "acquire")
+        return builder.extract_value(pair, 1)
+
+    return types.boolean(array, types.intp, types.int64, types.int64), codegen
+
+
+@intrinsic
+def exchange(typingctx, array, index, value):
+    """``array[index] = value`` atomically; returns the value before."""
+    if not _int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("xchg", _element(context, builder, signature, args), args[2],
+                                  "acq_rel")
+
+    return types.int64(array, types.intp, types.int64), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, array, index, value):
+    """``array[index] += value`` atomically; returns the value before."""
+    if not _int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("add", _element(context, builder, signature, args), args[2],
+                                  "acq_rel")
+
+    return types.int64(array, types.intp, types.int64), codegen
+
