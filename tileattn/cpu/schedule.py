@@ -84,28 +84,23 @@ def compare_exchange(typingctx, array, index, expected, new):
     return types.boolean(array, types.intp, types.int64, types.int64), codegen
 
 
-@intrinsic
-def exchange(typingctx, array, index, value):
-    """``array[index] = value`` atomically; returns the value before."""
-    if not _int64_array(array):
-        return None
+def _read_modify_write(operation: str):
+    """An intrinsic ``(array, index, value) -> old`` applying LLVM's atomicrmw `operation` to
+    ``array[index]``."""
 
-    def codegen(context, builder, signature, args):
-        return builder.atomic_rmw("xchg", _element(context, builder, signature, args), args[2],
-                                  "acq_rel")
+    @intrinsic
+    def read_modify_write(typingctx, array, index, value):
+        if not _int64_array(array):
+            return None
 
-    return types.int64(array, types.intp, types.int64), codegen
+        def codegen(context, builder, signature, args):
+            return builder.atomic_rmw(operation, _element(context, builder, signature, args),
+                                      args[2], "acq_rel")
+
+        return types.int64(array, types.intp, types.int64), codegen
+
+    return read_modify_write
 
 
-@intrinsic
-def fetch_add(typingctx, array, index, value):
-    """``array[index] += value`` atomically; returns the value before."""
-    if not _int64_array(array):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.atomic_rmw("add", _element(context, builder, signature, args), args[2],
-                                  "acq_rel")
-
-    return types.int64(array, types.intp, types.int64), codegen
-
+exchange = _read_modify_write("xchg")  # array[index] = value; returns the value before
+fetch_add = _read_modify_write("add")  # array[index] += value; returns the value before
