@@ -206,9 +206,8 @@ def test_run_gives_every_task_to_exactly_one_thread_and_reraises_errors():
         threads.run(failing, 2)
 
 
-def test_spinning_helpers_run_every_task_once_over_many_calls_and_callers():
-    """Compiled kernels back to back (helpers still spinning from the last call) and from
-    four Python threads at once (one holds the spinning helpers, the others the pool)."""
+def test_run_gives_every_task_once_over_many_calls_and_callers():
+    """Compiled kernels back to back, and from four Python threads at once."""
     import numba
     from numba import njit
 

@@ -155,11 +155,11 @@ def test_split_count_fills_the_threads_but_keeps_splits_a_tile_long():
 
 def test_threads_follow_the_cache_bytes_not_only_the_flops():
     """An MHA step does ~0.5 FLOP a byte of K/V: its thread count counts the bytes
-    (`decode.BYTE_COST`), so a 17 MB cache takes two threads where its 8 MFLOP alone
+    (`decode.BYTE_COST`), so a 33 MB cache takes two threads where its 17 MFLOP alone
     would keep one."""
-    q, k, v = (np.zeros((1, 8, n, 128), np.float32) for n in (1, 2048, 2048))
+    q, k, v = (np.zeros((1, 8, n, 128), np.float32) for n in (1, 4096, 4096))
     options = AttentionOptions(scale=0.1)
     arrays = tuple(cpu._read_only(x, np.dtype(np.float32)) for x in (q, k, v))
     sizing = decode.plan(*arrays, options, cpu.Sequences(q, k, options))
-    assert 2 * 8 * 2048 * 256 < 2 * threads.FLOPS_PER_THREAD  # one thread by FLOPs
+    assert 2 * 8 * 4096 * 256 < 2 * threads.FLOPS_PER_THREAD  # one thread by FLOPs
     assert sizing.n_workers == min(2, numba.get_num_threads())
