@@ -151,16 +151,10 @@ __device__ __forceinline__ void dropout_factors_of_rows(const Scores& scores,
                                                         float (&factors)[2]) {
     factors[0] = factors[1] = 1.0f;
     if (!DROPOUT) return;
-    const u32 col = static_cast<u32>(key) + scores.dropout_col0;
     bool lower, upper;
-    if (RowPairs) {
-        const u32 bits = dropout_pair_bits(row_states[0], col);
-        lower = dropout_lower_keeps(bits, scores.dropout_threshold);
-        upper = dropout_upper_keeps(bits, scores.dropout_threshold);
-    } else {
-        lower = dropout_keeps(row_states[0], col, scores.dropout_threshold);
-        upper = dropout_keeps(row_states[1], col, scores.dropout_threshold);
-    }
+    dropout_keeps_rows<RowPairs>(row_states[0], row_states[1],
+                                 static_cast<u32>(key) + scores.dropout_col0,
+                                 scores.dropout_threshold, lower, upper);
     factors[0] = lower ? scores.dropout_scale : 0.0f;
     factors[1] = upper ? scores.dropout_scale : 0.0f;
 }

@@ -122,6 +122,21 @@ __device__ __forceinline__ bool dropout_row_pair(u32 lower, u32 upper) {
     return (lower & 1u) == 0u && upper == (lower | 1u);
 }
 
+// Whether key `col` survives for a thread's rows r and r + 8 (states `lower` and `upper`);
+// RowPairs: they are one row pair (dropout_row_pair), so one hash serves both.
+template <bool RowPairs>
+__device__ __forceinline__ void dropout_keeps_rows(u32 lower, u32 upper, u32 col, u32 threshold,
+                                                   bool& lower_keeps, bool& upper_keeps) {
+    if (RowPairs) {
+        const u32 bits = dropout_pair_bits(lower, col);
+        lower_keeps = dropout_lower_keeps(bits, threshold);
+        upper_keeps = dropout_upper_keeps(bits, threshold);
+    } else {
+        lower_keeps = dropout_keeps(lower, col, threshold);
+        upper_keeps = dropout_keeps(upper, col, threshold);
+    }
+}
+
 // ------------------------------------------------------------------ the attention band
 // Query row i keeps key j when  i + offset - left <= j <= i + offset + right, with
 // offset = Nk - Nq (bottom-right alignment). LIMIT_LEFT / LIMIT_RIGHT are compile-time:

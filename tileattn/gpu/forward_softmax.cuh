@@ -192,16 +192,9 @@ __device__ __forceinline__ void drop_row_pairs(float (&s)[RowTiles][KeyFrags][4]
         for (int n = 0; n < KeyFrags; ++n)
 #pragma unroll
             for (int column = 0; column < 2; ++column) {
-                const u32 col = first_col + n * 8 + column;
                 bool lower, upper;
-                if (RowPairs) {
-                    const u32 bits = dropout_pair_bits(row_states[m][0], col);
-                    lower = dropout_lower_keeps(bits, threshold);
-                    upper = dropout_upper_keeps(bits, threshold);
-                } else {
-                    lower = dropout_keeps(row_states[m][0], col, threshold);
-                    upper = dropout_keeps(row_states[m][1], col, threshold);
-                }
+                dropout_keeps_rows<RowPairs>(row_states[m][0], row_states[m][1],
+                                             first_col + n * 8 + column, threshold, lower, upper);
                 if (!lower) s[m][n][column] = 0.0f;
                 if (!upper) s[m][n][2 + column] = 0.0f;
             }
