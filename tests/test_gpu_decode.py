@@ -369,7 +369,7 @@ def test_repeated_calls_launch_through_packed_arguments():
     cuLaunchKernel over an argument buffer built once, the array addresses written per
     call): new arrays of the same shapes give their own results, bit for bit as the first
     call's path on the same values."""
-    from tileattn.gpu.operands import cached, plan_key
+    from tileattn.gpu.operands import cached, contiguous_strides, forward_plan_key
 
     shapes = [(1, 8, 1, 64), (1, 1, 700, 64), (1, 1, 700, 64)]
     first = _inputs(1, 8, 1, 1, 700, 64, 64, np.float16, seed=15)
@@ -378,7 +378,8 @@ def test_repeated_calls_launch_through_packed_arguments():
     expected = tileattn.forward(*device, causal=True).get()  # CuPy's launch, then cached
     tileattn.forward(*device, causal=True)
     options = _resolved(*device, {"causal": True})
-    launch = cached(plan_key("forward", options, *device), *device)[0]
+    o_strides = contiguous_strides((1, 8, 1, 64), 2)
+    launch = cached(forward_plan_key(options, *device, o_strides), *device)[0]
     assert launch.decode._packed, "the cached decode launch packed its arguments"
     np.testing.assert_array_equal(tileattn.forward(*device, causal=True).get(), expected)
     other = [cupy.asarray(a) for a in second]

@@ -147,9 +147,9 @@ def test_bshd_reaches_the_backend_as_views(backend, monkeypatch):
     def spy(name):
         original = getattr(module, name)
 
-        def recorded(*arrays):
+        def recorded(*arrays, **buffers):
             received[name] = arrays
-            return original(*arrays)
+            return original(*arrays, **buffers)
         return recorded
 
     monkeypatch.setattr(module, "forward", spy("forward"))
@@ -164,6 +164,74 @@ def test_bshd_reaches_the_backend_as_views(backend, monkeypatch):
                                  received["backward"]):
         assert xp.shares_memory(seen, given), name
         assert seen.strides == given.swapaxes(1, 2).strides, name
+
+
+def _gpu():
+    reason = tileattn.backends.availability("gpu")
+    if reason is not None:
+        pytest.skip(reason)
+    import cupy
+
+    return cupy
+
+
+# One case per way the GPU writes o: (dtype, B, Hq, Hkv, Nq, Nk, D, Dv, options), each
+# reaching another kernel (tileattn.info names it): the 16-bit prefill (wgmma on sm_90),
+# mma.sync through tile sizes only it is built for, 3xTF32, the generic kernel (float64),
+# the tensor-core and the CUDA-core decode with their merges of key splits, the split-KV
+# prefill and its merge, odd head dims, and a packed variable-length call.
+STRIDED_O_CASES = [
+    ("float16", 2, 4, 2, 77, 90, 64, 64, dict(causal=True)),
+    ("float16", 1, 2, 2, 70, 130, 64, 64, dict(block_q=64, block_k=32)),
+    ("float32", 2, 2, 1, 40, 70, 32, 24, dict(window=(20, 3))),
+    ("float64", 1, 3, 3, 20, 33, 16, 8, dict(causal=True)),
+    ("float16", 1, 8, 1, 1, 3000, 128, 128, {}),
+    ("float32", 2, 4, 4, 2, 3000, 64, 64, dict(causal=True)),
+    ("bfloat16", 1, 2, 2, 100, 8192, 128, 128, dict(causal=True)),
+    ("float16", 2, 6, 3, 33, 50, 72, 40, dict(softcap=5.0)),
+]
+
+
+@pytest.mark.parametrize("case", STRIDED_O_CASES, ids=lambda c: f"{c[0]}-Nq{c[4]}-Nk{c[5]}")
+def test_gpu_writes_bshd_o_in_the_callers_layout(case):
+    """On the GPU a "bshd" o is written in place in ``(B, N, H, Dv)`` order (C-contiguous,
+    as flash-attn returns it: no transpose for the caller or for XLA), holding bit for bit
+    what the "bhsd" call on the same numbers holds."""
+    cupy = _gpu()
+    from tileattn.testing import bfloat16
+
+    name, batch, hq, hkv, n_q, n_k, dim, value_dim, options = case
+    dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+    if dtype is None:
+        pytest.skip("ml_dtypes is not installed")
+    rng = np.random.default_rng(5)
+    q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+               for shape in ((batch, hq, n_q, dim), (batch, hkv, n_k, dim),
+                             (batch, hkv, n_k, value_dim)))
+    expected, expected_lse = tileattn.forward(q, k, v, return_lse=True, **options)
+    given = [cupy.ascontiguousarray(a.swapaxes(1, 2)) for a in (q, k, v)]
+    for _ in range(2):  # the first call plans the launches, the second replays them
+        o, lse = tileattn.forward(*given, return_lse=True, layout="bshd", **options)
+        assert o.shape == (batch, n_q, hq, value_dim) and o.flags.c_contiguous
+        np.testing.assert_array_equal(o.swapaxes(1, 2).view(np.uint8).get(),
+                                      cupy.ascontiguousarray(expected).view(np.uint8).get())
+        np.testing.assert_array_equal(lse.get(), expected_lse.get())
+
+
+def test_gpu_writes_a_packed_bshd_o_in_the_callers_layout():
+    """Packed sequences in "bshd" (``(N_total, H, D)``): o comes back C-contiguous in that
+    order, equal to the "bhsd" call's."""
+    cupy = _gpu()
+    rng = np.random.default_rng(6)
+    cu = np.array([0, 5, 130, 131, 400])
+    q, k, v = (cupy.asarray(rng.standard_normal((3, 400, 64)).astype(np.float16))
+               for _ in range(3))
+    lengths = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    expected = tileattn.forward(q, k, v, **lengths)
+    o = tileattn.forward(*(cupy.ascontiguousarray(a.swapaxes(0, 1)) for a in (q, k, v)),
+                         layout="bshd", **lengths)
+    assert o.shape == (400, 3, 64) and o.flags.c_contiguous
+    np.testing.assert_array_equal(o.swapaxes(0, 1).get(), expected.get())
 
 
 def test_two_dimensional_arrays_mean_the_same_in_both_layouts():

@@ -146,14 +146,38 @@ def test_buffers_must_not_alias_inputs():
                           dk_out=overlapping[8:].reshape(q.shape))
 
 
-def test_bshd_buffer_must_be_laid_out_as_bshd_results_are():
-    """With layout="bshd" the kernels still write (batch, heads, seqlen, dim) rows, so a
-    packed (batch, seqlen, heads, dim) buffer is refused, with the reason."""
+@pytest.mark.parametrize("order", ["callers", "heads first"])
+def test_bshd_buffers_may_be_contiguous_in_either_order(backend, order):
+    """With layout="bshd" a buffer may be C-contiguous as the caller holds it
+    ``(batch, seqlen, heads, dim)``, flash-attn's order, or the swapaxes view of a
+    ``(batch, heads, seqlen, dim)`` buffer; either way it holds the result."""
+    q, k, v, do = problem(layout="bshd")
+    options = dict(OPTIONS, layout="bshd")
+    o, lse = backend.forward(q, k, v, return_lse=True, **options)
+    grads = backend.backward(do, q, k, v, o, lse, **options)
+
+    def buffer(shape):
+        if order == "callers":
+            return backend.to_memory(np.full(shape, np.nan, np.float32))
+        return empty_like_result(backend, shape, np.float32, "bshd")
+    out = buffer(o.shape)
+    o_given = backend.forward(q, k, v, out=out, **options)
+    np.testing.assert_array_equal(o_given, o)
+    np.testing.assert_array_equal(backend.to_host(out), o)
+    buffers = [buffer(a.shape) for a in (q, k, v)]
+    given = backend.backward(do, q, k, v, o, lse, dq_out=buffers[0], dk_out=buffers[1],
+                             dv_out=buffers[2], **options)
+    for name, ours, theirs, held in zip("qkv", given, grads, buffers):
+        np.testing.assert_array_equal(ours, theirs, err_msg=f"d{name}")
+        np.testing.assert_array_equal(backend.to_host(held), theirs, err_msg=f"d{name}")
+
+
+def test_bshd_buffer_contiguous_in_neither_order_is_refused():
     q, k, v, _ = problem(layout="bshd")
-    with pytest.raises(ValueError, match=r"out must be C-contiguous in \(\*batch, H, N, D\) "
-                                         r"order, as layout='bshd' results are"):
+    with pytest.raises(ValueError, match=r"out must be C-contiguous in its own \(\*batch, N, "
+                                         r"H, D\) order or in \(\*batch, H, N, D\) order"):
         tileattn.forward(q, k, v, layout="bshd", backend="reference",
-                         out=np.empty((2, 12, 4, 6), np.float32))
+                         out=np.empty((2, 12, 8, 6), np.float32)[:, :, ::2])
 
 
 def test_gpu_kernels_write_into_cupy_buffers():

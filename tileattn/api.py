@@ -59,11 +59,27 @@ def _run(module, function_name: str, problem: Problem):
     if getattr(module, "WRITES_OUT", False) and not crosses_to_host:
         buffers = {name: problem.outputs[name] for name in _OUTPUT_NAMES[function_name]
                    if name in problem.outputs}
+        if (function_name == "forward" and "out" not in buffers
+                and getattr(module, "STRIDED_OUT", False)):
+            buffers["out"] = _sequence_first_out(problem)
     results = getattr(module, function_name)(*(tensors[n] for n in names), options,
                                              **buffers)
     if crosses_to_host:
         results = tuple(arrays.to_device_like(r, problem.tensors["q"]) for r in results)
     return results
+
+
+def _sequence_first_out(problem: Problem):
+    """For ``layout="bshd"``, o allocated in the caller's ``(B, N, H, Dv)`` order and seen
+    in the backends' ``(B, H, N, Dv)`` order, which a backend that writes strided rows
+    (``STRIDED_OUT``) fills in place: the caller gets a contiguous result, as from
+    flash-attn, not a view of a heads-first buffer. None otherwise."""
+    if not problem.layout.sequence_first or problem.layout.single_head:
+        return None
+    q = problem.tensors["q"]
+    batch, heads, n_q = q.shape[:3]
+    return arrays.empty((batch, n_q, heads, problem.value_dim), problem.dtype,
+                        problem.layout.memory, q).swapaxes(1, 2)
 
 
 def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
@@ -160,7 +176,7 @@ def replay(function_name: str, arrays: tuple, *, backend="auto", layout="bhsd",
     make = getattr(module, "replay", None)
     if make is None or problem.is_empty:
         return None
-    return make(function_name, problem.tensors, problem.options, allocate)
+    return make(function_name, problem.tensors, problem.options, allocate, problem.outputs)
 
 
 def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
@@ -216,18 +232,19 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
         The order of the heads and sequence axes: "bhsd" (default) is
         ``(*batch, heads, seqlen, dim)``; "bshd" is ``(*batch, seqlen, heads, dim)``, the
         layout of flash-attn's ``flash_attn_func``. "bshd" arrays are read as strided views
-        (``swapaxes``), never copied, and `o` comes back in "bshd" as a view of a
-        "bhsd" buffer (``np.ascontiguousarray`` / ``.contiguous()`` packs it). `lse` is
+        (``swapaxes``), never copied. On the GPU `o` comes back C-contiguous in "bshd" (the
+        kernels write it in that order, as flash-attn's); the host backends return it as a
+        view of a "bhsd" buffer (``np.ascontiguousarray`` packs it). `lse` is
         ``(*batch, Hq, Nq)`` in both layouts, as flash-attn's ``softmax_lse``. 2-D
         ``(N, D)`` arrays have no head axis and mean the same in both.
     out, lse_out : array, optional
         Buffers to write ``o`` and ``lse`` into (both, either or neither), returned in
         their place. Each must have exactly the result's shape and dtype, sit in the
         inputs' memory (the same GPU for CuPy arrays), be writeable, be C-contiguous in
-        ``(*batch, H, N, D)`` order (with "bshd", `out` is then a ``swapaxes(-3, -2)``
-        view of such a buffer, as tileattn's own "bshd" results are), start on a GPU at an
-        address aligned to two elements (new CuPy arrays are) where its last axis is even,
-        and share no memory with an input or the other buffer; else a ValueError names it. The GPU backend
+        the call's layout (with "bshd", a ``swapaxes(-3, -2)`` view of a C-contiguous
+        ``(*batch, H, N, D)`` buffer is taken too), start on a GPU at an address aligned
+        to two elements (new CuPy arrays are) where its last axis is even, and share no
+        memory with an input or the other buffer; else a ValueError names it. The GPU backend
         writes into them directly; the CPU and reference backends compute as usual and
         copy the result in (one copy of ``o``), so on the host they save no memory.
     seqlens_q, seqlens_k : integer array of shape `*batch`, optional
@@ -312,7 +329,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
         use a faster variant that documents what it gives up.
     layout : {"bhsd", "bshd"}
         As in `forward`: with "bshd", `do`, `o`, `q`, `k`, `v` are read as views and the
-        gradients come back as "bshd" views.
+        gradients come back as "bshd" views of "bhsd" buffers.
     dq_out, dk_out, dv_out : array, optional
         Buffers to write the gradients into, returned in their place; the same rules as
         `forward`'s `out` (shape and dtype of q, k, v; C-contiguous in ``(*batch, H, N, D)``

@@ -212,6 +212,16 @@ def full(shape, fill, dtype, memory: str, like=None):
     return np.full(shape, fill, dtype=dtype)
 
 
+def empty(shape, dtype, memory: str, like=None):
+    """An uninitialised array of `shape`, in host memory or on `like`'s GPU."""
+    if memory == "cuda":
+        import cupy
+
+        with cupy.cuda.Device(like.device.id):
+            return cupy.empty(shape, dtype=dtype)
+    return np.empty(shape, dtype=dtype)
+
+
 _CUPY_STREAMS: dict = {}
 
 

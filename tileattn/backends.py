@@ -25,10 +25,15 @@ A backend is a module that exposes
     without it.
 ``WRITES_OUT`` (optional, default False)
     True when ``forward`` also takes ``out=``, ``lse_out=`` and ``backward`` takes
-    ``dq_out=``, ``dk_out=``, ``dv_out=`` (each None or omitted, or a C-contiguous array of
-    the result's 4-D/3-D shape and dtype in the backend's memory, sharing no memory with an
-    input) and writes the results into them, returning those arrays. For the other
-    backends the API copies their results into the caller's buffers.
+    ``dq_out=``, ``dk_out=``, ``dv_out=`` (each None or omitted, or an array of the
+    result's 4-D/3-D shape and dtype in the backend's memory, sharing no memory with an
+    input, C-contiguous or, for a "bshd" call, the ``swapaxes(1, 2)`` view of a
+    C-contiguous ``(B, N, H, D)`` buffer) and writes the results into them, returning those
+    arrays. For the other backends the API copies their results into the caller's buffers.
+``STRIDED_OUT`` (optional, default False)
+    True when ``forward`` writes ``out=`` at any batch, head and row strides without a copy:
+    the API then allocates a "bshd" call's o in the caller's ``(B, N, H, Dv)`` order and
+    passes its view, so the caller gets a C-contiguous result.
 
 Optional, for ``python -m tileattn info``:
 

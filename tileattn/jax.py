@@ -50,11 +50,11 @@ _OUTPUT_ARGUMENTS = {"forward": ("out", "lse_out"), "backward": ("dq_out", "dk_o
 
 
 def _heads_first(layout: str, ndim: int) -> bool:
-    """Whether arrays of this layout and rank are held heads first between the passes: the
-    kernels write (*batch, H, N, D) rows, so with "bshd" the callbacks' results (o and the
-    gradients) are declared in that order, written in place, and handed back as
-    ``swapaxes(-3, -2)`` (`_sequence_first`), which XLA may fold into their consumer
-    instead of a copy. The inputs are read in their own layout."""
+    """Whether the backward's gradients are held heads first: its kernels write
+    (*batch, H, N, D) rows, so with "bshd" the gradients are declared in that order, written
+    in place, and handed back as ``swapaxes(-3, -2)`` (`_sequence_first`), which XLA may
+    fold into their consumer instead of a copy. o is written in the caller's layout (the
+    forward kernels take its strides), and the inputs are read in their own."""
     return layout == "bshd" and ndim >= 3
 
 
@@ -68,11 +68,13 @@ def _sequence_first(array, heads_first: bool):
 
 
 def _shapes(q, v, layout):
-    """The forward callback's results: o (heads first for "bshd", `_heads_first`) and lse,
-    ``(*batch, H, N)`` in both layouts."""
-    heads_first = _heads_first(layout, q.ndim)
-    o_shape = _heads_first_shape(q.shape[:-1] + (v.shape[-1],), heads_first)
-    lse_shape = o_shape[:-1] if q.ndim >= 3 else q.shape[:-1]
+    """The forward callback's results: o in the caller's layout and lse, ``(*batch, H, N)``
+    in both layouts."""
+    o_shape = q.shape[:-1] + (v.shape[-1],)
+    if layout == "bshd" and q.ndim >= 3:
+        lse_shape = q.shape[:-3] + (q.shape[-2], q.shape[-3])
+    else:
+        lse_shape = q.shape[:-1]
     return (jax.ShapeDtypeStruct(o_shape, q.dtype),
             jax.ShapeDtypeStruct(lse_shape, lse_dtype(q.dtype)))
 
@@ -88,8 +90,8 @@ def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outpu
     """`tileattn.forward` or `backward` on a callback's arrays (NumPy, or CuPy views of XLA's
     buffers), writing the results into `outputs`. The last ``len(options["length_names"])``
     inputs are the lengths and block table that the call names. With "bshd" the outputs
-    and the backward's `o` are held heads first (`_heads_first`), seen here as their
-    ``swapaxes(-3, -2)`` views, which tileattn writes and reads in place.
+    are held heads first (`_heads_first`), seen here as their ``swapaxes(-3, -2)`` views,
+    which tileattn writes in place.
 
     Returns ``(inputs, keywords)`` of the one dense call it made (for `api.replay`), or
     None where it made several or passed lengths.
@@ -124,11 +126,8 @@ def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outpu
         return None
     lengths = dict(zip(length_names, inputs[len(inputs) - len(length_names):]))
     inputs = inputs[:len(inputs) - len(length_names)]
-    if _heads_first(options["layout"], base_ndim):
-        held = 1 if function_name == "forward" else 3  # o (not lse), or dq, dk and dv
-        outputs = [a.swapaxes(-3, -2) for a in outputs[:held]] + outputs[held:]
-        if function_name == "backward":  # do, q, k, v, o, lse: o as the forward held it
-            inputs = inputs[:4] + [inputs[4].swapaxes(-3, -2)] + inputs[5:]
+    if function_name == "backward" and _heads_first(options["layout"], base_ndim):
+        outputs = [a.swapaxes(-3, -2) for a in outputs]  # dq, dk and dv
     slopes = options["alibi_slopes"]
     if vmapped and slopes is not None and slopes.ndim > 1:  # (*batch, Hq): per element
         options = dict(options, alibi_slopes=np.broadcast_to(slopes, vmapped + slopes.shape))
@@ -276,21 +275,20 @@ def _forward_rule(q, k, v, lengths, frozen_options):
     forward_options = {key: value for key, value in _options_dict(frozen_options).items()
                        if key != "deterministic"}
     layout = forward_options["layout"]
-    o_held, lse = _run_pass("forward", _with_lengths(forward_options, lengths), q.ndim,
-                            _shapes(q, v, layout), q, k, v, *lengths.values())
-    o = _sequence_first(o_held, _heads_first(layout, q.ndim))
-    return o, (q, k, v, o_held, lse, lengths)
+    o, lse = _run_pass("forward", _with_lengths(forward_options, lengths), q.ndim,
+                       _shapes(q, v, layout), q, k, v, *lengths.values())
+    return o, (q, k, v, o, lse, lengths)
 
 
 def _backward_rule(frozen_options, residuals, do):
-    q, k, v, o_held, lse, lengths = residuals
+    q, k, v, o, lse, lengths = residuals
     varlen_family(lengths, backward=True)  # paged K/V: tileattn.backward's ValueError
     options = _options_dict(frozen_options)
     heads_first = _heads_first(options["layout"], q.ndim)
     shapes = tuple(jax.ShapeDtypeStruct(_heads_first_shape(a.shape, heads_first), a.dtype)
                    for a in (q, k, v))
     grads = _run_pass("backward", _with_lengths(options, lengths), q.ndim, shapes,
-                      do.astype(o_held.dtype), q, k, v, o_held, lse, *lengths.values())
+                      do.astype(o.dtype), q, k, v, o, lse, *lengths.values())
     dq, dk, dv = (_sequence_first(g, heads_first) for g in grads)
     # Integer lengths have no cotangent space: JAX takes None as their symbolic zero
     # (float0 zeros), under vmap as well.

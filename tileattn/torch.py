@@ -169,10 +169,11 @@ def _run_forward(q, k, v, causal, window, scale, softcap, alibi_slopes, dropout_
     return _call_on_device(api.forward, (q, k, v), return_lse=True, **options)
 
 
-def _layout_strided(like, shape, dtype, layout):
+def _layout_strided(like, shape, dtype, layout, written_in_place: bool = False):
     """An empty tensor of `shape` with the strides tileattn's results have: contiguous, or
-    with "bshd" a ``swapaxes(-3, -2)`` view of a contiguous "bhsd" buffer."""
-    if layout == "bshd" and len(shape) >= 3:
+    with "bshd" a ``swapaxes(-3, -2)`` view of a contiguous "bhsd" buffer, except where the
+    kernels write the result in the caller's layout (`written_in_place`: o on a GPU)."""
+    if layout == "bshd" and len(shape) >= 3 and not written_in_place:
         swapped = list(shape)
         swapped[-3], swapped[-2] = swapped[-2], swapped[-3]
         return like.new_empty(swapped, dtype=dtype).transpose(-3, -2)
@@ -187,7 +188,8 @@ def _forward_results(q, v, layout):
     """New (o, lse) laid out as tileattn's results are. Variable-length results have the
     dense shapes: padded and paged o is q's shape with v's head dim (a page pool's last
     axis is Dv too), packed o is (Hq, N_total, Dv)."""
-    o = _layout_strided(q, (*q.shape[:-1], v.shape[-1]), q.dtype, layout)
+    o = _layout_strided(q, (*q.shape[:-1], v.shape[-1]), q.dtype, layout,
+                        written_in_place=q.device.type == "cuda")
     lse_shape = list(q.shape[:-1])  # (*batch, H, N) in both layouts
     if layout == "bshd" and q.dim() >= 3:
         lse_shape[-2], lse_shape[-1] = lse_shape[-1], lse_shape[-2]

@@ -443,8 +443,9 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
     axis order and as their 4-D (3-D for lse) view (a view indeed once the former is
     C-contiguous). A buffer must have exactly that shape and dtype, sit in the inputs'
     memory (and GPU, aligned to two elements there when D is even), be writeable and
-    C-contiguous in the backends' order (the kernels write rows of ``(B, H, N, D)`` one
-    after the other), and share no byte with an input or another output: the kernels read
+    C-contiguous in the caller's layout or in the backends' order (with "bshd" either
+    ``(*batch, N, H, D)``, as flash-attn's results, or ``(*batch, H, N, D)`` seen through
+    swapaxes), and share no byte with an input or another output: the kernels read
     inputs while they write outputs.
     """
     checked, views = {}, {}
@@ -466,8 +467,8 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
         if memory == "host" and not array.flags.writeable:
             raise ValueError(f"{name} must be writeable, got a read-only array")
         ordered, view = to_backend(name, array)
-        if not ordered.flags.c_contiguous:
-            order = ("(*batch, H, N, D) order, as layout='bshd' results are"
+        if not (ordered.flags.c_contiguous or array.flags.c_contiguous):
+            order = ("its own (*batch, N, H, D) order or in (*batch, H, N, D) order"
                      if ordered is not array else "order")
             raise ValueError(f"{name} must be C-contiguous in {order}, got strides "
                              f"{tuple(array.strides)}")

@@ -18,7 +18,7 @@ import numpy as np
 import tileattn
 from tileattn import gpu
 from tileattn.gpu import launch_forward
-from tileattn.gpu.operands import cached, plan_key
+from tileattn.gpu.operands import cached, contiguous_strides, forward_plan_key
 from tileattn.problem_cache import validate_call
 from tileattn.validation import validate
 
@@ -67,8 +67,9 @@ def main() -> None:
         per_call_us(lambda: tileattn.api.run_forward(problem, "gpu")))
     say("gpu.forward (backend, with q.device)", per_call_us(lambda: gpu.forward(q, k, v, options)))
     say("launch_forward.forward", per_call_us(lambda: launch_forward.forward(q, k, v, options)))
-    key = plan_key("forward", options, q, k, v)
-    say("plan_key", per_call_us(lambda: plan_key("forward", options, q, k, v)))
+    o_strides = contiguous_strides((1, 8, 1, 64), 2)
+    key = forward_plan_key(options, q, k, v, o_strides)
+    say("plan_key", per_call_us(lambda: forward_plan_key(options, q, k, v, o_strides)))
     say("cached", per_call_us(lambda: cached(key, q, k, v)))
     launch = cached(key, q, k, v)[0]
     o = cupy.empty((1, 8, 1, 64), np.float16)

@@ -73,6 +73,9 @@ def availability() -> str | None:
 
 
 WRITES_OUT = True  # the kernels write into the caller's output buffers (`tileattn.backends`)
+# The forward kernels write o's rows at any batch, head and row strides: a "bshd" result is
+# allocated in the caller's layout and written in place (`tileattn.backends`).
+STRIDED_OUT = True
 VARLEN = True  # variable-length and paged calls (`tileattn.backends`, gpu/varlen.py)
 
 
@@ -95,14 +98,15 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions, dq_out=None, dk_out
                                         (dq_out, dk_out, dv_out))
 
 
-def replay(function_name: str, tensors: dict, options: AttentionOptions, allocate=None):
-    """The call just run on these validated arrays, repeatable on new device addresses
-    (`replays.Replay`; its scratch from ``allocate(bytes) -> address`` where given), or
-    None where its plan is not cached."""
+def replay(function_name: str, tensors: dict, options: AttentionOptions, allocate=None,
+           outputs=None):
+    """The call just run on these validated arrays (and output buffers, the backend's views),
+    repeatable on new device addresses (`replays.Replay`; its scratch from
+    ``allocate(bytes) -> address`` where given), or None where its plan is not cached."""
     from .replays import replay as make
 
     with tensors["q"].device:
-        return make(function_name, tensors, options, allocate)
+        return make(function_name, tensors, options, allocate, outputs or {})
 
 
 def hardware() -> dict[str, str]:

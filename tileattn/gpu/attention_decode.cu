@@ -219,7 +219,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
     const T* q, const T* k, const T* v, T* o, Acc* lse, Acc* partial_o, Acc* partial_lse,
     const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads, int group_size, int n_splits,
     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-    Acc scale, Acc softcap, i64 band_offset, i64 window_left, i64 window_right,
+    i64 o_sb, i64 o_sh, i64 o_sn, Acc scale, Acc softcap, i64 band_offset, i64 window_left,
+    i64 window_right,
     u32 dropout_key, u32 dropout_threshold, Acc dropout_scale, u32 dropout_row0,
     u32 dropout_col0, SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -456,13 +457,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
             if (r >= rows) continue;
             const Acc total = row_sum[r];
             const i64 out_row = out_row0 + r;
+            const i64 o_offset = !STRIDED_OUT ? out_row * VALUE_DIM
+                                 : direct     ? packed_row_offset(batch, kv_head, group_size,
+                                                                  static_cast<int>(n_q), r,
+                                                                  {o_sb, o_sh, o_sn})
+                                              : 0;
 #pragma unroll
             for (int j = 0; j < kCpt; ++j) {
                 const int d = p_col0 + j;
                 if (d >= VALUE_DIM) continue;
                 const Acc value = total == Acc(0) ? Acc(0) : acc[i][j] / total;
                 if (direct)
-                    o[out_row * VALUE_DIM + d] = narrow<T>(value);
+                    o[o_offset + d] = narrow<T>(value);
                 else
                     partial_o[(split * (gridDim.x / n_splits) * static_cast<i64>(rows) + out_row) *
                                   VALUE_DIM + d] = value;
@@ -492,7 +498,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 constexpr int kMergeWarps = 8;
 constexpr int kMergeThreads = kMergeWarps * 32;  // launch_decode.py's MERGE_THREADS
 extern "C" __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge(
-    const Acc* partial_o, const Acc* partial_lse, T* o, Acc* lse, i64 n_rows, int n_splits) {
+    const Acc* partial_o, const Acc* partial_lse, T* o, Acc* lse, i64 n_rows, int n_splits,
+    int n_q_heads, i64 n_q, i64 o_sb, i64 o_sh, i64 o_sn) {
     __shared__ Acc shared_total, shared_max;
     __shared__ Acc weights[kMergeThreads];
     __shared__ Acc warp_sums[kMergeWarps][32];
@@ -536,7 +543,8 @@ extern "C" __global__ void __launch_bounds__(kMergeThreads) attention_decode_mer
         Acc row_sum = 0;
 #pragma unroll
         for (int w = 0; w < kMergeWarps; ++w) row_sum += warp_sums[w][lane];
-        o[row * VALUE_DIM + d] = narrow<T>(total == Acc(0) ? Acc(0) : row_sum / total);
+        o[flat_row_offset(row, n_q_heads, n_q, {o_sb, o_sh, o_sn}) + d] =
+            narrow<T>(total == Acc(0) ? Acc(0) : row_sum / total);
     }
     if (blockIdx.y == 0 && threadIdx.x == 0)
         lse[row] = total == Acc(0) ? negative_infinity<Acc>() : safe_max + log_acc(total);

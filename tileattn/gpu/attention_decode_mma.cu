@@ -69,7 +69,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
     float* partial_o, float* partial_lse, i64 n_q, i64 n_k, int n_q_heads, int group_size,
     int n_splits, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
-    i64 v_sh, i64 v_sn, float scale, float softcap, i64 band_offset, i64 window_left,
+    i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn, float scale, float softcap,
+    i64 band_offset, i64 window_left,
     i64 window_right, u32 /*dropout_key*/, u32 /*dropout_threshold*/, float /*dropout_scale*/,
     u32 /*dropout_row0*/, u32 /*dropout_col0*/, SEQUENCE_PARAMETERS) {
     extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -329,7 +330,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                                             : safe_max * kLn2 + logf(total);
         const i64 out_row = out_row0 + first_row + r;
         if (direct) {
-            store_row_pair<VALUE_DIM>(o + out_row * VALUE_DIM, col, low * factor, high * factor);
+            const i64 o_offset = STRIDED_OUT ? packed_row_offset(batch, kv_head, group_size,
+                                                                 static_cast<int>(n_q),
+                                                                 first_row + r, {o_sb, o_sh, o_sn})
+                                             : out_row * VALUE_DIM;
+            store_row_pair<VALUE_DIM>(o + o_offset, col, low * factor, high * factor);
             if (col == 0) lse[out_row] = row_lse;
         } else {
             float* partial_row = partial_o + (split_rows + out_row) * VALUE_DIM;

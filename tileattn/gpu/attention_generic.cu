@@ -234,7 +234,7 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
                              int n_q_heads, int group_size, int head_dim, int value_dim,
                              int block_q, int block_k, HeadStrides q_strides,
                              HeadStrides k_strides, HeadStrides v_strides,
-                             ScoreOptions<typename C::Acc> options,
+                             OutputStrides o_strides, ScoreOptions<typename C::Acc> options,
                              const SequenceTables& tables) {
     typedef typename C::Acc Acc;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -368,7 +368,11 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
 
     // Deferred normalisation (FlashAttention-2 section 3.1.1). row_sum == 0 means no key
     // was kept: o = 0 and lse = -inf. A NaN row_sum is not 0, so NaN reaches o and lse.
-    const i64 out_row0 = owned.out_head * n_q_total + owned.row_base + row_start;
+    const i64 out_row0 = owned.out_head * n_q_total + owned.row_base + row_start;  // in lse
+    // o at its own strides (the launcher always passes them; STRIDED_OUT is the tensor-core
+    // kernels' switch).
+    typename C::T* o_row0 = o + owned.batch * o_strides.batch + owned.head * o_strides.head +
+                            (owned.row_base + row_start) * o_strides.row;
 #pragma unroll
     for (int i = 0; i < outputs_per_thread; ++i) {
         const int element = threadIdx.x + i * C::threads;
@@ -376,7 +380,7 @@ __device__ void forward_tile(const typename C::T* q, const typename C::T* k,
         if (r < rows && c < value_dim) {
             const Acc total = row_sum[r];
             const Acc value = total == Acc(0) ? Acc(0) : accumulator[i] / total;
-            o[(out_row0 + r) * value_dim + c] = narrow<typename C::T>(value);
+            o_row0[r * o_strides.row + c] = narrow<typename C::T>(value);
         }
     }
     for (int r = threadIdx.x; r < rows; r += C::threads) {
@@ -705,12 +709,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                       ACCUM* lse, const double* alibi_slopes, i64 n_q, i64 n_k, int n_q_heads,
                       int group_size, int head_dim, int value_dim, int block_q, int block_k,
                       i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
-                      i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, SCORE_OPTION_PARAMS,
-                      SEQUENCE_PARAMETERS) {
+                      i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 o_sb, i64 o_sh,
+                      i64 o_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
     forward_tile<Config>(q, k, v, o, lse, alibi_slopes, n_q, n_k, n_q_heads, group_size,
                          head_dim, value_dim, block_q, block_k, HeadStrides{q_sb, q_sh, q_sn, q_sd},
                          HeadStrides{k_sb, k_sh, k_sn, k_sd}, HeadStrides{v_sb, v_sh, v_sn, v_sd},
-                         SCORE_OPTIONS, SEQUENCE_TABLES);
+                         OutputStrides{o_sb, o_sh, o_sn}, SCORE_OPTIONS, SEQUENCE_TABLES);
 }
 
 #define BACKWARD_DKDV_ARRAYS                                                                 \

@@ -53,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
     const double* alibi_slopes, i64 n_q_total, i64 n_k_total, int n_q_heads, int group_size, i64 q_sb,
     i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+    i64 o_sb, i64 o_sh, i64 o_sn,
     float scale, float softcap, i64 band_shift, i64 window_left, i64 window_right,
     u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,
     u32 dropout_col0, SEQUENCE_PARAMETERS) {
@@ -92,9 +93,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     split_key_tiles(&tile_begin, &tile_end);
 
     if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share)
-        store_empty_rows<VALUE_DIM, kThreads>(sequence_rows<VALUE_DIM>(o, owned, n_q_total),
-                                              sequence_rows<1>(lse, owned, n_q_total),
-                                              row_start, row_stop);
+        store_empty_rows<VALUE_DIM, kThreads>(
+            output_rows<VALUE_DIM>(o, owned, n_q_total, {o_sb, o_sh, o_sn}),
+            sequence_rows<1>(lse, owned, n_q_total), row_start, row_stop);
         return;
     }
 
@@ -212,6 +213,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
     }
 
     store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows,
-                                 sequence_rows<VALUE_DIM>(o, owned, n_q_total),
+                                 output_rows<VALUE_DIM>(o, owned, n_q_total, {o_sb, o_sh, o_sn}),
                                  sequence_rows<1>(lse, owned, n_q_total), n_q, dropout_scale);
 }

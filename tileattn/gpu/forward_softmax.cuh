@@ -223,9 +223,9 @@ template <int ValueDim, int RowTiles, int OutFrags, typename Out>
 __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles][OutFrags][4],
                                                   const float (&row_max)[RowTiles][2],
                                                   const float (&row_sum)[RowTiles][2],
-                                                  const i64 (&rows)[RowTiles][2], Out* o_head,
-                                                  float* lse_head, i64 n_q,
-                                                  float dropout_scale) {
+                                                  const i64 (&rows)[RowTiles][2],
+                                                  OutputRows<Out> o_rows, float* lse_head,
+                                                  i64 n_q, float dropout_scale) {
     const int quad_col = threadIdx.x % 4;
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m)
@@ -238,7 +238,7 @@ __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles]
             const float factor =
                 total == 0.0f ? 0.0f : (DROPOUT ? dropout_scale : 1.0f) / total;
             if (row < n_q) {
-                Out* o_row = o_head + row * ValueDim;
+                Out* o_row = o_rows.row0 + static_cast<i64>(static_cast<int>(row)) * o_rows.stride;
 #pragma unroll
                 for (int n = 0; n < OutFrags; ++n)
                     if (n * 8 < ValueDim)
@@ -255,11 +255,11 @@ __device__ __forceinline__ void store_output_rows(const float (&o_acc)[RowTiles]
 
 // Every row of a query tile that keeps no key: o = 0 (ValueDim columns a row), lse = -inf.
 template <int ValueDim, int Threads, typename Out>
-__device__ __forceinline__ void store_empty_rows(Out* o_head, float* lse_head,
+__device__ __forceinline__ void store_empty_rows(OutputRows<Out> o_rows, float* lse_head,
                                                  i64 row_start, i64 row_stop) {
     for (i64 element = threadIdx.x; element < (row_stop - row_start) * ValueDim;
          element += Threads)
-        o_head[row_start * ValueDim + element] = 0;
+        o_rows.row0[(row_start + element / ValueDim) * o_rows.stride + element % ValueDim] = 0;
     for (i64 row = row_start + threadIdx.x; row < row_stop; row += Threads)
         lse_head[row] = negative_infinity<float>();
 }

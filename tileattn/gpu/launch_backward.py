@@ -535,6 +535,15 @@ def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None)):
+    if any(buffer is not None and not buffer.flags.c_contiguous for buffer in given):
+        # The kernels write gradients as (B, H, N, D) rows one after the other; a "bshd"
+        # buffer (a swapaxes view) takes them by one copy.
+        results = backward(do, q, k, v, o, lse, options)
+        for buffer, result in zip(given, results):
+            if buffer is not None:
+                buffer[...] = result
+        return tuple(result if buffer is None else buffer
+                     for buffer, result in zip(given, results))
     if options.varlen is not None:
         sequences = Sequences(q, k, options)
         problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3],

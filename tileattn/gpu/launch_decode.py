@@ -17,7 +17,8 @@ import numpy as np
 from ..options import UNLIMITED, AttentionOptions
 from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
-                       problem_for, score_arguments, sm_count, tensor_core_operands)
+                       output_strides, problem_for, score_arguments, sm_count,
+                       strided_out_defines, tensor_core_operands)
 from .tiles import DecodeMmaTiles, DecodeShape, DecodeTiles, decode_residency
 from .varlen import dense_arguments
 from .workspace import partials
@@ -111,6 +112,7 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                    ("ROW_WARPS", tiles.row_warps),
                    ("STAGES", tiles.stages), ("VALUE_DIM", value_dim),
                    ("WARP_KEYS", tiles.warp_keys), ("WARPS", tiles.warps)) + switches
+    defines += strided_out_defines(o)
     if sequences is not None:
         defines += sequences.defines()
         tables = sequences.arguments(None)[0]
@@ -131,14 +133,16 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                     shared,
                     (*leading, np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(group), np.int32(splits), *q_strides[:3], *k_strides[:3],
-                     *v_strides[:3], *score_arguments(options, n_q, n_k, accum), *tables))
+                     *v_strides[:3], *output_strides(o), *score_arguments(options, n_q, n_k, accum),
+                     *tables))
     merge = None
     if splits > 1:
         merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge",
                                          tuple(sorted(merge_defines)))
         merge = Launch(merge_function, (n_rows, -(-value_dim // MERGE_COLUMNS)),
                        (MERGE_THREADS,), 0,
-                       (np.int64(n_rows), np.int32(splits)))
+                       (np.int64(n_rows), np.int32(splits), np.int32(n_q_heads),
+                        np.int64(n_q), *output_strides(o)))
     launch = DecodeLaunch(decode, merge, splits * n_rows * value_dim, splits * n_rows, accum)
     launch(q, k, v, o, lse)
     return launch, copy_bytes

@@ -14,8 +14,9 @@ from ..options import UNLIMITED, AttentionOptions, Blocks
 from . import _compile
 from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
-                       element_strides, plan_key, problem_for, remember, score_arguments,
-                       shared_memory_limit, sm_count, tensor_core_operands)
+                       element_strides, forward_plan_key, output_strides, problem_for, remember,
+                       score_arguments, shared_memory_limit, sm_count, strided_out_defines,
+                       tensor_core_operands)
 from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
                     choose_forward, forward_resident_blocks, key_shares, with_key_splits,
                     within_pages)
@@ -61,14 +62,17 @@ class SplitKeysLaunch:
         self.merge(partial_o, partial_lse, o, lse)
 
 
-def _merge_launch(dtype, value_dim: int, n_rows: int, n_q: int, splits: int) -> Launch:
-    """split_keys_merge.cu over `n_rows` rows of o (heads of `n_q`): a thread per
+def _merge_launch(o, n_q: int, splits: int) -> Launch:
+    """split_keys_merge.cu over the rows of o (heads of `n_q`): a thread per
     SPLIT_MERGE_COLUMNS columns."""
-    defines = (("STORAGE", STORAGE[dtype_name(dtype)]), ("VALUE_DIM", value_dim))
+    batch, n_q_heads, _, value_dim = o.shape
+    n_rows = batch * n_q_heads * n_q
+    defines = (("STORAGE", STORAGE[dtype_name(o.dtype)]), ("VALUE_DIM", value_dim))
     function = _compile.kernel(SPLIT_MERGE_SOURCE, "split_keys_merge", defines)
     threads = n_rows * -(-value_dim // SPLIT_MERGE_COLUMNS)
     return Launch(function, (-(-threads // SPLIT_MERGE_THREADS),), (SPLIT_MERGE_THREADS,), 0,
-                  (np.int64(n_rows), np.int64(n_q), np.int32(splits)))
+                  (np.int64(n_rows), np.int64(n_q), np.int32(splits), np.int32(n_q_heads),
+                   *output_strides(o)))
 
 
 def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k, v, o, lse,
@@ -84,10 +88,11 @@ def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k,
     launch = Launch(function, (blocks, splits) if splits > 1 else (blocks,), (threads,), shared,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
-                     *v_strides[:3], *score_arguments(options, n_q, n_k, np.float32), *tables))
+                     *v_strides[:3], *output_strides(o),
+                     *score_arguments(options, n_q, n_k, np.float32), *tables))
     if splits > 1:
         n_rows = batch * n_q_heads * n_q
-        launch = SplitKeysLaunch(launch, _merge_launch(q.dtype, value_dim, n_rows, n_q, splits),
+        launch = SplitKeysLaunch(launch, _merge_launch(o, n_q, splits),
                                  splits * n_rows * value_dim, splits * n_rows,
                                  unwritten_rows=sequences is not None)
     launch(q, k, v, o, lse)
@@ -104,7 +109,8 @@ def _forward_on_tensor_cores(source: str, entry: str, family_defines: tuple, ste
     grid = tile_grid(q.shape[1], q.shape[2], tiles.block_q, q.shape[0], sequences)
     if callable(splits):
         splits = splits(grid[0])
-    defines = family_defines + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
+    defines = (family_defines + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
+               + strided_out_defines(o))
     if sequences is not None:
         defines += sequences.defines()
     if splits > 1:
@@ -237,7 +243,7 @@ def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), np.int32(head_dim),
                      np.int32(value_dim), np.int32(blocks.block_q), np.int32(blocks.block_k),
-                     *q_strides, *k_strides, *v_strides,
+                     *q_strides, *k_strides, *v_strides, *output_strides(o),
                      *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype)), *tables))
     launch(q, k, v, o, lse)
     return launch, 1
@@ -295,8 +301,9 @@ def _varlen_shares(choice: Choice, q, options: AttentionOptions, sequences: Sequ
 
 
 def _outputs(q, v, out=None, lse_out=None):
-    """o and lse: the caller's buffers where given (validated: shape, dtype, C-contiguous),
-    else new ones; uninitialised, every element is written."""
+    """o and lse: the caller's buffers where given (validated: shape, dtype, rows contiguous
+    at any strides, two-element aligned), else new ones; uninitialised, every element is
+    written."""
     batch, n_q_heads, n_q, _ = q.shape
     return (cupy.empty((batch, n_q_heads, n_q, v.shape[3]), dtype=q.dtype) if out is None
             else out,
@@ -320,9 +327,9 @@ def run(choice: Choice, q, k, v, options: AttentionOptions):
 def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     if options.varlen is not None:
         return _forward_varlen(q, k, v, options, out, lse_out)
-    key = plan_key("forward", options, q, k, v)
-    launches = cached(key, q, k, v)
     o, lse = _outputs(q, v, out, lse_out)
+    key = forward_plan_key(options, q, k, v, o.strides)
+    launches = cached(key, q, k, v)
     if launches is not None:
         launches[0](q, k, v, o, lse)
         return o, lse
@@ -338,9 +345,9 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC).
     A call whose lengths stay on the device (`Sequences.dense_grid`) is planned once per
     signature: a repeated one fills its tables (`DeviceTables.fill`) and launches."""
-    key = plan_key("forward", options, q, k, v)
-    plan = cached(key, q, k, v)
     o, lse = _outputs(q, v, out, lse_out)
+    key = forward_plan_key(options, q, k, v, o.strides)
+    plan = cached(key, q, k, v)
     if plan is not None:
         tables, launch, fills = plan
         if fills:

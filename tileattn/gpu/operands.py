@@ -155,6 +155,13 @@ def element_strides(array):
     return array, tuple(np.int64(stride // itemsize) for stride in array.strides)
 
 
+def output_strides(o) -> tuple:
+    """o's batch, head and row strides in elements, as the kernels take them (they write
+    rows of contiguous elements at any of these strides: a "bshd" result in place)."""
+    itemsize = o.itemsize
+    return tuple(np.int64(stride // itemsize) for stride in o.strides[:3])
+
+
 def _alignment(value: int) -> int:
     """The largest of 16, 8, 4, 2, 1 that divides `value`."""
     value = abs(int(value))
@@ -264,6 +271,33 @@ def plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None
             options.softcap, options.block_q, options.block_k, options.deterministic,
             options.row_offset, options.col_offset, options.alignment,
             arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays) + lengths
+
+
+def contiguous_strides(shape: tuple, itemsize: int) -> tuple:
+    """The byte strides of a C-contiguous array of `shape`."""
+    strides, step = [], itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def strided_out_defines(o) -> tuple:
+    """``STRIDED_OUT=1`` for the tensor-core and decode kernels when o is not laid out as a
+    contiguous (B, H, N, Dv) array (sequences.cuh says why the switch); axes of one
+    element may have any stride."""
+    contiguous = contiguous_strides(o.shape, o.itemsize)
+    if all(size == 1 or stride == expected
+           for size, stride, expected in zip(o.shape, o.strides, contiguous)):
+        return ()
+    return (("STRIDED_OUT", 1),)
+
+
+def forward_plan_key(options: AttentionOptions, q, k, v, o_strides: tuple) -> tuple | None:
+    """`plan_key` of a forward that writes o at these (byte) strides, which its launches
+    take as arguments."""
+    key = plan_key("forward", options, q, k, v)
+    return None if key is None else key + (tuple(o_strides),)
 
 
 def remember(key: tuple | None, launches: tuple, alignment: int, *arrays) -> None:

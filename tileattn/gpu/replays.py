@@ -17,7 +17,7 @@ import cupy
 
 from ..options import AttentionOptions
 from .launch_backward import BackwardPlan, new_bytes
-from .operands import cached, plan_key
+from .operands import cached, contiguous_strides, forward_plan_key, plan_key
 
 # The widest copy any kernel assumes of a row (operands.row_alignment); outputs need two
 # elements. XLA's and CuPy's buffers start 256-byte aligned.
@@ -53,15 +53,23 @@ class Replay:
 
 
 def replay(function_name: str, tensors: dict, options: AttentionOptions,
-           allocate=None) -> Replay | None:
+           allocate=None, outputs: dict | None = None) -> Replay | None:
     """The replay of a validated dense call that has run once (its plan is cached), or None
-    for calls whose plans are not cached (ALiBi, dropout, variable-length, copied inputs)."""
+    for calls whose plans are not cached (ALiBi, dropout, variable-length, copied inputs).
+    `outputs`: the call's output buffers (the backend's views), whose strides the forward's
+    launches took."""
     if options.varlen is not None:
         return None
     if function_name == "forward":
-        launches = cached(plan_key("forward", options, *(tensors[n] for n in "qkv")),
-                          *(tensors[n] for n in "qkv"))
+        q, k, v = (tensors[n] for n in "qkv")
+        out = (outputs or {}).get("out")
+        o_strides = (contiguous_strides(q.shape[:3] + (v.shape[3],), q.itemsize)
+                     if out is None else out.strides)
+        launches = cached(forward_plan_key(options, q, k, v, o_strides), q, k, v)
         return None if launches is None else Replay(launches[0], backward=False)
+    if any(buffer is not None and not buffer.flags.c_contiguous
+           for buffer in (outputs or {}).values()):
+        return None  # gradients into "bshd" buffers go through a copy
     arrays = [tensors[n] for n in ("do", "q", "k", "v", "o")]
     launches = cached(plan_key("backward", options, *arrays), *arrays)
     lse = tensors["lse"]

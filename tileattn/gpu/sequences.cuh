@@ -19,6 +19,9 @@
 #ifndef VARLEN
 #define VARLEN 0
 #endif
+#ifndef STRIDED_OUT
+#define STRIDED_OUT 0
+#endif
 #ifndef PAGED
 #define PAGED 0
 #endif
@@ -108,6 +111,50 @@ __device__ __forceinline__ typename SplitOutput<SPLIT_KEYS, T>::type* sequence_r
     using Out = typename SplitOutput<SPLIT_KEYS, T>::type;
     return reinterpret_cast<Out*>(out) +
            (split_head_row0(block.out_head, n_q_total) + block.row_base) * Width;
+}
+
+// Where a query block's output rows lie. STRIDED_OUT (0/1): o has other batch, head and row
+// strides than a contiguous (B, H, N, Dv) array (a "bshd" result, written in the caller's
+// order, rows H x Dv apart); a contiguous o keeps the shorter address arithmetic of
+// compile-time widths, whose registers the tightest tiles need (ptxas: 8-24 bytes of
+// spills at 128 registers otherwise). Under SPLIT_KEYS the share's float32 partials are
+// contiguous rows of `Width` (common.cuh).
+template <typename Out> struct OutputRows {
+    Out* row0;   // row 0 of the block's sequence, in its head
+    int stride;  // elements from a row to the next (H x Dv at most: 32 bits, which keep the
+                 // epilogue's address arithmetic within the registers it had)
+};
+
+struct OutputStrides {
+    i64 batch, head, row;
+};
+
+template <int Width, typename T>
+__device__ __forceinline__ OutputRows<typename SplitOutput<SPLIT_KEYS, T>::type> output_rows(
+    T* out, const QueryBlock& block, i64 n_q_total, OutputStrides strides) {
+    if constexpr (SPLIT_KEYS || !STRIDED_OUT) {
+        return {sequence_rows<Width>(out, block, n_q_total), Width};
+    } else {
+        return {out + block.batch * strides.batch + block.head * strides.head +
+                    block.row_base * strides.row,
+                static_cast<int>(strides.row)};
+    }
+}
+
+// Row `row` of o in the flat (batch, head, query row) order of lse: its first element.
+__device__ __forceinline__ i64 flat_row_offset(i64 row, int n_q_heads, i64 n_q,
+                                               OutputStrides strides) {
+    const i64 query = row % n_q, batch_head = row / n_q;
+    return batch_head / n_q_heads * strides.batch + batch_head % n_q_heads * strides.head +
+           query * strides.row;
+}
+
+// Packed decode row `packed` of (batch, kv head) in o: query head kv_head * group + packed /
+// n_q, query row packed % n_q. Packed rows are few (group x Nq <= 128): 32-bit division.
+__device__ __forceinline__ i64 packed_row_offset(i64 batch, int kv_head, int group_size,
+                                                 int n_q, int packed, OutputStrides strides) {
+    return batch * strides.batch + (kv_head * group_size + packed / n_q) * strides.head +
+           (packed % n_q) * strides.row;
 }
 
 // A dense tile table (tileattn/gpu/varlen.py: Sequences.dense_grid, a forward whose

@@ -13,14 +13,14 @@
 // (attention_decode.cu's merge serves the opposite case: a few rows, hundreds of splits.)
 //
 // Compile-time configuration (NVRTC -D options): STORAGE (o's type), VALUE_DIM.
-#include "common.cuh"
+#include "sequences.cuh"
 
 constexpr int kColumns = 4;
 constexpr int kPieces = (VALUE_DIM + kColumns - 1) / kColumns;  // a row's threads
 
 extern "C" __global__ void __launch_bounds__(256) split_keys_merge(
     const float* partial_o, const float* partial_lse, STORAGE* o, float* lse, i64 n_rows,
-    i64 n_q, int n_splits) {
+    i64 n_q, int n_splits, int n_q_heads, i64 o_sb, i64 o_sh, i64 o_sn) {
     const i64 index = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
     const i64 row = index / kPieces;
     const int first = static_cast<int>(index % kPieces) * kColumns;
@@ -43,9 +43,10 @@ extern "C" __global__ void __launch_bounds__(256) split_keys_merge(
             if (VALUE_DIM % kColumns == 0 || first + c < VALUE_DIM) sum[c] += weight * part[c];
     }
     const float factor = total == 0.0f ? 0.0f : 1.0f / total;
+    STORAGE* o_row = o + flat_row_offset(row, n_q_heads, n_q, {o_sb, o_sh, o_sn});
 #pragma unroll
     for (int c = 0; c < kColumns; ++c)
         if (VALUE_DIM % kColumns == 0 || first + c < VALUE_DIM)
-            o[row * VALUE_DIM + first + c] = narrow<STORAGE>(sum[c] * factor);
+            o_row[first + c] = narrow<STORAGE>(sum[c] * factor);
     if (first == 0) lse[row] = total == 0.0f ? negative_infinity<float>() : safe_max + logf(total);
 }

@@ -365,6 +365,9 @@ TF32_BACKWARD = [
     Row(When(128), MmaBackwardTiles((128, 32), (128, 32)),
         "v13: D=128, 32 streamed rows fit 278 KB of tiles into 227 KiB"),
     Row(When(192, max_sum=256), MmaBackwardTiles((64, 32), (64, 32)), "v14: D+Dv<=256"),
+    Row(When(160), MmaBackwardTiles((128, 16), (128, 16)),
+        "v30: D<=160, 8 warps of 16 streamed rows, dK and dV in one kernel (D=160 N=4k: "
+        "28.6/25.7 TFLOP/s fwd+bwd vs 21.6/20.0 for the D<=192 row, causal second)"),
     Row(When(192), MmaBackwardTiles((64, 32), (64, 32), split=True), "v14: D<=192"),
     Row(When(256), MmaBackwardTiles((64, 16), (64, 16), split=True),
         "v14: D<=256, 16 streamed rows: 24 TFLOP/s fwd+bwd vs 14 (32x32)"),
