@@ -160,7 +160,7 @@ def _run_forward(q, k, v, causal, window, scale, softcap, alibi_slopes, dropout_
                  cu_seqlens_k, block_table, check_lengths)
     if q.device.type == "cuda" and _replayable(arguments):
         results = _by_replay("forward", (q, k, v), arguments,
-                             lambda: _forward_results(q, v, layout))
+                             lambda: _forward_results(q, v, layout, backend))
         if results is not None:
             return results
     options = _options(causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
@@ -184,12 +184,12 @@ def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _forward_results(q, v, layout):
+def _forward_results(q, v, layout, backend):
     """New (o, lse) laid out as tileattn's results are. Variable-length results have the
     dense shapes: padded and paged o is q's shape with v's head dim (a page pool's last
     axis is Dv too), packed o is (Hq, N_total, Dv)."""
     o = _layout_strided(q, (*q.shape[:-1], v.shape[-1]), q.dtype, layout,
-                        written_in_place=q.device.type == "cuda")
+                        written_in_place=q.device.type == "cuda" and backend != "reference")
     lse_shape = list(q.shape[:-1])  # (*batch, H, N) in both layouts
     if layout == "bshd" and q.dim() >= 3:
         lse_shape[-2], lse_shape[-1] = lse_shape[-1], lse_shape[-2]
@@ -200,7 +200,7 @@ def _forward_results(q, v, layout):
 def _(q, k, v, causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
       block_k, backend, layout, deterministic, seqlens_q=None, seqlens_k=None,
       cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, check_lengths=True):
-    return _forward_results(q, v, layout)
+    return _forward_results(q, v, layout, backend)
 
 
 @torch.library.custom_op("tileattn::backward", mutates_args=())
