@@ -224,7 +224,8 @@ def heads_first(named: dict) -> dict:
 
 def output_view(name: str, array, batch: int, single_head: bool, sequence_first: bool):
     """A caller's output buffer in the backends' axis order, and as their 4-D view (lse_out:
-    3-D); the latter is a view indeed once the former is C-contiguous."""
+    3-D); the latter is a view indeed once the buffer is C-contiguous in either order (its
+    leading batch axes then merge without a copy)."""
     if name == "lse_out":
         return array, _lse_view(array, batch, single_head)
     ordered = _swap_heads_and_sequence(array) if sequence_first else array
