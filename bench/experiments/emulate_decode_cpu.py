@@ -12,9 +12,12 @@ the barriers' placement and the pipeline's waits, though not memory ordering bey
 (compute-sanitizer on the GPU does). PTX `asm` in the shared headers is replaced by its
 meaning (cvt to and from half, cvta.to.shared, cp.async groups, the dynamic
 shared-memory size); what no decode path uses (mma.sync, ldmatrix) compiles to nothing.
+Every case runs twice: o contiguous, and o written into a (B, Nq, Hq, Dv) buffer as a
+"bshd" call's is (STRIDED_OUT, and the merge's strides).
 `--launcher` also runs the Python launch path (`launch_forward.forward`: dispatch, launch
 cache, `launch_decode`, workspace, merge) on a stand-in for CuPy whose kernels are this
-emulation called with the launcher's own argument tuples.
+emulation called with the launcher's own argument tuples (float32 inputs: 16-bit ones take
+the tensor-core decode, attention_decode_mma.cu, which is not emulated).
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
 inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
 inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
 inline void __trap() { std::fprintf(stderr, "__trap\n"); std::abort(); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 using std::exp; using std::log; using std::tanh; using std::fmax;
 template <typename A, typename B> inline auto min(A a, B b) {
     using C = std::common_type_t<A, B>; return std::min<C>(a, b);
@@ -155,14 +161,17 @@ inline void copy_chunk_async(u32 destination, const void* source, bool valid) {
 
 RUNNER = r"""
 template <typename Kernel>
-void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned shared) {
+void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned shared,
+                unsigned blocks_y = 1) {
     std::vector<unsigned char> memory(shared + 64, 0xff);  // stale bytes: NaN patterns
     g_shared = memory.data();
     g_dynamic_shared = shared;
     gridDim.x = blocks;
+    gridDim.y = blocks_y;
     blockDim.x = threads;
-    for (unsigned block = 0; block < blocks; ++block) {
-        blockIdx.x = block;
+    for (unsigned block = 0; block < blocks * blocks_y; ++block) {
+        blockIdx.x = block % blocks;
+        blockIdx.y = block / blocks;
         std::barrier<> barrier(threads);
         g_block_barrier = &barrier;
         g_warp_barriers.clear();
@@ -178,28 +187,34 @@ void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned share
 // The kernels' own parameter lists, for the launcher mode (`--launcher`): the Python launch
 // path's argument tuples go through these unchanged.
 extern "C" void launch_attention_decode(
-    unsigned grid, unsigned threads, unsigned shared, const T* q, const T* k, const T* v, T* o,
-    Acc* lse, Acc* partial_o, Acc* partial_lse, const double* alibi_slopes, i64 n_q, i64 n_k,
-    int n_q_heads, int group_size, int n_splits, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb,
-    i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, Acc scale, Acc softcap, i64 band_offset,
-    i64 window_left, i64 window_right, u32 dropout_key, u32 dropout_threshold,
-    Acc dropout_scale, u32 dropout_row0, u32 dropout_col0) {
+    unsigned grid, unsigned grid_y, unsigned threads, unsigned shared, const T* q, const T* k,
+    const T* v, T* o, Acc* lse, Acc* partial_o, Acc* partial_lse, const double* alibi_slopes,
+    i64 n_q, i64 n_k, int n_q_heads, int group_size, int n_splits, i64 q_sb, i64 q_sh,
+    i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh,
+    i64 o_sn, Acc scale, Acc softcap, i64 band_offset, i64 window_left, i64 window_right,
+    u32 dropout_key, u32 dropout_threshold, Acc dropout_scale, u32 dropout_row0,
+    u32 dropout_col0, const i64* descriptors, const i64* tiles, const i64* block_table,
+    i64 table_stride, i64 page_size, i64 n_pages) {
     if (threads != THREADS) { std::fprintf(stderr, "block %u != THREADS\n", threads); std::abort(); }
     run_blocks([&] {
         attention_decode(q, k, v, o, lse, partial_o, partial_lse, alibi_slopes, n_q, n_k,
                          n_q_heads, group_size, n_splits, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn,
-                         v_sb, v_sh, v_sn, scale, softcap, band_offset, window_left,
-                         window_right, dropout_key, dropout_threshold, dropout_scale,
-                         dropout_row0, dropout_col0);
-    }, grid, threads, shared);
+                         v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, scale, softcap, band_offset,
+                         window_left, window_right, dropout_key, dropout_threshold,
+                         dropout_scale, dropout_row0, dropout_col0, descriptors, tiles,
+                         block_table, table_stride, page_size, n_pages);
+    }, grid, threads, shared, grid_y);
 }
 
-extern "C" void launch_attention_decode_merge(unsigned grid, unsigned threads, unsigned shared,
-                                              const Acc* partial_o, const Acc* partial_lse,
-                                              T* o, Acc* lse, i64 n_rows, int n_splits) {
-    if (threads != 128) { std::fprintf(stderr, "merge block %u != 128\n", threads); std::abort(); }
-    run_blocks([&] { attention_decode_merge(partial_o, partial_lse, o, lse, n_rows, n_splits); },
-               grid, threads, shared);
+extern "C" void launch_attention_decode_merge(unsigned grid, unsigned grid_y, unsigned threads,
+                                              unsigned shared, const Acc* partial_o,
+                                              const Acc* partial_lse, T* o, Acc* lse,
+                                              i64 n_rows, int n_splits, int n_q_heads, i64 n_q,
+                                              i64 o_sb, i64 o_sh, i64 o_sn) {
+    if (threads != kMergeThreads) { std::fprintf(stderr, "merge block %u\n", threads); std::abort(); }
+    run_blocks([&] { attention_decode_merge(partial_o, partial_lse, o, lse, n_rows, n_splits,
+                                            n_q_heads, n_q, o_sb, o_sh, o_sn); },
+               grid, threads, shared, grid_y);
 }
 
 extern "C" void run(const T* q, const T* k, const T* v, T* o, Acc* lse, Acc* partial_o,
@@ -211,12 +226,15 @@ extern "C" void run(const T* q, const T* k, const T* v, T* o, Acc* lse, Acc* par
         attention_decode(q, k, v, o, lse, partial_o, partial_lse, slopes, n_q, n_k, n_q_heads,
                          group, splits, strides[0], strides[1], strides[2], strides[3],
                          strides[4], strides[5], strides[6], strides[7], strides[8],
-                         (Acc)reals[0], (Acc)reals[1], band[0], band[1], band[2], bits[0],
-                         bits[1], (Acc)reals[2], bits[2], bits[3]);
+                         strides[9], strides[10], strides[11], (Acc)reals[0], (Acc)reals[1],
+                         band[0], band[1], band[2], bits[0], bits[1], (Acc)reals[2], bits[2],
+                         bits[3], nullptr, nullptr, nullptr, 0, 0, 0);
     }, blocks, THREADS, shared);
     if (splits > 1)
-        run_blocks([&] { attention_decode_merge(partial_o, partial_lse, o, lse, n_rows, splits); },
-                   n_rows, 128, splits * sizeof(Acc));
+        run_blocks([&] { attention_decode_merge(partial_o, partial_lse, o, lse, n_rows, splits,
+                                                n_q_heads, n_q, strides[9], strides[10],
+                                                strides[11]); },
+                   n_rows, kMergeThreads, 0, (VALUE_DIM + 31) / 32);
 }
 """
 
@@ -280,9 +298,11 @@ def resolved(q, k, v, **kwargs):
                                 **kwargs}).options
 
 
-def emulate(q, k, v, splits: int | None = None, options=None, **kwargs):
+def emulate(q, k, v, splits: int | None = None, options=None, sequence_first_o=False,
+            **kwargs):
     """o and lse of attention_decode.cu for host arrays (any strides, last axis contiguous),
-    for the keyword options or an AttentionOptions."""
+    for the keyword options or an AttentionOptions; `sequence_first_o`: o written into a
+    (B, Nq, Hq, Dv) buffer (STRIDED_OUT), as a "bshd" call's."""
     options = options if options is not None else resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -300,16 +320,19 @@ def emulate(q, k, v, splits: int | None = None, options=None, **kwargs):
     defines = dict(STORAGE=STORAGE[dtype], ACCUM="double" if accum == np.float64 else "float",
                    HEAD_DIM=head_dim, VALUE_DIM=value_dim, COPY_BYTES=_copy_bytes(k, v),
                    ROWS=tiles.rows, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
-                   THREADS=tiles.threads, DEFERRED_COPIES=DEFERRED["value"], **switches)
+                   THREADS=tiles.threads, DEFERRED_COPIES=DEFERRED["value"],
+                   STRIDED_OUT=int(sequence_first_o), **switches)
     run = library(defines).run
     n_rows = batch * n_q_heads * n_q
-    o = np.full((batch, n_q_heads, n_q, value_dim), np.nan, dtype=q.dtype)
+    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, dtype=q.dtype).swapaxes(1, 2)
+         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
     lse = np.full((batch, n_q_heads, n_q), np.nan, dtype=accum)
     partial_o = np.full(tiles.splits * n_rows * value_dim, np.nan, dtype=accum)
     partial_lse = np.full(tiles.splits * n_rows, np.nan, dtype=accum)
     slopes = (np.zeros(1) if options.alibi_slopes is None
               else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
-    strides = np.array([s // a.itemsize for a in (q, k, v) for s in a.strides[:3]], np.int64)
+    strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]],
+                       np.int64)
     offset = options.band_offset(n_q, n_k)
     reach = n_q + n_k + abs(offset)
     side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
@@ -429,12 +452,16 @@ def _install_cupy_standin():
     runtime = types.SimpleNamespace(
         getDeviceProperties=lambda _: {"multiProcessorCount": 132,
                                        "sharedMemPerBlockOptin": 227 * 1024, "name": b"cpu"})
-    cuda = types.SimpleNamespace(Device=_Device, runtime=runtime,
-                                 get_current_stream=lambda: stream)
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Device, cuda.runtime, cuda.get_current_stream = _Device, runtime, lambda: stream
+    cuda.driver = types.ModuleType("cupy.cuda.driver")  # packed launches: never built here
+    cuda.driver.CUDADriverError = RuntimeError
     standin = types.ModuleType("cupy")
     standin.ndarray, standin.empty, standin.asarray, standin.cuda = ndarray, empty, asarray, cuda
     standin.uint16 = np.uint16
-    sys.modules["cupy"] = standin
+    standin.float32, standin.int32, standin.int64 = np.float32, np.int32, np.int64
+    standin.zeros = lambda shape, dtype=float: np.zeros(shape, dtype=dtype).view(ndarray)
+    sys.modules.update({"cupy": standin, "cupy.cuda": cuda, "cupy.cuda.driver": cuda.driver})
     return standin
 
 
@@ -451,10 +478,11 @@ class _EmulatedKernel:
         self.function.restype = None
 
     def __call__(self, grid, block, args, shared_mem=0):
-        converted = [ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_uint(shared_mem)]
+        converted = [ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1] if len(grid) > 1 else 1),
+                     ctypes.c_uint(block[0]), ctypes.c_uint(shared_mem)]
         for arg in args:
             if isinstance(arg, np.ndarray):
-                converted.append(ctypes.c_void_p(arg.ctypes.data))
+                converted.append(ctypes.c_void_p(arg.ctypes.data if arg.size else None))
             else:
                 converted.append({np.dtype(np.int64): ctypes.c_int64,
                                   np.dtype(np.int32): ctypes.c_int32,
@@ -466,7 +494,9 @@ class _EmulatedKernel:
 
 def launcher_mode() -> int:
     """The launch path end to end on decode shapes the dispatch picks, twice each (the second
-    call takes the cached launches), against the golden model."""
+    call takes the cached launches), against the golden model; float32, whose decode runs on
+    CUDA cores (16-bit inputs take attention_decode_mma.cu, which this does not emulate),
+    o contiguous and o a view of a (B, N, H, Dv) buffer (a "bshd" call's)."""
     standin = _install_cupy_standin()
     from tileattn.gpu import _compile, launch_forward, operands
 
@@ -485,7 +515,7 @@ def launcher_mode() -> int:
             ((1, 4, 4, 3, 700, 80, 48), {"window": (400, 0), "softcap": 3.0,
                                          "alibi_slopes": np.linspace(0.1, 0.4, 4)}),
             ((4, 8, 2, 1, 600, 96, 96), {"dropout_p": 0.2, "seed": 3})]:
-        q, k, v = (rng.standard_normal(s).astype(np.float16)
+        q, k, v = (rng.standard_normal(s).astype(np.float32)
                    for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
         resolved = validate(q, k, v, **{**dict(causal=False, window=None, scale=None,
                                                softcap=None, alibi_slopes=None, dropout_p=0.0,
@@ -495,9 +525,12 @@ def launcher_mode() -> int:
         choice = launch_forward.choose(*device, resolved)
         golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                                 backend="reference", return_lse=True, **options)
-        for call in ("first", "cached"):
-            o, lse = launch_forward.forward(*device, resolved)
-            label = f"launcher {call} q{q.shape} k{k.shape} {sorted(options)} {choice}"
+        for call, sequence_first in itertools.product(("first", "cached"), (False, True)):
+            out = (standin.empty((batch, nq, hq, dv), np.float32).swapaxes(1, 2)
+                   if sequence_first else None)
+            o, lse = launch_forward.forward(*device, resolved, out=out)
+            label = (f"launcher {call} q{q.shape} k{k.shape} {sorted(options)} {choice}"
+                     f"{' o (B, N, H, Dv)' if sequence_first else ''}")
             try:
                 assert choice.family == "decode"
                 assert_attention_close(np.asarray(o), golden_o, q.dtype, name="o")
@@ -563,18 +596,24 @@ def placed_case(rng) -> int:
 
 
 def check(q, k, v, options, splits) -> int:
-    o, lse, tiles = emulate(q, k, v, splits, **options)
+    """The emulation against the golden model, o written contiguous (B, H, N, Dv) and, as a
+    "bshd" call's is, into a (B, N, H, Dv) buffer (STRIDED_OUT)."""
     golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                             backend="reference", return_lse=True, **options)
-    label = f"{q.dtype.name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
-    try:
-        assert_attention_close(o, golden_o, q.dtype, name="o")
-        assert_attention_close(lse, golden_lse, q.dtype, name="lse")
-    except AssertionError as error:
-        print(f"FAILED {label}: {error}")
-        return 1
-    print(f"ok {label}")
-    return 0
+    failures = 0
+    for sequence_first_o in (False, True):
+        o, lse, tiles = emulate(q, k, v, splits, sequence_first_o=sequence_first_o, **options)
+        label = (f"{q.dtype.name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
+                 f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
+        try:
+            assert_attention_close(o, golden_o, q.dtype, name="o")
+            assert_attention_close(lse, golden_lse, q.dtype, name="lse")
+        except AssertionError as error:
+            print(f"FAILED {label}: {error}")
+            failures += 1
+            continue
+        print(f"ok {label}")
+    return failures
 
 
 if __name__ == "__main__":
