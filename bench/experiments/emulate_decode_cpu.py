@@ -211,7 +211,10 @@ extern "C" void launch_attention_decode_merge(unsigned grid, unsigned grid_y, un
                                               const Acc* partial_lse, T* o, Acc* lse,
                                               i64 n_rows, int n_splits, int n_q_heads, i64 n_q,
                                               i64 o_sb, i64 o_sh, i64 o_sn) {
-    if (threads != kMergeThreads) { std::fprintf(stderr, "merge block %u\n", threads); std::abort(); }
+    if (threads != kMergeThreads) {
+        std::fprintf(stderr, "merge block %u\n", threads);
+        std::abort();
+    }
     run_blocks([&] { attention_decode_merge(partial_o, partial_lse, o, lse, n_rows, n_splits,
                                             n_q_heads, n_q, o_sb, o_sh, o_sn); },
                grid, threads, shared, grid_y);
