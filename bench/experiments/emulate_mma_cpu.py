@@ -1,0 +1,320 @@
+"""Run the mma.sync forward (attention_mma_forward.cu) on the CPU, no GPU: the kernel's own
+source under emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide
+PTX it adds (ldmatrix, mma.sync m16n8k16) computed by meaning, checked against the float64
+golden model.
+
+    python3 bench/experiments/emulate_mma_cpu.py [--quick]
+
+Needs g++ 12+. Each block runs as its threads (std::threads meeting at barriers); a warp's
+ldmatrix and mma.sync exchange the lanes' addresses and fragments through a per-thread
+buffer between two warp barriers, then every lane computes its own result words from the
+PTX ISA's fragment layouts (A row-major 16 x 16 in four registers, B column-major 16 x 8 in
+two, C 16 x 8 in four floats; ldmatrix lane l addresses row l % 8 of matrix l / 8). The
+products are summed in float32 in k order, not in the tensor cores' order, so results agree
+with the GPU's to rounding, not bit for bit. Every case runs with o contiguous and with o
+written into a (B, Nq, Hq, Dv) buffer (STRIDED_OUT), as a "bshd" call's is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from emulate_decode_cpu import (COPY, COPY_PATTERN, PATCHES, PRELUDE,  # noqa: E402
+                                STORAGE, resolved)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import tileattn  # noqa: E402
+from tileattn.dropout import dropout_key, dropout_threshold  # noqa: E402
+from tileattn.gpu._compile import source  # noqa: E402
+from tileattn.gpu.tiles import MmaTiles, Widths  # noqa: E402
+from tileattn.options import UNLIMITED  # noqa: E402
+from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
+
+WARP_PTX = r"""
+struct uint4 { unsigned x, y, z, w; };
+template <typename X> X __shfl_sync(unsigned, X x, int source_lane) {
+    static_assert(sizeof(X) <= sizeof(double));
+    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    std::memcpy(&g_exchange[threadIdx.x], &x, sizeof(X));
+    __syncwarp();
+    X value;
+    std::memcpy(&value, &g_exchange[warp0 + (source_lane & 31)], sizeof(X));
+    __syncwarp();
+    return value;
+}
+int g_block_or = 0;  // blocks run one at a time
+inline int __syncthreads_or(int predicate) {
+    __syncthreads();  // every thread has read the previous call's result
+    if (threadIdx.x == 0) __atomic_store_n(&g_block_or, 0, __ATOMIC_SEQ_CST);
+    __syncthreads();
+    if (predicate) __atomic_store_n(&g_block_or, 1, __ATOMIC_SEQ_CST);
+    __syncthreads();
+    return __atomic_load_n(&g_block_or, __ATOMIC_SEQ_CST);
+}
+u32 g_words[1024][8];  // a thread's published registers for its warp's ldmatrix / mma
+inline u32 shared_word(u32 address) { u32 x; std::memcpy(&x, g_shared + address, 4); return x; }
+inline unsigned short shared_half(u32 address) {
+    unsigned short x; std::memcpy(&x, g_shared + address, 2); return x;
+}
+inline void ldmatrix_x4_emulated(u32 address, u32* fragment, bool transposed) {
+    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    g_words[threadIdx.x][0] = address;
+    __syncwarp();
+    for (int j = 0; j < 4; ++j) {
+        if (!transposed) {
+            fragment[j] = shared_word(g_words[warp0 + j * 8 + lane / 4][0] + (lane % 4) * 4);
+        } else {
+            const u32 r0 = g_words[warp0 + j * 8 + 2 * (lane % 4)][0];
+            const u32 r1 = g_words[warp0 + j * 8 + 2 * (lane % 4) + 1][0];
+            fragment[j] = shared_half(r0 + (lane / 4) * 2) |
+                          (static_cast<u32>(shared_half(r1 + (lane / 4) * 2)) << 16);
+        }
+    }
+    __syncwarp();
+}
+inline float half_of(u32 word, int upper) {
+    const unsigned short bits = static_cast<unsigned short>(upper ? word >> 16 : word);
+    if (IS_BFLOAT16) return std::bit_cast<float>(static_cast<u32>(bits) << 16);
+    return static_cast<float>(std::bit_cast<_Float16>(bits));
+}
+// c += A (16 x 16, row) B (16 x 8, col); lane l = 4 g + t holds A rows g, g + 8 at columns
+// 2t, 2t + 1 (+ 8), B columns g at rows 2t, 2t + 1 (+ 8), C rows g, g + 8 at columns 2t, 2t + 1.
+inline void mma_emulated(float* c, const u32* a, u32 b0, u32 b1) {
+    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    for (int i = 0; i < 4; ++i) g_words[threadIdx.x][i] = a[i];
+    g_words[threadIdx.x][4] = b0;
+    g_words[threadIdx.x][5] = b1;
+    __syncwarp();
+    const int g = lane / 4, t = lane % 4;
+    float result[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+        float sum = c[i];
+        for (int kk = 0; kk < 16; ++kk) {
+            const u32* a_lane = g_words[warp0 + (row % 8) * 4 + (kk % 8) / 2];
+            const float a_value = half_of(a_lane[(row >= 8 ? 1 : 0) + (kk >= 8 ? 2 : 0)], kk % 2);
+            const u32* b_lane = g_words[warp0 + col * 4 + (kk % 8) / 2];
+            const float b_value = half_of(b_lane[4 + (kk >= 8 ? 1 : 0)], kk % 2);
+            sum += a_value * b_value;
+        }
+        result[i] = sum;
+    }
+    __syncwarp();
+    for (int i = 0; i < 4; ++i) c[i] = result[i];
+}
+"""
+
+# Whole helper functions of the shared headers replaced by their meaning: (the start of the
+# definition, the new body). The definition's braces are matched to find its end.
+FUNCTIONS = [
+    ("__device__ __forceinline__ void load_matrix_x4(u32 address, u32* fragment) {",
+     "{ ldmatrix_x4_emulated(address, fragment, false); }"),
+    ("__device__ __forceinline__ void load_matrix_x4_transposed(u32 address, u32* fragment) {",
+     "{ ldmatrix_x4_emulated(address, fragment, true); }"),
+    ("__device__ __forceinline__ void mma_16x8x16(float* c, const u32* a, u32 b0, u32 b1) {",
+     "{ mma_emulated(c, a, b0, b1); }"),
+    ("__device__ __forceinline__ u32 pack_pair(float low, float high) {",
+     "{ using Half = std::conditional_t<IS_BFLOAT16, bfloat16_storage, half_storage>;\n"
+     "  return static_cast<u32>(narrow<Half>(low).bits) |\n"
+     "         (static_cast<u32>(narrow<Half>(high).bits) << 16); }"),
+    ("__device__ __forceinline__ void store_pair(float* out, float low, float high) {",
+     "{ out[0] = low; out[1] = high; }"),
+    ("__device__ __forceinline__ float exp2_approx(float x) {", "{ return std::exp2(x); }"),
+    ("__device__ __forceinline__ i64 opaque(i64 x) {", "{ return x; }"),
+    ("__device__ __forceinline__ bits16 load_shared_bits16(u32 address) {",
+     "{ return shared_half(address); }"),
+]
+MORE_PATCHES = [
+    (r"extern __shared__ __align__\(\d+\) bits16 shared_tiles\[\];",
+     "bits16* shared_tiles = reinterpret_cast<bits16*>(g_shared);"),
+    (r'asm volatile\("ld\.shared\.v4\.u32 \{%0, %1, %2, %3\}, \[%4\];\\n"\s*'
+     r': "=r"\(chunk\.x\), "=r"\(chunk\.y\), "=r"\(chunk\.z\), "=r"\(chunk\.w\)\s*'
+     r': "r"\(tile \+ offset\)\s*: "memory"\);',
+     "std::memcpy(&chunk, g_shared + tile + offset, 16);"),
+    (r'asm volatile\("st\.shared\.u16 \[%0\], %1;\\n" ::"r"\(tile \+ offset\),\s*'
+     r'"h"\(static_cast<unsigned short>\(0\)\)\s*: "memory"\);',
+     "std::memset(g_shared + tile + offset, 0, 2);"),
+]
+
+RUNNER = r"""
+template <typename Kernel>
+void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned shared) {
+    std::vector<unsigned char> memory(shared + 64, 0xff);  // stale bytes: NaN patterns
+    g_shared = memory.data();
+    g_dynamic_shared = shared;
+    gridDim.x = blocks;
+    blockDim.x = threads;
+    for (unsigned block = 0; block < blocks; ++block) {
+        blockIdx.x = block;
+        std::barrier<> barrier(threads);
+        g_block_barrier = &barrier;
+        g_warp_barriers.clear();
+        for (unsigned w = 0; w < threads / 32; ++w)
+            g_warp_barriers.emplace_back(std::make_unique<std::barrier<>>(32));
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < threads; ++t)
+            pool.emplace_back([&, t] { threadIdx.x = t; kernel(); });
+        for (auto& thread : pool) thread.join();
+    }
+}
+
+extern "C" void run(const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
+                    const double* slopes, i64 n_q, i64 n_k, int n_q_heads, int group,
+                    const i64* strides, const float* reals, const i64* band,
+                    const unsigned* bits, int blocks, int shared) {
+    run_blocks([&] {
+        attention_forward_mma(q, k, v, o, lse, slopes, n_q, n_k, n_q_heads, group, strides[0],
+                              strides[1], strides[2], strides[3], strides[4], strides[5],
+                              strides[6], strides[7], strides[8], strides[9], strides[10],
+                              strides[11], reals[0], reals[1], band[0], band[1], band[2],
+                              bits[0], bits[1], reals[2], bits[2], bits[3], nullptr, nullptr,
+                              nullptr, 0, 0, 0);
+    }, blocks, kThreads, shared);
+}
+"""
+
+_LIBRARIES: dict = {}
+
+
+def _replace_function(text: str, start: str, body: str) -> str:
+    at = text.find(start)
+    assert at >= 0, f"not found: {start}"
+    open_brace = at + len(start) - 1
+    depth, end = 0, open_brace
+    for end in range(open_brace, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    return text[:open_brace] + body + text[end + 1:]
+
+
+def library(defines: dict) -> ctypes.CDLL:
+    key = tuple(sorted(defines.items()))
+    if key in _LIBRARIES:
+        return _LIBRARIES[key]
+    text = source("attention_mma_forward.cu")
+    for start, body in FUNCTIONS:
+        text = _replace_function(text, start, body)
+    for pattern, replacement in PATCHES + MORE_PATCHES:
+        text = re.sub(pattern, replacement, text)
+    text, count = re.subn(COPY_PATTERN, lambda _: COPY + "\ntemplate <int ChunkBytes>\n"
+                          "inline void copy_chunk_async_ptx(", text)
+    assert count == 1, "copy_chunk_async not found"
+    text = text.replace('#include "', '// #include "')
+    # The emulated PTX uses common.cuh's types: it goes in before the first struct there.
+    code = PRELUDE + text.replace("struct half_storage", WARP_PTX + "\nstruct half_storage",
+                                  1) + RUNNER
+    digest = hashlib.sha256(repr((code, key)).encode()).hexdigest()[:16]
+    directory = os.path.join(tempfile.gettempdir(), "tileattn-emulate")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"mma-{digest}.so")
+    if not os.path.exists(path):
+        source_path = path[:-3] + ".cpp"
+        with open(source_path, "w") as handle:
+            handle.write(code)
+        command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
+                   "-o", path, source_path] + [f"-D{k}={v}" for k, v in key]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(result.stderr[-6000:])
+    _LIBRARIES[key] = ctypes.CDLL(path)
+    return _LIBRARIES[key]
+
+
+def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
+    """o and lse of attention_forward_mma for host 16-bit arrays (rows contiguous)."""
+    options = resolved(q, k, v, **kwargs)
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
+                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
+                    SOFTCAP=int(options.softcap > 0), ALIBI=int(options.alibi_slopes is not None),
+                    DROPOUT=int(options.dropout_p > 0))
+    is_bfloat16 = q.dtype.name == "bfloat16"
+    defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
+                   VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
+                   BLOCK_Q=tiles.block_q, BLOCK_K=tiles.block_k, WARP_ROWS=tiles.warp_rows,
+                   Q_IN_REGISTERS=int(tiles.q_in_registers), IS_BFLOAT16=int(is_bfloat16),
+                   DEFERRED_COPIES=1, STRIDED_OUT=int(sequence_first_o), **switches)
+    run = library(defines).run
+    run.restype = None
+    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
+         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
+    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
+    slopes = (np.zeros(1) if options.alibi_slopes is None
+              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
+    offset = options.band_offset(n_q, n_k)
+    reach = n_q + n_k + abs(offset)
+    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
+    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
+    dropping = options.dropout_p > 0
+    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0,
+                      1.0 / (1.0 - options.dropout_p)], np.float32)
+    bits = np.array([dropout_key(options.seed) if dropping else 0,
+                     dropout_threshold(options.dropout_p) if dropping else 0, 0, 0], np.uint32)
+    shared = tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16))
+    blocks = batch * n_q_heads * -(-n_q // tiles.block_q)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    run(pointer(q), pointer(k), pointer(v), pointer(o), pointer(lse), pointer(slopes),
+        ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
+        ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals), pointer(band),
+        pointer(bits), ctypes.c_int(blocks), ctypes.c_int(shared))
+    return o, lse
+
+
+CASES = [
+    # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaTiles)
+    ("float16", (1, 2, 1, 70, 90, 64, 64), {}, MmaTiles(64, 32, 16, True)),
+    ("float16", (1, 2, 2, 50, 130, 64, 64), {"causal": True}, MmaTiles(64, 64, 32, True)),
+    ("bfloat16", (2, 2, 1, 33, 70, 32, 48), {"window": (20, 3), "softcap": 4.0},
+     MmaTiles(64, 32, 16, False)),
+    ("float16", (1, 4, 2, 40, 60, 72, 40), {"causal": True, "dropout_p": 0.2, "seed": 3,
+                                           "alibi_slopes": np.linspace(0.1, 0.4, 4)},
+     MmaTiles(64, 32, 16, True)),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first two cases only")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    failures = 0
+    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
+            itertools.islice(CASES, 2 if args.quick else None):
+        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+        q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+                   for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True,
+                                                **options)
+        for sequence_first_o in (False, True):
+            o, lse = emulate(q, k, v, tiles, sequence_first_o, **options)
+            label = (f"{name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
+                     f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
+            try:
+                assert_attention_close(o, golden_o, dtype, name="o")
+                assert_attention_close(lse, golden_lse, dtype, name="lse")
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
+                continue
+            print(f"ok {label}", flush=True)
+    print("all passed" if not failures else f"{failures} failed")
+    return int(failures > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
