@@ -1,7 +1,9 @@
-"""Run the mma.sync forward (attention_mma_forward.cu) on the CPU, no GPU: the kernel's own
-source under emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide
-PTX it adds (ldmatrix, mma.sync m16n8k16) computed by meaning, checked against the float64
-golden model.
+"""Run the mma.sync forward (attention_mma_forward.cu) and backward (attention_mma_backward.cu:
+the dQ and dK/dV kernels) on the CPU, no GPU: the kernels' own source under
+emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they add
+(ldmatrix, mma.sync m16n8k16, cp.async of 4 and 16 bytes) computed by meaning, checked
+against the float64 golden model. 16-bit inputs; the backward's single pass and the
+non-finite-key redo are not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick]
 
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
 from tileattn.dropout import dropout_key, dropout_threshold  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
-from tileattn.gpu.tiles import MmaTiles, Widths  # noqa: E402
+from tileattn.gpu.tiles import MmaBackwardTiles, MmaTiles, Widths  # noqa: E402
 from tileattn.options import UNLIMITED  # noqa: E402
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
@@ -61,6 +63,10 @@ inline int __syncthreads_or(int predicate) {
     if (predicate) __atomic_store_n(&g_block_or, 1, __ATOMIC_SEQ_CST);
     __syncthreads();
     return __atomic_load_n(&g_block_or, __ATOMIC_SEQ_CST);
+}
+inline int atomicAdd(int* x, int y) { return __atomic_fetch_add(x, y, __ATOMIC_SEQ_CST); }
+inline float atomicAdd(float* x, float y) {
+    return std::atomic_ref<float>(*x).fetch_add(y);
 }
 u32 g_words[1024][8];  // a thread's published registers for its warp's ldmatrix / mma
 inline u32 shared_word(u32 address) { u32 x; std::memcpy(&x, g_shared + address, 4); return x; }
@@ -118,6 +124,14 @@ inline void mma_emulated(float* c, const u32* a, u32 b0, u32 b1) {
 # Whole helper functions of the shared headers replaced by their meaning: (the start of the
 # definition, the new body). The definition's braces are matched to find its end.
 FUNCTIONS = [
+    ("__device__ __forceinline__ void copy_16_async(u32 destination, const void* source, "
+     "bool valid) {",
+     "{ const PendingCopy copy{destination, source, valid, 16};\n"
+     "  if (DEFERRED_COPIES) t_open_group.push_back(copy); else land(copy); }"),
+    ("__device__ __forceinline__ void copy_4_async(u32 destination, const void* source, "
+     "bool valid) {",
+     "{ const PendingCopy copy{destination, source, valid, 4};\n"
+     "  if (DEFERRED_COPIES) t_open_group.push_back(copy); else land(copy); }"),
     ("__device__ __forceinline__ void load_matrix_x4(u32 address, u32* fragment) {",
      "{ ldmatrix_x4_emulated(address, fragment, false); }"),
     ("__device__ __forceinline__ void load_matrix_x4_transposed(u32 address, u32* fragment) {",
@@ -136,8 +150,8 @@ FUNCTIONS = [
      "{ return shared_half(address); }"),
 ]
 MORE_PATCHES = [
-    (r"extern __shared__ __align__\(\d+\) bits16 shared_tiles\[\];",
-     "bits16* shared_tiles = reinterpret_cast<bits16*>(g_shared);"),
+    (r"extern __shared__ __align__\(\d+\) (bits16|element) shared_tiles\[\];",
+     r"\1* shared_tiles = reinterpret_cast<\1*>(g_shared);"),
     (r'asm volatile\("ld\.shared\.v4\.u32 \{%0, %1, %2, %3\}, \[%4\];\\n"\s*'
      r': "=r"\(chunk\.x\), "=r"\(chunk\.y\), "=r"\(chunk\.z\), "=r"\(chunk\.w\)\s*'
      r': "r"\(tile \+ offset\)\s*: "memory"\);',
@@ -184,6 +198,64 @@ extern "C" void run(const bits16* q, const bits16* k, const bits16* v, bits16* o
 }
 """
 
+BACKWARD_RUNNER = r"""
+template <typename Kernel>
+void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned shared) {
+    std::vector<unsigned char> memory(shared + 64, 0xff);  // stale bytes: NaN patterns
+    g_shared = memory.data();
+    g_dynamic_shared = shared;
+    gridDim.x = blocks;
+    blockDim.x = threads;
+    for (unsigned block = 0; block < blocks; ++block) {
+        blockIdx.x = block;
+        std::barrier<> barrier(threads);
+        g_block_barrier = &barrier;
+        g_warp_barriers.clear();
+        for (unsigned w = 0; w < threads / 32; ++w)
+            g_warp_barriers.emplace_back(std::make_unique<std::barrier<>>(32));
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < threads; ++t)
+            pool.emplace_back([&, t] { threadIdx.x = t; kernel(); });
+        for (auto& thread : pool) thread.join();
+    }
+}
+
+// strides: q, k, v, do (3 each), then dq, dk, dv (3 each) where the kernels take them.
+extern "C" void run_dq(const element* q, const element* k, const element* v,
+                       const element* d_out, const float* lse, const float* delta, element* dq,
+                       const double* slopes, i64 n_q, i64 n_k, int n_q_heads, int group,
+                       const i64* s, const float* reals, const i64* band, const unsigned* bits,
+                       int blocks, int threads, int shared) {
+    run_blocks([&] {
+        attention_backward_dq_mma(q, k, v, d_out, lse, delta, dq, slopes, n_q, n_k, n_q_heads,
+                                  group, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+                                  s[9], s[10], s[11], DQ_STRIDES reals[0], reals[1], band[0],
+                                  band[1], band[2], bits[0], bits[1], reals[2], bits[2],
+                                  bits[3], nullptr, nullptr, nullptr, 0, 0, 0);
+    }, blocks, threads, shared);
+}
+
+extern "C" void run_dkdv(const element* q, const element* k, const element* v,
+                         const element* d_out, const float* lse, const float* delta,
+                         element* dk, element* dv, const double* slopes, i64 n_q, i64 n_k,
+                         int n_q_heads, int group, const i64* s, const float* reals,
+                         const i64* band, const unsigned* bits, int blocks, int threads,
+                         int shared) {
+    float dq_sum = 0;
+    int turns = 0, flags[4096] = {};
+    run_blocks([&] {
+        attention_backward_dkdv_mma(q, k, v, d_out, lse, delta, dk, dv, &dq_sum, &turns, flags,
+                                    slopes, n_q, n_k, n_q_heads, group, s[0], s[1], s[2], s[3],
+                                    s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11],
+                                    DKDV_STRIDES reals[0], reals[1], band[0], band[1], band[2],
+                                    bits[0], bits[1], reals[2], bits[2], bits[3], nullptr,
+                                    nullptr, nullptr, 0, 0, 0);
+    }, blocks, threads, shared);
+}
+"""
+# Where the gradient kernels take their outputs' strides (none yet: contiguous outputs).
+GRADIENT_STRIDES = {"DQ_STRIDES": "", "DKDV_STRIDES": ""}
+
 _LIBRARIES: dict = {}
 
 
@@ -199,11 +271,12 @@ def _replace_function(text: str, start: str, body: str) -> str:
     return text[:open_brace] + body + text[end + 1:]
 
 
-def library(defines: dict) -> ctypes.CDLL:
-    key = tuple(sorted(defines.items()))
+def library(defines: dict, source_name: str = "attention_mma_forward.cu",
+            runner: str = RUNNER) -> ctypes.CDLL:
+    key = tuple(sorted(defines.items())) + (source_name,)
     if key in _LIBRARIES:
         return _LIBRARIES[key]
-    text = source("attention_mma_forward.cu")
+    text = source(source_name)
     for start, body in FUNCTIONS:
         text = _replace_function(text, start, body)
     for pattern, replacement in PATCHES + MORE_PATCHES:
@@ -214,7 +287,7 @@ def library(defines: dict) -> ctypes.CDLL:
     text = text.replace('#include "', '// #include "')
     # The emulated PTX uses common.cuh's types: it goes in before the first struct there.
     code = PRELUDE + text.replace("struct half_storage", WARP_PTX + "\nstruct half_storage",
-                                  1) + RUNNER
+                                  1) + runner
     digest = hashlib.sha256(repr((code, key)).encode()).hexdigest()[:16]
     directory = os.path.join(tempfile.gettempdir(), "tileattn-emulate")
     os.makedirs(directory, exist_ok=True)
@@ -224,7 +297,7 @@ def library(defines: dict) -> ctypes.CDLL:
         with open(source_path, "w") as handle:
             handle.write(code)
         command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                   "-o", path, source_path] + [f"-D{k}={v}" for k, v in key]
+                   "-o", path, source_path] + [f"-D{k}={v}" for k, v in key[:-1]]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(result.stderr[-6000:])
@@ -274,6 +347,66 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
     return o, lse
 
 
+def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, **kwargs):
+    """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
+    two-kernel path, dK and dV in one kernel) for host 16-bit arrays; D = rowsum(do * o) and
+    lse as the launcher passes them (float32, contiguous)."""
+    options = resolved(q, k, v, **kwargs)
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
+                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
+                    SOFTCAP=int(options.softcap > 0), ALIBI=int(options.alibi_slopes is not None),
+                    DROPOUT=int(options.dropout_p > 0))
+    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1).astype(np.float32)
+    lse = np.ascontiguousarray(lse, np.float32)
+    slopes = (np.zeros(1) if options.alibi_slopes is None
+              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    offset = options.band_offset(n_q, n_k)
+    reach = n_q + n_k + abs(offset)
+    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
+    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
+    dropping = options.dropout_p > 0
+    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0,
+                      1.0 / (1.0 - options.dropout_p)], np.float32)
+    bits = np.array([dropout_key(options.seed) if dropping else 0,
+                     dropout_threshold(options.dropout_p) if dropping else 0, 0, 0], np.uint32)
+    dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
+    strides = np.array([s // a.itemsize for a in (q, k, v, do) for s in a.strides[:3]],
+                       np.int64)
+    widths = Widths.padded(head_dim, value_dim, 16)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    common = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
+                  VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
+                  IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=0, ORDERED=0,
+                  SINGLE_PASS=0, DKDV_PART=0, DEFERRED_COPIES=1, **switches,
+                  **GRADIENT_STRIDES)
+    for entry in ("dq", "dkdv"):
+        owned, streamed = getattr(tiles, entry)
+        lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed),
+                      "attention_mma_backward.cu", BACKWARD_RUNNER)
+        shared = tiles.shared_bytes(entry, widths, q.itemsize, False, 0)
+        heads, rows = (n_q_heads, n_q) if entry == "dq" else (n_kv_heads, n_k)
+        blocks = batch * heads * -(-rows // owned)
+        outputs = (dq,) if entry == "dq" else (dk, dv)
+        function = getattr(lib, f"run_{entry}")
+        function.restype = None
+        function(*(pointer(a) for a in (q, k, v, do, lse, delta) + outputs), pointer(slopes),
+                 ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
+                 ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals),
+                 pointer(band), pointer(bits), ctypes.c_int(blocks),
+                 ctypes.c_int(owned // 16 * 32), ctypes.c_int(shared))
+    return dq, dk, dv
+
+
+BACKWARD_CASES = [
+    # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaBackwardTiles)
+    ("float16", (1, 2, 1, 64, 96, 64, 64), {}, MmaBackwardTiles((64, 64), (64, 32))),
+    ("bfloat16", (1, 4, 2, 48, 80, 64, 32), {"causal": True, "softcap": 5.0},
+     MmaBackwardTiles((64, 32), (64, 32))),
+]
+
+
 CASES = [
     # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaTiles)
     ("float16", (1, 2, 1, 70, 90, 64, 64), {}, MmaTiles(64, 32, 16, True)),
@@ -312,6 +445,25 @@ def main() -> int:
                 failures += 1
                 continue
             print(f"ok {label}", flush=True)
+    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
+            itertools.islice(BACKWARD_CASES, 1 if args.quick else None):
+        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+        q, k, v, do = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+                       for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv),
+                                 (batch, hq, nq, dv)))
+        wide = [a.astype(np.float64) for a in (q, k, v, do)]
+        o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
+        golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
+        grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, **options)
+        label = f"backward {name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
+        try:
+            for grad_name, ours, want in zip(("dq", "dk", "dv"), grads, golden):
+                assert_attention_close(ours, want, dtype, name=grad_name)
+        except AssertionError as error:
+            print(f"FAILED {label}: {error}")
+            failures += 1
+            continue
+        print(f"ok {label}", flush=True)
     print("all passed" if not failures else f"{failures} failed")
     return int(failures > 0)
 
