@@ -1,9 +1,9 @@
-"""Run the mma.sync forward (attention_mma_forward.cu) and backward (attention_mma_backward.cu:
-the dQ and dK/dV kernels) on the CPU, no GPU: the kernels' own source under
-emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they add
-(ldmatrix, mma.sync m16n8k16, cp.async of 4 and 16 bytes) computed by meaning, checked
-against the float64 golden model. 16-bit inputs; the backward's single pass and the
-non-finite-key redo are not run.
+"""Run the mma.sync forward (attention_mma_forward.cu), backward (attention_mma_backward.cu:
+the dQ and dK/dV kernels) and the tensor-core decode (attention_decode_mma.cu, one split) on
+the CPU, no GPU: the kernels' own source under emulate_decode_cpu.py's C++ emulation of the
+CUDA built-ins, with the warp-wide PTX they add (ldmatrix, mma.sync m16n8k16, cp.async of 4
+and 16 bytes) computed by meaning, checked against the float64 golden model. 16-bit inputs;
+the backward's single pass and the non-finite-key redo are not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick]
 
@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
 from tileattn.dropout import dropout_key, dropout_threshold  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
-from tileattn.gpu.tiles import MmaBackwardTiles, MmaTiles, Widths  # noqa: E402
+from tileattn.gpu.tiles import (  # noqa: E402
+    DecodeMmaTiles, MmaBackwardTiles, MmaTiles, Widths)
 from tileattn.options import UNLIMITED  # noqa: E402
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
@@ -253,6 +254,22 @@ extern "C" void run_dkdv(const element* q, const element* k, const element* v,
     }, blocks, threads, shared);
 }
 """
+DECODE_RUNNER = BACKWARD_RUNNER.split("// strides: q, k, v, do")[0] + r"""
+// strides: q, k, v, o (3 each). The merge of the splits is attention_decode.cu's, run by
+// emulate_decode_cpu.py; here the splits are 1 (o direct) or the partials are compared.
+extern "C" void run_decode(const bits16* q, const bits16* k, const bits16* v, bits16* o,
+                           float* lse, float* partial_o, float* partial_lse, i64 n_q, i64 n_k,
+                           int n_q_heads, int group, int splits, const i64* s,
+                           const float* reals, const i64* band, int blocks, int shared) {
+    run_blocks([&] {
+        attention_decode_mma(q, k, v, o, lse, partial_o, partial_lse, n_q, n_k, n_q_heads, group,
+                             splits, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+                             s[10], s[11], reals[0], reals[1], band[0], band[1], band[2], 0u,
+                             0u, 1.0f, 0u, 0u, nullptr, nullptr, nullptr, 0, 0, 0);
+    }, blocks, kThreads, shared);
+}
+"""
+
 # Where the gradient kernels take their outputs' strides (none yet: contiguous outputs).
 GRADIENT_STRIDES = {"DQ_STRIDES": "", "DKDV_STRIDES": ""}
 
@@ -399,6 +416,53 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, **kwargs):
     return dq, dk, dv
 
 
+def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
+    """o and lse of attention_decode_mma.cu (one split: o written directly, into a
+    (B, Nq, Hq, Dv) buffer with `sequence_first_o`) for host 16-bit arrays."""
+    options = resolved(q, k, v, **kwargs)
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
+                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
+                    SOFTCAP=int(options.softcap > 0), ALIBI=0, DROPOUT=0)
+    defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
+                   VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
+                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), ROW_TILES=tiles.row_tiles,
+                   ROW_WARPS=tiles.row_warps, WARPS=tiles.warps, WARP_KEYS=tiles.warp_keys,
+                   STAGES=tiles.stages, MIN_BLOCKS=1, DEFERRED_COPIES=1,
+                   STRIDED_OUT=int(sequence_first_o), **switches)
+    lib = library(defines, "attention_decode_mma.cu", DECODE_RUNNER)
+    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
+         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
+    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
+    unused = np.zeros(1, np.float32)
+    strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
+    offset = options.band_offset(n_q, n_k)
+    reach = n_q + n_k + abs(offset)
+    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
+    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
+    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0],
+                     np.float32)
+    blocks = batch * n_kv_heads * tiles.row_groups(n_q * n_q_heads // n_kv_heads)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    lib.run_decode.restype = None
+    lib.run_decode(*(pointer(a) for a in (q, k, v, o, lse, unused, unused)),
+                   ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
+                   ctypes.c_int(n_q_heads // n_kv_heads), ctypes.c_int(1), pointer(strides),
+                   pointer(reals), pointer(band), ctypes.c_int(blocks),
+                   ctypes.c_int(tiles.shared_bytes(head_dim, value_dim)))
+    return o, lse
+
+
+DECODE_CASES = [
+    # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, DecodeMmaTiles with one split)
+    ("float16", (2, 8, 2, 1, 300, 64, 64), {}, DecodeMmaTiles(1, 4, 16, 2, 1)),
+    ("bfloat16", (1, 8, 1, 3, 333, 128, 128), {"causal": True, "softcap": 4.0},
+     DecodeMmaTiles(1, 4, 16, 2, 1)),
+    ("float16", (1, 16, 2, 4, 200, 72, 40), {"causal": True}, DecodeMmaTiles(1, 2, 32, 2, 1, 2)),
+]
+
+
 BACKWARD_CASES = [
     # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaBackwardTiles)
     ("float16", (1, 2, 1, 64, 96, 64, 64), {}, MmaBackwardTiles((64, 64), (64, 32))),
@@ -437,6 +501,26 @@ def main() -> int:
             o, lse = emulate(q, k, v, tiles, sequence_first_o, **options)
             label = (f"{name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
                      f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
+            try:
+                assert_attention_close(o, golden_o, dtype, name="o")
+                assert_attention_close(lse, golden_lse, dtype, name="lse")
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
+                continue
+            print(f"ok {label}", flush=True)
+    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
+            itertools.islice(DECODE_CASES, 1 if args.quick else None):
+        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+        q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+                   for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True,
+                                                **options)
+        for sequence_first_o in (False, True):
+            o, lse = emulate_decode(q, k, v, tiles, sequence_first_o, **options)
+            label = (f"decode {name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
+                     f"{tiles}{' o (B, N, H, Dv)' if sequence_first_o else ''}")
             try:
                 assert_attention_close(o, golden_o, dtype, name="o")
                 assert_attention_close(lse, golden_lse, dtype, name="lse")
