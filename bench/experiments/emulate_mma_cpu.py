@@ -468,6 +468,12 @@ BACKWARD_CASES = [
     ("float16", (1, 2, 1, 64, 96, 64, 64), {}, MmaBackwardTiles((64, 64), (64, 32))),
     ("bfloat16", (1, 4, 2, 48, 80, 64, 32), {"causal": True, "softcap": 5.0},
      MmaBackwardTiles((64, 32), (64, 32))),
+    # Query tiles that keep no key (causal, Nq > Nk: dq = 0 without a key loop) and key
+    # tiles that no query keeps (a left window: dk = dv = 0 without a query loop).
+    ("float16", (1, 2, 1, 150, 40, 64, 64), {"causal": True},
+     MmaBackwardTiles((64, 32), (64, 32))),
+    ("float16", (1, 2, 2, 20, 300, 64, 64), {"causal": True, "window": (30, 0)},
+     MmaBackwardTiles((64, 32), (64, 32))),
 ]
 
 
