@@ -99,15 +99,22 @@ inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
     g_warp_barriers[threadIdx.x / 32]->arrive_and_wait();
 }
-template <typename X> X __shfl_xor_sync(unsigned, X x, int lane_mask) {
+// A warp shuffle: every lane publishes x, then reads lane `source`'s.
+template <typename X> X shuffle_from(X x, unsigned source) {
     static_assert(sizeof(X) <= sizeof(double));
-    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    const unsigned warp0 = threadIdx.x - threadIdx.x % 32;
     std::memcpy(&g_exchange[threadIdx.x], &x, sizeof(X));
     __syncwarp();
-    X partner;
-    std::memcpy(&partner, &g_exchange[warp0 + (lane ^ lane_mask)], sizeof(X));
+    X value;
+    std::memcpy(&value, &g_exchange[warp0 + source % 32], sizeof(X));
     __syncwarp();
-    return partner;
+    return value;
+}
+template <typename X> X __shfl_xor_sync(unsigned, X x, int lane_mask) {
+    return shuffle_from(x, (threadIdx.x % 32) ^ lane_mask);
+}
+template <typename X> X __shfl_sync(unsigned, X x, int source_lane) {
+    return shuffle_from(x, source_lane);
 }
 inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
 inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
@@ -159,7 +166,7 @@ inline void copy_chunk_async(u32 destination, const void* source, bool valid) {
 }
 """
 
-RUNNER = r"""
+RUN_BLOCKS = r"""
 template <typename Kernel>
 void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned shared,
                 unsigned blocks_y = 1) {
@@ -183,7 +190,9 @@ void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned share
         for (auto& thread : pool) thread.join();
     }
 }
+"""
 
+RUNNER = RUN_BLOCKS + r"""
 // The kernels' own parameter lists, for the launcher mode (`--launcher`): the Python launch
 // path's argument tuples go through these unchanged.
 extern "C" void launch_attention_decode(
@@ -258,22 +267,27 @@ def library(defines: dict) -> ctypes.CDLL:
                           "inline void copy_chunk_async_ptx(", text)
     assert count == 1, "copy_chunk_async not found"
     text = text.replace('#include "', '// #include "')
-    code = PRELUDE + text + RUNNER
-    digest = hashlib.sha256(repr((code, key)).encode()).hexdigest()[:16]
+    _LIBRARIES[key] = build(PRELUDE + text + RUNNER, key, "decode")
+    return _LIBRARIES[key]
+
+
+def build(code: str, defines: tuple, prefix: str) -> ctypes.CDLL:
+    """`code` compiled by g++ with these ``(name, value)`` defines into a shared library,
+    kept in the temporary directory by the hash of both (later runs load it)."""
+    digest = hashlib.sha256(repr((code, defines)).encode()).hexdigest()[:16]
     directory = os.path.join(tempfile.gettempdir(), "tileattn-emulate")
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"decode-{digest}.so")
+    path = os.path.join(directory, f"{prefix}-{digest}.so")
     if not os.path.exists(path):
         source_path = path[:-3] + ".cpp"
         with open(source_path, "w") as handle:
             handle.write(code)
         command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                   "-o", path, source_path] + [f"-D{k}={v}" for k, v in key]
+                   "-o", path, source_path] + [f"-D{k}={v}" for k, v in defines]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(result.stderr[-6000:])
-    _LIBRARIES[key] = ctypes.CDLL(path)
-    return _LIBRARIES[key]
+    return ctypes.CDLL(path)
 
 
 def _pointer(array):
@@ -301,6 +315,29 @@ def resolved(q, k, v, **kwargs):
                                 **kwargs}).options
 
 
+def score_operands(options, n_q: int, n_k: int) -> tuple:
+    """The option switches (compile-time defines) and the run-time score operands the
+    launchers pass (operands.score_arguments): the band (offset, left, right), the reals
+    (scale, softcap, 1 / (1 - dropout_p)) and the bits (dropout key and threshold, global
+    row and key of position 0)."""
+    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
+                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
+                    SOFTCAP=int(options.softcap > 0), ALIBI=int(options.alibi_slopes is not None),
+                    DROPOUT=int(options.dropout_p > 0))
+    offset = options.band_offset(n_q, n_k)
+    reach = n_q + n_k + abs(offset)
+    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
+    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
+    dropping = options.dropout_p > 0
+    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0,
+                      1.0 / (1.0 - options.dropout_p)])
+    bits = np.array([dropout_key(options.seed) if dropping else 0,
+                     dropout_threshold(options.dropout_p) if dropping else 0,
+                     options.row_offset & 0xFFFFFFFF, options.col_offset & 0xFFFFFFFF],
+                    np.uint32)
+    return switches, band, reals, bits
+
+
 def emulate(q, k, v, splits: int | None = None, options=None, sequence_first_o=False,
             **kwargs):
     """o and lse of attention_decode.cu for host arrays (any strides, last axis contiguous),
@@ -316,10 +353,7 @@ def emulate(q, k, v, splits: int | None = None, options=None, sequence_first_o=F
     tiles = decode_tiles(problem, shape, splits=splits)
     assert decode_fits(problem, tiles)
     accum = np.float64 if dtype == "float64" else np.float32
-    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
-                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
-                    SOFTCAP=int(options.softcap > 0), ALIBI=int(options.alibi_slopes is not None),
-                    DROPOUT=int(options.dropout_p > 0))
+    switches, band, reals, bits = score_operands(options, n_q, n_k)
     defines = dict(STORAGE=STORAGE[dtype], ACCUM="double" if accum == np.float64 else "float",
                    HEAD_DIM=head_dim, VALUE_DIM=value_dim, COPY_BYTES=_copy_bytes(k, v),
                    ROWS=tiles.rows, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
@@ -336,17 +370,6 @@ def emulate(q, k, v, splits: int | None = None, options=None, sequence_first_o=F
               else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
     strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]],
                        np.int64)
-    offset = options.band_offset(n_q, n_k)
-    reach = n_q + n_k + abs(offset)
-    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
-    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
-    dropping = options.dropout_p > 0
-    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0,
-                      1.0 / (1.0 - options.dropout_p)])
-    bits = np.array([dropout_key(options.seed) if dropping else 0,
-                     dropout_threshold(options.dropout_p) if dropping else 0,
-                     options.row_offset & 0xFFFFFFFF, options.col_offset & 0xFFFFFFFF],
-                    np.uint32)
     shared = tiles.shared_bytes(q.itemsize, np.dtype(accum).itemsize, head_dim, value_dim)
     run.restype = None
     run(_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(lse),

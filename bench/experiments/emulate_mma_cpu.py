@@ -21,41 +21,26 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import itertools
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from emulate_decode_cpu import (COPY, COPY_PATTERN, PATCHES, PRELUDE,  # noqa: E402
-                                STORAGE, resolved)
+                                RUN_BLOCKS, STORAGE, build, resolved, score_operands)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
-from tileattn.dropout import dropout_key, dropout_threshold  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
 from tileattn.gpu.tiles import (  # noqa: E402
     DecodeMmaTiles, MmaBackwardTiles, MmaTiles, Widths)
-from tileattn.options import UNLIMITED  # noqa: E402
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 WARP_PTX = r"""
 struct uint4 { unsigned x, y, z, w; };
-template <typename X> X __shfl_sync(unsigned, X x, int source_lane) {
-    static_assert(sizeof(X) <= sizeof(double));
-    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
-    std::memcpy(&g_exchange[threadIdx.x], &x, sizeof(X));
-    __syncwarp();
-    X value;
-    std::memcpy(&value, &g_exchange[warp0 + (source_lane & 31)], sizeof(X));
-    __syncwarp();
-    return value;
-}
 int g_block_or = 0;  // blocks run one at a time
 inline int __syncthreads_or(int predicate) {
     __syncthreads();  // every thread has read the previous call's result
@@ -162,28 +147,7 @@ MORE_PATCHES = [
      "std::memset(g_shared + tile + offset, 0, 2);"),
 ]
 
-RUNNER = r"""
-template <typename Kernel>
-void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned shared) {
-    std::vector<unsigned char> memory(shared + 64, 0xff);  // stale bytes: NaN patterns
-    g_shared = memory.data();
-    g_dynamic_shared = shared;
-    gridDim.x = blocks;
-    blockDim.x = threads;
-    for (unsigned block = 0; block < blocks; ++block) {
-        blockIdx.x = block;
-        std::barrier<> barrier(threads);
-        g_block_barrier = &barrier;
-        g_warp_barriers.clear();
-        for (unsigned w = 0; w < threads / 32; ++w)
-            g_warp_barriers.emplace_back(std::make_unique<std::barrier<>>(32));
-        std::vector<std::thread> pool;
-        for (unsigned t = 0; t < threads; ++t)
-            pool.emplace_back([&, t] { threadIdx.x = t; kernel(); });
-        for (auto& thread : pool) thread.join();
-    }
-}
-
+RUNNER = RUN_BLOCKS + r"""
 extern "C" void run(const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
                     const double* slopes, i64 n_q, i64 n_k, int n_q_heads, int group,
                     const i64* strides, const float* reals, const i64* band,
@@ -199,28 +163,7 @@ extern "C" void run(const bits16* q, const bits16* k, const bits16* v, bits16* o
 }
 """
 
-BACKWARD_RUNNER = r"""
-template <typename Kernel>
-void run_blocks(Kernel kernel, unsigned blocks, unsigned threads, unsigned shared) {
-    std::vector<unsigned char> memory(shared + 64, 0xff);  // stale bytes: NaN patterns
-    g_shared = memory.data();
-    g_dynamic_shared = shared;
-    gridDim.x = blocks;
-    blockDim.x = threads;
-    for (unsigned block = 0; block < blocks; ++block) {
-        blockIdx.x = block;
-        std::barrier<> barrier(threads);
-        g_block_barrier = &barrier;
-        g_warp_barriers.clear();
-        for (unsigned w = 0; w < threads / 32; ++w)
-            g_warp_barriers.emplace_back(std::make_unique<std::barrier<>>(32));
-        std::vector<std::thread> pool;
-        for (unsigned t = 0; t < threads; ++t)
-            pool.emplace_back([&, t] { threadIdx.x = t; kernel(); });
-        for (auto& thread : pool) thread.join();
-    }
-}
-
+BACKWARD_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, do (3 each), then dq, dk, dv (3 each) where the kernels take them.
 extern "C" void run_dq(const element* q, const element* k, const element* v,
                        const element* d_out, const float* lse, const float* delta, element* dq,
@@ -254,7 +197,7 @@ extern "C" void run_dkdv(const element* q, const element* k, const element* v,
     }, blocks, threads, shared);
 }
 """
-DECODE_RUNNER = BACKWARD_RUNNER.split("// strides: q, k, v, do")[0] + r"""
+DECODE_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, o (3 each). The merge of the splits is attention_decode.cu's, run by
 // emulate_decode_cpu.py; here the splits are 1 (o direct) or the partials are compared.
 extern "C" void run_decode(const bits16* q, const bits16* k, const bits16* v, bits16* o,
@@ -305,20 +248,7 @@ def library(defines: dict, source_name: str = "attention_mma_forward.cu",
     # The emulated PTX uses common.cuh's types: it goes in before the first struct there.
     code = PRELUDE + text.replace("struct half_storage", WARP_PTX + "\nstruct half_storage",
                                   1) + runner
-    digest = hashlib.sha256(repr((code, key)).encode()).hexdigest()[:16]
-    directory = os.path.join(tempfile.gettempdir(), "tileattn-emulate")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"mma-{digest}.so")
-    if not os.path.exists(path):
-        source_path = path[:-3] + ".cpp"
-        with open(source_path, "w") as handle:
-            handle.write(code)
-        command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                   "-o", path, source_path] + [f"-D{k}={v}" for k, v in key[:-1]]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode:
-            raise RuntimeError(result.stderr[-6000:])
-    _LIBRARIES[key] = ctypes.CDLL(path)
+    _LIBRARIES[key] = build(code, key[:-1], "mma")
     return _LIBRARIES[key]
 
 
@@ -327,10 +257,8 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
-                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
-                    SOFTCAP=int(options.softcap > 0), ALIBI=int(options.alibi_slopes is not None),
-                    DROPOUT=int(options.dropout_p > 0))
+    switches, band, reals, bits = score_operands(options, n_q, n_k)
+    reals = reals.astype(np.float32)
     is_bfloat16 = q.dtype.name == "bfloat16"
     defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
@@ -345,15 +273,6 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
     slopes = (np.zeros(1) if options.alibi_slopes is None
               else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
     strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
-    offset = options.band_offset(n_q, n_k)
-    reach = n_q + n_k + abs(offset)
-    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
-    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
-    dropping = options.dropout_p > 0
-    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0,
-                      1.0 / (1.0 - options.dropout_p)], np.float32)
-    bits = np.array([dropout_key(options.seed) if dropping else 0,
-                     dropout_threshold(options.dropout_p) if dropping else 0, 0, 0], np.uint32)
     shared = tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16))
     blocks = batch * n_q_heads * -(-n_q // tiles.block_q)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
@@ -371,23 +290,12 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, **kwargs):
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
-                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
-                    SOFTCAP=int(options.softcap > 0), ALIBI=int(options.alibi_slopes is not None),
-                    DROPOUT=int(options.dropout_p > 0))
+    switches, band, reals, bits = score_operands(options, n_q, n_k)
+    reals = reals.astype(np.float32)
     delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1).astype(np.float32)
     lse = np.ascontiguousarray(lse, np.float32)
     slopes = (np.zeros(1) if options.alibi_slopes is None
               else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
-    offset = options.band_offset(n_q, n_k)
-    reach = n_q + n_k + abs(offset)
-    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
-    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
-    dropping = options.dropout_p > 0
-    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0,
-                      1.0 / (1.0 - options.dropout_p)], np.float32)
-    bits = np.array([dropout_key(options.seed) if dropping else 0,
-                     dropout_threshold(options.dropout_p) if dropping else 0, 0, 0], np.uint32)
     dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
     strides = np.array([s // a.itemsize for a in (q, k, v, do) for s in a.strides[:3]],
                        np.int64)
@@ -422,9 +330,8 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    switches = dict(LIMIT_LEFT=int(options.window_left != UNLIMITED),
-                    LIMIT_RIGHT=int(options.window_right != UNLIMITED),
-                    SOFTCAP=int(options.softcap > 0), ALIBI=0, DROPOUT=0)
+    switches, band, reals, _ = score_operands(options, n_q, n_k)  # no ALiBi, no dropout
+    reals = reals[:2].astype(np.float32)
     defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
                    IS_BFLOAT16=int(q.dtype.name == "bfloat16"), ROW_TILES=tiles.row_tiles,
@@ -437,12 +344,6 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
     lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
     unused = np.zeros(1, np.float32)
     strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
-    offset = options.band_offset(n_q, n_k)
-    reach = n_q + n_k + abs(offset)
-    side = lambda x: 0 if x == UNLIMITED else min(x, reach)  # noqa: E731
-    band = np.array([offset, side(options.window_left), side(options.window_right)], np.int64)
-    reals = np.array([options.scale, options.softcap if options.softcap > 0 else 1.0],
-                     np.float32)
     blocks = batch * n_kv_heads * tiles.row_groups(n_q * n_q_heads // n_kv_heads)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     lib.run_decode.restype = None
@@ -489,14 +390,11 @@ CASES = [
 ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the first two cases only")
-    args = parser.parse_args()
-    rng = np.random.default_rng(0)
+def check_forwards(emulate_forward, cases, rng, kind: str) -> int:
+    """`emulate_forward` on each case, o contiguous and in (B, N, H, Dv), against the golden
+    model: the failures' count."""
     failures = 0
-    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
-            itertools.islice(CASES, 2 if args.quick else None):
+    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in cases:
         dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
         q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
                    for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
@@ -504,28 +402,8 @@ def main() -> int:
                                                 backend="reference", return_lse=True,
                                                 **options)
         for sequence_first_o in (False, True):
-            o, lse = emulate(q, k, v, tiles, sequence_first_o, **options)
-            label = (f"{name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
-                     f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
-            try:
-                assert_attention_close(o, golden_o, dtype, name="o")
-                assert_attention_close(lse, golden_lse, dtype, name="lse")
-            except AssertionError as error:
-                print(f"FAILED {label}: {error}")
-                failures += 1
-                continue
-            print(f"ok {label}", flush=True)
-    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
-            itertools.islice(DECODE_CASES, 1 if args.quick else None):
-        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
-        q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
-                   for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
-        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
-                                                backend="reference", return_lse=True,
-                                                **options)
-        for sequence_first_o in (False, True):
-            o, lse = emulate_decode(q, k, v, tiles, sequence_first_o, **options)
-            label = (f"decode {name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
+            o, lse = emulate_forward(q, k, v, tiles, sequence_first_o, **options)
+            label = (f"{kind}{name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
                      f"{tiles}{' o (B, N, H, Dv)' if sequence_first_o else ''}")
             try:
                 assert_attention_close(o, golden_o, dtype, name="o")
@@ -535,6 +413,20 @@ def main() -> int:
                 failures += 1
                 continue
             print(f"ok {label}", flush=True)
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first two cases only")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    failures = 0
+    failures += check_forwards(emulate, itertools.islice(CASES, 2 if args.quick else None),
+                               rng, "")
+    failures += check_forwards(emulate_decode,
+                               itertools.islice(DECODE_CASES, 1 if args.quick else None),
+                               rng, "decode ")
     for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
             itertools.islice(BACKWARD_CASES, 1 if args.quick else None):
         dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
