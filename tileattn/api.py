@@ -332,9 +332,11 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
         gradients come back as "bshd" views of "bhsd" buffers.
     dq_out, dk_out, dv_out : array, optional
         Buffers to write the gradients into, returned in their place; the same rules as
-        `forward`'s `out` (shape and dtype of q, k, v; C-contiguous in ``(*batch, H, N, D)``
-        order; no memory shared with an input or another buffer). The GPU backend writes
-        into them directly; the CPU and reference backends copy the result in.
+        `forward`'s `out` (shape and dtype of q, k, v; C-contiguous in the call's layout, or
+        with "bshd" the swapaxes view of a C-contiguous ``(*batch, H, N, D)`` buffer; no
+        memory shared with an input or another buffer). The GPU backend writes
+        C-contiguous ones directly (a "bshd" buffer through one copy); the CPU and
+        reference backends copy the result in.
     seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, check_lengths
         As in `forward`, the same values. Padding rows get ``dq = 0``, padding keys
         ``dk = dv = 0``.
