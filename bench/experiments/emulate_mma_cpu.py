@@ -1,9 +1,10 @@
 """Run the mma.sync forward (attention_mma_forward.cu), backward (attention_mma_backward.cu:
-the dQ and dK/dV kernels) and the tensor-core decode (attention_decode_mma.cu, one split) on
-the CPU, no GPU: the kernels' own source under emulate_decode_cpu.py's C++ emulation of the
-CUDA built-ins, with the warp-wide PTX they add (ldmatrix, mma.sync m16n8k16, cp.async of 4
-and 16 bytes) computed by meaning, checked against the float64 golden model. 16-bit inputs;
-the backward's single pass and the non-finite-key redo are not run.
+the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, one split) and
+the 3xTF32 forward (attention_tf32_forward.cu) on the CPU, no GPU: the kernels' own source
+under emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX
+they add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 and 16 bytes)
+computed by meaning, checked against the float64 golden model. The backward's single pass
+and the non-finite-key redo are not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick]
 
@@ -36,11 +37,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
 from tileattn.gpu.tiles import (  # noqa: E402
-    DecodeMmaTiles, MmaBackwardTiles, MmaTiles, Widths)
+    DecodeMmaTiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Widths)
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 WARP_PTX = r"""
 struct uint4 { unsigned x, y, z, w; };
+inline int __any_sync(unsigned, int predicate) {
+    const unsigned warp0 = threadIdx.x - threadIdx.x % 32;
+    g_exchange[threadIdx.x] = predicate;
+    __syncwarp();
+    int any = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) any |= g_exchange[warp0 + lane] != 0;
+    __syncwarp();
+    return any;
+}
 int g_block_or = 0;  // blocks run one at a time
 inline int __syncthreads_or(int predicate) {
     __syncthreads();  // every thread has read the previous call's result
@@ -79,6 +89,32 @@ inline float half_of(u32 word, int upper) {
     const unsigned short bits = static_cast<unsigned short>(upper ? word >> 16 : word);
     if (IS_BFLOAT16) return std::bit_cast<float>(static_cast<u32>(bits) << 16);
     return static_cast<float>(std::bit_cast<_Float16>(bits));
+}
+// c += A (16 x 8, row) B (8 x 8, col) in TF32: lane l = 4 g + t holds A rows g, g + 8 at
+// columns t, t + 4, B column g at rows t, t + 4; C as in m16n8k16. Operands are float bits
+// (TF32 reads their top 19).
+inline float tf32_of(u32 bits) { return std::bit_cast<float>(bits & 0xffffe000u); }
+inline void mma_tf32_emulated(float* c, const u32* a, u32 b0, u32 b1) {
+    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    for (int i = 0; i < 4; ++i) g_words[threadIdx.x][i] = a[i];
+    g_words[threadIdx.x][4] = b0;
+    g_words[threadIdx.x][5] = b1;
+    __syncwarp();
+    const int g = lane / 4, t = lane % 4;
+    float result[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+        float sum = c[i];
+        for (int kk = 0; kk < 8; ++kk) {
+            const u32* a_lane = g_words[warp0 + (row % 8) * 4 + kk % 4];
+            const u32* b_lane = g_words[warp0 + col * 4 + kk % 4];
+            sum += tf32_of(a_lane[(row >= 8 ? 1 : 0) + (kk >= 4 ? 2 : 0)]) *
+                   tf32_of(b_lane[4 + (kk >= 4 ? 1 : 0)]);
+        }
+        result[i] = sum;
+    }
+    __syncwarp();
+    for (int i = 0; i < 4; ++i) c[i] = result[i];
 }
 // c += A (16 x 16, row) B (16 x 8, col); lane l = 4 g + t holds A rows g, g + 8 at columns
 // 2t, 2t + 1 (+ 8), B columns g at rows 2t, 2t + 1 (+ 8), C rows g, g + 8 at columns 2t, 2t + 1.
@@ -132,12 +168,18 @@ FUNCTIONS = [
      "{ out[0] = low; out[1] = high; }"),
     ("__device__ __forceinline__ float exp2_approx(float x) {", "{ return std::exp2(x); }"),
     ("__device__ __forceinline__ i64 opaque(i64 x) {", "{ return x; }"),
+    ("__device__ __forceinline__ void mma_16x8x8_tf32(float* c, const u32 (&a)[4], u32 b0, "
+     "u32 b1) {", "{ mma_tf32_emulated(c, a, b0, b1); }"),
+    ("__device__ __forceinline__ void load_shared_pair(const float* pointer, float& low, "
+     "float& high) {", "{ low = pointer[0]; high = pointer[1]; }"),
     ("__device__ __forceinline__ bits16 load_shared_bits16(u32 address) {",
      "{ return shared_half(address); }"),
 ]
 MORE_PATCHES = [
     (r"extern __shared__ __align__\(\d+\) (bits16|element) shared_tiles\[\];",
      r"\1* shared_tiles = reinterpret_cast<\1*>(g_shared);"),
+    (r"extern __shared__ __align__\(\d+\) float shared_floats\[\];",
+     "float* shared_floats = reinterpret_cast<float*>(g_shared);"),
     (r'asm volatile\("ld\.shared\.v4\.u32 \{%0, %1, %2, %3\}, \[%4\];\\n"\s*'
      r': "=r"\(chunk\.x\), "=r"\(chunk\.y\), "=r"\(chunk\.z\), "=r"\(chunk\.w\)\s*'
      r': "r"\(tile \+ offset\)\s*: "memory"\);',
@@ -220,8 +262,11 @@ _LIBRARIES: dict = {}
 
 
 def _replace_function(text: str, start: str, body: str) -> str:
+    """`text` with the definition that begins with `start` given `body` (unchanged where the
+    source does not include that header: the 16-bit kernels have no tf32.cuh)."""
     at = text.find(start)
-    assert at >= 0, f"not found: {start}"
+    if at < 0:
+        return text
     open_brace = at + len(start) - 1
     depth, end = 0, open_brace
     for end in range(open_brace, len(text)):
@@ -378,6 +423,58 @@ BACKWARD_CASES = [
 ]
 
 
+TF32_RUNNER = RUN_BLOCKS + r"""
+extern "C" void run(const float* q, const float* k, const float* v, float* o, float* lse,
+                    const double* slopes, i64 n_q, i64 n_k, int n_q_heads, int group,
+                    const i64* strides, const float* reals, const i64* band,
+                    const unsigned* bits, int blocks, int shared) {
+    run_blocks([&] {
+        attention_forward_tf32(q, k, v, o, lse, slopes, n_q, n_k, n_q_heads, group, strides[0],
+                               strides[1], strides[2], strides[3], strides[4], strides[5],
+                               strides[6], strides[7], strides[8], strides[9], strides[10],
+                               strides[11], reals[0], reals[1], band[0], band[1], band[2],
+                               bits[0], bits[1], reals[2], bits[2], bits[3], nullptr, nullptr,
+                               nullptr, 0, 0, 0);
+    }, blocks, kThreads, shared);
+}
+"""
+
+
+def emulate_tf32(q, k, v, tiles: Tf32Tiles, sequence_first_o: bool, **kwargs):
+    """o and lse of attention_forward_tf32 (3xTF32, float32) for host float32 arrays."""
+    options = resolved(q, k, v, **kwargs)
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    switches, band, reals, bits = score_operands(options, n_q, n_k)
+    defines = dict(STORAGE="float", ACCUM="float", HEAD_DIM=head_dim, VALUE_DIM=value_dim,
+                   COPY_BYTES=16 if head_dim % 4 == 0 else 4, BLOCK_Q=tiles.block_q,
+                   BLOCK_K=tiles.block_k, WARP_ROWS=tiles.warp_rows, IS_BFLOAT16=0,
+                   DEFERRED_COPIES=1, STRIDED_OUT=int(sequence_first_o), **switches)
+    lib = library(defines, "attention_tf32_forward.cu", TF32_RUNNER)
+    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, np.float32).swapaxes(1, 2)
+         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan,
+                                          np.float32))
+    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
+    slopes = (np.zeros(1) if options.alibi_slopes is None
+              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    strides = np.array([s // 4 for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    lib.run.restype = None
+    lib.run(*(pointer(a) for a in (q, k, v, o, lse, slopes)), ctypes.c_int64(n_q),
+            ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(n_q_heads // n_kv_heads),
+            pointer(strides), pointer(reals.astype(np.float32)), pointer(band), pointer(bits),
+            ctypes.c_int(batch * n_q_heads * -(-n_q // tiles.block_q)),
+            ctypes.c_int(tiles.shared_bytes(Widths.padded(head_dim, value_dim, 8))))
+    return o, lse
+
+
+TF32_CASES = [
+    ("float32", (1, 2, 1, 70, 90, 64, 64), {"causal": True}, Tf32Tiles(64, 32, 16)),
+    ("float32", (2, 2, 2, 40, 70, 32, 24), {"window": (20, 3), "softcap": 3.0},
+     Tf32Tiles(64, 32, 16)),
+]
+
+
 CASES = [
     # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaTiles)
     ("float16", (1, 2, 1, 70, 90, 64, 64), {}, MmaTiles(64, 32, 16, True)),
@@ -424,6 +521,9 @@ def main() -> int:
     failures = 0
     failures += check_forwards(emulate, itertools.islice(CASES, 2 if args.quick else None),
                                rng, "")
+    failures += check_forwards(emulate_tf32,
+                               itertools.islice(TF32_CASES, 1 if args.quick else None),
+                               rng, "3xTF32 ")
     failures += check_forwards(emulate_decode,
                                itertools.islice(DECODE_CASES, 1 if args.quick else None),
                                rng, "decode ")
