@@ -344,16 +344,22 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, **kwargs):
     dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
     strides = np.array([s // a.itemsize for a in (q, k, v, do) for s in a.strides[:3]],
                        np.int64)
-    widths = Widths.padded(head_dim, value_dim, 16)
+    is_float32 = q.dtype == np.float32  # 3xTF32 on the same kernels (IS_FLOAT32)
+    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     common = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
-                  VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
-                  IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=0, ORDERED=0,
+                  VALUE_DIM=value_dim,
+                  COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
+                  IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
+                  ORDERED=0,
                   SINGLE_PASS=0, DKDV_PART=0, DEFERRED_COPIES=1, **switches,
                   **GRADIENT_STRIDES)
     for entry in ("dq", "dkdv"):
         owned, streamed = getattr(tiles, entry)
-        lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed),
+        # float32 zeroes the probabilities of a last query tile's rows past Nq (QUERY_TAIL),
+        # as the launcher compiles it.
+        tail = int(entry == "dkdv" and is_float32 and n_q % streamed != 0)
+        lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed, QUERY_TAIL=tail),
                       "attention_mma_backward.cu", BACKWARD_RUNNER)
         shared = tiles.shared_bytes(entry, widths, q.itemsize, False, 0)
         heads, rows = (n_q_heads, n_q) if entry == "dq" else (n_kv_heads, n_k)
@@ -420,6 +426,8 @@ BACKWARD_CASES = [
      MmaBackwardTiles((64, 32), (64, 32))),
     ("float16", (1, 2, 2, 20, 300, 64, 64), {"causal": True, "window": (30, 0)},
      MmaBackwardTiles((64, 32), (64, 32))),
+    ("float32", (1, 4, 2, 45, 70, 32, 24), {"causal": True}, MmaBackwardTiles((64, 32),
+                                                                             (64, 32))),
 ]
 
 
