@@ -16,7 +16,7 @@ pytest.importorskip("numba")
 import tileattn  # noqa: E402
 from tileattn import reference  # noqa: E402
 from tileattn.dropout import dropout_key, dropout_threshold, keep_mask  # noqa: E402
-from tileattn.options import AttentionOptions  # noqa: E402
+from tileattn.options import AttentionOptions, Blocks  # noqa: E402
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 cpu = pytest.importorskip("tileattn.cpu")
@@ -245,16 +245,19 @@ def test_run_gives_every_task_once_over_many_calls_and_callers():
 # --------------------------------------------------------------------------- block sizes
 
 
-def test_default_blocks_are_powers_of_two_that_fit_the_caches():
-    l2 = cpu_blocks.cache_sizes().l2
+def test_default_blocks_are_powers_of_two_within_the_key_tile_budget():
     for head_dim in (16, 64, 128, 256):
         for itemsize in (4, 8):
             for kind, masked in (("forward", True), ("forward", False), ("backward", True)):
                 blocks = cpu_blocks.default_blocks(kind, head_dim, head_dim, itemsize, masked)
                 for size in (blocks.block_q, blocks.block_k):
                     assert 32 <= size <= 1024 and size & (size - 1) == 0
-                # the K and V rows of a key tile take at most half of L2
-                assert blocks.block_k * 2 * head_dim * itemsize <= max(l2 // 2, 32 * 2 * 256 * 8)
+                # the K and V rows of a key tile fit the budget, and twice the keys would not
+                tile_bytes = blocks.block_k * 2 * head_dim * itemsize
+                assert tile_bytes <= cpu_blocks.KEY_TILE_BYTES or blocks.block_k == 32
+                assert 2 * tile_bytes > cpu_blocks.KEY_TILE_BYTES or blocks.block_k == 512
+    # the machine's caches do not move the tiles: D = 256 float32 gets full-size tiles
+    assert cpu_blocks.default_blocks("backward", 256, 256, 4) == Blocks(256, 512)
     forward = cpu_blocks.default_blocks("forward", 64, 64, 4)
     backward = cpu_blocks.default_blocks("backward", 64, 64, 4)
     assert backward.block_q <= forward.block_q

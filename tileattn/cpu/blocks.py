@@ -1,4 +1,4 @@
-"""Default tile sizes for the CPU kernels, chosen from the cache sizes of this machine."""
+"""Default tile sizes for the CPU kernels, and the cache sizes `python -m tileattn info` shows."""
 
 from __future__ import annotations
 
@@ -65,29 +65,38 @@ def _power_of_two_at_most(value: float, low: int, high: int) -> int:
     return power
 
 
+KEY_TILE_BYTES = 1024 * 1024
+"""What the K and V rows of one key tile may take. The tiles are sized for the matrix
+products, not for L2: BLAS blocks its operands for the caches itself, and what a larger tile
+buys is longer products (fewer calls, less packing and fewer passes over the accumulators
+per FLOP), while the score tiles stream from L2 or L3 at a cost that measured smaller.
+Half of L2 (the rule before) gave 64 x 128 backward tiles at D = 256 on a 512 KiB L2 (Zen 3):
+256 x 512 ran 1.3x faster there (D = 160-256, forward 512 x 512 1.10-1.15x); on the 2 MiB L2
+of session 4's Sapphire Rapids both rules give the same tiles (bench/NOTES-cpu.md,
+session 16)."""
+
+
 @functools.cache
 def default_blocks(kind: str, head_dim: int, value_dim: int, itemsize: int,
                    masked: bool = True) -> Blocks:
     """Tile sizes for ``kind`` ``"forward"`` or ``"backward"`` (powers of two).
 
-    ``block_k``: as many keys as fill half of L2 with their K and V rows (512 for D = Dv = 64
-    in float32 with a 512 KiB L2), at most 512. With a 2 MiB L2 (the Sapphire Rapids host of
-    session 4) the rule alone gave 1024, and 1024-key tiles ran slower in both passes: single
-    thread, N=2048, forward 1024x1024 against 1024x512 5-12% slower for D <= 96, backward
-    512x1024 against 256x512 3-17% slower for D <= 128 (bench/NOTES-cpu.md, session 4).
+    ``block_k``: as many keys as fit their K and V rows in `KEY_TILE_BYTES` (512 for
+    D = Dv = 256 in float32), at most 512: 1024-key tiles ran slower in both passes
+    (single thread, N=2048, forward 1024x1024 against 1024x512 5-12% slower for D <= 96,
+    backward 512x1024 against 256x512 3-17% slower for D <= 128; bench/NOTES-cpu.md,
+    session 4).
     ``block_q``: as many query rows as keys in the forward, half as many in the backward,
-    which keeps two score-sized tiles (P and dS). The score tile then overflows a 512 KiB L2
-    into L3; measured on that machine it costs less than the larger matrix products save:
-    forward 512x512 ran 3% faster than 256x512 and 7% faster than 128x512, backward 256x512
-    4% faster than 256x256.
+    which keeps two score-sized tiles (P and dS): forward 512x512 ran 3% faster than 256x512
+    and 7% faster than 128x512, backward 256x512 4% faster than 256x256 (session 4).
 
     A forward without a mask (`masked` False) takes twice as many query rows again: 1024x512
     ran 1-2% faster than 512x512 (v7); taller was not measured, so 1024 at most. With a
     causal or window mask the taller tile lost 3-6%: its cut diagonal runs as more, smaller
     slices.
     """
-    l2 = cache_sizes().l2
-    block_k = _power_of_two_at_most(l2 / 2 / (itemsize * (head_dim + value_dim)), 32, 512)
+    block_k = _power_of_two_at_most(KEY_TILE_BYTES / (itemsize * (head_dim + value_dim)),
+                                    32, 512)
     if kind == "forward":
         block_q = block_k if masked else min(2 * block_k, 1024)
     else:
