@@ -113,6 +113,19 @@ def test_calls_validation_rejects_stay_rejected_after_a_remembered_one():
     assert o.dtype == np.float32 and o.dtype.isnative
 
 
+def test_items_of_a_remembered_window_and_check_lengths_keep_their_type_checks():
+    """window=(True, 1) and (1.0, 1) equal (1, 1), and check_lengths=1 equals True, in value
+    and hash; after a remembered call with the valid ones they are still rejected."""
+    q = np.ones((4, 8), np.float32)
+    tileattn.forward(q, q, q, window=(1, 1), backend="reference")
+    for window in ((True, 1), (1.0, 1), (1, np.float64(1.0))):
+        with pytest.raises(TypeError, match="window"):
+            tileattn.forward(q, q, q, window=window, backend="reference")
+    tileattn.forward(q, q, q, check_lengths=True, backend="reference")
+    with pytest.raises(TypeError, match="check_lengths must be a bool"):
+        tileattn.forward(q, q, q, check_lengths=1, backend="reference")
+
+
 def test_the_cache_keeps_no_array_alive():
     q, k, v = _arrays((1, 1, 4, 8), (1, 1, 4, 8))
     tileattn.forward(q, k, v, backend="reference")

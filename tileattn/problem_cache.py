@@ -72,10 +72,18 @@ def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options:
     if None in signatures:
         return None
     values = tuple(options.values())
-    # The types too: causal=1 and causal=True compare (and hash) equal, but validation
-    # rejects the int; and a tensor's results go back as tensors.
-    return (layout, check_lengths, tuple(options), values, tuple(map(type, values)),
-            tuple(map(type, arrays_in)), signatures)
+    # The types too, inside tuples as well: causal=1 and causal=True compare (and hash)
+    # equal, as do window=(True, 1) and (1, 1), but validation rejects the bool and the
+    # int; and a tensor's results go back as tensors.
+    return (layout, check_lengths, type(check_lengths), tuple(options), values,
+            tuple(map(_types_of, values)), tuple(map(type, arrays_in)), signatures)
+
+
+def _types_of(value):
+    """The type of `value`, and of each item of a tuple or list, recursively."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(map(_types_of, value))
+    return type(value)
 
 
 def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
