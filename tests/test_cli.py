@@ -305,3 +305,22 @@ def test_the_reported_crashes_are_one_line_errors(argv, fragment, status):
     result = subprocess.run([sys.executable, "-m", "tileattn", *argv], capture_output=True,
                             text=True, timeout=120)
     assert_one_line_error(result.returncode, result.stderr, fragment, expected_status=status)
+
+
+def test_bench_runs_every_implementation_and_the_memory_probe_in_bfloat16():
+    """`bench --dtype bfloat16` hands ml_dtypes arrays to the torch anchor (DLPack has no
+    bfloat16 for them) and names the dtype to the memory probe's fresh process (where NumPy
+    knows it only once ml_dtypes is imported); each of these ended in a traceback."""
+    from tileattn import benchmark
+    from tileattn.testing import bfloat16
+
+    pytest.importorskip("numba")
+    if bfloat16() is None:
+        pytest.skip("needs ml_dtypes")
+    dtype = bfloat16()
+    inputs = benchmark._inputs("host", 1, 2, 16, 8, dtype)
+    table = benchmark.implementations("cpu", "host")
+    assert len(table) >= 2  # the naive anchor at least; torch SDPA where torch is installed
+    for direction in ("forward", "forward+backward"):
+        benchmark.check_agreement(table, "tileattn-cpu", inputs, True, direction, dtype)
+    assert benchmark.host_peak_extra_bytes("tileattn-cpu", 64, 8, "bfloat16") >= 0

@@ -106,7 +106,7 @@ def _bad_buffers():
         (dict(lse_out=np.empty(lse_shape, np.float64)),
          "lse_out must have dtype float32, got float64"),
         (dict(out=np.empty((2, 4, 6, 12), np.float32).swapaxes(-1, -2)),
-         r"out must be C-contiguous in order, got strides"),
+         r"out must be C-contiguous, got strides"),
         (dict(out=read_only), "out must be writeable"),
         (dict(lse_out=np.empty((2, 4, 24), np.float32)[..., ::2]),
          "lse_out must be C-contiguous"),

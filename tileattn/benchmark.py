@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import anchors, backends
+from .arrays import from_native, to_native
 from .api import backward, forward
 from .check import run_check
 from .testing import attention_error
@@ -177,17 +178,12 @@ def implementations(backend: str, memory: str, blocks: dict | None = None,
 
 
 def _torch(*arrays):
-    import torch
-
-    return tuple(torch.from_dlpack(a) for a in arrays)
+    # Through tileattn's own conversion: DLPack has no bfloat16 for ml_dtypes arrays.
+    return tuple(from_native(a, "torch") for a in arrays)
 
 
 def _from_torch(tensor):
-    if tensor.device.type == "cuda":
-        import cupy
-
-        return cupy.from_dlpack(tensor.detach())
-    return tensor.detach().numpy()
+    return to_native(tensor.detach())
 
 
 def _inputs(memory, batch, heads, n, head_dim, dtype, seed=0):
@@ -260,6 +256,8 @@ sys.path.insert(0, {root!r})
 import numpy as np
 from tileattn import benchmark
 name, n, head_dim, dtype, causal, backend = {args!r}
+if dtype == "bfloat16":
+    import ml_dtypes  # noqa: F401  (NumPy knows bfloat16 only through ml_dtypes)
 table = benchmark.implementations(backend, "host")
 forward_backward = table[name][1]
 

@@ -469,9 +469,9 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
             raise ValueError(f"{name} must be writeable, got a read-only array")
         ordered, view = to_backend(name, array)
         if not (ordered.flags.c_contiguous or array.flags.c_contiguous):
-            order = ("its own (*batch, N, H, D) order or in (*batch, H, N, D) order"
-                     if ordered is not array else "order")
-            raise ValueError(f"{name} must be C-contiguous in {order}, got strides "
+            order = (" in its own (*batch, N, H, D) order or in (*batch, H, N, D) order"
+                     if ordered is not array else "")
+            raise ValueError(f"{name} must be C-contiguous{order}, got strides "
                              f"{tuple(array.strides)}")
         checked[name], views[name] = array, view
     check_output_addresses(checked, inputs, memory)
