@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 import tileattn
 from tileattn.testing import (TOLERANCES, AttentionProblem, assert_attention_close,
-                              attention_error, attention_problems)
+                              attention_error, attention_problems, tolerance_for)
 
 
 def test_close_arrays_pass_and_far_arrays_fail():
@@ -33,6 +33,14 @@ def test_non_finite_values_must_match_in_place_and_sign():
 def test_shape_mismatch_fails():
     with pytest.raises(AssertionError, match=r"shape \(3,\) != expected \(4,\)"):
         assert_attention_close(np.zeros(3), np.zeros(4), np.float32)
+    with pytest.raises(ValueError, match=r"shape \(3, 4\) != expected \(4,\)"):
+        attention_error(np.ones((3, 4)), np.ones(4), np.float32)
+
+
+def test_a_dtype_without_a_tolerance_is_named():
+    with pytest.raises(ValueError, match="no tolerance for dtype int32: attention runs in "
+                                         "float64, float32, float16, bfloat16"):
+        tolerance_for(np.int32)
 
 
 def test_tolerances_tighten_with_precision():

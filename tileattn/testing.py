@@ -93,7 +93,12 @@ TOLERANCES = {
 
 
 def tolerance_for(dtype) -> Tolerance:
-    return TOLERANCES[np.dtype(dtype).name]
+    """The tolerance of a computation in `dtype` (one of `TOLERANCES`' keys)."""
+    name = np.dtype(dtype).name
+    if name not in TOLERANCES:
+        raise ValueError(f"no tolerance for dtype {name}: attention runs in "
+                         f"{', '.join(TOLERANCES)}")
+    return TOLERANCES[name]
 
 
 def attention_error(actual, expected, dtype, *, lse_magnitude: float = 0.0) -> float:
@@ -101,6 +106,8 @@ def attention_error(actual, expected, dtype, *, lse_magnitude: float = 0.0) -> f
     inf when non-finite values differ in place or sign."""
     actual = np.asarray(actual).astype(np.float64)
     expected = np.asarray(expected).astype(np.float64)
+    if actual.shape != expected.shape:
+        raise ValueError(f"shape {actual.shape} != expected {expected.shape}")
     same_non_finite = (np.isnan(actual) == np.isnan(expected)) & (
         ~(np.isinf(actual) | np.isinf(expected)) | (actual == expected))
     if not same_non_finite.all():
