@@ -839,6 +839,20 @@ def test_torch_varlen_takes_lists_and_numpy_and_gives_no_length_gradient():
         attention(q, k, v, seqlens_q=[1.0, 2.0])
 
 
+def test_torch_adapter_names_an_input_that_is_not_a_tensor():
+    """A NumPy array or a list among the tensors gets a TypeError naming it (it reached
+    torch internals, whose message printed the whole array and named no argument)."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q = torch.ones(4, 8)
+    for args, name, kind in (((q, q.numpy(), q), "k", "numpy.ndarray"),
+                             ((q.numpy(), q, q), "q", "numpy.ndarray"),
+                             ((q, q, [[1.0] * 8] * 4), "v", "builtins.list")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got {kind}"):
+            attention(*args)
+
+
 def test_torch_paged_backward_raises_tileattn_error():
     torch = require("torch")
     from tileattn.torch import attention

@@ -416,6 +416,11 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     mistyped option gets `tileattn.forward`'s own error; a call with no gradient to take
     (under ``torch.no_grad()``, or no input requiring one) runs the forward alone.
     """
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(array, torch.Tensor):
+            raise TypeError(f"tileattn.torch.attention: {name} must be a torch.Tensor, got "
+                            f"{type(array).__module__}.{type(array).__qualname__} (NumPy "
+                            f"arrays go to tileattn.forward, or through torch.from_numpy)")
     arguments = (causal, _window_argument(window), scale, softcap,
                  _slopes_argument(alibi_slopes), dropout_p, _seed_argument(seed), block_q,
                  block_k, backend, layout, deterministic, _lengths_argument(seqlens_q),
