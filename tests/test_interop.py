@@ -839,6 +839,40 @@ def test_torch_varlen_takes_lists_and_numpy_and_gives_no_length_gradient():
         attention(q, k, v, seqlens_q=[1.0, 2.0])
 
 
+@pytest.mark.parametrize("options, error, message", [
+    (dict(scale="a"), TypeError, "scale must be a real number"),
+    (dict(dropout_p=0.5), ValueError, "seed must be an int when dropout_p > 0"),
+    (dict(window=3), ValueError, "window must be None or a pair"),
+    (dict(window=(True, 1)), TypeError, "window left must be an int or None"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(block_q=0), ValueError, "block_q must be >= 1"),
+    (dict(backend="tpu"), ValueError, "backend must be one of"),
+    (dict(check_lengths=1), TypeError, "check_lengths must be a bool"),
+])
+def test_jax_adapter_rejects_bad_options_before_tracing(options, error, message):
+    """tileattn.forward's own error, not JAX's runtime error around it from inside the
+    callback (and the same after a valid call of the same shapes, which is remembered)."""
+    require("jax")
+    from tileattn.jax import attention
+
+    q = np.ones((4, 8), np.float32)
+    attention(q, q, q)
+    with pytest.raises(error, match=message):
+        attention(q, q, q, **options)
+
+
+def test_jax_adapter_rejects_bad_shapes_and_dtypes_before_tracing():
+    jax = require("jax")
+    from tileattn.jax import attention
+
+    q = np.ones((4, 8), np.float32)
+    with pytest.raises(TypeError, match="q must have a floating dtype"):
+        attention(np.ones((4, 8), np.int32), q, q)
+    kv = jax.numpy.ones((2, 8, 4))
+    with pytest.raises(ValueError, match=r"Hq % Hkv == 0\), got Hq=3, Hkv=2"):
+        jax.jit(attention)(jax.numpy.ones((3, 6, 4)), kv, kv)
+
+
 def test_torch_adapter_names_an_input_that_is_not_a_tensor():
     """A NumPy array or a list among the tensors gets a TypeError naming it (it reached
     torch internals, whose message printed the whole array and named no argument)."""

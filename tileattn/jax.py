@@ -36,7 +36,7 @@ import numpy as np
 
 from . import api, arrays
 from .reference import lse_dtype
-from .validation import check_layout
+from .validation import check_backend_name, check_layout, validate
 from .varlen_validation import VARLEN_KEYWORDS, varlen_family
 
 try:
@@ -321,9 +321,19 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     ``(*vmapped, *batch)`` are the lengths of each element; packed and paged calls run one
     tileattn call per vmapped element. ``check_lengths=True`` checks the contents inside
     the callback, where a bad value's ValueError reaches the caller wrapped in JAX's
-    runtime error; combinations of keywords are checked before tracing.
+    runtime error; combinations of keywords are checked before tracing, and so are a dense
+    call's shapes, dtypes and options (a bad one raises `tileattn.forward`'s ValueError or
+    TypeError, naming the argument).
     """
     check_layout(layout)  # before tracing: the callbacks' result shapes depend on it
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if all(value is None for value in (seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k,
+                                       block_table)):
+        _check_dense_call(q, k, v, dict(
+            causal=causal, window=window, scale=scale, softcap=softcap,
+            alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, block_q=block_q,
+            block_k=block_k, deterministic=deterministic, layout=layout), backend,
+            check_lengths)
     lengths = {name: jnp.asarray(value) for name, value in zip(
         VARLEN_KEYWORDS, (seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table))
         if value is not None}
@@ -339,7 +349,48 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
         block_q=block_q, block_k=block_k, backend=backend, deterministic=deterministic,
         layout=layout, check_lengths=check_lengths,
     ).items()))
-    return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), lengths, frozen)
+    return _attention(q, k, v, lengths, frozen)
+
+
+_CHECKED_CALLS: dict = {}
+_CHECKED_LIMIT = 256  # signatures remembered; the whole memo is dropped when it is full
+
+
+def _check_dense_call(q, k, v, options: dict, backend, check_lengths) -> None:
+    """Validate a dense call's shapes, dtypes and options as `tileattn.forward` does, before
+    anything is traced, so a bad one raises its ValueError or TypeError naming the argument
+    here instead of JAX's runtime error around it from inside the callback. Validation reads
+    only shapes, dtypes and option values (and ALiBi's slopes), so zero-stride stand-ins of
+    the arrays serve; a signature that passed is remembered (a JAX call without jit runs
+    this every time)."""
+    try:
+        values = tuple(options.values())
+        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, backend, check_lengths,
+               type(check_lengths), values, tuple(map(_types, values)))
+        known = key in _CHECKED_CALLS
+    except TypeError:  # a value that is not hashable (an array of slopes, say)
+        key, known = None, False
+    if known:
+        return
+    check_backend_name(backend)
+    stand_ins = [np.lib.stride_tricks.as_strided(np.zeros(1, a.dtype), a.shape,
+                                                 (0,) * a.ndim) for a in (q, k, v)]
+    if options["alibi_slopes"] is not None and not isinstance(options["alibi_slopes"],
+                                                              jax.core.Tracer):
+        options = dict(options, alibi_slopes=np.asarray(options["alibi_slopes"]))
+    validate(*stand_ins, outputs={}, varlen=None, check_lengths=check_lengths, **options)
+    if key is not None:
+        if len(_CHECKED_CALLS) >= _CHECKED_LIMIT:
+            _CHECKED_CALLS.clear()
+        _CHECKED_CALLS[key] = True
+
+
+def _types(value):
+    """The type of `value`, and of each item of a tuple or list: validation tells
+    ``causal=1`` from True, which compare equal."""
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(map(_types, value))
+    return type(value)
 
 
 def _freeze(value):
