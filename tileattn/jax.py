@@ -36,7 +36,8 @@ import numpy as np
 
 from . import api, arrays
 from .reference import lse_dtype
-from .validation import check_backend_name, check_layout, validate
+from .problem_cache import validate_call
+from .validation import check_backend_name, check_layout
 from .varlen_validation import VARLEN_KEYWORDS, varlen_family
 
 try:
@@ -352,45 +353,19 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     return _attention(q, k, v, lengths, frozen)
 
 
-_CHECKED_CALLS: dict = {}
-_CHECKED_LIMIT = 256  # signatures remembered; the whole memo is dropped when it is full
-
-
 def _check_dense_call(q, k, v, options: dict, backend, check_lengths) -> None:
     """Validate a dense call's shapes, dtypes and options as `tileattn.forward` does, before
     anything is traced, so a bad one raises its ValueError or TypeError naming the argument
     here instead of JAX's runtime error around it from inside the callback. Validation reads
     only shapes, dtypes and option values (and ALiBi's slopes), so zero-stride stand-ins of
-    the arrays serve; a signature that passed is remembered (a JAX call without jit runs
-    this every time)."""
-    try:
-        values = tuple(options.values())
-        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, backend, check_lengths,
-               type(check_lengths), values, tuple(map(_types, values)))
-        known = key in _CHECKED_CALLS
-    except TypeError:  # a value that is not hashable (an array of slopes, say)
-        key, known = None, False
-    if known:
-        return
+    the arrays serve, and the problem cache remembers a signature that passed."""
     check_backend_name(backend)
-    stand_ins = [np.lib.stride_tricks.as_strided(np.zeros(1, a.dtype), a.shape,
-                                                 (0,) * a.ndim) for a in (q, k, v)]
+    stand_ins = [np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in (q, k, v)]
     if options["alibi_slopes"] is not None and not isinstance(options["alibi_slopes"],
                                                               jax.core.Tracer):
         options = dict(options, alibi_slopes=np.asarray(options["alibi_slopes"]))
-    validate(*stand_ins, outputs={}, varlen=None, check_lengths=check_lengths, **options)
-    if key is not None:
-        if len(_CHECKED_CALLS) >= _CHECKED_LIMIT:
-            _CHECKED_CALLS.clear()
-        _CHECKED_CALLS[key] = True
-
-
-def _types(value):
-    """The type of `value`, and of each item of a tuple or list: validation tells
-    ``causal=1`` from True, which compare equal."""
-    if isinstance(value, (list, tuple)):
-        return type(value), tuple(map(_types, value))
-    return type(value)
+    validate_call(*stand_ins, outputs={}, varlen=None, check_lengths=check_lengths,
+                  **options)
 
 
 def _freeze(value):
