@@ -14,7 +14,8 @@ Scaling (the default mode), for each N and causal setting:
 * ``t(P, N)``: `td.forward` (and `td.backward`) on P ranks, each holding N/P rows; the
   slowest rank's time. Efficiency ``t(1, N) / (P t(P, N))``.
 * time per ring step (the slowest rank's slowest and fastest step: zigzag keeps them level
-  under a causal mask, contiguous does not).
+  under a causal mask, contiguous does not), and the forward's time after its last step
+  (the cast of the float32 accumulator to the input dtype).
 * share of communication hidden behind compute: the same ring with a transport that sends
   nothing (each rank computes the same pairs on the block it holds) gives the compute time
   ``t_compute``, the shifts alone with no compute give ``t_comm``, and the exposed part is
@@ -377,8 +378,8 @@ def ring(group, device, args, n, causal, dtype):
         m_bwd = m_fwd + (shift_time(group, device, grads, group.size, args.repeats)
                          if shifts else 0.0)
         del grads
-    last = steps[-1]  # the last timed forward's steps
-    per_rank_steps = group.allgather((min(last), max(last)))
+    *last, tail = steps[-1]  # the last timed forward's steps, then its final cast
+    per_rank_steps = group.allgather((min(last), max(last), tail))
     peaks = group.allgather(peak)
 
     def hidden(t_ring, t_compute, t_comm):
@@ -388,7 +389,8 @@ def ring(group, device, args, n, causal, dtype):
 
     return {"tP_fwd": t_fwd, "tP_fwdbwd": t_fwd + t_bwd,
             "step_min": min(s[0] for s in per_rank_steps),
-            "step_max": max(s[-1] for s in per_rank_steps),
+            "step_max": max(s[1] for s in per_rank_steps),
+            "tail": max(s[2] for s in per_rank_steps),
             "hidden_fwd": hidden(t_fwd, c_fwd, m_fwd),
             "hidden_fwdbwd": hidden(t_fwd + t_bwd, c_fwd + c_bwd, m_bwd),
             "comm_fwd": m_fwd, "peak": max(peaks)}
@@ -402,9 +404,9 @@ def _show(value):
 
 def table(rows, size) -> str:
     head = (f"| N | causal | t(1) fwd s | t({size}) fwd s | eff fwd | t(1) fwd+bwd s | "
-            f"t({size}) fwd+bwd s | eff fwd+bwd | step s (min-max) | comm hidden fwd | "
-            f"comm hidden fwd+bwd | peak mem / rank |")
-    lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
+            f"t({size}) fwd+bwd s | eff fwd+bwd | step s (min-max) | cast s | "
+            f"comm hidden fwd | comm hidden fwd+bwd | peak mem / rank |")
+    lines = [head, "|" + "|".join("---" for _ in range(13)) + "|"]
     for row in rows:
         def get(key, fmt="{:.3f}", row=row):
             return fmt.format(row[key]) if key in row and not (
@@ -413,7 +415,8 @@ def table(rows, size) -> str:
             f"| {row['N']:,} | {'yes' if row['causal'] else 'no'} | {get('t1_fwd')} | "
             f"{get('tP_fwd')} | {get('eff_fwd', '{:.2f}')} | {get('t1_fwdbwd')} | "
             f"{get('tP_fwdbwd')} | {get('eff_fwdbwd', '{:.2f}')} | "
-            f"{row['step_min']:.3f}-{row['step_max']:.3f} | {get('hidden_fwd', '{:.0%}')} | "
+            f"{row['step_min']:.3f}-{row['step_max']:.3f} | {row['tail']:.3f} | "
+            f"{get('hidden_fwd', '{:.0%}')} | "
             f"{get('hidden_fwdbwd', '{:.0%}')} | {gib(row['peak'])} |")
     return "\n".join(lines)
 

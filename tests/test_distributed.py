@@ -287,14 +287,20 @@ def test_backward_mismatch_raises_on_every_rank():
     assert messages[0] == messages[1]
 
 
-def test_accumulators_merge_a_few_heads_at_a_time(monkeypatch):
-    """The merge and the gradient sums run over chunks of heads (bounded temporaries):
-    chunks of one head give the same results."""
+@pytest.mark.parametrize("backend, dtype", [("reference", "float64"), ("cpu", "bfloat16"),
+                                            ("gpu", "bfloat16"), ("gpu", "float16")])
+def test_accumulators_merge_a_few_heads_at_a_time(monkeypatch, backend, dtype):
+    """The merge, the gradient sums and the final casts to the input dtype run over chunks
+    of heads (bounded temporaries): chunks of one head give the same results."""
     from tileattn.distributed import ring
 
+    if backend != "reference":
+        _usable(backend)
+    if dtype == "bfloat16" and bfloat16() is None:
+        pytest.skip("ml_dtypes is not installed")
     monkeypatch.setattr(ring, "_CHUNK_ELEMENTS", 8)
-    _run_case("reference", 3, dtype=np.float64, options_name="causal-alibi-dropout",
-              layout="zigzag")
+    _run_case(backend, 3, dtype=bfloat16() if dtype == "bfloat16" else np.dtype(dtype),
+              options_name="causal-alibi-dropout", layout="zigzag")
 
 
 def test_zigzag_needs_an_even_number_of_local_rows():

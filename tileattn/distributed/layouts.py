@@ -69,7 +69,7 @@ def _is_bfloat16(dtype) -> bool:
     return np.dtype(dtype).name == "bfloat16"
 
 
-def _bits(array):
+def as_bits(array):
     """16-bit arrays as uint16 bits: CuPy copies, slices and concatenates those whatever
     its own bfloat16 support."""
     return array.view(np.uint16) if array.dtype.itemsize == 2 else array
@@ -80,7 +80,7 @@ def contiguous(array):
     xp = array_module(array)
     if array.flags.c_contiguous:
         return array
-    return xp.ascontiguousarray(_bits(array)).view(array.dtype)
+    return xp.ascontiguousarray(as_bits(array)).view(array.dtype)
 
 
 def take_rows(array, rows: list, axis: int):
@@ -91,7 +91,7 @@ def take_rows(array, rows: list, axis: int):
     parts = []
     for start, length in rows:
         index = (slice(None),) * axis + (slice(start, start + length),)
-        parts.append(_bits(array[index]))
+        parts.append(as_bits(array[index]))
     return xp.ascontiguousarray(xp.concatenate(parts, axis=axis)).view(array.dtype)
 
 
@@ -99,8 +99,8 @@ def put_rows(target, source, target_start: int, source_start: int, length: int, 
     """``target[..., target_start:+length, ...] = source[..., source_start:+length, ...]``."""
     axis = axis % target.ndim
     head = (slice(None),) * axis
-    _bits(target)[head + (slice(target_start, target_start + length),)] = \
-        _bits(source)[head + (slice(source_start, source_start + length),)]
+    as_bits(target)[head + (slice(target_start, target_start + length),)] = \
+        as_bits(source)[head + (slice(source_start, source_start + length),)]
 
 
 def bfloat16_bits_to_float32(xp, bits):

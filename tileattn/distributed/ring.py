@@ -33,8 +33,10 @@ from ..reference import lse_dtype
 from ..validation import _normalise_window, validate
 from .layouts import (
     array_module,
+    as_bits,
     check_layout,
     contiguous,
+    empty_like_shape,
     from_float,
     segments,
     to_float,
@@ -120,7 +122,9 @@ class Ring:
 _CHUNK_ELEMENTS = 1 << 25
 """Elementwise work on the accumulators runs a few heads at a time, so that its float32
 temporaries stay near 128 MiB instead of growing with N/P (at N/P = 512k, 32 heads of
-Dv = 128 one temporary of the whole would be 8 GiB)."""
+Dv = 128 one temporary of the whole would be 8 GiB), and so that CuPy runs the same
+elementwise kernels at every N: CuPy gives large arrays variants with 64-bit indexing,
+compiled (a few hundred milliseconds each) by the first call that reaches that size."""
 
 
 def _head_chunks(array):
@@ -144,6 +148,14 @@ def merge(o_acc, lse_acc, o_block, lse_block) -> None:
         acc *= weight_acc[..., None]
         acc += weight_block[..., None] * to_float(o_block[:, heads], acc.dtype)
         lse_old[...] = merged
+
+
+def narrowed(accumulator, dtype):
+    """`accumulator` (float32/float64) cast to the input `dtype`, a few heads at a time."""
+    out = empty_like_shape(accumulator, accumulator.shape, dtype)
+    for heads in _head_chunks(accumulator):
+        as_bits(out)[:, heads] = as_bits(from_float(accumulator[:, heads], dtype))
+    return out
 
 
 def add_into(accumulator, block) -> None:
@@ -265,10 +277,12 @@ def ring_forward(group, q, k, v, *, layout, causal, window, backend, options, re
             block = pending.wait()
             if trace is not None:
                 trace("forward-received", step)
-    o = problem.layout.restore(from_float(o_acc, problem.dtype), problem.n_q_heads)
+    o = problem.layout.restore(narrowed(o_acc, problem.dtype), problem.n_q_heads)
+    lse = lse_acc.astype(lse_dtype(problem.dtype), copy=False)
+    if trace is not None:
+        trace("forward-end", group.size)
     if not return_lse:
         return o
-    lse = lse_acc.astype(lse_dtype(problem.dtype), copy=False)
     return o, problem.layout.restore(lse, problem.n_q_heads, is_lse=True)
 
 
@@ -319,7 +333,10 @@ def ring_backward(group, do, q, k, v, o, lse, *, layout, causal, window, backend
             block = pending.wait()
     if grads_pending is not None:
         grads = grads_pending.wait()
-    return tuple(problem.layout.restore(from_float(result, problem.dtype), heads)
-                 for result, heads in ((dq_acc, problem.n_q_heads),
-                                       (grads[0], problem.n_kv_heads),
-                                       (grads[1], problem.n_kv_heads)))
+    grads = tuple(problem.layout.restore(narrowed(result, problem.dtype), heads)
+                  for result, heads in ((dq_acc, problem.n_q_heads),
+                                        (grads[0], problem.n_kv_heads),
+                                        (grads[1], problem.n_kv_heads)))
+    if trace is not None:
+        trace("backward-end", group.size)
+    return grads
