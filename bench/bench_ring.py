@@ -16,11 +16,13 @@ Scaling (the default mode), for each N and causal setting:
 * time per ring step (the slowest rank's slowest and fastest step: zigzag keeps them level
   under a causal mask, contiguous does not), and the forward's time after its last step
   (the cast of the float32 accumulator to the input dtype).
-* share of communication hidden behind compute: the same ring with a transport that sends
-  nothing (each rank computes the same pairs on the block it holds) gives the compute time
-  ``t_compute``, the shifts alone with no compute give ``t_comm``, and the exposed part is
-  ``t(P, N) - t_compute``: hidden = ``1 - exposed / t_comm`` (1 = every byte moved while
-  computing; clipped to [0, 1]).
+* share of communication hidden behind compute: ``t_comm`` is the time of the call's
+  shifts alone, with no compute; the exposed part is the time the compute stream spent
+  waiting for arriving arrays in the timed call (events recorded before and after each
+  wait, the slowest rank's sum): hidden = ``1 - exposed / t_comm`` (1 = every byte moved
+  while computing; clipped to [0, 1]). A wait also lasts while a slower neighbour is still
+  computing what it sends, so the exposed time is an upper bound on the communication left
+  in the open and the hidden share a lower bound.
 * peak memory per rank: GPU, the peak of CuPy's pool during the run (inputs included);
   CPU, the process's peak resident set.
 
@@ -44,7 +46,6 @@ import numpy as np
 import tileattn
 import tileattn.distributed as td
 from tileattn.distributed.ring import ring_backward, ring_forward
-from tileattn.distributed.transports import Pending
 from tileattn.testing import attention_error, bfloat16
 
 
@@ -119,29 +120,6 @@ def gib(n_bytes) -> str:
     return f"{n_bytes / 2**30:.2f} GiB"
 
 
-# --------------------------------------------------------------------------- no-comm group
-
-
-class _Local:
-    """A transport that sends nothing: every shift "receives" the arrays in hand."""
-
-    def shift(self, arrays):
-        return Pending(lambda: list(arrays))
-
-
-class NoCommGroup:
-    """`group` with its ring shifts replaced by `_Local`: the compute of the ring alone."""
-
-    def __init__(self, group):
-        self.group, self.rank, self.size = group, group.rank, group.size
-
-    def allgather(self, value):
-        return self.group.allgather(value)
-
-    def transport(self, memory, like=None):
-        return _Local()
-
-
 # --------------------------------------------------------------------------- timing
 
 
@@ -170,36 +148,45 @@ def local_problem(device, args, n, rank, dtype):
     return q, k, v, do
 
 
-def step_tracer(device):
-    """A `trace` callback recording when each ring step ends (CUDA events on the GPU), and
-    a function giving the step times in seconds."""
-    marks = []
+class StepTracer:
+    """A ring's `trace` callback recording when each event was reached (CUDA events on the
+    compute stream on the GPU), read back after the call: the forward's step times and the
+    time the compute stream spent waiting for arriving arrays."""
 
-    def trace(kind, step):
-        if not kind.startswith("forward-received"):
-            if device.gpu:
-                event = device.cupy.cuda.Event()
-                event.record()
-                marks.append(event)
-            else:
-                marks.append(time.perf_counter())
+    def __init__(self, device):
+        self.device = device
+        self.marks = []  # (event name, CUDA event or host time)
 
-    def step_times(start):
-        if device.gpu:
-            ends = marks
-            return [device.cupy.cuda.get_elapsed_time(a, b) / 1e3
-                    for a, b in zip([start] + ends[:-1], ends)]
-        return [b - a for a, b in zip([start] + marks[:-1], marks)]
-
-    def begin():
-        marks.clear()
-        if device.gpu:
-            event = device.cupy.cuda.Event()
+    def _now(self):
+        if self.device.gpu:
+            event = self.device.cupy.cuda.Event()
             event.record()
             return event
         return time.perf_counter()
 
-    return trace, begin, step_times
+    def _seconds(self, a, b) -> float:
+        if self.device.gpu:
+            return self.device.cupy.cuda.get_elapsed_time(a, b) / 1e3
+        return b - a
+
+    def __call__(self, name, step):
+        self.marks.append((name, self._now()))
+
+    def begin(self):
+        self.marks = [("begin", self._now())]
+
+    def step_times(self) -> list:
+        """Seconds from the start to the first step's end, between steps' ends, and from the
+        last step's end to "forward-end" (waits included: they are part of the time)."""
+        ends = [mark for name, mark in self.marks if name in ("begin", "forward",
+                                                               "forward-end")]
+        return [self._seconds(a, b) for a, b in zip(ends, ends[1:])]
+
+    def exposed(self) -> float:
+        """Seconds between each wait's start and the arrival it waited for."""
+        return sum(self._seconds(previous[1], mark[1])
+                   for previous, mark in zip(self.marks, self.marks[1:])
+                   if mark[0].endswith("-received"))
 
 
 def shift_time(group, device, arrays, shifts, repeats):
@@ -345,32 +332,27 @@ def ring(group, device, args, n, causal, dtype):
                "backend": args.backend}
     forward_options = {"scale": None, "softcap": None, "alibi_slopes": None, "dropout_p": 0.0,
                        "seed": None, "block_q": None, "block_k": None}
-    trace, begin, step_times = step_tracer(device)
-    steps = []
+    forward_trace, backward_trace = StepTracer(device), StepTracer(device)
 
-    def forward(on=group, traced=False):
-        start = begin()
-        result = ring_forward(on, q, k, v, return_lse=True, options=forward_options,
-                              trace=trace if traced else None, **options)
-        if traced:
-            device.sync()
-            steps.append(step_times(start))
-        return result
+    def forward():
+        forward_trace.begin()
+        return ring_forward(group, q, k, v, return_lse=True, options=forward_options,
+                            trace=forward_trace, **options)
 
-    def backward(o, lse, on=group):
-        return ring_backward(on, do, q, k, v, o, lse, options={**forward_options,
-                                                                "deterministic": True},
-                             **options)
+    def backward(o, lse):
+        backward_trace.begin()
+        return ring_backward(group, do, q, k, v, o, lse,
+                             options={**forward_options, "deterministic": True},
+                             trace=backward_trace, **options)
 
     device.reset_peak()
-    t_fwd, (o, lse) = timed(group, device, lambda: forward(traced=True), args.repeats)
+    t_fwd, (o, lse) = timed(group, device, forward, args.repeats)
     t_bwd, _ = timed(group, device, lambda: backward(o, lse), args.repeats)
     peak = device.peak_bytes()
-    c_fwd = c_bwd = m_fwd = m_bwd = float("nan")
+    *steps, cast = forward_trace.step_times()  # the last timed forward's
+    exposed = (forward_trace.exposed(), backward_trace.exposed())
+    m_fwd = m_bwd = float("nan")
     if not args.no_hidden:
-        alone = NoCommGroup(group)
-        c_fwd, _ = timed(group, device, lambda: forward(on=alone), args.repeats)
-        c_bwd, _ = timed(group, device, lambda: backward(o, lse, on=alone), args.repeats)
         shifts = group.size - 1
         m_fwd = shift_time(group, device, [k, v], shifts, args.repeats) if shifts else 0.0
         accumulate = np.float64 if dtype == np.float64 else np.float32
@@ -378,22 +360,23 @@ def ring(group, device, args, n, causal, dtype):
         m_bwd = m_fwd + (shift_time(group, device, grads, group.size, args.repeats)
                          if shifts else 0.0)
         del grads
-    *last, tail = steps[-1]  # the last timed forward's steps, then its final cast
-    per_rank_steps = group.allgather((min(last), max(last), tail))
-    peaks = group.allgather(peak)
+    per_rank = group.allgather((min(steps), max(steps), cast, exposed, peak))
 
-    def hidden(t_ring, t_compute, t_comm):
+    def hidden(exposed_seconds, t_comm):
         if not t_comm > 0:
             return float("nan")
-        return min(1.0, max(0.0, 1.0 - max(0.0, t_ring - t_compute) / t_comm))
+        return min(1.0, max(0.0, 1.0 - exposed_seconds / t_comm))
 
+    worst_exposed = [max(rank[3][kind] for rank in per_rank) for kind in (0, 1)]
     return {"tP_fwd": t_fwd, "tP_fwdbwd": t_fwd + t_bwd,
-            "step_min": min(s[0] for s in per_rank_steps),
-            "step_max": max(s[1] for s in per_rank_steps),
-            "tail": max(s[2] for s in per_rank_steps),
-            "hidden_fwd": hidden(t_fwd, c_fwd, m_fwd),
-            "hidden_fwdbwd": hidden(t_fwd + t_bwd, c_fwd + c_bwd, m_bwd),
-            "comm_fwd": m_fwd, "peak": max(peaks)}
+            "step_min": min(rank[0] for rank in per_rank),
+            "step_max": max(rank[1] for rank in per_rank),
+            "tail": max(rank[2] for rank in per_rank),
+            "exposed_fwd": worst_exposed[0], "exposed_fwdbwd": sum(worst_exposed),
+            "hidden_fwd": hidden(worst_exposed[0], m_fwd),
+            "hidden_fwdbwd": hidden(sum(worst_exposed), m_bwd),
+            "comm_fwd": m_fwd, "comm_fwdbwd": m_bwd,
+            "peak": max(rank[4] for rank in per_rank)}
 
 
 def _show(value):
@@ -405,19 +388,22 @@ def _show(value):
 def table(rows, size) -> str:
     head = (f"| N | causal | t(1) fwd s | t({size}) fwd s | eff fwd | t(1) fwd+bwd s | "
             f"t({size}) fwd+bwd s | eff fwd+bwd | step s (min-max) | cast s | "
-            f"comm hidden fwd | comm hidden fwd+bwd | peak mem / rank |")
+            f"comm hidden fwd (exposed of shifts) | comm hidden fwd+bwd | peak mem / rank |")
     lines = [head, "|" + "|".join("---" for _ in range(13)) + "|"]
     for row in rows:
         def get(key, fmt="{:.3f}", row=row):
             return fmt.format(row[key]) if key in row and not (
                 isinstance(row[key], float) and math.isnan(row[key])) else "—"
+
+        def hidden(kind, get=get):
+            return (f"{get('hidden_' + kind, '{:.0%}')} ({get('exposed_' + kind)} of "
+                    f"{get('comm_' + kind)} s)")
         lines.append(
             f"| {row['N']:,} | {'yes' if row['causal'] else 'no'} | {get('t1_fwd')} | "
             f"{get('tP_fwd')} | {get('eff_fwd', '{:.2f}')} | {get('t1_fwdbwd')} | "
             f"{get('tP_fwdbwd')} | {get('eff_fwdbwd', '{:.2f}')} | "
             f"{row['step_min']:.3f}-{row['step_max']:.3f} | {row['tail']:.3f} | "
-            f"{get('hidden_fwd', '{:.0%}')} | "
-            f"{get('hidden_fwdbwd', '{:.0%}')} | {gib(row['peak'])} |")
+            f"{hidden('fwd')} | {hidden('fwdbwd')} | {gib(row['peak'])} |")
     return "\n".join(lines)
 
 
@@ -552,8 +538,8 @@ def parse(argv=None):
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip t(1, N), the single-device run")
     parser.add_argument("--no-hidden", action="store_true",
-                        help="skip the no-communication ring and the shifts alone (the "
-                             "hidden-communication columns), which double the ring's time")
+                        help="skip timing the shifts alone (the hidden-communication "
+                             "columns)")
     parser.add_argument("--check", action="store_true", help="exactness mode")
     parser.add_argument("--check-seqlen", type=int, default=None,
                         help="default 65536 on GPU, 1024 on CPU")

@@ -17,6 +17,12 @@ gets the merged ``o`` and ``lse`` of its rows, so its gradients are exactly its 
 
 Memory per rank: the local shard, the accumulators, and two K/V blocks (the one in hand and
 the one arriving), plus in the backward two pairs of ``dk``/``dv`` accumulators.
+
+``trace(event, step)``, where given, is called as the work is enqueued (the benchmark records
+a CUDA event at each): ``"forward"``/``"backward"`` when a step's compute is, ``"-wait"`` and
+``"-received"`` events around each wait for arriving arrays (the time between them is
+communication the compute did not hide; the forward's ``"forward"`` event is its wait's
+start), and ``"forward-end"``/``"backward-end"`` after the final casts.
 """
 
 from __future__ import annotations
@@ -286,6 +292,15 @@ def ring_forward(group, q, k, v, *, layout, causal, window, backend, options, re
     return o, problem.layout.restore(lse, problem.n_q_heads, is_lse=True)
 
 
+def _traced_wait(pending, trace, step):
+    if trace is not None:
+        trace("backward-wait", step)
+    arrived = pending.wait()
+    if trace is not None:
+        trace("backward-received", step)
+    return arrived
+
+
 def ring_backward(group, do, q, k, v, o, lse, *, layout, causal, window, backend, options,
                   trace=None):
     check_layout(layout)
@@ -321,7 +336,7 @@ def ring_backward(group, do, q, k, v, o, lse, *, layout, causal, window, backend
                 if waiting is not None:
                     waiting.progress()
         if grads_pending is not None:  # this block's accumulators, one step behind its K/V
-            grads = grads_pending.wait()
+            grads = _traced_wait(grads_pending, trace, step)
         for k_rows, dk_block, dv_block in shares:
             add_into(grads[0][:, :, k_rows], dk_block)
             add_into(grads[1][:, :, k_rows], dv_block)
@@ -330,9 +345,9 @@ def ring_backward(group, do, q, k, v, o, lse, *, layout, causal, window, backend
         if group.size > 1:
             grads_pending = ring.transport.shift(grads)
         if pending is not None:
-            block = pending.wait()
+            block = _traced_wait(pending, trace, step)
     if grads_pending is not None:
-        grads = grads_pending.wait()
+        grads = _traced_wait(grads_pending, trace, group.size)
     grads = tuple(problem.layout.restore(narrowed(result, problem.dtype), heads)
                   for result, heads in ((dq_acc, problem.n_q_heads),
                                         (grads[0], problem.n_kv_heads),
