@@ -79,27 +79,68 @@ def test_cpu_16_bit(dtype, size, options_name):
     _run_case("cpu", size, dtype=dtype, options_name=options_name, layout="zigzag")
 
 
-@pytest.mark.skipif(bfloat16() is None, reason="ml_dtypes is not installed")
-def test_bfloat16_bits_round_to_nearest_even():
-    """The bit-level bfloat16 casts the ring uses on CuPy arrays (run here on NumPy) agree
-    with ml_dtypes: nearest even, infinities, NaN, subnormals, both signs."""
-    from tileattn.distributed.layouts import (
-        bfloat16_bits_to_float32,
-        float32_to_bfloat16_bits,
-    )
-
+def _float32_specials():
     rng = np.random.default_rng(0)
-    values = np.concatenate([
+    return np.concatenate([
         rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-40, 38, 10000),
         np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-40, 3.0e38, 1.0 + 2**-8,
                   1.0 + 3 * 2**-8, 1.0 + 2**-9], dtype=np.float32)]).astype(np.float32)
-    bits = float32_to_bfloat16_bits(np, values)
+
+
+@pytest.mark.skipif(bfloat16() is None, reason="ml_dtypes is not installed")
+def test_bfloat16_bits_widen_exactly():
+    """The bit-level widening of bfloat16 the ring uses on CuPy arrays (run here on NumPy)
+    agrees with ml_dtypes, infinities, NaN and subnormals included."""
+    from tileattn.distributed.layouts import bfloat16_bits_to_float32
+
+    expected = _float32_specials().astype(bfloat16())
+    widened = bfloat16_bits_to_float32(np, expected.view(np.uint16))
+    assert np.array_equal(widened, expected.astype(np.float32), equal_nan=True)
+
+
+@pytest.mark.skipif(bfloat16() is None, reason="ml_dtypes is not installed")
+def test_gpu_bfloat16_narrowing_rounds_to_nearest_even():
+    """The ring's cast of its float32 accumulators to bfloat16 (a CuPy kernel on the bits)
+    agrees with ml_dtypes: nearest even, infinities, NaN, subnormals, both signs."""
+    _usable("gpu")
+    from tileattn.distributed.layouts import from_float
+
+    values = _float32_specials()
+    bits = from_float(_cupy().asarray(values), bfloat16()).view(np.uint16).get()
     expected = values.astype(bfloat16())
     finite = ~np.isnan(values)
     assert np.array_equal(bits[finite], expected.view(np.uint16)[finite])
     assert np.isnan(bits.view(bfloat16())[~finite].astype(np.float32)).all()
-    widened = bfloat16_bits_to_float32(np, expected.view(np.uint16))
-    assert np.array_equal(widened, expected.astype(np.float32), equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_gpu_weighted_add_matches_numpy(dtype):
+    """The merge's one-pass kernel, acc = acc * w_acc + w_block * block, on a strided view
+    of the accumulator with per-row weights, equals NumPy's (bfloat16 blocks by their
+    bits); scalar weights of 1 are the gradient sums."""
+    _usable("gpu")
+    from tileattn.distributed.layouts import weighted_add
+
+    if dtype == "bfloat16" and bfloat16() is None:
+        pytest.skip("ml_dtypes is not installed")
+    block_dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    accumulate = np.float64 if dtype == "float64" else np.float32
+    rounding = 8 * np.finfo(accumulate).eps  # fused multiply-adds round differently
+    rng = np.random.default_rng(1)
+    acc = rng.standard_normal((1, 3, 40, 16)).astype(accumulate)
+    w_acc = rng.random((1, 2, 20, 1)).astype(accumulate)
+    w_block = rng.random((1, 2, 20, 1)).astype(accumulate)
+    block = rng.standard_normal((1, 2, 20, 16)).astype(block_dtype)
+    cupy = _cupy()
+    on_gpu = cupy.asarray(acc)
+    block_gpu = cupy.asarray(block.view(np.uint16)).view(block_dtype) \
+        if dtype == "bfloat16" else cupy.asarray(block)
+    weighted_add(on_gpu[:, 1:, 10:30], cupy.asarray(w_acc), cupy.asarray(w_block), block_gpu)
+    weighted_add(acc[:, 1:, 10:30], w_acc, w_block, block)
+    np.testing.assert_allclose(on_gpu.get(), acc, rtol=rounding, atol=rounding)
+    weighted_add(on_gpu[:, 1:, 10:30], 1.0, 1.0, block_gpu)
+    weighted_add(acc[:, 1:, 10:30], 1.0, 1.0, block)
+    np.testing.assert_allclose(on_gpu.get(), acc, rtol=rounding, atol=rounding)
 
 
 def _gpu_dtypes():

@@ -108,11 +108,51 @@ def bfloat16_bits_to_float32(xp, bits):
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def float32_to_bfloat16_bits(xp, values):
-    """bfloat16 bits (uint16) of float32 `values`, rounded to nearest even, NaN kept NaN."""
-    bits = values.view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
-    return xp.where(xp.isnan(values), np.uint32(0x7FC0), rounded).astype(np.uint16)
+# CuPy elementwise kernels for the ring's accumulations and its final cast to bfloat16, each
+# one pass over memory (CuPy's own expressions take one kernel and one temporary per
+# operator). Built on first use from `sys.modules["cupy"]`.
+_CUPY_KERNELS = {
+    # acc = acc * w_acc + w_block * block, with the block widened to the accumulator's type
+    "weighted_add": ("A w_acc, A w_block, T block", "A acc",
+                     "acc = acc * w_acc + w_block * static_cast<A>(block)"),
+    "weighted_add_bfloat16": ("A w_acc, A w_block, uint16 block", "A acc",
+                              "acc = acc * w_acc + w_block * "
+                              "static_cast<A>(__uint_as_float(((unsigned int)block) << 16))"),
+    # round to nearest even by the bits; NaN stays a (quiet) NaN
+    "narrow_bfloat16": ("float32 x", "uint16 y",
+                        "unsigned int b = __float_as_uint(x); "
+                        "y = isnan(x) ? (unsigned short)0x7FC0 "
+                        ": (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16)"),
+}
+_built = {}
+
+
+def _cupy_kernel(name):
+    if name not in _built:
+        params_in, params_out, operation = _CUPY_KERNELS[name]
+        _built[name] = sys.modules["cupy"].ElementwiseKernel(
+            params_in, params_out, operation, f"tileattn_ring_{name}")
+    return _built[name]
+
+
+def weighted_add(accumulator, weight_accumulator, weight_block, block) -> None:
+    """``accumulator = accumulator * weight_accumulator + weight_block * block`` in place (the
+    weights broadcast against the accumulator; `block` in the input dtype)."""
+    xp = array_module(accumulator)
+    if xp is np:
+        if not (np.isscalar(weight_accumulator) and weight_accumulator == 1):
+            accumulator *= weight_accumulator
+        widened = block.astype(accumulator.dtype, copy=False)
+        accumulator += widened if np.isscalar(weight_block) and weight_block == 1 else \
+            weight_block * widened
+        return
+    kind = accumulator.dtype.type
+    weights = [kind(weight) if np.isscalar(weight) else weight.astype(kind, copy=False)
+               for weight in (weight_accumulator, weight_block)]
+    if _is_bfloat16(block.dtype):
+        _cupy_kernel("weighted_add_bfloat16")(*weights, block.view(np.uint16), accumulator)
+    else:
+        _cupy_kernel("weighted_add")(*weights, block, accumulator)
 
 
 def to_float(array, dtype):
@@ -130,7 +170,7 @@ def from_float(array, dtype):
     arrays by their bits."""
     xp = array_module(array)
     if xp is not np and _is_bfloat16(dtype):
-        return float32_to_bfloat16_bits(xp, array.astype(np.float32)).view(dtype)
+        return _cupy_kernel("narrow_bfloat16")(array.astype(np.float32, copy=False)).view(dtype)
     return array.astype(dtype)
 
 

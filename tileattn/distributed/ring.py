@@ -45,7 +45,7 @@ from .layouts import (
     empty_like_shape,
     from_float,
     segments,
-    to_float,
+    weighted_add,
 )
 
 
@@ -151,8 +151,7 @@ def merge(o_acc, lse_acc, o_block, lse_block) -> None:
         safe = xp.where(merged == -np.inf, 0.0, merged)
         weight_acc = xp.where(lse_old == -np.inf, 0.0, xp.exp(lse_old - safe))
         weight_block = xp.where(lse_new == -np.inf, 0.0, xp.exp(lse_new - safe))
-        acc *= weight_acc[..., None]
-        acc += weight_block[..., None] * to_float(o_block[:, heads], acc.dtype)
+        weighted_add(acc, weight_acc[..., None], weight_block[..., None], o_block[:, heads])
         lse_old[...] = merged
 
 
@@ -168,7 +167,7 @@ def add_into(accumulator, block) -> None:
     """``accumulator += block`` (a gradient block in the input dtype), a few heads at a
     time."""
     for heads in _head_chunks(accumulator):
-        accumulator[:, heads] += to_float(block[:, heads], accumulator.dtype)
+        weighted_add(accumulator[:, heads], 1.0, 1.0, block[:, heads])
 
 
 # --------------------------------------------------------------------------- agreement
