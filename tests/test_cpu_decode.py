@@ -163,3 +163,18 @@ def test_threads_follow_the_cache_bytes_not_only_the_flops():
     sizing = decode.plan(*arrays, options, cpu.Sequences(q, k, options))
     assert 2 * 8 * 4096 * 256 < 2 * threads.FLOPS_PER_THREAD  # one thread by FLOPs
     assert sizing.n_workers == min(2, numba.get_num_threads())
+
+
+def test_plain_loop_products_count_three_times_for_the_threads():
+    """Packed rows few enough for the kernel's plain-loop products run at about a third of
+    the rate `threads.FLOPS_PER_THREAD` assumes (`decode.LOOP_FLOP_COST`): MQA 8/1 over 8192
+    keys (33 MFLOP, one thread by FLOPs) takes three threads where the machine has them."""
+    q, k, v = (np.zeros((1, h, n, 128), np.float32) for h, n in ((8, 1), (1, 8192), (1, 8192)))
+    options = AttentionOptions(scale=0.1)
+    arrays = tuple(cpu._read_only(x, np.dtype(np.float32)) for x in (q, k, v))
+    sizing = decode.plan(*arrays, options, cpu.Sequences(q, k, options))
+    flops = 2 * 8 * 8192 * 256
+    assert flops < 2 * threads.FLOPS_PER_THREAD
+    assert 3 * threads.FLOPS_PER_THREAD <= decode.LOOP_FLOP_COST * flops
+    assert decode.BYTE_COST * 8192 * 256 * 4 < 2 * threads.FLOPS_PER_THREAD
+    assert sizing.n_workers == min(3, numba.get_num_threads())

@@ -28,6 +28,13 @@ BYTE_COST = 3.0
 core computes while it streams one (~65 GFLOP/s against ~20 GB/s). By FLOPs alone an MHA
 step over 8-67 MB of cache ran on one thread at 0.44-0.52x torch's two (session 14)."""
 
+LOOP_FLOP_COST = 3.0
+"""The kernel's plain-loop products (at most `decode_kernel.MAX_LOOP_ROWS` packed rows) run
+a call at ~20-25 GFLOP/s a core with its softmax, a third of the ~65 that
+`threads.FLOPS_PER_THREAD` assumes, so their FLOPs count three times for the thread count:
+a thread still gets about 0.5 ms of work. By FLOPs alone MQA 8/1 over 8192 keys (33 MFLOP,
+1.5-2.4 ms) ran on one thread, 0.64x torch on 16 cores (bench/NOTES-cpu.md, session 17)."""
+
 MAX_GROUP_ROWS = 1024
 MIN_KEYS_PER_ROW = 8
 """A GQA or MQA forward with more query rows still takes the decode path while a group's
@@ -104,7 +111,10 @@ def plan(q_c, k_c, v_c, options, shape, n_splits=None) -> DecodePlan:
         keys_read = float(len(descriptors) * longest)
     block_k = options.block_k or default_blocks("forward", head_dim, value_dim,
                                                 q_c.itemsize).block_k
+    packed_rows = n_q_heads // n_kv_heads * n_q
     flops = 2.0 * n_q_heads * row_keys * (head_dim + value_dim)
+    if packed_rows <= MAX_LOOP_ROWS:
+        flops *= LOOP_FLOP_COST
     kv_bytes = n_kv_heads * keys_read * (head_dim + value_dim) * q_c.itemsize
     n_threads = threads.threads_for(max(flops, BYTE_COST * kv_bytes))
     n_tasks_per_split = len(descriptors) * n_kv_heads
@@ -113,8 +123,7 @@ def plan(q_c, k_c, v_c, options, shape, n_splits=None) -> DecodePlan:
     # Up to MAX_LOOP_ROWS packed rows the kernel's products are plain loops and call no BLAS:
     # nothing to hold at one thread (asking and setting SciPy's BLAS cost ~8 us a call).
     return DecodePlan(min(n_threads, n_splits * n_tasks_per_split), n_splits,
-                      max(1, -(-longest // n_splits)), block_k,
-                      n_q_heads // n_kv_heads * n_q > MAX_LOOP_ROWS)
+                      max(1, -(-longest // n_splits)), block_k, packed_rows > MAX_LOOP_ROWS)
 
 
 def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None, sizing=None):

@@ -43,10 +43,28 @@ Hq = 32, Hkv = 8, Nq = 4 17.9 -> 13.3 ms; 24 and 32 rows were no faster (session
 
 @njit(fastmath=FASTMATH)
 def _rows_times_keys(rows, keys, out):
-    """``out = rows @ keys.T`` as plain loops, each key row read once for all rows."""
-    for j in range(keys.shape[0]):
+    """``out = rows @ keys.T`` as plain loops, each key row read once for all rows.
+
+    Four keys per pass over a row: four independent sums share each load of the row, where
+    one key per pass waited on one chain of adds and its horizontal sum (1.2-1.75x faster
+    at 1-16 rows over 512 keys of D = 64-256; bench/NOTES-cpu.md, session 17)."""
+    n_keys = keys.shape[0]
+    n_fours = n_keys // 4 * 4
+    zero = rows.dtype.type(0.0)
+    for j in range(0, n_fours, 4):
         for r in range(rows.shape[0]):
-            total = rows.dtype.type(0.0)
+            total0 = total1 = total2 = total3 = zero
+            for d in range(rows.shape[1]):
+                x = rows[r, d]
+                total0 += x * keys[j, d]
+                total1 += x * keys[j + 1, d]
+                total2 += x * keys[j + 2, d]
+                total3 += x * keys[j + 3, d]
+            out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = \
+                total0, total1, total2, total3
+    for j in range(n_fours, n_keys):
+        for r in range(rows.shape[0]):
+            total = zero
             for d in range(rows.shape[1]):
                 total += rows[r, d] * keys[j, d]
             out[r, j] = total
