@@ -26,6 +26,18 @@ def test_scaling_prints_a_row_per_length_and_causality():
             if line.startswith(("| 256 |", "| 512 |"))]
     assert len(rows) == 4, result.stdout
     assert "eff fwd+bwd" in result.stdout and "peak mem / rank" in result.stdout
+    assert "cast s" in result.stdout and "(exposed of shifts)" in result.stdout
+    assert all(" of " in row for row in rows)  # "hidden (exposed of shifts s)" measured
+
+
+def test_no_hidden_skips_the_shifts_and_leaves_the_hidden_columns_empty():
+    result = bench(*TINY, "--seqlens", "256", "--causal", "yes", "--no-hidden",
+                   "--no-baseline")
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| 256 |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[2] == "—" and cells[4] == "—"  # no t(1) without the baseline
+    assert cells[10].startswith("—") and cells[11].startswith("—"), row
 
 
 def test_check_mode_compares_every_layout_and_exits_zero_when_exact():
