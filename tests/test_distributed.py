@@ -354,3 +354,36 @@ def test_zigzag_needs_an_even_number_of_local_rows():
     messages = _outcomes(2, run)
     assert messages[0] == messages[1]
     assert "layout='zigzag' needs an even number of local rows" in messages[0]
+
+
+def test_trace_events_come_in_the_documented_order():
+    """`ring_forward`/`ring_backward` call `trace` as ring.py's docstring says (the
+    benchmark times steps, casts and waits from these events): per step a compute event,
+    every wait between a "-wait" (or the forward's step event) and a "-received", and an
+    "-end" after the casts."""
+    from tileattn.distributed.ring import ring_backward, ring_forward
+
+    q, k, v, do = problem(np.float64, n_q=24, n_k=24)
+    options = {"scale": None, "softcap": None, "alibi_slopes": None, "dropout_p": 0.0,
+               "seed": None, "block_q": None, "block_k": None}
+    common = {"layout": "zigzag", "causal": True, "window": None, "backend": "reference"}
+
+    def run(group):
+        local = [td.shard(a, group) for a in (q, k, v, do)]
+        forward_events, backward_events = [], []
+        o, lse = ring_forward(group, *local[:3], return_lse=True, options=options,
+                              trace=lambda name, step: forward_events.append((name, step)),
+                              **common)
+        ring_backward(group, local[3], *local[:3], o, lse,
+                      options={**options, "deterministic": True},
+                      trace=lambda name, step: backward_events.append((name, step)), **common)
+        return forward_events, backward_events
+
+    for forward_events, backward_events in _simulate("reference", 3, run):
+        assert forward_events == [("forward", 0), ("forward-received", 0), ("forward", 1),
+                                  ("forward-received", 1), ("forward", 2), ("forward-end", 3)]
+        names = [name for name, _ in backward_events]
+        assert names.count("backward") == 3 and names[-1] == "backward-end"
+        assert names.count("backward-wait") == names.count("backward-received") == 5
+        for before, after in zip(names, names[1:]):
+            assert (after == "backward-received") == (before == "backward-wait")
