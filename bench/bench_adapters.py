@@ -166,8 +166,8 @@ def _block_cupy(_result):
 
 
 def overhead_us() -> dict:
-    """Per-call microseconds of the tiny problem in both layouts: "bhsd" results are
-    written in place, "bshd" ones by the kernels heads first and transposed by XLA."""
+    """Per-call microseconds of the tiny problem in both layouts (results written in place
+    into XLA's buffers, in the caller's layout)."""
     results = {}
     for layout in ("bhsd", "bshd"):
         shape = (1, 1, 128, 64) if layout == "bhsd" else (1, 128, 1, 64)

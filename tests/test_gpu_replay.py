@@ -32,7 +32,12 @@ BACKWARD_CASES = {
     "group sums": (1, 8, 1, 256, 256, 64, "float16", dict(causal=True)),
     "split dq": (1, 2, 2, 64, 4096, 128, "float16", dict()),
     "bshd": (2, 4, 2, 128, 192, 64, "float16", dict(layout="bshd", softcap=20.0)),
+    "bshd, gradients in the caller's order": (1, 8, 1, 256, 256, 64, "float16",
+                                              dict(layout="bshd", causal=True)),
 }
+# Cases whose buffers are C-contiguous in the caller's "bshd" order (flash-attn's, and
+# what the JAX adapter declares), written at those strides: GQA group sums into them.
+CALLER_ORDER = {"bshd, gradients in the caller's order"}
 
 
 def _dtype(name: str):
@@ -55,12 +60,12 @@ def _arrays(shape, dtype, seed, layout):
     return arrays
 
 
-def _empty_like_results(shapes, dtypes, layout):
-    """NaN-filled output buffers (every bit set) as tileattn's own results are laid out
-    (bshd: a swapaxes view of a contiguous bhsd buffer; lse (B, H, N))."""
+def _empty_like_results(shapes, dtypes, layout, caller_order=False):
+    """NaN-filled output buffers (every bit set), bshd: a swapaxes view of a contiguous
+    bhsd buffer, or with `caller_order` contiguous as `shapes` say; lse (B, H, N)."""
     outputs = []
     for shape, dtype in zip(shapes, dtypes):
-        heads_first = layout == "bshd" and len(shape) == 4
+        heads_first = layout == "bshd" and len(shape) == 4 and not caller_order
         buffer = cupy.empty((shape[0], shape[2], shape[1], shape[3]) if heads_first else shape,
                             dtype)
         buffer.view(np.uint8).fill(255)
@@ -110,14 +115,17 @@ def test_a_backward_replay_gives_what_a_fresh_call_gives(name):
 
     arrays = problem(0)
     grads = api.backward(*arrays, **options)
-    buffers = _empty_like_results([g.shape for g in grads], [g.dtype for g in grads], layout)
+    caller_order = name in CALLER_ORDER
+    buffers = _empty_like_results([g.shape for g in grads], [g.dtype for g in grads], layout,
+                                  caller_order)
     given = dict(zip(("dq_out", "dk_out", "dv_out"), buffers))
     api.backward(*arrays, **options, **given)
     replay = api.replay("backward", arrays, **options, **given)
     if replay is None:
         pytest.skip("this device's backward family keeps no plan to replay (wgmma does)")
     new = problem(1)
-    outputs = _empty_like_results([g.shape for g in grads], [g.dtype for g in grads], layout)
+    outputs = _empty_like_results([g.shape for g in grads], [g.dtype for g in grads], layout,
+                                  caller_order)
     assert replay(*(a.data.ptr for a in new + tuple(outputs)))
     for got, want in zip(outputs, api.backward(*new, **options)):
         _assert_identical(got, want)

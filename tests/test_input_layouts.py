@@ -234,6 +234,112 @@ def test_gpu_writes_a_packed_bshd_o_in_the_callers_layout():
     np.testing.assert_array_equal(o.swapaxes(0, 1).get(), expected.get())
 
 
+# One case per way the GPU writes gradients: (family forced on the device, or None for the
+# table's choice; dtype, B, Hq, Hkv, Nq, Nk, D, Dv, options). The 16-bit table (wgmma on
+# sm_90) with a query tail (the flagged dK/dV redo is launched); mma.sync forced, once with
+# dK and dV in two kernels (D + Dv > 256); 3xTF32; the generic kernels (float64); a GQA
+# group cut over blocks and dQ cut into key shares (few blocks: both added up by
+# group_sum.cu into the strided gradients); odd widths (2-byte stores).
+STRIDED_GRADIENT_CASES = [
+    (None, "float16", 2, 4, 2, 77, 90, 64, 64, dict(causal=True)),
+    ("mma", "float16", 2, 4, 2, 77, 90, 64, 64, dict(causal=True)),
+    ("mma", "bfloat16", 1, 2, 1, 40, 70, 192, 128, dict(window=(20, 3))),
+    (None, "float32", 2, 2, 1, 40, 70, 32, 24, dict(window=(20, 3))),
+    (None, "float64", 1, 3, 3, 20, 33, 16, 8, dict(causal=True)),
+    (None, "bfloat16", 1, 8, 1, 64, 4096, 128, 128, {}),
+    (None, "float16", 2, 6, 3, 33, 50, 72, 40, dict(softcap=5.0)),
+    (None, "float16", 1, 2, 2, 30, 41, 33, 33, dict(causal=True)),
+]
+
+
+def _gpu_case(cupy, case, seed):
+    """q, k, v, do (B, H, N, D) CuPy arrays of a case, its dtype and options."""
+    from tileattn.testing import bfloat16
+
+    _, name, batch, hq, hkv, n_q, n_k, dim, value_dim, options = case
+    dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+    if dtype is None:
+        pytest.skip("ml_dtypes is not installed")
+    rng = np.random.default_rng(seed)
+    return [cupy.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype))
+            for shape in ((batch, hq, n_q, dim), (batch, hkv, n_k, dim),
+                          (batch, hkv, n_k, value_dim), (batch, hq, n_q, value_dim))], options
+
+
+def _bits(array):
+    import cupy
+
+    return cupy.ascontiguousarray(array).view(np.uint8).get()
+
+
+@pytest.mark.parametrize("case", STRIDED_GRADIENT_CASES,
+                         ids=lambda c: f"{c[0] or 'table'}-{c[1]}-D{c[7]}-Dv{c[8]}-Nk{c[6]}")
+def test_gpu_writes_bshd_gradients_in_the_callers_layout(case):
+    """On the GPU the gradients of a "bshd" call are written in place in ``(B, N, H, D)``
+    order (C-contiguous, as flash-attn returns them: no transpose for the caller or for
+    XLA), holding bit for bit what the "bhsd" call on the same numbers holds, also when a
+    call replays the cached launches and when the caller passes the buffers."""
+    cupy = _gpu()
+    (q, k, v, do), options = _gpu_case(cupy, case, seed=7)
+    o, lse = tileattn.forward(q, k, v, return_lse=True, **options)
+    family = case[0]
+    if family is None:
+        expected = tileattn.backward(do, q, k, v, o, lse, **options)
+        given = [cupy.ascontiguousarray(a.swapaxes(1, 2)) for a in (do, q, k, v, o)]
+        for _ in range(2):  # the first call plans the launches, the second replays them
+            grads = tileattn.backward(*given, lse, layout="bshd", **options)
+            for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+                assert grad.flags.c_contiguous and grad.shape == want.swapaxes(1, 2).shape
+                np.testing.assert_array_equal(_bits(grad.swapaxes(1, 2)), _bits(want),
+                                              err_msg=name)
+        buffers = [cupy.full_like(a, np.nan) for a in given[1:4]]
+        filled = tileattn.backward(*given, lse, layout="bshd", dq_out=buffers[0],
+                                   dk_out=buffers[1], dv_out=buffers[2], **options)
+        for name, grad, buffer, want in zip(("dq", "dk", "dv"), filled, buffers, expected):
+            assert grad is buffer
+            np.testing.assert_array_equal(_bits(grad.swapaxes(1, 2)), _bits(want),
+                                          err_msg=name)
+        return
+    from dataclasses import replace
+
+    from tileattn.gpu import launch_backward, tiles
+    from tileattn.gpu.operands import problem_of
+    from tileattn.validation import validate
+
+    resolved = validate(q, k, v, **options).options
+    choice = tiles.choose_backward(replace(problem_of(q, k, v, resolved), capability=80))
+    assert choice.family == family
+    expected = launch_backward.run(choice, do, q, k, v, o, lse, resolved)
+    buffers = [cupy.full(a.swapaxes(1, 2).shape, np.nan, a.dtype) for a in (q, k, v)]
+    grads = launch_backward.run(choice, do, q, k, v, o, lse, resolved,
+                                given=tuple(b.swapaxes(1, 2) for b in buffers))
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        np.testing.assert_array_equal(_bits(grad), _bits(want), err_msg=name)
+
+
+@pytest.mark.parametrize("lengths", ["packed", "padded"])
+def test_gpu_writes_variable_length_bshd_gradients_in_the_callers_layout(lengths):
+    """Packed and padded sequences in "bshd": the gradients come back C-contiguous in that
+    order, equal to the "bhsd" call's, padding rows and keys 0."""
+    cupy = _gpu()
+    rng = np.random.default_rng(8)
+    if lengths == "packed":
+        cu = np.array([0, 5, 130, 131, 400])
+        keywords = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        shapes, axes = [(3, 400, 64)] * 4, (0, 1)
+    else:
+        keywords = dict(seqlens_q=np.array([70, 3]), seqlens_k=np.array([90, 0]), causal=True)
+        shapes, axes = [(2, 4, 80, 64), (2, 2, 96, 64), (2, 2, 96, 64), (2, 4, 80, 64)], (1, 2)
+    q, k, v, do = (cupy.asarray(rng.standard_normal(s).astype(np.float16)) for s in shapes)
+    o, lse = tileattn.forward(q, k, v, return_lse=True, **keywords)
+    expected = tileattn.backward(do, q, k, v, o, lse, **keywords)
+    given = [cupy.ascontiguousarray(a.swapaxes(*axes)) for a in (do, q, k, v, o)]
+    grads = tileattn.backward(*given, lse, layout="bshd", **keywords)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert grad.flags.c_contiguous, name
+        np.testing.assert_array_equal(_bits(grad.swapaxes(*axes)), _bits(want), err_msg=name)
+
+
 def test_two_dimensional_arrays_mean_the_same_in_both_layouts():
     q, k, v, _ = problem_of_shape((), seed=3)
     q, k, v = q[0], k[0], v[0]

@@ -59,9 +59,10 @@ def _run(module, function_name: str, problem: Problem):
     if getattr(module, "WRITES_OUT", False) and not crosses_to_host:
         buffers = {name: problem.outputs[name] for name in _OUTPUT_NAMES[function_name]
                    if name in problem.outputs}
-        if (function_name == "forward" and "out" not in buffers
-                and getattr(module, "STRIDED_OUT", False)):
-            buffers["out"] = _sequence_first_out(problem)
+        if getattr(module, "STRIDED_OUT", False):
+            for name, like, width in _RESULT_ROWS[function_name]:
+                if name not in buffers:
+                    buffers[name] = _sequence_first_buffer(problem, like, width)
     results = getattr(module, function_name)(*(tensors[n] for n in names), options,
                                              **buffers)
     if crosses_to_host:
@@ -69,17 +70,23 @@ def _run(module, function_name: str, problem: Problem):
     return results
 
 
-def _sequence_first_out(problem: Problem):
-    """For ``layout="bshd"``, o allocated in the caller's ``(B, N, H, Dv)`` order and seen
-    in the backends' ``(B, H, N, Dv)`` order, which a backend that writes strided rows
-    (``STRIDED_OUT``) fills in place: the caller gets a contiguous result, as from
-    flash-attn, not a view of a heads-first buffer. None otherwise."""
+# Per pass, the results a backend may write at any strides: (buffer, the input whose batch,
+# heads and rows it has, the input whose last axis it has).
+_RESULT_ROWS = {"forward": (("out", "q", "v"),),
+                "backward": (("dq_out", "q", "q"), ("dk_out", "k", "k"), ("dv_out", "v", "v"))}
+
+
+def _sequence_first_buffer(problem: Problem, like: str, width: str):
+    """For ``layout="bshd"``, a result (o, dq, dk or dv) allocated in the caller's
+    ``(B, N, H, D)`` order and seen in the backends' ``(B, H, N, D)`` order, which a backend
+    that writes strided rows (``STRIDED_OUT``) fills in place: the caller gets a contiguous
+    result, as from flash-attn, not a view of a heads-first buffer. None otherwise."""
     if not problem.layout.sequence_first or problem.layout.single_head:
         return None
-    q = problem.tensors["q"]
-    batch, heads, n_q = q.shape[:3]
-    return arrays.empty((batch, n_q, heads, problem.value_dim), problem.dtype,
-                        problem.layout.memory, q).swapaxes(1, 2)
+    rows = problem.tensors[like]
+    batch, heads, n = rows.shape[:3]
+    return arrays.empty((batch, n, heads, problem.tensors[width].shape[3]), problem.dtype,
+                        problem.layout.memory, problem.tensors["q"]).swapaxes(1, 2)
 
 
 def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
@@ -328,15 +335,15 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
         True (default): the result does not depend on thread scheduling. False lets a backend
         use a faster variant that documents what it gives up.
     layout : {"bhsd", "bshd"}
-        As in `forward`: with "bshd", `do`, `o`, `q`, `k`, `v` are read as views and the
-        gradients come back as "bshd" views of "bhsd" buffers.
+        As in `forward`: with "bshd", `do`, `o`, `q`, `k`, `v` are read as views; the
+        gradients come back C-contiguous in "bshd" on the GPU (the kernels write them in
+        that order) and as "bshd" views of "bhsd" buffers from the host backends.
     dq_out, dk_out, dv_out : array, optional
         Buffers to write the gradients into, returned in their place; the same rules as
         `forward`'s `out` (shape and dtype of q, k, v; C-contiguous in the call's layout, or
         with "bshd" the swapaxes view of a C-contiguous ``(*batch, H, N, D)`` buffer; no
-        memory shared with an input or another buffer). The GPU backend writes
-        C-contiguous ones directly (a "bshd" buffer through one copy); the CPU and
-        reference backends copy the result in.
+        memory shared with an input or another buffer). The GPU backend writes into
+        them directly, in either order; the CPU and reference backends copy the result in.
     seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, check_lengths
         As in `forward`, the same values. Padding rows get ``dq = 0``, padding keys
         ``dk = dv = 0``.

@@ -31,9 +31,10 @@ A backend is a module that exposes
     C-contiguous ``(B, N, H, D)`` buffer) and writes the results into them, returning those
     arrays. For the other backends the API copies their results into the caller's buffers.
 ``STRIDED_OUT`` (optional, default False)
-    True when ``forward`` writes ``out=`` at any batch, head and row strides without a copy:
-    the API then allocates a "bshd" call's o in the caller's ``(B, N, H, Dv)`` order and
-    passes its view, so the caller gets a C-contiguous result.
+    True when ``forward`` writes ``out=`` and ``backward`` writes ``dq_out=``, ``dk_out=``
+    and ``dv_out=`` at any batch, head and row strides without a copy: the API then
+    allocates a "bshd" call's o and gradients in the caller's ``(B, N, H, D)`` order and
+    passes their views, so the caller gets C-contiguous results.
 
 Optional, for ``python -m tileattn info``:
 

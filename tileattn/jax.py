@@ -50,24 +50,6 @@ _DLPACK_CPU = 1  # the DLPack device type of host memory
 _OUTPUT_ARGUMENTS = {"forward": ("out", "lse_out"), "backward": ("dq_out", "dk_out", "dv_out")}
 
 
-def _heads_first(layout: str, ndim: int) -> bool:
-    """Whether the backward's gradients are held heads first: its kernels write
-    (*batch, H, N, D) rows, so with "bshd" the gradients are declared in that order, written
-    in place, and handed back as ``swapaxes(-3, -2)`` (`_sequence_first`), which XLA may
-    fold into their consumer instead of a copy. o is written in the caller's layout (the
-    forward kernels take its strides), and the inputs are read in their own."""
-    return layout == "bshd" and ndim >= 3
-
-
-def _heads_first_shape(shape: tuple, heads_first: bool) -> tuple:
-    return shape[:-3] + (shape[-2], shape[-3], shape[-1]) if heads_first else shape
-
-
-def _sequence_first(array, heads_first: bool):
-    """A result held heads first, in the caller's "bshd" layout."""
-    return jnp.swapaxes(array, -3, -2) if heads_first else array
-
-
 def _shapes(q, v, layout):
     """The forward callback's results: o in the caller's layout and lse, ``(*batch, H, N)``
     in both layouts."""
@@ -90,9 +72,9 @@ def _with_head_axis(array, n_vmapped: int):
 def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outputs: list):
     """`tileattn.forward` or `backward` on a callback's arrays (NumPy, or CuPy views of XLA's
     buffers), writing the results into `outputs`. The last ``len(options["length_names"])``
-    inputs are the lengths and block table that the call names. With "bshd" the outputs
-    are held heads first (`_heads_first`), seen here as their ``swapaxes(-3, -2)`` views,
-    which tileattn writes in place.
+    inputs are the lengths and block table that the call names. Every array is in the
+    caller's layout, results too: the GPU kernels write o and the gradients at a "bshd"
+    call's strides, so XLA needs no transpose.
 
     Returns ``(inputs, keywords)`` of the one dense call it made (for `api.replay`), or
     None where it made several or passed lengths.
@@ -127,8 +109,6 @@ def _call(function_name: str, options: dict, base_ndim: int, inputs: list, outpu
         return None
     lengths = dict(zip(length_names, inputs[len(inputs) - len(length_names):]))
     inputs = inputs[:len(inputs) - len(length_names)]
-    if function_name == "backward" and _heads_first(options["layout"], base_ndim):
-        outputs = [a.swapaxes(-3, -2) for a in outputs]  # dq, dk and dv
     slopes = options["alibi_slopes"]
     if vmapped and slopes is not None and slopes.ndim > 1:  # (*batch, Hq): per element
         options = dict(options, alibi_slopes=np.broadcast_to(slopes, vmapped + slopes.shape))
@@ -285,12 +265,9 @@ def _backward_rule(frozen_options, residuals, do):
     q, k, v, o, lse, lengths = residuals
     varlen_family(lengths, backward=True)  # paged K/V: tileattn.backward's ValueError
     options = _options_dict(frozen_options)
-    heads_first = _heads_first(options["layout"], q.ndim)
-    shapes = tuple(jax.ShapeDtypeStruct(_heads_first_shape(a.shape, heads_first), a.dtype)
-                   for a in (q, k, v))
-    grads = _run_pass("backward", _with_lengths(options, lengths), q.ndim, shapes,
-                      do.astype(o.dtype), q, k, v, o, lse, *lengths.values())
-    dq, dk, dv = (_sequence_first(g, heads_first) for g in grads)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
+    dq, dk, dv = _run_pass("backward", _with_lengths(options, lengths), q.ndim, shapes,
+                           do.astype(o.dtype), q, k, v, o, lse, *lengths.values())
     # Integer lengths have no cotangent space: JAX takes None as their symbolic zero
     # (float0 zeros), under vmap as well.
     return dq, dk, dv, {name: None for name in lengths}

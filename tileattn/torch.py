@@ -172,7 +172,8 @@ def _run_forward(q, k, v, causal, window, scale, softcap, alibi_slopes, dropout_
 def _layout_strided(like, shape, dtype, layout, written_in_place: bool = False):
     """An empty tensor of `shape` with the strides tileattn's results have: contiguous, or
     with "bshd" a ``swapaxes(-3, -2)`` view of a contiguous "bhsd" buffer, except where the
-    kernels write the result in the caller's layout (`written_in_place`: o on a GPU)."""
+    kernels write the result in the caller's layout (`written_in_place`: o and the
+    gradients on a GPU)."""
     if layout == "bshd" and len(shape) >= 3 and not written_in_place:
         swapped = list(shape)
         swapped[-3], swapped[-2] = swapped[-2], swapped[-3]
@@ -184,12 +185,18 @@ def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _in_place(tensor, backend) -> bool:
+    """Whether the GPU kernels write this call's results in the caller's layout (a "bshd"
+    result C-contiguous, as flash-attn's): CUDA tensors, any backend but the reference."""
+    return tensor.device.type == "cuda" and backend != "reference"
+
+
 def _forward_results(q, v, layout, backend):
     """New (o, lse) laid out as tileattn's results are. Variable-length results have the
     dense shapes: padded and paged o is q's shape with v's head dim (a page pool's last
     axis is Dv too), packed o is (Hq, N_total, Dv)."""
     o = _layout_strided(q, (*q.shape[:-1], v.shape[-1]), q.dtype, layout,
-                        written_in_place=q.device.type == "cuda" and backend != "reference")
+                        written_in_place=_in_place(q, backend))
     lse_shape = list(q.shape[:-1])  # (*batch, H, N) in both layouts
     if layout == "bshd" and q.dim() >= 3:
         lse_shape[-2], lse_shape[-1] = lse_shape[-1], lse_shape[-2]
@@ -233,7 +240,7 @@ def _run_backward(do, q, k, v, o, lse, causal, window, scale, softcap, alibi_slo
                  cu_seqlens_k, block_table, check_lengths)
     if q.device.type == "cuda" and _replayable(arguments):
         results = _by_replay("backward", (do, q, k, v, o, lse), arguments,
-                             lambda: _backward_results(q, k, v, layout))
+                             lambda: _backward_results(q, k, v, layout, backend))
         if results is not None:
             return results
     # block_table is in the schema so that tileattn.backward itself refuses it (paged K/V
@@ -245,16 +252,17 @@ def _run_backward(do, q, k, v, o, lse, causal, window, scale, softcap, alibi_slo
                            **options)
 
 
-def _backward_results(q, k, v, layout):
+def _backward_results(q, k, v, layout, backend):
     """New (dq, dk, dv) laid out as tileattn's results are."""
-    return tuple(_layout_strided(x, x.shape, q.dtype, layout) for x in (q, k, v))
+    return tuple(_layout_strided(x, x.shape, q.dtype, layout,
+                                 written_in_place=_in_place(q, backend)) for x in (q, k, v))
 
 
 @_backward_op.register_fake
 def _(do, q, k, v, o, lse, causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
       block_q, block_k, backend, layout, deterministic, seqlens_q=None, seqlens_k=None,
       cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, check_lengths=True):
-    return _backward_results(q, k, v, layout)
+    return _backward_results(q, k, v, layout, backend)
 
 
 # --------------------------------------------------------------------------- replays
@@ -406,8 +414,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
 
     Same options as `tileattn.forward` (`alibi_slopes` as a tensor, a NumPy array or a
     list); `deterministic` applies to the backward pass. Returns ``o``, a tensor of q's dtype
-    on q's device, in q's layout; with "bshd" it and the gradients are strided views of
-    "bhsd" buffers (``.contiguous()`` packs them). Works under
+    on q's device, in q's layout; with "bshd" it and the gradients are C-contiguous in that
+    layout on a GPU (the kernels write them so, as flash-attn's), and strided views of
+    "bhsd" buffers on the CPU (``.contiguous()`` packs them). Works under
     ``torch.compile(fullgraph=True)``: each pass is one `torch.ops.tileattn` operator.
     An option of a type the operator's schema does not take (``scale="a"``) gets torch's
     RuntimeError, which names the argument; values are checked by `tileattn.forward`.

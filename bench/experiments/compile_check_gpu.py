@@ -8,7 +8,9 @@ report. A kernel that gains spills here has grown past its register budget.
 --backward-rows compiles the 16-bit backward rows of the tile tables instead (wgmma D = 64,
 128, 192, 256 and the mma.sync single pass), each without a band, causal, and with every
 option: the rows whose registers the cut-tile non-finite corrections must not grow;
---flag-keys compiles them as a query tail does (FLAG_NON_FINITE_KEYS).
+--flag-keys compiles them as a query tail does (FLAG_NON_FINITE_KEYS). --strided compiles
+the backward kernels and group_sum with STRIDED_OUT=1 (gradients at the caller's "bshd"
+strides), as the launchers do for them (never with the single pass or GROUP_SPLITS).
 """
 
 from __future__ import annotations
@@ -142,6 +144,18 @@ def _backward_rows(extra: list[str]):
     return jobs
 
 
+def _strided(jobs: list) -> list:
+    """The backward and group-sum jobs of `jobs` with STRIDED_OUT=1, where the launchers
+    compile it: not with the single pass or a cut GQA group (contiguous parts)."""
+    chosen = []
+    for name, arch, defines, *options in jobs:
+        if ("backward" not in name and name != "group_sum.cu") or "SINGLE_PASS=1" in defines \
+                or any(d.startswith("GROUP_SPLITS") for d in defines):
+            continue
+        chosen.append((name, arch, defines + ["STRIDED_OUT=1"], *options))
+    return chosen
+
+
 def _decode_shared(defines) -> list[str]:
     """-DEXPECTED_SHARED_BYTES from DecodeTiles.shared_bytes (DecodeMmaTiles'), which the
     kernel asserts."""
@@ -205,9 +219,13 @@ def main() -> None:
                         help="the 16-bit backward rows, no band / causal / every option")
     parser.add_argument("--flag-keys", action="store_true",
                         help="--backward-rows with FLAG_NON_FINITE_KEYS=1 (a query tail)")
+    parser.add_argument("--strided", action="store_true",
+                        help="the backward kernels and group_sum with STRIDED_OUT=1")
     args = parser.parse_args()
     extra = ["FLAG_NON_FINITE_KEYS=1"] if args.flag_keys else []
     jobs = _backward_rows(extra) if args.backward_rows else JOBS
+    if args.strided:
+        jobs = _strided(jobs)
     directory = args.keep or tempfile.mkdtemp(prefix="tileattn-nvcc-")
     os.makedirs(directory, exist_ok=True)
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 4)) as pool:

@@ -15,7 +15,8 @@ PTX ISA's fragment layouts (A row-major 16 x 16 in four registers, B column-majo
 two, C 16 x 8 in four floats; ldmatrix lane l addresses row l % 8 of matrix l / 8). The
 products are summed in float32 in k order, not in the tensor cores' order, so results agree
 with the GPU's to rounding, not bit for bit. Every case runs with o contiguous and with o
-written into a (B, Nq, Hq, Dv) buffer (STRIDED_OUT), as a "bshd" call's is.
+written into a (B, Nq, Hq, Dv) buffer (STRIDED_OUT), as a "bshd" call's is; the backward's
+dq, dk and dv likewise.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ extern "C" void run(const bits16* q, const bits16* k, const bits16* v, bits16* o
 """
 
 BACKWARD_RUNNER = RUN_BLOCKS + r"""
-// strides: q, k, v, do (3 each), then dq, dk, dv (3 each) where the kernels take them.
+// strides: q, k, v, do, then dq, dk, dv (3 each: batch, head, row).
 extern "C" void run_dq(const element* q, const element* k, const element* v,
                        const element* d_out, const float* lse, const float* delta, element* dq,
                        const double* slopes, i64 n_q, i64 n_k, int n_q_heads, int group,
@@ -215,9 +216,9 @@ extern "C" void run_dq(const element* q, const element* k, const element* v,
     run_blocks([&] {
         attention_backward_dq_mma(q, k, v, d_out, lse, delta, dq, slopes, n_q, n_k, n_q_heads,
                                   group, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
-                                  s[9], s[10], s[11], DQ_STRIDES reals[0], reals[1], band[0],
-                                  band[1], band[2], bits[0], bits[1], reals[2], bits[2],
-                                  bits[3], nullptr, nullptr, nullptr, 0, 0, 0);
+                                  s[9], s[10], s[11], reals[0], reals[1], band[0], band[1],
+                                  band[2], bits[0], bits[1], reals[2], bits[2], bits[3],
+                                  nullptr, nullptr, nullptr, 0, 0, 0, s[12], s[13], s[14]);
     }, blocks, threads, shared);
 }
 
@@ -233,9 +234,10 @@ extern "C" void run_dkdv(const element* q, const element* k, const element* v,
         attention_backward_dkdv_mma(q, k, v, d_out, lse, delta, dk, dv, &dq_sum, &turns, flags,
                                     slopes, n_q, n_k, n_q_heads, group, s[0], s[1], s[2], s[3],
                                     s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11],
-                                    DKDV_STRIDES reals[0], reals[1], band[0], band[1], band[2],
-                                    bits[0], bits[1], reals[2], bits[2], bits[3], nullptr,
-                                    nullptr, nullptr, 0, 0, 0);
+                                    reals[0], reals[1], band[0], band[1], band[2], bits[0],
+                                    bits[1], reals[2], bits[2], bits[3], nullptr, nullptr,
+                                    nullptr, 0, 0, 0, s[15], s[16], s[17], s[18], s[19],
+                                    s[20]);
     }, blocks, threads, shared);
 }
 """
@@ -254,9 +256,6 @@ extern "C" void run_decode(const bits16* q, const bits16* k, const bits16* v, bi
     }, blocks, kThreads, shared);
 }
 """
-
-# Where the gradient kernels take their outputs' strides (none yet: contiguous outputs).
-GRADIENT_STRIDES = {"DQ_STRIDES": "", "DKDV_STRIDES": ""}
 
 _LIBRARIES: dict = {}
 
@@ -328,10 +327,12 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
     return o, lse
 
 
-def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, **kwargs):
+def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
+                     **kwargs):
     """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
     two-kernel path, dK and dV in one kernel) for host 16-bit arrays; D = rowsum(do * o) and
-    lse as the launcher passes them (float32, contiguous)."""
+    lse as the launcher passes them (float32, contiguous). With `sequence_first` the
+    gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -341,9 +342,13 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, **kwargs):
     lse = np.ascontiguousarray(lse, np.float32)
     slopes = (np.zeros(1) if options.alibi_slopes is None
               else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
-    dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
-    strides = np.array([s // a.itemsize for a in (q, k, v, do) for s in a.strides[:3]],
-                       np.int64)
+    if sequence_first:
+        dq, dk, dv = (np.full(a.swapaxes(1, 2).shape, np.nan, q.dtype).swapaxes(1, 2)
+                      for a in (q, k, v))
+    else:
+        dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
+    strides = np.array([s // a.itemsize for a in (q, k, v, do, dq, dk, dv)
+                        for s in a.strides[:3]], np.int64)
     is_float32 = q.dtype == np.float32  # 3xTF32 on the same kernels (IS_FLOAT32)
     widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
@@ -352,8 +357,8 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, **kwargs):
                   COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
                   ORDERED=0,
-                  SINGLE_PASS=0, DKDV_PART=0, DEFERRED_COPIES=1, **switches,
-                  **GRADIENT_STRIDES)
+                  SINGLE_PASS=0, DKDV_PART=0, DEFERRED_COPIES=1,
+                  STRIDED_OUT=int(sequence_first), **switches)
     for entry in ("dq", "dkdv"):
         owned, streamed = getattr(tiles, entry)
         # float32 zeroes the probabilities of a last query tile's rows past Nq (QUERY_TAIL),
@@ -544,16 +549,19 @@ def main() -> int:
         wide = [a.astype(np.float64) for a in (q, k, v, do)]
         o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
         golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
-        grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, **options)
-        label = f"backward {name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
-        try:
-            for grad_name, ours, want in zip(("dq", "dk", "dv"), grads, golden):
-                assert_attention_close(ours, want, dtype, name=grad_name)
-        except AssertionError as error:
-            print(f"FAILED {label}: {error}")
-            failures += 1
-            continue
-        print(f"ok {label}", flush=True)
+        for sequence_first in (False, True):
+            grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
+                                     **options)
+            label = (f"backward {name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
+                     f"{tiles}{' gradients (B, N, H, D)' if sequence_first else ''}")
+            try:
+                for grad_name, ours, want in zip(("dq", "dk", "dv"), grads, golden):
+                    assert_attention_close(ours, want, dtype, name=grad_name)
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
+                continue
+            print(f"ok {label}", flush=True)
     print("all passed" if not failures else f"{failures} failed")
     return int(failures > 0)
 

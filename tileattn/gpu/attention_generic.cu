@@ -488,7 +488,8 @@ __device__ void backward_dkdv_tile(
     i64 n_k_total, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
     int block_k, HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
     HeadStrides do_strides, i64 lse_batch_stride, i64 lse_head_stride, i64 lse_row_stride,
-    ScoreOptions<typename C::Acc> options, const KeyBlock& owned, i64 col_start) {
+    OutputStrides dk_strides, OutputStrides dv_strides, ScoreOptions<typename C::Acc> options,
+    const KeyBlock& owned, i64 col_start) {
     typedef typename C::Acc Acc;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Acc* k_tile = reinterpret_cast<Acc*>(shared_bytes);       // [block_k][head_pitch]
@@ -582,20 +583,25 @@ __device__ void backward_dkdv_tile(
         }
     }
 
-    const i64 out_row0 = owned.out_head * n_k_total + owned.key_base + col_start;
+    // dk and dv at their own strides (the launcher always passes them, as o's).
+    const i64 out_row0 = owned.key_base + col_start;
+    typename C::T* dk_row0 = dk + batch * dk_strides.batch + kv_head * dk_strides.head +
+                             out_row0 * dk_strides.row;
+    typename C::T* dv_row0 = dv + batch * dv_strides.batch + kv_head * dv_strides.head +
+                             out_row0 * dv_strides.row;
 #pragma unroll
     for (int i = 0; i < dk_per_thread; ++i) {
         const int element = threadIdx.x + i * C::threads;
         const int c = element / C::head_dim_pad, d = element % C::head_dim_pad;
         if (c < cols && d < head_dim)
-            dk[(out_row0 + c) * head_dim + d] = narrow<typename C::T>(options.scale * dk_acc[i]);
+            dk_row0[c * dk_strides.row + d] = narrow<typename C::T>(options.scale * dk_acc[i]);
     }
 #pragma unroll
     for (int i = 0; i < dv_per_thread; ++i) {
         const int element = threadIdx.x + i * C::threads;
         const int c = element / C::value_dim_pad, d = element % C::value_dim_pad;
         if (c < cols && d < value_dim)
-            dv[(out_row0 + c) * value_dim + d] = narrow<typename C::T>(dv_acc[i]);
+            dv_row0[c * dv_strides.row + d] = narrow<typename C::T>(dv_acc[i]);
     }
 }
 
@@ -607,7 +613,8 @@ __device__ void backward_dq_tile(
     int n_q_heads, int group_size, int head_dim, int value_dim, int block_q, int block_k,
     HeadStrides q_strides, HeadStrides k_strides, HeadStrides v_strides,
     HeadStrides do_strides, i64 lse_batch_stride, i64 lse_head_stride, i64 lse_row_stride,
-    ScoreOptions<typename C::Acc> options, const SequenceTables& tables) {
+    OutputStrides dq_strides, ScoreOptions<typename C::Acc> options,
+    const SequenceTables& tables) {
     typedef typename C::Acc Acc;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Acc* k_tile = reinterpret_cast<Acc*>(shared_bytes);       // [block_k][head_pitch]
@@ -684,13 +691,15 @@ __device__ void backward_dq_tile(
                 dq_acc, dscores, C::score_pitch, 1, k_tile, C::head_pitch);
     }
 
-    const i64 out_row0 = owned.out_head * n_q_total + owned.row_base + row_start;
+    // dq at its own strides (the launcher always passes them, as o's).
+    typename C::T* dq_row0 = dq + batch * dq_strides.batch + head * dq_strides.head +
+                             (owned.row_base + row_start) * dq_strides.row;
 #pragma unroll
     for (int i = 0; i < dq_per_thread; ++i) {
         const int element = threadIdx.x + i * C::threads;
         const int r = element / C::head_dim_pad, d = element % C::head_dim_pad;
         if (r < rows && d < head_dim)
-            dq[(out_row0 + r) * head_dim + d] = narrow<typename C::T>(options.scale * dq_acc[i]);
+            dq_row0[r * dq_strides.row + d] = narrow<typename C::T>(options.scale * dq_acc[i]);
     }
 }
 
@@ -725,7 +734,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         int head_dim, int value_dim, int block_q, int block_k, i64 q_sb, i64 q_sh, i64 q_sn, \
         i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn, i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn,      \
         i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn, i64 do_sd, i64 lse_sb, i64 lse_sh,        \
-        i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS
+        i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS, i64 dk_sb, i64 dk_sh,          \
+        i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn
 #define BACKWARD_DKDV_TILE(owned, col_start)                                                 \
     backward_dkdv_tile<Config>(q, k, v, d_out, lse, delta, dk, dv, alibi_slopes, n_q, n_k,   \
                                n_q_heads, group_size, head_dim, value_dim, block_q, block_k, \
@@ -733,7 +743,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                                HeadStrides{k_sb, k_sh, k_sn, k_sd},                          \
                                HeadStrides{v_sb, v_sh, v_sn, v_sd},                          \
                                HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh,      \
-                               lse_sn, SCORE_OPTIONS, owned, col_start)
+                               lse_sn, OutputStrides{dk_sb, dk_sh, dk_sn},                   \
+                               OutputStrides{dv_sb, dv_sh, dv_sn}, SCORE_OPTIONS, owned,     \
+                               col_start)
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     attention_backward_dkdv(BACKWARD_DKDV_ARRAYS, BACKWARD_DKDV_SCALARS) {
@@ -770,12 +782,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(
     i64 n_k, int n_q_heads, int group_size, int head_dim, int value_dim, int block_q,
     int block_k, i64 q_sb, i64 q_sh, i64 q_sn, i64 q_sd, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 k_sd, i64 v_sb, i64 v_sh, i64 v_sn, i64 v_sd, i64 do_sb, i64 do_sh, i64 do_sn,
-    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
+    i64 do_sd, i64 lse_sb, i64 lse_sh, i64 lse_sn, SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS,
+    i64 dq_sb, i64 dq_sh, i64 dq_sn) {
     backward_dq_tile<Config>(q, k, v, d_out, lse, delta, dq, alibi_slopes, n_q, n_k, n_q_heads,
                              group_size, head_dim, value_dim, block_q, block_k,
                              HeadStrides{q_sb, q_sh, q_sn, q_sd},
                              HeadStrides{k_sb, k_sh, k_sn, k_sd},
                              HeadStrides{v_sb, v_sh, v_sn, v_sd},
                              HeadStrides{do_sb, do_sh, do_sn, do_sd}, lse_sb, lse_sh, lse_sn,
-                             SCORE_OPTIONS, SEQUENCE_TABLES);
+                             OutputStrides{dq_sb, dq_sh, dq_sn}, SCORE_OPTIONS, SEQUENCE_TABLES);
 }

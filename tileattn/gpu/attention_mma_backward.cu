@@ -43,7 +43,9 @@
 // backward_scores.cuh), FLAG_NON_FINITE_KEYS (16-bit dK/dV kernel, default 0; the same
 // tail, kept_products.cuh: flag_non_finite_keys), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
 // DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS), GROUP_SPLITS (dK/dV kernel,
-// default 1: a GQA group's query heads cut over blocks, attention_wgmma_backward.cu says how).
+// default 1: a GQA group's query heads cut over blocks, attention_wgmma_backward.cu says how),
+// STRIDED_OUT (sequences.cuh: the gradients at the strides the kernels' last arguments give;
+// not with SINGLE_PASS, SPLIT_KEYS or GROUP_SPLITS, whose outputs are contiguous parts).
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
 #ifndef QUERY_TAIL
@@ -291,12 +293,12 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
 }
 #endif
 
-// Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the contiguous
-// (rows, Dim) output starting at `out` (row index relative to it); rows at or past
+// Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the output rows
+// `out` (row indices relative to its row 0, Dim columns written a row); rows at or past
 // `row_limit` and the padding columns are not written.
 template <int Dim, int Width, typename Out>
 __device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, float factor,
-                                           Out* out, i64 row0, i64 row_limit) {
+                                           OutputRows<Out> out, i64 row0, i64 row_limit) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -305,7 +307,7 @@ __device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, float
 #pragma unroll
         for (int n = 0; n < Width / 8; ++n)
             if (n * 8 < Dim)
-                store_row_pair<Dim>(out + row * Dim, n * 8 + 2 * (lane % 4),
+                store_row_pair<Dim>(out.row0 + row * out.stride, n * 8 + 2 * (lane % 4),
                                     acc.tile[n][2 * half] * factor,
                                     acc.tile[n][2 * half + 1] * factor);
     }
@@ -468,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const float* delta, element* dq, const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS,
-    SEQUENCE_PARAMETERS) {
+    SEQUENCE_PARAMETERS, i64 dq_sb, i64 dq_sh, i64 dq_sn) {
     extern __shared__ __align__(16) element shared_tiles[];
     element* q_tile = shared_tiles;                             // [OWNED_ROWS][kQkPitch]
     element* do_tile = q_tile + OWNED_ROWS * kQkPitch;          // [OWNED_ROWS][kVPitch]
@@ -497,8 +499,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
                                             &tile_begin, &tile_end);
     split_key_tiles(&tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share): dq = 0
+        const auto dq_rows = output_rows<HEAD_DIM>(dq, owned, n_q_total, {dq_sb, dq_sh, dq_sn});
         for (i64 i = threadIdx.x; i < (row_stop - row_start) * HEAD_DIM; i += kThreads)
-            sequence_rows<HEAD_DIM>(dq, owned, n_q_total)[row_start * HEAD_DIM + i] = 0;
+            dq_rows.row0[(row_start + i / HEAD_DIM) * dq_rows.stride + i % HEAD_DIM] = 0;
         return;
     }
 
@@ -568,7 +571,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
         }
         accumulate_product(s, k_tile, dq_acc);
     });
-    store_rows<HEAD_DIM>(dq_acc, scale, sequence_rows<HEAD_DIM>(dq, owned, n_q_total),
+    store_rows<HEAD_DIM>(dq_acc, scale,
+                         output_rows<HEAD_DIM>(dq, owned, n_q_total, {dq_sb, dq_sh, dq_sn}),
                          row_start + warp * 16, n_q);
 }
 
@@ -580,7 +584,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
-    SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
+    SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb,
+    i64 dv_sh, i64 dv_sn) {
+    static_assert(!(STRIDED_OUT && (SINGLE_PASS || GROUP_SPLITS > 1)),
+                  "cut groups and the single pass write contiguous gradients");
     extern __shared__ __align__(16) element shared_tiles[];
     element* k_tile = shared_tiles;                               // [OWNED_ROWS][kQkPitch]
     element* v_tile = k_tile + OWNED_ROWS * kQkPitch;             // [OWNED_ROWS][kVPitch]
@@ -606,9 +613,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     const int quad_row = lane / 4;
     const i64 my_keys[2] = {col_start + warp * 16 + quad_row,
                             col_start + warp * 16 + quad_row + 8};
-    const i64 key_row0 = owned.out_head * n_k_total + owned.key_base;  // in dk and dv
-    element* dk_head = dk + key_row0 * HEAD_DIM;
-    element* dv_head = dv + key_row0 * VALUE_DIM;
+    const auto dk_head = key_output_rows<HEAD_DIM>(dk, owned, n_k_total, {dk_sb, dk_sh, dk_sn});
+    const auto dv_head = key_output_rows<VALUE_DIM>(dv, owned, n_k_total, {dv_sb, dv_sh, dv_sn});
 
     // The part's accumulators (the other part's are never touched: no registers).
     Accumulators<kHeadWidth> dk_acc;

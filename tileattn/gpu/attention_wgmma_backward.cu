@@ -48,7 +48,9 @@
 // COPY_BYTES, OWNED_ROWS (a multiple of 64), STREAMED_ROWS (a multiple of 16 up to 256),
 // STAGES (>= 2), SINGLE_PASS and DKDV_PART (dK/dV kernel), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
 // ALIBI, DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS), FLAG_NON_FINITE_KEYS
-// (dK/dV kernel, default 0: see flag_non_finite_keys). Needs -arch=sm_90a.
+// (dK/dV kernel, default 0: see flag_non_finite_keys), STRIDED_OUT (sequences.cuh: the
+// gradients at the strides the kernels' last arguments give; not with SINGLE_PASS,
+// SPLIT_KEYS or GROUP_SPLITS, whose outputs are contiguous parts). Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
@@ -157,11 +159,11 @@ __device__ __forceinline__ void issue_accumulate(float (&out)[Width / 8][4],
 }
 
 // This warp's 16 rows of accumulators (the warpgroup's rows 16 w ..), times `factor`, into
-// the contiguous (rows, Dim) output `out` from row `row0`; rows at or past `row_limit` and
-// the padding columns are not written.
+// the output rows `out` (Dim columns written a row) from row `row0`; rows at or past
+// `row_limit` and the padding columns are not written.
 template <int Dim, int Frags, typename Out>
 __device__ __forceinline__ void store_rows(const float (&acc)[Frags][4], float factor,
-                                           Out* out, i64 row0, i64 row_limit) {
+                                           OutputRows<Out> out, i64 row0, i64 row_limit) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -170,7 +172,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[Frags][4], float f
 #pragma unroll
         for (int n = 0; n < Frags; ++n)
             if (n * 8 < Dim)
-                store_row_pair<Dim>(out + row * Dim, n * 8 + 2 * (lane % 4),
+                store_row_pair<Dim>(out.row0 + row * out.stride, n * 8 + 2 * (lane % 4),
                                     acc[n][2 * half] * factor, acc[n][2 * half + 1] * factor);
     }
 }
@@ -212,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
     const float* delta, bits16* dq, const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS,
-    SEQUENCE_PARAMETERS) {
+    SEQUENCE_PARAMETERS, i64 dq_sb, i64 dq_sh, i64 dq_sn) {
     extern __shared__ __align__(128) unsigned char shared_bytes[];
     const u32 q_tile = (shared_address(shared_bytes) + kTileAlignment - 1) &
                        ~static_cast<u32>(kTileAlignment - 1);
@@ -241,9 +243,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
                                             &tile_begin, &tile_end);
     split_key_tiles(&tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no row of this tile keeps any key (in this share): dq = 0
+        const auto dq_rows = output_rows<HEAD_DIM>(dq, owned, n_q_total, {dq_sb, dq_sh, dq_sn});
         for (i64 element = threadIdx.x; element < (row_stop - row_start) * HEAD_DIM;
              element += kThreads)
-            sequence_rows<HEAD_DIM>(dq, owned, n_q_total)[row_start * HEAD_DIM + element] = 0;
+            dq_rows.row0[(row_start + element / HEAD_DIM) * dq_rows.stride + element % HEAD_DIM] =
+                0;
         return;
     }
 
@@ -321,8 +325,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_
         wgmma_wait<0>();
         wgmma_pin(dq_acc);
     });
-    store_rows<HEAD_DIM>(dq_acc, scale, sequence_rows<HEAD_DIM>(dq, owned, n_q_total), warp_row0,
-                         n_q);
+    store_rows<HEAD_DIM>(dq_acc, scale,
+                         output_rows<HEAD_DIM>(dq, owned, n_q_total, {dq_sb, dq_sh, dq_sn}),
+                         warp_row0, n_q);
 }
 
 // ------------------------------------------------------------------ the single pass's dQ
@@ -441,7 +446,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
-    SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS) {
+    SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb,
+    i64 dv_sh, i64 dv_sn) {
+    static_assert(!(STRIDED_OUT && (SINGLE_PASS || GROUP_SPLITS > 1)),
+                  "cut groups and the single pass write contiguous gradients");
     extern __shared__ __align__(128) unsigned char shared_bytes[];
     const u32 k_tile = (shared_address(shared_bytes) + kTileAlignment - 1) &
                        ~static_cast<u32>(kTileAlignment - 1);
@@ -474,9 +482,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkd
     const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
     const i64 warp_key0 = col_start + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;
     const i64 my_keys[2] = {warp_key0 + lane / 4, warp_key0 + lane / 4 + 8};
-    const i64 key_row0 = owned.out_head * n_k_total + owned.key_base;  // in dk and dv
-    bits16* dk_head = dk + key_row0 * HEAD_DIM;
-    bits16* dv_head = dv + key_row0 * VALUE_DIM;
+    const auto dk_head = key_output_rows<HEAD_DIM>(dk, owned, n_k_total, {dk_sb, dk_sh, dk_sn});
+    const auto dv_head = key_output_rows<VALUE_DIM>(dv, owned, n_k_total, {dv_sb, dv_sh, dv_sn});
 
     // The part's accumulators (the other part's are never touched: no registers).
     float dk_acc[kHeadWidth / 8][4], dv_acc[kValueWidth / 8][4];

@@ -16,8 +16,9 @@ from . import _compile
 from .launch_decode import decode_shape
 from .launch_forward import GENERIC_THREADS, GenericConfig
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
-                       element_strides, empty, plan_key, problem_for, problem_of, remember,
-                       score_arguments, sm_count, tensor_core_operands)
+                       contiguous_strides, element_strides, empty, output_strides, plan_key,
+                       problem_for, problem_of, remember, score_arguments, sm_count,
+                       strided_out_defines, tensor_core_operands)
 from .tiles import (Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, backward_group_splits,
                     choose_backward, dq_key_splits)
 from .varlen import Sequences, tile_grid
@@ -31,8 +32,9 @@ GROUP_SUM_SOURCE = "group_sum.cu"
 
 
 def _outputs(q, k, v, given=(None, None, None), zeroed: bool = False) -> tuple:
-    """dq, dk, dv: the caller's buffers where given (validated: shape, dtype, C-contiguous),
-    else new ones; uninitialised, every element is written, unless `zeroed` (a
+    """dq, dk, dv: the caller's buffers where given (validated: shape and dtype; rows of
+    contiguous elements at any batch, head and row strides, which the kernels take), else
+    new contiguous ones; uninitialised, every element is written, unless `zeroed` (a
     variable-length call, whose padding rows and keys no kernel writes: their gradients
     are 0)."""
     outputs = tuple(cupy.empty(like.shape, dtype=q.dtype) if buffer is None else buffer
@@ -41,6 +43,19 @@ def _outputs(q, k, v, given=(None, None, None), zeroed: bool = False) -> tuple:
         for output in outputs:
             output.fill(0)
     return outputs
+
+
+def _writes_strided(given) -> bool:
+    """Whether a given gradient buffer is not a contiguous (B, H, N, D) array (a "bshd"
+    gradient, written in the caller's order): the kernels then compile STRIDED_OUT."""
+    return any(buffer is not None and strided_out_defines(buffer) for buffer in given)
+
+
+def gradient_strides(q, k, v, given) -> tuple:
+    """The byte strides of the gradients that `_outputs` returns, for the plan cache's key:
+    the launches take them as arguments."""
+    return tuple(contiguous_strides(like.shape, like.itemsize) if buffer is None
+                 else buffer.strides for like, buffer in zip((q, k, v), given))
 
 
 def _leaves_padding(sequences: Sequences | None) -> bool:
@@ -134,20 +149,22 @@ def _key_flags(redo: Launch | None):
     return cupy.empty(redo.grid[0], dtype=cupy.int32)
 
 
-def _key_grid(q, k, v, do, lse, options: AttentionOptions, owned: int, flagging: bool,
-              tile_major: bool, sequences: Sequences | None) -> tuple:
+def _key_grid(q, k, v, do, lse, dk, dv, options: AttentionOptions, owned: int,
+              flagging: bool, tile_major: bool, sequences: Sequences | None) -> tuple:
     """``(grid, tables, redo, flags)`` of the dK/dV kernels (`owned` keys a block, blocks
     in the order `tile_major` says): their grid and table arguments, and where they flag
-    non-finite keys (`flagging`) the redo launch (`_key_redo`) and the flags' buffer."""
+    non-finite keys (`flagging`) the redo launch (`_key_redo`, writing dk and dv at their
+    strides) and the flags' buffer."""
     batch, n_kv_heads, n_k = q.shape[0], k.shape[1], k.shape[2]
     grid, tables = tile_grid(n_kv_heads, n_k, owned, batch, sequences, keys=True)
-    redo = (_key_redo(q, k, v, do, lse, options, owned, tile_major, grid, tables, sequences)
-            if flagging else None)
+    redo = (_key_redo(q, k, v, do, lse, dk, dv, options, owned, tile_major, grid, tables,
+                      sequences) if flagging else None)
     return grid, tables, redo, _key_flags(redo)
 
 
-def _key_redo(q, k, v, do, lse, options: AttentionOptions, owned: int, tile_major: bool,
-              grid: int, tables: tuple, sequences: Sequences | None) -> Launch:
+def _key_redo(q, k, v, do, lse, dk, dv, options: AttentionOptions, owned: int,
+              tile_major: bool, grid: int, tables: tuple,
+              sequences: Sequences | None) -> Launch:
     """attention_generic.cu's attention_backward_dkdv_redo over a 16-bit dK/dV kernel's grid
     (`owned` keys a block, its block order, its table arguments): dk and dv again, on CUDA
     cores from the real queries only, for the blocks that flagged inf or NaN in their K or
@@ -166,29 +183,38 @@ def _key_redo(q, k, v, do, lse, options: AttentionOptions, owned: int, tile_majo
     return Launch(function, (grid,), (GENERIC_THREADS,), shared,
                   arguments + tuple(strides)
                   + score_arguments(options, n_q, n_k, np.float32) + tables
+                  + output_strides(dk) + output_strides(dv)
                   + (np.int32(owned), np.int32(tile_major)))
+
+
+def _group_sum_launch(out, splits: int, part: str | None = None) -> Launch:
+    """group_sum.cu adding `splits` contiguous parts per head of `out` (B, H, N, D) into
+    it, at out's strides; the parts' type is `part` (float32 for dQ's key shares) or out's."""
+    batch, heads, n, width = out.shape
+    accum = accumulation_dtype(out.dtype)
+    defines = (("ACCUM", "double" if accum == np.float64 else "float"),
+               ("STORAGE", STORAGE[dtype_name(out.dtype)])) + strided_out_defines(out)
+    if part is not None:
+        defines += (("PART", part),)
+    function = _compile.kernel(GROUP_SUM_SOURCE, "group_sum", tuple(sorted(defines)))
+    total = out.size
+    return Launch(function, (max(1, min(-(-total // 256), 8192)),), (256,), 0,
+                  (np.int64(n * width), np.int64(total), np.int32(splits), np.int32(heads),
+                   np.int32(width), *output_strides(out)))
 
 
 class GroupSums:
     """dK and dV of GQA groups cut over `splits` blocks (the dK/dV kernels' GROUP_SPLITS):
-    the kernels write partial gradients of Hkv * splits heads into buffers from `buffers`,
-    and the call adds each group's partials into dk and dv (group_sum.cu)."""
+    the kernels write partial gradients of Hkv * splits heads into contiguous buffers from
+    `buffers`, and the call adds each group's partials into dk and dv (group_sum.cu), at
+    their strides."""
 
-    def __init__(self, k, v, splits: int):
+    def __init__(self, k, v, dk, dv, splits: int):
         batch, n_kv_heads, n_k = k.shape[:3]
         self.splits = splits
         self.dtype = k.dtype
         self.shapes = [(batch, n_kv_heads * splits, n_k, array.shape[3]) for array in (k, v)]
-        accum = accumulation_dtype(k.dtype)
-        function = _compile.kernel(GROUP_SUM_SOURCE, "group_sum", (
-            ("ACCUM", "double" if accum == np.float64 else "float"),
-            ("STORAGE", STORAGE[dtype_name(k.dtype)])))
-        self.launches = []
-        for shape in self.shapes:
-            total = shape[0] * n_kv_heads * shape[2] * shape[3]
-            self.launches.append(Launch(
-                function, (max(1, min(-(-total // 256), 8192)),), (256,), 0,
-                (np.int64(shape[2] * shape[3]), np.int64(total), np.int32(splits))))
+        self.launches = [_group_sum_launch(out, splits) for out in (dk, dv)]
 
     def buffers(self) -> tuple:
         return tuple(cupy.empty(shape, dtype=self.dtype) for shape in self.shapes)
@@ -212,7 +238,7 @@ def _group_split(q, k, v, dk, dv, key_grid: int, key_tables: tuple, owned: int,
     splits = backward_group_splits(key_grid, group, sm_count(q.device.id)) if splittable else 1
     if splits == 1:
         return group, None, (dk, dv), key_grid, key_tables
-    sums = GroupSums(k, v, splits)
+    sums = GroupSums(k, v, dk, dv, splits)
     grid, tables = tile_grid(k.shape[1] * splits, k.shape[2], owned, q.shape[0], None,
                              keys=True)
     return group // splits, sums, sums.buffers(), grid, tables
@@ -243,18 +269,15 @@ def _dq_splits(q, k, options: AttentionOptions, tiles, sequences: Sequences | No
     return forced or dq_key_splits(tiles, decode_shape(q, k, options))
 
 
-def _dq_launch(function, grid: int, threads: int, shared: int, arguments: tuple, q,
+def _dq_launch(function, grid: int, threads: int, shared: int, arguments: tuple, dq,
                splits: int):
-    """The dQ kernel's launch, over `splits` key shares summed by `SplitDq` where > 1."""
+    """The dQ kernel's launch, over `splits` key shares summed by `SplitDq` into dq (at its
+    strides) where > 1."""
     if splits == 1:
         return Launch(function, (grid,), (threads,), shared, arguments)
-    total, head_elements = q.size, q.shape[2] * q.shape[3]  # parts [head][share][n][d]
-    add = _compile.kernel(GROUP_SUM_SOURCE, "group_sum", (
-        ("ACCUM", "float"), ("PART", "float"), ("STORAGE", STORAGE[dtype_name(q.dtype)])))
+    # parts [head][share][n][d], float32
     return SplitDq(Launch(function, (grid, splits), (threads,), shared, arguments),
-                   Launch(add, (max(1, min(-(-total // 256), 8192)),), (256,), 0,
-                          (np.int64(head_elements), np.int64(total), np.int32(splits))),
-                   splits * total)
+                   _group_sum_launch(dq, splits, part="float"), splits * dq.size)
 
 
 @dataclass(frozen=True)
@@ -302,6 +325,22 @@ def new_bytes(held: list, size: int) -> int:
     return held[-1].data.ptr
 
 
+def _split_defines(entry: str, sums: GroupSums | None, dq_splits: int, dq, dk, dv) -> tuple:
+    """A tensor-core dQ or dK/dV kernel's defines for its outputs: the GQA group cut
+    (GROUP_SPLITS) or the keys' shares (SPLIT_KEYS), whose contiguous parts a group sum
+    adds into the gradients, else STRIDED_OUT where a gradient it writes is strided."""
+    if entry == "dkdv":
+        if sums is not None:
+            return (("GROUP_SPLITS", sums.splits),)
+        return strided_out_defines(dk) or strided_out_defines(dv)
+    return (("SPLIT_KEYS", 1),) if dq_splits > 1 else strided_out_defines(dq)
+
+
+def _strides_of(*outputs) -> tuple:
+    """The kernels' last arguments: the batch, head and row strides of each output."""
+    return tuple(stride for out in outputs for stride in output_strides(out))
+
+
 def _with_group(common: tuple, group: int) -> tuple:
     """`_operands`' arguments with the group size the dK/dV kernels take."""
     return common[:4] + (np.int32(group),) + common[5:]
@@ -317,14 +356,16 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     arrival order, so dq's last bits depend on scheduling. It is slower than the two kernels
     on the H100 (bench/NOTES-gpu.md, v7, v10 and v11), so both settings of
     ``deterministic`` run the two kernels by default. A variable-length call (`sequences`)
-    runs the two kernels over its tile tables.
+    and strided gradients (a "bshd" call's) run the two kernels.
     """
-    single_pass = single_pass and sequences is None
+    single_pass = single_pass and sequences is None and not _writes_strided(given)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     # Forced dQ shares (tests, sweeps) are neither taken from nor left in the plan cache.
     cacheable = not single_pass and dq_splits is None
     key = plan_key("backward", options, do, q, k, v, o) if cacheable else None
+    if key is not None:
+        key += gradient_strides(q, k, v, given)
     launches = cached(key, do, q, k, v, o)
     if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
         plan = launches[0]
@@ -343,9 +384,9 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     dq_sum = (cupy.zeros(batch * n_q_heads * -(-n_q // 64) * 64 * head_dim, dtype=cupy.float32)
               if single_pass else empty(q.device.id, "float32"))
     flagging = _has_query_tail(n_q, tiles.dkdv[1], sequences)
-    key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, options, tiles.dkdv[0],
-                                                  flagging, Switches.of(options).banded,
-                                                  sequences)
+    key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, dk, dv, options,
+                                                  tiles.dkdv[0], flagging,
+                                                  Switches.of(options).banded, sequences)
     group, sums, parts, key_grid, key_tables = _group_split(
         q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],
         not (flagging or single_pass or sequences))
@@ -365,22 +406,20 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
             defines += (("VARLEN", 1),)
         if entry == "dkdv" and flagging:
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
-        if entry == "dkdv" and sums is not None:
-            defines += (("GROUP_SPLITS", sums.splits),)
-        if entry == "dq" and dq_splits > 1:
-            defines += (("SPLIT_KEYS", 1),)
+        defines += _split_defines(entry, sums, dq_splits, dq, dk, dv)
         shared = tiles.shared_bytes(entry, widths, single_pass, part)
         function = _compile.kernel(WGMMA_SOURCE, f"attention_backward_{entry}_wgmma",
                                    tuple(sorted(defines)), shared, arch="90a")
         grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
                         tile_grid(heads, n_rows, owned, batch, sequences))
-        arguments = _with_group(common, group) if entry == "dkdv" else common
+        arguments = (_with_group(common, group) + tables + _strides_of(*parts) if entry == "dkdv"
+                     else common + tables + output_strides(dq))
         if entry == "dq":
-            launches.append(_dq_launch(function, grid, owned // 64 * 128, shared,
-                                       arguments + tables, q, dq_splits))
+            launches.append(_dq_launch(function, grid, owned // 64 * 128, shared, arguments,
+                                       dq, dq_splits))
         else:
             launches.append(Launch(function, (grid,), (owned // 64 * 128,), shared,
-                                   arguments + tables))
+                                   arguments))
         launches[-1](*arrays)
     if sums is not None:
         sums(parts, dk, dv)
@@ -407,14 +446,15 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     ``options.deterministic`` (bitwise reproducible), in arrival order otherwise. Without
     it the dQ kernel recomputes each tile for dQ itself (7 tile products instead of 5,
     deterministic). Default: the single pass only for ``deterministic=False`` where it
-    serves the problem (16-bit, D = Dv a multiple of 16, dK and dV in one kernel); taking
+    serves the problem (16-bit, D = Dv a multiple of 16, dK and dV in one kernel,
+    contiguous gradients: its dQ buffer is converted as contiguous rows); taking
     turns cost more than the products it saves (bench/NOTES-gpu.md, v5).
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     is_float32 = dtype_name(q.dtype) == "float32"
     can_single = (not is_float32 and head_dim == value_dim and head_dim % 16 == 0
-                  and not tiles.split)
+                  and not tiles.split and not _writes_strided(given))
     single_pass = (not options.deterministic if single_pass is None else single_pass)
     single_pass = single_pass and can_single and sequences is None
     ordered = single_pass and options.deterministic
@@ -427,8 +467,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
     # float32 zeroes the tail's probabilities instead (QUERY_TAIL below), at no cost there.
     flagging = not is_float32 and _has_query_tail(n_q, tiles.dkdv[1], sequences)
-    key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, options, tiles.dkdv[0],
-                                                  flagging,
+    key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, dk, dv, options,
+                                                  tiles.dkdv[0], flagging,
                                                   Switches.of(options).banded and not ordered,
                                                   sequences)
     group, sums, parts, key_grid, key_tables = _group_split(
@@ -453,22 +493,19 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         if entry == "dkdv" and flagging:
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
-        if entry == "dkdv" and sums is not None:
-            defines += (("GROUP_SPLITS", sums.splits),)
-        if entry == "dq" and dq_splits > 1:
-            defines += (("SPLIT_KEYS", 1),)
+        defines += _split_defines(entry, sums, dq_splits, dq, dk, dv)
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
                                    tuple(sorted(defines)), shared)
         grid, tables = ((key_grid, key_tables) if entry == "dkdv" else
                         tile_grid(heads, n_rows, owned, batch, sequences))
-        arguments = _with_group(common, group) if entry == "dkdv" else common
+        arguments = (_with_group(common, group) + tables + _strides_of(*parts) if entry == "dkdv"
+                     else common + tables + output_strides(dq))
         if grid and entry == "dq":
-            _dq_launch(function, grid, owned // 16 * 32, shared, arguments + tables, q,
+            _dq_launch(function, grid, owned // 16 * 32, shared, arguments, dq,
                        dq_splits)(*arrays)
         elif grid:
-            function((grid,), (owned // 16 * 32,), arrays + arguments + tables,
-                     shared_mem=shared)
+            function((grid,), (owned // 16 * 32,), arrays + arguments, shared_mem=shared)
     if sums is not None:
         sums(parts, dk, dv)
     if redo is not None:
@@ -506,13 +543,15 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
     function, shared = config.kernel("attention_backward_dq", extra)
     grid, tables = tile_grid(n_q_heads, n_q, blocks.block_q, batch, sequences)
     if grid:
-        function((grid,), (GENERIC_THREADS,), (q, k, v, do, lse, delta, dq) + common + tables,
+        function((grid,), (GENERIC_THREADS,),
+                 (q, k, v, do, lse, delta, dq) + common + tables + output_strides(dq),
                  shared_mem=shared)
     function, shared = config.kernel("attention_backward_dkdv", extra)
     grid, tables = tile_grid(n_kv_heads, n_k, blocks.block_k, batch, sequences, keys=True)
     if grid:
         function((grid,), (GENERIC_THREADS,),
-                 (q, k, v, do, lse, delta, dk, dv) + common + tables, shared_mem=shared)
+                 (q, k, v, do, lse, delta, dk, dv) + common + tables + _strides_of(dk, dv),
+                 shared_mem=shared)
     return dq, dk, dv
 
 
@@ -535,15 +574,8 @@ def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None)):
-    if any(buffer is not None and not buffer.flags.c_contiguous for buffer in given):
-        # The kernels write gradients as (B, H, N, D) rows one after the other; a "bshd"
-        # buffer (a swapaxes view) takes them by one copy.
-        results = backward(do, q, k, v, o, lse, options)
-        for buffer, result in zip(given, results):
-            if buffer is not None:
-                buffer[...] = result
-        return tuple(result if buffer is None else buffer
-                     for buffer, result in zip(given, results))
+    """``(dq, dk, dv)``, written into the `given` buffers (any batch, head and row strides:
+    a "bshd" gradient in the caller's order) where there are some."""
     if options.varlen is not None:
         sequences = Sequences(q, k, options)
         problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3],

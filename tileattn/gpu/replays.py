@@ -16,7 +16,7 @@ from functools import partial
 import cupy
 
 from ..options import AttentionOptions
-from .launch_backward import BackwardPlan, new_bytes
+from .launch_backward import BackwardPlan, gradient_strides, new_bytes
 from .operands import cached, contiguous_strides, forward_plan_key, plan_key
 
 # The widest copy any kernel assumes of a row (operands.row_alignment); outputs need two
@@ -56,7 +56,7 @@ def replay(function_name: str, tensors: dict, options: AttentionOptions,
            allocate=None, outputs: dict | None = None) -> Replay | None:
     """The replay of a validated dense call that has run once (its plan is cached), or None
     for calls whose plans are not cached (ALiBi, dropout, variable-length, copied inputs).
-    `outputs`: the call's output buffers (the backend's views), whose strides the forward's
+    `outputs`: the call's output buffers (the backend's views), whose strides the
     launches took."""
     if options.varlen is not None:
         return None
@@ -67,11 +67,11 @@ def replay(function_name: str, tensors: dict, options: AttentionOptions,
                      if out is None else out.strides)
         launches = cached(forward_plan_key(options, q, k, v, o_strides), q, k, v)
         return None if launches is None else Replay(launches[0], backward=False)
-    if any(buffer is not None and not buffer.flags.c_contiguous
-           for buffer in (outputs or {}).values()):
-        return None  # gradients into "bshd" buffers go through a copy
     arrays = [tensors[n] for n in ("do", "q", "k", "v", "o")]
-    launches = cached(plan_key("backward", options, *arrays), *arrays)
+    given = tuple((outputs or {}).get(name) for name in ("dq_out", "dk_out", "dv_out"))
+    key = plan_key("backward", options, *arrays)
+    launches = (None if key is None else
+                cached(key + gradient_strides(*arrays[1:4], given), *arrays))
     lse = tensors["lse"]
     if (launches is None or not isinstance(launches[0], BackwardPlan)
             or lse.dtype != cupy.float32 or not lse.flags.c_contiguous):

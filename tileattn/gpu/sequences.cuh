@@ -212,6 +212,23 @@ __device__ __forceinline__ KeyBlock key_block(int block_keys, i64 n_q, i64 n_k,
     return block;
 }
 
+// Where a key block's dK (or dV) rows lie, as `output_rows` for query blocks: row 0 of its
+// sequence in its kv head, contiguous (B, Hkv, Nk, Width) rows or, under STRIDED_OUT, the
+// array's own strides (a "bshd" gradient written in the caller's order). The dK/dV
+// kernels' partial heads of cut GQA groups (GROUP_SPLITS) are contiguous: the launcher
+// never compiles STRIDED_OUT with them.
+template <int Width, typename T>
+__device__ __forceinline__ OutputRows<T> key_output_rows(T* out, const KeyBlock& block,
+                                                         i64 n_k_total, OutputStrides strides) {
+    if constexpr (!STRIDED_OUT) {
+        return {out + (block.out_head * n_k_total + block.key_base) * Width, Width};
+    } else {
+        return {out + block.batch * strides.batch + block.kv_head * strides.head +
+                    block.key_base * strides.row,
+                static_cast<int>(strides.row)};
+    }
+}
+
 // ------------------------------------------------------------------ where a row lies
 
 // Rows at a fixed stride from a base (a dense head). A tile loader asks `for_tile` first:
