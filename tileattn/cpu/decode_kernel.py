@@ -45,27 +45,46 @@ Hq = 32, Hkv = 8, Nq = 4 17.9 -> 13.3 ms; 24 and 32 rows were no faster (session
 def _rows_times_keys(rows, keys, out):
     """``out = rows @ keys.T`` as plain loops, each key row read once for all rows.
 
-    Four keys per pass over a row: four independent sums share each load of the row, where
-    one key per pass waited on one chain of adds and its horizontal sum (1.2-1.75x faster
-    at 1-16 rows over 512 keys of D = 64-256; bench/NOTES-cpu.md, session 17)."""
-    n_keys = keys.shape[0]
+    Two rows times four keys a pass: eight independent sums over D share two loads of the
+    rows and four of the keys. One row times four keys (session 17, 1.2-1.75x one key a
+    pass) kept four chains of adds, too few to fill both FMA pipes. 4-16 rows over 512 keys
+    of D = 128, one Zen 3 core, best / median GFLOP/s: 51-58 / 43-56 -> 63-68 / 53-60 (four
+    rows x two keys alike; four x four and three x four spill AVX2's 16 registers, 32-45;
+    bench/NOTES-cpu.md, session 18: `bench/experiments/decode_products_cpu.py`)."""
+    n_rows, n_keys, depth = rows.shape[0], keys.shape[0], rows.shape[1]
+    n_pairs = n_rows // 2 * 2
     n_fours = n_keys // 4 * 4
     zero = rows.dtype.type(0.0)
     for j in range(0, n_fours, 4):
-        for r in range(rows.shape[0]):
-            total0 = total1 = total2 = total3 = zero
-            for d in range(rows.shape[1]):
+        for r in range(0, n_pairs, 2):
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
+            for d in range(depth):
+                x, y = rows[r, d], rows[r + 1, d]
+                k0, k1, k2, k3 = keys[j, d], keys[j + 1, d], keys[j + 2, d], keys[j + 3, d]
+                a0 += x * k0
+                a1 += x * k1
+                a2 += x * k2
+                a3 += x * k3
+                b0 += y * k0
+                b1 += y * k1
+                b2 += y * k2
+                b3 += y * k3
+            out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = a0, a1, a2, a3
+            out[r + 1, j], out[r + 1, j + 1], out[r + 1, j + 2], out[r + 1, j + 3] = \
+                b0, b1, b2, b3
+        for r in range(n_pairs, n_rows):
+            a0 = a1 = a2 = a3 = zero
+            for d in range(depth):
                 x = rows[r, d]
-                total0 += x * keys[j, d]
-                total1 += x * keys[j + 1, d]
-                total2 += x * keys[j + 2, d]
-                total3 += x * keys[j + 3, d]
-            out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = \
-                total0, total1, total2, total3
+                a0 += x * keys[j, d]
+                a1 += x * keys[j + 1, d]
+                a2 += x * keys[j + 2, d]
+                a3 += x * keys[j + 3, d]
+            out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = a0, a1, a2, a3
     for j in range(n_fours, n_keys):
-        for r in range(rows.shape[0]):
+        for r in range(n_rows):
             total = zero
-            for d in range(rows.shape[1]):
+            for d in range(depth):
                 total += rows[r, d] * keys[j, d]
             out[r, j] = total
 
@@ -74,21 +93,30 @@ def _rows_times_keys(rows, keys, out):
 def _weights_times_values(weights, values, out):
     """``out = weights @ values`` as plain loops, each value row read once for all rows.
 
-    Four keys per pass over an output row: one key per pass stored every output element
-    once per key, and the stores, not the memory, bounded the loop."""
+    Eight keys per pass over an output row: the loop's loads and stores of the output row,
+    not the multiply-adds, bound it, and eight keys halve them against four (4-16 rows over
+    512 keys of D = 128, one Zen 3 core, best / median GFLOP/s: 43-54 / 36-46 -> 46-60 /
+    38-49, a smaller gain than the loads suggest; session 18). Two rows a pass did not
+    vectorise (7-12 GFLOP/s): LLVM gives up on a loop that needs more than
+    eight run-time checks that its stores miss its loads, and two output rows against four
+    value rows need nine; one row against eight value rows needs eight."""
     out[:] = 0
-    n_keys = values.shape[0]
-    n_fours = n_keys // 4 * 4
-    for j in range(0, n_fours, 4):
-        for r in range(weights.shape[0]):
+    n_rows, n_keys, width = weights.shape[0], values.shape[0], values.shape[1]
+    n_eights = n_keys // 8 * 8
+    for j in range(0, n_eights, 8):
+        for r in range(n_rows):
             w0, w1, w2, w3 = weights[r, j], weights[r, j + 1], weights[r, j + 2], weights[r, j + 3]
-            for d in range(values.shape[1]):
+            w4, w5, w6, w7 = (weights[r, j + 4], weights[r, j + 5], weights[r, j + 6],
+                              weights[r, j + 7])
+            for d in range(width):
                 out[r, d] += (w0 * values[j, d] + w1 * values[j + 1, d]
-                              + w2 * values[j + 2, d] + w3 * values[j + 3, d])
-    for j in range(n_fours, n_keys):
-        for r in range(weights.shape[0]):
+                              + w2 * values[j + 2, d] + w3 * values[j + 3, d]
+                              + w4 * values[j + 4, d] + w5 * values[j + 5, d]
+                              + w6 * values[j + 6, d] + w7 * values[j + 7, d])
+    for j in range(n_eights, n_keys):
+        for r in range(n_rows):
             weight = weights[r, j]
-            for d in range(values.shape[1]):
+            for d in range(width):
                 out[r, d] += weight * values[j, d]
 
 
