@@ -306,7 +306,9 @@ def test_gpu_writes_bshd_gradients_in_the_callers_layout(case):
     from tileattn.gpu.operands import problem_of
     from tileattn.validation import validate
 
-    resolved = validate(q, k, v, **options).options
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    resolved = validate(q, k, v, **{**defaults, **options}).options
     choice = tiles.choose_backward(replace(problem_of(q, k, v, resolved), capability=80))
     assert choice.family == family
     expected = launch_backward.run(choice, do, q, k, v, o, lse, resolved)
