@@ -319,6 +319,29 @@ def test_gpu_writes_bshd_gradients_in_the_callers_layout(case):
         np.testing.assert_array_equal(_bits(grad), _bits(want), err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_bshd_gradients_with_non_finite_keys_no_query_keeps(dtype):
+    """inf and NaN in K and V rows that no query keeps (a window: keys 0-1 lie left of
+    every row's band) reach no output: the 16-bit dK/dV kernels flag those blocks and the
+    redo writes them again, at the "bshd" gradients' strides; the result equals the "bhsd"
+    call's bit for bit and is finite."""
+    cupy = _gpu()
+    rng = np.random.default_rng(9)
+    q, do = (cupy.asarray(rng.standard_normal((1, 2, 77, 64)).astype(dtype)) for _ in range(2))
+    k, v = (cupy.asarray(rng.standard_normal((1, 1, 90, 64)).astype(dtype)) for _ in range(2))
+    k[:, :, 0, 3] = np.inf
+    v[:, :, 1, 5] = np.nan
+    options = dict(causal=True, window=(10, 0))
+    o, lse = tileattn.forward(q, k, v, return_lse=True, **options)
+    expected = tileattn.backward(do, q, k, v, o, lse, **options)
+    given = [cupy.ascontiguousarray(a.swapaxes(1, 2)) for a in (do, q, k, v, o)]
+    grads = tileattn.backward(*given, lse, layout="bshd", **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert grad.flags.c_contiguous, name
+        assert bool(cupy.isfinite(grad).all()), name
+        np.testing.assert_array_equal(_bits(grad.swapaxes(1, 2)), _bits(want), err_msg=name)
+
+
 @pytest.mark.parametrize("lengths", ["packed", "padded"])
 def test_gpu_writes_variable_length_bshd_gradients_in_the_callers_layout(lengths):
     """Packed and padded sequences in "bshd": the gradients come back C-contiguous in that
