@@ -59,7 +59,8 @@ def _run(module, function_name: str, problem: Problem):
     if getattr(module, "WRITES_OUT", False) and not crosses_to_host:
         buffers = {name: problem.outputs[name] for name in _OUTPUT_NAMES[function_name]
                    if name in problem.outputs}
-        if getattr(module, "STRIDED_OUT", False):
+        if (getattr(module, "STRIDED_OUT", False) and problem.layout.sequence_first
+                and not problem.layout.single_head):
             for name, like, width in _RESULT_ROWS[function_name]:
                 if name not in buffers:
                     buffers[name] = _sequence_first_buffer(problem, like, width)
@@ -77,12 +78,10 @@ _RESULT_ROWS = {"forward": (("out", "q", "v"),),
 
 
 def _sequence_first_buffer(problem: Problem, like: str, width: str):
-    """For ``layout="bshd"``, a result (o, dq, dk or dv) allocated in the caller's
-    ``(B, N, H, D)`` order and seen in the backends' ``(B, H, N, D)`` order, which a backend
-    that writes strided rows (``STRIDED_OUT``) fills in place: the caller gets a contiguous
-    result, as from flash-attn, not a view of a heads-first buffer. None otherwise."""
-    if not problem.layout.sequence_first or problem.layout.single_head:
-        return None
+    """For a ``layout="bshd"`` call with a head axis, a result (o, dq, dk or dv) allocated
+    in the caller's ``(B, N, H, D)`` order and seen in the backends' ``(B, H, N, D)`` order,
+    which a backend that writes strided rows (``STRIDED_OUT``) fills in place: the caller
+    gets a contiguous result, as from flash-attn, not a view of a heads-first buffer."""
     rows = problem.tensors[like]
     batch, heads, n = rows.shape[:3]
     return arrays.empty((batch, n, heads, problem.tensors[width].shape[3]), problem.dtype,
