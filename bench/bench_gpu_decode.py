@@ -13,10 +13,10 @@ bottom-right mask (tileattn's), so both run unmasked (Nq = 1 is the same either 
 
 Per shape, first validated, then timed: tileattn's o for batch 0's first K/V group of heads
 against a float64 CuPy computation (the golden formula) within tileattn.testing's tolerance,
-torch's the same way; then CUDA events around each call, L2 flushed (a 128 MiB write) before
-each, median of the repetitions. Columns: the bytes of K and V (what decoding must read), the
-time of a `tileattn.forward` call (its host time past the flush's ~45 us included), the
-share of the device-to-device copy bandwidth measured at the start of this run (2 x bytes /
+torch's the same way; then CUDA events around each call, L2 flushed before each (a 128 MiB
+read, which leaves clean lines; with --dirty-flush a write), median of the repetitions.
+Columns: the bytes of K and V (what decoding must read), the time of a `tileattn.forward`
+call (its host time past the flush's ~45 us included), the share of the device-to-device copy bandwidth measured at the start of this run (2 x bytes /
 time of a 2 GiB copy), the same two for the chosen kernels alone (their launch replayed,
 whose host time hides under the flush), torch flash's time (enable_gqa where Hq != Hkv) and
 torch / tileattn (> 1: tileattn faster), and the kernel tileattn chose; with --compare (on
@@ -164,9 +164,16 @@ def copy_bandwidth(n_bytes: int = 2 << 30, repetitions: int = 10) -> float:
     return 2 * n_bytes / statistics.median(times[2:])
 
 
+# How the L2 cache is flushed before each timed call: by a 128 MiB read (clean lines, as a
+# decode step's predecessors leave it), or with --dirty-flush by a 128 MiB write, whose ~50
+# MB of dirty lines every timed kernel then pays to write back (NOTES-gpu v32: ~8 us of a
+# 256 MiB read, the same for torch's kernels).
+FLUSH = {"clean": True}
+
+
 def median_us(function, repetitions: int) -> float:
     """Median of CUDA-event times, the L2 cache flushed before each call."""
-    return 1e3 * median_event_ms(function, repetitions, warmup=1)
+    return 1e3 * median_event_ms(function, repetitions, warmup=1, clean_flush=FLUSH["clean"])
 
 
 def host_us_per_call(function, calls: int = 2000) -> float:
@@ -344,14 +351,18 @@ def main() -> None:
                         help="grid shapes of at least this many MiB of K and V")
     parser.add_argument("--compare", action="store_true",
                         help="also time the kernel the dispatch did not choose (--quick does)")
+    parser.add_argument("--dirty-flush", action="store_true",
+                        help="flush L2 by a write (dirty lines), not by a read")
     args = parser.parse_args()
+    FLUSH["clean"] = not args.dirty_flush
     repetitions = args.repetitions or (10 if args.quick else 20)
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     bandwidth = copy_bandwidth()
     print(f"{name}, {props['multiProcessorCount']} SMs; device-to-device copy "
           f"{bandwidth / 1e12:.2f} TB/s; torch {torch.__version__ if torch else 'absent'}; "
-          f"median of {repetitions}, L2 flushed", flush=True)
+          f"median of {repetitions}, L2 flushed by a 128 MiB "
+          f"{'read' if FLUSH['clean'] else 'write'}", flush=True)
     print("\n| shape | K+V MiB | tileattn us | share of copy bw | kernels alone us | their "
           "share | flash us | flash / tileattn | tileattn kernel |\n"
           "|---|---|---|---|---|---|---|---|---|", flush=True)

@@ -7,21 +7,28 @@ import statistics
 _FLUSH = None
 
 
-def median_event_ms(function, repetitions: int, warmup: int, flush_l2: bool = True) -> float:
+def median_event_ms(function, repetitions: int, warmup: int, flush_l2: bool = True,
+                    clean_flush: bool = False) -> float:
     """Median milliseconds of CUDA-event times around `function`, after `warmup` untimed
-    calls; with `flush_l2` the 50 MB L2 cache is flushed (a 128 MiB write) before each call.
-    The flush is queued before the start event, so host time past its ~45 us lands inside
-    the timing."""
+    calls; with `flush_l2` the 50 MB L2 cache is flushed before each call: by a 128 MiB
+    write, or with `clean_flush` by a 128 MiB read. A written flush leaves ~50 MB of dirty
+    lines that the timed call pays to write back (at 3 TB/s ~17 us of DRAM time shared with
+    its own reads: 8 us on a 256 MiB read, bench/NOTES-gpu.md v32); a read leaves clean
+    lines, as a decode step's predecessors (weight reads) do. The flush is queued before
+    the start event, so host time past its ~45 us lands inside the timing."""
     import cupy  # here, so that scripts importing this run --help without a GPU
 
     global _FLUSH
     if flush_l2 and _FLUSH is None:
         _FLUSH = cupy.empty(128 << 20, dtype=cupy.uint8)
+        _FLUSH.fill(0)
     for _ in range(warmup):
         function()
     times = []
     for _ in range(repetitions):
-        if flush_l2:
+        if flush_l2 and clean_flush:
+            _FLUSH.sum(dtype=cupy.uint32)
+        elif flush_l2:
             _FLUSH.fill(0)
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()

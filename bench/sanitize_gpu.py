@@ -341,13 +341,16 @@ def decode_cases(rng) -> int:
 # Split-KV decode (attention_decode.cu) with forced splits: the merge, splits with no key
 # tile, band-edge tiles, narrow copies (D = 33), float64, 32 packed rows on 256 threads; then
 # the tensor-core kernel (attention_decode_mma.cu, a fifth field): a cut stage with a
-# non-finite V (its scan and zeroing), two row tiles, odd dims, D = 256.
+# non-finite V (its scan and zeroing), two row tiles, odd dims, D = 256, splits merged by
+# the last block of each group (3 and 16 splits) and by the merge kernel (4 and 100: past
+# its early loads).
 _NON_FINITE_V = dict(causal=True, window=(40, None))
 DECODE_CASES = [
     ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, softcap=2.0), 3, "tensor_cores"),
     ("bfloat16", (2, 16, 1, 2, 500, 128, 128), _NON_FINITE_V, 4, "tensor_cores"),
     ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3)), 16, "tensor_cores"),
     ("float16", (1, 8, 1, 1, 900, 256, 256), {}, 1, "tensor_cores"),
+    ("float16", (1, 8, 1, 1, 9000, 64, 64), dict(causal=True), 100, "tensor_cores"),
     ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, dropout_p=0.2, seed=4), 3),
     ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3), softcap=3.0), 16),
     ("bfloat16", (1, 4, 4, 1, 200, 128, 128),

@@ -2,8 +2,8 @@
 tensor cores; launch_decode.py) against the golden model.
 
 Each kernel (the tensor-core one where it serves: 16-bit, no ALiBi or dropout) at every forced
-split count (one, a few, an uneven number, many, more splits than key tiles),
-Nq from 1 to 16 with GQA/MQA/MHA packing, every option, every dtype, odd head dims and
+split count (one, a few, an uneven number, many, more splits than key tiles; the tensor-core
+kernel's splits merged in the kernel and by the merge kernel), Nq from 1 to 16 with GQA/MQA/MHA packing, every option, every dtype, odd head dims and
 Dv != D, strided inputs, out=/lse_out= buffers, non-finite values at masked keys, the
 dispatch that picks the kernel, and CUDA-graph capture. Outputs start as NaN, so every
 element must be written. Everything skips cleanly without CuPy or a GPU.
@@ -32,7 +32,8 @@ if backends.availability("gpu") is None:
     import cupy
 
     from tileattn import gpu as gpu_backend
-    from tileattn.gpu import launch_forward
+    from tileattn.gpu import launch_forward, workspace
+    from tileattn.gpu import tiles as gpu_tiles
     from tileattn.gpu.launch_decode import decode_shape, forward_decode
     from tileattn.gpu.operands import accumulation_dtype, problem_of
     from tileattn.gpu.tiles import (DECODE_MMA_MANY_ROW_WARPS, DecodeTiles, decode_mma_tiles,
@@ -117,6 +118,29 @@ def test_every_split_count(splits, packing, causal, kernel):
     n_q_heads, n_kv_heads, n_q = packing
     q, k, v = _inputs(2, n_q_heads, n_kv_heads, n_q, 333, 64, 64, np.float16)
     _check(q, k, v, {"causal": causal}, splits, kernel)
+
+
+@pytest.mark.parametrize("merge", ["in_kernel", "merge_kernel"])
+@pytest.mark.parametrize("splits", [2, 3, 64])
+@pytest.mark.parametrize("packing", PACKINGS, ids=lambda p: f"Hq{p[0]}-Hkv{p[1]}-Nq{p[2]}")
+def test_tensor_core_splits_merged_in_the_kernel_or_by_the_merge_kernel(merge, splits, packing,
+                                                                        monkeypatch):
+    """The tensor-core decode's last block of each group merges the splits (FUSED_MERGE) or
+    the merge kernel does: both equal the golden model, the in-kernel merge gives the same
+    o and lse on every run whichever block finishes last, and leaves its split counters at
+    zero for the next launch."""
+    monkeypatch.setattr(gpu_tiles, "DECODE_FUSED_MERGE_FLOATS",
+                        1 << 40 if merge == "in_kernel" else 0)
+    n_q_heads, n_kv_heads, n_q = packing
+    q, k, v = _inputs(3, n_q_heads, n_kv_heads, n_q, 1200, 64, 64, np.float16, seed=splits)
+    _check(q, k, v, {"causal": True}, splits, "tensor_cores")
+    again = _decode(q, k, v, {"causal": True}, splits, "tensor_cores")
+    third = _decode(q, k, v, {"causal": True}, splits, "tensor_cores")
+    np.testing.assert_array_equal(again[0], third[0])
+    np.testing.assert_array_equal(again[1], third[1])
+    assert not any(counters.get().any() for counters in workspace._COUNTERS.values())
+    if merge == "in_kernel":
+        assert workspace._COUNTERS, "the in-kernel merge ran without its split counters"
 
 
 # The tensor-core kernel's shapes: warps splitting stages of 32-256 keys, 2-4 stages, 1-4

@@ -93,7 +93,8 @@ JOBS = [
 # tiles at D = 64, row warps (32 rows at D = 128, 64 at D = 64 and 256), odd dims; every
 # option it takes (ALiBi and dropout decode on CUDA cores).
 DECODE_MMA_OPTIONS = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
-JOBS += [("attention_decode_mma.cu", "90", [f"COPY_BYTES={copy}", "IS_BFLOAT16=0",
+JOBS += [("attention_decode_mma.cu", "90", [f"COPY_BYTES={copy}", f"Q_COPY_BYTES={copy}",
+          f"FUSED_MERGE={int(row_warps == 1)}", "IS_BFLOAT16=0",
           f"HEAD_DIM={d}", f"VALUE_DIM={dv}", f"ROW_TILES={row_tiles}", f"WARPS={warps}",
           f"MIN_BLOCKS={4 if (d, row_tiles) == (64, 1) else 2}", f"ROW_WARPS={row_warps}",
           f"WARP_KEYS={keys}", f"STAGES={stages}"], DECODE_MMA_OPTIONS)
@@ -221,11 +222,14 @@ def main() -> None:
                         help="--backward-rows with FLAG_NON_FINITE_KEYS=1 (a query tail)")
     parser.add_argument("--strided", action="store_true",
                         help="the backward kernels and group_sum with STRIDED_OUT=1")
+    parser.add_argument("--source", help="only the jobs of this .cu file")
     args = parser.parse_args()
     extra = ["FLAG_NON_FINITE_KEYS=1"] if args.flag_keys else []
     jobs = _backward_rows(extra) if args.backward_rows else JOBS
     if args.strided:
         jobs = _strided(jobs)
+    if args.source:
+        jobs = [job for job in jobs if job[0] == args.source]
     directory = args.keep or tempfile.mkdtemp(prefix="tileattn-nvcc-")
     os.makedirs(directory, exist_ok=True)
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 4)) as pool:

@@ -386,6 +386,9 @@ CASES = [
     ("float16", (2, 4, 4, 1, 333, 64, 64), {}, 1),
     ("float16", (2, 4, 4, 1, 333, 64, 64), {"causal": True}, 3),
     ("float16", (1, 8, 2, 3, 333, 64, 64), {"causal": True}, 40),  # more splits than tiles
+    # the merge: splits past its early loads (64) and past the lse it keeps (512)
+    ("float16", (1, 2, 1, 1, 2100, 32, 32), {}, 70),
+    ("float16", (1, 2, 1, 1, 700, 32, 32), {}, 600),
     ("float16", (1, 8, 1, 2, 300, 64, 64), {"window": (37, 5)}, 2),
     ("float16", (1, 8, 2, 4, 517, 64, 64),
      {"softcap": 5.0, "alibi_slopes": np.linspace(0.1, 0.4, 8), "window": (64, 64),
@@ -484,7 +487,7 @@ def _install_cupy_standin():
     cuda.driver.CUDADriverError = RuntimeError
     standin = types.ModuleType("cupy")
     standin.ndarray, standin.empty, standin.asarray, standin.cuda = ndarray, empty, asarray, cuda
-    standin.uint16 = np.uint16
+    standin.uint16, standin.uint32 = np.uint16, np.uint32
     standin.float32, standin.int32, standin.int64 = np.float32, np.int32, np.int64
     standin.zeros = lambda shape, dtype=float: np.zeros(shape, dtype=dtype).view(ndarray)
     sys.modules.update({"cupy": standin, "cupy.cuda": cuda, "cupy.cuda.driver": cuda.driver})

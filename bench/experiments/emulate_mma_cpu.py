@@ -1,7 +1,8 @@
 """Run the mma.sync forward (attention_mma_forward.cu), backward (attention_mma_backward.cu:
-the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, one split) and
-the 3xTF32 forward (attention_tf32_forward.cu) on the CPU, no GPU: the kernels' own source
-under emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX
+the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, o direct or
+its splits merged in the kernel) and the 3xTF32 forward (attention_tf32_forward.cu) on the
+CPU, no GPU: the kernels' own source under emulate_decode_cpu.py's C++ emulation of the
+CUDA built-ins, with the warp-wide PTX
 they add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 and 16 bytes)
 computed by meaning, checked against the float64 golden model. The backward's single pass
 and the non-finite-key redo are not run.
@@ -62,6 +63,10 @@ inline int __syncthreads_or(int predicate) {
     return __atomic_load_n(&g_block_or, __ATOMIC_SEQ_CST);
 }
 inline int atomicAdd(int* x, int y) { return __atomic_fetch_add(x, y, __ATOMIC_SEQ_CST); }
+inline u32 atomicAdd(u32* x, u32 y) { return __atomic_fetch_add(x, y, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+struct float2 { float x, y; };
+template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline float atomicAdd(float* x, float y) {
     return std::atomic_ref<float>(*x).fetch_add(y);
 }
@@ -245,12 +250,13 @@ DECODE_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, o (3 each). The merge of the splits is attention_decode.cu's, run by
 // emulate_decode_cpu.py; here the splits are 1 (o direct) or the partials are compared.
 extern "C" void run_decode(const bits16* q, const bits16* k, const bits16* v, bits16* o,
-                           float* lse, float* partial_o, float* partial_lse, i64 n_q, i64 n_k,
+                           float* lse, float* partial_o, float* partial_lse, u32* split_counts,
+                           i64 n_q, i64 n_k,
                            int n_q_heads, int group, int splits, const i64* s,
                            const float* reals, const i64* band, int blocks, int shared) {
     run_blocks([&] {
-        attention_decode_mma(q, k, v, o, lse, partial_o, partial_lse, n_q, n_k, n_q_heads, group,
-                             splits, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+        attention_decode_mma(q, k, v, o, lse, partial_o, partial_lse, split_counts, n_q, n_k,
+                             n_q_heads, group, splits, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
                              s[10], s[11], reals[0], reals[1], band[0], band[1], band[2], 0u,
                              0u, 1.0f, 0u, 0u, nullptr, nullptr, nullptr, 0, 0, 0);
     }, blocks, kThreads, shared);
@@ -381,8 +387,9 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
 
 
 def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
-    """o and lse of attention_decode_mma.cu (one split: o written directly, into a
-    (B, Nq, Hq, Dv) buffer with `sequence_first_o`) for host 16-bit arrays."""
+    """o and lse of attention_decode_mma.cu for host 16-bit arrays (one split: o written
+    directly; more: merged by each group's last block), o in a (B, Nq, Hq, Dv) buffer with
+    `sequence_first_o`; the split counters must end at zero."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -390,33 +397,46 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
     reals = reals[:2].astype(np.float32)
     defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
+                   Q_COPY_BYTES=16 if head_dim % 8 == 0 else 2,
                    IS_BFLOAT16=int(q.dtype.name == "bfloat16"), ROW_TILES=tiles.row_tiles,
                    ROW_WARPS=tiles.row_warps, WARPS=tiles.warps, WARP_KEYS=tiles.warp_keys,
                    STAGES=tiles.stages, MIN_BLOCKS=1, DEFERRED_COPIES=1,
                    STRIDED_OUT=int(sequence_first_o), **switches)
+    defines["FUSED_MERGE"] = int(tiles.splits > 1)  # the last block of a group merges
     lib = library(defines, "attention_decode_mma.cu", DECODE_RUNNER)
     o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
          if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
     lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
-    unused = np.zeros(1, np.float32)
+    n_rows = batch * n_q_heads * n_q
+    partial_o = np.full(tiles.splits * n_rows * value_dim + 1, np.nan, np.float32)
+    partial_lse = np.full(tiles.splits * n_rows + 1, np.nan, np.float32)
+    groups = batch * n_kv_heads * tiles.row_groups(n_q * n_q_heads // n_kv_heads)
+    counters = np.zeros(groups, np.uint32)
     strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
-    blocks = batch * n_kv_heads * tiles.row_groups(n_q * n_q_heads // n_kv_heads)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     lib.run_decode.restype = None
-    lib.run_decode(*(pointer(a) for a in (q, k, v, o, lse, unused, unused)),
+    lib.run_decode(*(pointer(a) for a in (q, k, v, o, lse, partial_o, partial_lse, counters)),
                    ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
-                   ctypes.c_int(n_q_heads // n_kv_heads), ctypes.c_int(1), pointer(strides),
-                   pointer(reals), pointer(band), ctypes.c_int(blocks),
+                   ctypes.c_int(n_q_heads // n_kv_heads), ctypes.c_int(tiles.splits),
+                   pointer(strides),
+                   pointer(reals), pointer(band), ctypes.c_int(groups * tiles.splits),
                    ctypes.c_int(tiles.shared_bytes(head_dim, value_dim)))
+    assert not counters.any(), f"split counters left at {counters}"
     return o, lse
 
 
 DECODE_CASES = [
-    # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, DecodeMmaTiles with one split)
+    # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, DecodeMmaTiles)
     ("float16", (2, 8, 2, 1, 300, 64, 64), {}, DecodeMmaTiles(1, 4, 16, 2, 1)),
     ("bfloat16", (1, 8, 1, 3, 333, 128, 128), {"causal": True, "softcap": 4.0},
      DecodeMmaTiles(1, 4, 16, 2, 1)),
     ("float16", (1, 16, 2, 4, 200, 72, 40), {"causal": True}, DecodeMmaTiles(1, 2, 32, 2, 1, 2)),
+    # splits merged by the last block of each group (FUSED_MERGE); 7 splits of 5 key tiles
+    # leave some empty (o = 0, lse = -inf partials), a window leaves rows of some splits
+    # keyless
+    ("float16", (2, 8, 2, 1, 700, 64, 64), {}, DecodeMmaTiles(1, 4, 16, 2, 3)),
+    ("bfloat16", (1, 16, 2, 4, 300, 72, 40), {"causal": True, "window": (40, 0)},
+     DecodeMmaTiles(1, 2, 32, 2, 7, 2)),
 ]
 
 
@@ -529,19 +549,21 @@ def check_forwards(emulate_forward, cases, rng, kind: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first two cases only")
+    parser.add_argument("--decode", action="store_true", help="the decode cases only")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     failures = 0
-    failures += check_forwards(emulate, itertools.islice(CASES, 2 if args.quick else None),
+    others = 0 if args.decode else None
+    failures += check_forwards(emulate, itertools.islice(CASES, 2 if args.quick else others),
                                rng, "")
     failures += check_forwards(emulate_tf32,
-                               itertools.islice(TF32_CASES, 1 if args.quick else None),
+                               itertools.islice(TF32_CASES, 1 if args.quick else others),
                                rng, "3xTF32 ")
     failures += check_forwards(emulate_decode,
                                itertools.islice(DECODE_CASES, 1 if args.quick else None),
                                rng, "decode ")
     for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
-            itertools.islice(BACKWARD_CASES, 1 if args.quick else None):
+            itertools.islice(BACKWARD_CASES, 1 if args.quick else others):
         dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
         q, k, v, do = (rng.standard_normal(s).astype(np.float32).astype(dtype)
                        for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv),

@@ -75,13 +75,12 @@ def main() -> None:
     o = cupy.empty((1, 8, 1, 64), np.float16)
     lse = cupy.empty((1, 8, 1), np.float32)
     say("the cached launches (decode + merge)", per_call_us(lambda: launch(q, k, v, o, lse)))
+    scratch = launch.scratch()
+    say("decode launch alone", per_call_us(lambda: launch.decode(q, k, v, o, lse, *scratch)))
+    say("scratch (partials, counters)", per_call_us(launch.scratch))
     if launch.merge is not None:
-        from tileattn.gpu.workspace import partials
-        po, pl = partials(launch.partial_size, launch.lse_size, launch.accum)
-        say("decode launch alone", per_call_us(lambda: launch.decode(q, k, v, o, lse, po, pl)))
+        po, pl = scratch[:2]
         say("merge launch alone", per_call_us(lambda: launch.merge(po, pl, o, lse)))
-        say("partials", per_call_us(lambda: partials(launch.partial_size, launch.lse_size,
-                                                       launch.accum)))
     say("two cupy.empty", per_call_us(lambda: (cupy.empty((1, 8, 1, 64), np.float16),
                                                cupy.empty((1, 8, 1), np.float32))))
 

@@ -493,49 +493,68 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 // A block per (row, 32 columns): a single sequence of one kv head has only ROWS rows but
 // hundreds of splits, whose partials (splits x Dv floats a row) a block per row would read
 // through a handful of SMs. Lane = column; the 8 warps take every 8th split, so each warp
-// reads 128 contiguous bytes a split; the weights are computed once per chunk of splits
-// into shared memory, and the warps' sums are added in a fixed order (deterministic).
+// reads 128 contiguous bytes a split. The pass is a few dependent reads long, so its
+// latency is the cost (a step of ~100 us paid ~6-8 us for it, NOTES-gpu v32): every lse is
+// read once (kept in shared memory up to kMergeKeptSplits splits), and each lane loads its
+// first kMergeEarly partial values before the weights are known, so that those loads
+// overlap the lse reads'. Sums run in a fixed order (deterministic).
 constexpr int kMergeWarps = 8;
 constexpr int kMergeThreads = kMergeWarps * 32;  // launch_decode.py's MERGE_THREADS
+constexpr int kMergeKeptSplits = 512;  // tiles.DECODE_MAX_SPLITS; more are read twice
+constexpr int kMergeEarly = 8;
 extern "C" __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge(
     const Acc* partial_o, const Acc* partial_lse, T* o, Acc* lse, i64 n_rows, int n_splits,
     int n_q_heads, i64 n_q, i64 o_sb, i64 o_sh, i64 o_sn) {
-    __shared__ Acc shared_total, shared_max;
-    __shared__ Acc weights[kMergeThreads];
+    __shared__ Acc weights[kMergeKeptSplits];
+    __shared__ Acc warp_max_values[kMergeWarps], warp_totals[kMergeWarps];
     __shared__ Acc warp_sums[kMergeWarps][32];
     const i64 row = blockIdx.x;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int d = blockIdx.y * 32 + lane;
-    if (warp == 0) {
-        Acc largest = negative_infinity<Acc>();
-        for (int s = lane; s < n_splits; s += 32)
-            largest = fmax(largest, partial_lse[s * n_rows + row]);
-        largest = warp_max(largest);
-        const Acc safe_max = largest == negative_infinity<Acc>() ? Acc(0) : largest;
-        Acc total = 0;
-        for (int s = lane; s < n_splits; s += 32)
-            total += exp_acc(partial_lse[s * n_rows + row] - safe_max);
-        total = warp_sum(total);
-        if (lane == 0) {
-            shared_total = total;
-            shared_max = safe_max;
-        }
+    const auto partial = [&](int s) { return partial_o[(s * n_rows + row) * VALUE_DIM + d]; };
+    Acc early[kMergeEarly];
+#pragma unroll
+    for (int j = 0; j < kMergeEarly; ++j) {
+        const int s = warp + j * kMergeWarps;
+        early[j] = s < n_splits && d < VALUE_DIM ? partial(s) : Acc(0);
     }
+    Acc largest = negative_infinity<Acc>();
+    for (int s = threadIdx.x; s < n_splits; s += kMergeThreads) {
+        const Acc value = partial_lse[s * n_rows + row];
+        if (s < kMergeKeptSplits) weights[s] = value;
+        largest = fmax(largest, value);
+    }
+    largest = warp_max(largest);
+    if (lane == 0) warp_max_values[warp] = largest;
     __syncthreads();
-    const Acc total = shared_total, safe_max = shared_max;
+#pragma unroll
+    for (int w = 0; w < kMergeWarps; ++w) largest = fmax(largest, warp_max_values[w]);
+    const Acc safe_max = largest == negative_infinity<Acc>() ? Acc(0) : largest;
+    const auto weight_of = [&](int s) {  // splits past the kept ones: their lse read again
+        return exp_acc(partial_lse[s * n_rows + row] - safe_max);
+    };
+    Acc total = 0;
+    for (int s = threadIdx.x; s < n_splits; s += kMergeThreads) {
+        const Acc weight = s < kMergeKeptSplits ? exp_acc(weights[s] - safe_max) : weight_of(s);
+        if (s < kMergeKeptSplits) weights[s] = weight;
+        total += weight;
+    }
+    total = warp_sum(total);
+    if (lane == 0) warp_totals[warp] = total;
+    __syncthreads();
+    total = 0;
+#pragma unroll
+    for (int w = 0; w < kMergeWarps; ++w) total += warp_totals[w];
     Acc sum = 0;
-    for (int first = 0; first < n_splits; first += kMergeThreads) {
-        const int count = n_splits - first < kMergeThreads ? n_splits - first : kMergeThreads;
-        __syncthreads();  // the previous chunk's weights are read
-        if (threadIdx.x < count)
-            weights[threadIdx.x] =
-                exp_acc(partial_lse[(first + threadIdx.x) * n_rows + row] - safe_max);
-        __syncthreads();
-        if (d < VALUE_DIM) {
-#pragma unroll 4
-            for (int s = warp; s < count; s += kMergeWarps)
-                sum += weights[s] * partial_o[((first + s) * n_rows + row) * VALUE_DIM + d];
+    if (d < VALUE_DIM) {
+#pragma unroll
+        for (int j = 0; j < kMergeEarly; ++j) {
+            const int s = warp + j * kMergeWarps;
+            if (s < n_splits) sum += (s < kMergeKeptSplits ? weights[s] : weight_of(s)) * early[j];
         }
+#pragma unroll 4
+        for (int s = warp + kMergeEarly * kMergeWarps; s < n_splits; s += kMergeWarps)
+            sum += (s < kMergeKeptSplits ? weights[s] : weight_of(s)) * partial(s);
     }
     warp_sums[warp][lane] = sum;
     __syncthreads();

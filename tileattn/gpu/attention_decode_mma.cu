@@ -27,8 +27,9 @@
 // and dropout run on the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
-// COPY_BYTES, ROW_TILES, ROW_WARPS, WARPS, WARP_KEYS, STAGES, MIN_BLOCKS, LIMIT_LEFT,
-// LIMIT_RIGHT, SOFTCAP, VARLEN, PAGED (ALIBI and DROPOUT are 0).
+// COPY_BYTES (K and V rows), Q_COPY_BYTES (Q rows), ROW_TILES, ROW_WARPS, WARPS, WARP_KEYS,
+// STAGES, MIN_BLOCKS, FUSED_MERGE, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, VARLEN, PAGED (ALIBI
+// and DROPOUT are 0).
 #include "forward_softmax.cuh"
 
 constexpr int kRowTiles = ROW_TILES;  // a warp's m16 tiles of packed rows
@@ -63,11 +64,86 @@ static_assert(kQOffset % 16 == 0, "16-byte aligned Q tile");
 static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_bytes disagrees");
 #endif
 
+// FUSED_MERGE: the splits of a (batch, kv head, row group) are combined by the last of
+// their blocks to finish, not by a second kernel (attention_decode.cu's merge), which at
+// caches of a few hundred MiB cost ~5 us of a ~100 us step (NOTES-gpu v32). The same
+// formula: with m the largest split lse, w_s = exp(lse_s - m), o = sum_s w_s o_s / sum_s
+// w_s and lse = m + log(sum_s w_s); every split -inf gives o = 0 and lse = -inf, a NaN lse
+// reaches o and lse. Sums run in split order, so o is the same whichever block is last.
+// `count` (a u32 per group in the workspace, zero between launches) counts the blocks
+// done; the last resets it for the next launch. The launcher fuses only while the
+// partials of a block's rows are few (tiles.decode_merges_in_kernel), since one block
+// reads them all; the weights (n_splits x kRows floats) and the row totals reuse the
+// stages.
+__device__ __forceinline__ void merge_if_last_split(
+    const float* partial_o, const float* partial_lse, bits16* o, float* lse, u32* count,
+    int n_splits, i64 all_rows, i64 row0, int block_rows, i64 batch, int kv_head,
+    int group_size, int n_q, int first_row, OutputStrides o_strides, float* weights) {
+    __threadfence();  // this block's partials reach L2 before its count does
+    const bool last = __syncthreads_or(
+        threadIdx.x == 0 && static_cast<int>(atomicAdd(count, 1u)) == n_splits - 1);
+    if (!last) return;
+    if (threadIdx.x == 0) *count = 0;
+    __threadfence();  // the other blocks' partials are read after their counts (from L2: __ldcg)
+    float* row_total = weights + n_splits * kRows;  // [kRows]
+    for (int e = threadIdx.x; e < n_splits * block_rows; e += kThreads) {
+        const int split = e / block_rows, r = e % block_rows;
+        weights[split * kRows + r] = __ldcg(partial_lse + split * all_rows + row0 + r);
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = warp; r < block_rows; r += kThreads / 32) {
+        float largest = negative_infinity<float>();
+        for (int split = lane; split < n_splits; split += 32)
+            largest = fmaxf(largest, weights[split * kRows + r]);
+        largest = warp_max(largest);
+        const float safe_max = largest == negative_infinity<float>() ? 0.0f : largest;
+        float total = 0.0f;
+        for (int split = lane; split < n_splits; split += 32) {
+            const float weight = expf(weights[split * kRows + r] - safe_max);
+            weights[split * kRows + r] = weight;
+            total += weight;
+        }
+        total = warp_sum(total);
+        if (lane == 0) {
+            row_total[r] = total;
+            lse[row0 + r] = total == 0.0f ? negative_infinity<float>() : safe_max + logf(total);
+        }
+    }
+    __syncthreads();
+    constexpr int kPairs = (VALUE_DIM + 1) / 2;
+    for (int e = threadIdx.x; e < block_rows * kPairs; e += kThreads) {
+        const int r = e / kPairs, col = 2 * (e % kPairs);
+        const float* partial = partial_o + (row0 + r) * VALUE_DIM + col;
+        float low = 0.0f, high = 0.0f;
+#pragma unroll 4
+        for (int split = 0; split < n_splits; ++split) {
+            const float weight = weights[split * kRows + r];
+            const float* at = partial + split * all_rows * VALUE_DIM;
+            if constexpr (VALUE_DIM % 2 == 0) {
+                const float2 pair = __ldcg(reinterpret_cast<const float2*>(at));
+                low += weight * pair.x;
+                high += weight * pair.y;
+            } else {
+                low += weight * __ldcg(at);
+                if (col + 1 < VALUE_DIM) high += weight * __ldcg(at + 1);
+            }
+        }
+        const float total = row_total[r];
+        const float factor = total == 0.0f ? 0.0f : 1.0f / total;
+        const i64 o_offset = STRIDED_OUT ? packed_row_offset(batch, kv_head, group_size, n_q,
+                                                             first_row + r, o_strides)
+                                         : (row0 + r) * VALUE_DIM;
+        store_row_pair<VALUE_DIM>(o + o_offset, col, low * factor, high * factor);
+    }
+}
+
 // MIN_BLOCKS: the blocks an SM holds in the launcher's split count (tiles.decode_residency),
 // so ptxas keeps the registers within it.
 extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_decode_mma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
-    float* partial_o, float* partial_lse, i64 n_q, i64 n_k, int n_q_heads, int group_size,
+    float* partial_o, float* partial_lse, u32* split_counts, i64 n_q, i64 n_k, int n_q_heads,
+    int group_size,
     int n_splits, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
     i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn, float scale, float softcap,
     i64 band_offset, i64 window_left,
@@ -105,18 +181,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const KeyRows<bits16> k_rows = key_rows(k, batch, kv_head, k_sb, k_sh, k_sn, 0, tables);
     const KeyRows<bits16> v_rows = key_rows(v, batch, kv_head, v_sb, v_sh, v_sn, 0, tables);
 
-    // Q rows of the group, packed; zeros past the rows in use and past D (plain loads: a
-    // few hundred bytes, read once).
-    for (int e = threadIdx.x; e < kRows * kHeadWidth; e += kThreads) {
-        const int r = e / kHeadWidth, d = e % kHeadWidth, packed = first_row + r;
-        bits16 value = 0;
-        if (packed < rows && d < HEAD_DIM) {
-            const i64 head = static_cast<i64>(kv_head) * group_size + packed / n_q;
-            value = q[batch * q_sb + head * q_sh + (packed % n_q) * q_sn + d];
-        }
-        q_tile[r * kQkPitch + d] = value;
-    }
-
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, seq_rows, seq_keys, kBlockK, &tile_begin,
                                             &tile_end);
@@ -139,8 +203,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
             my_rows[m][half] = packed < rows ? packed % n_q : 0;
         }
 
-    // Prologue: STAGES - 1 tiles in flight (a group is committed even when empty, so the
-    // wait below always counts the same number of groups).
+    // Prologue: the packed Q rows (zeros past the rows in use and past D) join the first
+    // group of copies, so their latency hides under the first K/V tile's instead of
+    // preceding it; then STAGES - 1 tiles in flight (a group is committed even when empty,
+    // so the waits below always count the same number of groups).
+    load_rows_async<kRows, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, Q_COPY_BYTES>(
+        q_tile,
+        PackedQueryRows<bits16>{q + batch * q_sb + static_cast<i64>(kv_head) * group_size * q_sh,
+                                q_sh, q_sn, static_cast<int>(n_q)},
+        first_row, rows);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (my_begin + s < my_end) {
@@ -153,7 +224,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         }
         commit_copies();
     }
-    __syncthreads();  // Q landed
+    wait_copies<STAGES - 2>();
+    __syncthreads();  // Q landed (with the first tile)
 
     u32 q_fragments[kQInRegisters ? kRowTiles : 1][kQInRegisters ? kHeadWidth / 16 : 1][4];
     if (kQInRegisters) {
@@ -308,7 +380,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const bool direct = n_splits == 1;
     constexpr int kPairs = (VALUE_DIM + 1) / 2;
     const int block_rows = min(kRows, rows - first_row);
-    const i64 split_rows = static_cast<i64>(split) * (gridDim.x / n_splits / row_groups) * rows;
+    const i64 all_rows = static_cast<i64>(gridDim.x / n_splits / row_groups) * rows;  // B Hq Nq
+    const i64 split_rows = split * all_rows;  // the split's partial rows start here
     for (int e = threadIdx.x; e < block_rows * kPairs; e += kThreads) {
         const int r = e / kPairs, col = 2 * (e % kPairs);
         float largest = negative_infinity<float>();
@@ -343,4 +416,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
             if (col == 0) partial_lse[split_rows + out_row] = row_lse;
         }
     }
+    if (FUSED_MERGE && !direct)
+        merge_if_last_split(partial_o, partial_lse, o, lse, split_counts + blockIdx.x / n_splits,
+                            n_splits, all_rows, out_row0 + first_row, block_rows, batch,
+                            kv_head, group_size, static_cast<int>(n_q), first_row,
+                            {o_sb, o_sh, o_sn}, reinterpret_cast<float*>(shared_bytes));
 }

@@ -1,9 +1,12 @@
 """Launching the split-KV decode forward: the decode kernel (attention_decode.cu on CUDA
 cores, or attention_decode_mma.cu on tensor cores, by the tiles' type), one block per
 (batch, kv head, key range), and, with more than one range, the merge kernel
-(attention_decode.cu) that combines the ranges' partial (o, lse) by log-sum-exp.
+(attention_decode.cu) that combines the ranges' partial (o, lse) by log-sum-exp, unless the
+tensor-core kernel's last block of each group merges them itself
+(`tiles.decode_merges_in_kernel`).
 
-The partials live in the per-(device, stream) workspace of `workspace.py`.
+The partials and the split counters live in the per-(device, stream) workspace of
+`workspace.py`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from . import _compile
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, empty,
                        output_strides, problem_for, score_arguments, sm_count,
                        strided_out_defines, tensor_core_operands)
-from .tiles import DecodeMmaTiles, DecodeShape, DecodeTiles, decode_residency
+from .tiles import (DecodeMmaTiles, DecodeShape, DecodeTiles, decode_merges_in_kernel,
+                    decode_residency)
 from .varlen import dense_arguments
-from .workspace import partials
+from .workspace import partials, split_counters
 
 DECODE_SOURCE = "attention_decode.cu"
 DECODE_MMA_SOURCE = "attention_decode_mma.cu"
@@ -56,23 +60,37 @@ def decode_shape(q, k, options: AttentionOptions, n_k: int | None = None) -> Dec
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """The decode kernel and, with splits, the merge; called with ``(q, k, v, o, lse)``
-    like a `Launch`, it finds the partials' workspace itself."""
+    """The decode kernel and, with splits it does not merge itself, the merge; called with
+    ``(q, k, v, o, lse)`` like a `Launch`, it finds the partials' workspace and the split
+    counters itself."""
 
     decode: Launch
     merge: Launch | None
-    partial_size: int  # splits x rows x Dv
+    partial_size: int  # splits x rows x Dv (0: one split, o written directly)
     lse_size: int  # splits x rows
     accum: np.dtype
+    # The tensor-core kernel's split counters: a group's blocks count there when the kernel
+    # merges its splits (FUSED_MERGE), else 0; None for the CUDA-core kernel, which has none.
+    split_groups: int | None
+
+    def scratch(self) -> tuple:
+        """The decode kernel's arguments after ``(q, k, v, o, lse)``: partial o and lse (empty
+        stand-ins with one split), then the split counters where the kernel takes them."""
+        device = cupy.cuda.runtime.getDevice()
+        if self.partial_size:
+            arguments = partials(self.partial_size, self.lse_size, self.accum)
+        else:
+            arguments = (empty(device, self.accum.name),) * 2
+        if self.split_groups is None:
+            return arguments
+        return arguments + (split_counters(self.split_groups) if self.split_groups
+                            else empty(device, "uint32"),)
 
     def __call__(self, q, k, v, o, lse):
-        if self.merge is None:
-            unused = empty(cupy.cuda.runtime.getDevice(), self.accum.name)
-            self.decode(q, k, v, o, lse, unused, unused)
-            return
-        partial_o, partial_lse = partials(self.partial_size, self.lse_size, self.accum)
-        self.decode(q, k, v, o, lse, partial_o, partial_lse)
-        self.merge(partial_o, partial_lse, o, lse)
+        scratch = self.scratch()
+        self.decode(q, k, v, o, lse, *scratch)
+        if self.merge is not None:
+            self.merge(scratch[0], scratch[1], o, lse)
 
 
 def forward_decode(q, k, v, o, lse, options: AttentionOptions,
@@ -88,10 +106,11 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
     if group * n_q > tiles.rows * row_groups:
         raise ValueError(f"decode tiles hold rows={tiles.rows} packed rows, the problem has "
                          f"group * Nq = {group * n_q}")
-    # K and V are streamed with cp.async in copies as wide as their rows allow; Q is read
-    # once per block with plain loads, so its alignment does not narrow those copies.
+    # K and V are streamed with cp.async in copies as wide as their rows allow; Q's rows,
+    # read once per block, take their own width, so their alignment does not narrow the
+    # K/V copies.
     (k, v), (k_strides, v_strides), copy_bytes = tensor_core_operands(k, v)
-    (q,), (q_strides,), _ = tensor_core_operands(q)
+    (q,), (q_strides,), q_copy_bytes = tensor_core_operands(q)
     accum = accumulation_dtype(q.dtype)
     switches = Switches.of(options).defines()
     # The merge is attention_decode.cu's: after the tensor-core kernel it is built with a
@@ -103,12 +122,16 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                      ("STAGES", cuda_core.stages), ("STORAGE", STORAGE[np.dtype(q.dtype).name]),
                      ("THREADS", cuda_core.threads), ("VALUE_DIM", value_dim)) + switches
     defines = merge_defines
+    fused_merge = on_tensor_cores and decode_merges_in_kernel(tiles, group * n_q, value_dim,
+                                                              head_dim)
     if on_tensor_cores:
         residency = decode_residency(problem_for(q.device.id, q.dtype, head_dim, value_dim, n_k,
                                                  options), tiles)
-        defines = (("COPY_BYTES", copy_bytes), ("HEAD_DIM", head_dim),
+        defines = (("COPY_BYTES", copy_bytes), ("FUSED_MERGE", int(fused_merge)),
+                   ("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(np.dtype(q.dtype).name == "bfloat16")),
-                   ("MIN_BLOCKS", residency), ("ROW_TILES", tiles.row_tiles),
+                   ("MIN_BLOCKS", residency), ("Q_COPY_BYTES", q_copy_bytes),
+                   ("ROW_TILES", tiles.row_tiles),
                    ("ROW_WARPS", tiles.row_warps),
                    ("STAGES", tiles.stages), ("VALUE_DIM", value_dim),
                    ("WARP_KEYS", tiles.warp_keys), ("WARPS", tiles.warps)) + switches
@@ -136,13 +159,17 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                      *v_strides[:3], *output_strides(o), *score_arguments(options, n_q, n_k, accum),
                      *tables))
     merge = None
-    if splits > 1:
+    if splits > 1 and not fused_merge:
         merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge",
                                          tuple(sorted(merge_defines)))
         merge = Launch(merge_function, (n_rows, -(-value_dim // MERGE_COLUMNS)),
                        (MERGE_THREADS,), 0,
                        (np.int64(n_rows), np.int32(splits), np.int32(n_q_heads),
                         np.int64(n_q), *output_strides(o)))
-    launch = DecodeLaunch(decode, merge, splits * n_rows * value_dim, splits * n_rows, accum)
+    split_groups = (batch * n_kv_heads * row_groups if fused_merge else 0) if on_tensor_cores \
+        else None
+    partial_rows = splits * n_rows if splits > 1 else 0
+    launch = DecodeLaunch(decode, merge, partial_rows * value_dim, partial_rows, accum,
+                          split_groups)
     launch(q, k, v, o, lse)
     return launch, copy_bytes

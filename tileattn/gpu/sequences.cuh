@@ -243,6 +243,21 @@ template <typename T> struct StridedRows {
     __device__ __forceinline__ StridedRows for_tile(i64, int) const { return *this; }
 };
 
+// The packed query rows of one (batch, kv head) in the decode kernels: packed row r is
+// query head kv_head * group + r / Nq (head 0 of the group at `base`), query row r % Nq.
+template <typename T> struct PackedQueryRows {
+    const T* base;
+    i64 head_stride;
+    i64 row_stride;
+    int n_q;
+    __device__ __forceinline__ const T* at(i64 packed, bool) const {
+        const int r = static_cast<int>(packed);
+        return base + (r / n_q) * head_stride + (r % n_q) * row_stride;
+    }
+    __device__ __forceinline__ const T* fallback() const { return base; }
+    __device__ __forceinline__ PackedQueryRows for_tile(i64, int) const { return *this; }
+};
+
 template <typename T> struct PagedTile;
 
 // Logical key rows of one (batch element, kv head) through its block-table row.

@@ -848,6 +848,26 @@ def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = 
                    else splits)
 
 
+# With splits, the tensor-core decode's last block of each (batch, kv head, row group)
+# merges the splits' partials itself (FUSED_MERGE) instead of a second kernel, while the
+# partials it reads alone (splits x rows x Dv floats) stay under DECODE_FUSED_MERGE_FLOATS:
+# NOTES-gpu v32, H100 fp16 at 128-512 MiB of K/V: the merge kernel (its launch after the
+# decode, and its pass) costs ~2-6 us a step; merged in the kernel the step took 2-6 us
+# less at <= 4K floats (2-16 splits) and 2-10 us more at >= 16.9K (33-66 splits of 4-8
+# rows), where one block's reads of the partials from L2 stand alone at the step's end.
+DECODE_FUSED_MERGE_FLOATS = 8 * 1024
+
+
+def decode_merges_in_kernel(tiles: DecodeMmaTiles, rows: int, value_dim: int,
+                            head_dim: int) -> bool:
+    """Whether the tensor-core decode merges its own splits (a `rows`-row problem): its
+    weights (splits x block rows floats, and a total a row) reuse the kernel's shared memory."""
+    block_rows = min(rows, tiles.rows)
+    return (tiles.splits > 1
+            and tiles.splits * block_rows * value_dim <= DECODE_FUSED_MERGE_FLOATS
+            and (tiles.splits + 1) * tiles.rows * 4 <= tiles.shared_bytes(head_dim, value_dim))
+
+
 def decode_blocks_per_sm(shared_bytes: int, threads: int, shared_limit: int,
                          registers: int = DECODE_REGISTERS) -> int:
     """Decode blocks resident on one SM: by shared memory (the per-block limit plus the 1 KiB
@@ -955,7 +975,13 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         tiles, note = decode_tiles(problem, shape), row.note
     if not decode_fits(problem, tiles):
         return None  # Q alone (64 float64 rows of 256) outgrows shared memory
-    return Choice("decode", tiles, f"{note}; {_splits_of(problem, shape, tiles)[1]}")
+    note = f"{note}; {_splits_of(problem, shape, tiles)[1]}"
+    if tiles.splits > 1:
+        in_kernel = isinstance(tiles, DecodeMmaTiles) and decode_merges_in_kernel(
+            tiles, shape.rows, problem.value_dim, problem.head_dim)
+        note += ("; the last block of each group merges the splits" if in_kernel
+                 else "; the merge kernel combines the splits")
+    return Choice("decode", tiles, note)
 
 
 # --------------------------------------------------------------------------- split-KV prefill

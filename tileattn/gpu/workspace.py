@@ -1,5 +1,6 @@
 """Scratch memory of the split-KV forwards (the decode kernels' and the prefill's partial o
-and lse): one buffer per (device, stream, dtype) that only grows and is never freed, so a
+and lse, the decode's split counters): one buffer per (device, stream, dtype) that only
+grows and is never freed, so a
 repeated call allocates nothing and a CUDA graph captured on a stream replays into a buffer
 that stays valid (allocate it with one eager call before capturing: the tests do)."""
 
@@ -44,3 +45,22 @@ def partials(partial_size: int, lse_size: int, dtype) -> tuple:
         views = (buffer[:partial_size], buffer[partial_size:partial_size + lse_size])
         _PARTIALS[key] = views
     return views
+
+
+_COUNTERS: dict[tuple, object] = {}
+
+
+def split_counters(count: int):
+    """`count` uint32 counters for the current (device, stream), zero between launches: the
+    decode kernel that merges its own splits counts each group's finished blocks in them,
+    and the last block of a group sets its counter back to zero. Grown (doubling, zeroed on
+    this stream, so before any launch queued after it), never shrunk or freed."""
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    buffer = _COUNTERS.get(key)
+    if buffer is None or buffer.size < count:
+        if buffer is not None:
+            _OUTGROWN.append(buffer)
+        grown = max(count, 2 * buffer.size if buffer is not None else count, 1)
+        buffer = cupy.zeros(grown, dtype=cupy.uint32)
+        _COUNTERS[key] = buffer
+    return buffer
