@@ -300,6 +300,24 @@ def test_decode_splits_fill_the_device():
     assert short.splits == 256 // short.block_k // tiles.DECODE_MIN_TILES_PER_SPLIT
 
 
+def test_decode_splits_even_out_a_mostly_empty_last_wave():
+    """Grids past half a wave stay whole unless their last wave runs mostly empty: 512
+    blocks in 396 slots (3 an SM) fill 0.65 of two waves, 3 splits 0.97 of four; 512 in 528
+    or 256 in 264 stay one split, and a split still keeps two key tiles."""
+    def splits(blocks, per_sm, n_k=65536):
+        shape = tiles.DecodeShape(n_q=1, group=1, batch_kv_heads=blocks, batch_q_heads=blocks,
+                                  band_keys=n_k, sm_count=132)
+        return tiles.decode_splits(shape, 64, per_sm)[0]
+    assert splits(512, 3) == 3
+    assert splits(512, 4) == 1 and splits(256, 2) == 1 and splits(2048, 4) == 1
+    assert splits(512, 3, n_k=256) == 2  # four key tiles: two a split at most
+    assert splits(512, 3, n_k=128) == 1
+    problem = Problem(dtype="float16", head_dim=64, value_dim=64, n_k=131072, **H100)
+    choice = tiles.choose_decode(problem, _decode_shape(batch=64, n_q_heads=32, n_kv_heads=8,
+                                                        n_q=8, n_k=131072))
+    assert choice.tiles.rows == 32 and choice.tiles.splits == 3, choice
+
+
 def test_tensor_core_decode_splits_fill_the_device():
     """The same rule for the tensor-core kernel, whose residency is set by its shared memory
     and registers: at D = 128, 72 KiB and ~176 registers a thread keep 2 blocks an SM."""

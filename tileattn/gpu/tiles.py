@@ -625,6 +625,11 @@ def backward_group_splits(key_blocks: int, group: int, sm_count: int) -> int:
 DECODE_MIN_KEYS = 256  # shorter: one or two key tiles, either path is one pass; prefill stays
 DECODE_MAX_SPLITS = 512  # 4 x 132 SMs at B*Hkv = 1; the merge reads splits x rows x Dv floats
 DECODE_MIN_TILES_PER_SPLIT = 2  # a split's prologue (Q, STAGES - 1 tiles) amortised over >= 2
+# More blocks than half a wave are not split, except where their waves would run far from
+# full: B64 H32/8 Nq8 D64 (32 packed rows, 3 blocks an SM) ran 512 blocks in 396 slots,
+# 0.71 of copy bandwidth at 4-16 GiB (NOTES-gpu v32); 3 splits fill 0.97 of four waves.
+DECODE_WAVE_SPLITS = 4
+DECODE_WAVE_GAIN = 0.1  # a fill at least this much better than one split's
 # Splits fill the SMs with one wave of resident blocks, never a second: the blocks stream at
 # the same rate, so 576 blocks where 528 fit take twice as long as 512 (the sweep,
 # bench/experiments/sweep_gpu_decode.py, NOTES-gpu v19: B8 H32/8 Nk128k 8 splits 0.75 of copy
@@ -877,13 +882,28 @@ def decode_blocks_per_sm(shared_bytes: int, threads: int, shared_limit: int,
     return max(1, min(by_shared, by_registers, SM_THREADS // threads))
 
 
+def _wave_fill(blocks: int, resident: int) -> float:
+    """The share of the resident slots that `blocks` blocks of equal work keep busy over
+    their waves (the last wave's empty slots idle while it runs)."""
+    return blocks / (-(-blocks // resident) * resident)
+
+
 def decode_splits(shape: DecodeShape, block_k: int, blocks_per_sm: int) -> tuple[int, str]:
     """How many key ranges each (batch, kv head) is cut into, and why."""
     blocks = max(1, shape.batch_kv_heads)
     resident = blocks_per_sm * shape.sm_count
-    if 2 * blocks > resident:
-        return 1, f"B*Hkv={blocks} > half of {resident} resident blocks: no split"
     tiles = -(-shape.band_keys // block_k)
+    if 2 * blocks > resident:
+        # Blocks enough for the SMs: no split, unless their last wave would run mostly
+        # empty; then the split count (up to DECODE_WAVE_SPLITS) whose waves are fullest.
+        fills = {splits: _wave_fill(blocks * splits, resident)
+                 for splits in range(1, DECODE_WAVE_SPLITS + 1)
+                 if splits == 1 or tiles // splits >= DECODE_MIN_TILES_PER_SPLIT}
+        splits = max(fills, key=lambda count: (fills[count], -count))  # fullest, then fewest
+        if fills[splits] - fills[1] <= DECODE_WAVE_GAIN:
+            return 1, f"B*Hkv={blocks} > half of {resident} resident blocks: no split"
+        return splits, (f"{splits} splits: B*Hkv={blocks} blocks fill {fills[1]:.2f} of their "
+                        f"waves of {resident} resident blocks, {splits}x fill {fills[splits]:.2f}")
     splits = max(1, min(resident // blocks, tiles // DECODE_MIN_TILES_PER_SPLIT,
                         DECODE_MAX_SPLITS))
     return splits, (f"{splits} splits: B*Hkv={blocks} blocks in one wave of {resident} "
