@@ -275,25 +275,26 @@ VARLEN_CASES = [
 ]
 
 
-def _varlen_problem(rng, dtype, family):
+def _varlen_problem(rng, dtype, family, rows=(70, 0, 33), keys=(150, 40, 90), heads=(4, 2)):
     """Arrays (NaN wherever no sequence reaches) and the length keywords of one call: 3
-    sequences of Hq 4, Hkv 2, D 64, lengths up to 150 keys."""
-    rows, keys = np.array([70, 0, 33]), np.array([150, 40, 90])
+    sequences of (Hq, Hkv) `heads`, D 64, `rows` queries and `keys` keys."""
+    rows, keys = np.array(rows), np.array(keys)
     n_q, n_k, d = int(rows.max()), int(keys.max()), 64
+    n_q_heads, n_kv_heads = heads
 
     def normal(shape):
         return rng.standard_normal(shape).astype(dtype)
 
     if family == "packed":
         cu_q, cu_k = np.concatenate([[0], np.cumsum(rows)]), np.concatenate([[0], np.cumsum(keys)])
-        q, do = normal((4, cu_q[-1], d)), normal((4, cu_q[-1], d))
-        k, v = normal((2, cu_k[-1], d)), normal((2, cu_k[-1], d))
+        q, do = normal((n_q_heads, cu_q[-1], d)), normal((n_q_heads, cu_q[-1], d))
+        k, v = normal((n_kv_heads, cu_k[-1], d)), normal((n_kv_heads, cu_k[-1], d))
         return q, k, v, do, {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
-    q, do = normal((3, 4, n_q, d)), normal((3, 4, n_q, d))
+    q, do = normal((3, n_q_heads, n_q, d)), normal((3, n_q_heads, n_q, d))
     for b, n in enumerate(rows):
         q[b, :, n:] = do[b, :, n:] = np.nan
     if family == "padded":
-        k, v = normal((3, 2, n_k, d)), normal((3, 2, n_k, d))
+        k, v = normal((3, n_kv_heads, n_k, d)), normal((3, n_kv_heads, n_k, d))
         for b, n in enumerate(keys):
             k[b, :, n:] = v[b, :, n:] = np.nan
         return q, k, v, do, {"seqlens_q": rows, "seqlens_k": keys}
@@ -301,13 +302,13 @@ def _varlen_problem(rng, dtype, family):
     pages = -(-keys // page)
     order = rng.permutation(int(pages.sum()) + 2)
     table = np.full((3, int(pages.max())), -1, np.int64)
-    stored = np.full((len(order), page, 2, d), np.nan, dtype)  # page-major, as vLLM stores
+    stored = np.full((len(order), page, n_kv_heads, d), np.nan, dtype)  # page-major, as vLLM stores
     first = 0
     for b in range(3):
         table[b, :pages[b]] = order[first:first + pages[b]]
         first += pages[b]
         for j in range(keys[b]):
-            stored[table[b, j // page], j % page] = normal((2, d))
+            stored[table[b, j // page], j % page] = normal((n_kv_heads, d))
     pool = stored.transpose(0, 2, 1, 3)
     return q, pool, pool, do, {"seqlens_q": rows, "seqlens_k": keys, "block_table": table}
 
@@ -335,6 +336,19 @@ def decode_cases(rng) -> int:
         assert_attention_close(o.get(), golden_o, q.dtype, name="o")
         assert_attention_close(lse.get(), golden_lse, q.dtype, name="lse")
         print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} decode {config}")
+    # Paged decode (pages of 16 in shuffled order, NaN in every slot no sequence holds): the
+    # tensor-core kernel's page ids staged in its stages, one and two query rows.
+    q, k, v, _, lengths = _varlen_problem(rng, np.dtype(np.float16), "paged", rows=(1, 2, 1),
+                                          keys=(700, 333, 290), heads=(8, 2))
+    for options in ({}, {"causal": True}):
+        o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu",
+                                  return_lse=True, **lengths, **options)
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True,
+                                                **lengths, **options)
+        assert_attention_close(o.get(), golden_o, np.float16, name="o")
+        assert_attention_close(lse.get(), golden_lse, np.float16, name="lse")
+        print(f"ok float16 paged decode (pages of 16) {sorted(options)}")
     return 0
 
 

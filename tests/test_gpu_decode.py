@@ -143,6 +143,44 @@ def test_tensor_core_splits_merged_in_the_kernel_or_by_the_merge_kernel(merge, s
         assert workspace._COUNTERS, "the in-kernel merge ran without its split counters"
 
 
+@pytest.mark.parametrize(("batch", "head_dim"), [(3, 64), (3, 128), (70, 64)],
+                         ids=["merged-in-kernel", "merge-kernel", "one-split"])
+@pytest.mark.parametrize("layout", ["padded", "paged"])
+def test_decode_rows_past_a_sequence_write_zeros_whatever_their_q(batch, head_dim, layout):
+    """A padded or paged decode batch (1 or 2 query rows of Nq = 2) whose Q rows past a
+    sequence are NaN, as are its keys past the sequence: those rows write o = 0 and
+    lse = -inf (not 0 x NaN) whichever way the splits are merged (by the last split block,
+    by the merge kernel, or one split), and every other row equals the golden model."""
+    rng = np.random.default_rng(batch + head_dim)
+    seqlens_q = 1 + np.arange(batch) % 2
+    seqlens_k = rng.integers(300, 700, batch)
+    q = rng.standard_normal((batch, 8, 2, head_dim)).astype(np.float16)
+    k = rng.standard_normal((batch, 2, 700, head_dim)).astype(np.float16)
+    v = rng.standard_normal((batch, 2, 700, head_dim)).astype(np.float16)
+    for b in range(batch):
+        q[b, :, seqlens_q[b]:] = np.nan
+        k[b, :, seqlens_k[b]:] = v[b, :, seqlens_k[b]:] = np.nan
+    lengths = {"seqlens_q": seqlens_q, "seqlens_k": seqlens_k}
+    keys, values = k, v
+    if layout == "paged":  # pages of 16 in reversed order; pool (pages, Hkv, 16, D)
+        pages = 700 // 16 + 1
+        order = np.arange(batch * pages)[::-1].reshape(batch, pages)
+        pool_k = np.full((batch * pages, 2, 16, head_dim), np.nan, np.float16)
+        pool_v = pool_k.copy()
+        for b in range(batch):
+            for j in range(seqlens_k[b]):
+                pool_k[order[b, j // 16], :, j % 16] = k[b, :, j]
+                pool_v[order[b, j // 16], :, j % 16] = v[b, :, j]
+        keys, values, lengths["block_table"] = pool_k, pool_v, order.astype(np.int64)
+    o, lse = tileattn.forward(*(cupy.asarray(a) for a in (q, keys, values)), backend="gpu",
+                              return_lse=True, **lengths)
+    expected_o, expected_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True,
+                                                seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    assert_attention_close(o.get(), expected_o, np.float16, name="o")
+    assert_attention_close(lse.get(), expected_lse, np.float16, name="lse")
+
+
 # The tensor-core kernel's shapes: warps splitting stages of 32-256 keys, 2-4 stages, 1-4
 # row tiles a warp (rows 16-64: group 8 x Nq 2-8) with one row warp, and 2-4 row warps.
 TENSOR_CORE_TILES = [dict(warps=1, warp_keys=32, stages=2, row_warps=1),

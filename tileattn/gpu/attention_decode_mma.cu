@@ -64,6 +64,42 @@ static_assert(kQOffset % 16 == 0, "16-byte aligned Q tile");
 static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_bytes disagrees");
 #endif
 
+#if PAGED
+// Under PAGED the loop's K/V copies find each key row's page id in the stage itself, in the
+// 16 bytes of pitch padding after the row's K columns (no ldmatrix reads them): a tile's
+// ids are copied there with the copies of the tile STAGES - 1 before it, so issuing a
+// tile's copies waits on no block-table read (H100, pages of 16: 0.77 of the contiguous
+// decode, every 16 keys a dependent table read in the copy issue; NOTES-gpu v32).
+static_assert(kQkPitch - kHeadWidth >= 4, "a page id (8 bytes) fits a K row's padding");
+
+__device__ __forceinline__ void stage_page_ids(bits16* k_stage, const PagedRows<bits16>& rows,
+                                               i64 row0, i64 row_limit) {
+    for (int r = threadIdx.x; r < kBlockK; r += kThreads) {
+        const i64 row = row0 + r;
+        const bool valid = row < row_limit;
+        copy_chunk_async<8>(shared_address(k_stage + r * kQkPitch + kHeadWidth),
+                            rows.table + (valid ? rows.page_of(row) : 0), valid);
+    }
+}
+
+// K or V rows of one tile through the page ids staged in its stage (`k_stage`).
+struct StagedPages {
+    PagedRows<bits16> pages;
+    const bits16* k_stage;
+    i64 row0;
+    __device__ __forceinline__ const bits16* at(i64 row, bool valid) const {
+        if (!valid) return pages.pool;  // past the sequence: zero-filled, no id staged
+        const i64 id =
+            *reinterpret_cast<const i64*>(k_stage + (row - row0) * kQkPitch + kHeadWidth);
+        const i64 page = min(max(id, i64(0)), pages.last_page);
+        return pages.pool + page * pages.page_stride +
+               (row - pages.page_of(row) * pages.page_size) * pages.slot_stride;
+    }
+    __device__ __forceinline__ const bits16* fallback() const { return pages.pool; }
+    __device__ __forceinline__ StagedPages for_tile(i64, int) const { return *this; }
+};
+#endif
+
 // FUSED_MERGE: the splits of a (batch, kv head, row group) are combined by the last of
 // their blocks to finish, not by a second kernel (attention_decode.cu's merge), which at
 // caches of a few hundred MiB cost ~5 us of a ~100 us step (NOTES-gpu v32). The same
@@ -131,6 +167,7 @@ __device__ __forceinline__ void merge_if_last_split(
         }
         const float total = row_total[r];
         const float factor = total == 0.0f ? 0.0f : 1.0f / total;
+        if (total == 0.0f) low = high = 0.0f;  // every split kept nothing: o = 0, not 0 x NaN
         const i64 o_offset = STRIDED_OUT ? packed_row_offset(batch, kv_head, group_size, n_q,
                                                              first_row + r, o_strides)
                                          : (row0 + r) * VALUE_DIM;
@@ -203,6 +240,40 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
             my_rows[m][half] = packed < rows ? packed % n_q : 0;
         }
 
+    const auto stage_of = [&](i64 tile_index) {
+        return stages + static_cast<int>((tile_index - my_begin) % STAGES) * kStageElements;
+    };
+    // A tile's K and V rows into its stage, through the block table or (`ids_staged`, PAGED)
+    // the page ids staged with an earlier tile's copies.
+    const auto load_tile = [&](i64 tile_index, bool ids_staged) {
+        bits16* stage = stage_of(tile_index);
+        const i64 row = tile_index * kBlockK;
+#if PAGED
+        if (ids_staged) {
+            load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+                stage, StagedPages{k_rows, stage, row}, row, seq_keys);
+            load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+                stage + kBlockK * kQkPitch, StagedPages{v_rows, stage, row}, row, seq_keys);
+            return;
+        }
+#endif
+        (void)ids_staged;
+        load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+            stage, k_rows, row, seq_keys);
+        load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+            stage + kBlockK * kQkPitch, v_rows, row, seq_keys);
+    };
+    // PAGED: the page ids of a tile's rows into its stage, with the copies of the tile
+    // STAGES - 1 before it (in the same group, so they have landed when it is issued).
+    const auto stage_ids_of = [&](i64 tile_index) {
+#if PAGED
+        if (tile_index < my_end)
+            stage_page_ids(stage_of(tile_index), k_rows, tile_index * kBlockK, seq_keys);
+#else
+        (void)tile_index;
+#endif
+    };
+
     // Prologue: the packed Q rows (zeros past the rows in use and past D) join the first
     // group of copies, so their latency hides under the first K/V tile's instead of
     // preceding it; then STAGES - 1 tiles in flight (a group is committed even when empty,
@@ -214,14 +285,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         first_row, rows);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (my_begin + s < my_end) {
-            bits16* stage = stages + s * kStageElements;
-            const i64 row = (my_begin + s) * kBlockK;
-            load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-                stage, k_rows, row, seq_keys);
-            load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-                stage + kBlockK * kQkPitch, v_rows, row, seq_keys);
-        }
+        if (my_begin + s < my_end) load_tile(my_begin + s, false);
+        stage_ids_of(my_begin + s + STAGES - 1);
         commit_copies();
     }
     wait_copies<STAGES - 2>();
@@ -251,14 +316,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                           // read in the previous tile, which every warp has finished
         {
             const i64 next = tile + STAGES - 1;
-            if (next < my_end) {
-                bits16* stage = stages + static_cast<int>((next - my_begin) % STAGES) *
-                                             kStageElements;
-                load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-                    stage, k_rows, next * kBlockK, seq_keys);
-                load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-                    stage + kBlockK * kQkPitch, v_rows, next * kBlockK, seq_keys);
-            }
+            if (next < my_end) load_tile(next, true);
+            stage_ids_of(next + STAGES - 1);
             commit_copies();
         }
         const bits16* k_warp = k_tile + warp * kWarpKeys * kQkPitch;
@@ -398,7 +457,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
             high += weight * o_row[col + 1];
         }
         if (VARLEN && (first_row + r) % n_q >= seq_rows) total = 0.0f;
+        // A row that keeps no key writes zeros, not 0 x its sums: a padding row's Q may be
+        // NaN (nothing past a sequence's rows is read as data, SPEC).
         const float factor = total == 0.0f ? 0.0f : 1.0f / total;
+        if (total == 0.0f) low = high = 0.0f;
         const float row_lse = total == 0.0f ? negative_infinity<float>()
                                             : safe_max * kLn2 + logf(total);
         const i64 out_row = out_row0 + first_row + r;
