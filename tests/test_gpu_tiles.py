@@ -318,6 +318,24 @@ def test_decode_splits_even_out_a_mostly_empty_last_wave():
     assert choice.tiles.rows == 32 and choice.tiles.splits == 3, choice
 
 
+def test_tensor_core_decode_merges_few_partials_in_the_kernel():
+    """The last block of each group merges the splits while one block's partials are few
+    (splits x its rows x Dv <= DECODE_FUSED_MERGE_FLOATS); many splits keep the merge
+    kernel, one split needs no merge; `info`'s note names which."""
+    problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=131072, **H100)
+    few = tiles.choose_decode(problem, _decode_shape(batch=8, n_k=4096))
+    assert few.tiles.splits == 4 and tiles.decode_merges_in_kernel(few.tiles, 4, 128, 128)
+    assert "the last block of each group merges the splits" in few.note
+    many = tiles.choose_decode(problem, _decode_shape(batch=1, n_k=131072))
+    assert many.tiles.splits == 33  # 33 x 4 rows x 128 = 16.9K floats
+    assert not tiles.decode_merges_in_kernel(many.tiles, 4, 128, 128)
+    assert "the merge kernel combines the splits" in many.note
+    whole = tiles.choose_decode(problem, _decode_shape(batch=64, n_k=4096))
+    assert whole.tiles.splits == 1 and not tiles.decode_merges_in_kernel(whole.tiles, 4, 128,
+                                                                         128)
+    assert "merge" not in whole.note
+
+
 def test_tensor_core_decode_splits_fill_the_device():
     """The same rule for the tensor-core kernel, whose residency is set by its shared memory
     and registers: at D = 128, 72 KiB and ~176 registers a thread keep 2 blocks an SM."""
