@@ -123,10 +123,9 @@ def score_arguments(options: AttentionOptions, n_q: int, n_k: int, accum) -> tup
 
 
 @lru_cache(maxsize=None)
-@lru_cache(maxsize=None)
 def empty(device_id: int, dtype: str):
     """A zero-length array standing in for an unused pointer argument, one per device and
-    dtype (made once: a decode step is microseconds)."""
+    dtype."""
     with cupy.cuda.Device(device_id):
         return cupy.empty(0, dtype=dtype)
 

@@ -1,8 +1,8 @@
 """Scratch memory of the split-KV forwards (the decode kernels' and the prefill's partial o
 and lse, the decode's split counters): one buffer per (device, stream, dtype) that only
-grows and is never freed, so a
-repeated call allocates nothing and a CUDA graph captured on a stream replays into a buffer
-that stays valid (allocate it with one eager call before capturing: the tests do)."""
+grows and is never freed, so a repeated call allocates nothing and a CUDA graph captured on
+a stream replays into a buffer that stays valid (allocate it with one eager call before
+capturing: the tests do)."""
 
 from __future__ import annotations
 
