@@ -437,6 +437,8 @@ DECODE_CASES = [
     ("float16", (2, 8, 2, 1, 700, 64, 64), {}, DecodeMmaTiles(1, 4, 16, 2, 3)),
     ("bfloat16", (1, 16, 2, 4, 300, 72, 40), {"causal": True, "window": (40, 0)},
      DecodeMmaTiles(1, 2, 32, 2, 7, 2)),
+    # 32 packed rows in two row groups of 16 (a block and a split counter each), 3 splits
+    ("float16", (2, 16, 2, 4, 500, 64, 64), {"causal": True}, DecodeMmaTiles(1, 4, 16, 2, 3)),
 ]
 
 
