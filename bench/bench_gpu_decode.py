@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 bench/bench_gpu_decode.py --quick    # a representative subset (< 2 min)
     PYTHONPATH=. python3 bench/bench_gpu_decode.py --only ' float16' 'Nq1 ' --min-mib 256
                                                              # part of the grid
+    PYTHONPATH=. python3 bench/bench_gpu_decode.py --quick --paged
+                                                             # K/V in pools of pages instead
 
 Grid: B in {1, 8, 64}, (Hq, Hkv) in {(32, 32), (32, 8), (8, 1)}, Nk in {4k, 32k, 128k, 256k},
 Nq in {1, 4, 8}, D in {64, 128, 256}, float16 and bfloat16; shapes whose K and V would take
@@ -25,6 +27,10 @@ tensor-core one, the prefill family beside the CUDA-core decode, the decode kern
 prefill up to 64 packed rows), which checks the dispatch thresholds.
 Each row is printed as soon as it is measured. Last, the host time per call of a tiny
 decode shape (calls back to back, wall time / calls), tileattn and torch.
+
+With --paged, the same shapes instead with K and V in shuffled pools of pages of 16, 64 and
+256 (the issue's paged rows; torch has no paged path): per page size the call after the
+flush, and back to back (host time drops out) against the contiguous call back to back.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from tileattn.gpu.operands import problem_of
 from tileattn.testing import assert_attention_close, bfloat16
 from tileattn.validation import validate
 
-from gpu_timing import median_event_ms
+from gpu_timing import back_to_back_ms, median_event_ms
+from paged_pools import page_pool
 
 try:
     import torch
@@ -321,6 +328,48 @@ def run_shape(shape: Shape, bandwidth: float, repetitions: int,
     return line
 
 
+PAGE_SIZES = (16, 64, 256)
+
+
+def run_paged_shape(shape: Shape, bandwidth: float, repetitions: int) -> list[str] | None:
+    """Rows of `shape` with K and V in shuffled pools of pages (PAGE_SIZES), every sequence
+    full length, called as a server's decode loop calls: lengths and block table on the
+    device, unchecked. Per page size: the call's time after the L2 flush and its share of
+    copy bandwidth, then the call back to back (FlashAttention's method: calls queue behind
+    the kernels, so the host time drops out) against the contiguous call back to back. None
+    where the pools (a second copy of K and V) would not fit beside it."""
+    if 2 * shape.kv_bytes > cupy.cuda.Device().mem_info[0] / 3:
+        return None
+    rng = cupy.random.default_rng(0)
+    q = _random((shape.batch, shape.n_q_heads, shape.n_q, shape.head_dim), shape.dtype, rng)
+    k = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
+    v = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
+    expected = reference_group(q, k, v).get()
+    group = shape.n_q_heads // shape.n_kv_heads
+    seqlens_k = cupy.full(shape.batch, shape.n_k, dtype=cupy.int32)
+    contiguous_queued = 1e3 * back_to_back_ms(lambda: tileattn.forward(q, k, v, backend="gpu"),
+                                              repetitions)
+    lines = []
+    for page_size in PAGE_SIZES:
+        k_pool, table = page_pool(k, [shape.n_k] * shape.batch, page_size,
+                                  np.random.default_rng(page_size))
+        v_pool, _ = page_pool(v, [shape.n_k] * shape.batch, page_size,
+                              np.random.default_rng(page_size))
+
+        def paged():
+            return tileattn.forward(q, k_pool, v_pool, backend="gpu", block_table=table,
+                                    seqlens_k=seqlens_k, check_lengths=False)
+        assert_attention_close(_as_float64(paged()[0, :group]).get(), expected, q.dtype,
+                               name=f"paged o, {shape.name}, pages of {page_size}")
+        call_us = median_us(paged, repetitions)
+        queued_us = 1e3 * back_to_back_ms(paged, repetitions)
+        lines.append(f"| {shape.name} | {page_size} | {shape.kv_bytes / 2**20:,.0f} | "
+                     f"{call_us:,.1f} | {shape.kv_bytes / (call_us * 1e-6) / bandwidth:.2f} | "
+                     f"{queued_us:,.1f} | {shape.kv_bytes / (queued_us * 1e-6) / bandwidth:.2f} "
+                     f"| {contiguous_queued:,.1f} | {contiguous_queued / queued_us:.2f} |")
+    return lines
+
+
 def overhead() -> None:
     """Host time per call of a tiny decode shape (the decode path: Nk = 512, MQA)."""
     rng = cupy.random.default_rng(1)
@@ -353,6 +402,8 @@ def main() -> None:
                         help="also time the kernel the dispatch did not choose (--quick does)")
     parser.add_argument("--dirty-flush", action="store_true",
                         help="flush L2 by a write (dirty lines), not by a read")
+    parser.add_argument("--paged", action="store_true",
+                        help="the shapes with K/V in pools of pages of 16, 64 and 256 instead")
     args = parser.parse_args()
     FLUSH["clean"] = not args.dirty_flush
     repetitions = args.repetitions or (10 if args.quick else 20)
@@ -363,12 +414,22 @@ def main() -> None:
           f"{bandwidth / 1e12:.2f} TB/s; torch {torch.__version__ if torch else 'absent'}; "
           f"median of {repetitions}, L2 flushed by a 128 MiB "
           f"{'read' if FLUSH['clean'] else 'write'}", flush=True)
-    print("\n| shape | K+V MiB | tileattn us | share of copy bw | kernels alone us | their "
-          "share | flash us | flash / tileattn | tileattn kernel |\n"
-          "|---|---|---|---|---|---|---|---|---|", flush=True)
     shapes = QUICK if args.quick else [
         s for s in grid() if s.kv_bytes >= args.min_mib * 2**20
         and all(part in s.name + " " for part in args.only)]
+    if args.paged:
+        print("\n| shape | page size | K+V MiB | paged call us | share of copy bw | back to "
+              "back us | their share | contiguous, back to back us | contiguous / paged |\n"
+              "|---|---|---|---|---|---|---|---|---|", flush=True)
+        for shape in shapes:
+            lines = run_paged_shape(shape, bandwidth, repetitions)
+            print("\n".join(lines) if lines is not None else f"| {shape.name} | skipped: K/V "
+                  "and its pools over a third of free memory |", flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+        return
+    print("\n| shape | K+V MiB | tileattn us | share of copy bw | kernels alone us | their "
+          "share | flash us | flash / tileattn | tileattn kernel |\n"
+          "|---|---|---|---|---|---|---|---|---|", flush=True)
     for shape in shapes:
         line = run_shape(shape, bandwidth, repetitions, args.quick or args.compare)
         print(line if line is not None else f"| {shape.name} | skipped: K/V over a third of "

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from gpu_timing import back_to_back_ms, median_event_ms
+from paged_pools import page_pool
 
 cupy = None  # imported in main(), so that --help and argument errors need no GPU
 torch = None  # imported in main() unless --no-torch
@@ -517,26 +518,6 @@ def packed_part(args, report: Report) -> None:
 
 
 # --------------------------------------------------------------------------- 2./3. paged
-
-
-def page_pool(dense, lengths, page_size: int, rng: np.random.Generator):
-    """Keys (B, Hkv, N, D) -> a shuffled pool (num_pages, Hkv, page_size, D) holding each
-    sequence's first ceil(lengths[b] / page_size) pages, and its block table (B, max_pages)
-    (entries past a sequence's pages are 0: never read). N must be a multiple of page_size."""
-    batch, n_kv_heads, _, head_dim = dense.shape
-    pages_of = [-(-int(n) // page_size) for n in lengths]
-    order = rng.permutation(sum(pages_of))
-    table = np.zeros((batch, max(pages_of)), dtype=np.int32)
-    pool = cupy.empty((len(order), n_kv_heads, page_size, head_dim), dtype=cupy.uint16)
-    first = 0
-    for b, pages in enumerate(pages_of):
-        ids = order[first:first + pages]
-        first += pages
-        table[b, :pages] = ids
-        chunk = bits_of(dense)[b, :, :pages * page_size].reshape(
-            n_kv_heads, pages, page_size, head_dim).transpose(1, 0, 2, 3)
-        pool[cupy.asarray(ids)] = chunk
-    return as_dtype(pool, dense.dtype.name), cupy.asarray(table)
 
 
 def paged_prefill_part(args, report: Report, dtype: str) -> None:
