@@ -229,22 +229,25 @@ def _paged_cache(rng, batch, n_kv_heads, lengths_k, page_size, d, d_v, page_majo
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("n_q", [1, 4, 16, 20])
 @pytest.mark.parametrize("page_major", [False, True], ids=["heads-major", "page-major"])
-def test_decode_against_a_paged_cache(backend, page_size, n_q, page_major):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_decode_against_a_paged_cache(backend, page_size, n_q, page_major, dtype):
     """What servers call: a few new query rows per request against a paged cache of
     different lengths, GQA, causal (bottom-right: the new rows are the last ones), pages
-    shuffled in a pool (a transposed view when page-major) full of NaN where unused."""
+    shuffled in a pool (a transposed view when page-major) full of NaN where unused. On the
+    GPU float32 decodes on CUDA cores and float16 on tensor cores (page ids staged one tile
+    ahead)."""
     rng = np.random.default_rng(page_size + n_q)
     lengths_k = [700, 35, 0, 300]
     k, v, (k_pool, v_pool), table = _paged_cache(rng, 4, 2, lengths_k, page_size, 32, 16,
-                                                 page_major)
-    q = rng.standard_normal((4, 8, n_q, 32)).astype(np.float32)
+                                                 page_major, dtype)
+    q = rng.standard_normal((4, 8, n_q, 32)).astype(dtype)
     lengths = {"block_table": table, "seqlens_k": np.array(lengths_k)}
     o, lse = backend.forward(q, k_pool, v_pool, return_lse=True, causal=True, **lengths)
     expected_o, expected_lse = rv.forward_padded(
         q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
         np.full(4, n_q), np.array(lengths_k), causal=True)
-    assert_attention_close(o, expected_o, np.float32, name="o")
-    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+    assert_attention_close(o, expected_o, dtype, name="o")
+    assert_attention_close(lse, expected_lse, dtype, name="lse")
 
 
 def test_paged_equals_contiguous_with_every_option(backend):
