@@ -68,8 +68,9 @@ static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_byte
 // Under PAGED the loop's K/V copies find each key row's page id in the stage itself, in the
 // 16 bytes of pitch padding after the row's K columns (no ldmatrix reads them): a tile's
 // ids are copied there with the copies of the tile STAGES - 1 before it, so issuing a
-// tile's copies waits on no block-table read (H100, pages of 16: 0.77 of the contiguous
-// decode, every 16 keys a dependent table read in the copy issue; NOTES-gpu v32).
+// tile's copies waits on no block-table read (with pages shorter than a stage, each thread
+// read the table for each of its rows, a dependent load before every copy; NOTES-gpu v32:
+// paged calls at pages 1-256 took 186-202 us where they took 226-352).
 static_assert(kQkPitch - kHeadWidth >= 4, "a page id (8 bytes) fits a K row's padding");
 
 __device__ __forceinline__ void stage_page_ids(bits16* k_stage, const PagedRows<bits16>& rows,
