@@ -1,13 +1,13 @@
 """Run the mma.sync forward (attention_mma_forward.cu), backward (attention_mma_backward.cu:
 the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, o direct or
-its splits merged in the kernel) and the 3xTF32 forward (attention_tf32_forward.cu) on the
-CPU, no GPU: the kernels' own source under emulate_decode_cpu.py's C++ emulation of the
-CUDA built-ins, with the warp-wide PTX
-they add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 and 16 bytes)
-computed by meaning, checked against the float64 golden model. The backward's single pass
-and the non-finite-key redo are not run.
+its splits merged in the kernel; dense and paged K/V) and the 3xTF32 forward
+(attention_tf32_forward.cu) on the CPU, no GPU: the kernels' own source under
+emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they
+add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) computed by
+meaning, checked against the float64 golden model. The backward's single pass and the
+non-finite-key redo are not run.
 
-    python3 bench/experiments/emulate_mma_cpu.py [--quick]
+    python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode]
 
 Needs g++ 12+. Each block runs as its threads (std::threads meeting at barriers); a warp's
 ldmatrix and mma.sync exchange the lanes' addresses and fragments through a per-thread
@@ -249,16 +249,19 @@ extern "C" void run_dkdv(const element* q, const element* k, const element* v,
 DECODE_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, o (3 each). The merge of the splits is attention_decode.cu's, run by
 // emulate_decode_cpu.py; here the splits are 1 (o direct) or the partials are compared.
+// tables: a paged batch's descriptors and block table (null and 0 for a dense call).
 extern "C" void run_decode(const bits16* q, const bits16* k, const bits16* v, bits16* o,
                            float* lse, float* partial_o, float* partial_lse, u32* split_counts,
-                           i64 n_q, i64 n_k,
-                           int n_q_heads, int group, int splits, const i64* s,
-                           const float* reals, const i64* band, int blocks, int shared) {
+                           i64 n_q, i64 n_k, int n_q_heads, int group, int splits,
+                           const i64* s, const float* reals, const i64* band,
+                           const i64* descriptors, const i64* block_table, i64 table_stride,
+                           i64 page_size, i64 n_pages, int blocks, int shared) {
     run_blocks([&] {
         attention_decode_mma(q, k, v, o, lse, partial_o, partial_lse, split_counts, n_q, n_k,
-                             n_q_heads, group, splits, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
-                             s[10], s[11], reals[0], reals[1], band[0], band[1], band[2], 0u,
-                             0u, 1.0f, 0u, 0u, nullptr, nullptr, nullptr, 0, 0, 0);
+                             n_q_heads, group, splits, s[0], s[1], s[2], s[3], s[4], s[5],
+                             s[6], s[7], s[8], s[9], s[10], s[11], reals[0], reals[1],
+                             band[0], band[1], band[2], 0u, 0u, 1.0f, 0u, 0u, descriptors,
+                             nullptr, block_table, table_stride, page_size, n_pages);
     }, blocks, kThreads, shared);
 }
 """
@@ -386,14 +389,21 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     return dq, dk, dv
 
 
-def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
+def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, **kwargs):
     """o and lse of attention_decode_mma.cu for host 16-bit arrays (one split: o written
     directly; more: merged by each group's last block), o in a (B, Nq, Hq, Dv) buffer with
-    `sequence_first_o`; the split counters must end at zero."""
-    options = resolved(q, k, v, **kwargs)
+    `sequence_first_o`; the split counters must end at zero. With `paged` (a
+    `PagedKeys`), K and V are its pools, read through its block table (PAGED)."""
+    options = resolved(q, k, v, **kwargs,
+                       **({"varlen": paged.keywords()} if paged is not None else {}))
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    switches, band, reals, _ = score_operands(options, n_q, n_k)  # no ALiBi, no dropout
+    if paged is None:
+        switches, band, reals, _ = score_operands(options, n_q, n_k)  # no ALiBi or dropout
+    else:  # as operands.score_arguments: the kernel adds each sequence's own band offset
+        switches, band, reals, _ = score_operands(options, n_q,
+                                                  options.varlen.key_capacity(n_k))
+        band[0] = options.row_offset - options.col_offset
     reals = reals[:2].astype(np.float32)
     defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
@@ -403,6 +413,13 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
                    STAGES=tiles.stages, MIN_BLOCKS=1, DEFERRED_COPIES=1,
                    STRIDED_OUT=int(sequence_first_o), **switches)
     defines["FUSED_MERGE"] = int(tiles.splits > 1)  # the last block of a group merges
+    tables = (None, None, 0, 0, 0)
+    if paged is not None:
+        defines.update(VARLEN=1, PAGED=1)
+        layout = options.varlen  # as varlen.Sequences builds the launch's tables
+        table = np.ascontiguousarray(layout.block_table, dtype=np.int64)
+        tables = (layout.descriptors(batch, n_q, n_k), table, table.shape[1],
+                  layout.page_size, layout.num_pages)
     lib = library(defines, "attention_decode_mma.cu", DECODE_RUNNER)
     o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
          if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
@@ -415,14 +432,94 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, **kwargs):
     strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     lib.run_decode.restype = None
+    descriptors, table, table_stride, page_size, n_pages = tables
     lib.run_decode(*(pointer(a) for a in (q, k, v, o, lse, partial_o, partial_lse, counters)),
                    ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
                    ctypes.c_int(n_q_heads // n_kv_heads), ctypes.c_int(tiles.splits),
-                   pointer(strides),
-                   pointer(reals), pointer(band), ctypes.c_int(groups * tiles.splits),
+                   pointer(strides), pointer(reals), pointer(band),
+                   *(ctypes.c_void_p(None) if a is None else pointer(a)
+                     for a in (descriptors, table)),
+                   ctypes.c_int64(table_stride), ctypes.c_int64(page_size),
+                   ctypes.c_int64(n_pages), ctypes.c_int(groups * tiles.splits),
                    ctypes.c_int(tiles.shared_bytes(head_dim, value_dim)))
     assert not counters.any(), f"split counters left at {counters}"
     return o, lse
+
+
+class PagedKeys:
+    """Dense keys and values (B, Hkv, N, D) laid out in a NaN-filled pool of shuffled pages
+    (heads-major, or page-major seen through a transposed view) with a block table whose
+    unused entries are -1, for `emulate_decode(paged=...)`."""
+
+    def __init__(self, k, v, lengths, page_size: int, page_major: bool, rng):
+        batch, n_kv_heads = k.shape[:2]
+        pages_of = [-(-int(n) // page_size) for n in lengths]
+        order = rng.permutation(sum(pages_of) + 2)
+        self.table = np.full((batch, max(pages_of) + 1), -1, np.int32)
+        self.lengths = np.asarray(lengths)
+        self.pools = []
+        for dense in (k, v):
+            shape = ((len(order), page_size, n_kv_heads, dense.shape[3]) if page_major
+                     else (len(order), n_kv_heads, page_size, dense.shape[3]))
+            stored = np.full(shape, np.nan, dense.dtype)
+            pool = stored.transpose(0, 2, 1, 3) if page_major else stored
+            first = 0
+            for b, length in enumerate(lengths):
+                self.table[b, :pages_of[b]] = order[first:first + pages_of[b]]
+                first += pages_of[b]
+                j = np.arange(length)
+                pool[self.table[b, j // page_size], :, j % page_size] = np.swapaxes(
+                    dense[b, :, :length], 0, 1)
+            self.pools.append(pool)
+
+    def keywords(self) -> dict:
+        """`validate`'s varlen keywords for this cache."""
+        return {"seqlens_q": None, "seqlens_k": self.lengths, "cu_seqlens_q": None,
+                "cu_seqlens_k": None, "block_table": self.table}
+
+
+# (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), lengths, page size, page-major, options,
+# DecodeMmaTiles): page ids staged in the stages one tile ahead (pages shorter than a stage,
+# as long, longer), with 3 stages, splits merged in the kernel, a second row warp.
+PAGED_DECODE_CASES = [
+    ("float16", (2, 8, 2, 1, 704, 64, 64), (700, 333), 16, False, {},
+     DecodeMmaTiles(1, 4, 16, 2, 3)),
+    ("float16", (2, 8, 2, 2, 448, 64, 64), (448, 190), 1, True, {"causal": True},
+     DecodeMmaTiles(1, 4, 16, 3, 2)),
+    ("bfloat16", (1, 16, 2, 2, 512, 64, 32), (500,), 64, True, {"causal": True},
+     DecodeMmaTiles(1, 2, 32, 2, 2, 2)),
+    ("float16", (2, 4, 1, 1, 768, 32, 32), (768, 257), 256, False, {"window": (300, 0)},
+     DecodeMmaTiles(1, 4, 16, 4, 1)),
+]
+
+
+def check_paged_decodes(rng) -> int:
+    """The paged cases against the golden model on the dense keys: the failures' count."""
+    failures = 0
+    for name, (batch, hq, hkv, nq, nk, d, dv), lengths, page, page_major, options, tiles in \
+            PAGED_DECODE_CASES:
+        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+        q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+                   for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+        paged = PagedKeys(k, v, lengths, page, page_major, rng)
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True,
+                                                seqlens_k=np.asarray(lengths), **options)
+        for sequence_first_o in (False, True):
+            o, lse = emulate_decode(q, *paged.pools, tiles, sequence_first_o, paged=paged,
+                                    **options)
+            label = (f"paged decode {name} q{q.shape} keys {lengths} pages of {page} "
+                     f"{'page' if page_major else 'heads'}-major {sorted(options)} {tiles}"
+                     f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
+            try:
+                assert_attention_close(o, golden_o, dtype, name="o")
+                assert_attention_close(lse, golden_lse, dtype, name="lse")
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
+                continue
+            print(f"ok {label}", flush=True)
+    return failures
 
 
 DECODE_CASES = [
@@ -564,6 +661,8 @@ def main() -> int:
     failures += check_forwards(emulate_decode,
                                itertools.islice(DECODE_CASES, 1 if args.quick else None),
                                rng, "decode ")
+    if not args.quick:
+        failures += check_paged_decodes(rng)
     for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
             itertools.islice(BACKWARD_CASES, 1 if args.quick else others):
         dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
