@@ -125,6 +125,13 @@ def _random(shape: tuple, dtype: str, rng) -> cupy.ndarray:
     return out if dtype == "float16" else out.view(bfloat16())
 
 
+def shape_arrays(shape: Shape, rng) -> tuple:
+    """Random q, k and v of a decode shape, (B, H, N, D) each."""
+    return (_random((shape.batch, shape.n_q_heads, shape.n_q, shape.head_dim), shape.dtype, rng),
+            _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng),
+            _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng))
+
+
 def _as_float64(x):
     if x.dtype.name == "bfloat16":
         return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32) \
@@ -289,9 +296,7 @@ def run_shape(shape: Shape, bandwidth: float, repetitions: int,
     if shape.kv_bytes > free / 3:
         return None
     rng = cupy.random.default_rng(0)
-    q = _random((shape.batch, shape.n_q_heads, shape.n_q, shape.head_dim), shape.dtype, rng)
-    k = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
-    v = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
+    q, k, v = shape_arrays(shape, rng)
     dtype = q.dtype
     expected = reference_group(q, k, v).get()
     group = shape.n_q_heads // shape.n_kv_heads
@@ -341,9 +346,7 @@ def run_paged_shape(shape: Shape, bandwidth: float, repetitions: int) -> list[st
     if 2 * shape.kv_bytes > cupy.cuda.Device().mem_info[0] / 3:
         return None
     rng = cupy.random.default_rng(0)
-    q = _random((shape.batch, shape.n_q_heads, shape.n_q, shape.head_dim), shape.dtype, rng)
-    k = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
-    v = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
+    q, k, v = shape_arrays(shape, rng)
     expected = reference_group(q, k, v).get()
     group = shape.n_q_heads // shape.n_kv_heads
     seqlens_k = cupy.full(shape.batch, shape.n_k, dtype=cupy.int32)

@@ -27,8 +27,8 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_gpu_decode import (QUICK, Shape, _as_float64, _options, _random, copy_bandwidth,
-                              grid, reference_group, torch_flash)
+from bench_gpu_decode import (QUICK, Shape, _as_float64, _options, copy_bandwidth, grid,
+                              reference_group, shape_arrays, torch_flash)
 
 from gpu_timing import median_event_ms
 from tileattn.gpu import _compile, launch_decode, tiles
@@ -136,9 +136,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rng = cupy.random.default_rng(0)
     for shape in shapes:
-        q = _random((shape.batch, shape.n_q_heads, shape.n_q, shape.head_dim), shape.dtype, rng)
-        k = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
-        v = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
+        q, k, v = shape_arrays(shape, rng)
         options = _options(q, k, v)
         problem = problem_of(q, k, v, options)
         dshape = decode_shape(q, k, options)

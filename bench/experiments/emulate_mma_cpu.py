@@ -446,6 +446,19 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, **kwargs)
     return o, lse
 
 
+def _matches(o, lse, golden_o, golden_lse, dtype, label: str) -> bool:
+    """Whether o and lse are within the dtype's tolerance of the golden model; prints the
+    case as ok or FAILED with the first difference."""
+    try:
+        assert_attention_close(o, golden_o, dtype, name="o")
+        assert_attention_close(lse, golden_lse, dtype, name="lse")
+    except AssertionError as error:
+        print(f"FAILED {label}: {error}")
+        return False
+    print(f"ok {label}", flush=True)
+    return True
+
+
 class PagedKeys:
     """Dense keys and values (B, Hkv, N, D) laid out in a NaN-filled pool of shuffled pages
     (heads-major, or page-major seen through a transposed view) with a block table whose
@@ -508,17 +521,11 @@ def check_paged_decodes(rng) -> int:
         for sequence_first_o in (False, True):
             o, lse = emulate_decode(q, *paged.pools, tiles, sequence_first_o, paged=paged,
                                     **options)
-            label = (f"paged decode {name} q{q.shape} keys {lengths} pages of {page} "
-                     f"{'page' if page_major else 'heads'}-major {sorted(options)} {tiles}"
-                     f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
-            try:
-                assert_attention_close(o, golden_o, dtype, name="o")
-                assert_attention_close(lse, golden_lse, dtype, name="lse")
-            except AssertionError as error:
-                print(f"FAILED {label}: {error}")
-                failures += 1
-                continue
-            print(f"ok {label}", flush=True)
+            failures += not _matches(
+                o, lse, golden_o, golden_lse, dtype,
+                f"paged decode {name} q{q.shape} keys {lengths} pages of {page} "
+                f"{'page' if page_major else 'heads'}-major {sorted(options)} {tiles}"
+                f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
     return failures
 
 
@@ -632,16 +639,10 @@ def check_forwards(emulate_forward, cases, rng, kind: str) -> int:
                                                 **options)
         for sequence_first_o in (False, True):
             o, lse = emulate_forward(q, k, v, tiles, sequence_first_o, **options)
-            label = (f"{kind}{name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
-                     f"{tiles}{' o (B, N, H, Dv)' if sequence_first_o else ''}")
-            try:
-                assert_attention_close(o, golden_o, dtype, name="o")
-                assert_attention_close(lse, golden_lse, dtype, name="lse")
-            except AssertionError as error:
-                print(f"FAILED {label}: {error}")
-                failures += 1
-                continue
-            print(f"ok {label}", flush=True)
+            failures += not _matches(
+                o, lse, golden_o, golden_lse, dtype,
+                f"{kind}{name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
+                f"{tiles}{' o (B, N, H, Dv)' if sequence_first_o else ''}")
     return failures
 
 

@@ -20,7 +20,7 @@ import sys
 import cupy
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_gpu_decode import QUICK, _options, grid, _random, copy_bandwidth, median_us
+from bench_gpu_decode import QUICK, _options, grid, copy_bandwidth, median_us, shape_arrays
 
 from tileattn.gpu import tiles
 from tileattn.gpu.launch_decode import decode_shape, forward_decode
@@ -49,9 +49,7 @@ def _variants(problem, dshape, kernel: str, threads_list, mma_shapes):
 
 def sweep_shape(shape, bandwidth: float, repetitions: int, rng, splits_list=SPLITS,
                 kernel: str = "cuda_cores", threads_list=(None,), mma_shapes=()) -> None:
-    q = _random((shape.batch, shape.n_q_heads, shape.n_q, shape.head_dim), shape.dtype, rng)
-    k = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
-    v = _random((shape.batch, shape.n_kv_heads, shape.n_k, shape.head_dim), shape.dtype, rng)
+    q, k, v = shape_arrays(shape, rng)
     options = _options(q, k, v)
     problem = problem_of(q, k, v, options)
     dshape = decode_shape(q, k, options)
