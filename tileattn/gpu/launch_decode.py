@@ -76,15 +76,14 @@ class DecodeLaunch:
     def scratch(self) -> tuple:
         """The decode kernel's arguments after ``(q, k, v, o, lse)``: partial o and lse (empty
         stand-ins with one split), then the split counters where the kernel takes them."""
-        device = cupy.cuda.runtime.getDevice()
         if self.partial_size:
             arguments = partials(self.partial_size, self.lse_size, self.accum)
         else:
-            arguments = (empty(device, self.accum.name),) * 2
+            arguments = (empty(cupy.cuda.runtime.getDevice(), self.accum.name),) * 2
         if self.split_groups is None:
             return arguments
         return arguments + (split_counters(self.split_groups) if self.split_groups
-                            else empty(device, "uint32"),)
+                            else empty(cupy.cuda.runtime.getDevice(), "uint32"),)
 
     def __call__(self, q, k, v, o, lse):
         scratch = self.scratch()
