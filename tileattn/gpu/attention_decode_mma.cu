@@ -64,40 +64,105 @@ static_assert(kQOffset % 16 == 0, "16-byte aligned Q tile");
 static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_bytes disagrees");
 #endif
 
+// K and V tiles by whole 16-byte copies at places fixed per thread: thread t copies column
+// chunk t % kChunksPerRow of the tile's rows t / kChunksPerRow + i * kRowStep, so a chunk's
+// address is the thread's first one plus i fixed steps. load_rows_async's general loop
+// (any width, chunk size and row source) forms each chunk's address anew: 64-bit row
+// products, bounds, and under PAGED a block-table read; at decode's two mma a copy those
+// integer instructions were most of the kernel's issue slots (NOTES-gpu v33: 62
+// instructions a copy, 2 of them mma; paged 101) and held paged calls to 0.62 of the
+// dense ones on an H200. Widths or alignments these copies do not cover take the general
+// loop.
+template <int Columns, int Width, int Pitch>
+struct TileChunks {
+    static constexpr int kChunksPerRow = Width / 8;
+    static constexpr bool kCovered = COPY_BYTES == 16 && Columns % 8 == 0 &&
+                                     kThreads % kChunksPerRow == 0 &&
+                                     (kBlockK * kChunksPerRow) % kThreads == 0;
+    static constexpr int kRowStep = kCovered ? kThreads / kChunksPerRow : 1;
+    static constexpr int kPerThread = kCovered ? kBlockK * kChunksPerRow / kThreads : 0;
+
+    int first_row;     // this thread's first row of a tile
+    int column;        // its chunk's first column
+    bool column_kept;  // the chunk lies within Columns (else zeros: the head dim's padding)
+
+    __device__ __forceinline__ static TileChunks of_thread() {
+        const int chunk = static_cast<int>(threadIdx.x) % kChunksPerRow;
+        return {static_cast<int>(threadIdx.x) / kChunksPerRow, chunk * 8, chunk * 8 < Columns};
+    }
+    __device__ __forceinline__ u32 destination(bits16* tile) const {
+        return shared_address(tile + first_row * Pitch + column);
+    }
+    // Rows [0, rows_kept) of a tile whose row 0 is at `row0` (rows `stride` apart); zeros
+    // after them.
+    __device__ __forceinline__ void strided(bits16* tile, const bits16* row0, i64 stride,
+                                            int rows_kept) const {
+        const bits16* source = row0 + first_row * stride + column;
+        const u32 target = destination(tile);
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i)
+            copy_chunk_async<16>(target + i * kRowStep * Pitch * 2, source + i * kRowStep * stride,
+                                 column_kept && first_row + i * kRowStep < rows_kept);
+    }
 #if PAGED
-// Under PAGED the loop's K/V copies find each key row's page id in the stage itself, in the
-// 16 bytes of pitch padding after the row's K columns (no ldmatrix reads them): a tile's
-// ids are copied there with the copies of the tile STAGES - 1 before it, so issuing a
-// tile's copies waits on no block-table read (with pages shorter than a stage, each thread
-// read the table for each of its rows, a dependent load before every copy; NOTES-gpu v32:
-// paged calls at pages 1-256 took 186-202 us where they took 226-352).
-static_assert(kQkPitch - kHeadWidth >= 4, "a page id (8 bytes) fits a K row's padding");
-
-__device__ __forceinline__ void stage_page_ids(bits16* k_stage, const PagedRows<bits16>& rows,
-                                               i64 row0, i64 row_limit) {
-    for (int r = threadIdx.x; r < kBlockK; r += kThreads) {
-        const i64 row = row0 + r;
-        const bool valid = row < row_limit;
-        copy_chunk_async<8>(shared_address(k_stage + r * kQkPitch + kHeadWidth),
-                            rows.table + (valid ? rows.page_of(row) : 0), valid);
+    // The same through the rows' offsets in `pool`, which `PageOffsets::store` left in the
+    // padding after each of the tile's rows (8 of its 16 bytes; no ldmatrix reads them).
+    __device__ __forceinline__ void paged(bits16* tile, const bits16* pool, int rows_kept) const {
+        const u32 target = destination(tile);
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+            const int r = first_row + i * kRowStep;
+            const i64 offset = *reinterpret_cast<const i64*>(tile + r * Pitch + Width);
+            copy_chunk_async<16>(target + i * kRowStep * Pitch * 2, pool + offset + column,
+                                 column_kept && r < rows_kept);
+        }
     }
-}
+#endif
+};
+using KeyChunks = TileChunks<HEAD_DIM, kHeadWidth, kQkPitch>;
+using ValueChunks = TileChunks<VALUE_DIM, kValueWidth, kVPitch>;
+constexpr bool kChunkCopies = KeyChunks::kCovered && ValueChunks::kCovered;
 
-// K or V rows of one tile through the page ids staged in its stage (`k_stage`).
-struct StagedPages {
-    PagedRows<bits16> pages;
-    const bits16* k_stage;
-    i64 row0;
-    __device__ __forceinline__ const bits16* at(i64 row, bool valid) const {
-        if (!valid) return pages.pool;  // past the sequence: zero-filled, no id staged
-        const i64 id =
-            *reinterpret_cast<const i64*>(k_stage + (row - row0) * kQkPitch + kHeadWidth);
-        const i64 page = min(max(id, i64(0)), pages.last_page);
-        return pages.pool + page * pages.page_stride +
-               (row - pages.page_of(row) * pages.page_size) * pages.slot_stride;
+#if PAGED
+static_assert(kQkPitch - kHeadWidth >= 4 && kVPitch - kValueWidth >= 4,
+              "a row offset (8 bytes) fits a row's padding");
+
+// The offsets in the pools of one tile's K and V rows (page * page stride + slot * slot
+// stride), thread r holding row r's: `fetch` reads the block table a tile before `store`
+// writes the offsets into the stage's row padding, so the table read's latency hides under
+// a tile's products instead of delaying the tile's copies. A thread's copies then read
+// their rows' offsets from shared memory; the barrier at the top of each tile orders the
+// store before them.
+struct PageOffsets {
+    static constexpr int kPerThread = (kBlockK + kThreads - 1) / kThreads;
+    i64 ids[kPerThread];
+
+    __device__ __forceinline__ void fetch(const PagedRows<bits16>& rows, i64 tile_index,
+                                          i64 row_limit) {
+#pragma unroll
+        for (int j = 0; j < kPerThread; ++j) {
+            const int r = static_cast<int>(threadIdx.x) + j * kThreads;
+            const i64 row = tile_index * kBlockK + r;
+            // past the sequence the table may name no page: the copies there are zeros
+            ids[j] = r < kBlockK && row < row_limit ? rows.table[rows.page_of(row)] : 0;
+        }
     }
-    __device__ __forceinline__ const bits16* fallback() const { return pages.pool; }
-    __device__ __forceinline__ StagedPages for_tile(i64, int) const { return *this; }
+    __device__ __forceinline__ void store(bits16* stage, const PagedRows<bits16>& k_rows,
+                                          const PagedRows<bits16>& v_rows,
+                                          i64 tile_index) const {
+#pragma unroll
+        for (int j = 0; j < kPerThread; ++j) {
+            const int r = static_cast<int>(threadIdx.x) + j * kThreads;
+            if (r >= kBlockK) continue;
+            const i64 row = tile_index * kBlockK + r;
+            const i64 page = min(max(ids[j], i64(0)), k_rows.last_page);
+            const i64 slot = row - k_rows.page_of(row) * k_rows.page_size;
+            *reinterpret_cast<i64*>(stage + r * kQkPitch + kHeadWidth) =
+                page * k_rows.page_stride + slot * k_rows.slot_stride;
+            *reinterpret_cast<i64*>(stage + kBlockK * kQkPitch + r * kVPitch + kValueWidth) =
+                page * v_rows.page_stride + slot * v_rows.slot_stride;
+        }
+    }
 };
 #endif
 
@@ -244,36 +309,50 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const auto stage_of = [&](i64 tile_index) {
         return stages + static_cast<int>((tile_index - my_begin) % STAGES) * kStageElements;
     };
-    // A tile's K and V rows into its stage, through the block table or (`ids_staged`, PAGED)
-    // the page ids staged with an earlier tile's copies.
-    const auto load_tile = [&](i64 tile_index, bool ids_staged) {
+    // A tile's K and V rows into its stage (PAGED: through the row offsets its padding holds
+    // where the chunk copies serve, else through the block table).
+    const KeyChunks k_chunks = KeyChunks::of_thread();
+    const ValueChunks v_chunks = ValueChunks::of_thread();
+    const auto load_tile = [&](i64 tile_index) {
         bits16* stage = stage_of(tile_index);
+        bits16* v_stage = stage + kBlockK * kQkPitch;
         const i64 row = tile_index * kBlockK;
+        if constexpr (kChunkCopies) {
+            const int rows_kept = static_cast<int>(min(seq_keys - row, i64(kBlockK)));
 #if PAGED
-        if (ids_staged) {
-            load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-                stage, StagedPages{k_rows, stage, row}, row, seq_keys);
-            load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-                stage + kBlockK * kQkPitch, StagedPages{v_rows, stage, row}, row, seq_keys);
-            return;
-        }
-#endif
-        (void)ids_staged;
-        load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
-            stage, k_rows, row, seq_keys);
-        load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
-            stage + kBlockK * kQkPitch, v_rows, row, seq_keys);
-    };
-    // PAGED: the page ids of a tile's rows into its stage, with the copies of the tile
-    // STAGES - 1 before it (in the same group, so they have landed when it is issued).
-    const auto stage_ids_of = [&](i64 tile_index) {
-#if PAGED
-        if (tile_index < my_end)
-            stage_page_ids(stage_of(tile_index), k_rows, tile_index * kBlockK, seq_keys);
+            k_chunks.paged(stage, k_rows.pool, rows_kept);
+            v_chunks.paged(v_stage, v_rows.pool, rows_kept);
 #else
-        (void)tile_index;
+            k_chunks.strided(stage, k_rows.base + row * k_rows.stride, k_rows.stride, rows_kept);
+            v_chunks.strided(v_stage, v_rows.base + row * v_rows.stride, v_rows.stride,
+                             rows_kept);
 #endif
+        } else {
+            load_rows_async<kBlockK, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
+                stage, k_rows, row, seq_keys);
+            load_rows_async<kBlockK, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
+                v_stage, v_rows, row, seq_keys);
+        }
     };
+#if PAGED
+    // The row offsets of the first STAGES tiles are stored before any copy (one wait on the
+    // table a block); the loop then stores tile t + STAGES's during tile t, into t's stage,
+    // from table entries fetched during tile t - 1.
+    PageOffsets pending_offsets;
+    if constexpr (kChunkCopies) {
+        PageOffsets first_offsets[STAGES];
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s)
+            if (my_begin + s < my_end) first_offsets[s].fetch(k_rows, my_begin + s, seq_keys);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s)
+            if (my_begin + s < my_end)
+                first_offsets[s].store(stage_of(my_begin + s), k_rows, v_rows, my_begin + s);
+        if (my_begin + STAGES < my_end)
+            pending_offsets.fetch(k_rows, my_begin + STAGES, seq_keys);
+        __syncthreads();
+    }
+#endif
 
     // Prologue: the packed Q rows (zeros past the rows in use and past D) join the first
     // group of copies, so their latency hides under the first K/V tile's instead of
@@ -286,8 +365,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         first_row, rows);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (my_begin + s < my_end) load_tile(my_begin + s, false);
-        stage_ids_of(my_begin + s + STAGES - 1);
+        if (my_begin + s < my_end) load_tile(my_begin + s);
         commit_copies();
     }
     wait_copies<STAGES - 2>();
@@ -317,10 +395,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                           // read in the previous tile, which every warp has finished
         {
             const i64 next = tile + STAGES - 1;
-            if (next < my_end) load_tile(next, true);
-            stage_ids_of(next + STAGES - 1);
+            if (next < my_end) load_tile(next);
             commit_copies();
         }
+#if PAGED
+        if constexpr (kChunkCopies) {  // tile + STAGES's offsets into this tile's stage
+            if (tile + STAGES < my_end)
+                pending_offsets.store(stage_of(tile + STAGES), k_rows, v_rows, tile + STAGES);
+            if (tile + STAGES + 1 < my_end)
+                pending_offsets.fetch(k_rows, tile + STAGES + 1, seq_keys);
+        }
+#endif
         const bits16* k_warp = k_tile + warp * kWarpKeys * kQkPitch;
         const bits16* v_warp = v_tile + warp * kWarpKeys * kVPitch;
         const i64 col_start = tile * kBlockK + warp * kWarpKeys;
