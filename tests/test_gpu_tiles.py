@@ -324,13 +324,14 @@ def test_tensor_core_decode_merges_few_partials_in_the_kernel():
     kernel, one split needs no merge; `info`'s note names which."""
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=131072, **H100)
     few = tiles.choose_decode(problem, _decode_shape(batch=8, n_k=4096))
-    assert few.tiles.splits == 4 and tiles.decode_merges_in_kernel(few.tiles, 4, 128, 128)
+    assert few.tiles.splits == 6 and tiles.decode_merges_in_kernel(few.tiles, 4, 128, 128)
     assert "the last block of each group merges the splits" in few.note
     many = tiles.choose_decode(problem, _decode_shape(batch=1, n_k=131072))
-    assert many.tiles.splits == 33  # 33 x 4 rows x 128 = 16.9K floats
+    assert many.tiles.splits == 49  # 49 x 4 rows x 128 = 25K floats
     assert not tiles.decode_merges_in_kernel(many.tiles, 4, 128, 128)
     assert "the merge kernel combines the splits" in many.note
-    whole = tiles.choose_decode(problem, _decode_shape(batch=64, n_k=4096))
+    # 792 blocks: two whole waves of 396 (3 an SM)
+    whole = tiles.choose_decode(problem, _decode_shape(batch=99, n_k=4096))
     assert whole.tiles.splits == 1 and not tiles.decode_merges_in_kernel(whole.tiles, 4, 128,
                                                                          128)
     assert "merge" not in whole.note
@@ -338,7 +339,7 @@ def test_tensor_core_decode_merges_few_partials_in_the_kernel():
 
 def test_tensor_core_decode_splits_fill_the_device():
     """The same rule for the tensor-core kernel, whose residency is set by its shared memory
-    and registers: at D = 128, 72 KiB and ~176 registers a thread keep 2 blocks an SM."""
+    and registers: at D = 128, 72 KiB and 168 registers a thread keep 3 blocks an SM."""
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=262144, **H100)
     single = tiles.choose_decode(problem, _decode_shape(n_q_heads=8, n_kv_heads=1,
                                                         n_k=262144)).tiles
@@ -348,10 +349,10 @@ def test_tensor_core_decode_splits_fill_the_device():
     assert shared == 2 * 64 * (128 + 128 + 16) * 2 + 16 * 136 * 2
     per_sm = tiles.decode_blocks_per_sm(shared, single.threads, problem.shared_limit,
                                         single.registers(128, 128))
-    assert per_sm == 2
-    assert single.splits == 2 * 132
+    assert per_sm == 3
+    assert single.splits == 3 * 132
     some = tiles.choose_decode(problem, _decode_shape(batch=8, n_k=32768)).tiles
-    assert some.splits == 4  # 64 x 4 = 256 blocks in one wave of 264
+    assert some.splits == 6  # 64 x 6 = 384 blocks in one wave of 396
 
 
 def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():

@@ -11,6 +11,9 @@ option: the rows whose registers the cut-tile non-finite corrections must not gr
 --flag-keys compiles them as a query tail does (FLAG_NON_FINITE_KEYS). --strided compiles
 the backward kernels and group_sum with STRIDED_OUT=1 (gradients at the caller's "bshd"
 strides), as the launchers do for them (never with the single pass or GROUP_SPLITS).
+--decode-registers compiles each row of tiles.DECODE_MMA_REGISTERS as the table measured
+it (no score option, no launch bound, dense), and paged, and says where ptxas's count
+(rounded up to 8) leaves the residency the table gives.
 """
 
 from __future__ import annotations
@@ -213,6 +216,44 @@ def compile_one(job, directory: str) -> str:
     return f"{name} ({shown}): ok; " + " | ".join(report)
 
 
+def _decode_register_jobs() -> list:
+    """(source, arch, defines, options) of every DECODE_MMA_REGISTERS row, dense and paged."""
+    from tileattn.gpu.tiles import DECODE_MMA_REGISTERS
+
+    jobs = []
+    for (width, value_width, row_tiles, row_warps, warps, keys) in DECODE_MMA_REGISTERS:
+        for paged in (0, 1):
+            jobs.append(("attention_decode_mma.cu", "90",
+                         ["COPY_BYTES=16", "Q_COPY_BYTES=16", f"FUSED_MERGE={int(row_warps == 1)}",
+                          "IS_BFLOAT16=0", f"HEAD_DIM={width}", f"VALUE_DIM={value_width}",
+                          f"ROW_TILES={row_tiles}", f"WARPS={warps}", "MIN_BLOCKS=1",
+                          f"ROW_WARPS={row_warps}", f"WARP_KEYS={keys}", "STAGES=2",
+                          f"VARLEN={paged}", f"PAGED={paged}"], NO_BAND))
+    return jobs
+
+
+def _check_decode_registers(job, result: str) -> str:
+    """`result` with the table's count and both residencies (blocks an SM by registers)."""
+    import re
+
+    from tileattn.gpu.tiles import DECODE_MMA_REGISTERS, SM_REGISTERS, DecodeMmaTiles
+
+    value = dict(d.split("=") for d in job[2])
+    tiles = DecodeMmaTiles(int(value["ROW_TILES"]), int(value["WARPS"]), int(value["WARP_KEYS"]),
+                           2, 1, int(value["ROW_WARPS"]))
+    found = re.search(r"Used (\d+) registers", result)
+    if not found:
+        return result
+    used = -(-int(found.group(1)) // 8) * 8
+    table = DECODE_MMA_REGISTERS[(int(value["HEAD_DIM"]), int(value["VALUE_DIM"]),
+                                  tiles.row_tiles, tiles.row_warps, tiles.warps,
+                                  tiles.warp_keys)]
+    by_ptxas, by_table = (SM_REGISTERS // (tiles.threads * count) for count in (used, table))
+    verdict = "same residency" if by_ptxas == by_table else "RESIDENCY DIFFERS"
+    return (f"{result} | table {table}: {by_table} blocks an SM, ptxas {used}: {by_ptxas}, "
+            f"{verdict}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="keep the spliced sources and cubins in this folder")
@@ -223,9 +264,13 @@ def main() -> None:
     parser.add_argument("--strided", action="store_true",
                         help="the backward kernels and group_sum with STRIDED_OUT=1")
     parser.add_argument("--source", help="only the jobs of this .cu file")
+    parser.add_argument("--decode-registers", action="store_true",
+                        help="tiles.DECODE_MMA_REGISTERS against ptxas")
     args = parser.parse_args()
     extra = ["FLAG_NON_FINITE_KEYS=1"] if args.flag_keys else []
     jobs = _backward_rows(extra) if args.backward_rows else JOBS
+    if args.decode_registers:
+        jobs = _decode_register_jobs()
     if args.strided:
         jobs = _strided(jobs)
     if args.source:
@@ -234,6 +279,8 @@ def main() -> None:
     os.makedirs(directory, exist_ok=True)
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 4)) as pool:
         results = list(pool.map(lambda job: compile_one(job, directory), enumerate(jobs)))
+    if args.decode_registers:
+        results = [_check_decode_registers(job, result) for job, result in zip(jobs, results)]
     print("\n".join(results))
     sys.exit(any("FAILED" in r for r in results))
 

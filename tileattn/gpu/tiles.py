@@ -809,15 +809,39 @@ class DecodeMmaTiles:
                 + self.rows * (padded(head_dim, 16) + 8) * 2)
 
     def registers(self, head_dim: int, value_dim: int) -> int:
-        """An estimate of ptxas's registers a thread (residency, so the split count): O's
-        accumulators, Q's fragments where they stay in registers, S, and 72 for the rest.
-        ptxas (sm_90, no options; bench/experiments/compile_check_gpu.py): D = 64 128,
-        D = 128 176, D = 256 234, two row tiles at D = 128 246; the estimate gives 128,
-        176, 208, 216: the same residency (4, 2, 2, 2 blocks of 128 threads)."""
+        """ptxas's registers a thread (residency, so the split count): the count measured
+        for the table's rows (DECODE_MMA_REGISTERS), else an estimate: O's accumulators,
+        Q's fragments where they stay in registers, S, and 72 for the rest."""
         head_width, value_width = padded(head_dim, 16), padded(value_dim, 16)
+        measured = DECODE_MMA_REGISTERS.get((head_width, value_width, self.row_tiles,
+                                             self.row_warps, self.warps, self.warp_keys))
+        if measured is not None:
+            return measured
         q_fragments = self.row_tiles * head_width // 4 if self.row_tiles * head_width <= 128 else 0
         count = 72 + self.row_tiles * (value_width // 2 + self.warp_keys // 2) + q_fragments
         return min(255, -(-count // 8) * 8)
+
+
+# ptxas's registers a thread for the tensor-core decode's table rows, keyed by (padded D,
+# padded Dv, row tiles, row warps, key warps, keys a warp): sm_90, 16-bit, no score option,
+# no launch bound (bench/experiments/compile_check_gpu.py --decode-registers). The split
+# count assumes the residency these give, and the kernel is built with it as its minimum;
+# an estimate that undercounts makes ptxas squeeze (spills), one that overcounts leaves a
+# block an SM more than the splits assumed, whose grids then end in a part-empty wave
+# (NOTES-gpu v33: D = 128 at 168 registers ran 3 blocks an SM where 2 were assumed, B64
+# H32/8 Nk4k 275 -> 323 us).
+DECODE_MMA_REGISTERS = {
+    (64, 64, 1, 1, 4, 16): 120, (64, 64, 1, 2, 2, 32): 144, (64, 64, 1, 4, 1, 64): 160,
+    (64, 64, 1, 8, 1, 64): 160,
+    (96, 96, 1, 1, 4, 16): 192, (96, 96, 1, 2, 2, 32): 192, (96, 96, 1, 4, 1, 64): 208,
+    (96, 96, 1, 8, 1, 64): 208,
+    (128, 128, 1, 1, 4, 16): 168, (128, 128, 1, 2, 2, 32): 200, (128, 128, 1, 4, 1, 64): 208,
+    (128, 128, 1, 8, 1, 64): 208,
+    (192, 192, 1, 1, 4, 16): 224, (192, 192, 1, 2, 2, 32): 240, (192, 192, 1, 4, 1, 32): 240,
+    (192, 192, 1, 8, 1, 32): 240,
+    (256, 256, 1, 1, 4, 16): 240, (256, 256, 1, 2, 2, 32): 248, (256, 256, 1, 4, 1, 32): 248,
+    (256, 256, 1, 8, 1, 32): 248,
+}
 
 
 def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
