@@ -5,14 +5,15 @@ bench_gpu_decode.py) and after one that leaves clean ones (a 128 MiB read).
 
     PYTHONPATH=. python3 bench/experiments/decode_costs_gpu.py [--shapes 'B8 H32/8 Nq1 Nk4k D128 float16' ...]
         [--min-mib 128 --max-mib 512] [--quick] [--baseline DIR] [--force stages=3 splits=x0.5]
-        [--profile]
+        [--profile] [--merge-warps 16 32]
 
 Default shapes: the issue's grid at Nq = 1, float16, whose K and V take 128-512 MiB (the
 range where the decode fell short of copy bandwidth, NOTES-gpu v31). Per shape: the read,
 the table's launches (all) and the decode kernel alone, the merge kernel alone, the whole
 step with the merge kernel and with the merge fused into the decode kernel whatever the
 table says, --baseline DIR's kernel (an older attention_decode_mma.cu, with the merge
-kernel), torch flash, and the tiles --force names. --profile only runs each shape's kernels
+kernel), torch flash, the tiles --force names, and the step with the merge kernel at each
+of --merge-warps's warp counts. --profile only runs each shape's kernels
 a few times, for `ncu --kernel-name regex:attention_decode`.
 """
 
@@ -111,6 +112,8 @@ def main() -> None:
                         help="tile fields forced, e.g. stages=3 'warps=2,warp_keys=32' splits=x0.5")
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--merge-warps", nargs="*", type=int, default=[],
+                        help="the step with the merge kernel at these warps (MERGE_WARPS)")
     parser.add_argument("--quick", action="store_true", help="bench_gpu_decode's quick shapes too")
     args = parser.parse_args()
 
@@ -189,6 +192,13 @@ def main() -> None:
             other = build(q, k, v, other_config)
             forced.append(f"{forced_fields} ({other_config.splits} splits): "
                           f"{clean(checked(*other, forced_fields)):.1f}")
+        for warps in args.merge_warps if separate[0].merge is not None else ():
+            saved, launch_decode.MERGE_WARPS = launch_decode.MERGE_WARPS, warps
+            try:
+                variant = build(q, k, v, config, fused_floats=0)
+            finally:
+                launch_decode.MERGE_WARPS = saved
+            forced.append(f"merge {warps} warps: {clean(checked(*variant, 'merge warps')):.1f}")
         fused_here = launch.merge is None and config.splits > 1
         print(f"| {shape.name} | {shape.kv_bytes / 2**20:.0f} | {config.splits} x "
               f"{launch.decode.grid[0]} | {'yes' if fused_here else 'no'} | {read_us:.1f} | "

@@ -492,14 +492,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 // fmax and then makes the sum NaN, so NaN reaches o and lse.
 // A block per (row, 32 columns): a single sequence of one kv head has only ROWS rows but
 // hundreds of splits, whose partials (splits x Dv floats a row) a block per row would read
-// through a handful of SMs. Lane = column; the 8 warps take every 8th split, so each warp
-// reads 128 contiguous bytes a split. The pass is a few dependent reads long, so its
-// latency is the cost (a step of ~100 us paid ~6-8 us for it, NOTES-gpu v32): every lse is
-// read once (kept in shared memory up to kMergeKeptSplits splits), and each lane loads its
-// first kMergeEarly partial values before the weights are known, so that those loads
-// overlap the lse reads'. Sums run in a fixed order (deterministic).
-constexpr int kMergeWarps = 8;
-constexpr int kMergeThreads = kMergeWarps * 32;  // launch_decode.py's MERGE_THREADS
+// through a handful of SMs. Lane = column; the MERGE_WARPS warps take every MERGE_WARPS-th
+// split, so each warp reads 128 contiguous bytes a split. The pass is a few dependent reads
+// long, so its latency is the cost (a step of ~100 us paid ~6-8 us for it, NOTES-gpu v32):
+// every lse is read once (kept in shared memory up to kMergeKeptSplits splits), and each
+// lane loads its first kMergeEarly partial values before the weights are known, so that
+// those loads overlap the lse reads'; 16 warps, not 8, halve each warp's chain of reads
+// (NOTES-gpu v33, H200: 396 splits 54.3 -> 49.5 us a step, 264 splits 54.9 -> 52.4, the
+// same at <= 66; 32 warps no better). Sums run in a fixed order (deterministic).
+#ifndef MERGE_WARPS
+#define MERGE_WARPS 16
+#endif
+constexpr int kMergeWarps = MERGE_WARPS;  // launch_decode.py's MERGE_WARPS
+constexpr int kMergeThreads = kMergeWarps * 32;
 constexpr int kMergeKeptSplits = 512;  // tiles.DECODE_MAX_SPLITS; more are read twice
 constexpr int kMergeEarly = 8;
 extern "C" __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge(

@@ -29,7 +29,7 @@ from .workspace import partials, split_counters
 
 DECODE_SOURCE = "attention_decode.cu"
 DECODE_MMA_SOURCE = "attention_decode_mma.cu"
-MERGE_THREADS = 256  # attention_decode_merge's __launch_bounds__ (8 warps)
+MERGE_WARPS = 16  # attention_decode_merge's warps, each taking every MERGE_WARPS-th split
 MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 
 
@@ -117,7 +117,8 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
     cuda_core = tiles if not on_tensor_cores else DecodeTiles(16, 32, 2, 128, tiles.splits)
     merge_defines = (("ACCUM", "double" if accum == np.float64 else "float"),
                      ("BLOCK_K", cuda_core.block_k), ("COPY_BYTES", copy_bytes),
-                     ("HEAD_DIM", head_dim), ("ROWS", cuda_core.rows),
+                     ("HEAD_DIM", head_dim), ("MERGE_WARPS", MERGE_WARPS),
+                     ("ROWS", cuda_core.rows),
                      ("STAGES", cuda_core.stages), ("STORAGE", STORAGE[np.dtype(q.dtype).name]),
                      ("THREADS", cuda_core.threads), ("VALUE_DIM", value_dim)) + switches
     defines = merge_defines
@@ -162,7 +163,7 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
         merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge",
                                          tuple(sorted(merge_defines)))
         merge = Launch(merge_function, (n_rows, -(-value_dim // MERGE_COLUMNS)),
-                       (MERGE_THREADS,), 0,
+                       (32 * MERGE_WARPS,), 0,
                        (np.int64(n_rows), np.int32(splits), np.int32(n_q_heads),
                         np.int64(n_q), *output_strides(o)))
     split_groups = (batch * n_kv_heads * row_groups if fused_merge else 0) if on_tensor_cores \
