@@ -645,6 +645,37 @@ def test_repeated_unchecked_device_calls_follow_lengths_changed_in_place(n_q):
             stream.synchronize()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
+@pytest.mark.parametrize("index_dtype", [np.int16, np.int32, np.int64])
+def test_repeated_unchecked_device_calls_read_new_arrays(index_dtype):
+    """A decode loop that passes new CuPy lengths and a new table each step (same shapes
+    and dtypes: the remembered problem takes them without re-checking), a (2, 2) batch whose
+    lengths and table are reshaped to the flat batch, and an index dtype the kernels take
+    as int64: every step gives what the checked call with the same values gives."""
+    import cupy
+
+    rng = np.random.default_rng(13)
+    full = [260, 95, 60, 180]
+    _, _, (k, v), table = _paged_cache(rng, 4, 2, full, 16, 64, 64, False, np.float16)
+    q = cupy.asarray(rng.standard_normal((2, 2, 8, 1, 64)).astype(np.float16))
+    k, v = cupy.asarray(k), cupy.asarray(v)
+    for step in range(4):
+        lengths = np.array([int(rng.integers(0, n + 1)) for n in full]).reshape(2, 2)
+        # a new table each step: the used pages as they are, the rest new garbage ids
+        step_table = table.copy()
+        step_table[step_table < 0] = -(step + 2)
+        step_table = step_table.reshape(2, 2, -1)
+        o, lse = tileattn.forward(q, k, v, return_lse=True, check_lengths=False,
+                                  seqlens_k=cupy.asarray(lengths.astype(index_dtype)),
+                                  block_table=cupy.asarray(step_table.astype(index_dtype)))
+        expected = tileattn.forward(q, k, v, return_lse=True, seqlens_k=lengths,
+                                    block_table=table.reshape(2, 2, -1))
+        for name, a, b in zip(("o", "lse"), (o, lse), expected):
+            assert_attention_close(a.get(), b.get().astype(np.float64), np.float16,
+                                   name=f"{name} at step {step}")
+
+
 def test_exact_tile_order_equals_the_per_sequence_count():
     """`tile_list` (one NumPy pass over every row of every sequence) gives each sequence's
     tiles the costs `kept_pairs_per_row` gives them one sequence at a time, in the same

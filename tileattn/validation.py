@@ -162,11 +162,39 @@ def with_device_lengths(template: Problem, varlen: dict, backward: bool, gpu: in
     CuPy lengths of the same signature) around this call's `varlen` arrays
     (tileattn.problem_cache)."""
     layout = template.options.varlen
+    swapped = _swapped_device_lengths(layout, varlen)
+    if swapped is not None:
+        return replace(template.options, varlen=swapped)
     paging = (layout.num_pages, layout.page_size) if layout.family == "paged" else None
     fresh = _check_varlen(varlen_family(varlen, backward=backward), varlen,
                           template.layout.batch_shape, template.n_q, template.n_k, False,
                           paging, gpu)
     return replace(template.options, varlen=fresh)
+
+
+_DEVICE_LENGTH_NAMES = ("seqlens_q", "seqlens_k", "block_table")
+
+
+def _swapped_device_lengths(layout, varlen: dict):
+    """`layout` (validated with device arrays of this call's signature: names, shapes,
+    strides, dtypes, device) around this call's arrays, as `_check_varlen` would make it,
+    without its checks, which the signature already passed: a decode loop's step spends
+    ~20-30 us of host time in them otherwise (bench/experiments/host_profile_gpu.py).
+    None where the template holds a host array in their place (lengths on another GPU, or
+    filled in for an absent one): then the full path."""
+    if layout.family == "packed":
+        return None
+    arrays = {}
+    for name in _DEVICE_LENGTH_NAMES:
+        kept, given = getattr(layout, name), varlen.get(name)
+        if (kept is None) != (given is None) or isinstance(kept, np.ndarray):
+            return None
+        if given is None:
+            continue
+        if given.dtype != np.int32 and given.dtype != np.int64:
+            given = given.astype(np.int64)  # as varlen_validation's device path does
+        arrays[name] = given if given.shape == kept.shape else given.reshape(kept.shape)
+    return replace(layout, **arrays)
 
 
 def _check_varlen(family, keywords, batch_shape, n_q, n_k, check_lengths, paging,

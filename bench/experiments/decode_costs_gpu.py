@@ -189,6 +189,9 @@ def main() -> None:
                              if value.startswith("x") else int(value))
                       for name, value in fields.items()}
             other_config = tiles.decode_mma_tiles(problem, dshape, **fields)
+            if other_config.shared_bytes(shape.head_dim, shape.head_dim) > problem.shared_limit:
+                forced.append(f"{forced_fields}: over the shared memory")
+                continue
             other = build(q, k, v, other_config)
             forced.append(f"{forced_fields} ({other_config.splits} splits): "
                           f"{clean(checked(*other, forced_fields)):.1f}")

@@ -7,6 +7,9 @@ A tiny problem (B 1, H 1, N 128, D 64, float16, causal), calls queued back to ba
 device synchronised once, so every figure is host microseconds per call. For the JAX
 adapter the floors are timed too: a jitted elementwise op and a jitted buffer_callback that
 does nothing; the adapter's callback body is timed on its own (perf_counter inside it).
+"decode" times and profiles a server's decode step (B 8, Hq 32 / Hkv 8, one query row, 4k
+keys a sequence, float16) dense, with seqlens_k on the device (unchecked) and paged (pages
+of 16 in a pool, block table and lengths on the device, unchecked).
 """
 
 from __future__ import annotations
@@ -86,6 +89,58 @@ def direct(arrays) -> None:
     say("direct backward from a new thread", result.get("us", float("nan")))
     profile("direct forward", lambda: tileattn.forward(q, k, v, causal=True))
     profile("direct backward", lambda: tileattn.backward(do, q, k, v, o, lse, causal=True))
+
+
+def decode(_arrays) -> None:
+    batch, n_q_heads, n_kv_heads, n_k, head_dim, page = 8, 32, 8, 4096, 128, 16
+    rng = cupy.random.default_rng(0)
+    q = rng.standard_normal((batch, n_q_heads, 1, head_dim), dtype=cupy.float32).astype(
+        cupy.float16)
+    k, v = (rng.standard_normal((batch, n_kv_heads, n_k, head_dim), dtype=cupy.float32)
+            .astype(cupy.float16) for _ in range(2))
+    pages = batch * n_k // page
+    pool = [x.reshape(batch, n_kv_heads, n_k // page, page, head_dim).transpose(0, 2, 1, 3, 4)
+            .reshape(pages, n_kv_heads, page, head_dim).copy() for x in (k, v)]
+    table = cupy.arange(pages, dtype=cupy.int32).reshape(batch, n_k // page)
+    seqlens_k = cupy.full(batch, n_k, dtype=cupy.int32)
+    calls = {
+        "decode dense": lambda: tileattn.forward(q, k, v),
+        "decode seqlens_k (device, unchecked)":
+            lambda: tileattn.forward(q, k, v, seqlens_k=seqlens_k, check_lengths=False),
+        "decode paged (device tables, unchecked)":
+            lambda: tileattn.forward(q, pool[0], pool[1], block_table=table,
+                                     seqlens_k=seqlens_k, check_lengths=False),
+    }
+    for name, call in calls.items():
+        say(name, per_call_us(call, cupy_sync))
+    # The same calls' host time by part: validation (problem_cache.validate_call), the GPU
+    # backend's forward (plan lookup, table fill, launches) and the rest.
+    import tileattn.api as api
+    spent = {}
+
+    def timed(part, function):
+        def wrapper(*args, **keywords):
+            start = time.perf_counter()
+            try:
+                return function(*args, **keywords)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+        return wrapper
+    import tileattn.gpu as gpu_backend
+    originals = api.validate_call, gpu_backend.forward
+    api.validate_call = timed("validate", originals[0])
+    gpu_backend.forward = timed("gpu forward", originals[1])
+    try:
+        for name, call in calls.items():
+            spent.clear()
+            total = per_call_us(call, cupy_sync, 1000)
+            parts = ", ".join(f"{part} {1e6 * seconds / 1002:.1f}" for part, seconds in
+                              spent.items())
+            print(f"{name}: {total:.1f} us a call, of which {parts} us", flush=True)
+    finally:
+        api.validate_call, gpu_backend.forward = originals
+    for name, call in calls.items():
+        profile(name, call)
 
 
 def jax_part(host) -> None:
@@ -200,14 +255,14 @@ def torch_part(arrays) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("direct", "jax", "torch"), nargs="*",
-                        default=("direct", "jax", "torch"))
+    parser.add_argument("--only", choices=("direct", "jax", "torch", "decode"), nargs="*",
+                        default=("direct", "jax", "torch", "decode"))
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     host = [rng.standard_normal(SHAPE).astype(np.float16) for _ in range(4)]
     arrays = [cupy.asarray(a) for a in host]
     for name, part, given in (("direct", direct, arrays), ("jax", jax_part, host),
-                              ("torch", torch_part, arrays)):
+                              ("torch", torch_part, arrays), ("decode", decode, arrays)):
         if name in args.only:
             part(given)
 

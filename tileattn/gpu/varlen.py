@@ -153,16 +153,15 @@ class DeviceTables:
         """``(seqlens_q, seqlens_k, block_table)`` of a call as the filling kernel reads
         them (1-D lengths, table rows of unit column stride; empty stand-ins for absent
         ones)."""
-        device = cupy.cuda.Device().id
         arrays = []
         for array in (layout.seqlens_q, layout.seqlens_k, layout.block_table):
             if array is None:
-                arrays.append(empty(device, "int32"))
+                arrays.append(empty(cupy.cuda.Device().id, "int32"))
                 continue
             if isinstance(array, np.ndarray):
                 array = upload(np.ascontiguousarray(array, dtype=np.int64))
-            if array.ndim == 1 or array.strides[-1] != array.itemsize:
-                array = cupy.ascontiguousarray(array)
+            if array.strides[-1] != array.itemsize:  # a copy only for strided rows: a
+                array = cupy.ascontiguousarray(array)  # decode step's host time counts
             arrays.append(array)
         return tuple(arrays)
 
