@@ -64,8 +64,10 @@ def _natives(arrays_in: tuple) -> tuple | None:
     return tuple(natives)
 
 
-def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options: dict):
-    """The key of a call, or None when it is not remembered."""
+def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options: dict,
+               extra: tuple = ()):
+    """The key of a call, or None when it is not remembered; `extra` joins the key as it
+    is (the output names and the lengths' signature: no types to tell apart there)."""
     if options.get("alibi_slopes") is not None:
         return None
     signatures = tuple(map(_array_signature, natives))
@@ -76,7 +78,7 @@ def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options:
     # equal, as do window=(True, 1) and (1, 1), but validation rejects the bool and the
     # int; and a tensor's results go back as tensors.
     return (layout, check_lengths, type(check_lengths), tuple(options), values,
-            tuple(map(_types_of, values)), tuple(map(type, arrays_in)), signatures)
+            tuple(map(_types_of, values)), tuple(map(type, arrays_in)), signatures, extra)
 
 
 def _types_of(value):
@@ -100,7 +102,7 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     natives = _natives(arrays_in + tuple(given.values()))
     key = (None if natives is None else
            _signature(arrays_in + tuple(given.values()), natives, layout, check_lengths,
-                      dict(options, outputs=tuple(given), lengths=lengths)))
+                      options, (tuple(given), lengths)))
     try:
         remembered = _PROBLEMS.get(key) if key is not None else None
     except TypeError:  # an option value that is not hashable, e.g. window given as a list
