@@ -492,8 +492,9 @@ class PagedKeys:
 
 
 # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), lengths, page size, page-major, options,
-# DecodeMmaTiles): page ids staged in the stages one tile ahead (pages shorter than a stage,
-# as long, longer), with 3 stages, splits merged in the kernel, a second row warp.
+# DecodeMmaTiles): row offsets stored in the stages one tile ahead (pages shorter than a
+# stage, as long, longer), with 3 stages, splits merged in the kernel, a second row warp,
+# and widths whose chunks the threads do not divide evenly (D 96, Dv 72 -> 80).
 PAGED_DECODE_CASES = [
     ("float16", (2, 8, 2, 1, 704, 64, 64), (700, 333), 16, False, {},
      DecodeMmaTiles(1, 4, 16, 2, 3)),
@@ -503,6 +504,8 @@ PAGED_DECODE_CASES = [
      DecodeMmaTiles(1, 2, 32, 2, 2, 2)),
     ("float16", (2, 4, 1, 1, 768, 32, 32), (768, 257), 256, False, {"window": (300, 0)},
      DecodeMmaTiles(1, 4, 16, 4, 1)),
+    ("float16", (2, 8, 2, 1, 400, 96, 72), (400, 170), 16, False, {},
+     DecodeMmaTiles(1, 4, 16, 2, 3)),
 ]
 
 

@@ -64,57 +64,91 @@ static_assert(kQOffset % 16 == 0, "16-byte aligned Q tile");
 static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_bytes disagrees");
 #endif
 
-// K and V tiles by whole 16-byte copies at places fixed per thread: thread t copies column
-// chunk t % kChunksPerRow of the tile's rows t / kChunksPerRow + i * kRowStep, so a chunk's
-// address is the thread's first one plus i fixed steps. load_rows_async's general loop
-// (any width, chunk size and row source) forms each chunk's address anew: 64-bit row
-// products, bounds, and under PAGED a block-table read; at decode's two mma a copy those
-// integer instructions were most of the kernel's issue slots (NOTES-gpu v33: 62
-// instructions a copy, 2 of them mma; paged 101) and held paged calls to 0.62 of the
-// dense ones on an H200. Widths or alignments these copies do not cover take the general
-// loop.
+// K and V tiles by whole 16-byte copies at places fixed per thread: thread t copies chunks
+// t + i * kThreads of the tile (row chunk / kChunksPerRow, column chunk % kChunksPerRow),
+// in a loop of a fixed count, unrolled. Where the threads divide the rows' chunks evenly
+// (kEvenSplit: D 16-256 a power of two, the common head dims) a thread's chunks lie in one
+// column and rows kRowStep apart, so a chunk's address is the thread's first one plus i
+// fixed steps; other widths (D = 96, 192: 12 and 24 chunks a row) find their row and column
+// by a division by a constant. load_rows_async's general loop (any width, chunk size and
+// row source) forms each chunk's address anew: 64-bit row products, bounds, and under
+// PAGED a block-table read; at decode's two mma a copy those integer instructions were
+// most of the kernel's issue slots (NOTES-gpu v33: 62 instructions a copy, 2 of them mma;
+// paged 101) and held paged calls to 0.62 of the dense ones on an H200. Unaligned rows
+// (COPY_BYTES < 16) and head dims that are not whole chunks take the general loop.
 template <int Columns, int Width, int Pitch>
 struct TileChunks {
     static constexpr int kChunksPerRow = Width / 8;
-    static constexpr bool kCovered = COPY_BYTES == 16 && Columns % 8 == 0 &&
-                                     kThreads % kChunksPerRow == 0 &&
-                                     (kBlockK * kChunksPerRow) % kThreads == 0;
-    static constexpr int kRowStep = kCovered ? kThreads / kChunksPerRow : 1;
-    static constexpr int kPerThread = kCovered ? kBlockK * kChunksPerRow / kThreads : 0;
+    static constexpr int kChunks = kBlockK * kChunksPerRow;
+    static constexpr bool kCovered = COPY_BYTES == 16 && Columns % 8 == 0;
+    static constexpr bool kEvenSplit =
+        kThreads % kChunksPerRow == 0 && kChunks % kThreads == 0;
+    static constexpr int kRowStep = kEvenSplit ? kThreads / kChunksPerRow : 1;
+    static constexpr int kPerThread = (kChunks + kThreads - 1) / kThreads;
 
-    int first_row;     // this thread's first row of a tile
-    int column;        // its chunk's first column
+    int first_row;     // this thread's first row of a tile (kEvenSplit)
+    int column;        // its chunk's first column (kEvenSplit)
     bool column_kept;  // the chunk lies within Columns (else zeros: the head dim's padding)
 
     __device__ __forceinline__ static TileChunks of_thread() {
         const int chunk = static_cast<int>(threadIdx.x) % kChunksPerRow;
         return {static_cast<int>(threadIdx.x) / kChunksPerRow, chunk * 8, chunk * 8 < Columns};
     }
-    __device__ __forceinline__ u32 destination(bits16* tile) const {
-        return shared_address(tile + first_row * Pitch + column);
+    // Chunk i of this thread: false past the tile's chunks (an uneven split's last pass),
+    // else its row and column.
+    __device__ __forceinline__ static bool place(int i, int* row, int* col) {
+        const int chunk = static_cast<int>(threadIdx.x) + i * kThreads;
+        *row = chunk / kChunksPerRow;
+        *col = chunk % kChunksPerRow * 8;
+        return kChunks % kThreads == 0 || chunk < kChunks;
     }
     // Rows [0, rows_kept) of a tile whose row 0 is at `row0` (rows `stride` apart); zeros
     // after them.
     __device__ __forceinline__ void strided(bits16* tile, const bits16* row0, i64 stride,
                                             int rows_kept) const {
-        const bits16* source = row0 + first_row * stride + column;
-        const u32 target = destination(tile);
+        if constexpr (kEvenSplit) {
+            const bits16* source = row0 + first_row * stride + column;
+            const u32 target = shared_address(tile + first_row * Pitch + column);
 #pragma unroll
-        for (int i = 0; i < kPerThread; ++i)
-            copy_chunk_async<16>(target + i * kRowStep * Pitch * 2, source + i * kRowStep * stride,
-                                 column_kept && first_row + i * kRowStep < rows_kept);
+            for (int i = 0; i < kPerThread; ++i)
+                copy_chunk_async<16>(target + i * kRowStep * Pitch * 2,
+                                     source + i * kRowStep * stride,
+                                     column_kept && first_row + i * kRowStep < rows_kept);
+        } else {
+            const u32 target = shared_address(tile);
+#pragma unroll
+            for (int i = 0; i < kPerThread; ++i) {
+                int r, c;
+                if (!place(i, &r, &c)) break;
+                copy_chunk_async<16>(target + (r * Pitch + c) * 2, row0 + r * stride + c,
+                                     c < Columns && r < rows_kept);
+            }
+        }
     }
 #if PAGED
     // The same through the rows' offsets in `pool`, which `PageOffsets::store` left in the
     // padding after each of the tile's rows (8 of its 16 bytes; no ldmatrix reads them).
     __device__ __forceinline__ void paged(bits16* tile, const bits16* pool, int rows_kept) const {
-        const u32 target = destination(tile);
+        const auto offset_of = [&](int r) {
+            return *reinterpret_cast<const i64*>(tile + r * Pitch + Width);
+        };
+        if constexpr (kEvenSplit) {
+            const u32 target = shared_address(tile + first_row * Pitch + column);
 #pragma unroll
-        for (int i = 0; i < kPerThread; ++i) {
-            const int r = first_row + i * kRowStep;
-            const i64 offset = *reinterpret_cast<const i64*>(tile + r * Pitch + Width);
-            copy_chunk_async<16>(target + i * kRowStep * Pitch * 2, pool + offset + column,
-                                 column_kept && r < rows_kept);
+            for (int i = 0; i < kPerThread; ++i) {
+                const int r = first_row + i * kRowStep;
+                copy_chunk_async<16>(target + i * kRowStep * Pitch * 2,
+                                     pool + offset_of(r) + column, column_kept && r < rows_kept);
+            }
+        } else {
+            const u32 target = shared_address(tile);
+#pragma unroll
+            for (int i = 0; i < kPerThread; ++i) {
+                int r, c;
+                if (!place(i, &r, &c)) break;
+                copy_chunk_async<16>(target + (r * Pitch + c) * 2, pool + offset_of(r) + c,
+                                     c < Columns && r < rows_kept);
+            }
         }
     }
 #endif
