@@ -178,8 +178,8 @@ _DEVICE_LENGTH_NAMES = ("seqlens_q", "seqlens_k", "block_table")
 def _swapped_device_lengths(layout, varlen: dict):
     """`layout` (validated with device arrays of this call's signature: names, shapes,
     strides, dtypes, device) around this call's arrays, as `_check_varlen` would make it,
-    without its checks, which the signature already passed: a decode loop's step spends
-    ~20-30 us of host time in them otherwise (bench/experiments/host_profile_gpu.py).
+    without its checks, which the signature already passed (a decode loop's step: a few
+    microseconds of its host time, bench/NOTES-gpu.md v33).
     None where the template holds a host array in their place (lengths on another GPU, or
     filled in for an absent one): then the full path."""
     if layout.family == "packed":
