@@ -676,6 +676,33 @@ def test_repeated_unchecked_device_calls_read_new_arrays(index_dtype):
                                    name=f"{name} at step {step}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
+@pytest.mark.parametrize("n_q", [1, 4])
+def test_unchecked_page_ids_outside_the_pool_are_clamped(n_q):
+    """The 16-bit decode over device tables with page ids outside ``[0, num_pages)`` among a
+    sequence's pages (what a server's bug or a stale table passes unchecked): the kernels
+    clamp them into the pool, so the call equals the checked call on the clamped table,
+    and nothing past the pool is read."""
+    import cupy
+
+    rng = np.random.default_rng(14)
+    lengths = [300, 77]
+    _, _, (k, v), table = _paged_cache(rng, 2, 2, lengths, 16, 64, 64, False, np.float16)
+    num_pages = k.shape[0]
+    bad = table.astype(np.int64)
+    bad[0, 1], bad[0, 5], bad[1, 2] = -3, num_pages + 7, 10**12
+    q = cupy.asarray(rng.standard_normal((2, 8, n_q, 64)).astype(np.float16))
+    k, v = cupy.asarray(np.nan_to_num(k)), cupy.asarray(np.nan_to_num(v))
+    o, lse = tileattn.forward(q, k, v, return_lse=True, check_lengths=False,
+                              seqlens_k=cupy.asarray(np.array(lengths, np.int32)),
+                              block_table=cupy.asarray(bad))
+    expected = tileattn.forward(q, k, v, return_lse=True, seqlens_k=np.array(lengths),
+                                block_table=np.clip(bad, 0, num_pages - 1))
+    for name, a, b in zip(("o", "lse"), (o, lse), expected):
+        assert_attention_close(a.get(), b.get().astype(np.float64), np.float16, name=name)
+
+
 def test_exact_tile_order_equals_the_per_sequence_count():
     """`tile_list` (one NumPy pass over every row of every sequence) gives each sequence's
     tiles the costs `kept_pairs_per_row` gives them one sequence at a time, in the same
