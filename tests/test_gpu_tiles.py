@@ -355,6 +355,24 @@ def test_tensor_core_decode_splits_fill_the_device():
     assert some.splits == 6  # 64 x 6 = 384 blocks in one wave of 396
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("n_q_heads, n_q", [(8, 1), (32, 1), (32, 8), (32, 16), (64, 16)])
+def test_tensor_core_decode_rows_have_measured_registers(head_dim, n_q_heads, n_q):
+    """Every tile shape the tensor-core decode's table picks at the common head dims has its
+    ptxas register count in DECODE_MMA_REGISTERS (the residency the splits assume comes from
+    it, not from the estimate): a change to the table's warps or keys must measure them
+    again (bench/experiments/compile_check_gpu.py --decode-registers)."""
+    problem = Problem(dtype="float16", head_dim=head_dim, value_dim=head_dim, n_k=32768,
+                      **H100)
+    shape = _decode_shape(n_q=n_q, n_q_heads=n_q_heads, n_kv_heads=8 if n_q_heads > 8 else 1,
+                          n_k=32768)
+    chosen = tiles.decode_mma_tiles(problem, shape)
+    key = (head_dim, head_dim, chosen.row_tiles, chosen.row_warps, chosen.warps,
+           chosen.warp_keys)
+    assert key in tiles.DECODE_MMA_REGISTERS, chosen
+    assert chosen.registers(head_dim, head_dim) == tiles.DECODE_MMA_REGISTERS[key]
+
+
 def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():
     """16-bit inputs from one packed row up to 64, in blocks of what O's registers hold (16
     rows a warp at Dv = 256, 32 at 128, 64 at 64; more rows take row warps, up to four,
