@@ -337,7 +337,9 @@ def decode_cases(rng) -> int:
         assert_attention_close(lse.get(), golden_lse, q.dtype, name="lse")
         print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} decode {config}")
     # Paged decode (pages of 16 in shuffled order, NaN in every slot no sequence holds): the
-    # tensor-core kernel's page ids staged in its stages, one and two query rows.
+    # tensor-core kernel's row offsets staged in its stages, one and two query rows; then the
+    # same over device tables, unchecked, with lengths past the table's capacity and page
+    # ids outside the pool (the offsets' clamp: nothing may be read past the pools).
     q, k, v, _, lengths = _varlen_problem(rng, np.dtype(np.float16), "paged", rows=(1, 2, 1),
                                           keys=(700, 333, 290), heads=(8, 2))
     for options in ({}, {"causal": True}):
@@ -349,6 +351,14 @@ def decode_cases(rng) -> int:
         assert_attention_close(o.get(), golden_o, np.float16, name="o")
         assert_attention_close(lse.get(), golden_lse, np.float16, name="lse")
         print(f"ok float16 paged decode (pages of 16) {sorted(options)}")
+    table = lengths["block_table"].astype(np.int64)
+    table[0, 1], table[1, 0], table[2, -1] = -4, 10**12, table.max() + 50
+    tileattn.forward(*map(cupy.asarray, (np.nan_to_num(q), k, v)), backend="gpu",
+                     check_lengths=False, seqlens_q=cupy.asarray(lengths["seqlens_q"]),
+                     seqlens_k=cupy.asarray(np.array([10**6, 333, -3], np.int32)),
+                     block_table=cupy.asarray(table))
+    cupy.cuda.Device().synchronize()
+    print("ok float16 paged decode, device tables unchecked: page ids out of range (clamped)")
     return 0
 
 
