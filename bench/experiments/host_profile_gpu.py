@@ -19,6 +19,7 @@ import cProfile
 import io
 import os
 import pstats
+import sys
 import threading
 import time
 
@@ -28,6 +29,9 @@ import cupy
 import numpy as np
 
 import tileattn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from paged_pools import page_pool  # noqa: E402
 
 SHAPE = (1, 1, 128, 64)
 
@@ -98,10 +102,9 @@ def decode(_arrays) -> None:
         cupy.float16)
     k, v = (rng.standard_normal((batch, n_kv_heads, n_k, head_dim), dtype=cupy.float32)
             .astype(cupy.float16) for _ in range(2))
-    pages = batch * n_k // page
-    pool = [x.reshape(batch, n_kv_heads, n_k // page, page, head_dim).transpose(0, 2, 1, 3, 4)
-            .reshape(pages, n_kv_heads, page, head_dim).copy() for x in (k, v)]
-    table = cupy.arange(pages, dtype=cupy.int32).reshape(batch, n_k // page)
+    (k_pool, table), (v_pool, _) = (page_pool(x, [n_k] * batch, page, np.random.default_rng(0))
+                                    for x in (k, v))
+    pool = (k_pool, v_pool)
     seqlens_k = cupy.full(batch, n_k, dtype=cupy.int32)
     calls = {
         "decode dense": lambda: tileattn.forward(q, k, v),

@@ -102,43 +102,16 @@ struct TileChunks {
         *col = chunk % kChunksPerRow * 8;
         return kChunks % kThreads == 0 || chunk < kChunks;
     }
-    // Rows [0, rows_kept) of a tile whose row 0 is at `row0` (rows `stride` apart); zeros
-    // after them.
-    __device__ __forceinline__ void strided(bits16* tile, const bits16* row0, i64 stride,
-                                            int rows_kept) const {
-        if constexpr (kEvenSplit) {
-            const bits16* source = row0 + first_row * stride + column;
-            const u32 target = shared_address(tile + first_row * Pitch + column);
-#pragma unroll
-            for (int i = 0; i < kPerThread; ++i)
-                copy_chunk_async<16>(target + i * kRowStep * Pitch * 2,
-                                     source + i * kRowStep * stride,
-                                     column_kept && first_row + i * kRowStep < rows_kept);
-        } else {
-            const u32 target = shared_address(tile);
-#pragma unroll
-            for (int i = 0; i < kPerThread; ++i) {
-                int r, c;
-                if (!place(i, &r, &c)) break;
-                copy_chunk_async<16>(target + (r * Pitch + c) * 2, row0 + r * stride + c,
-                                     c < Columns && r < rows_kept);
-            }
-        }
-    }
-#if PAGED
-    // The same through the rows' offsets in `pool`, which `PageOffsets::store` left in the
-    // padding after each of the tile's rows (8 of its 16 bytes; no ldmatrix reads them).
-    __device__ __forceinline__ void paged(bits16* tile, const bits16* pool, int rows_kept) const {
-        const auto offset_of = [&](int r) {
-            return *reinterpret_cast<const i64*>(tile + r * Pitch + Width);
-        };
+    // Rows [0, rows_kept) of a tile into `tile`, row r from `row_at(r)`; zeros after them.
+    template <class RowAt>
+    __device__ __forceinline__ void copy(bits16* tile, int rows_kept, RowAt row_at) const {
         if constexpr (kEvenSplit) {
             const u32 target = shared_address(tile + first_row * Pitch + column);
 #pragma unroll
             for (int i = 0; i < kPerThread; ++i) {
                 const int r = first_row + i * kRowStep;
-                copy_chunk_async<16>(target + i * kRowStep * Pitch * 2,
-                                     pool + offset_of(r) + column, column_kept && r < rows_kept);
+                copy_chunk_async<16>(target + i * kRowStep * Pitch * 2, row_at(r) + column,
+                                     column_kept && r < rows_kept);
             }
         } else {
             const u32 target = shared_address(tile);
@@ -146,10 +119,25 @@ struct TileChunks {
             for (int i = 0; i < kPerThread; ++i) {
                 int r, c;
                 if (!place(i, &r, &c)) break;
-                copy_chunk_async<16>(target + (r * Pitch + c) * 2, pool + offset_of(r) + c,
+                copy_chunk_async<16>(target + (r * Pitch + c) * 2, row_at(r) + c,
                                      c < Columns && r < rows_kept);
             }
         }
+    }
+    // A tile whose row 0 is at `row0`, rows `stride` apart (addressed from the thread's
+    // first row: with an even split the steps are then constants times the stride).
+    __device__ __forceinline__ void strided(bits16* tile, const bits16* row0, i64 stride,
+                                            int rows_kept) const {
+        const bits16* first = row0 + first_row * stride;
+        copy(tile, rows_kept, [&](int r) { return first + (r - first_row) * stride; });
+    }
+#if PAGED
+    // The same through the rows' offsets in `pool`, which `PageOffsets::store` left in the
+    // padding after each of the tile's rows (8 of its 16 bytes; no ldmatrix reads them).
+    __device__ __forceinline__ void paged(bits16* tile, const bits16* pool, int rows_kept) const {
+        copy(tile, rows_kept, [&](int r) {
+            return pool + *reinterpret_cast<const i64*>(tile + r * Pitch + Width);
+        });
     }
 #endif
 };
