@@ -5,6 +5,12 @@ causal, pages of 16, 64 and 256 in shuffled order.
 
     PYTHONPATH=. python3 bench/experiments/paged_prefill_gpu.py [--tiles]
 
+``--profile`` runs the contiguous call and page 64's twice each, untimed, for
+`ncu --kernel-name regex:attention_forward`.
+
+``--tiles --profile`` runs the 256 x 64 tiles on the contiguous call and on pages of 64,
+twice each and untimed, for ncu (launches 1 and 3 are the second of each).
+
 ``--tiles`` times the wgmma forward's candidate tiles instead (contiguous ms | page 16 ms |
 page 64 ms per line; with ``--all-columns`` also the same keys with device lengths (a
 variable-length launch over every tile) and with host lengths (over the host's tile table)
@@ -27,15 +33,24 @@ from gpu_timing import back_to_back_ms  # noqa: E402
 CALLS = 50
 
 
-def main() -> None:
+def twice_untimed(function, _calls) -> float:
+    """--profile's stand-in for the timing: two calls, for ncu to see."""
+    function()
+    function()
+    cupy.cuda.Device().synchronize()
+    return float("nan")
+
+
+def main(profile: bool = False) -> None:
+    timed = twice_untimed if profile else back_to_back_ms
     batch, heads, n_new, n_keys, dim = 4, 16, 512, 8704, 128
     rng = np.random.default_rng(0)
     q = cupy.asarray(rng.standard_normal((batch, heads, n_new, dim)), dtype=cupy.float16)
     k = cupy.asarray(rng.standard_normal((batch, heads, n_keys, dim)), dtype=cupy.float16)
-    dense = back_to_back_ms(lambda: tileattn.forward(q, k, k, causal=True, backend="gpu"),
+    dense = timed(lambda: tileattn.forward(q, k, k, causal=True, backend="gpu"),
                             CALLS)
     print(f"contiguous: {dense:.3f} ms")
-    for page in (16, 64, 256):
+    for page in (64,) if profile else (16, 64, 256):
         pages = n_keys // page
         order = rng.permutation(batch * pages)
         table = order.reshape(batch, pages)
@@ -44,10 +59,10 @@ def main() -> None:
             0, 2, 1, 3, 4).reshape(batch * pages, heads, page, dim)
         lengths = {"block_table": table, "seqlens_k": np.full(batch, n_keys),
                    "check_lengths": False}
-        padded = back_to_back_ms(lambda: tileattn.forward(
+        padded = timed(lambda: tileattn.forward(
             q, k, k, causal=True, backend="gpu", seqlens_k=np.full(batch, n_keys),
             check_lengths=False), CALLS)
-        paged = back_to_back_ms(lambda: tileattn.forward(q, pool, pool, causal=True,
+        paged = timed(lambda: tileattn.forward(q, pool, pool, causal=True,
                                                          backend="gpu", **lengths), CALLS)
         same = float(cupy.abs(tileattn.forward(q, pool, pool, causal=True, backend="gpu",
                                                **lengths)
@@ -92,18 +107,22 @@ def sweep_tiles() -> None:
                   "seqlens_k": np.full(batch, n_keys)}
         options = validate(q, pool, pool, varlen=varlen, **defaults).options
         calls[page] = (pool, options, Sequences(q, pool, options, forward=True))
-    candidates = [WgmmaTiles(*t) for t in ((192, 128, 2), (192, 64, 2), (192, 64, 3),
+    profile = "--profile" in sys.argv
+    if profile:
+        calls = {64: calls[64]}
+    candidates = [WgmmaTiles(256, 64, 2)] if profile else [WgmmaTiles(*t) for t in ((192, 128, 2), (192, 64, 2), (192, 64, 3),
                                            (128, 128, 2, 2), (128, 64, 2, 2), (128, 64, 3, 2),
                                            (128, 64, 3), (256, 64, 2))]
-    if "--all-columns" not in sys.argv:
+    if "--all-columns" not in sys.argv and not profile:
         del calls["padded"], calls["padded, host tables"]
+    timed = twice_untimed if profile else back_to_back_ms
     for tiles in candidates:
         row = [f"{tiles}"]
         try:
-            row.append(back_to_back_ms(lambda: launch_forward.forward_wgmma(
+            row.append(timed(lambda: launch_forward.forward_wgmma(
                 q, k, k, o, lse, dense_options, tiles), CALLS))
             for page, (pool, options, sequences) in calls.items():
-                row.append(back_to_back_ms(lambda: launch_forward.forward_wgmma(
+                row.append(timed(lambda: launch_forward.forward_wgmma(
                     q, pool, pool, o, lse, options, tiles, sequences), CALLS))
         except Exception as error:  # noqa: BLE001 (a candidate that does not fit)
             row.append(f"failed: {str(error).splitlines()[0][:80]}")
@@ -114,4 +133,4 @@ def sweep_tiles() -> None:
 if __name__ == "__main__":
     import sys
 
-    sweep_tiles() if "--tiles" in sys.argv[1:] else main()
+    sweep_tiles() if "--tiles" in sys.argv[1:] else main("--profile" in sys.argv[1:])

@@ -50,15 +50,60 @@ constexpr bool kWarpgroupSkips =
     kWarpgroups > 1 && kWarpgroups * BLOCKS_PER_SM < 4 && (LIMIT_LEFT || LIMIT_RIGHT);
 
 // Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
-__device__ __forceinline__ void load_key_tiles(u32 k_tile, u32 v_tile,
-                                               const KeyRows<bits16>& k_rows,
-                                               const KeyRows<bits16>& v_rows, i64 row,
-                                               i64 n_k) {
+template <class KSource, class VSource>
+__device__ __forceinline__ void load_key_tiles(u32 k_tile, u32 v_tile, const KSource& k_rows,
+                                               const VSource& v_rows, i64 row, i64 n_k) {
     load_swizzled_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
         k_tile, k_rows, row, n_k);
     load_swizzled_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, COPY_BYTES>(
         v_tile, v_rows, row, n_k);
 }
+
+#if PAGED
+using KCopies = SwizzledCopies<BLOCK_K, kHeadWidth, kThreads>;
+using VCopies = SwizzledCopies<BLOCK_K, kValueWidth, kThreads>;
+
+// The K and V rows this thread copies of one key tile, their block-table entries read a
+// tile before the copies that use them (sequences.cuh, PagedCopyRows). Page sizes that are
+// powers of two (what servers use) and others take apart branches, a uniform test a tile.
+struct KeyTilePages {
+    const KeyRows<bits16> k_rows, v_rows;
+    i64 k[KCopies::kSteps];
+    i64 v[VCopies::kSteps];
+    __device__ __forceinline__ bool power_of_two() const { return k_rows.page_shift >= 0; }
+    __device__ __forceinline__ void fetch(i64 row, i64 n_k) {
+        if (power_of_two()) fetch_as<true>(row, n_k);
+        else fetch_as<false>(row, n_k);
+    }
+    template <bool kPowerOfTwo> __device__ __forceinline__ void fetch_as(i64 row, i64 n_k) {
+        k_rows.template fetch_entries<KCopies, kPowerOfTwo>(row, n_k, k);
+        if constexpr (kHeadWidth == kValueWidth) {  // the same rows: the same pages
+#pragma unroll
+            for (int step = 0; step < KCopies::kSteps; ++step) v[step] = k[step];
+        } else {  // one block table for K and V
+            k_rows.template fetch_entries<VCopies, kPowerOfTwo>(row, n_k, v);
+        }
+    }
+    __device__ __forceinline__ void load(u32 k_tile, u32 v_tile, i64 row, i64 n_k) const {
+        if (power_of_two()) load_as<true>(k_tile, v_tile, row, n_k);
+        else load_as<false>(k_tile, v_tile, row, n_k);
+    }
+    template <bool kPowerOfTwo>
+    __device__ __forceinline__ void load_as(u32 k_tile, u32 v_tile, i64 row, i64 n_k) const {
+        PagedCopyRows<bits16, KCopies::kSteps, kPowerOfTwo> k_copies{k_rows, {}};
+        PagedCopyRows<bits16, VCopies::kSteps, kPowerOfTwo> v_copies{v_rows, {}};
+#pragma unroll
+        for (int step = 0; step < KCopies::kSteps; ++step)
+            k_copies.page[step] = static_cast<u32>(k_rows.clamped(k[step]));
+#pragma unroll
+        for (int step = 0; step < VCopies::kSteps; ++step)
+            v_copies.page[step] = kHeadWidth == kValueWidth
+                                      ? k_copies.page[step]
+                                      : static_cast<u32>(k_rows.clamped(v[step]));
+        load_key_tiles(k_tile, v_tile, k_copies, v_copies, row, n_k);
+    }
+};
+#endif
 
 extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_forward_wgmma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
@@ -118,11 +163,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     for (int stage = 0; stage < STAGES - 1; ++stage) {
         const i64 key_tile = tile_begin + stage;
         if (key_tile < tile_end) {
+#if PAGED
+            KeyTilePages pages{k_head, v_head, {}, {}};
+            pages.fetch(key_tile * BLOCK_K, n_k);
+            pages.load(k_tiles + stage * kKTileBytes, v_tiles + stage * kVTileBytes,
+                       key_tile * BLOCK_K, n_k);
+#else
             load_key_tiles(k_tiles + stage * kKTileBytes, v_tiles + stage * kVTileBytes,
                            k_head, v_head, key_tile * BLOCK_K, n_k);
+#endif
         }
         commit_copies();
     }
+#if PAGED
+    // The pages of the first tile the loop issues; each issue reads the next tile's.
+    KeyTilePages ahead_pages{k_head, v_head, {}, {}};
+    ahead_pages.fetch((tile_begin + STAGES - 1) * BLOCK_K, n_k);
+#endif
 
     // Under a band, the steps [wg_first, wg_stop) of the block's key tiles that this
     // warpgroup's own 64 rows reach. The others are fully masked for it (the first
@@ -168,9 +225,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
             const i64 ahead = key_tile + STAGES - 1;
             const int ahead_stage = (step + STAGES - 1) % STAGES;
             if (ahead < tile_end) {
+#if PAGED
+                ahead_pages.load(k_tiles + ahead_stage * kKTileBytes,
+                                 v_tiles + ahead_stage * kVTileBytes, ahead * BLOCK_K, n_k);
+                ahead_pages.fetch((ahead + 1) * BLOCK_K, n_k);
+#else
                 load_key_tiles(k_tiles + ahead_stage * kKTileBytes,
                                v_tiles + ahead_stage * kVTileBytes, k_head, v_head,
                                ahead * BLOCK_K, n_k);
+#endif
             }
             commit_copies();
         }

@@ -273,6 +273,17 @@ template <typename T> struct PagedRows {
     __device__ __forceinline__ i64 page_of(i64 row) const {
         return page_shift >= 0 ? row >> page_shift : row / page_size;
     }
+    // Where `row` lies, for a page size known to be a power of two or not: its index in the
+    // table row, and its slot in that page.
+    template <bool kPowerOfTwo> __device__ __forceinline__ i64 page_index(i64 row) const {
+        return kPowerOfTwo ? row >> page_shift : row / page_size;
+    }
+    template <bool kPowerOfTwo> __device__ __forceinline__ i64 slot(i64 row) const {
+        return kPowerOfTwo ? row & (page_size - 1) : row % page_size;
+    }
+    __device__ __forceinline__ i64 clamped(i64 page) const {
+        return min(max(page, i64(0)), last_page);
+    }
     __device__ __forceinline__ const T* at(i64 row, bool valid) const {
         if (!valid) return pool;  // past the sequence: the table may not name a page there
         const i64 index = page_of(row);
@@ -281,6 +292,21 @@ template <typename T> struct PagedRows {
     }
     __device__ __forceinline__ const T* fallback() const { return pool; }
     __device__ __forceinline__ PagedTile<T> for_tile(i64 row_start, int rows) const;
+    // The block-table entries of the rows this thread copies (Copies: wgmma.cuh's
+    // SwizzledCopies) of the tile at `row_start`, as read: clamped where they are used, so
+    // that nothing waits here for the read. 0 for rows at or past `row_limit`, whose copies
+    // read nothing.
+    template <class Copies, bool kPowerOfTwo>
+    __device__ __forceinline__ void fetch_entries(i64 row_start, i64 row_limit,
+                                                  i64 (&entries)[Copies::kSteps]) const {
+#pragma unroll
+        for (int step = 0; step < Copies::kSteps; ++step) {
+            const i64 row = row_start + Copies::row(step);
+            entries[step] = Copies::exists(step) && row < row_limit
+                                ? table[page_index<kPowerOfTwo>(row)]
+                                : i64(0);
+        }
+    }
 };
 
 // The rows of one tile: when they lie in one page (a page of at least the tile's height,
@@ -301,6 +327,39 @@ template <typename T>
 __device__ __forceinline__ PagedTile<T> PagedRows<T>::for_tile(i64 row_start, int rows) const {
     const bool one_page = page_of(row_start) == page_of(row_start + rows - 1);
     return {one_page ? at(row_start, true) : nullptr, row_start, *this};
+}
+
+// The rows one thread copies of a paged tile, with their pages known beforehand (the
+// block-table entries read by PagedRows::fetch_entries a tile ahead in the wgmma forward,
+// clamped once for K and V): a copy's address is then two 32 x 64-bit products and adds,
+// with no branch (a row past the end gets page 0's address, which its zero-filling copy
+// does not read). A lookup per row put a dependent table read, its clamp and branches
+// between a tile's barrier and its copies, on the Hopper forward's critical path
+// (bench/NOTES-gpu.md, v28 and v34).
+template <typename T, int Steps, bool kPowerOfTwo> struct PagedCopyRows {
+    PagedRows<T> pages;
+    u32 page[Steps];  // clamped into the pool
+    __device__ __forceinline__ const T* at_copy(int step, i64 row) const {
+        const i64 slot = kPowerOfTwo ? static_cast<i64>(static_cast<u32>(row) &
+                                                        static_cast<u32>(pages.page_size - 1))
+                                     : row % pages.page_size;
+        return pages.pool + static_cast<i64>(page[step]) * pages.page_stride +
+               slot * pages.slot_stride;
+    }
+    __device__ __forceinline__ const T* fallback() const { return pages.pool; }
+    __device__ __forceinline__ PagedCopyRows for_tile(i64, int) const { return *this; }
+};
+
+// The address of a tile loader's copy `step` (row `row`): from the row alone, except where
+// the source holds each copy's page already.
+template <class Rows>
+__device__ __forceinline__ auto copy_source(const Rows& rows, int, i64 row, bool valid) {
+    return rows.at(row, valid);
+}
+template <typename T, int Steps, bool kPowerOfTwo>
+__device__ __forceinline__ const T* copy_source(const PagedCopyRows<T, Steps, kPowerOfTwo>& rows,
+                                                int step, i64 row, bool) {
+    return rows.at_copy(step, row);
 }
 
 #if PAGED

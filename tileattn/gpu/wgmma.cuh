@@ -57,54 +57,72 @@ template <int Width> struct Swizzled {
 template <int Rows, int Width> constexpr int kSwizzledTileBytes = Rows * Width * 2;
 constexpr int kTileAlignment = 1024;
 
-// Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
-// columns, Columns of them) into the swizzled Rows x Width tile at shared address `tile` by
-// the block's threads 0 .. Threads - 1; rows at or past `row_limit` and the columns past
-// Columns become zeros. ChunkBytes (16, 8, 4 or 2) is the widest copy the rows' alignment
-// allows (2 for an odd head dim).
-//
-// When the threads split evenly over a row's chunks, each thread keeps one chunk and walks
-// the rows `kRowStep` apart; the step is a multiple of the swizzle's 8-row period, so the
-// chunk's swizzled position is the same on every row and a copy costs an address add and
-// a bounds compare, with a compile-time trip count (a loop over chunk = threadIdx.x,
+// Which rows of a Rows x Width swizzled tile this thread copies, copy by copy. When the
+// threads split evenly over a row's chunks, each thread keeps one chunk and walks the rows
+// `kRowStep` apart; the step is a multiple of the swizzle's 8-row period, so the chunk's
+// swizzled position is the same on every row and a copy costs an address add and a bounds
+// compare, with a compile-time trip count (a loop over chunk = threadIdx.x,
 // threadIdx.x + Threads, ... compiled to a remainder loop, with spills, in the two-block
 // forward: bench/NOTES-gpu.md, v13b). Other widths walk the chunks in that order, with the
-// division by the compile-time chunk count unrolled the same way.
+// division by the compile-time chunk count unrolled the same way. Either way a thread's
+// rows are fixed at compile time up to its index, so a paged source can look their pages
+// up before the copies (sequences.cuh, PagedCopyRows).
+template <int Rows, int Width, int Threads> struct SwizzledCopies {
+    static constexpr int kRowChunks = Width / 8;
+    static constexpr bool kFixedChunk =
+        Threads % kRowChunks == 0 && (Threads / kRowChunks) % 8 == 0;
+    static constexpr int kRowStep = Threads / kRowChunks;  // used when kFixedChunk
+    static constexpr int kTotal = Rows * kRowChunks;
+    static constexpr int kSteps =
+        kFixedChunk ? (Rows + kRowStep - 1) / kRowStep : (kTotal + Threads - 1) / Threads;
+    // The tile row of copy `step`, and whether this thread has that copy at all.
+    static __device__ __forceinline__ int row(int step) {
+        return kFixedChunk ? static_cast<int>(threadIdx.x) / kRowChunks + step * kRowStep
+                           : (static_cast<int>(threadIdx.x) + step * Threads) / kRowChunks;
+    }
+    static __device__ __forceinline__ bool exists(int step) {
+        if constexpr (kFixedChunk) return Rows % kRowStep == 0 || row(step) < Rows;
+        return kTotal % Threads == 0 || static_cast<int>(threadIdx.x) + step * Threads < kTotal;
+    }
+};
+
+// Rows [row_start, row_start + Rows) of one head (row stride `row_stride`, contiguous
+// columns, Columns of them) into the swizzled Rows x Width tile at shared address `tile` by
+// the block's threads 0 .. Threads - 1, in the order of SwizzledCopies; rows at or past
+// `row_limit` and the columns past Columns become zeros. ChunkBytes (16, 8, 4 or 2) is
+// the widest copy the rows' alignment allows (2 for an odd head dim).
 template <int Rows, int Columns, int Width, int Threads, int ChunkBytes = 16, class Source>
 __device__ __forceinline__ void load_swizzled_rows_async(u32 tile, const Source& source,
                                                          i64 row_start, i64 row_limit) {
     using S = Swizzled<Width>;
+    using Copies = SwizzledCopies<Rows, Width, Threads>;
+    constexpr int kRowChunks = Copies::kRowChunks;
     const auto rows = source.for_tile(row_start, Rows);
-    constexpr int kRowChunks = Width / 8;
-    constexpr bool kFixedChunk = Threads % kRowChunks == 0 && (Threads / kRowChunks) % 8 == 0;
-    if constexpr (kFixedChunk) {
-        constexpr int kRowStep = Threads / kRowChunks;
-        const int c = threadIdx.x % kRowChunks, r0 = threadIdx.x / kRowChunks;
+    if constexpr (Copies::kFixedChunk) {
+        const int c = threadIdx.x % kRowChunks, r0 = Copies::row(0);
         const u32 first = tile + (c / S::kChunks) * (Rows * S::kRowBytes) +
                           r0 * S::kRowBytes + (S::chunk(c % S::kChunks, r0) << 4);
 #pragma unroll
-        for (int step = 0; step < (Rows + kRowStep - 1) / kRowStep; ++step) {
-            const int r = r0 + step * kRowStep;
-            if (Rows % kRowStep != 0 && r >= Rows) break;
-            const i64 row = row_start + r;
+        for (int step = 0; step < Copies::kSteps; ++step) {
+            if (!Copies::exists(step)) break;
+            const i64 row = row_start + r0 + step * Copies::kRowStep;
             const bool valid = row < row_limit;
             copy_row_chunk<Columns, Width, ChunkBytes>(
-                first + step * kRowStep * S::kRowBytes, rows.at(row, valid), rows.fallback(),
-                c * 8, valid);
+                first + step * Copies::kRowStep * S::kRowBytes,
+                copy_source(rows, step, row, valid), rows.fallback(), c * 8, valid);
         }
     } else {
-        constexpr int kTotal = Rows * kRowChunks;
 #pragma unroll
-        for (int step = 0; step < (kTotal + Threads - 1) / Threads; ++step) {
+        for (int step = 0; step < Copies::kSteps; ++step) {
+            if (!Copies::exists(step)) break;
             const int i = threadIdx.x + step * Threads;
-            if (kTotal % Threads != 0 && i >= kTotal) break;
             const int r = i / kRowChunks, c = i % kRowChunks;
             const i64 row = row_start + r;
             const bool valid = row < row_limit;
             copy_row_chunk<Columns, Width, ChunkBytes>(
                 tile + (c / S::kChunks) * (Rows * S::kRowBytes) + r * S::kRowBytes +
                     (S::chunk(c % S::kChunks, r) << 4),
-                rows.at(row, valid), rows.fallback(), c * 8, valid);
+                copy_source(rows, step, row, valid), rows.fallback(), c * 8, valid);
         }
     }
 }
