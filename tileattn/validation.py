@@ -17,7 +17,7 @@ import numpy as np
 from . import arrays
 from .backends import REGISTRY
 from .dropout import dropout_threshold
-from .options import UNLIMITED, AttentionOptions, VarlenLayout
+from .options import UNLIMITED, AttentionOptions, VarlenLayout, evolve
 from .reference import lse_dtype
 from .varlen_validation import (check_block_table, check_cu_seqlens_pair, check_packed_slopes,
                                 check_page_pools, check_seqlens, varlen_family)
@@ -164,7 +164,7 @@ def with_device_lengths(template: Problem, varlen: dict, backward: bool, gpu: in
     layout = template.options.varlen
     swapped = _swapped_device_lengths(layout, varlen)
     if swapped is not None:
-        return replace(template.options, varlen=swapped)
+        return evolve(template.options, varlen=swapped)
     paging = (layout.num_pages, layout.page_size) if layout.family == "paged" else None
     fresh = _check_varlen(varlen_family(varlen, backward=backward), varlen,
                           template.layout.batch_shape, template.n_q, template.n_k, False,
@@ -194,7 +194,7 @@ def _swapped_device_lengths(layout, varlen: dict):
         if given.dtype != np.int32 and given.dtype != np.int64:
             given = given.astype(np.int64)  # as varlen_validation's device path does
         arrays[name] = given if given.shape == kept.shape else given.reshape(kept.shape)
-    return replace(layout, **arrays)
+    return evolve(layout, **arrays)
 
 
 def _check_varlen(family, keywords, batch_shape, n_q, n_k, check_lengths, paging,

@@ -365,7 +365,7 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
                      or switches.softcap or switches.alibi or switches.dropout)
         choice = within_pages(choice, sequences.page_size, max(q.shape[3], v.shape[3]),
                               keep_rows)
-    fills = choice.family != "decode" and not sequences.covers_every_row
+    fills = choice.family != "decode" and not sequences.forward_covers_every_row
     if fills:  # (a split launch's merge writes every row anyway)
         o.fill(0)
         lse.fill(-np.inf)

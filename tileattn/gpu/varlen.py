@@ -61,9 +61,13 @@ class Sequences:
         if not self.dense_grid:
             layout = layout.on_host()
         # Checked packed sequences tile the row and key axes (cu_seqlens run from 0 to the
-        # totals), so the kernels write every output row; otherwise padding rows and keys
-        # are left to the launcher to zero.
+        # totals), so the kernels write every output row and gradient; otherwise padding
+        # rows and keys are left to the launcher to zero. A forward writes every row of o
+        # also where every batch element has all the rows (no seqlens_q: a row that keeps
+        # no key gets 0 and -inf from its tile).
         self.covers_every_row = self.packed and layout.checked
+        self.forward_covers_every_row = self.covers_every_row or (
+            not self.packed and layout.seqlens_q is None)
         self.key_capacity = layout.key_capacity(k.shape[2])
         self.n_pages = layout.num_pages if self.paged else 0
         self.page_size = layout.page_size if self.paged else 0
