@@ -48,7 +48,7 @@ MASKS = {"none": ({}, (UNLIMITED, UNLIMITED)),
 
 @pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("n_q", [1, 5, 16])
+@pytest.mark.parametrize("n_q", [1, 5, 16, 17, decode.MAX_QUERY_ROWS])
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_every_split_count_matches_the_golden_model(n_splits, heads, n_q, mask):
     q, k, v = _inputs(2, *heads, n_q, N_KEYS, seed=n_q)
@@ -66,6 +66,25 @@ def test_rows_that_keep_no_key_give_zero_and_minus_infinity(n_splits):
     out, lse = _decode(q, k, v, n_splits, window_right=0)
     assert np.all(out[:, :, :3] == 0) and np.all(lse[:, :, :3] == -np.inf)
     expected_out, expected_lse = _golden(q, k, v, causal=True)
+    assert_attention_close(out, expected_out, np.float32, name="out")
+    assert_attention_close(lse, expected_lse, np.float32, name="lse")
+
+
+@pytest.mark.parametrize("n_q", [4, 17, decode.MAX_QUERY_ROWS])
+def test_non_finite_keys_outside_every_rows_window_change_nothing(decode_calls, n_q):
+    """NaN and inf in K and V at the three keys before any row's window (in a key tile the
+    window cuts, so they are loaded) reach no output: the plain-loop products (up to
+    MAX_LOOP_ROWS rows) and the BLAS ones alike leave them out."""
+    q, k, v = _inputs(1, 4, 4, n_q, N_KEYS, seed=n_q)
+    first = N_KEYS - n_q - 40  # row 0 keeps keys first .. N_KEYS - n_q, row i i more
+    assert first % 32 >= 3     # the poisoned keys share the first kept key's tile
+    k[:, :, first - 3:first], v[:, :, first - 2], v[:, :, first - 1] = np.nan, np.inf, -np.inf
+    options = {"window": (40, 0)}
+    out, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, block_k=32,
+                                **options)
+    assert decode_calls == [q.shape]
+    expected_out, expected_lse = _golden(q, k, v, **options)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert_attention_close(out, expected_out, np.float32, name="out")
     assert_attention_close(lse, expected_lse, np.float32, name="lse")
 
@@ -132,7 +151,8 @@ def test_decode_shapes_take_the_decode_path(decode_calls, n_q):
     ((8, 2), 64, 511, False),     # fewer keys than 8 a row: the forward kernel
     ((8, 1), 129, 8192, False),   # 1032 packed rows: over MAX_GROUP_ROWS
     ((8, 1), 128, 8192, True),
-    ((4, 4), 17, 8192, False),    # MHA beyond 16 rows keeps the forward kernel
+    ((4, 4), 17, 8192, True),     # MHA up to MAX_QUERY_ROWS: the decode path's loops
+    ((4, 4), decode.MAX_QUERY_ROWS + 1, 8192, False),  # beyond: the forward kernel
 ])
 def test_gqa_calls_with_more_rows_take_the_decode_path_while_the_group_fits(
         decode_calls, heads, n_q, n_k, takes):

@@ -13,9 +13,12 @@ from ..options import BAND, KEYS, ROWS, UNLIMITED
 from .blocks import default_blocks
 from .tiles import key_span
 
-MAX_QUERY_ROWS = 16
+MAX_QUERY_ROWS = 32
 """Calls with at most this many query rows take the decode path (bench/NOTES-cpu.md,
-session 5: `bench/bench_cpu_decode.py`)."""
+session 5: `bench/bench_cpu_decode.py`), as many as its plain-loop products serve
+(`decode_kernel.MAX_LOOP_ROWS`): MHA Nq 17-32 over 4k-32k keys ran 0.78-0.90x torch on the
+forward kernel, whose sgemm packs a whole K and V tile for so few rows, and 0.93-1.25x on
+the decode path (2 threads, session 19)."""
 
 TASKS_PER_THREAD = 4
 """Splits are added until there are this many (batch, kv head, split) tasks per thread, as

@@ -32,13 +32,16 @@ from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, til
                     transform_tile)
 from .vector_math import FASTMATH, maximum
 
-MAX_LOOP_ROWS = 16
+MAX_LOOP_ROWS = 32
 """Up to this many rows per group, the two products of a tile are plain loops that read
 each K and V row once for all rows, instead of BLAS (whose sgemm packs its operands first,
 the likely cost for so few rows; not profiled). 2 threads, B = 1, D = 128, Nk = 32768:
 Hq = Hkv = 32, Nq = 8 (causal) 95 -> 79 ms; Hq = 32, Hkv = 8, Nq = 1 21 -> 17 ms
 (bench/NOTES-cpu.md, session 5). 16 rows, Nk = 16384: Hq = Hkv = 8, Nq = 16 18.0 -> 13.4 ms,
-Hq = 32, Hkv = 8, Nq = 4 17.9 -> 13.3 ms; 24 and 32 rows were no faster (session 10)."""
+Hq = 32, Hkv = 8, Nq = 4 17.9 -> 13.3 ms. Since the loops were register-blocked (session
+18) they also beat sgemm at 17-32 rows (one Zen 3 core, 512 keys of D = 128, median
+GFLOP/s, loops against np.dot: S = Q K^T 51-67 / 28-48, P V 37-62 / 25-43); at 48 rows
+they are even and at 64 slower (session 19)."""
 
 
 @njit(fastmath=FASTMATH)
