@@ -65,7 +65,8 @@ using VCopies = SwizzledCopies<BLOCK_K, kValueWidth, kThreads>;
 
 // The K and V rows this thread copies of one key tile, their block-table entries read a
 // tile before the copies that use them (sequences.cuh, PagedCopyRows). Page sizes that are
-// powers of two (what servers use) and others take apart branches, a uniform test a tile.
+// powers of two (what servers use) and the others run separate code, chosen by one uniform
+// test a tile.
 struct KeyTilePages {
     const KeyRows<bits16> k_rows, v_rows;
     i64 k[KCopies::kSteps];

@@ -273,13 +273,10 @@ template <typename T> struct PagedRows {
     __device__ __forceinline__ i64 page_of(i64 row) const {
         return page_shift >= 0 ? row >> page_shift : row / page_size;
     }
-    // Where `row` lies, for a page size known to be a power of two or not: its index in the
-    // table row, and its slot in that page.
+    // The index of `row`'s page in the table row, for a page size known to be a power of
+    // two or not.
     template <bool kPowerOfTwo> __device__ __forceinline__ i64 page_index(i64 row) const {
         return kPowerOfTwo ? row >> page_shift : row / page_size;
-    }
-    template <bool kPowerOfTwo> __device__ __forceinline__ i64 slot(i64 row) const {
-        return kPowerOfTwo ? row & (page_size - 1) : row % page_size;
     }
     __device__ __forceinline__ i64 clamped(i64 page) const {
         return min(max(page, i64(0)), last_page);
