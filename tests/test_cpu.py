@@ -511,10 +511,11 @@ def test_scipy_blas_is_single_threaded_inside_and_restored_after():
 
 
 def test_decode_limits_blas_only_where_its_products_call_it(monkeypatch):
-    """Up to 16 packed rows the decode kernel's products are plain loops: its call skips
-    the BLAS thread limit (a few microseconds a step); more rows call BLAS and hold it at
-    one thread. Both give the golden model's results."""
+    """Up to MAX_LOOP_ROWS packed rows the decode kernel's products are plain loops: its
+    call skips the BLAS thread limit (a few microseconds a step); more rows call BLAS and
+    hold it at one thread. Both give the golden model's results."""
     from tileattn.cpu import blas
+    from tileattn.cpu.decode_kernel import MAX_LOOP_ROWS
 
     limited = []
     real = blas.single_threaded
@@ -525,7 +526,8 @@ def test_decode_limits_blas_only_where_its_products_call_it(monkeypatch):
 
     monkeypatch.setattr(blas, "single_threaded", counting)
     rng = np.random.default_rng(3)
-    for n_q_heads, n_q, expect_limit in ((8, 2, False), (8, 3, True)):  # 16 and 24 rows
+    loop_rows = MAX_LOOP_ROWS // 8  # a group of 8 query heads over one kv head
+    for n_q_heads, n_q, expect_limit in ((8, loop_rows, False), (8, loop_rows + 1, True)):
         q = rng.standard_normal((1, n_q_heads, n_q, 32))
         k, v = (rng.standard_normal((1, 1, 600, 32)) for _ in range(2))
         limited.clear()

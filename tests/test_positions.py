@@ -142,10 +142,10 @@ WIDE_WINDOWS = [
 ]
 
 CPU_PATHS = {
-    # Blocks of more than 16 rows take the forward kernel, in 8 x 8 tiles that the band
-    # skips or cuts; the backward's key-tile and query-tile schedules.
+    # Blocks of more than 32 rows (decode.MAX_QUERY_ROWS) take the forward kernel, in 8 x 8
+    # tiles that the band skips or cuts; the backward's key-tile and query-tile schedules.
     "tiles": dict(n_q=70, n_k=50, row_pieces=2, col_pieces=2, block_q=8, block_k=8),
-    # Blocks of at most 16 rows against many keys: the decode path, split over the keys;
+    # Blocks of at most 32 rows against many keys: the decode path, split over the keys;
     # one kv head for all four query heads, Dv > D.
     "decode-splits": dict(n_q=12, n_k=400, row_pieces=2, col_pieces=2, n_kv_heads=1,
                           head_dim=8, value_dim=24, block_k=16),

@@ -1,6 +1,6 @@
 """The decode forward: a few query rows against a long key cache, split over the keys.
 
-With ``Nq`` of 1 to 16 rows the forward kernel has one task per query head, and each
+With ``Nq`` of 1 to 32 rows the forward kernel has one task per query head, and each
 streams the whole of its kv head's K and V from memory: at B = 1 a few heads cannot keep
 every core busy, and with GQA every query head of a group reads the same K/V rows again.
 Here a task is one (batch, kv head, key split): it runs every query head of the group
