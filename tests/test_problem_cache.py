@@ -211,3 +211,25 @@ def test_host_torch_tensors_are_remembered_and_get_tensors_back(monkeypatch):
     # A NumPy call of the same shapes is its own signature: its results stay NumPy.
     assert isinstance(tileattn.forward(q.numpy(), k.numpy(), v.numpy(), causal=True,
                                        backend="reference"), np.ndarray)
+
+
+def test_evolve_copies_a_record_with_the_changes_and_leaves_it_as_it_was():
+    """`options.evolve` (a remembered unchecked call's layout and options around its new
+    length arrays) equals `dataclasses.replace` field by field, without touching the
+    record it copies."""
+    from dataclasses import replace
+
+    from tileattn.options import VarlenLayout, evolve
+
+    table = np.arange(12).reshape(4, 3)
+    layout = VarlenLayout("paged", seqlens_k=np.full(4, 40), block_table=table,
+                          page_size=16, num_pages=12, checked=False)
+    new_lengths = np.full(4, 7)
+    evolved = evolve(layout, seqlens_k=new_lengths)
+    replaced = replace(layout, seqlens_k=new_lengths)
+    assert type(evolved) is VarlenLayout and evolved is not layout
+    for field in fields(VarlenLayout):
+        assert getattr(evolved, field.name) is getattr(replaced, field.name), field.name
+    assert np.array_equal(layout.seqlens_k, np.full(4, 40)) and layout.block_table is table
+    with pytest.raises(AttributeError):  # still frozen
+        evolved.page_size = 1
