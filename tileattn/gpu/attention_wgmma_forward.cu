@@ -70,7 +70,7 @@ using VCopies = SwizzledCopies<BLOCK_K, kValueWidth, kThreads>;
 struct KeyTilePages {
     const KeyRows<bits16> k_rows, v_rows;
     i64 k[KCopies::kSteps];
-    i64 v[VCopies::kSteps];
+    i64 v[VCopies::kSteps];  // where D and Dv differ in width; else V's rows are K's
     __device__ __forceinline__ bool power_of_two() const { return k_rows.page_shift >= 0; }
     __device__ __forceinline__ void fetch(i64 row, i64 n_k) {
         if (power_of_two()) fetch_as<true>(row, n_k);
@@ -78,12 +78,8 @@ struct KeyTilePages {
     }
     template <bool kPowerOfTwo> __device__ __forceinline__ void fetch_as(i64 row, i64 n_k) {
         k_rows.template fetch_entries<KCopies, kPowerOfTwo>(row, n_k, k);
-        if constexpr (kHeadWidth == kValueWidth) {  // the same rows: the same pages
-#pragma unroll
-            for (int step = 0; step < KCopies::kSteps; ++step) v[step] = k[step];
-        } else {  // one block table for K and V
+        if constexpr (kHeadWidth != kValueWidth)  // other rows (one block table for both)
             k_rows.template fetch_entries<VCopies, kPowerOfTwo>(row, n_k, v);
-        }
     }
     __device__ __forceinline__ void load(u32 k_tile, u32 v_tile, i64 row, i64 n_k) const {
         if (power_of_two()) load_as<true>(k_tile, v_tile, row, n_k);
