@@ -114,6 +114,10 @@ JOBS += [(name, arch, [{"ORDERED=1": "ORDERED=0"}.get(d, d) for d in defines]
           + (["VARLEN=1"] if "backward" in name else VARLEN), *options)
          for name, arch, defines, *options in JOBS
          if name != "attention_decode.cu" or "ROWS=16" in defines]
+# The Hopper forward once more with pages that hold whole key tiles (PAGES_HOLD_TILES).
+JOBS += [(name, arch, defines + ["PAGES_HOLD_TILES=1"], *options)
+         for name, arch, defines, *options in JOBS
+         if name == "attention_wgmma_forward.cu" and "PAGED=1" in defines]
 
 
 NO_BAND = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=0", "LIMIT_RIGHT=0", "SOFTCAP=0"]

@@ -9,7 +9,9 @@ adapter the floors are timed too: a jitted elementwise op and a jitted buffer_ca
 does nothing; the adapter's callback body is timed on its own (perf_counter inside it).
 "decode" times and profiles a server's decode step (B 8, Hq 32 / Hkv 8, one query row, 4k
 keys a sequence, float16) dense, with seqlens_k on the device (unchecked) and paged (pages
-of 16 in a pool, block table and lengths on the device, unchecked).
+of 16 in a pool, block table and lengths on the device, unchecked); "prefill" the same for
+a small causal append (B 4, H 16, 64 new rows onto 576 keys, pages of 64), whose host path
+is a paged prefill's.
 """
 
 from __future__ import annotations
@@ -96,9 +98,20 @@ def direct(arrays) -> None:
 
 
 def decode(_arrays) -> None:
-    batch, n_q_heads, n_kv_heads, n_k, head_dim, page = 8, 32, 8, 4096, 128, 16
+    server_calls("decode", batch=8, n_q_heads=32, n_kv_heads=8, n_q=1, n_k=4096, page=16,
+                 causal=False)
+
+
+def prefill(_arrays) -> None:
+    server_calls("prefill", batch=4, n_q_heads=16, n_kv_heads=16, n_q=64, n_k=576, page=64,
+                 causal=True)
+
+
+def server_calls(kind: str, batch: int, n_q_heads: int, n_kv_heads: int, n_q: int, n_k: int,
+                 page: int, causal: bool, head_dim: int = 128) -> None:
+    """One server step's host time, dense, with seqlens_k on the device and paged."""
     rng = cupy.random.default_rng(0)
-    q = rng.standard_normal((batch, n_q_heads, 1, head_dim), dtype=cupy.float32).astype(
+    q = rng.standard_normal((batch, n_q_heads, n_q, head_dim), dtype=cupy.float32).astype(
         cupy.float16)
     k, v = (rng.standard_normal((batch, n_kv_heads, n_k, head_dim), dtype=cupy.float32)
             .astype(cupy.float16) for _ in range(2))
@@ -107,11 +120,12 @@ def decode(_arrays) -> None:
     pool = (k_pool, v_pool)
     seqlens_k = cupy.full(batch, n_k, dtype=cupy.int32)
     calls = {
-        "decode dense": lambda: tileattn.forward(q, k, v),
-        "decode seqlens_k (device, unchecked)":
-            lambda: tileattn.forward(q, k, v, seqlens_k=seqlens_k, check_lengths=False),
-        "decode paged (device tables, unchecked)":
-            lambda: tileattn.forward(q, pool[0], pool[1], block_table=table,
+        f"{kind} dense": lambda: tileattn.forward(q, k, v, causal=causal),
+        f"{kind} seqlens_k (device, unchecked)":
+            lambda: tileattn.forward(q, k, v, causal=causal, seqlens_k=seqlens_k,
+                                     check_lengths=False),
+        f"{kind} paged (device tables, unchecked)":
+            lambda: tileattn.forward(q, pool[0], pool[1], causal=causal, block_table=table,
                                      seqlens_k=seqlens_k, check_lengths=False),
     }
     for name, call in calls.items():
@@ -258,14 +272,15 @@ def torch_part(arrays) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("direct", "jax", "torch", "decode"), nargs="*",
-                        default=("direct", "jax", "torch", "decode"))
+    parser.add_argument("--only", choices=("direct", "jax", "torch", "decode", "prefill"),
+                        nargs="*", default=("direct", "jax", "torch", "decode", "prefill"))
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     host = [rng.standard_normal(SHAPE).astype(np.float16) for _ in range(4)]
     arrays = [cupy.asarray(a) for a in host]
     for name, part, given in (("direct", direct, arrays), ("jax", jax_part, host),
-                              ("torch", torch_part, arrays), ("decode", decode, arrays)):
+                              ("torch", torch_part, arrays), ("decode", decode, arrays),
+                              ("prefill", prefill, arrays)):
         if name in args.only:
             part(given)
 

@@ -12,7 +12,7 @@ causal, pages of 16, 64 and 256 in shuffled order.
 twice each and untimed, for ncu (launches 1 and 3 are the second of each).
 
 ``--tiles`` times the wgmma forward's candidate tiles instead (contiguous ms | page 16 ms |
-page 64 ms per line; with ``--all-columns`` also the same keys with device lengths (a
+page 64 ms | page 256 ms per line; with ``--all-columns`` also the same keys with device lengths (a
 variable-length launch over every tile) and with host lengths (over the host's tile table)
 after the contiguous column).
 """
@@ -72,8 +72,9 @@ def main(profile: bool = False) -> None:
 
 
 def sweep_tiles() -> None:
-    """``--tiles``: the wgmma forward's tiles on the contiguous call and on pages of 16 and
-    64 (the tables made once, outside the timing), to choose the tiles a page size gets."""
+    """``--tiles``: the wgmma forward's tiles on the contiguous call and on pages of 16, 64
+    and 256 (the tables made once, outside the timing), to choose the tiles a page size
+    gets."""
     import sys
 
     from tileattn.gpu import launch_forward
@@ -97,7 +98,7 @@ def sweep_tiles() -> None:
     options = validate(q, k, k, varlen={"seqlens_k": np.full(batch, n_keys)},
                        **defaults).options
     calls["padded, host tables"] = (k, options, Sequences(q, k, options, forward=True))
-    for page in (16, 64):
+    for page in (16, 64, 256):
         pages = n_keys // page
         order = rng.permutation(batch * pages)
         pool = cupy.empty((batch * pages, heads, page, dim), dtype=cupy.float16)

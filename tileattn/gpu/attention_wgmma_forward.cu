@@ -63,18 +63,30 @@ __device__ __forceinline__ void load_key_tiles(u32 k_tile, u32 v_tile, const KSo
 using KCopies = SwizzledCopies<BLOCK_K, kHeadWidth, kThreads>;
 using VCopies = SwizzledCopies<BLOCK_K, kValueWidth, kThreads>;
 
+#ifndef PAGES_HOLD_TILES
+#define PAGES_HOLD_TILES 0
+#endif
+
 // The K and V rows this thread copies of one key tile, their block-table entries read a
-// tile before the copies that use them (sequences.cuh, PagedCopyRows). Page sizes that are
-// powers of two (what servers use) and the others run separate code, chosen by one uniform
-// test a tile.
+// tile before the copies that use them (sequences.cuh, PagedCopyRows). Where every page
+// holds whole key tiles (PAGES_HOLD_TILES: a power of two of at least BLOCK_K rows, such as
+// the 64 and 256 servers use; the launcher says so at compile time) a tile is one strided
+// run from one entry, copied as a contiguous tile is. Otherwise each copy has its row's
+// entry, and page sizes that are powers of two run separate code from the others, chosen
+// by one uniform test a tile.
 struct KeyTilePages {
+    static constexpr bool kPagesHoldTiles = PAGES_HOLD_TILES;
     const KeyRows<bits16> k_rows, v_rows;
-    i64 k[KCopies::kSteps];
+    i64 k[KCopies::kSteps];  // with kPagesHoldTiles, the tile's one entry in k[0]
     i64 v[VCopies::kSteps];  // where D and Dv differ in width; else V's rows are K's
     __device__ __forceinline__ bool power_of_two() const { return k_rows.page_shift >= 0; }
     __device__ __forceinline__ void fetch(i64 row, i64 n_k) {
-        if (power_of_two()) fetch_as<true>(row, n_k);
-        else fetch_as<false>(row, n_k);
+        if constexpr (kPagesHoldTiles) {
+            k[0] = row < n_k ? k_rows.table[row >> k_rows.page_shift] : 0;
+        } else {
+            if (power_of_two()) fetch_as<true>(row, n_k);
+            else fetch_as<false>(row, n_k);
+        }
     }
     template <bool kPowerOfTwo> __device__ __forceinline__ void fetch_as(i64 row, i64 n_k) {
         k_rows.template fetch_entries<KCopies, kPowerOfTwo>(row, n_k, k);
@@ -82,8 +94,26 @@ struct KeyTilePages {
             k_rows.template fetch_entries<VCopies, kPowerOfTwo>(row, n_k, v);
     }
     __device__ __forceinline__ void load(u32 k_tile, u32 v_tile, i64 row, i64 n_k) const {
-        if (power_of_two()) load_as<true>(k_tile, v_tile, row, n_k);
-        else load_as<false>(k_tile, v_tile, row, n_k);
+        if constexpr (kPagesHoldTiles) {
+            load_in_page(k_tile, v_tile, row, n_k);
+        } else {
+            if (power_of_two()) load_as<true>(k_tile, v_tile, row, n_k);
+            else load_as<false>(k_tile, v_tile, row, n_k);
+        }
+    }
+    // The tile's rows run from its first row's slot of one page: strided rows, which the
+    // copies address as a contiguous tile's (row 0 is the tile's first).
+    __device__ __forceinline__ void load_in_page(u32 k_tile, u32 v_tile, i64 row,
+                                                 i64 n_k) const {
+        const i64 slot = row & (k_rows.page_size - 1);
+        const i64 page = k_rows.clamped(k[0]);
+        const StridedRows<bits16> k_run{
+            k_rows.pool + page * k_rows.page_stride + slot * k_rows.slot_stride,
+            k_rows.slot_stride};
+        const StridedRows<bits16> v_run{
+            v_rows.pool + page * v_rows.page_stride + slot * v_rows.slot_stride,
+            v_rows.slot_stride};
+        load_key_tiles(k_tile, v_tile, k_run, v_run, 0, n_k - row);
     }
     template <bool kPowerOfTwo>
     __device__ __forceinline__ void load_as(u32 k_tile, u32 v_tile, i64 row, i64 n_k) const {

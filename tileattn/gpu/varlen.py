@@ -88,6 +88,12 @@ class Sequences:
     def defines(self) -> tuple:
         return (("PAGED", int(self.paged)), ("VARLEN", 1))
 
+    def pages_hold_tiles(self, rows: int) -> bool:
+        """Whether every tile of `rows` keys (a power of two) lies in one page: pages of a
+        power-of-two size of at least `rows`."""
+        size = self.page_size
+        return self.paged and size >= rows and size & (size - 1) == 0
+
     def tiles(self, block_rows: int, keys: bool = False) -> np.ndarray:
         """``(sequence, first row)`` of every query tile of `block_rows` rows (with `keys`,
         ``(sequence, first key)`` of every key tile), longest first."""
