@@ -137,16 +137,22 @@ def test_rows_follow_the_key_count_and_options():
 
 
 def test_paged_forwards_take_tiles_within_pages():
-    """Paged K/V: Hopper D 65-128 take the four-warpgroup 64-key tiles at any page size,
-    D <= 64 only where the table's key tiles span pages; other families shrink their key
-    tiles to a page where they are built for that height; named tiles and score options
-    (`keep_rows`) and the generic kernels keep theirs."""
+    """Paged K/V: Hopper D <= 128 keeps the table's tiles where pages of a power of two
+    hold its key tiles (copied as contiguous ones) and takes the four-warpgroup 64-key
+    tiles elsewhere; other families shrink their key tiles to a page where they are built
+    for that height; named tiles and score options (`keep_rows`) and the generic kernels
+    keep theirs."""
     def wgmma(tiles_):
         return Choice("wgmma", tiles_, "row")
 
     banded_128 = wgmma(tiles.WgmmaTiles(128, 64, 2, 2))
-    for page in (16, 64, 256):
+    for page in (64, 128, 256):
+        assert tiles.within_pages(banded_128, page, 128, False) == banded_128
+    for page in (1, 16, 32, 192):  # spanned, or not a power of two
         assert tiles.within_pages(banded_128, page, 128, False).tiles == tiles.WGMMA_PAGED
+    wide_keys = wgmma(tiles.WgmmaTiles(192, 128, 2))
+    assert tiles.within_pages(wide_keys, 64, 128, False).tiles == tiles.WGMMA_PAGED
+    assert tiles.within_pages(wide_keys, 256, 128, False) == wide_keys
     d64 = wgmma(tiles.WgmmaTiles(128, 128, 2, 2))
     assert tiles.within_pages(d64, 256, 64, False) == d64
     assert tiles.within_pages(d64, 64, 64, False).tiles == tiles.WGMMA_PAGED

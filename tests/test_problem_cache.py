@@ -233,3 +233,63 @@ def test_evolve_copies_a_record_with_the_changes_and_leaves_it_as_it_was():
     assert np.array_equal(layout.seqlens_k, np.full(4, 40)) and layout.block_table is table
     with pytest.raises(AttributeError):  # still frozen
         evolved.page_size = 1
+
+
+UNCHECKED_HOST_LENGTHS = {
+    "padded": lambda rng: {"seqlens_q": rng.integers(0, 6, 3).astype(np.int32),
+                           "seqlens_k": rng.integers(0, 8, 3)},
+    "paged": lambda rng: {"seqlens_k": rng.integers(0, 13, 3),
+                          "block_table": rng.permutation(12).reshape(3, 4)},
+}
+
+
+@pytest.mark.parametrize("family", UNCHECKED_HOST_LENGTHS)
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_unchecked_host_lengths_are_remembered_and_each_call_uses_its_own(family, backend,
+                                                                         monkeypatch):
+    """An unchecked call with NumPy lengths of a remembered signature skips validation and
+    attends with its own lengths and table: the same result as validating it afresh."""
+    rng = np.random.default_rng(7)
+    q, k, v = _arrays((3, 2, 5, 8), (3, 1, 8, 8))
+    if family == "paged":  # 12 pages of 4 slots
+        k, v = (rng.standard_normal((12, 1, 4, 8)).astype(np.float32) for _ in range(2))
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(problem_cache, "validate", counting)
+    problem_cache._PROBLEMS.clear()
+    results = []
+    for _ in range(3):
+        lengths = UNCHECKED_HOST_LENGTHS[family](rng)
+        kept = {name: array.copy() for name, array in lengths.items()}
+        o = tileattn.forward(q, k, v, causal=True, check_lengths=False, backend=backend,
+                             **lengths)
+        for name, array in lengths.items():  # read, never written
+            np.testing.assert_array_equal(array, kept[name])
+        monkeypatch.setattr(problem_cache, "validate", validate)
+        problem_cache._PROBLEMS.clear()
+        fresh = tileattn.forward(q, k, v, causal=True, check_lengths=False, backend=backend,
+                                 **lengths)
+        problem_cache._PROBLEMS.clear()
+        again = tileattn.forward(q, k, v, causal=True, check_lengths=False, backend=backend,
+                                 **lengths)  # remembered afresh, for the next round
+        monkeypatch.setattr(problem_cache, "validate", counting)
+        np.testing.assert_array_equal(o, fresh)
+        np.testing.assert_array_equal(again, fresh)
+        results.append(o)
+    assert len(calls) == 1  # the first call only: the others found its problem
+    assert not np.array_equal(results[0], results[1])
+
+
+def test_unchecked_uint64_host_lengths_keep_their_range_check():
+    """A remembered unchecked call with uint64 lengths is validated afresh: a value past
+    int64 is still refused by name."""
+    q, k, v = _arrays((2, 1, 4, 8), (2, 1, 6, 8))
+    tileattn.forward(q, k, v, seqlens_k=np.array([3, 6], np.uint64), check_lengths=False,
+                     backend="reference")
+    with pytest.raises(ValueError, match="seqlens_k holds"):
+        tileattn.forward(q, k, v, seqlens_k=np.array([3, 2**63], np.uint64),
+                         check_lengths=False, backend="reference")

@@ -678,6 +678,54 @@ def test_repeated_unchecked_device_calls_read_new_arrays(index_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("page_size", [None, 16, 64, 128])
+def test_repeated_host_length_calls_follow_their_own_lengths(page_size, check):
+    """Padded (page_size None) and paged prefills with NumPy lengths and tables, repeated
+    with new values and with the same arrays changed in place (one plan per signature,
+    its device tables refilled per call: gpu/operands.py plans_once): every call equals
+    the golden model on its own lengths, and nothing of a row past its length or of a
+    page the table does not name (NaN there) reaches the outputs."""
+    import cupy
+
+    rng = np.random.default_rng(15)
+    full = [300, 95, 0, 180]
+    n_q = 70
+    if page_size is None:
+        k_host = rng.standard_normal((4, 2, max(full), 64)).astype(np.float16)
+        v_host = rng.standard_normal((4, 2, max(full), 64)).astype(np.float16)
+        k_host[:, :, 290:], v_host[:, :, 290:] = np.nan, np.inf
+        pools, table = (k_host, v_host), None
+    else:
+        _, _, pools, table = _paged_cache(rng, 4, 2, full, page_size, 64, 64, False,
+                                          np.float16)
+    q_host = rng.standard_normal((4, 4, n_q, 64)).astype(np.float16)
+    q = cupy.asarray(q_host)
+    k, v = (cupy.asarray(a) for a in pools)
+    lengths_k = np.array(full)
+    lengths_q = np.array([70, 3, 0, 41], np.int32)
+    for step in range(4):
+        if step % 2:  # the same arrays, changed in place
+            lengths_k -= np.minimum(lengths_k, 17 * step)
+            lengths_q[:] = rng.integers(0, n_q + 1, 4)
+        else:
+            lengths_k = np.array([int(rng.integers(0, n + 1)) for n in full])
+        keywords = {"seqlens_k": lengths_k}
+        if page_size is None:
+            keywords["seqlens_q"] = lengths_q
+            lengths_k[0] = min(lengths_k[0], 290)  # the NaN rows past every length
+        else:
+            keywords["block_table"] = table
+        o, lse = tileattn.forward(q, k, v, return_lse=True, causal=True, check_lengths=check,
+                                  **keywords)
+        expected = tileattn.forward(q_host, *pools, return_lse=True, causal=True,
+                                    backend="reference", **keywords)
+        for name, a, b in zip(("o", "lse"), (o, lse), expected):
+            assert_attention_close(a.get(), b, np.float16, name=f"{name} at step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
 @pytest.mark.parametrize("n_q", [1, 4])
 def test_unchecked_page_ids_outside_the_pool_are_clamped(n_q):
     """The 16-bit decode over device tables with page ids outside ``[0, num_pages)`` among a

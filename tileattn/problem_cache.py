@@ -11,10 +11,11 @@ counted in tens of microseconds of host time (bench/NOTES-gpu.md).
 
 Host torch tensors (the torch adapter on the CPU) are remembered through their NumPy views
 (`arrays.to_native`), under their own type, so that results still go back as tensors.
-Variable-length and paged calls are remembered only when their lengths and table are CuPy
-arrays with ``check_lengths=False``: validation then reads nothing of them but their types,
-shapes and dtypes, so a remembered call re-derives only its `VarlenLayout` around the new
-arrays (`validation.with_device_lengths`), as a decode loop's step needs. Calls this does
+Variable-length and paged calls are remembered only when their lengths and table are all
+CuPy or all NumPy arrays with ``check_lengths=False``: validation then reads nothing of
+them but their types, shapes and dtypes, so a remembered call re-derives only its
+`VarlenLayout` around the new arrays (`validation.with_device_lengths`), as a decode
+loop's step needs. Calls this does
 not remember, validated every time: other variable-length calls (their lengths are
 contents), ALiBi slopes (an array), other arrays than those in native byte order, and
 option values that are not hashable.
@@ -93,7 +94,7 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     """`validation.validate` with the same arguments, remembered per call signature."""
     lengths = None
     if varlen is not None:
-        lengths = _device_lengths_signature(varlen) if check_lengths is False else None
+        lengths = _unchecked_lengths_signature(varlen) if check_lengths is False else None
         if lengths is None:
             return validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
                             varlen=varlen, check_lengths=check_lengths, **options)
@@ -129,22 +130,26 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None
                   else with_device_lengths(template, varlen, do is not None,
-                                           natives[0].data.device_id))
+                                           natives[0].data.device_id
+                                           if arrays.memory_of(natives[0]) == "cuda" else None))
     return Problem(tensors, layout_of, options_of, template.dtype, template.n_q_heads,
                    template.n_kv_heads, template.n_q, template.n_k, template.head_dim,
                    template.value_dim, views)
 
 
-def _device_lengths_signature(varlen: dict) -> tuple | None:
-    """The signature of an unchecked call's lengths and table when they are all CuPy
-    arrays (what validation reads of them), else None."""
+def _unchecked_lengths_signature(varlen: dict) -> tuple | None:
+    """The signature of an unchecked call's lengths and table when they are all CuPy arrays
+    or all NumPy arrays (what validation reads of them), else None."""
     cupy = sys.modules.get("cupy")
     signature = []
     for name, array in varlen.items():
         if array is None:
             continue
+        if type(array) is np.ndarray:
+            signature.append((name, np.ndarray, array.shape, array.strides, array.dtype))
+            continue
         if cupy is None or type(array) is not cupy.ndarray:
             return None
-        signature.append((name, array.shape, array.strides, array.dtype,
+        signature.append((name, cupy.ndarray, array.shape, array.strides, array.dtype,
                           array.data.device_id))
     return tuple(signature)

@@ -157,10 +157,10 @@ def _check_paged_shapes(q, k, v, shapes: dict):
     return tuple(q.shape[:-3]), n_q_heads, n_kv_heads, n_q, d, d_v, num_pages, page_size
 
 
-def with_device_lengths(template: Problem, varlen: dict, backward: bool, gpu: int):
-    """The options of a remembered unchecked call on GPU `gpu` (`template`, validated with
-    CuPy lengths of the same signature) around this call's `varlen` arrays
-    (tileattn.problem_cache)."""
+def with_device_lengths(template: Problem, varlen: dict, backward: bool, gpu: int | None):
+    """The options of a remembered unchecked call on GPU `gpu` (None: on the CPU;
+    `template`, validated with lengths of the same signature: CuPy or NumPy arrays) around
+    this call's `varlen` arrays (tileattn.problem_cache)."""
     layout = template.options.varlen
     swapped = _swapped_device_lengths(layout, varlen)
     if swapped is not None:
@@ -176,22 +176,27 @@ _DEVICE_LENGTH_NAMES = ("seqlens_q", "seqlens_k", "block_table")
 
 
 def _swapped_device_lengths(layout, varlen: dict):
-    """`layout` (validated with device arrays of this call's signature: names, shapes,
+    """`layout` (validated with arrays of this call's signature: types, names, shapes,
     strides, dtypes, device) around this call's arrays, as `_check_varlen` would make it,
     without its checks, which the signature already passed (a decode loop's step: a few
     microseconds of its host time, bench/NOTES-gpu.md v33).
-    None where the template holds a host array in their place (lengths on another GPU, or
-    filled in for an absent one): then the full path."""
+    None where the template holds a host array in place of a device one (lengths on
+    another GPU), and for uint64 host arrays (whose values `_check_varlen` checks against
+    int64): then the full path."""
     if layout.family == "packed":
         return None
     arrays = {}
     for name in _DEVICE_LENGTH_NAMES:
         kept, given = getattr(layout, name), varlen.get(name)
-        if (kept is None) != (given is None) or isinstance(kept, np.ndarray):
+        if (kept is None) != (given is None):
             return None
         if given is None:
             continue
-        if given.dtype != np.int32 and given.dtype != np.int64:
+        if isinstance(kept, np.ndarray):
+            if type(given) is not np.ndarray or given.dtype == np.uint64:
+                return None
+            given = given.astype(np.int64)  # a copy, as varlen_validation's host path makes
+        elif given.dtype != np.int32 and given.dtype != np.int64:
             given = given.astype(np.int64)  # as varlen_validation's device path does
         arrays[name] = given if given.shape == kept.shape else given.reshape(kept.shape)
     return evolve(layout, **arrays)

@@ -11,7 +11,8 @@ does nothing; the adapter's callback body is timed on its own (perf_counter insi
 keys a sequence, float16) dense, with seqlens_k on the device (unchecked) and paged (pages
 of 16 in a pool, block table and lengths on the device, unchecked); "prefill" the same for
 a small causal append (B 4, H 16, 64 new rows onto 576 keys, pages of 64), whose host path
-is a paged prefill's.
+is a paged prefill's, and with tables from the host; "packed" the host time of one call of
+bench_gpu_varlen.py's packed batch on an idle device.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def show(name: str, stats, lines: int = 25) -> None:
     print(f"\n== cProfile: {name}", flush=True)
     text = io.StringIO()
     stats.stream = text
-    stats.sort_stats("tottime").print_stats(lines)
-    print(text.getvalue()[-7000:], flush=True)
+    for order in ("tottime", "cumulative"):
+        stats.sort_stats(order).print_stats(lines)
+    print(text.getvalue()[-14000:], flush=True)
 
 
 def cupy_sync() -> None:
@@ -107,6 +109,42 @@ def prefill(_arrays) -> None:
                  causal=True)
 
 
+def packed(_arrays) -> None:
+    """bench_gpu_varlen.py's packed batch (32 sequences of 128-8192 tokens, seeded, H 16,
+    D 128, float16, causal, cu_seqlens on the host): the host's time of one call, the
+    device idle before it (its kernels take ~10 ms, so calls cannot be queued)."""
+    lengths = np.random.default_rng(0).integers(128, 8193, size=32)
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rng = cupy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((16, int(cu_seqlens[-1]), 128), dtype=cupy.float32)
+               .astype(cupy.float16) for _ in range(3))
+    device_cu = cupy.asarray(cu_seqlens)
+    calls = {
+        "packed, host cu_seqlens": lambda: tileattn.forward(
+            q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens),
+        "packed, device cu_seqlens": lambda: tileattn.forward(
+            q, k, v, causal=True, cu_seqlens_q=device_cu, cu_seqlens_k=device_cu),
+        "one dense sequence": lambda: tileattn.forward(q[None], k[None], v[None],
+                                                       causal=True),
+    }
+    for name, call in calls.items():
+        say(f"{name} (host time, idle device)", host_only_us(call))
+    for name, call in calls.items():
+        profile(name, call, calls=20)
+
+
+def host_only_us(function, calls: int = 20) -> float:
+    """Median host microseconds of `function` started on an idle device."""
+    times = []
+    for _ in range(calls + 2):
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    cupy.cuda.Device().synchronize()
+    return 1e6 * float(np.median(times[2:]))
+
+
 def server_calls(kind: str, batch: int, n_q_heads: int, n_kv_heads: int, n_q: int, n_k: int,
                  page: int, causal: bool, head_dim: int = 128) -> None:
     """One server step's host time, dense, with seqlens_k on the device and paged."""
@@ -119,6 +157,7 @@ def server_calls(kind: str, batch: int, n_q_heads: int, n_kv_heads: int, n_q: in
                                     for x in (k, v))
     pool = (k_pool, v_pool)
     seqlens_k = cupy.full(batch, n_k, dtype=cupy.int32)
+    host_table, host_lengths = cupy.asnumpy(table), cupy.asnumpy(seqlens_k)
     calls = {
         f"{kind} dense": lambda: tileattn.forward(q, k, v, causal=causal),
         f"{kind} seqlens_k (device, unchecked)":
@@ -127,6 +166,10 @@ def server_calls(kind: str, batch: int, n_q_heads: int, n_kv_heads: int, n_q: in
         f"{kind} paged (device tables, unchecked)":
             lambda: tileattn.forward(q, pool[0], pool[1], causal=causal, block_table=table,
                                      seqlens_k=seqlens_k, check_lengths=False),
+        f"{kind} paged (host tables, unchecked)":
+            lambda: tileattn.forward(q, pool[0], pool[1], causal=causal,
+                                     block_table=host_table, seqlens_k=host_lengths,
+                                     check_lengths=False),
     }
     for name, call in calls.items():
         say(name, per_call_us(call, cupy_sync))
@@ -272,15 +315,15 @@ def torch_part(arrays) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("direct", "jax", "torch", "decode", "prefill"),
-                        nargs="*", default=("direct", "jax", "torch", "decode", "prefill"))
+    parts = ("direct", "jax", "torch", "decode", "prefill", "packed")
+    parser.add_argument("--only", choices=parts, nargs="*", default=parts)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     host = [rng.standard_normal(SHAPE).astype(np.float16) for _ in range(4)]
     arrays = [cupy.asarray(a) for a in host]
     for name, part, given in (("direct", direct, arrays), ("jax", jax_part, host),
                               ("torch", torch_part, arrays), ("decode", decode, arrays),
-                              ("prefill", prefill, arrays)):
+                              ("prefill", prefill, arrays), ("packed", packed, arrays)):
         if name in args.only:
             part(given)
 

@@ -1,9 +1,9 @@
-"""Kernel time of a paged prefill against the same keys contiguous, with host lengths and
-tables (no device-to-host copy) so that back-to-back calls overlap the host's time with
-the kernels': B 4, Hq = Hkv = 16, 512 new rows onto 8192 cached keys, D 128, float16,
-causal, pages of 16, 64 and 256 in shuffled order.
+"""Time of a paged prefill against the same keys contiguous, calls back to back (the host's
+time overlaps the kernels' unless it is longer): B 4, Hq = Hkv = 16 (``--heads Hq/Hkv``),
+512 new rows onto 8192 cached keys, D 128, float16, causal, pages of 16, 64 and 256 in
+shuffled order; lengths and tables unchecked, from the host and from the device.
 
-    PYTHONPATH=. python3 bench/experiments/paged_prefill_gpu.py [--tiles]
+    PYTHONPATH=. python3 bench/experiments/paged_prefill_gpu.py [--tiles] [--heads 32/8]
 
 ``--profile`` runs the contiguous call and page 64's twice each, untimed, for
 `ncu --kernel-name regex:attention_forward`.
@@ -41,11 +41,20 @@ def twice_untimed(function, _calls) -> float:
     return float("nan")
 
 
+def query_and_kv_heads() -> tuple[int, int]:
+    """``--heads Hq/Hkv`` (default 16/16)."""
+    import sys
+
+    given = sys.argv[sys.argv.index("--heads") + 1] if "--heads" in sys.argv else "16/16"
+    q_heads, kv_heads = (int(x) for x in given.split("/"))
+    return q_heads, kv_heads
+
+
 def main(profile: bool = False) -> None:
     timed = twice_untimed if profile else back_to_back_ms
-    batch, heads, n_new, n_keys, dim = 4, 16, 512, 8704, 128
+    (q_heads, heads), batch, n_new, n_keys, dim = query_and_kv_heads(), 4, 512, 8704, 128
     rng = np.random.default_rng(0)
-    q = cupy.asarray(rng.standard_normal((batch, heads, n_new, dim)), dtype=cupy.float16)
+    q = cupy.asarray(rng.standard_normal((batch, q_heads, n_new, dim)), dtype=cupy.float16)
     k = cupy.asarray(rng.standard_normal((batch, heads, n_keys, dim)), dtype=cupy.float16)
     dense = timed(lambda: tileattn.forward(q, k, k, causal=True, backend="gpu"),
                             CALLS)
@@ -59,16 +68,22 @@ def main(profile: bool = False) -> None:
             0, 2, 1, 3, 4).reshape(batch * pages, heads, page, dim)
         lengths = {"block_table": table, "seqlens_k": np.full(batch, n_keys),
                    "check_lengths": False}
+        on_device = {"block_table": cupy.asarray(table, dtype=cupy.int32),
+                     "seqlens_k": cupy.full(batch, n_keys, dtype=cupy.int32),
+                     "check_lengths": False}
         padded = timed(lambda: tileattn.forward(
             q, k, k, causal=True, backend="gpu", seqlens_k=np.full(batch, n_keys),
             check_lengths=False), CALLS)
         paged = timed(lambda: tileattn.forward(q, pool, pool, causal=True,
                                                          backend="gpu", **lengths), CALLS)
+        paged_device = timed(lambda: tileattn.forward(q, pool, pool, causal=True,
+                                                      backend="gpu", **on_device), CALLS)
         same = float(cupy.abs(tileattn.forward(q, pool, pool, causal=True, backend="gpu",
                                                **lengths)
                               - tileattn.forward(q, k, k, causal=True, backend="gpu")).max())
-        print(f"page {page:4d}: padded (seqlens_k) {padded:.3f} ms, paged {paged:.3f} ms, "
-              f"contiguous / paged {dense / paged:.2f}, max |diff| {same:.1e}")
+        print(f"page {page:4d}: padded (host seqlens_k) {padded:.3f} ms, paged (host tables) "
+              f"{paged:.3f} ms, paged (device tables) {paged_device:.3f} ms, contiguous / "
+              f"paged {dense / paged:.2f} / {dense / paged_device:.2f}, max |diff| {same:.1e}")
 
 
 def sweep_tiles() -> None:
@@ -82,12 +97,12 @@ def sweep_tiles() -> None:
     from tileattn.gpu.varlen import Sequences
     from tileattn.validation import validate
 
-    batch, heads, n_new, n_keys, dim = 4, 16, 512, 8704, 128
+    (q_heads, heads), batch, n_new, n_keys, dim = query_and_kv_heads(), 4, 512, 8704, 128
     rng = np.random.default_rng(0)
-    q = cupy.asarray(rng.standard_normal((batch, heads, n_new, dim)), dtype=cupy.float16)
+    q = cupy.asarray(rng.standard_normal((batch, q_heads, n_new, dim)), dtype=cupy.float16)
     k = cupy.asarray(rng.standard_normal((batch, heads, n_keys, dim)), dtype=cupy.float16)
     o = cupy.empty_like(q)
-    lse = cupy.empty((batch, heads, n_new), cupy.float32)
+    lse = cupy.empty((batch, q_heads, n_new), cupy.float32)
     defaults = dict(causal=True, window=None, scale=None, softcap=None, alibi_slopes=None,
                     dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
     dense_options = validate(q, k, k, **defaults).options

@@ -255,17 +255,26 @@ class Plan:
     alignment: int
 
 
+def plans_once(layout, forward: bool) -> bool:
+    """Whether a call of `layout` plans its launches once per signature, its lengths and
+    table filled into device tables at each call (varlen.Sequences): padded and paged
+    forwards.
+    A host-side plan cost such a call 0.5-0.7 ms of host time (H100 host, B 4 paged
+    prefill: bench/NOTES-gpu.md v35), against ~0.1 ms through the tables."""
+    return forward and layout.family != "packed"
+
+
 def plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None:
     """What a problem's launches depend on besides the arrays' addresses, or None when they
     are not cached: ALiBi slopes are an array of their own, dropout's seed usually changes
     with every call, and a variable-length call's tables hold its lengths, except for a
-    forward whose lengths stay on the device (varlen.DeviceTables: its tables are buffers
-    of the plan, refilled per call on the current stream, so plans are per stream)."""
+    padded or paged forward (`plans_once`: its tables are buffers of the plan,
+    refilled per call on the current stream, so plans are per stream)."""
     if options.alibi_slopes is not None or options.dropout_p > 0:
         return None
     lengths = ()
     if options.varlen is not None:
-        if direction != "forward" or not options.varlen.on_device:
+        if not plans_once(options.varlen, direction == "forward"):
             return None
         lengths = (options.varlen.signature(), cupy.cuda.get_current_stream().ptr)
     return (direction, options.window_left, options.window_right, options.scale,

@@ -390,12 +390,10 @@ TF32_BLOCK_K = (32, 64)
 BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK_K}
 
 
-# Hopper's paged tiles, D and Dv <= 128: bench/experiments/paged_prefill_gpu.py --tiles (B 4,
-# H 16, 512 rows onto 8704 keys, D 128, causal, NOTES-gpu v23): 0.437 / 0.511 ms at pages of
-# 64 / 16 against 0.659 for 192 x 64 (192 x 128 shrunk to a page) and 0.720 for 192 x 128 (a
-# lookup per row); v28: 0.425-0.444 / 0.433 at pages of 64 / 256 against 0.451-0.455 /
-# 0.451-0.465 for two 128 x 64 blocks (the table's banded row) and 0.534-0.604 at 256 for
-# 192 x 128.
+# Hopper's paged tiles, D and Dv <= 128, where the table's key tiles span pages:
+# bench/experiments/paged_prefill_gpu.py --tiles (B 4, H 16, 512 rows onto 8704 keys, D 128,
+# causal; NOTES-gpu v23, v28, v34): 256 x 64 ran 0.400 ms at pages of 16 and 64, against
+# 0.419-0.428 for two 128 x 64 blocks an SM and 0.541-0.555 for 192 x 128.
 WGMMA_PAGED = WgmmaTiles(256, 64, 2)
 
 
@@ -404,17 +402,18 @@ def within_pages(choice: Choice, page: int, width: int, keep_rows: bool) -> Choi
     family is built for such a height, so that each tile lies in one page and costs one
     block-table lookup (sequences.cuh, PagedRows::for_tile) instead of one per row, a
     dependent load before each row's copy. Smaller pages keep the table's tiles (a lookup
-    per row). On Hopper, whose forward reads each copied row's page a tile ahead
-    (sequences.cuh, PagedCopyRows), head dims (`width`: the larger of D and Dv) above 64 and
-    up to 128 take `WGMMA_PAGED` at every page size (H100, B4 H16 512 rows onto 8704 keys
-    D128 causal: 0.400 ms at pages of 16 and 64, against 0.419-0.428 for two 128 x 64
-    blocks and 0.541-0.555 for the table's 192 x 128), and up to 64 where the table's key
-    tiles span pages (measured there only), unless `keep_rows` (named tiles, score
-    options)."""
+    per row). On Hopper, pages of a power of two that hold the table's key tiles keep
+    them: its forward copies such a tile as a contiguous one (PAGES_HOLD_TILES; H100, B4 512 rows onto 8704
+    keys D128 causal, pages of 64: two 128 x 64 blocks an SM 0.364 ms against 0.360 for
+    256 x 64 at H 16/16, 0.727 against 0.745 at 32/8, NOTES-gpu v35). Other pages:
+    head dims (`width`: the larger of D and Dv) up to 128 take `WGMMA_PAGED`, whose
+    copies read each row's page a tile ahead (sequences.cuh, PagedCopyRows), unless
+    `keep_rows` (named tiles, score options)."""
     if choice.family not in BUILT_BLOCK_K:
         return choice
     spans = not (choice.tiles.block_k <= page and page % choice.tiles.block_k == 0)
-    if choice.family == "wgmma" and width <= 128 and not keep_rows and (spans or width > 64):
+    held = not spans and page & (page - 1) == 0  # launch_forward's PAGES_HOLD_TILES
+    if choice.family == "wgmma" and width <= 128 and not keep_rows and not held:
         return replace(choice, tiles=WGMMA_PAGED)
     if not spans:
         return choice

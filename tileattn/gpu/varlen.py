@@ -18,7 +18,7 @@ import numpy as np
 from ..options import BAND, DESCRIPTOR_COLUMNS, KEYS, ROWS, AttentionOptions
 from ..tile_order import tile_list_by_estimate
 from . import _compile
-from .operands import Launch, empty
+from .operands import Launch, empty, plans_once
 
 DESCRIPTORS_SOURCE = "sequence_descriptors.cu"
 
@@ -43,13 +43,15 @@ def tile_grid(heads: int, n_rows: int, block: int, batch: int, sequences: Sequen
 class Sequences:
     """A variable-length call's sequences on the device, for launches of any tile height.
 
-    A forward whose lengths (and block table) are still device arrays (an unchecked padded
-    or paged call, `VarlenLayout.on_device`) keeps them there: its descriptors come from a
-    kernel (sequence_descriptors.cu) and its tile table lists every tile of the padded row
-    axis (`dense_grid`), the same for every call of that shape, so the host reads no length
-    and waits for nothing; a tile past its sequence's rows returns at once
-    (sequences.cuh: tile_past_rows). Its choices then go by the key capacity. Any other
-    call (a backward, whose key tiles need the lengths) reads them on the host.
+    A padded or paged forward (`plans_once`) takes its lengths and block table to the device
+    as they are (device arrays of an unchecked call stay there; host arrays are copied
+    there in one asynchronous copy): its descriptors come from a kernel
+    (sequence_descriptors.cu) and its tile table lists every tile of the padded row axis
+    (`dense_grid`), the same for every call of that shape, so the host reads no length,
+    waits for nothing and plans once per signature; a tile past its sequence's rows returns
+    at once (sequences.cuh: tile_past_rows). Its choices then go by the key capacity.
+    Packed sequences and backwards (whose key tiles need the lengths) read them on the
+    host and order their tiles there.
     """
 
     def __init__(self, q, k, options: AttentionOptions, forward: bool = False):
@@ -57,7 +59,7 @@ class Sequences:
         batch, _, n_q, _ = q.shape
         self.paged = layout.family == "paged"
         self.packed = layout.family == "packed"
-        self.dense_grid = forward and layout.on_device
+        self.dense_grid = plans_once(layout, forward)
         if not self.dense_grid:
             layout = layout.on_host()
         # Checked packed sequences tile the row and key axes (cu_seqlens run from 0 to the
@@ -162,15 +164,24 @@ class DeviceTables:
     def _inputs(layout) -> tuple:
         """``(seqlens_q, seqlens_k, block_table)`` of a call as the filling kernel reads
         them (1-D lengths, table rows of unit column stride; empty stand-ins for absent
-        ones)."""
+        ones); host arrays (int64 once validated) arrive in one copy."""
+        given = (layout.seqlens_q, layout.seqlens_k, layout.block_table)
+        on_host = [a for a in given if isinstance(a, np.ndarray)]
+        uploaded = iter(())
+        if on_host:
+            flat = upload(np.concatenate([a.astype(np.int64, copy=False).ravel()
+                                          for a in on_host]))
+            ends = np.cumsum([a.size for a in on_host])
+            uploaded = iter(flat[end - a.size:end].reshape(a.shape)
+                            for a, end in zip(on_host, ends))
         arrays = []
-        for array in (layout.seqlens_q, layout.seqlens_k, layout.block_table):
+        for array in given:
             if array is None:
                 arrays.append(empty(cupy.cuda.Device().id, "int32"))
                 continue
             if isinstance(array, np.ndarray):
-                array = upload(np.ascontiguousarray(array, dtype=np.int64))
-            if array.strides[-1] != array.itemsize:  # a copy only for strided rows: a
+                array = next(uploaded)
+            elif array.strides[-1] != array.itemsize:  # a copy only for strided rows: a
                 array = cupy.ascontiguousarray(array)  # decode step's host time counts
             arrays.append(array)
         return tuple(arrays)
