@@ -5,6 +5,9 @@ shuffled order; lengths and tables unchecked, from the host and from the device.
 
     PYTHONPATH=. python3 bench/experiments/paged_prefill_gpu.py [--tiles] [--heads 32/8]
 
+``--sweep`` compares whole calls at D 64, 128 and 256, H 16/16 and 32/8, pages of 16, 64
+and 256 (device tables).
+
 ``--profile`` runs the contiguous call and page 64's twice each, untimed, for
 `ncu --kernel-name regex:attention_forward`.
 
@@ -146,7 +149,50 @@ def sweep_tiles() -> None:
               file=sys.stdout, flush=True)
 
 
+def sweep() -> None:
+    """``--sweep``: whole calls back to back, device tables unchecked, paged over contiguous
+    for D 64 / 128 / 256, H 16/16 and 32/8, pages of 16, 64 and 256 (B 4, 512 new rows onto
+    8704 keys, causal, float16; B 2 at D 256)."""
+    print("| D | Hq/Hkv | contiguous ms | page 16 | page 64 | page 256 | worst ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    n_new, n_keys = 512, 8704
+    for dim in (64, 128, 256):
+        for q_heads, heads in ((16, 16), (32, 8)):
+            batch = 2 if dim == 256 else 4
+            rng = np.random.default_rng(0)
+            q = cupy.asarray(rng.standard_normal((batch, q_heads, n_new, dim)),
+                             dtype=cupy.float16)
+            k = cupy.asarray(rng.standard_normal((batch, heads, n_keys, dim)),
+                             dtype=cupy.float16)
+            dense = back_to_back_ms(lambda: tileattn.forward(q, k, k, causal=True), CALLS)
+            expected = tileattn.forward(q, k, k, causal=True)
+            row, ratios = [f"{dense:.3f}"], []
+            for page in (16, 64, 256):
+                pages = n_keys // page
+                order = rng.permutation(batch * pages)
+                pool = cupy.empty((batch * pages, heads, page, dim), dtype=cupy.float16)
+                pool[cupy.asarray(order)] = k.reshape(batch, heads, pages, page, dim).transpose(
+                    0, 2, 1, 3, 4).reshape(batch * pages, heads, page, dim)
+                tables = {"block_table": cupy.asarray(order.reshape(batch, pages), cupy.int32),
+                          "seqlens_k": cupy.full(batch, n_keys, dtype=cupy.int32),
+                          "check_lengths": False}
+                paged = back_to_back_ms(lambda: tileattn.forward(q, pool, pool, causal=True,
+                                                                 **tables), CALLS)
+                same = float(cupy.abs(tileattn.forward(q, pool, pool, causal=True, **tables)
+                                      - expected).max())
+                ratios.append(dense / paged)
+                row.append(f"{paged:.3f} ({dense / paged:.2f}){' DIFFERS' if same else ''}")
+            print(f"| {dim} | {q_heads}/{heads} | {' | '.join(row)} | {min(ratios):.2f} |",
+                  flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
 if __name__ == "__main__":
     import sys
 
-    sweep_tiles() if "--tiles" in sys.argv[1:] else main("--profile" in sys.argv[1:])
+    if "--sweep" in sys.argv[1:]:
+        sweep()
+    elif "--tiles" in sys.argv[1:]:
+        sweep_tiles()
+    else:
+        main("--profile" in sys.argv[1:])
