@@ -137,9 +137,9 @@ def test_rows_follow_the_key_count_and_options():
 
 
 def test_paged_forwards_take_tiles_within_pages():
-    """Paged K/V: Hopper D <= 128 keeps the table's tiles where pages of a power of two
+    """Paged K/V: Hopper D 65-128 keeps the table's tiles where pages of a power of two
     hold its key tiles (copied as contiguous ones) and takes the four-warpgroup 64-key
-    tiles elsewhere; other families shrink their key tiles to a page where they are built
+    tiles elsewhere, D <= 64 keeps them at every page size; other families shrink their key tiles to a page where they are built
     for that height; named tiles and score options (`keep_rows`) and the generic kernels
     keep theirs."""
     def wgmma(tiles_):
@@ -154,11 +154,11 @@ def test_paged_forwards_take_tiles_within_pages():
     assert tiles.within_pages(wide_keys, 64, 128, False).tiles == tiles.WGMMA_PAGED
     assert tiles.within_pages(wide_keys, 256, 128, False) == wide_keys
     d64 = wgmma(tiles.WgmmaTiles(128, 128, 2, 2))
-    assert tiles.within_pages(d64, 256, 64, False) == d64
-    assert tiles.within_pages(d64, 64, 64, False).tiles == tiles.WGMMA_PAGED
+    for page in (1, 16, 64, 192, 256):  # D <= 64: the table's tiles at every page size
+        assert tiles.within_pages(d64, page, 64, False) == d64
     options_row = wgmma(tiles.WgmmaTiles(192, 128, 2))
-    assert tiles.within_pages(options_row, 64, 64, True).tiles == tiles.WgmmaTiles(192, 64, 2)
-    assert tiles.within_pages(options_row, 16, 64, True) == options_row  # no 16-key wgmma
+    assert tiles.within_pages(options_row, 64, 128, True).tiles == tiles.WgmmaTiles(192, 64, 2)
+    assert tiles.within_pages(options_row, 16, 128, True) == options_row  # no 16-key wgmma
     mma = Choice("mma", tiles.MmaTiles(128, 128), "row")
     assert tiles.within_pages(mma, 64, 128, False).tiles == tiles.MmaTiles(128, 64)
     assert tiles.within_pages(mma, 32, 256, False).tiles == tiles.MmaTiles(128, 32)

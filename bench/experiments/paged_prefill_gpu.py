@@ -14,7 +14,7 @@ and 256 (device tables).
 ``--tiles --profile`` runs the 256 x 64 tiles on the contiguous call and on pages of 64,
 twice each and untimed, for ncu (launches 1 and 3 are the second of each).
 
-``--tiles`` times the wgmma forward's candidate tiles instead (contiguous ms | page 16 ms |
+``--tiles [--dim D]`` times the wgmma forward's candidate tiles instead (contiguous ms | page 16 ms |
 page 64 ms | page 256 ms per line; with ``--all-columns`` also the same keys with device lengths (a
 variable-length launch over every tile) and with host lengths (over the host's tile table)
 after the contiguous column).
@@ -100,7 +100,8 @@ def sweep_tiles() -> None:
     from tileattn.gpu.varlen import Sequences
     from tileattn.validation import validate
 
-    (q_heads, heads), batch, n_new, n_keys, dim = query_and_kv_heads(), 4, 512, 8704, 128
+    (q_heads, heads), batch, n_new, n_keys = query_and_kv_heads(), 4, 512, 8704
+    dim = int(sys.argv[sys.argv.index("--dim") + 1]) if "--dim" in sys.argv else 128
     rng = np.random.default_rng(0)
     q = cupy.asarray(rng.standard_normal((batch, q_heads, n_new, dim)), dtype=cupy.float16)
     k = cupy.asarray(rng.standard_normal((batch, heads, n_keys, dim)), dtype=cupy.float16)
@@ -181,7 +182,8 @@ def sweep() -> None:
                 same = float(cupy.abs(tileattn.forward(q, pool, pool, causal=True, **tables)
                                       - expected).max())
                 ratios.append(dense / paged)
-                row.append(f"{paged:.3f} ({dense / paged:.2f}){' DIFFERS' if same else ''}")
+                row.append(f"{paged:.3f} ({dense / paged:.2f}"
+                           f"{f', differs by {same:.0e}' if same else ''})")
             print(f"| {dim} | {q_heads}/{heads} | {' | '.join(row)} | {min(ratios):.2f} |",
                   flush=True)
             cupy.get_default_memory_pool().free_all_blocks()

@@ -24,7 +24,10 @@ from tileattn.gpu.varlen import Sequences
 from tileattn.validation import validate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import bench_gpu_varlen  # noqa: E402
 from bench_gpu_varlen import HEAD_DIM, HEADS, make_packed_batch, parse_args  # noqa: E402
+
+bench_gpu_varlen.cupy = cupy  # the benchmark imports CuPy in its main(), which is not run
 from gpu_timing import back_to_back_ms  # noqa: E402
 
 CALLS = 10
