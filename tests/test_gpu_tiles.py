@@ -137,11 +137,11 @@ def test_rows_follow_the_key_count_and_options():
 
 
 def test_paged_forwards_take_tiles_within_pages():
-    """Paged K/V: Hopper D 65-128 keeps the table's tiles where pages of a power of two
-    hold its key tiles (copied as contiguous ones) and takes the four-warpgroup 64-key
-    tiles elsewhere, D <= 64 keeps them at every page size; other families shrink their key tiles to a page where they are built
-    for that height; named tiles and score options (`keep_rows`) and the generic kernels
-    keep theirs."""
+    """Paged K/V: Hopper D 65-128 keeps the table's tiles where pages of a power of two hold
+    its key tiles (copied as contiguous ones) and takes the four-warpgroup 64-key tiles
+    elsewhere, D <= 64 keeps them at every page size; other families shrink their key tiles
+    to a page where they are built for that height; named tiles and score options
+    (`keep_rows`) and the generic kernels keep theirs."""
     def wgmma(tiles_):
         return Choice("wgmma", tiles_, "row")
 

@@ -14,7 +14,7 @@ Host torch tensors (the torch adapter on the CPU) are remembered through their N
 Variable-length and paged calls are remembered only when their lengths and table are all
 CuPy or all NumPy arrays with ``check_lengths=False``: validation then reads nothing of
 them but their types, shapes and dtypes, so a remembered call re-derives only its
-`VarlenLayout` around the new arrays (`validation.with_device_lengths`), as a decode
+`VarlenLayout` around the new arrays (`validation.with_unchecked_lengths`), as a decode
 loop's step needs. Calls this does
 not remember, validated every time: other variable-length calls (their lengths are
 contents), ALiBi slopes (an array), other arrays than those in native byte order, and
@@ -30,7 +30,7 @@ import numpy as np
 
 from . import arrays
 from .validation import (Problem, backend_views, check_output_addresses, heads_first,
-                         output_view, validate, with_device_lengths)
+                         output_view, validate, with_unchecked_lengths)
 
 _LIMIT = 256  # signatures remembered; the whole cache is dropped when it is full
 _PROBLEMS: dict = {}
@@ -129,7 +129,7 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None
-                  else with_device_lengths(template, varlen, do is not None,
+                  else with_unchecked_lengths(template, varlen, do is not None,
                                            natives[0].data.device_id
                                            if arrays.memory_of(natives[0]) == "cuda" else None))
     return Problem(tensors, layout_of, options_of, template.dtype, template.n_q_heads,

@@ -157,12 +157,12 @@ def _check_paged_shapes(q, k, v, shapes: dict):
     return tuple(q.shape[:-3]), n_q_heads, n_kv_heads, n_q, d, d_v, num_pages, page_size
 
 
-def with_device_lengths(template: Problem, varlen: dict, backward: bool, gpu: int | None):
+def with_unchecked_lengths(template: Problem, varlen: dict, backward: bool, gpu: int | None):
     """The options of a remembered unchecked call on GPU `gpu` (None: on the CPU;
     `template`, validated with lengths of the same signature: CuPy or NumPy arrays) around
     this call's `varlen` arrays (tileattn.problem_cache)."""
     layout = template.options.varlen
-    swapped = _swapped_device_lengths(layout, varlen)
+    swapped = _swapped_unchecked_lengths(layout, varlen)
     if swapped is not None:
         return evolve(template.options, varlen=swapped)
     paging = (layout.num_pages, layout.page_size) if layout.family == "paged" else None
@@ -172,10 +172,10 @@ def with_device_lengths(template: Problem, varlen: dict, backward: bool, gpu: in
     return replace(template.options, varlen=fresh)
 
 
-_DEVICE_LENGTH_NAMES = ("seqlens_q", "seqlens_k", "block_table")
+_UNCHECKED_LENGTH_NAMES = ("seqlens_q", "seqlens_k", "block_table")
 
 
-def _swapped_device_lengths(layout, varlen: dict):
+def _swapped_unchecked_lengths(layout, varlen: dict):
     """`layout` (validated with arrays of this call's signature: types, names, shapes,
     strides, dtypes, device) around this call's arrays, as `_check_varlen` would make it,
     without its checks, which the signature already passed (a decode loop's step: a few
@@ -186,7 +186,7 @@ def _swapped_device_lengths(layout, varlen: dict):
     if layout.family == "packed":
         return None
     arrays = {}
-    for name in _DEVICE_LENGTH_NAMES:
+    for name in _UNCHECKED_LENGTH_NAMES:
         kept, given = getattr(layout, name), varlen.get(name)
         if (kept is None) != (given is None):
             return None

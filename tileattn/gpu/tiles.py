@@ -398,20 +398,20 @@ WGMMA_PAGED = WgmmaTiles(256, 64, 2)
 
 
 def within_pages(choice: Choice, page: int, width: int, keep_rows: bool) -> Choice:
-    """For paged K/V (pages of `page` keys), key tiles no taller than a page where the
-    family is built for such a height, so that each tile lies in one page and costs one
-    block-table lookup (sequences.cuh, PagedRows::for_tile) instead of one per row, a
-    dependent load before each row's copy. Smaller pages keep the table's tiles (a lookup
-    per row). On Hopper, pages of a power of two that hold the table's key tiles keep
-    them: its forward copies such a tile as a contiguous one (PAGES_HOLD_TILES; H100, B4 512 rows onto 8704
-    keys D128 causal, pages of 64: two 128 x 64 blocks an SM 0.364 ms against 0.360 for
-    256 x 64 at H 16/16, 0.727 against 0.745 at 32/8, NOTES-gpu v35). Other pages:
-    head dims (`width`: the larger of D and Dv) of 65-128 take `WGMMA_PAGED`, whose
-    copies read each row's page a tile ahead (sequences.cuh, PagedCopyRows), unless
-    `keep_rows` (named tiles, score options); up to 64 the table's tiles stay at every
-    page size (H100, D 64, same problem: two 128 x 128 blocks an SM 0.244 / 0.245 ms at
-    pages of 16 / 64 against 0.284 / 0.265 for `WGMMA_PAGED` and 0.267 / 0.246 for
-    128 x 64 key tiles held in pages; contiguous 0.203)."""
+    """For paged K/V (pages of `page` keys), key tiles no taller than a page where the family
+    is built for such a height, so that each tile lies in one page and costs one block-table
+    lookup (sequences.cuh, PagedRows::for_tile) instead of one per row, a dependent load
+    before each row's copy. Smaller pages keep the table's tiles (a lookup per row). On
+    Hopper, pages of a power of two that hold the table's key tiles keep them: its forward
+    copies such a tile as a contiguous one (PAGES_HOLD_TILES; H100, B4 512 rows onto 8704
+    keys D128 causal, pages of 64: two 128 x 64 blocks an SM 0.364 ms against 0.360 for 256
+    x 64 at H 16/16, 0.727 against 0.745 at 32/8, NOTES-gpu v35). Other pages: head dims
+    (`width`: the larger of D and Dv) of 65-128 take `WGMMA_PAGED`, whose copies read each
+    row's page a tile ahead (sequences.cuh, PagedCopyRows), unless `keep_rows` (named tiles,
+    score options); up to 64 the table's tiles stay at every page size (H100, D 64, same
+    problem: two 128 x 128 blocks an SM 0.244 / 0.245 ms at pages of 16 / 64 against 0.284 /
+    0.265 for `WGMMA_PAGED` and 0.267 / 0.246 for 128 x 64 key tiles held in pages;
+    contiguous 0.203)."""
     if choice.family not in BUILT_BLOCK_K:
         return choice
     spans = not (choice.tiles.block_k <= page and page % choice.tiles.block_k == 0)
