@@ -498,20 +498,31 @@ def test_cpu_varlen_calls_add_no_kernel_signature():
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (7, 0), (3, 5)])
 def test_both_tile_orders_cover_every_tile_once_longest_first(window):
     """The GPU launcher's estimated order (`tile_list_by_estimate`) deals the same tiles as
-    the exact one, and where the band cuts no tile its costs are the exact ones."""
+    the exact one, sequence by sequence (the costliest sequence first, each sequence's
+    costliest tile first), and where the band cuts no tile its costs are the exact ones."""
     from tileattn.tile_order import kept_pairs_per_row, tile_list, tile_list_by_estimate
 
-    rows, cols = np.array([0, 1, 37, 64, 200]), np.array([5, 0, 40, 64, 150])
+    rows, cols = np.array([0, 1, 37, 64, 200, 37]), np.array([5, 0, 40, 64, 150, 40])
     bands = cols - rows
     exact = tile_list(rows, cols, bands, 16, *window)[0]
     estimated = tile_list_by_estimate(rows, cols, bands, 16, *window)
     assert sorted(map(tuple, exact)) == sorted(map(tuple, estimated))
     assert len(estimated) == int((-(-rows // 16)).sum())
-    if window == (-1, -1):  # every row keeps every key: both orders are exact
+    sequences = [int(s) for s, _ in estimated]
+    runs = [s for i, s in enumerate(sequences) if i == 0 or sequences[i - 1] != s]
+    assert len(runs) == len(set(runs)), "a sequence's tiles lie together"
+    pairs = [kept_pairs_per_row(rows[s], cols[s], bands[s], *window)[r:r + 16].sum()
+             for s, r in estimated]
+    totals = [sum(p for p, s in zip(pairs, sequences) if s == run) for run in runs]
+    if window in ((-1, -1), (-1, 0)):  # no clip inside a tile but the diagonal's
+        assert totals == sorted(totals, reverse=True)
+        assert runs.index(2) < runs.index(5)  # equal sequences keep their order
+    for run in runs:
+        own = [p for p, s in zip(pairs, sequences) if s == run]
+        if window == (-1, -1):  # every row keeps every key: the estimate is exact
+            assert own == sorted(own, reverse=True)
+    if window == (-1, -1):
         costs = [min(16, rows[s] - r) * cols[s] for s, r in estimated]
-        assert costs == sorted(costs, reverse=True)
-        pairs = [kept_pairs_per_row(rows[s], cols[s], bands[s], *window)[r:r + 16].sum()
-                 for s, r in estimated]
         assert pairs == costs
 
 

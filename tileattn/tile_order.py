@@ -90,11 +90,19 @@ def tile_list(rows, cols, bands, block, window_left, window_right):
 
 
 def tile_list_by_estimate(rows, cols, bands, block, window_left, window_right):
-    """`tile_list`'s tiles, ordered by an estimate of their kept pairs (the keys the tile's
-    middle row keeps, times its rows), in time proportional to the tiles rather than the
-    rows: the GPU launcher orders a packed batch of 140k rows in ~50 us where `tile_list`
-    takes ~1 ms. The kept keys per row are linear between the band's clips, so the
-    estimate is exact for tiles that no clip crosses."""
+    """`tile_list`'s tiles in the GPU launcher's order: sequence by sequence, the sequence
+    with the most estimated pairs first, and within a sequence its costliest tile first.
+    A tile's estimate is the keys its middle row keeps times its rows, in time proportional
+    to the tiles rather than the rows (a packed batch of 140k rows in ~50 us where
+    `tile_list` takes ~1 ms); the kept keys per row are linear between the band's clips, so
+    the estimate is exact for tiles that no clip crosses.
+
+    Why by sequence: blocks resident together then hold tiles of one sequence, whose heads'
+    K and V they read from L2 once between them, as a dense call's neighbouring tiles do.
+    Ordered by cost alone, a causal batch's neighbours were tiles at the same row of
+    different sequences, each reading its own K and V from memory (H100, 32 sequences of
+    128-8192 tokens: 0.82 of the dense sequence's rate by cost alone, bench/NOTES-gpu.md
+    v35); the shortest sequences still come last, filling the tail."""
     rows = np.asarray(rows, np.int64)
     n_tiles = -(-rows // block)
     sequence = np.repeat(np.arange(len(rows), dtype=np.int64), n_tiles)
@@ -109,5 +117,7 @@ def tile_list_by_estimate(rows, cols, bands, block, window_left, window_right):
     high = n_cols if window_right == UNLIMITED else np.minimum(diagonal + window_right + 1,
                                                                n_cols)
     cost = np.maximum(high - low, 0) * height + 1
-    order = np.argsort(-cost, kind="stable")
+    sequence_cost = np.bincount(sequence, weights=cost, minlength=len(rows))
+    # lexsort: the last key first; ties keep the sequences' and tiles' own order
+    order = np.lexsort((np.arange(sequence.size), -cost, sequence, -sequence_cost[sequence]))
     return np.stack([sequence[order], first[order]], axis=1)
