@@ -245,13 +245,15 @@ class VarlenLayout:
         every length clamped into its axis (a no-op once checked), and packed sequences
         made disjoint and in order, so no kernel can reach past an array or race."""
         if self.family == "packed":
-            cu_q, cu_k = (np.maximum.accumulate(np.clip(cu, 0, total))
+            # np.minimum / np.maximum and slices, not np.clip and np.diff: ~4x less host
+            # time on these few values (a GPU call's host time is counted)
+            cu_q, cu_k = (np.maximum.accumulate(np.minimum(np.maximum(cu, 0), total))
                           for cu, total in ((self.cu_seqlens_q, n_q), (self.cu_seqlens_k, n_k)))
             count = len(cu_q) - 1
             descriptors = np.empty((count, DESCRIPTOR_COLUMNS), np.int64)
             descriptors[:, BATCH] = 0
-            descriptors[:, ROW_BASE], descriptors[:, ROWS] = cu_q[:-1], np.diff(cu_q)
-            descriptors[:, KEY_BASE], descriptors[:, KEYS] = cu_k[:-1], np.diff(cu_k)
+            descriptors[:, ROW_BASE], descriptors[:, ROWS] = cu_q[:-1], cu_q[1:] - cu_q[:-1]
+            descriptors[:, KEY_BASE], descriptors[:, KEYS] = cu_k[:-1], cu_k[1:] - cu_k[:-1]
         else:
             descriptors = np.empty((batch, DESCRIPTOR_COLUMNS), np.int64)
             descriptors[:, BATCH] = np.arange(batch)

