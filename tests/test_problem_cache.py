@@ -170,7 +170,7 @@ def test_output_buffers_of_a_remembered_call_are_checked_and_written(layout):
 
 
 def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
-    """ALiBi slopes, lengths and unhashable option values."""
+    """ALiBi slopes, lengths given as lists and unhashable option values."""
     calls = []
 
     def counting(*args, **kwargs):
@@ -182,7 +182,7 @@ def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
     for _ in range(2):
         tileattn.forward(q, k, v, alibi_slopes=np.ones(2), backend="reference")
         tileattn.forward(q, k, v, window=[1, 1], backend="reference")
-        tileattn.forward(q, k, v, seqlens_k=np.array([3]), backend="reference")
+        tileattn.forward(q, k, v, seqlens_k=[3], backend="reference")
     assert len(calls) == 6
     for _ in range(2):
         tileattn.forward(q, k, v, window=(1, 1), backend="reference")
@@ -293,3 +293,45 @@ def test_unchecked_uint64_host_lengths_keep_their_range_check():
     with pytest.raises(ValueError, match="seqlens_k holds"):
         tileattn.forward(q, k, v, seqlens_k=np.array([3, 2**63], np.uint64),
                          check_lengths=False, backend="reference")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_checked_lengths_are_remembered_and_checked_at_every_call(backend, monkeypatch):
+    """A checked call with NumPy lengths of a remembered signature skips the rest of
+    validation but checks its own lengths: bad contents are refused by name, good ones
+    give what a fresh validation gives."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(problem_cache, "validate", counting)
+    problem_cache._PROBLEMS.clear()
+    q, k, v = _arrays((2, 2, 5, 8), (2, 2, 7, 8))
+    cu_q, cu_k = np.array([0, 2, 5]), np.array([0, 3, 7])
+    packed = [a.transpose(1, 0, 2, 3).reshape(2, -1, 8)[:, :n] for a, n in
+              ((q, 5), (k, 7), (v, 7))]
+    results = {}
+    for lengths in (np.array([5, 3]), np.array([0, 7]), np.array([4, 4])):
+        results[tuple(lengths)] = tileattn.forward(q, k, v, causal=True, seqlens_k=lengths,
+                                                   backend=backend)
+        tileattn.forward(*packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend)
+    assert len(calls) == 2  # one padded and one packed signature
+    with pytest.raises(ValueError, match=r"seqlens_k must be <= Nk = 7"):
+        tileattn.forward(q, k, v, causal=True, seqlens_k=np.array([8, 3]), backend=backend)
+    with pytest.raises(ValueError, match="seqlens_k must be >= 0"):
+        tileattn.forward(q, k, v, causal=True, seqlens_k=np.array([3, -1]), backend=backend)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        tileattn.forward(*packed, cu_seqlens_q=cu_q, cu_seqlens_k=np.array([0, 5, 4]),
+                         backend=backend)
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at"):
+        tileattn.forward(*packed, cu_seqlens_q=np.array([0, 2, 4]), cu_seqlens_k=cu_k,
+                         backend=backend)
+    assert len(calls) == 2
+    monkeypatch.setattr(problem_cache, "validate", validate)
+    for lengths, remembered in results.items():
+        problem_cache._PROBLEMS.clear()
+        fresh = tileattn.forward(q, k, v, causal=True, seqlens_k=np.array(lengths),
+                                 backend=backend)
+        np.testing.assert_array_equal(remembered, fresh)

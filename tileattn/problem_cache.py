@@ -11,14 +11,14 @@ counted in tens of microseconds of host time (bench/NOTES-gpu.md).
 
 Host torch tensors (the torch adapter on the CPU) are remembered through their NumPy views
 (`arrays.to_native`), under their own type, so that results still go back as tensors.
-Variable-length and paged calls are remembered only when their lengths and table are all
-CuPy or all NumPy arrays with ``check_lengths=False``: validation then reads nothing of
-them but their types, shapes and dtypes, so a remembered call re-derives only its
-`VarlenLayout` around the new arrays (`validation.with_unchecked_lengths`), as a decode
-loop's step needs. Calls this does
-not remember, validated every time: other variable-length calls (their lengths are
-contents), ALiBi slopes (an array), other arrays than those in native byte order, and
-option values that are not hashable.
+Variable-length and paged calls are remembered when their lengths and table are CuPy or
+NumPy arrays: what validation derives from them besides their contents depends on their
+types, shapes and dtypes only, so a remembered call re-derives just its `VarlenLayout`
+around the new arrays (`validation.with_lengths`), their contents checked afresh unless
+``check_lengths=False`` (then, as a decode loop's step needs, not even read). Calls this
+does not remember, validated every time: lengths given as other objects (lists, tensors),
+ALiBi slopes (an array), other arrays than those in native byte order, and option values
+that are not hashable.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from . import arrays
 from .validation import (Problem, backend_views, check_output_addresses, heads_first,
-                         output_view, validate, with_unchecked_lengths)
+                         output_view, validate, with_lengths)
 
 _LIMIT = 256  # signatures remembered; the whole cache is dropped when it is full
 _PROBLEMS: dict = {}
@@ -94,7 +94,7 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     """`validation.validate` with the same arguments, remembered per call signature."""
     lengths = None
     if varlen is not None:
-        lengths = _unchecked_lengths_signature(varlen) if check_lengths is False else None
+        lengths = _lengths_signature(varlen)
         if lengths is None:
             return validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
                             varlen=varlen, check_lengths=check_lengths, **options)
@@ -129,17 +129,19 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None
-                  else with_unchecked_lengths(template, varlen, do is not None,
-                                           natives[0].data.device_id
-                                           if arrays.memory_of(natives[0]) == "cuda" else None))
+                  else with_lengths(template, varlen, do is not None,
+                                    natives[0].data.device_id
+                                    if arrays.memory_of(natives[0]) == "cuda" else None,
+                                    check_lengths))
     return Problem(tensors, layout_of, options_of, template.dtype, template.n_q_heads,
                    template.n_kv_heads, template.n_q, template.n_k, template.head_dim,
                    template.value_dim, views)
 
 
-def _unchecked_lengths_signature(varlen: dict) -> tuple | None:
-    """The signature of an unchecked call's lengths and table when they are all CuPy arrays
-    or all NumPy arrays (what validation reads of them), else None."""
+def _lengths_signature(varlen: dict) -> tuple | None:
+    """The signature of a call's lengths and table when each is a CuPy or a NumPy array
+    (what validation derives from them besides their contents, which a remembered call
+    checks afresh unless unchecked), else None."""
     cupy = sys.modules.get("cupy")
     signature = []
     for name, array in varlen.items():

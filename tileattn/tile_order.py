@@ -1,9 +1,12 @@
-"""The order of a call's tiles, longest first, shared by the CPU and GPU launchers.
+"""The order of a call's tiles, longest first, for the CPU and GPU launchers.
 
 A causal or windowed tile's cost grows with the keys its rows keep, and sequences of a
 variable-length call differ in length: running the tiles with the most kept (row, key) pairs
 first lets the short ones fill in at the end instead of one long tile starting last
-(bench/NOTES-cpu.md, v5). Plain NumPy, run by the host before a launch.
+(bench/NOTES-cpu.md, v5). The CPU takes tiles in that order (`tile_list`); the GPU keeps
+each sequence's tiles together, the costliest sequences first (`tile_list_by_estimate`),
+so that blocks resident at once share K and V in L2. Plain NumPy, run by the host before a
+launch.
 """
 
 from __future__ import annotations

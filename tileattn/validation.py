@@ -157,19 +157,23 @@ def _check_paged_shapes(q, k, v, shapes: dict):
     return tuple(q.shape[:-3]), n_q_heads, n_kv_heads, n_q, d, d_v, num_pages, page_size
 
 
-def with_unchecked_lengths(template: Problem, varlen: dict, backward: bool, gpu: int | None):
-    """The options of a remembered unchecked call on GPU `gpu` (None: on the CPU;
-    `template`, validated with lengths of the same signature: CuPy or NumPy arrays) around
-    this call's `varlen` arrays (tileattn.problem_cache)."""
+def with_lengths(template: Problem, varlen: dict, backward: bool, gpu: int | None,
+                 check_lengths: bool):
+    """The options of a remembered call on GPU `gpu` (None: on the CPU; `template`,
+    validated with lengths of the same signature: CuPy or NumPy arrays, and the same
+    `check_lengths`) around this call's `varlen` arrays (tileattn.problem_cache): their
+    contents checked as `validate` checks them unless `check_lengths` is False. Nothing
+    else that validation derives depends on the lengths' contents."""
     layout = template.options.varlen
-    swapped = _swapped_unchecked_lengths(layout, varlen)
-    if swapped is not None:
-        return evolve(template.options, varlen=swapped)
+    if not check_lengths:
+        swapped = _swapped_unchecked_lengths(layout, varlen)
+        if swapped is not None:
+            return evolve(template.options, varlen=swapped)
     paging = (layout.num_pages, layout.page_size) if layout.family == "paged" else None
     fresh = _check_varlen(varlen_family(varlen, backward=backward), varlen,
-                          template.layout.batch_shape, template.n_q, template.n_k, False,
-                          paging, gpu)
-    return replace(template.options, varlen=fresh)
+                          template.layout.batch_shape, template.n_q, template.n_k,
+                          bool(check_lengths), paging, gpu)
+    return evolve(template.options, varlen=fresh)
 
 
 _UNCHECKED_LENGTH_NAMES = ("seqlens_q", "seqlens_k", "block_table")
