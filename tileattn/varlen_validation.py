@@ -118,7 +118,7 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, total_name: str,
         return values
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {values[0]}")
-    decreasing = np.diff(values) < 0
+    decreasing = values[1:] < values[:-1]  # np.diff costs a few us more a call
     if decreasing.any():
         (s,) = _first(decreasing)
         raise ValueError(f"{name} must be non-decreasing, got {name}[{s}] = {values[s]} > "
