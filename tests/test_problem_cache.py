@@ -4,6 +4,7 @@ rejected even when a call of the same shapes was remembered before."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from dataclasses import fields
@@ -42,6 +43,38 @@ def _same_problem(got, expected):
                         == getattr(expected.options, option.name)), option.name
         else:
             assert getattr(got, field.name) == getattr(expected, field.name), field.name
+
+
+class _Validations:
+    """`problem_cache.validate` counted: one entry in `calls` per validation, except while
+    `paused` (fresh validations a test makes to compare with)."""
+
+    def __init__(self):
+        self.calls = []
+        self._counting = True
+
+    def __call__(self, *args, **kwargs):
+        if self._counting:
+            self.calls.append(1)
+        return validate(*args, **kwargs)
+
+    def pause(self):
+        self._counting = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.pause()
+        try:
+            yield
+        finally:
+            self._counting = True
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    counter = _Validations()
+    monkeypatch.setattr(problem_cache, "validate", counter)
+    return counter
 
 
 CASES = {
@@ -169,15 +202,9 @@ def test_output_buffers_of_a_remembered_call_are_checked_and_written(layout):
                          backend="reference")
 
 
-def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
+def test_calls_it_does_not_remember_are_validated_each_time(validations):
     """ALiBi slopes, lengths given as lists and unhashable option values."""
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return validate(*args, **kwargs)
-
-    monkeypatch.setattr(problem_cache, "validate", counting)
+    calls = validations.calls
     q, k, v = _arrays((1, 2, 4, 8), (1, 2, 4, 8))
     for _ in range(2):
         tileattn.forward(q, k, v, alibi_slopes=np.ones(2), backend="reference")
@@ -190,15 +217,9 @@ def test_calls_it_does_not_remember_are_validated_each_time(monkeypatch):
     assert len(calls) == 8
 
 
-def test_host_torch_tensors_are_remembered_and_get_tensors_back(monkeypatch):
+def test_host_torch_tensors_are_remembered_and_get_tensors_back(validations):
     torch = pytest.importorskip("torch")
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return validate(*args, **kwargs)
-
-    monkeypatch.setattr(problem_cache, "validate", counting)
+    calls = validations.calls
     q, k, v = (torch.from_numpy(a) for a in _arrays((1, 2, 5, 8), (1, 2, 7, 8), seed=7))
     results = [tileattn.forward(q, k, v, causal=True, backend="reference") for _ in range(2)]
     q2 = q + 1
@@ -246,20 +267,14 @@ UNCHECKED_HOST_LENGTHS = {
 @pytest.mark.parametrize("family", UNCHECKED_HOST_LENGTHS)
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_unchecked_host_lengths_are_remembered_and_each_call_uses_its_own(family, backend,
-                                                                         monkeypatch):
+                                                                         validations):
     """An unchecked call with NumPy lengths of a remembered signature skips validation and
     attends with its own lengths and table: the same result as validating it afresh."""
     rng = np.random.default_rng(7)
     q, k, v = _arrays((3, 2, 5, 8), (3, 1, 8, 8))
     if family == "paged":  # 12 pages of 4 slots
         k, v = (rng.standard_normal((12, 1, 4, 8)).astype(np.float32) for _ in range(2))
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return validate(*args, **kwargs)
-
-    monkeypatch.setattr(problem_cache, "validate", counting)
+    calls = validations.calls
     problem_cache._PROBLEMS.clear()
     results = []
     for _ in range(3):
@@ -269,14 +284,13 @@ def test_unchecked_host_lengths_are_remembered_and_each_call_uses_its_own(family
                              **lengths)
         for name, array in lengths.items():  # read, never written
             np.testing.assert_array_equal(array, kept[name])
-        monkeypatch.setattr(problem_cache, "validate", validate)
-        problem_cache._PROBLEMS.clear()
-        fresh = tileattn.forward(q, k, v, causal=True, check_lengths=False, backend=backend,
-                                 **lengths)
-        problem_cache._PROBLEMS.clear()
-        again = tileattn.forward(q, k, v, causal=True, check_lengths=False, backend=backend,
-                                 **lengths)  # remembered afresh, for the next round
-        monkeypatch.setattr(problem_cache, "validate", counting)
+        with validations.paused():
+            problem_cache._PROBLEMS.clear()
+            fresh = tileattn.forward(q, k, v, causal=True, check_lengths=False,
+                                     backend=backend, **lengths)
+            problem_cache._PROBLEMS.clear()
+            again = tileattn.forward(q, k, v, causal=True, check_lengths=False,
+                                     backend=backend, **lengths)  # remembered afresh
         np.testing.assert_array_equal(o, fresh)
         np.testing.assert_array_equal(again, fresh)
         results.append(o)
@@ -296,17 +310,11 @@ def test_unchecked_uint64_host_lengths_keep_their_range_check():
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_checked_lengths_are_remembered_and_checked_at_every_call(backend, monkeypatch):
+def test_checked_lengths_are_remembered_and_checked_at_every_call(backend, validations):
     """A checked call with NumPy lengths of a remembered signature skips the rest of
     validation but checks its own lengths: bad contents are refused by name, good ones
     give what a fresh validation gives."""
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return validate(*args, **kwargs)
-
-    monkeypatch.setattr(problem_cache, "validate", counting)
+    calls = validations.calls
     problem_cache._PROBLEMS.clear()
     q, k, v = _arrays((2, 2, 5, 8), (2, 2, 7, 8))
     cu_q, cu_k = np.array([0, 2, 5]), np.array([0, 3, 7])
@@ -329,7 +337,7 @@ def test_checked_lengths_are_remembered_and_checked_at_every_call(backend, monke
         tileattn.forward(*packed, cu_seqlens_q=np.array([0, 2, 4]), cu_seqlens_k=cu_k,
                          backend=backend)
     assert len(calls) == 2
-    monkeypatch.setattr(problem_cache, "validate", validate)
+    validations.pause()
     for lengths, remembered in results.items():
         problem_cache._PROBLEMS.clear()
         fresh = tileattn.forward(q, k, v, causal=True, seqlens_k=np.array(lengths),

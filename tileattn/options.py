@@ -227,7 +227,7 @@ class VarlenLayout:
 
     def signature(self) -> tuple:
         """What launches over this layout's tables depend on besides the arrays' contents
-        (a forward whose lengths stay on the device plans by it)."""
+        (a padded or paged GPU forward plans by it)."""
         def of(array):
             return None if array is None else (type(array), array.shape, array.strides,
                                                array.dtype)

@@ -32,6 +32,7 @@ import tileattn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gpu_timing import back_to_back_ms  # noqa: E402
+from paged_pools import page_pool  # noqa: E402
 
 CALLS = 50
 
@@ -63,15 +64,10 @@ def main(profile: bool = False) -> None:
                             CALLS)
     print(f"contiguous: {dense:.3f} ms")
     for page in (64,) if profile else (16, 64, 256):
-        pages = n_keys // page
-        order = rng.permutation(batch * pages)
-        table = order.reshape(batch, pages)
-        pool = cupy.empty((batch * pages, heads, page, dim), dtype=cupy.float16)
-        pool[cupy.asarray(order)] = k.reshape(batch, heads, pages, page, dim).transpose(
-            0, 2, 1, 3, 4).reshape(batch * pages, heads, page, dim)
-        lengths = {"block_table": table, "seqlens_k": np.full(batch, n_keys),
+        pool, device_table = page_pool(k, [n_keys] * batch, page, rng)
+        lengths = {"block_table": cupy.asnumpy(device_table), "seqlens_k": np.full(batch, n_keys),
                    "check_lengths": False}
-        on_device = {"block_table": cupy.asarray(table, dtype=cupy.int32),
+        on_device = {"block_table": device_table,
                      "seqlens_k": cupy.full(batch, n_keys, dtype=cupy.int32),
                      "check_lengths": False}
         padded = timed(lambda: tileattn.forward(
@@ -118,13 +114,8 @@ def sweep_tiles() -> None:
                        **defaults).options
     calls["padded, host tables"] = (k, options, Sequences(q, k, options, forward=True))
     for page in (16, 64, 256):
-        pages = n_keys // page
-        order = rng.permutation(batch * pages)
-        pool = cupy.empty((batch * pages, heads, page, dim), dtype=cupy.float16)
-        pool[cupy.asarray(order)] = k.reshape(batch, heads, pages, page, dim).transpose(
-            0, 2, 1, 3, 4).reshape(batch * pages, heads, page, dim)
-        varlen = {"block_table": order.reshape(batch, pages),
-                  "seqlens_k": np.full(batch, n_keys)}
+        pool, table = page_pool(k, [n_keys] * batch, page, rng)
+        varlen = {"block_table": cupy.asnumpy(table), "seqlens_k": np.full(batch, n_keys)}
         options = validate(q, pool, pool, varlen=varlen, **defaults).options
         calls[page] = (pool, options, Sequences(q, pool, options, forward=True))
     profile = "--profile" in sys.argv
@@ -169,12 +160,8 @@ def sweep() -> None:
             expected = tileattn.forward(q, k, k, causal=True)
             row, ratios = [f"{dense:.3f}"], []
             for page in (16, 64, 256):
-                pages = n_keys // page
-                order = rng.permutation(batch * pages)
-                pool = cupy.empty((batch * pages, heads, page, dim), dtype=cupy.float16)
-                pool[cupy.asarray(order)] = k.reshape(batch, heads, pages, page, dim).transpose(
-                    0, 2, 1, 3, 4).reshape(batch * pages, heads, page, dim)
-                tables = {"block_table": cupy.asarray(order.reshape(batch, pages), cupy.int32),
+                pool, table = page_pool(k, [n_keys] * batch, page, rng)
+                tables = {"block_table": table,
                           "seqlens_k": cupy.full(batch, n_keys, dtype=cupy.int32),
                           "check_lengths": False}
                 paged = back_to_back_ms(lambda: tileattn.forward(q, pool, pool, causal=True,

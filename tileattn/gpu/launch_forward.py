@@ -345,8 +345,9 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     """A variable-length or paged forward: one launch over the tile table (or, for few
     query rows a batch element, the decode kernel over the batch). Rows of no sequence are
     never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC).
-    A call whose lengths stay on the device (`Sequences.dense_grid`) is planned once per
-    signature: a repeated one fills its tables (`DeviceTables.fill`) and launches."""
+    A padded or paged call (`Sequences.dense_grid`, lengths from the host or the device) is
+    planned once per signature: a repeated one fills its tables (`DeviceTables.fill`) and
+    launches."""
     o, lse = _outputs(q, v, out, lse_out)
     key = forward_plan_key(options, q, k, v, o.strides)
     plan = cached(key, q, k, v)

@@ -397,6 +397,13 @@ BUILT_BLOCK_K = {"wgmma": WGMMA_BLOCK_K, "mma": MMA_BLOCK_K, "tf32": TF32_BLOCK_
 WGMMA_PAGED = WgmmaTiles(256, 64, 2)
 
 
+def pages_hold_tiles(page: int, rows: int) -> bool:
+    """Whether every tile of `rows` keys (a power of two, tiles at multiples of it) lies in
+    one page of `page` keys at a fixed slot: pages of a power of two of at least `rows`
+    (the Hopper forward's PAGES_HOLD_TILES copies)."""
+    return page >= rows and page & (page - 1) == 0
+
+
 def within_pages(choice: Choice, page: int, width: int, keep_rows: bool) -> Choice:
     """For paged K/V (pages of `page` keys), key tiles no taller than a page where the family
     is built for such a height, so that each tile lies in one page and costs one block-table
@@ -415,8 +422,8 @@ def within_pages(choice: Choice, page: int, width: int, keep_rows: bool) -> Choi
     if choice.family not in BUILT_BLOCK_K:
         return choice
     spans = not (choice.tiles.block_k <= page and page % choice.tiles.block_k == 0)
-    held = not spans and page & (page - 1) == 0  # launch_forward's PAGES_HOLD_TILES
-    if choice.family == "wgmma" and 64 < width <= 128 and not keep_rows and not held:
+    if (choice.family == "wgmma" and 64 < width <= 128 and not keep_rows
+            and not pages_hold_tiles(page, choice.tiles.block_k)):
         return replace(choice, tiles=WGMMA_PAGED)
     if choice.family == "wgmma" and width <= 64:
         return choice

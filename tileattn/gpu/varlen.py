@@ -19,6 +19,7 @@ from ..options import BAND, DESCRIPTOR_COLUMNS, KEYS, ROWS, AttentionOptions
 from ..tile_order import tile_list_by_estimate
 from . import _compile
 from .operands import Launch, empty, plans_once
+from .tiles import pages_hold_tiles
 
 DESCRIPTORS_SOURCE = "sequence_descriptors.cu"
 
@@ -91,10 +92,9 @@ class Sequences:
         return (("PAGED", int(self.paged)), ("VARLEN", 1))
 
     def pages_hold_tiles(self, rows: int) -> bool:
-        """Whether every tile of `rows` keys (a power of two) lies in one page: pages of a
-        power-of-two size of at least `rows`."""
-        size = self.page_size
-        return self.paged and size >= rows and size & (size - 1) == 0
+        """Whether this call is paged and every tile of `rows` keys lies in one page
+        (`tiles.pages_hold_tiles`)."""
+        return self.paged and pages_hold_tiles(self.page_size, rows)
 
     def tiles(self, block_rows: int, keys: bool = False) -> np.ndarray:
         """``(sequence, first row)`` of every query tile of `block_rows` rows (with `keys`,
@@ -128,8 +128,8 @@ class Sequences:
 
 
 class DeviceTables:
-    """The descriptors and block table of a padded or paged forward whose lengths stay on
-    the device, in buffers of their own that a kernel (sequence_descriptors.cu:
+    """The descriptors and block table of a padded or paged forward (host or device
+    lengths), in buffers of their own that a kernel (sequence_descriptors.cu:
     padded_tables) fills from the caller's arrays at every call (`fill`; the first by the
     constructor): a repeated call's cached launches read these buffers, so only the filling
     launch takes the new arrays. One stream's calls run in order, so a call never
