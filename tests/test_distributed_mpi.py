@@ -47,6 +47,11 @@ def _environment() -> dict:
     # oversubscribed run from crawling.
     env.setdefault("MPIR_CVAR_CH4_SHM_POSIX_EAGER_YIELD", "1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (device notes)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Open MPI's mpiexec refuses to start as root unless told twice (containers and the
+        # GPU machines run as root); MPICH ignores both.
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     return env
 
 

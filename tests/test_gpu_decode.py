@@ -404,6 +404,71 @@ def test_head_dims_above_256_decode_on_cuda_cores(dims, dtype):
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
 
 
+FOLD_CASES = [((576, 512), "bfloat16", 16, {}), ((576, 512), "float16", 16, {"causal": True}),
+              ((320, 320), "float16", 4, {"window": (300, 0), "softcap": 20.0}),
+              ((264, 64), "bfloat16", 8, {"causal": True, "window": (1000, 0)}),
+              ((320, 320), "float16", 3, {"window": (10, 5)})]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize(("dims", "dtype", "group", "options"), FOLD_CASES,
+                         ids=lambda c: str(c).replace(" ", ""))
+def test_wide_gqa_decode_folds_its_group_into_query_rows(dims, dtype, group, options, layout,
+                                                         monkeypatch):
+    """A one-row decode wider than the tensor-core decode's heads (tiles.folds_group_rows)
+    runs the mma.sync prefill on its group's query heads as rows of one head (its fold
+    threshold forced here, for small grids), with key shares: results equal the golden
+    model's, written into the caller's NaN-filled buffers, keys outside the window (NaN and
+    inf there) sliced off, and the plan cached for the next call."""
+    from tileattn.gpu.operands import _PLANS
+
+    monkeypatch.setattr(gpu_tiles, "FOLD_MIN_WAVE", 0.0)
+    dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    if dtype is None:
+        pytest.skip("no bfloat16 type")
+    head_dim, value_dim = dims
+    batch, n_kv_heads, n_k = 2, 2, 1500
+    q, k, v = _inputs(batch, n_kv_heads * group, n_kv_heads, 1, n_k, head_dim, value_dim,
+                      dtype, seed=head_dim + group)
+    left = options.get("window", (None, None))[0]
+    if left is not None and left < n_k - 1:  # keys the row does not keep hold NaN and inf
+        k[:, :, : n_k - 1 - left] = np.nan
+        v[:, :, : n_k - 1 - left] = np.inf
+    expected_o, expected_lse = _golden(q, k, v, **options)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    out = cupy.full((batch, n_kv_heads * group, 1, value_dim), np.nan, dtype=dtype)
+    if layout == "bshd":
+        device = [cupy.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in device]
+        out = cupy.ascontiguousarray(out.transpose(0, 2, 1, 3))
+    lse_out = cupy.full((batch, n_kv_heads * group, 1), np.nan, dtype=np.float32)
+    planned = {key for key in _PLANS if key[0] == "folded group"}
+    for call in ("first", "cached"):
+        out[...] = np.nan
+        lse_out[...] = np.nan
+        o, lse = tileattn.forward(*device, return_lse=True, out=out, lse_out=lse_out,
+                                  layout=layout, **options)
+        assert o is out and lse is lse_out
+        result = o.get().transpose(0, 2, 1, 3) if layout == "bshd" else o.get()
+        assert_attention_close(result, expected_o, dtype, name=f"o ({call} call)")
+        assert_attention_close(lse.get(), expected_lse, dtype, name=f"lse ({call} call)")
+        folded = {key for key in _PLANS if key[0] == "folded group"} - planned
+        assert len(folded) == 1 and _PLANS[folded.pop()].launches[0] is not None
+
+
+def test_small_wide_gqa_decodes_stay_on_the_decode_kernel():
+    """One sequence's wide decode fills a tenth of the device folded: its fold is declined
+    (and the decision cached), the CUDA-core decode kernel runs it, and describe agrees."""
+    q, k, v = _inputs(1, 16, 1, 1, 8192, 576, 512, np.float16, seed=5)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    o = tileattn.forward(*device)
+    assert_attention_close(o.get(), _golden(q, k, v)[0], np.float16, name="o")
+    described = gpu_backend.describe(8192, 576, 512, np.float16, n_q=1, heads=16, kv_heads=1)
+    assert described["forward"].startswith("decode"), described
+    wide = gpu_backend.describe(8192, 576, 512, np.float16, n_q=1, heads=16, kv_heads=1,
+                                batch=8)
+    assert wide["forward"].startswith("mma") and "folded" in wide["forward"], wide
+
+
 def test_dispatch_picks_decode_and_writes_into_out_buffers():
     """tileattn.forward on a decode shape runs the decode kernel (describe says so) and
     writes o and lse into the caller's buffers."""

@@ -467,3 +467,43 @@ def test_describe_names_the_gqa_cut_of_the_backward():
     assert "cut over" not in backward(kv_heads=16)
     assert "cut over" not in backward(n_q=4000)  # a query tail: keys are flagged instead
     assert "cut over" not in backward(batch=64)
+
+
+def test_wide_gqa_decode_folds_its_group_into_query_rows():
+    """One query row a head, heads wider than the tensor-core decode's, 16-bit, no per-row
+    options or named tiles: the group folds into rows of the mma.sync prefill, with key
+    shares, where the folded grid fills enough of the device; everything else does not."""
+    fold = tiles.folds_group_rows
+    assert fold("bfloat16", 576, 512, 1, 16, False, False)
+    assert fold("float16", 320, 320, 1, 4, False, False)
+    assert not fold("bfloat16", 256, 256, 1, 16, False, False)  # the tensor-core decode's
+    assert not fold("bfloat16", 640, 512, 1, 16, False, False)  # above MAX_WIDE_DIM
+    assert not fold("float32", 576, 512, 1, 16, False, False)
+    assert not fold("bfloat16", 576, 512, 2, 16, False, False)  # rows of one head differ
+    assert not fold("bfloat16", 576, 512, 1, 1, False, False)  # MHA: nothing to fold
+    assert not fold("bfloat16", 576, 512, 1, 16, True, False)  # ALiBi or dropout
+    assert not fold("bfloat16", 576, 512, 1, 16, False, True)  # named tile sizes
+
+    def folded(batch, group, decodes=True, n_k=8192, **device):
+        problem = Problem(dtype="bfloat16", head_dim=576, value_dim=512, n_k=n_k,
+                          query_heads=batch, n_q=group, multiprocessors=132,
+                          **(device or H100))
+        shape = tiles.DecodeShape(n_q=group, group=1, batch_kv_heads=batch,
+                                  batch_q_heads=batch, band_keys=n_k, sm_count=132)
+        return tiles.folded_choice(problem, shape, decodes)
+
+    # MLA's decode, B 8, 16 query heads over one K/V head: 8 tiles of 64 rows, keys in 16
+    # shares of 512 fill ~a wave of the mma.sync forward's blocks.
+    choice = folded(8, 16)
+    assert choice.family == "mma" and choice.key_splits == 16
+    assert "folded" in choice.note and "shares" in choice.note
+    # sm_80's 163 KiB hold no mma.sync tile at 576/512: the generic prefill, so no fold.
+    assert tiles.choose_forward(Problem(dtype="bfloat16", head_dim=576, value_dim=512,
+                                        n_k=8192, **A100)).family == "generic"
+    assert folded(8, 16, **A100) is None
+    # B 1-4: under a wave folded, the decode kernel's many splits stay.
+    assert folded(1, 16) is None and folded(4, 16) is None
+    # 128 query heads a K/V head, more rows than the decode kernel takes: folded at any
+    # batch (the unfolded prefill wastes 63 of each 64 rows and reads K/V per query head).
+    assert folded(1, 128, decodes=False).key_splits == 16
+    assert folded(4, 128).key_splits == 16

@@ -155,8 +155,38 @@ def describe(n_k: int, head_dim: int, value_dim: int, dtype,
                             batch_q_heads=batch * heads, band_keys=band_keys(options, n_q, n_k),
                             sm_count=sm_count(cupy.cuda.Device().id))
         grid = (batch * heads, n_q)
-    return describe_with_decode(_problem(n_k, head_dim, value_dim, dtype, options, *grid),
-                                shape)
+    lines = describe_with_decode(_problem(n_k, head_dim, value_dim, dtype, options, *grid),
+                                 shape)
+    folded = (None if shape is None
+              else _folded_line(options, shape, n_k, head_dim, value_dim, dtype))
+    if folded is not None:
+        lines["forward"] = folded
+    return lines
+
+
+def _folded_line(options: AttentionOptions, shape, n_k: int, head_dim: int, value_dim: int,
+                 dtype):
+    """The forward line of a wide GQA decode that folds its group into query rows
+    (`launch_forward._fold_group`), else None."""
+    from ..arrays import dtype_name
+    from ..options import UNLIMITED, evolve
+    from .tiles import DecodeShape, choose_decode, folded_choice, folds_group_rows
+
+    if shape.band_keys == 0 or not folds_group_rows(
+            dtype_name(dtype), head_dim, value_dim, shape.n_q, shape.group,
+            options.alibi_slopes is not None or options.dropout_p > 0,
+            options.block_q is not None or options.block_k is not None):
+        return None
+    unmasked = evolve(options, causal=False, window_left=UNLIMITED, window_right=UNLIMITED,
+                      row_offset=0, col_offset=0, alignment=None)
+    folded = DecodeShape(n_q=shape.group, group=1, batch_kv_heads=shape.batch_kv_heads,
+                         batch_q_heads=shape.batch_kv_heads, band_keys=shape.band_keys,
+                         sm_count=shape.sm_count)
+    decodes = choose_decode(_problem(n_k, head_dim, value_dim, dtype, options,
+                                     shape.batch_q_heads, shape.n_q), shape) is not None
+    choice = folded_choice(_problem(shape.band_keys, head_dim, value_dim, dtype, unmasked,
+                                    shape.batch_kv_heads, shape.group), folded, decodes)
+    return None if choice is None else f"{choice.family} {choice.tiles} ({choice.note})"
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,

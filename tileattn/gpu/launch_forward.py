@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 
 from ..arrays import dtype_name
-from ..options import UNLIMITED, AttentionOptions, Blocks
+from ..options import UNLIMITED, AttentionOptions, Blocks, evolve
 from . import _compile
 from .launch_decode import decode_shape, forward_decode
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
@@ -18,8 +18,8 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
 from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
-                    choose_forward, forward_resident_blocks, key_shares, with_key_splits,
-                    within_pages)
+                    choose_forward, folded_choice, folds_group_rows, forward_resident_blocks,
+                    key_shares, with_key_splits, within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -330,6 +330,9 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     if options.varlen is not None:
         return _forward_varlen(q, k, v, options, out, lse_out)
     o, lse = _outputs(q, v, out, lse_out)
+    folded = _fold_group(q, k, v, o, lse, options)
+    if folded is not None and _forward_folded(*folded, unfolded=(q, k, v, options)):
+        return o, lse
     key = forward_plan_key(options, q, k, v, o.strides)
     launches = cached(key, q, k, v)
     if launches is not None:
@@ -339,6 +342,63 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     launch, alignment = _run(choice, q, k, v, o, lse, options)
     remember(key, (launch,), alignment, q, k, v)
     return o, lse
+
+
+def _fold_group(q, k, v, o, lse, options: AttentionOptions):
+    """``(q, k, v, o, lse, options)`` of a wide GQA decode folded into query rows
+    (`tiles.folds_group_rows`): each K/V head's group of query heads as `group` rows of one
+    head, K and V cut to the keys the row keeps, no mask; views of the same memory, so the
+    kernels write the caller's o and lse. None for every other forward."""
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    group = n_q_heads // n_kv_heads
+    if not folds_group_rows(dtype_name(q.dtype), head_dim, value_dim, n_q, group,
+                            options.alibi_slopes is not None or options.dropout_p > 0,
+                            options.block_q is not None or options.block_k is not None):
+        return None
+    offset = options.band_offset(1, n_k)
+    low = 0 if options.window_left == UNLIMITED else max(0, offset - options.window_left)
+    high = (n_k if options.window_right == UNLIMITED
+            else min(n_k, offset + options.window_right + 1))
+    if low >= high:
+        return None  # the row keeps no key: the plain path writes its zeros and -inf
+
+    from cupy.lib.stride_tricks import as_strided
+
+    def rows_of_heads(array, shape):  # (B, Hq, 1, ...) -> (B, Hkv, group, ...)
+        strides = array.strides
+        return as_strided(array, shape, (strides[0], group * strides[1], strides[1])
+                          + strides[3:])
+
+    return (rows_of_heads(q, (batch, n_kv_heads, group, head_dim)), k[:, :, low:high],
+            v[:, :, low:high], rows_of_heads(o, (batch, n_kv_heads, group, value_dim)),
+            rows_of_heads(lse, (batch, n_kv_heads, group)),
+            evolve(options, causal=False, window_left=UNLIMITED, window_right=UNLIMITED,
+                   row_offset=0, col_offset=0, alignment=None))
+
+
+def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple) -> bool:
+    """Runs a folded decode on the prefill (`tiles.folded_choice`); False, having run
+    nothing, where it does not fold (the decision is cached like a plan). `unfolded`:
+    ``(q, k, v, options)`` of the call as given, whose own choice the fold must beat."""
+    key = forward_plan_key(options, q, k, v, o.strides)
+    key = None if key is None else ("folded group",) + key
+    launches = cached(key, q, k, v)
+    if launches is not None:
+        if launches[0] is None:
+            return False
+        launches[0](q, k, v, o, lse)
+        return True
+    problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], k.shape[2], options,
+                          q.shape[0] * q.shape[1], q.shape[2])
+    choice = folded_choice(problem, decode_shape(q, k, options),
+                           decodes=choose(*unfolded).family == "decode")
+    if choice is None:
+        remember(key, (None,), 1, q, k, v)
+        return False
+    launch, alignment = _run(choice, q, k, v, o, lse, options)
+    remember(key, (launch,), alignment, q, k, v)
+    return True
 
 
 def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):

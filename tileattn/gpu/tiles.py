@@ -1114,6 +1114,50 @@ def with_key_splits(choice: Choice, shape: DecodeShape) -> Choice:
     return replace(choice, key_splits=splits, note=f"{choice.note}; {why}")
 
 
+# --------------------------------------------------------------------------- wide GQA decode
+# A decode step (one query row a head) of a GQA or MQA model whose heads are wider than the
+# tensor-core decode's (MAX_TENSOR_CORE_DIM) ran on the CUDA-core decode kernel, bound by its
+# products, or, for more rows than it takes, on the prefill with one row of each 64-row tile
+# in use, reading K and V once per query head: multi-head latent attention's absorbed decode
+# (D = 576, Dv = 512, one K/V head, float16, H100) took 0.234 ms at B 8 with 16 query heads
+# over 8k keys (a fifth of the memory's bandwidth) and 2.2 ms at B 1 with 128.
+# A group's query heads read the same K and V and, with one row each under a mask that
+# keeps the same keys for all of them (the keys outside it are sliced off, not masked),
+# are the rows of one head: q (B, Hq, 1, D) is q (B, Hkv, group, D) without a copy, and
+# the mma.sync prefill, which serves widths to MAX_WIDE_DIM, runs it with its key shares
+# (launch_forward._fold_group). bench/experiments/wide_decode_gpu.py (NOTES-gpu v36),
+# folded against unfolded: 128 query heads 14-53x faster at B 1-8; 16 query heads 1.12-1.30x
+# at B 8-16 (a wave of folded blocks), 0.58-0.81x at B 1-4, whose few folded blocks (16
+# rows of a 64-row tile, a key share each) the decode kernel's many splits beat.
+FOLD_MIN_WAVE = 0.9  # against the decode kernel: folded grids (key shares included) under
+# this share of a wave of resident blocks stay on it
+
+
+def folds_group_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group: int,
+                     per_row_options: bool, named_blocks: bool) -> bool:
+    """Whether a forward of this shape is a wide GQA decode that folds its group's query
+    heads into query rows (the problem's mask must also keep a key for its row)."""
+    return (n_q == 1 and group > 1 and dtype in ("float16", "bfloat16")
+            and not per_row_options and not named_blocks
+            and MAX_TENSOR_CORE_DIM < max(head_dim, value_dim) <= MAX_WIDE_DIM)
+
+
+def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice | None:
+    """The tensor-core prefill's choice for a folded decode (`problem` and `shape` those of
+    the folded problem: `group` rows in each of B x Hkv heads, no mask), or None where it
+    is no tensor-core family, or where the unfolded problem `decodes` (takes the decode
+    kernel) and the folded grid, key shares included, fills under FOLD_MIN_WAVE of a wave."""
+    choice = with_key_splits(choose_forward(problem), shape)
+    if choice.family not in ("wgmma", "mma"):
+        return None
+    tiles = choice.tiles
+    blocks = shape.batch_q_heads * -(-shape.n_q // tiles.block_q) * choice.key_splits
+    if decodes and blocks < FOLD_MIN_WAVE * forward_resident_blocks(tiles, shape.sm_count):
+        return None
+    return replace(choice, note=f"{choice.note}; the GQA group's query heads folded into "
+                                f"{shape.n_q} query rows of each K/V head")
+
+
 def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
     """Where a dense deterministic backward cuts each GQA group over blocks
     (`backward_group_splits`), a line saying so, else None."""
