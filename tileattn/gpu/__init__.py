@@ -168,24 +168,20 @@ def _folded_line(options: AttentionOptions, shape, n_k: int, head_dim: int, valu
                  dtype):
     """The forward line of a wide GQA decode that folds its group into query rows
     (`launch_forward._fold_group`), else None."""
-    from ..arrays import dtype_name
-    from ..options import UNLIMITED, evolve
-    from .tiles import DecodeShape, choose_decode, folded_choice, folds_group_rows
+    from .launch_forward import folds_group, unmasked
+    from .tiles import DecodeShape, choose_decode, folded_choice
 
-    if shape.band_keys == 0 or not folds_group_rows(
-            dtype_name(dtype), head_dim, value_dim, shape.n_q, shape.group,
-            options.alibi_slopes is not None or options.dropout_p > 0,
-            options.block_q is not None or options.block_k is not None):
+    if shape.band_keys == 0 or not folds_group(dtype, head_dim, value_dim, shape.n_q,
+                                               shape.group, options):
         return None
-    unmasked = evolve(options, causal=False, window_left=UNLIMITED, window_right=UNLIMITED,
-                      row_offset=0, col_offset=0, alignment=None)
     folded = DecodeShape(n_q=shape.group, group=1, batch_kv_heads=shape.batch_kv_heads,
                          batch_q_heads=shape.batch_kv_heads, band_keys=shape.band_keys,
                          sm_count=shape.sm_count)
     decodes = choose_decode(_problem(n_k, head_dim, value_dim, dtype, options,
                                      shape.batch_q_heads, shape.n_q), shape) is not None
-    choice = folded_choice(_problem(shape.band_keys, head_dim, value_dim, dtype, unmasked,
-                                    shape.batch_kv_heads, shape.group), folded, decodes)
+    choice = folded_choice(_problem(shape.band_keys, head_dim, value_dim, dtype,
+                                    unmasked(options), shape.batch_kv_heads, shape.group),
+                           folded, decodes)
     return None if choice is None else f"{choice.family} {choice.tiles} ({choice.note})"
 
 

@@ -344,6 +344,20 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     return o, lse
 
 
+def folds_group(dtype, head_dim: int, value_dim: int, n_q: int, group: int,
+                options: AttentionOptions) -> bool:
+    """`tiles.folds_group_rows` for a forward with these options."""
+    return folds_group_rows(dtype_name(dtype), head_dim, value_dim, n_q, group,
+                            options.alibi_slopes is not None or options.dropout_p > 0,
+                            options.block_q is not None or options.block_k is not None)
+
+
+def unmasked(options: AttentionOptions) -> AttentionOptions:
+    """A folded decode's options: its keys already cut to the row's, no mask or offsets."""
+    return evolve(options, causal=False, window_left=UNLIMITED, window_right=UNLIMITED,
+                  row_offset=0, col_offset=0, alignment=None)
+
+
 def _fold_group(q, k, v, o, lse, options: AttentionOptions):
     """``(q, k, v, o, lse, options)`` of a wide GQA decode folded into query rows
     (`tiles.folds_group_rows`): each K/V head's group of query heads as `group` rows of one
@@ -352,9 +366,7 @@ def _fold_group(q, k, v, o, lse, options: AttentionOptions):
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = n_q_heads // n_kv_heads
-    if not folds_group_rows(dtype_name(q.dtype), head_dim, value_dim, n_q, group,
-                            options.alibi_slopes is not None or options.dropout_p > 0,
-                            options.block_q is not None or options.block_k is not None):
+    if not folds_group(q.dtype, head_dim, value_dim, n_q, group, options):
         return None
     offset = options.band_offset(1, n_k)
     low = 0 if options.window_left == UNLIMITED else max(0, offset - options.window_left)
@@ -372,9 +384,7 @@ def _fold_group(q, k, v, o, lse, options: AttentionOptions):
 
     return (rows_of_heads(q, (batch, n_kv_heads, group, head_dim)), k[:, :, low:high],
             v[:, :, low:high], rows_of_heads(o, (batch, n_kv_heads, group, value_dim)),
-            rows_of_heads(lse, (batch, n_kv_heads, group)),
-            evolve(options, causal=False, window_left=UNLIMITED, window_right=UNLIMITED,
-                   row_offset=0, col_offset=0, alignment=None))
+            rows_of_heads(lse, (batch, n_kv_heads, group)), unmasked(options))
 
 
 def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple) -> bool:
