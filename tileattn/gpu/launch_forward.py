@@ -17,9 +17,9 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        element_strides, forward_plan_key, output_strides, problem_for, remember,
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
-from .tiles import (Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths, choose_decode,
-                    choose_forward, folded_choice, folds_group_rows, forward_resident_blocks,
-                    key_shares, with_key_splits, within_pages)
+from .tiles import (MAX_TENSOR_CORE_DIM, Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths,
+                    choose_decode, choose_forward, folded_choice, folds_group_rows,
+                    forward_resident_blocks, key_shares, with_key_splits, within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -330,9 +330,10 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     if options.varlen is not None:
         return _forward_varlen(q, k, v, options, out, lse_out)
     o, lse = _outputs(q, v, out, lse_out)
-    folded = _fold_group(q, k, v, o, lse, options)
-    if folded is not None and _forward_folded(*folded, unfolded=(q, k, v, options)):
-        return o, lse
+    if q.shape[2] == 1 and max(q.shape[3], v.shape[3]) > MAX_TENSOR_CORE_DIM:
+        folded = _fold_group(q, k, v, o, lse, options)  # (only wide decodes fold)
+        if folded is not None and _forward_folded(*folded, unfolded=(q, k, v, options)):
+            return o, lse
     key = forward_plan_key(options, q, k, v, o.strides)
     launches = cached(key, q, k, v)
     if launches is not None:
