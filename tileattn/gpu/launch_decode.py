@@ -38,13 +38,20 @@ MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 @lru_cache(maxsize=256)
 def band_keys(options: AttentionOptions, n_q: int, n_k: int) -> int:
     """How many keys some query row of [0, n_q) keeps (the kernel's key_tile_range)."""
+    low, high = kept_keys(options, n_q, n_k)
+    return max(0, high - low)
+
+
+def kept_keys(options: AttentionOptions, n_q: int, n_k: int) -> tuple[int, int]:
+    """Keys ``[low, high)`` of ``[0, n_k)`` that some query row of [0, n_q) keeps (empty
+    where low >= high)."""
     offset = options.band_offset(n_q, n_k)
     low, high = 0, n_k
     if options.window_left != UNLIMITED:
         low = max(low, offset - options.window_left)
     if options.window_right != UNLIMITED:
         high = min(high, n_q - 1 + offset + options.window_right + 1)
-    return max(0, high - low)
+    return low, high
 
 
 def decode_shape(q, k, options: AttentionOptions, n_k: int | None = None) -> DecodeShape:

@@ -12,7 +12,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..options import UNLIMITED, AttentionOptions, Blocks, evolve
 from . import _compile
-from .launch_decode import decode_shape, forward_decode
+from .launch_decode import decode_shape, forward_decode, kept_keys
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        element_strides, forward_plan_key, output_strides, problem_for, remember,
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
@@ -369,10 +369,7 @@ def _fold_group(q, k, v, o, lse, options: AttentionOptions):
     group = n_q_heads // n_kv_heads
     if not folds_group(q.dtype, head_dim, value_dim, n_q, group, options):
         return None
-    offset = options.band_offset(1, n_k)
-    low = 0 if options.window_left == UNLIMITED else max(0, offset - options.window_left)
-    high = (n_k if options.window_right == UNLIMITED
-            else min(n_k, offset + options.window_right + 1))
+    low, high = kept_keys(options, 1, n_k)
     if low >= high:
         return None  # the row keeps no key: the plain path writes its zeros and -inf
 
