@@ -501,9 +501,18 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows():
     assert tiles.choose_forward(Problem(dtype="bfloat16", head_dim=576, value_dim=512,
                                         n_k=8192, **A100)).family == "generic"
     assert folded(8, 16, **A100) is None
-    # B 1-4: under a wave folded, the decode kernel's many splits stay.
+    # B 1-4 over 8k keys: 16-64 folded blocks, under FOLD_MIN_WAVE of a wave, so the
+    # decode kernel's many splits stay.
     assert folded(1, 16) is None and folded(4, 16) is None
+    # A single sequence's 16 rows over 64k keys: shares of 512 keys, up to FOLD_MAX_SPLITS
+    # (more than a prefill's FORWARD_MAX_SPLITS), about a wave.
+    assert 100 < folded(1, 16, n_k=65536).key_splits <= tiles.FOLD_MAX_SPLITS
     # 128 query heads a K/V head, more rows than the decode kernel takes: folded at any
     # batch (the unfolded prefill wastes 63 of each 64 rows and reads K/V per query head).
     assert folded(1, 128, decodes=False).key_splits == 16
     assert folded(4, 128).key_splits == 16
+    # Values wider than 256 columns run in launches of column slices (O in registers).
+    assert tiles.fold_value_slices(512) == ((0, 256), (256, 512))
+    assert tiles.fold_value_slices(320) == ((0, 160), (160, 320))
+    assert tiles.fold_value_slices(264) == ((0, 144), (144, 264))
+    assert tiles.fold_value_slices(64) == ((0, 64),)

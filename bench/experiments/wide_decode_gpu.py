@@ -5,9 +5,11 @@ CUDA-core decode kernel it replaces, calls back to back, float16, one query row 
     PYTHONPATH=. python3 bench/experiments/wide_decode_gpu.py
 
 Each line: B, Hq/Hkv, Nk | unfolded us (the decode kernel, or for 128 rows the prefill one
-row a head) | folded us (the prefill's choice) | unfolded / folded | GB/s of K/V read by the
-faster | which one the dispatch picks. The two
-results are compared (max abs diff) before timing.
+row a head) | folded us, V and O whole (one launch) | folded us, V and O in column slices
+(tiles.FOLD_VALUE_COLUMNS) | torch SDPA's efficient kernel us (K/V expanded to the query
+heads as views; "-" without torch or where it refuses) | unfolded / best folded | GB/s of
+K/V read by the fastest of ours | which one the dispatch picks. The results are compared
+(max abs diff) before timing.
 """
 
 from __future__ import annotations
@@ -30,19 +32,42 @@ SHAPES = [(1, 16, 8192), (2, 16, 8192), (4, 16, 8192), (8, 16, 8192), (16, 16, 8
           (8, 128, 8192), (1, 128, 32768)]
 
 
-def timed(fold: bool, call):
+def timed(fold: bool, call, value_columns: int = tiles.FOLD_VALUE_COLUMNS):
     """The call unfolded (as before the fold: the decode kernel, or the prefill for more
-    rows than it takes) or folded whatever its grid, and its microseconds back to back."""
+    rows than it takes) or folded whatever its grid (V and O in slices of `value_columns`),
+    and its microseconds back to back."""
     operands._PLANS.clear()  # the fold's decision is cached with the plans
     launch_forward.folds_group_rows = tiles.folds_group_rows if fold else (lambda *_: False)
     tiles.FOLD_MIN_WAVE = 0.0
+    tiles.FOLD_VALUE_COLUMNS = value_columns
     result = call()
     return result, back_to_back_ms(call, 30) * 1e3
 
 
+def torch_efficient_us(q, k, v) -> str:
+    """torch SDPA's memory-efficient kernel on the same arrays, K/V expanded (views)."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return "-"
+    tq, tk, tv = (torch.as_tensor(a, device="cuda") for a in (q, k, v))
+    heads = tq.shape[1]
+    tk, tv = (t.expand(-1, heads, -1, -1) for t in (tk, tv))
+    try:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            def call():
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+            call()
+            return f"{back_to_back_ms(call, 30) * 1e3:.1f}"
+    except RuntimeError as error:
+        return f"- ({str(error).splitlines()[0][:40]})"
+
+
 def main() -> None:
-    default = tiles.FOLD_MIN_WAVE
-    print("B | Hq/Hkv | Nk | unfolded us | folded us | decode / folded | GB/s (faster) | picked")
+    default, columns = tiles.FOLD_MIN_WAVE, tiles.FOLD_VALUE_COLUMNS
+    print("B | Hq/Hkv | Nk | unfolded us | folded us, whole | folded us, sliced | "
+          "torch efficient us | unfolded / best folded | GB/s (fastest) | picked")
     for batch, heads, n_k in SHAPES:
         rng = cupy.random.default_rng(0)
         q = rng.standard_normal((batch, heads, 1, 576), dtype=cupy.float32).astype(cupy.float16)
@@ -53,19 +78,24 @@ def main() -> None:
             return tileattn.forward(q, k, v, causal=True)
 
         plain, decode_us = timed(False, call)
-        folded, folded_us = timed(True, call)
-        diff = float(abs(plain.astype(cupy.float32) - folded.astype(cupy.float32)).max())
+        whole, whole_us = timed(True, call, 1 << 20)
+        folded, folded_us = timed(True, call, columns)
+        diff = max(float(abs(plain.astype(cupy.float32) - x.astype(cupy.float32)).max())
+                   for x in (whole, folded))
         operands._PLANS.clear()
         launch_forward.folds_group_rows = tiles.folds_group_rows
-        tiles.FOLD_MIN_WAVE = default
+        tiles.FOLD_MIN_WAVE, tiles.FOLD_VALUE_COLUMNS = default, columns
+        anchor = torch_efficient_us(q, k, v)
         described = gpu_backend.describe(n_k, 576, 512, np.float16, n_q=1, heads=heads,
                                          kv_heads=1, batch=batch)["forward"]
         picked = "folded" if "folded" in described else described.split(" ")[0]
         gigabytes = (k.nbytes + v.nbytes) / 1e9
-        print(f"{batch} | {heads}/1 | {n_k} | {decode_us:.1f} | {folded_us:.1f} | "
-              f"{decode_us / folded_us:.2f} | {gigabytes / min(decode_us, folded_us) * 1e6:.0f}"
-              f" | {picked} (diff {diff:.1e})", flush=True)
-        del plain, folded
+        best = min(whole_us, folded_us)
+        print(f"{batch} | {heads}/1 | {n_k} | {decode_us:.1f} | {whole_us:.1f} | "
+              f"{folded_us:.1f} | {anchor} | {decode_us / best:.2f} | "
+              f"{gigabytes / min(decode_us, best) * 1e6:.0f} | {picked} (diff {diff:.1e})",
+              flush=True)
+        del plain, whole, folded
         cupy.get_default_memory_pool().free_all_blocks()
 
 

@@ -169,7 +169,7 @@ def _folded_line(options: AttentionOptions, shape, n_k: int, head_dim: int, valu
     """The forward line of a wide GQA decode that folds its group into query rows
     (`launch_forward._fold_group`), else None."""
     from .launch_forward import folds_group, unmasked
-    from .tiles import DecodeShape, choose_decode, folded_choice
+    from .tiles import DecodeShape, choose_decode, fold_value_slices, folded_choice
 
     if shape.band_keys == 0 or not folds_group(dtype, head_dim, value_dim, shape.n_q,
                                                shape.group, options):
@@ -179,10 +179,16 @@ def _folded_line(options: AttentionOptions, shape, n_k: int, head_dim: int, valu
                          sm_count=shape.sm_count)
     decodes = choose_decode(_problem(n_k, head_dim, value_dim, dtype, options,
                                      shape.batch_q_heads, shape.n_q), shape) is not None
-    choice = folded_choice(_problem(shape.band_keys, head_dim, value_dim, dtype,
+    slices = fold_value_slices(value_dim)
+    widest = max(stop - start for start, stop in slices)
+    choice = folded_choice(_problem(shape.band_keys, head_dim, widest, dtype,
                                     unmasked(options), shape.batch_kv_heads, shape.group),
                            folded, decodes)
-    return None if choice is None else f"{choice.family} {choice.tiles} ({choice.note})"
+    if choice is None:
+        return None
+    sliced = (f"; V and O in {len(slices)} launches of up to {widest} columns"
+              if len(slices) > 1 else "")
+    return f"{choice.family} {choice.tiles} ({choice.note}{sliced})"
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,

@@ -86,6 +86,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
         my_rows[m][0] = row_start + warp_row0 + m * 16 + quad_row;
         my_rows[m][1] = my_rows[m][0] + 8;
     }
+    // A warp whose rows all lie past the tile's last row (a short last tile: a decode's
+    // group folded into a few rows of a 64-row tile, a sequence's end) skips its products:
+    // its Q rows are zeros, so S stays 0 as the product would leave it, and its O is never
+    // stored. It still copies tiles and meets every barrier.
+    const bool warp_has_rows = row_start + warp_row0 < row_stop;
 
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, BLOCK_K,
@@ -151,28 +156,30 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 #pragma unroll
             for (int n = 0; n < BLOCK_K / 8; ++n)
                 s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+        if (warp_has_rows) {
 #pragma unroll
-        for (int kk = 0; kk < kHeadWidth / 16; ++kk) {
+            for (int kk = 0; kk < kHeadWidth / 16; ++kk) {
 #if Q_IN_REGISTERS
 #define Q_FRAGMENT(m) q_fragments[m][kk]
 #else
-            u32 a[kRowTiles][4];
+                u32 a[kRowTiles][4];
 #pragma unroll
-            for (int m = 0; m < kRowTiles; ++m)
-                load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
+                for (int m = 0; m < kRowTiles; ++m)
+                    load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
 #define Q_FRAGMENT(m) a[m]
 #endif
 #pragma unroll
-            for (int nn = 0; nn < BLOCK_K / 16; ++nn) {
-                u32 b[4];
-                load_b_fragments<kHeadWidth>(k_tile, nn * 16, kk * 16, b);
+                for (int nn = 0; nn < BLOCK_K / 16; ++nn) {
+                    u32 b[4];
+                    load_b_fragments<kHeadWidth>(k_tile, nn * 16, kk * 16, b);
 #pragma unroll
-                for (int m = 0; m < kRowTiles; ++m) {
-                    mma_16x8x16(s[m][2 * nn], Q_FRAGMENT(m), b[0], b[1]);
-                    mma_16x8x16(s[m][2 * nn + 1], Q_FRAGMENT(m), b[2], b[3]);
+                    for (int m = 0; m < kRowTiles; ++m) {
+                        mma_16x8x16(s[m][2 * nn], Q_FRAGMENT(m), b[0], b[1]);
+                        mma_16x8x16(s[m][2 * nn + 1], Q_FRAGMENT(m), b[2], b[3]);
+                    }
                 }
-            }
 #undef Q_FRAGMENT
+            }
         }
 
         const i64 col_start = key_tile * BLOCK_K;
@@ -193,19 +200,22 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_mma(
 
         // O += P V. The S accumulators of key tiles 2kk and 2kk+1 are exactly the A
         // fragment of a 16x16 P block; V's B fragment needs the transposing ldmatrix.
+        if (warp_has_rows) {
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-            u32 a[kRowTiles][4];
+            for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+                u32 a[kRowTiles][4];
 #pragma unroll
-            for (int m = 0; m < kRowTiles; ++m) pack_a_fragment(s[m][2 * kk], s[m][2 * kk + 1], a[m]);
+                for (int m = 0; m < kRowTiles; ++m)
+                    pack_a_fragment(s[m][2 * kk], s[m][2 * kk + 1], a[m]);
 #pragma unroll
-            for (int dn = 0; dn < kValueWidth / 16; ++dn) {
-                u32 b[4];
-                load_b_fragments_transposed<kValueWidth>(v_tile, kk * 16, dn * 16, b);
+                for (int dn = 0; dn < kValueWidth / 16; ++dn) {
+                    u32 b[4];
+                    load_b_fragments_transposed<kValueWidth>(v_tile, kk * 16, dn * 16, b);
 #pragma unroll
-                for (int m = 0; m < kRowTiles; ++m) {
-                    mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);
-                    mma_16x8x16(o_acc[m][2 * dn + 1], a[m], b[2], b[3]);
+                    for (int m = 0; m < kRowTiles; ++m) {
+                        mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);
+                        mma_16x8x16(o_acc[m][2 * dn + 1], a[m], b[2], b[3]);
+                    }
                 }
             }
         }

@@ -18,8 +18,9 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
 from .tiles import (MAX_TENSOR_CORE_DIM, Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths,
-                    choose_decode, choose_forward, folded_choice, folds_group_rows,
-                    forward_resident_blocks, key_shares, with_key_splits, within_pages)
+                    choose_decode, choose_forward, fold_value_slices, folded_choice,
+                    folds_group_rows, forward_resident_blocks, key_shares, with_key_splits,
+                    within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -386,26 +387,31 @@ def _fold_group(q, k, v, o, lse, options: AttentionOptions):
 
 
 def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple) -> bool:
-    """Runs a folded decode on the prefill (`tiles.folded_choice`); False, having run
-    nothing, where it does not fold (the decision is cached like a plan). `unfolded`:
+    """Runs a folded decode on the prefill (`tiles.folded_choice`), a launch per column slice
+    of V and O (`tiles.fold_value_slices`); False, having run nothing, where it does not
+    fold (the decision is cached like a plan). `unfolded`:
     ``(q, k, v, options)`` of the call as given, whose own choice the fold must beat."""
     key = forward_plan_key(options, q, k, v, o.strides)
     key = None if key is None else ("folded group",) + key
+    slices = fold_value_slices(v.shape[3])
     launches = cached(key, q, k, v)
     if launches is not None:
         if launches[0] is None:
             return False
-        launches[0](q, k, v, o, lse)
+        for launch, (start, stop) in zip(launches, slices):
+            launch(q, k, v[..., start:stop], o[..., start:stop], lse)
         return True
-    problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], k.shape[2], options,
+    widest = max(stop - start for start, stop in slices)
+    problem = problem_for(q.device.id, q.dtype, q.shape[3], widest, k.shape[2], options,
                           q.shape[0] * q.shape[1], q.shape[2])
     choice = folded_choice(problem, decode_shape(q, k, options),
                            decodes=choose(*unfolded).family == "decode")
     if choice is None:
         remember(key, (None,), 1, q, k, v)
         return False
-    launch, alignment = _run(choice, q, k, v, o, lse, options)
-    remember(key, (launch,), alignment, q, k, v)
+    launches, alignments = zip(*(_run(choice, q, k, v[..., start:stop], o[..., start:stop],
+                                      lse, options) for start, stop in slices))
+    remember(key, launches, max(alignments), q, k, v)
     return True
 
 

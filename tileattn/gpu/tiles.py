@@ -1060,12 +1060,14 @@ FORWARD_SPLIT_MIN_KEYS = 512
 FORWARD_MAX_SPLITS = 16
 
 
-def key_shares(blocks: int, resident: int, band_keys: int, block_k: int) -> int:
-    """Into how many key shares a grid of `blocks` query tiles (of which `resident` fit the
-    GPU at once) cuts each tile's keys (the longest `band_keys`, in tiles of `block_k`)."""
+def key_shares(blocks: int, resident: int, band_keys: int, block_k: int,
+               most_splits: int = FORWARD_MAX_SPLITS) -> int:
+    """Into how many key shares (`most_splits` at most) a grid of `blocks` query tiles (of
+    which `resident` fit the GPU at once) cuts each tile's keys (the longest `band_keys`, in
+    tiles of `block_k`)."""
     if blocks >= FORWARD_SPLIT_BELOW_WAVES * resident:
         return 1
-    most = min(FORWARD_MAX_SPLITS, band_keys // FORWARD_SPLIT_MIN_KEYS, -(-band_keys // block_k))
+    most = min(most_splits, band_keys // FORWARD_SPLIT_MIN_KEYS, -(-band_keys // block_k))
     if most < 2:
         return 1
 
@@ -1082,7 +1084,8 @@ def forward_resident_blocks(tiles, sm_count: int) -> int:
     return sm_count * getattr(tiles, "blocks_per_sm", 1)
 
 
-def forward_key_splits(choice: Choice, shape: DecodeShape) -> tuple[int, str | None]:
+def forward_key_splits(choice: Choice, shape: DecodeShape,
+                       most_splits: int = FORWARD_MAX_SPLITS) -> tuple[int, str | None]:
     """Into how many key shares a dense tensor-core forward cuts each query tile, and why
     (None where it does not). Not for tile sizes a caller named (the callers check)."""
     if choice.family not in ("wgmma", "mma", "tf32"):
@@ -1090,7 +1093,7 @@ def forward_key_splits(choice: Choice, shape: DecodeShape) -> tuple[int, str | N
     tiles = choice.tiles
     blocks = shape.batch_q_heads * -(-shape.n_q // tiles.block_q)
     resident = forward_resident_blocks(tiles, shape.sm_count)
-    splits = key_shares(blocks, resident, shape.band_keys, tiles.block_k)
+    splits = key_shares(blocks, resident, shape.band_keys, tiles.block_k, most_splits)
     if splits == 1:
         return 1, None
     return splits, (f"keys cut into {splits} shares: {blocks} query tiles fill "
@@ -1106,9 +1109,10 @@ def dq_key_splits(tiles: WgmmaBackwardTiles | MmaBackwardTiles, shape: DecodeSha
     return key_shares(blocks, shape.sm_count, shape.band_keys, streamed)
 
 
-def with_key_splits(choice: Choice, shape: DecodeShape) -> Choice:
+def with_key_splits(choice: Choice, shape: DecodeShape,
+                    most_splits: int = FORWARD_MAX_SPLITS) -> Choice:
     """`choice` with the key splits of `forward_key_splits` (and their reason in its note)."""
-    splits, why = forward_key_splits(choice, shape)
+    splits, why = forward_key_splits(choice, shape, most_splits)
     if splits == 1:
         return choice
     return replace(choice, key_splits=splits, note=f"{choice.note}; {why}")
@@ -1125,12 +1129,29 @@ def with_key_splits(choice: Choice, shape: DecodeShape) -> Choice:
 # keeps the same keys for all of them (the keys outside it are sliced off, not masked),
 # are the rows of one head: q (B, Hq, 1, D) is q (B, Hkv, group, D) without a copy, and
 # the mma.sync prefill, which serves widths to MAX_WIDE_DIM, runs it with its key shares
-# (launch_forward._fold_group). bench/experiments/wide_decode_gpu.py (NOTES-gpu v36),
-# folded against unfolded: 128 query heads 14-53x faster at B 1-8; 16 query heads 1.12-1.30x
-# at B 8-16 (a wave of folded blocks), 0.58-0.81x at B 1-4, whose few folded blocks (16
-# rows of a 64-row tile, a key share each) the decode kernel's many splits beat.
+# (launch_forward._fold_group). Its O, 16 rows a warp by Dv = 512 columns, is 256 floats a
+# thread: the mma.sync forward at 576/512 spills 1.2 KB (ptxas), at 576/256 it uses 242
+# registers and none, so wider values run in launches of column slices (V and O views), each
+# recomputing S and writing the same lse: 1.4-1.8x faster than one launch (H200, float16,
+# bench/experiments/wide_decode_gpu.py, NOTES-gpu v37). Against the unfolded call: 128 query
+# heads 13-77x faster at B 1-8; 16 query heads 1.3-2.0x from a wave of folded blocks on
+# (B 8-16 over 8k keys, B 1 over 64k, B 4 over 32k); under a wave (B 1-4 over 8k keys:
+# 16-64 blocks) the decode kernel's many splits won in one run (0.56-0.80x) and B 4 lost
+# in another (1.20x). A decode's share may hold fewer keys than a prefill tile's
+# (FOLD_MAX_SPLITS, not FORWARD_MAX_SPLITS: its partials are a few rows), so one long
+# sequence fills a wave too.
 FOLD_MIN_WAVE = 0.9  # against the decode kernel: folded grids (key shares included) under
 # this share of a wave of resident blocks stay on it
+FOLD_MAX_SPLITS = 128
+FOLD_VALUE_COLUMNS = 256
+
+
+def fold_value_slices(value_dim: int) -> tuple[tuple[int, int], ...]:
+    """The column ranges of V and O a folded decode runs one launch each: as few as keep
+    each within FOLD_VALUE_COLUMNS, of equal widths rounded up to 16."""
+    count = -(-value_dim // FOLD_VALUE_COLUMNS)
+    width = -(-(-(-value_dim // count)) // 16) * 16
+    return tuple((start, min(start + width, value_dim)) for start in range(0, value_dim, width))
 
 
 def folds_group_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group: int,
@@ -1147,7 +1168,7 @@ def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice
     the folded problem: `group` rows in each of B x Hkv heads, no mask), or None where it
     is no tensor-core family, or where the unfolded problem `decodes` (takes the decode
     kernel) and the folded grid, key shares included, fills under FOLD_MIN_WAVE of a wave."""
-    choice = with_key_splits(choose_forward(problem), shape)
+    choice = with_key_splits(choose_forward(problem), shape, FOLD_MAX_SPLITS)
     if choice.family not in ("wgmma", "mma"):
         return None
     tiles = choice.tiles
