@@ -399,7 +399,7 @@ def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple)
         if launches[0] is None:
             return False
         for launch, (start, stop) in zip(launches, slices):
-            launch(q, k, v[..., start:stop], o[..., start:stop], lse)
+            launch(q, k, _columns(v, start, stop), _columns(o, start, stop), lse)
         return True
     widest = max(stop - start for start, stop in slices)
     problem = problem_for(q.device.id, q.dtype, q.shape[3], widest, k.shape[2], options,
@@ -409,10 +409,17 @@ def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple)
     if choice is None:
         remember(key, (None,), 1, q, k, v)
         return False
-    launches, alignments = zip(*(_run(choice, q, k, v[..., start:stop], o[..., start:stop],
-                                      lse, options) for start, stop in slices))
+    launches, alignments = zip(*(_run(choice, q, k, _columns(v, start, stop),
+                                      _columns(o, start, stop), lse, options)
+                                 for start, stop in slices))
     remember(key, launches, max(alignments), q, k, v)
     return True
+
+
+def _columns(array, start: int, stop: int):
+    """Columns [start, stop) of the last axis: a view, or the array itself where that is all
+    of them (a CuPy view costs microseconds of a decode step's host time)."""
+    return array if start == 0 and stop == array.shape[-1] else array[..., start:stop]
 
 
 def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
