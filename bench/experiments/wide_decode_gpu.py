@@ -2,7 +2,11 @@
 head) folded into query rows of the mma.sync prefill (tiles.folded_choice) against the
 CUDA-core decode kernel it replaces, calls back to back, float16, one query row a head.
 
-    PYTHONPATH=. python3 bench/experiments/wide_decode_gpu.py
+    PYTHONPATH=. python3 bench/experiments/wide_decode_gpu.py [--warm-seconds 3] [--rounds 1]
+
+The device first runs products for `--warm-seconds` (its clocks up; NOTES-gpu v37 saw the
+small grids' times differ 1.5x between a cold and a warm machine), then the table
+`--rounds` times.
 
 Each line: B, Hq/Hkv, Nk | unfolded us (the decode kernel, or for 128 rows the prefill one
 row a head) | folded us, V and O whole (one launch) | folded us, V and O in column slices
@@ -14,8 +18,10 @@ K/V read by the fastest of ours | which one the dispatch picks. The results are 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import time
 
 import cupy
 import numpy as np
@@ -64,7 +70,27 @@ def torch_efficient_us(q, k, v) -> str:
         return f"- ({str(error).splitlines()[0][:40]})"
 
 
+def warm(seconds: float) -> None:
+    """Products on the device for `seconds`, so that the table does not start cold."""
+    a = cupy.ones((4096, 4096), dtype=cupy.float16)
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        for _ in range(10):
+            a @ a
+        cupy.cuda.Device().synchronize()
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warm-seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    warm(args.warm_seconds)
+    for _ in range(args.rounds):
+        table()
+
+
+def table() -> None:
     default, columns = tiles.FOLD_MIN_WAVE, tiles.FOLD_VALUE_COLUMNS
     print("B | Hq/Hkv | Nk | unfolded us | folded us, whole | folded us, sliced | "
           "torch efficient us | unfolded / best folded | GB/s (fastest) | picked")
