@@ -1136,8 +1136,8 @@ def with_key_splits(choice: Choice, shape: DecodeShape,
 # bench/experiments/wide_decode_gpu.py, NOTES-gpu v37). Against the unfolded call: 128 query
 # heads 13-77x faster at B 1-8; 16 query heads 1.3-2.0x from a wave of folded blocks on
 # (B 8-16 over 8k keys, B 1 over 64k, B 4 over 32k); under a wave (B 1-4 over 8k keys:
-# 16-64 blocks) the decode kernel's many splits won in one run (0.56-0.80x) and B 4 lost
-# in another (1.20x). A decode's share may hold fewer keys than a prefill tile's
+# 16-64 blocks) the decode kernel's many splits won in one run (the fold at 0.56-0.80x of
+# it), while in another the fold took B 4 by 1.20x. A decode's share may hold fewer keys than a prefill tile's
 # (FOLD_MAX_SPLITS, not FORWARD_MAX_SPLITS: its partials are a few rows), so one long
 # sequence fills a wave too.
 FOLD_MIN_WAVE = 0.9  # against the decode kernel: folded grids (key shares included) under
@@ -1150,7 +1150,7 @@ def fold_value_slices(value_dim: int) -> tuple[tuple[int, int], ...]:
     """The column ranges of V and O a folded decode runs one launch each: as few as keep
     each within FOLD_VALUE_COLUMNS, of equal widths rounded up to 16."""
     count = -(-value_dim // FOLD_VALUE_COLUMNS)
-    width = -(-(-(-value_dim // count)) // 16) * 16
+    width = 16 * -(-value_dim // (16 * count))
     return tuple((start, min(start + width, value_dim)) for start in range(0, value_dim, width))
 
 
