@@ -385,6 +385,47 @@ def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize(("n_q", "options"), [(2, {"causal": True}), (3, {"window": (40, 0)}),
+                                             (4, {"window": (30, 2), "softcap": 20.0})],
+                         ids=lambda c: str(c).replace(" ", ""))
+def test_wide_gqa_decode_of_several_rows_folds_each_row(n_q, options, layout):
+    """Several query rows (speculative decoding, multi-token prediction) of a wide decode
+    whose group fills 64-row tiles (tiles.FOLD_GROUP_PER_ROW) fold one query row at a time,
+    each over the keys its own row keeps: a NaN key and an infinite value that only the last
+    row keeps reach no other row; the other rows equal the golden model's, written into the
+    caller's NaN-filled buffers, on the first call and the cached one; describe says so."""
+    group, batch, n_k, (head_dim, value_dim) = 64, 2, 500, (576, 512)
+    q, k, v = _inputs(batch, group, 1, n_q, n_k, head_dim, value_dim, np.float16, seed=n_q)
+    poisoned = options.get("window", (0, 0))[1] == 0  # the last key is the last row's alone
+    if poisoned:
+        k[:, :, -1] = np.nan
+        v[:, :, -1] = np.inf
+    expected_o, expected_lse = _golden(q, k, v, **options)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    resolved = _resolved(*device, options)
+    out = cupy.full((batch, group, n_q, value_dim), np.nan, dtype=np.float16)
+    if layout == "bshd":
+        device = [cupy.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in device]
+        out = cupy.ascontiguousarray(out.transpose(0, 2, 1, 3))
+    lse_out = cupy.full((batch, group, n_q), np.nan, dtype=np.float32)
+    kept = slice(0, n_q - 1 if poisoned else n_q)
+    for call in ("first", "cached"):
+        out[...] = np.nan
+        lse_out[...] = np.nan
+        o, lse = tileattn.forward(*device, return_lse=True, out=out, lse_out=lse_out,
+                                  layout=layout, **options)
+        assert o is out and lse is lse_out
+        result = o.get().transpose(0, 2, 1, 3) if layout == "bshd" else o.get()
+        assert_attention_close(result[:, :, kept], expected_o[:, :, kept], np.float16,
+                               name=f"o ({call} call)")
+        assert_attention_close(lse.get()[:, :, kept], expected_lse[:, :, kept], np.float16,
+                               name=f"lse ({call} call)")
+    described = gpu_backend.describe(n_k, head_dim, value_dim, np.float16, resolved,
+                                     n_q=n_q, heads=group, kv_heads=1, batch=batch)
+    assert "folded on its own" in described["forward"], described
+
+
 @pytest.mark.parametrize("dtype", _half_dtypes() + [np.dtype(np.float32)], ids=lambda d: d.name)
 @pytest.mark.parametrize("dims", [(576, 512), (320, 320), (264, 64)],
                          ids=lambda d: f"D{d[0]}-Dv{d[1]}")

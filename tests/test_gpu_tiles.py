@@ -480,6 +480,10 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows():
     assert not fold("bfloat16", 640, 512, 1, 16, False, False)  # above MAX_WIDE_DIM
     assert not fold("float32", 576, 512, 1, 16, False, False)
     assert not fold("bfloat16", 576, 512, 2, 16, False, False)  # rows of one head differ
+    # ... unless each query row's group fills 64-row tiles: then one fold a query row.
+    assert fold("bfloat16", 576, 512, 2, 128, False, False)
+    assert fold("float16", 576, 512, tiles.FOLD_MAX_QUERY_ROWS, 64, False, False)
+    assert not fold("float16", 576, 512, tiles.FOLD_MAX_QUERY_ROWS + 1, 128, False, False)
     assert not fold("bfloat16", 576, 512, 1, 1, False, False)  # MHA: nothing to fold
     assert not fold("bfloat16", 576, 512, 1, 16, True, False)  # ALiBi or dropout
     assert not fold("bfloat16", 576, 512, 1, 16, False, True)  # named tile sizes

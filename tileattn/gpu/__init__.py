@@ -188,6 +188,8 @@ def _folded_line(options: AttentionOptions, shape, n_k: int, head_dim: int, valu
         return None
     sliced = (f"; V and O in {len(slices)} launches of up to {widest} columns"
               if len(slices) > 1 else "")
+    if shape.n_q > 1:
+        sliced += f"; each of the {shape.n_q} query rows folded on its own"
     return f"{choice.family} {choice.tiles} ({choice.note}{sliced})"
 
 

@@ -17,10 +17,10 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        element_strides, forward_plan_key, output_strides, problem_for, remember,
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
-from .tiles import (MAX_TENSOR_CORE_DIM, Choice, MmaTiles, Tf32Tiles, WgmmaTiles, Widths,
-                    choose_decode, choose_forward, fold_value_slices, folded_choice,
-                    folds_group_rows, forward_resident_blocks, key_shares, with_key_splits,
-                    within_pages)
+from .tiles import (FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, Choice, MmaTiles, Tf32Tiles,
+                    WgmmaTiles, Widths, choose_decode, choose_forward, fold_value_slices,
+                    folded_choice, folds_group_rows, forward_resident_blocks, key_shares,
+                    with_key_splits, within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -331,9 +331,11 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     if options.varlen is not None:
         return _forward_varlen(q, k, v, options, out, lse_out)
     o, lse = _outputs(q, v, out, lse_out)
-    if q.shape[2] == 1 and max(q.shape[3], v.shape[3]) > MAX_TENSOR_CORE_DIM:
-        folded = _fold_group(q, k, v, o, lse, options)  # (only wide decodes fold)
-        if folded is not None and _forward_folded(*folded, unfolded=(q, k, v, options)):
+    if q.shape[2] <= FOLD_MAX_QUERY_ROWS and max(q.shape[3], v.shape[3]) > MAX_TENSOR_CORE_DIM:
+        rows = _fold_rows(q, k, v, o, lse, options)  # (only wide decodes fold)
+        # A row that declines leaves the plain path below to write every row.
+        if rows is not None and all(_forward_folded(*row, unfolded=(q, k, v, options))
+                                    for row in rows):
             return o, lse
     key = forward_plan_key(options, q, k, v, o.strides)
     launches = cached(key, q, k, v)
@@ -360,19 +362,41 @@ def unmasked(options: AttentionOptions) -> AttentionOptions:
                   row_offset=0, col_offset=0, alignment=None)
 
 
+def _fold_rows(q, k, v, o, lse, options: AttentionOptions) -> list | None:
+    """The folded problems (`_fold_group`) of a wide GQA decode (`tiles.folds_group_rows`),
+    one per query row, each over the keys its row keeps; None for every other forward, and
+    where some row keeps no key (the plain path writes its zeros and -inf)."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    if not folds_group(q.dtype, q.shape[3], v.shape[3], n_q, q.shape[1] // k.shape[1],
+                       options):
+        return None
+    if n_q == 1:
+        folded = _fold_group(q, k, v, o, lse, options)
+        return None if folded is None else [folded]
+    offset = options.band_offset(n_q, n_k)
+    rows = []
+    for row in range(n_q):
+        one = slice(row, row + 1)
+        # Row `row` alone, its band where it was: a one-row call aligned at its offset.
+        alone = evolve(options, alignment=offset + row, row_offset=0, col_offset=0)
+        folded = _fold_group(q[:, :, one], k, v, o[:, :, one], lse[:, :, one], alone)
+        if folded is None:
+            return None
+        rows.append(folded)
+    return rows
+
+
 def _fold_group(q, k, v, o, lse, options: AttentionOptions):
-    """``(q, k, v, o, lse, options)`` of a wide GQA decode folded into query rows
-    (`tiles.folds_group_rows`): each K/V head's group of query heads as `group` rows of one
-    head, K and V cut to the keys the row keeps, no mask; views of the same memory, so the
-    kernels write the caller's o and lse. None for every other forward."""
-    batch, n_q_heads, n_q, head_dim = q.shape
+    """``(q, k, v, o, lse, options)`` of a one-row wide GQA decode folded into query rows:
+    each K/V head's group of query heads as `group` rows of one head, K and V cut to the
+    keys the row keeps, no mask; views of the same memory, so the kernels write the
+    caller's o and lse. None where the row keeps no key."""
+    batch, n_q_heads, _, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = n_q_heads // n_kv_heads
-    if not folds_group(q.dtype, head_dim, value_dim, n_q, group, options):
-        return None
     low, high = kept_keys(options, 1, n_k)
     if low >= high:
-        return None  # the row keeps no key: the plain path writes its zeros and -inf
+        return None
 
     from cupy.lib.stride_tricks import as_strided
 

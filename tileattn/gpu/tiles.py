@@ -1144,6 +1144,16 @@ FOLD_MIN_WAVE = 0.9  # against the decode kernel: folded grids (key shares inclu
 # this share of a wave of resident blocks stay on it
 FOLD_MAX_SPLITS = 128
 FOLD_VALUE_COLUMNS = 256
+# Speculative decoding's few query rows (multi-token prediction: 2) fold one row at a time,
+# each over the keys its row keeps (a causal row's differ), a launch per row and slice;
+# only where each row's group fills the prefill's 64-row tiles: a group of 128 query heads
+# went to the prefill one row of each tile (13-77x slower than folded at one row), whereas
+# 16 heads x Nq rows stay on the decode kernel (one launch, K/V read once). The folds' time
+# grows with the rows and the prefill's does not (a tile holds up to 64 rows of a head):
+# from one row's measured ratio (B 1, 128 heads, 8k keys: 2.3 ms against 0.13-0.18) they
+# would meet at about 12 rows, so only up to 4 fold (not yet measured with several rows).
+FOLD_MAX_QUERY_ROWS = 4
+FOLD_GROUP_PER_ROW = 64
 
 
 def fold_value_slices(value_dim: int) -> tuple[tuple[int, int], ...]:
@@ -1157,8 +1167,9 @@ def fold_value_slices(value_dim: int) -> tuple[tuple[int, int], ...]:
 def folds_group_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group: int,
                      per_row_options: bool, named_blocks: bool) -> bool:
     """Whether a forward of this shape is a wide GQA decode that folds its group's query
-    heads into query rows (the problem's mask must also keep a key for its row)."""
-    return (n_q == 1 and group > 1 and dtype in ("float16", "bfloat16")
+    heads into query rows (the problem's mask must also keep a key for each of its rows)."""
+    rows_fold = n_q == 1 or (n_q <= FOLD_MAX_QUERY_ROWS and group >= FOLD_GROUP_PER_ROW)
+    return (rows_fold and group > 1 and dtype in ("float16", "bfloat16")
             and not per_row_options and not named_blocks
             and MAX_TENSOR_CORE_DIM < max(head_dim, value_dim) <= MAX_WIDE_DIM)
 
