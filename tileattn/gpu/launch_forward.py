@@ -332,10 +332,7 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         return _forward_varlen(q, k, v, options, out, lse_out)
     o, lse = _outputs(q, v, out, lse_out)
     if q.shape[2] <= FOLD_MAX_QUERY_ROWS and max(q.shape[3], v.shape[3]) > MAX_TENSOR_CORE_DIM:
-        rows = _fold_rows(q, k, v, o, lse, options)  # (only wide decodes fold)
-        # A row that declines leaves the plain path below to write every row.
-        if rows is not None and all(_forward_folded(*row, unfolded=(q, k, v, options))
-                                    for row in rows):
+        if _forward_folded_rows(q, k, v, o, lse, options):  # (only wide decodes fold)
             return o, lse
     key = forward_plan_key(options, q, k, v, o.strides)
     launches = cached(key, q, k, v)
@@ -362,28 +359,37 @@ def unmasked(options: AttentionOptions) -> AttentionOptions:
                   row_offset=0, col_offset=0, alignment=None)
 
 
-def _fold_rows(q, k, v, o, lse, options: AttentionOptions) -> list | None:
-    """The folded problems (`_fold_group`) of a wide GQA decode (`tiles.folds_group_rows`),
-    one per query row, each over the keys its row keeps; None for every other forward, and
-    where some row keeps no key (the plain path writes its zeros and -inf)."""
+def _forward_folded_rows(q, k, v, o, lse, options: AttentionOptions) -> bool:
+    """Runs a wide GQA decode (`tiles.folds_group_rows`) folded (`_fold_group`), one fold
+    per query row, each over the keys its row keeps; False where it does not fold (a row
+    that keeps no key, or a fold `_forward_folded` declines), the plain path then writing
+    every row."""
     n_q, n_k = q.shape[2], k.shape[2]
     if not folds_group(q.dtype, q.shape[3], v.shape[3], n_q, q.shape[1] // k.shape[1],
                        options):
-        return None
+        return False
+    unfolded = (q, k, v, options)
     if n_q == 1:
         folded = _fold_group(q, k, v, o, lse, options)
-        return None if folded is None else [folded]
+        return folded is not None and _forward_folded(*folded, unfolded=unfolded)
+    # The kernels write lse as a contiguous (B, H, N) array: each query row's go to a row
+    # of their own, copied into lse once every row has run.
+    rows_lse = cupy.empty((n_q,) + lse.shape[:2], dtype=lse.dtype)
     offset = options.band_offset(n_q, n_k)
-    rows = []
+    folds = []
     for row in range(n_q):
         one = slice(row, row + 1)
         # Row `row` alone, its band where it was: a one-row call aligned at its offset.
         alone = evolve(options, alignment=offset + row, row_offset=0, col_offset=0)
-        folded = _fold_group(q[:, :, one], k, v, o[:, :, one], lse[:, :, one], alone)
+        folded = _fold_group(q[:, :, one], k, v, o[:, :, one], rows_lse[row][..., None],
+                             alone)
         if folded is None:
-            return None
-        rows.append(folded)
-    return rows
+            return False
+        folds.append(folded)
+    if not all(_forward_folded(*folded, unfolded=unfolded) for folded in folds):
+        return False
+    lse[...] = rows_lse.transpose(1, 2, 0)
+    return True
 
 
 def _fold_group(q, k, v, o, lse, options: AttentionOptions):
