@@ -7,7 +7,8 @@ A tiny problem (B 1, H 1, N 128, D 64, float16, causal), calls queued back to ba
 device synchronised once, so every figure is host microseconds per call. For the JAX
 adapter the floors are timed too: a jitted elementwise op and a jitted buffer_callback that
 does nothing; the adapter's callback body is timed on its own (perf_counter inside it).
-"decode" times and profiles a server's decode step (B 8, Hq 32 / Hkv 8, one query row, 4k
+"decode" times (back to back, and each call alone on an idle device: the host's own time)
+and profiles a server's decode step (B 8, Hq 32 / Hkv 8, one query row, 4k
 keys a sequence, float16) dense, with seqlens_k on the device (unchecked) and paged (pages
 of 16 in a pool, block table and lengths on the device, unchecked); "prefill" the same for
 a small causal append (B 4, H 16, 64 new rows onto 576 keys, pages of 64), whose host path
@@ -173,6 +174,10 @@ def server_calls(kind: str, batch: int, n_q_heads: int, n_kv_heads: int, n_q: in
     }
     for name, call in calls.items():
         say(name, per_call_us(call, cupy_sync))
+    # Back to back, a call that queues more device time than host time is timed by the
+    # device (the launch queue fills): the host's own time, each call on an idle device.
+    for name, call in calls.items():
+        say(f"{name} (host time, idle device)", host_only_us(call, calls=200))
     # The same calls' host time by part: validation (problem_cache.validate_call), the GPU
     # backend's forward (plan lookup, table fill, launches) and the rest.
     import tileattn.api as api
