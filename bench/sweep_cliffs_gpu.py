@@ -107,6 +107,8 @@ def cases(quick: bool, dtypes) -> list:
         for d in (8, 16, 24, 40, 72, 80, 96, 100, 112, 160, 192, 256, 320):
             add(f"D {d}", tokens // n, max(1, 2048 // d), max(1, 2048 // d), n, n, d)
         add("MLA decode D 576 Dv 512", 8, 16, 1, 1, keys, 576, dv=512, options={})
+        add("MLA decode 128 heads", 2, 128, 1, 1, keys, 576, dv=512, options={})
+        add("MLA decode 2 rows (multi-token prediction)", 2, 128, 1, 2, keys, 576, dv=512)
         add("D 192 Dv 128", tokens // n, 16, 16, n, n, 192, dv=128)
         add("D 128 Dv 64", tokens // n, 16, 16, n, n, 128, dv=64)
         add("D 64 Dv 128", tokens // n, 16, 16, n, n, 64, dv=128)
