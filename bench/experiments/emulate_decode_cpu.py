@@ -490,7 +490,13 @@ def _install_cupy_standin():
     standin.uint16, standin.uint32 = np.uint16, np.uint32
     standin.float32, standin.int32, standin.int64 = np.float32, np.int32, np.int64
     standin.zeros = lambda shape, dtype=float: np.zeros(shape, dtype=dtype).view(ndarray)
-    sys.modules.update({"cupy": standin, "cupy.cuda": cuda, "cupy.cuda.driver": cuda.driver})
+    lib = types.ModuleType("cupy.lib")
+    lib.stride_tricks = types.ModuleType("cupy.lib.stride_tricks")
+    lib.stride_tricks.as_strided = lambda array, shape, strides: np.lib.stride_tricks.as_strided(
+        array, shape, strides, subok=True)
+    standin.lib = lib
+    sys.modules.update({"cupy": standin, "cupy.cuda": cuda, "cupy.cuda.driver": cuda.driver,
+                        "cupy.lib": lib, "cupy.lib.stride_tricks": lib.stride_tricks})
     return standin
 
 
