@@ -402,25 +402,13 @@ def test_wide_gqa_decode_of_several_rows_folds_each_row(n_q, options, layout):
         k[:, :, -1] = np.nan
         v[:, :, -1] = np.inf
     expected_o, expected_lse = _golden(q, k, v, **options)
-    device = [cupy.asarray(a) for a in (q, k, v)]
-    resolved = _resolved(*device, options)
-    out = cupy.full((batch, group, n_q, value_dim), np.nan, dtype=np.float16)
-    if layout == "bshd":
-        device = [cupy.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in device]
-        out = cupy.ascontiguousarray(out.transpose(0, 2, 1, 3))
-    lse_out = cupy.full((batch, group, n_q), np.nan, dtype=np.float32)
     kept = slice(0, n_q - 1 if poisoned else n_q)
-    for call in ("first", "cached"):
-        out[...] = np.nan
-        lse_out[...] = np.nan
-        o, lse = tileattn.forward(*device, return_lse=True, out=out, lse_out=lse_out,
-                                  layout=layout, **options)
-        assert o is out and lse is lse_out
-        result = o.get().transpose(0, 2, 1, 3) if layout == "bshd" else o.get()
-        assert_attention_close(result[:, :, kept], expected_o[:, :, kept], np.float16,
+    for call, o, lse in _calls_into_nan_buffers((q, k, v), np.float16, layout, options):
+        assert_attention_close(o[:, :, kept], expected_o[:, :, kept], np.float16,
                                name=f"o ({call} call)")
-        assert_attention_close(lse.get()[:, :, kept], expected_lse[:, :, kept], np.float16,
+        assert_attention_close(lse[:, :, kept], expected_lse[:, :, kept], np.float16,
                                name=f"lse ({call} call)")
+    resolved = _resolved(*(cupy.asarray(a) for a in (q, k, v)), options)
     described = gpu_backend.describe(n_k, head_dim, value_dim, np.float16, resolved,
                                      n_q=n_q, heads=group, kv_heads=1, batch=batch)
     assert "folded on its own" in described["forward"], described
@@ -443,6 +431,26 @@ def test_head_dims_above_256_decode_on_cuda_cores(dims, dtype):
     expected_o, expected_lse = _golden(q, k, v)
     assert_attention_close(o.get(), expected_o, q.dtype, name="o")
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
+
+
+def _calls_into_nan_buffers(arrays, dtype, layout: str, options: dict):
+    """tileattn.forward on host (q, k, v) in (B, H, N, D) order, moved to the GPU in
+    `layout`, into NaN-filled out= and lse_out= buffers, twice (the second call takes the
+    cached plan): yields ``(call, o, lse)`` on the host, o in (B, H, N, Dv) order."""
+    q, _, v = arrays
+    device = [cupy.asarray(a) for a in arrays]
+    out = cupy.full(q.shape[:3] + (v.shape[3],), np.nan, dtype=dtype)
+    if layout == "bshd":
+        device = [cupy.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in device]
+        out = cupy.ascontiguousarray(out.transpose(0, 2, 1, 3))
+    lse_out = cupy.full(q.shape[:3], np.nan, dtype=np.float32)
+    for call in ("first", "cached"):
+        out[...] = np.nan
+        lse_out[...] = np.nan
+        o, lse = tileattn.forward(*device, return_lse=True, out=out, lse_out=lse_out,
+                                  layout=layout, **options)
+        assert o is out and lse is lse_out
+        yield call, (o.get().transpose(0, 2, 1, 3) if layout == "bshd" else o.get()), lse.get()
 
 
 FOLD_CASES = [((576, 512), "bfloat16", 16, {}), ((576, 512), "float16", 16, {"causal": True}),
@@ -476,22 +484,10 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows(dims, dtype, group, opt
         k[:, :, : n_k - 1 - left] = np.nan
         v[:, :, : n_k - 1 - left] = np.inf
     expected_o, expected_lse = _golden(q, k, v, **options)
-    device = [cupy.asarray(a) for a in (q, k, v)]
-    out = cupy.full((batch, n_kv_heads * group, 1, value_dim), np.nan, dtype=dtype)
-    if layout == "bshd":
-        device = [cupy.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in device]
-        out = cupy.ascontiguousarray(out.transpose(0, 2, 1, 3))
-    lse_out = cupy.full((batch, n_kv_heads * group, 1), np.nan, dtype=np.float32)
     planned = {key for key in _PLANS if key[0] == "folded group"}
-    for call in ("first", "cached"):
-        out[...] = np.nan
-        lse_out[...] = np.nan
-        o, lse = tileattn.forward(*device, return_lse=True, out=out, lse_out=lse_out,
-                                  layout=layout, **options)
-        assert o is out and lse is lse_out
-        result = o.get().transpose(0, 2, 1, 3) if layout == "bshd" else o.get()
-        assert_attention_close(result, expected_o, dtype, name=f"o ({call} call)")
-        assert_attention_close(lse.get(), expected_lse, dtype, name=f"lse ({call} call)")
+    for call, o, lse in _calls_into_nan_buffers((q, k, v), dtype, layout, options):
+        assert_attention_close(o, expected_o, dtype, name=f"o ({call} call)")
+        assert_attention_close(lse, expected_lse, dtype, name=f"lse ({call} call)")
         folded = {key for key in _PLANS if key[0] == "folded group"} - planned
         assert len(folded) == 1 and _PLANS[folded.pop()].launches[0] is not None
 
