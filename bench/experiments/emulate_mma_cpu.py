@@ -626,6 +626,9 @@ CASES = [
     ("float16", (1, 4, 2, 40, 60, 72, 40), {"causal": True, "dropout_p": 0.2, "seed": 3,
                                            "alibi_slopes": np.linspace(0.1, 0.4, 4)},
      MmaTiles(64, 32, 16, True)),
+    # A folded wide decode's launch (launch_forward._fold_group): 16 rows of a 64-row tile
+    # (three warps idle), D 576, a 256-column value slice, the wide row's tiles.
+    ("bfloat16", (2, 1, 1, 16, 100, 576, 256), {}, MmaTiles(64, 32, 16, False)),
 ]
 
 
