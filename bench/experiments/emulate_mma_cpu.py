@@ -7,7 +7,11 @@ add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) co
 meaning, checked against the float64 golden model. The backward's single pass and the
 non-finite-key redo are not run.
 
-    python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode]
+    python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --launcher]
+
+`--launcher` runs only the wide decode's fold through the Python launch path
+(`launch_forward.forward` on a CuPy stand-in) with the mma.sync forward and
+split_keys_merge.cu emulated, called with the launcher's own arguments.
 
 Needs g++ 12+. Each block runs as its threads (std::threads meeting at barriers); a warp's
 ldmatrix and mma.sync exchange the lanes' addresses and fragments through a per-thread
@@ -211,6 +215,41 @@ extern "C" void run(const bits16* q, const bits16* k, const bits16* v, bits16* o
 }
 """
 
+# The kernels' own parameter lists, for the launcher mode (`--launcher`): the Python launch
+# path's argument tuples go through these unchanged (grid x by grid y blocks).
+FORWARD_LAUNCHER = RUN_BLOCKS + r"""
+extern "C" void launch_attention_forward_mma(
+    unsigned grid, unsigned grid_y, unsigned threads, unsigned shared, const bits16* q,
+    const bits16* k, const bits16* v, bits16* o, float* lse, const double* alibi_slopes,
+    i64 n_q_total, i64 n_k_total, int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn,
+    i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+    float scale, float softcap, i64 band_shift, i64 window_left, i64 window_right,
+    u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,
+    u32 dropout_col0, const i64* descriptors, const i64* tiles, const i64* block_table,
+    i64 table_stride, i64 page_size, i64 n_pages) {
+    if (threads != kThreads) { std::fprintf(stderr, "block %u != kThreads\n", threads); std::abort(); }
+    run_blocks([&] {
+        attention_forward_mma(q, k, v, o, lse, alibi_slopes, n_q_total, n_k_total, n_q_heads,
+                              group_size, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+                              o_sb, o_sh, o_sn, scale, softcap, band_shift, window_left,
+                              window_right, dropout_key, dropout_threshold, dropout_scale,
+                              dropout_row0, dropout_col0, descriptors, tiles, block_table,
+                              table_stride, page_size, n_pages);
+    }, grid, threads, shared, grid_y);
+}
+"""
+MERGE_LAUNCHER = RUN_BLOCKS + r"""
+extern "C" void launch_split_keys_merge(unsigned grid, unsigned grid_y, unsigned threads,
+                                        unsigned shared, const float* partial_o,
+                                        const float* partial_lse, STORAGE* o, float* lse,
+                                        i64 n_rows, i64 n_q, int n_splits, int n_q_heads,
+                                        i64 o_sb, i64 o_sh, i64 o_sn) {
+    run_blocks([&] { split_keys_merge(partial_o, partial_lse, o, lse, n_rows, n_q, n_splits,
+                                      n_q_heads, o_sb, o_sh, o_sn); },
+               grid, threads, shared, grid_y);
+}
+"""
+
 BACKWARD_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, do, then dq, dk, dv (3 each: batch, head, row).
 extern "C" void run_dq(const element* q, const element* k, const element* v,
@@ -296,7 +335,7 @@ def library(defines: dict, source_name: str = "attention_mma_forward.cu",
         text = re.sub(pattern, replacement, text)
     text, count = re.subn(COPY_PATTERN, lambda _: COPY + "\ntemplate <int ChunkBytes>\n"
                           "inline void copy_chunk_async_ptx(", text)
-    assert count == 1, "copy_chunk_async not found"
+    assert count == 1 or source_name == "split_keys_merge.cu", "copy_chunk_async not found"
     text = text.replace('#include "', '// #include "')
     # The emulated PTX uses common.cuh's types: it goes in before the first struct there.
     code = PRELUDE + text.replace("struct half_storage", WARP_PTX + "\nstruct half_storage",
@@ -652,11 +691,120 @@ def check_forwards(emulate_forward, cases, rng, kind: str) -> int:
     return failures
 
 
+class _EmulatedKernel:
+    """A RawKernel stand-in for the launcher mode: ``kernel(grid, block, args, shared_mem=...)``
+    runs the emulation of `entry` compiled with the launcher's defines, on exactly its
+    arguments (arrays as their addresses, scalars by their NumPy types)."""
+
+    def __init__(self, source_name: str, entry: str, defines: tuple):
+        given = dict(defines)
+        if source_name == "attention_mma_forward.cu":
+            given.update(STORAGE=STORAGE["bfloat16" if given.get("IS_BFLOAT16") else "float16"],
+                         ACCUM="float", DEFERRED_COPIES=1)
+            runner = FORWARD_LAUNCHER
+        else:
+            given.update(ACCUM="float", DEFERRED_COPIES=1,
+                         IS_BFLOAT16=int(given["STORAGE"] == STORAGE["bfloat16"]))
+            runner = MERGE_LAUNCHER
+        self.function = getattr(library(given, source_name, runner), f"launch_{entry}")
+        self.function.restype = None
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        converted = [ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1] if len(grid) > 1 else 1),
+                     ctypes.c_uint(block[0]), ctypes.c_uint(shared_mem)]
+        for arg in args:
+            if isinstance(arg, np.ndarray):
+                converted.append(ctypes.c_void_p(arg.ctypes.data if arg.size else None))
+            else:
+                converted.append({np.dtype(np.int64): ctypes.c_int64,
+                                  np.dtype(np.int32): ctypes.c_int32,
+                                  np.dtype(np.uint32): ctypes.c_uint32,
+                                  np.dtype(np.float32): ctypes.c_float,
+                                  np.dtype(np.float64): ctypes.c_double}[arg.dtype](arg))
+        self.function(*converted)
+
+
+# Wide decodes that fold (launch_forward._forward_folded_rows): (B, Hq, Hkv, Nq, Nk, D, Dv),
+# options. Key shares (SPLIT_KEYS and split_keys_merge.cu) from 1024 keys.
+FOLD_CASES = [
+    ((2, 16, 1, 1, 1100, 576, 512), {"causal": True}),
+    ((1, 8, 2, 1, 300, 320, 320), {"window": (50, 0), "softcap": 20.0}),
+    ((1, 64, 1, 2, 200, 576, 512), {"causal": True}),
+    ((1, 64, 1, 3, 1100, 288, 264), {"window": (600, 1)}),
+]
+
+
+def launcher_mode() -> int:
+    """The wide decode's fold through the Python launch path (`launch_forward.forward`:
+    dispatch, the fold's views, value slices, key shares and their merge, the launch cache)
+    on a CuPy stand-in whose kernels are this emulation of attention_mma_forward.cu and
+    split_keys_merge.cu, called with the launcher's own argument tuples; its fold threshold
+    forced to 0 (small grids), "bhsd" and "bshd", first and cached calls, against the golden
+    model. Several causal query rows put a NaN key and an infinite value at the last key,
+    which only the last row keeps and no other row may see."""
+    from emulate_decode_cpu import _install_cupy_standin
+
+    standin = _install_cupy_standin()
+    from tileattn.gpu import _compile, launch_forward, operands, tiles
+    from tileattn.validation import validate
+
+    operands._PLANS.clear()
+    tiles.FOLD_MIN_WAVE = 0.0
+
+    def kernel(source_name, entry, defines, shared_bytes=0, arch=None):
+        assert source_name in ("attention_mma_forward.cu", "split_keys_merge.cu"), source_name
+        return _EmulatedKernel(source_name, entry, defines)
+
+    _compile.kernel = kernel
+    rng = np.random.default_rng(5)
+    failures = 0
+    defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+    for (batch, hq, hkv, nq, nk, d, dv), options in FOLD_CASES:
+        q, k, v = (rng.standard_normal(s).astype(np.float32).astype(np.float16)
+                   for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+        poisoned = nq > 1 and options.get("window", (0, 0))[1] == 0
+        if poisoned:
+            k[:, :, -1] = np.nan
+            v[:, :, -1] = np.inf
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True,
+                                                **options)
+        kept = slice(0, nq - 1 if poisoned else nq)
+        for layout, call in itertools.product(("bhsd", "bshd"), ("first", "cached")):
+            arrays = [standin.asarray(a) for a in (q, k, v)]
+            out = None
+            if layout == "bshd":
+                arrays = [standin.asarray(np.ascontiguousarray(a.swapaxes(1, 2))).swapaxes(1, 2)
+                          for a in (q, k, v)]
+                out = standin.empty((batch, nq, hq, dv), np.float16).swapaxes(1, 2)
+            resolved = validate(*arrays, **{**defaults, **options}).options
+            label = f"launcher {call} {layout} q{q.shape} k{k.shape} v{v.shape} {options}"
+            try:
+                o, lse = launch_forward.forward(*arrays, resolved, out=out)
+                assert_attention_close(np.asarray(o)[:, :, kept], golden_o[:, :, kept],
+                                       np.float16, name="o")
+                assert_attention_close(np.asarray(lse)[:, :, kept], golden_lse[:, :, kept],
+                                       np.float16, name="lse")
+                print(f"ok {label}", flush=True)
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first two cases only")
     parser.add_argument("--decode", action="store_true", help="the decode cases only")
+    parser.add_argument("--launcher", action="store_true",
+                        help="only the wide decode's fold through tileattn/gpu/launch_forward "
+                             "on a CuPy stand-in")
     args = parser.parse_args()
+    if args.launcher:
+        failures = launcher_mode()
+        print("all passed" if not failures else f"{failures} failed")
+        return failures
     rng = np.random.default_rng(0)
     failures = 0
     others = 0 if args.decode else None
