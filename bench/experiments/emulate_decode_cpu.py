@@ -513,18 +513,25 @@ class _EmulatedKernel:
         self.function.restype = None
 
     def __call__(self, grid, block, args, shared_mem=0):
-        converted = [ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1] if len(grid) > 1 else 1),
-                     ctypes.c_uint(block[0]), ctypes.c_uint(shared_mem)]
-        for arg in args:
-            if isinstance(arg, np.ndarray):
-                converted.append(ctypes.c_void_p(arg.ctypes.data if arg.size else None))
-            else:
-                converted.append({np.dtype(np.int64): ctypes.c_int64,
-                                  np.dtype(np.int32): ctypes.c_int32,
-                                  np.dtype(np.uint32): ctypes.c_uint32,
-                                  np.dtype(np.float32): ctypes.c_float,
-                                  np.dtype(np.float64): ctypes.c_double}[arg.dtype](arg))
-        self.function(*converted)
+        self.function(*launch_arguments(grid, block, args, shared_mem))
+
+
+def launch_arguments(grid, block, args, shared_mem) -> list:
+    """A CuPy-style launch as the ctypes arguments of an emulated ``launch_<entry>``: the
+    grid's x and y, the block's threads, the shared bytes, then each argument (an array as
+    its address, a scalar by its NumPy type)."""
+    converted = [ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1] if len(grid) > 1 else 1),
+                 ctypes.c_uint(block[0]), ctypes.c_uint(shared_mem)]
+    for arg in args:
+        if isinstance(arg, np.ndarray):
+            converted.append(ctypes.c_void_p(arg.ctypes.data if arg.size else None))
+        else:
+            converted.append({np.dtype(np.int64): ctypes.c_int64,
+                              np.dtype(np.int32): ctypes.c_int32,
+                              np.dtype(np.uint32): ctypes.c_uint32,
+                              np.dtype(np.float32): ctypes.c_float,
+                              np.dtype(np.float64): ctypes.c_double}[arg.dtype](arg))
+    return converted
 
 
 def launcher_mode() -> int:

@@ -37,7 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from emulate_decode_cpu import (COPY, COPY_PATTERN, PATCHES, PRELUDE,  # noqa: E402
-                                RUN_BLOCKS, STORAGE, build, resolved, score_operands)
+                                RUN_BLOCKS, STORAGE, _install_cupy_standin, build,
+                                launch_arguments, resolved, score_operands)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
@@ -710,18 +711,7 @@ class _EmulatedKernel:
         self.function.restype = None
 
     def __call__(self, grid, block, args, shared_mem=0):
-        converted = [ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1] if len(grid) > 1 else 1),
-                     ctypes.c_uint(block[0]), ctypes.c_uint(shared_mem)]
-        for arg in args:
-            if isinstance(arg, np.ndarray):
-                converted.append(ctypes.c_void_p(arg.ctypes.data if arg.size else None))
-            else:
-                converted.append({np.dtype(np.int64): ctypes.c_int64,
-                                  np.dtype(np.int32): ctypes.c_int32,
-                                  np.dtype(np.uint32): ctypes.c_uint32,
-                                  np.dtype(np.float32): ctypes.c_float,
-                                  np.dtype(np.float64): ctypes.c_double}[arg.dtype](arg))
-        self.function(*converted)
+        self.function(*launch_arguments(grid, block, args, shared_mem))
 
 
 # Wide decodes that fold (launch_forward._forward_folded_rows): (B, Hq, Hkv, Nq, Nk, D, Dv),
@@ -742,8 +732,6 @@ def launcher_mode() -> int:
     forced to 0 (small grids), "bhsd" and "bshd", first and cached calls, against the golden
     model. Several causal query rows put a NaN key and an infinite value at the last key,
     which only the last row keeps and no other row may see."""
-    from emulate_decode_cpu import _install_cupy_standin
-
     standin = _install_cupy_standin()
     from tileattn.gpu import _compile, launch_forward, operands, tiles
     from tileattn.validation import validate
