@@ -180,7 +180,7 @@ def _folded_line(options: AttentionOptions, shape, n_k: int, head_dim: int, valu
     decodes = choose_decode(_problem(n_k, head_dim, value_dim, dtype, options,
                                      shape.batch_q_heads, shape.n_q), shape) is not None
     slices = fold_value_slices(value_dim)
-    widest = max(stop - start for start, stop in slices)
+    widest = slices[0][1]  # (the first slice is the widest)
     choice = folded_choice(_problem(shape.band_keys, head_dim, widest, dtype,
                                     unmasked(options), shape.batch_kv_heads, shape.group),
                            folded, decodes)

@@ -431,7 +431,7 @@ def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple)
         for launch, (start, stop) in zip(launches, slices):
             launch(q, k, _columns(v, start, stop), _columns(o, start, stop), lse)
         return True
-    widest = max(stop - start for start, stop in slices)
+    widest = slices[0][1]  # (the first slice is the widest)
     problem = problem_for(q.device.id, q.dtype, q.shape[3], widest, k.shape[2], options,
                           q.shape[0] * q.shape[1], q.shape[2])
     choice = folded_choice(problem, decode_shape(q, k, options),

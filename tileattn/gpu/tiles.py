@@ -1158,7 +1158,8 @@ FOLD_GROUP_PER_ROW = 64
 
 def fold_value_slices(value_dim: int) -> tuple[tuple[int, int], ...]:
     """The column ranges of V and O a folded decode runs one launch each: as few as keep
-    each within FOLD_VALUE_COLUMNS, of equal widths rounded up to 16."""
+    each within FOLD_VALUE_COLUMNS, of equal widths rounded up to 16 (the last may be
+    narrower, so the first is the widest)."""
     count = -(-value_dim // FOLD_VALUE_COLUMNS)
     width = 16 * -(-value_dim // (16 * count))
     return tuple((start, min(start + width, value_dim)) for start in range(0, value_dim, width))
