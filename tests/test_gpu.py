@@ -348,7 +348,8 @@ def test_every_mma_warp_layout(head_dim, rows, q_in_registers, options):
 
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (80, 80), (192, 128)], ids=DIM_IDS)
-@pytest.mark.parametrize("tiles", [(64, 32, 16), (64, 64, 32), (128, 32, 32), (128, 64, 16)],
+@pytest.mark.parametrize("tiles", [(64, 32, 16), (64, 64, 32), (128, 32, 32), (128, 64, 16),
+                                   (128, 16, 16)],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[-1]],

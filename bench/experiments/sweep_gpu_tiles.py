@@ -53,7 +53,7 @@ def candidates(family: str, direction: str):
                 (64, 128), (32, 64, 128), (16, 32), (True, False)):
             yield tiles.MmaTiles(block_q, block_k, rows, in_registers)
     elif direction == "forward":
-        for block_q, block_k, rows in itertools.product((64, 128), (32, 64), (16, 32)):
+        for block_q, block_k, rows in itertools.product((64, 128), (16, 32, 64), (16, 32)):
             yield tiles.Tf32Tiles(block_q, block_k, rows)
     else:
         sizes = ((128, 64), (64, 64), (128, 32), (64, 32), (32, 32), (128, 16), (64, 16))
