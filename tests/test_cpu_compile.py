@@ -1,4 +1,5 @@
-"""The CPU backend's compiling: the notice before a long compile, and `warmup`.
+"""The CPU backend's compiling: the notice before a long compile, `warmup`, and the disk
+cache flushed when a kernel source changes.
 
 Cheap on purpose: the notice is checked on a one-line stand-in kernel (compiling the real
 ones again costs seconds), and `warmup` runs on kernels that this test session compiles
@@ -6,6 +7,8 @@ or loads anyway.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,3 +72,52 @@ def test_warmup_compiles_each_kernel_dtype_once_and_reports_progress(capsys):
 def test_warmup_names_a_dtype_it_cannot_compile():
     with pytest.raises(ValueError, match="int32"):
         cpu.warmup(dtypes=["int32"])
+
+
+def cached_stand_in(x):
+    """A kernel stand-in for the disk cache's flush."""
+    return x * 2
+
+
+def test_a_changed_source_flushes_the_kernels_disk_cache(monkeypatch, tmp_path):
+    """Numba keys a cached kernel on its own file and bytecode only; `flush_if_stale` drops
+    its entries when any source the kernels compile from changed (a stamp beside the
+    cache), so no kernel runs machine code built from old helpers."""
+    from tileattn.cpu import kernel_cache
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    x = np.zeros(3, np.float32)
+
+    def loaded_from_disk(flush_first: bool) -> bool:
+        kernel = numba.njit(cache=True)(cached_stand_in)  # a new dispatcher, as a new process
+        if flush_first:
+            kernel_cache.flush_if_stale(kernel)
+        kernel(x)
+        return kernel.stats.cache_hits.get(kernel.signatures[0], 0) > 0
+
+    assert not loaded_from_disk(False)  # compiled and saved
+    assert loaded_from_disk(False)
+    assert not loaded_from_disk(True)  # no stamp yet: flushed, compiled again, stamped
+    assert loaded_from_disk(True)  # the same sources: kept
+    stamps = list(tmp_path.rglob("*" + kernel_cache._STAMP_SUFFIX))
+    assert len(stamps) == 1 and stamps[0].read_text() == kernel_cache.sources_digest()
+    monkeypatch.setattr(kernel_cache, "_digest", "0" * 64)  # a helper changed
+    assert not loaded_from_disk(True)
+    assert loaded_from_disk(True)
+    assert stamps[0].read_text() == "0" * 64
+
+
+def test_the_real_kernels_are_stamped_with_their_sources():
+    from tileattn.cpu import kernel_cache
+    from tileattn.cpu.backward_kernel import backward_kernel
+    from tileattn.cpu.decode_kernel import decode_kernel
+    from tileattn.cpu.forward_kernel import forward_kernel
+
+    for kernel in (forward_kernel, backward_kernel, decode_kernel):
+        stamp = (Path(kernel._cache.cache_path)
+                 / f"{kernel.py_func.__module__}.{kernel.py_func.__qualname__}"
+                   f"{kernel_cache._STAMP_SUFFIX}")
+        assert stamp.read_text() == kernel_cache.sources_digest()
+    names = {path.name for path in kernel_cache._SOURCES}
+    assert {"vector_math.py", "tiles.py", "forward_kernel.py", "dropout.py",
+            "options.py"} <= names

@@ -117,6 +117,25 @@ def test_values_the_compute_dtype_holds_are_accepted_on_every_backend(backend):
             assert_attention_close(grad, want, dtype, name=f"{name} with {options}")
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("softcap", [1e4, 1e9, 1e30])
+def test_a_softcap_far_above_the_scores_changes_nothing(backend, dtype, softcap):
+    """``softcap * tanh(s / softcap)`` is ``s`` where ``|s|`` is far below the cap, so the
+    call is plain attention, forward and backward. (The CPU's vectorised float32 tanh had an
+    absolute error of a few epsilon: every score of a cap above ~1e8 came out 0.)"""
+    q, k, v, do = problem(dtype)
+    o, lse = backend.forward(q, k, v, return_lse=True, softcap=softcap)
+    plain, plain_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                        return_lse=True, backend="reference")
+    assert_attention_close(o, plain, dtype, name=f"o with softcap={softcap}")
+    assert_attention_close(lse, plain_lse, dtype, name=f"lse with softcap={softcap}")
+    grads = backend.backward(do, q, k, v, o, lse, softcap=softcap)
+    golden = tileattn.backward(*(a.astype(np.float64) for a in (do, q, k, v, o)), plain_lse,
+                               backend="reference")
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, golden):
+        assert_attention_close(grad, want, dtype, name=f"{name} with softcap={softcap}")
+
+
 @pytest.mark.parametrize("dropout_p", [1e-300, 2.0**-33, RESOLUTION / 2, RESOLUTION * (1 - 2.0**-20)])
 def test_dropout_below_the_hash_resolution_is_off_on_every_backend(backend, dropout_p):
     """floor(dropout_p * 2**16) == 0 keeps every entry. The CPU kernels skipped the

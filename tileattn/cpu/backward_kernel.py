@@ -30,6 +30,7 @@ from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from . import dropout
 from .denormals import flush_subnormals, restore_subnormals
 from .kept_products import redo_non_finite_columns, redo_non_finite_rows
+from .kernel_cache import flush_if_stale
 from .schedule import claim_next
 from .tiles import (key_span, mask_tile, row_span, tile_is_fully_kept, tile_view,
                     transform_tile)
@@ -396,3 +397,6 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, 
                           block_k, slice_rows, scratch)
         task = claim_next(next_task)
     restore_subnormals(previous)
+
+
+flush_if_stale(row_terms_kernel, backward_kernel)

@@ -27,6 +27,7 @@ from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from .denormals import flush_subnormals, restore_subnormals
 from .forward_kernel import _apply_dropout, _softmax_update
 from .kept_products import redo_non_finite_rows
+from .kernel_cache import flush_if_stale
 from .schedule import claim_next
 from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
                     transform_tile)
@@ -291,3 +292,6 @@ def merge_kernel(partial_acc, partial_max, partial_sum, out, lse):
                 else:
                     out[b, h, i, :] = np.nan
                     lse[b, h, i] = np.nan
+
+
+flush_if_stale(decode_kernel, merge_kernel)

@@ -15,6 +15,7 @@ from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from . import dropout
 from .denormals import flush_subnormals, restore_subnormals
 from .kept_products import redo_non_finite_rows
+from .kernel_cache import flush_if_stale
 from .schedule import claim_next
 from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
                     transform_tile)
@@ -230,3 +231,6 @@ def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, 
                     pv_buffer, acc, row_max, row_sum, rescale, key_buffer, value_buffer)
         task = claim_next(next_task)
     restore_subnormals(previous)
+
+
+flush_if_stale(forward_kernel)
