@@ -132,9 +132,9 @@ def _tanh_float32(x):
     # one is selected, which keeps the loop free of branches.
     # Far from 0: tanh |x| = (1 - e) / (1 + e) with e = exp(-2 |x|) <= 1 from the
     # polynomial exp2, whose error is absolute (a few units of float32's epsilon): relative
-    # to tanh |x| >= 0.55 a few ulp. Near 0 that absolute error would swamp tanh x ~ x
-    # (below |x| ~ 3e-8, e rounds to 1 and it gave 0: a softcap far above every score made
-    # every score 0), so there the odd series above. -inf and inf give -1 and 1; NaN stays
+    # to tanh |x| >= 0.55 a few ulp. Near 0 it swamps tanh x ~ x (below |x| ~ 3e-8, e
+    # rounds to 1 and the quotient is 0: under a softcap far above the scores every score
+    # would become 0), so there the odd series above. -inf and inf give -1 and 1; NaN stays
     # NaN (it fails the comparison and takes the far form). NumPy's error model: Python's
     # checks every division for zero, and that check kept the loop scalar (1 + e >= 1).
     e = _exp2_nonpositive_float32(np.float32(-2.0 * LOG2_E) * np.abs(x))
