@@ -120,6 +120,15 @@ def cases(quick: bool, dtypes) -> list:
         add("chunk 512 of keys", 1, 32, 8, 512, keys, 128)
         add("MHA Nq 128 over long keys", 1, 32, 32, 128, 4 * keys, 128)
         add("MHA chunk 256 of keys", 1, 16, 16, 256, keys, 128)
+        # Decode steps: the split-KV kernels (tensor cores for 16-bit, CUDA cores for
+        # float32 and for ALiBi), one query row or a speculative few, over long caches.
+        add("decode GQA 32/8", 8, 32, 8, 1, 4 * keys, 128, options={})
+        add("decode MHA B 1", 1, 32, 32, 1, long, 128, options={})
+        add("decode MQA 8/1", 1, 8, 1, 1, 2 * long, 128, options={})
+        add("decode D 64 B 64", 64, 32, 8, 1, keys // 2, 64, options={})
+        add("decode softcap", 8, 32, 8, 1, 4 * keys, 128, options={"softcap": 30.0})
+        add("decode ALiBi", 8, 32, 8, 1, 4 * keys, 128, options={"alibi_slopes": "per head"})
+        add("speculative Nq 8", 8, 32, 8, 8, 4 * keys, 128)
         add("keys 100 under Nq", 4, 16, 16, n, 100, 128, options={})
         add("B 256 of N 64", 256, 16, 16, 64, 64, 64)
         add("B 1024 of N 128", 1024, 8, 8, 128, 128, 128)
