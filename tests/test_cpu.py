@@ -486,28 +486,66 @@ def test_reference_options_object_directly():
     assert_attention_close(lse, expected_lse, np.float64, name="lse")
 
 
-def test_scipy_blas_is_single_threaded_inside_and_restored_after():
+def _in_a_new_thread(function):
+    """`function()` run on a new thread; its result, or its exception raised here."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = function()
+        except BaseException as error:  # noqa: BLE001 (re-raised on the caller's thread)
+            outcome["error"] = error
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+@pytest.mark.parametrize("on_new_thread", [False, True], ids=["main-thread", "new-thread"])
+def test_scipy_blas_is_single_threaded_inside_and_restored_after(on_new_thread):
     """The kernels' np.dot runs SciPy's BLAS on one thread (cpu/blas.py); each library gets
-    back the thread count it had, whether that was one or more."""
+    back the thread count it had, whether that was one or more; also for a call from a
+    thread other than the one that first set the count (threadpoolctl ignores those)."""
     from tileattn.cpu import blas
 
-    controller = blas._controller()
-    if controller is None or not controller.lib_controllers:
+    libraries = blas._libraries()
+    if not libraries:
         pytest.skip("threadpoolctl or a SciPy BLAS it controls is not installed")
-    libraries = controller.lib_controllers
-    before = [library.get_num_threads() for library in libraries]
-    try:
+    counts = lambda: [library.get_num_threads() for library, _ in libraries]  # noqa: E731
+    before = counts()
+
+    def check():
         for start in (2, 1):
-            for library in libraries:
-                library.set_num_threads(start)
+            for _, set_num_threads in libraries:
+                set_num_threads(start)
             with blas.single_threaded():
-                assert [library.get_num_threads() for library in libraries] == [1] * len(
-                    libraries)
-            assert [library.get_num_threads() for library in libraries] == [start] * len(
-                libraries)
+                assert counts() == [1] * len(libraries)
+            assert counts() == [start] * len(libraries)
+    try:
+        _in_a_new_thread(check) if on_new_thread else check()
     finally:
-        for library, threads in zip(libraries, before):
-            library.set_num_threads(threads)
+        for (_, set_num_threads), threads in zip(libraries, before):
+            set_num_threads(threads)
+
+
+def test_a_call_from_another_thread_gives_the_same_bits():
+    """The same call on the main thread and on a new one (a server's worker) returns the
+    same bits: both run SciPy's BLAS on one thread, whose sgemm sums in another order than
+    its threaded driver (before, threadpoolctl left other threads' BLAS threaded)."""
+    rng = np.random.default_rng(11)
+    q, do = (rng.standard_normal((1, 4, 200, 64)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 250, 64)).astype(np.float32) for _ in range(2))
+
+    def call():
+        o, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, causal=True)
+        return (o, lse) + tuple(tileattn.backward(do, q, k, v, o, lse, backend="cpu",
+                                                  causal=True))
+    on_main = call()
+    for name, main, other in zip(("o", "lse", "dq", "dk", "dv"), on_main,
+                                 _in_a_new_thread(call)):
+        assert np.array_equal(main, other), name
 
 
 def test_decode_limits_blas_only_where_its_products_call_it(monkeypatch):

@@ -39,6 +39,22 @@ def _controller():
     return blas
 
 
+def _setter(library):
+    """A function that sets `library`'s thread count from whichever thread calls it.
+
+    threadpoolctl (3.6 and later) lets one Python thread only, the first to set it, change
+    a pthreads OpenBLAS's process-wide count, and ignores the others without a word: a call
+    from any other thread (a server's worker, a thread pool) then ran its products on the
+    threaded BLAS inside the kernels' own threads, at about half the speed, and rounded
+    them differently from the same call on the main thread (sgemm's threaded and serial
+    drivers sum in different orders). Its unguarded setter is used where it has one;
+    the calls it guards against racing are serialised by the kernels' lock here."""
+    if (getattr(library, "internal_api", None) == "openblas"
+            and getattr(library, "threading_layer", None) != "openmp"):
+        return getattr(library, "_real_set_num_threads", library.set_num_threads)
+    return library.set_num_threads
+
+
 class _OneThread:
     """SciPy's BLAS libraries at one thread inside the block, each restored after to what
     it had. threadpoolctl's own ``limit`` first gathers every library's full description
@@ -46,28 +62,36 @@ class _OneThread:
     small); this asks each library its thread count alone and sets only those above one."""
 
     def __init__(self, libraries):
-        self._libraries = libraries
+        self._libraries = libraries  # (controller, its setter) pairs
         self._restore = []
 
     def __enter__(self):
         self._restore = []
-        for library in self._libraries:
+        for library, set_num_threads in self._libraries:
             threads = library.get_num_threads()
             if threads != 1:
-                library.set_num_threads(1)
-                self._restore.append((library, threads))
+                set_num_threads(1)
+                self._restore.append((set_num_threads, threads))
         return self
 
     def __exit__(self, *exc_info):
-        for library, threads in self._restore:
-            library.set_num_threads(threads)
+        for set_num_threads, threads in self._restore:
+            set_num_threads(threads)
         self._restore = []
         return False
 
 
+@functools.cache
+def _libraries() -> tuple:
+    """SciPy's BLAS controllers, each with `_setter`'s setter; empty without threadpoolctl."""
+    controller = _controller()
+    return () if controller is None else tuple(
+        (library, _setter(library)) for library in controller.lib_controllers)
+
+
 def single_threaded():
     """Context manager: SciPy's BLAS limited to one thread (or nothing, if it cannot)."""
-    controller = _controller()
-    if controller is None:
+    libraries = _libraries()
+    if not libraries:
         return contextlib.nullcontext()
-    return _OneThread(controller.lib_controllers)
+    return _OneThread(libraries)
