@@ -64,6 +64,30 @@ def test_mixed_dtypes_are_rejected():
         tileattn.forward(q, k.astype(np.float64), v)
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v", "do", "out", "dk_out"])
+def test_numpy_masked_arrays_are_refused_by_name(name):
+    """A masked array's mask would be dropped without a word (a masked key still attended
+    to): every array argument refuses one, before anything runs."""
+    q, k, v = arrays()
+    o, lse = tileattn.forward(q, k, v, return_lse=True, backend="cpu")
+    given = dict(q=q, k=k, v=v, do=np.ones_like(o), out=np.empty_like(o),
+                 dk_out=np.empty_like(k))
+    given[name] = np.ma.masked_array(given[name], mask=np.zeros(given[name].shape, bool))
+    untouched = {key: np.array(value) for key, value in given.items()}
+    match = rf"{name} is a NumPy masked array, whose mask tileattn does not read"
+    for backend in ("cpu", "reference"):
+        with pytest.raises(TypeError, match=match):
+            if name in ("do", "dk_out"):
+                tileattn.backward(given["do"], given["q"], given["k"], given["v"], o, lse,
+                                  backend=backend, dk_out=given["dk_out"])
+            else:
+                tileattn.forward(given["q"], given["k"], given["v"], out=given["out"],
+                                 backend=backend)
+    for key, value in given.items():
+        if key not in ("out", "dk_out"):
+            np.testing.assert_array_equal(np.asarray(value), untouched[key])
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"dropout_p": 1.0, "seed": 0}, ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
     ({"dropout_p": -0.1, "seed": 0}, ValueError, r"dropout_p must be in \[0, 1\), got -0.1"),

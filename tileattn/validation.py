@@ -490,6 +490,7 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
     for name, array in given.items():
         if array is None:
             continue
+        _check_not_masked(name, array)
         array = arrays.to_native(array)
         shape, dtype = expected[name]
         if tuple(array.shape) != shape:
@@ -541,6 +542,15 @@ def check_output_addresses(outputs: dict, inputs: dict, memory: str) -> None:
                 raise ValueError(f"{name} must not share memory with {other_name}")
 
 
+def _check_not_masked(name: str, array) -> None:
+    """A NumPy masked array's mask would be dropped without a word (its data would be read
+    as if nothing were masked, or a result written beside its mask): refused."""
+    if isinstance(array, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a NumPy masked array, whose mask tileattn does not read: "
+                        f"pass {name}.data or {name}.filled(value); keys are masked by "
+                        "causal, window, seqlens_k or cu_seqlens_k")
+
+
 def check_backend_name(backend) -> str:
     names = ("auto",) + tuple(REGISTRY)
     if backend not in names:
@@ -587,6 +597,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     named = {"q": q, "k": k, "v": v}
     if do is not None:
         named.update(do=do, o=o, lse=lse)
+    for name, array in named.items():
+        _check_not_masked(name, array)
     named = {name: arrays.to_native_byte_order(arrays.to_native(a))
              for name, a in named.items()}
     shapes = {name: tuple(a.shape) for name, a in named.items()}
