@@ -43,6 +43,15 @@ def test_a_dtype_without_a_tolerance_is_named():
         tolerance_for(np.int32)
 
 
+def test_every_tolerance_is_found_by_its_name_as_a_string():
+    """ "bfloat16" as a string too, which NumPy's np.dtype does not know."""
+    for name, tolerance in TOLERANCES.items():
+        assert tolerance_for(name) == tolerance
+    assert_attention_close(np.ones(3, np.float32) * 1.01, np.ones(3), "bfloat16")
+    with pytest.raises(AssertionError, match=r"\(bfloat16\): 3 of 3 elements"):
+        assert_attention_close(np.ones(3) * 1.1, np.ones(3), "bfloat16")
+
+
 def test_tolerances_tighten_with_precision():
     order = ["bfloat16", "float16", "float32", "float64"]
     rtols = [TOLERANCES[name].rtol for name in order]

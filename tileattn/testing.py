@@ -92,9 +92,15 @@ TOLERANCES = {
 }
 
 
+def _dtype_name(dtype) -> str:
+    """The name of `dtype`, also given as a name: NumPy's np.dtype does not know the string
+    "bfloat16" (ml_dtypes registers the type, not the name)."""
+    return dtype if isinstance(dtype, str) and dtype in TOLERANCES else np.dtype(dtype).name
+
+
 def tolerance_for(dtype) -> Tolerance:
-    """The tolerance of a computation in `dtype` (one of `TOLERANCES`' keys)."""
-    name = np.dtype(dtype).name
+    """The tolerance of a computation in `dtype` (one of `TOLERANCES`' keys, or its name)."""
+    name = _dtype_name(dtype)
     if name not in TOLERANCES:
         raise ValueError(f"no tolerance for dtype {name}: attention runs in "
                          f"{', '.join(TOLERANCES)}")
@@ -138,7 +144,7 @@ def _lse_rounding(dtype, lse_magnitude: float) -> float:
     """
     if not lse_magnitude:
         return 0.0
-    lse_type = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    lse_type = np.float64 if _dtype_name(dtype) == "float64" else np.float32
     return float(np.spacing(lse_type(abs(lse_magnitude)))) / 2
 
 
@@ -183,7 +189,7 @@ def assert_attention_close(actual, expected, dtype, *, name: str = "result",
         where = tuple(np.argwhere(bad)[0])
         worst = np.max(np.where(finite, error / allowed, 0))
         raise AssertionError(
-            f"{name} ({np.dtype(dtype).name}): {int(bad.sum())} of {bad.size} elements out of "
+            f"{name} ({_dtype_name(dtype)}): {int(bad.sum())} of {bad.size} elements out of "
             f"tolerance (rtol={tolerance.rtol}, atol={tolerance.atol} x rms "
             f"{_magnitude(expected[finite]):.3g}); first at {where}: actual {actual[where]!r}, "
             f"expected {expected[where]!r}; worst error is {worst:.3g}x the allowed")
