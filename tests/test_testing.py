@@ -8,7 +8,8 @@ from hypothesis import given, settings
 
 import tileattn
 from tileattn.testing import (TOLERANCES, AttentionProblem, assert_attention_close,
-                              attention_error, attention_problems, tolerance_for)
+                              attention_error, attention_problems, tolerance_for,
+                              varlen_problems)
 
 
 def test_close_arrays_pass_and_far_arrays_fail():
@@ -111,3 +112,33 @@ def test_strategy_draws_every_dtype():
 
     record()
     assert {"float16", "float32", "float64"} <= dtypes
+
+
+@pytest.mark.parametrize("dtypes, names", [
+    ([np.float64], {"float64"}),
+    (["float16", np.float32], {"float16", "float32"}),
+    ("bfloat16", {"bfloat16"}),
+    (np.float32, {"float32"}),
+])
+def test_strategies_take_dtypes_as_a_list_or_by_name(dtypes, names):
+    """`dtypes` may be dtypes or names, not only a strategy ("bfloat16" by name too), for
+    both strategies."""
+    if "bfloat16" in names:
+        pytest.importorskip("ml_dtypes")
+    drawn = set()
+
+    @settings(max_examples=25, database=None)
+    @given(problem=attention_problems(dtypes=dtypes), varlen=varlen_problems(dtypes=dtypes))
+    def record(problem, varlen):
+        drawn.add(problem.dtype.name)
+        drawn.add(varlen.dtype.name)
+
+    record()
+    assert drawn == names
+
+    @settings(max_examples=1, database=None)
+    @given(problem=attention_problems(dtypes=[]))
+    def draw_from_nothing(problem):
+        pass
+    with pytest.raises(ValueError, match="dtypes is empty"):
+        draw_from_nothing()

@@ -214,6 +214,30 @@ def float_dtypes(include_bfloat16: bool = True):
     return st.sampled_from(dtypes)
 
 
+def _dtype_strategy(dtypes):
+    """The strategies' `dtypes`: None (`float_dtypes`), a strategy of dtypes, or dtypes and
+    dtype names to sample from ("bfloat16" by name too)."""
+    st = _strategies()
+    if dtypes is None:
+        return float_dtypes()
+    if isinstance(dtypes, st.SearchStrategy):
+        return dtypes
+    if isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = [dtypes]
+    chosen = []
+    for dtype in dtypes:
+        if isinstance(dtype, str) and dtype == "bfloat16":
+            if bfloat16() is None:
+                raise ValueError("dtypes names bfloat16, which needs ml_dtypes: pip install "
+                                 "ml_dtypes")
+            chosen.append(bfloat16())
+        else:
+            chosen.append(np.dtype(dtype))
+    if not chosen:
+        raise ValueError("dtypes is empty: name at least one dtype")
+    return st.sampled_from(chosen)
+
+
 _INTERESTING_BLOCKS = (1, 2, 3, 5, 7, 8, 13, 16, 31, 32, 64, 97, 128, 4096)
 
 
@@ -283,10 +307,11 @@ def draw_attention_problem(draw, *, dtypes=None, max_batch_dims: int = 2, max_he
     dropout with a seed) and block sizes including 1, primes and sizes beyond the sequence.
     `max_elements` bounds ``batch * Hq * Nq * Nk * max(D, Dv)`` to keep examples quick.
     Inputs are unit normal, except ``do``, which is ``1 - dropout_p`` times that with
-    dropout (see below).
+    dropout (see below). `dtypes`: a strategy of dtypes, or dtypes (or their names,
+    "bfloat16" too) to sample from; default `float_dtypes`.
     """
     st = _strategies()
-    dtype = draw(dtypes if dtypes is not None else float_dtypes())
+    dtype = draw(_dtype_strategy(dtypes))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     min_seq = 0 if allow_empty else 1
     n_q = draw(st.integers(min_seq, max_seq))
@@ -478,11 +503,12 @@ def draw_varlen_problem(draw, *, family=None, dtypes=None, max_batch: int = 3,
     ``Dv != D``, absent ``seqlens_q``/``seqlens_k`` (padded), empty packed sequences, pages
     in any order in pools stored ``(num_pages, Hkv, page_size, D)`` or
     ``(num_pages, page_size, Hkv, D)`` (passed transposed), and every option of
-    `tileattn.forward` with ALiBi slopes per head or per sequence.
+    `tileattn.forward` with ALiBi slopes per head or per sequence. `dtypes` as for
+    `draw_attention_problem`.
     """
     st = _strategies()
     family = family if family is not None else draw(st.sampled_from(VARLEN_FAMILIES))
-    dtype = draw(dtypes if dtypes is not None else float_dtypes())
+    dtype = draw(_dtype_strategy(dtypes))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     if family == "packed":
         batch_shape = (draw(st.integers(0, max_batch)),)
