@@ -65,6 +65,9 @@ def describe(*, seq_len=4096, n_k=None, head_dim=64, value_dim=None, heads=8, kv
             naive, tiled = ((traffic.naive_forward, traffic.tiled_forward)
                             if direction == "forward"
                             else (traffic.naive_backward, traffic.tiled_backward))
+            ratio = (f"{naive / tiled:.1f}x less" if tiled <= naive
+                     else f"{tiled / naive:.1f}x more: the score matrix is small here, and the "
+                     "tiled passes read K and V more than once")
             print_fn(f"    {direction:<8}: naive {_megabytes(naive):>14}   tiled "
-                     f"{_megabytes(tiled):>14}   ({naive / tiled:.1f}x less)")
+                     f"{_megabytes(tiled):>14}   ({ratio})")
         print_fn("")
