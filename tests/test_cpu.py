@@ -533,7 +533,7 @@ def test_scipy_blas_is_single_threaded_inside_and_restored_after(on_new_thread):
 def test_a_call_from_another_thread_gives_the_same_bits():
     """The same call on the main thread and on a new one (a server's worker) returns the
     same bits: both run SciPy's BLAS on one thread, whose sgemm sums in another order than
-    its threaded driver (before, threadpoolctl left other threads' BLAS threaded)."""
+    its threaded driver (threadpoolctl's own setter ignores calls from other threads)."""
     rng = np.random.default_rng(11)
     q, do = (rng.standard_normal((1, 4, 200, 64)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((1, 2, 250, 64)).astype(np.float32) for _ in range(2))

@@ -44,11 +44,11 @@ def _setter(library):
 
     threadpoolctl (3.6 and later) lets one Python thread only, the first to set it, change
     a pthreads OpenBLAS's process-wide count, and ignores the others without a word: a call
-    from any other thread (a server's worker, a thread pool) then ran its products on the
-    threaded BLAS inside the kernels' own threads, at about half the speed, and rounded
-    them differently from the same call on the main thread (sgemm's threaded and serial
-    drivers sum in different orders). Its unguarded setter is used where it has one;
-    the calls it guards against racing are serialised by the kernels' lock here."""
+    from any other thread (a server's worker, a thread pool) would run its products on the
+    threaded BLAS inside the kernels' own threads, at about half the speed, and round them
+    differently from the same call on the main thread (sgemm's threaded and serial drivers
+    sum in different orders). Its unguarded setter is used where it has one; the calls it
+    guards against racing are serialised by the kernels' lock here."""
     if (getattr(library, "internal_api", None) == "openblas"
             and getattr(library, "threading_layer", None) != "openmp"):
         return getattr(library, "_real_set_num_threads", library.set_num_threads)

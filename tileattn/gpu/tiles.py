@@ -1139,9 +1139,9 @@ def with_key_splits(choice: Choice, shape: DecodeShape,
 # heads 13-77x faster at B 1-8; 16 query heads 1.3-2.0x from a wave of folded blocks on
 # (B 8-16 over 8k keys, B 1 over 64k, B 4 over 32k); under a wave (B 1-4 over 8k keys:
 # 16-64 blocks) the decode kernel's many splits won in one run (the fold at 0.56-0.80x of
-# it), while in another the fold took B 4 by 1.20x. A decode's share may hold fewer keys than a prefill tile's
-# (FOLD_MAX_SPLITS, not FORWARD_MAX_SPLITS: its partials are a few rows), so one long
-# sequence fills a wave too.
+# it), while in another the fold took B 4 by 1.20x. A decode's share may hold fewer keys
+# than a prefill tile's (FOLD_MAX_SPLITS, not FORWARD_MAX_SPLITS: its partials are a few
+# rows), so one long sequence fills a wave too.
 FOLD_MIN_WAVE = 0.9  # against the decode kernel: folded grids (key shares included) under
 # this share of a wave of resident blocks stay on it
 FOLD_MAX_SPLITS = 128
@@ -1153,7 +1153,8 @@ FOLD_VALUE_COLUMNS = 256
 # 16 heads x Nq rows stay on the decode kernel (one launch, K/V read once). The folds' time
 # grows with the rows and the prefill's does not (a tile holds up to 64 rows of a head):
 # from one row's measured ratio (B 1, 128 heads, 8k keys: 2.3 ms against 0.13-0.18) they
-# would meet at about 12 rows, so only up to 4 fold (not yet measured with several rows).
+# would meet at about 12 rows, so only up to 4 fold. Two rows, H200 (v38): 8.4-31.6x the
+# unfolded call at B 1-4 over 8k-32k keys.
 FOLD_MAX_QUERY_ROWS = 4
 FOLD_GROUP_PER_ROW = 64
 
