@@ -379,7 +379,8 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
 def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
                      **kwargs):
     """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
-    two-kernel path, dK and dV in one kernel) for host 16-bit arrays; D = rowsum(do * o) and
+    two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired`, or in
+    two launches where `tiles.split`) for host arrays; D = rowsum(do * o) and
     lse as the launcher passes them (float32, contiguous). With `sequence_first` the
     gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are."""
     options = resolved(q, k, v, **kwargs)
@@ -405,17 +406,19 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                   VALUE_DIM=value_dim,
                   COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
-                  ORDERED=0,
-                  SINGLE_PASS=0, DKDV_PART=0, DEFERRED_COPIES=1,
+                  ORDERED=0, SINGLE_PASS=0, DEFERRED_COPIES=1,
                   STRIDED_OUT=int(sequence_first), **switches)
-    for entry in ("dq", "dkdv"):
+    launches = [("dq", 0)] + [("dkdv", part) for part in ((1, 2) if tiles.split else (0,))]
+    for entry, part in launches:
         owned, streamed = getattr(tiles, entry)
         # float32 zeroes the probabilities of a last query tile's rows past Nq (QUERY_TAIL),
         # as the launcher compiles it.
         tail = int(entry == "dkdv" and is_float32 and n_q % streamed != 0)
-        lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed, QUERY_TAIL=tail),
+        lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed, QUERY_TAIL=tail,
+                           DKDV_PART=part,
+                           PAIRED_WARPS=int(entry == "dkdv" and tiles.paired)),
                       "attention_mma_backward.cu", BACKWARD_RUNNER)
-        shared = tiles.shared_bytes(entry, widths, q.itemsize, False, 0)
+        shared = tiles.shared_bytes(entry, widths, q.itemsize, False, part)
         heads, rows = (n_q_heads, n_q) if entry == "dq" else (n_kv_heads, n_k)
         blocks = batch * heads * -(-rows // owned)
         outputs = (dq,) if entry == "dq" else (dk, dv)
@@ -425,7 +428,7 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                  ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
                  ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals),
                  pointer(band), pointer(bits), ctypes.c_int(blocks),
-                 ctypes.c_int(owned // 16 * 32), ctypes.c_int(shared))
+                 ctypes.c_int(tiles.threads(entry)), ctypes.c_int(shared))
     return dq, dk, dv
 
 
@@ -602,6 +605,14 @@ BACKWARD_CASES = [
      MmaBackwardTiles((64, 32), (64, 32))),
     ("float32", (1, 4, 2, 45, 70, 32, 24), {"causal": True}, MmaBackwardTiles((64, 32),
                                                                              (64, 32))),
+    # dK and dV by warp pairs (PAIRED_WARPS) and in two launches (DKDV_PART 1 and 2).
+    ("float32", (1, 4, 2, 45, 150, 40, 40), {"causal": True, "softcap": 4.0},
+     MmaBackwardTiles((64, 16), (64, 16), paired=True)),
+    ("float32", (2, 2, 1, 70, 90, 24, 24), {"window": (20, 10), "dropout_p": 0.2,
+                                            "seed": 3},
+     MmaBackwardTiles((32, 32), (32, 32), paired=True)),
+    ("float32", (1, 2, 2, 33, 50, 40, 24), {"causal": True},
+     MmaBackwardTiles((32, 16), (32, 16), split=True)),
 ]
 
 
@@ -785,6 +796,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first two cases only")
     parser.add_argument("--decode", action="store_true", help="the decode cases only")
+    parser.add_argument("--backward", action="store_true", help="the backward cases only")
     parser.add_argument("--launcher", action="store_true",
                         help="only the wide decode's fold through tileattn/gpu/launch_forward "
                              "on a CuPy stand-in")
@@ -796,15 +808,18 @@ def main() -> int:
     rng = np.random.default_rng(0)
     failures = 0
     others = 0 if args.decode else None
-    failures += check_forwards(emulate, itertools.islice(CASES, 2 if args.quick else others),
-                               rng, "")
-    failures += check_forwards(emulate_tf32,
-                               itertools.islice(TF32_CASES, 1 if args.quick else others),
-                               rng, "3xTF32 ")
+    forwards = 0 if args.backward else None
+    failures += check_forwards(
+        emulate, itertools.islice(CASES, 2 if args.quick else 0 if args.decode else forwards),
+        rng, "")
+    failures += check_forwards(
+        emulate_tf32,
+        itertools.islice(TF32_CASES, 1 if args.quick else 0 if args.decode else forwards),
+        rng, "3xTF32 ")
     failures += check_forwards(emulate_decode,
-                               itertools.islice(DECODE_CASES, 1 if args.quick else None),
+                               itertools.islice(DECODE_CASES, 1 if args.quick else forwards),
                                rng, "decode ")
-    if not args.quick:
+    if not (args.quick or args.backward):
         failures += check_paged_decodes(rng)
     for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
             itertools.islice(BACKWARD_CASES, 1 if args.quick else others):

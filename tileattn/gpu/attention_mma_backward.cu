@@ -36,9 +36,15 @@
 // DKDV_PART (as in attention_wgmma_backward.cu): 1 runs only the dV half of the dK/dV
 // kernel, 2 only the dK half, 0 both; wide head dims split so that each half's accumulators
 // fit the registers. Head dims are zero-padded in shared memory to the tensor cores' K step.
+// PAIRED_WARPS (dK/dV kernel, DKDV_PART 0, D and Dv of one padded width): two warps a 16
+// owned keys, the first of the pair holding dV, the second dK, so that wide head dims keep
+// both halves in one block of twice the warps instead of two launches that each compute
+// S^T. The dV warp computes S^T and hands it to its dK warp through shared memory
+// (publish_scores) while the dK warp computes dP^T; each then adds one product.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
-// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DKDV_PART and
+// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DKDV_PART,
+// PAIRED_WARPS (default 0) and
 // QUERY_TAIL (dK/dV kernel; QUERY_TAIL, default 0: a streamed query tile may end past n_q,
 // backward_scores.cuh), FLAG_NON_FINITE_KEYS (16-bit dK/dV kernel, default 0; the same
 // tail, kept_products.cuh: flag_non_finite_keys), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
@@ -53,6 +59,9 @@
 #endif
 #ifndef FLAG_NON_FINITE_KEYS
 #define FLAG_NON_FINITE_KEYS 0
+#endif
+#ifndef PAIRED_WARPS
+#define PAIRED_WARPS 0
 #endif
 #ifndef GROUP_SPLITS
 #define GROUP_SPLITS 1  // as in attention_wgmma_backward.cu
@@ -77,11 +86,17 @@ template <int Width> constexpr int kPitchOf = kTilePitch<Width>;
 constexpr int kQkPitch = kPitchOf<kHeadWidth>;
 constexpr int kVPitch = kPitchOf<kValueWidth>;
 
-constexpr int kWarps = OWNED_ROWS / 16;
+// A slab is 16 owned rows: one warp's, or one pair's (PAIRED_WARPS: the dK/dV kernel's; a
+// module compiled with it has a dQ kernel of pairs too, never launched).
+constexpr int kSlabs = OWNED_ROWS / 16;
+constexpr int kWarps = kSlabs * (PAIRED_WARPS ? 2 : 1);
 constexpr int kThreads = kWarps * 32;
 static_assert(OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0, "mma tiles");
 static_assert(!SINGLE_PASS || (HEAD_DIM == VALUE_DIM && HEAD_DIM % 16 == 0 && DKDV_PART == 0),
               "the single pass serves D = Dv, multiples of 16");
+static_assert(!PAIRED_WARPS || (DKDV_PART == 0 && !SINGLE_PASS && kHeadWidth == kValueWidth),
+              "a pair shares one accumulator tile's registers layout: D and Dv of one width");
+// What the block computes (each of its warps, without PAIRED_WARPS).
 constexpr bool kComputesDv = DKDV_PART != 2;
 constexpr bool kComputesDk = DKDV_PART != 1;
 
@@ -177,14 +192,21 @@ __device__ __forceinline__ void one_score_product(const float* a1, const float* 
     scores_product<Transposed>(a1, b1, row0, first);
 }
 
+// second = A2 B2^T, dP (or dP^T) alone.
+template <bool Transposed = false, int Columns>
+__device__ __forceinline__ void value_score_product(const float* a2, const float* b2, int row0,
+                                                    Accumulators<Columns>& second) {
+    second.clear();
+    score_product<Transposed, kValueWidth>(a2, b2, row0, second);
+}
+
 template <bool Transposed = false, int Columns>
 __device__ __forceinline__ void two_score_products(const float* a1, const float* b1,
                                                    const float* a2, const float* b2, int row0,
                                                    Accumulators<Columns>& first,
                                                    Accumulators<Columns>& second) {
     scores_product<Transposed>(a1, b1, row0, first);
-    second.clear();
-    score_product<Transposed, kValueWidth>(a2, b2, row0, second);
+    value_score_product<Transposed>(a2, b2, row0, second);
 }
 
 // out += X B, X this warp's 16 x Inner accumulators, B the row-major Inner x Width tile
@@ -262,14 +284,19 @@ __device__ __forceinline__ void one_score_product(const bits16* a1, const bits16
 }
 
 template <bool Transposed = false, int Columns>
+__device__ __forceinline__ void value_score_product(const bits16* a2, const bits16* b2,
+                                                    int row0, Accumulators<Columns>& second) {
+    second.clear();
+    score_product<kValueWidth>(a2, b2, row0, second);
+}
+
+template <bool Transposed = false, int Columns>
 __device__ __forceinline__ void two_score_products(const bits16* a1, const bits16* b1,
                                                    const bits16* a2, const bits16* b2,
                                                    int row0, Accumulators<Columns>& first,
                                                    Accumulators<Columns>& second) {
-    first.clear();
-    second.clear();
-    score_product<kHeadWidth>(a1, b1, row0, first);
-    score_product<kValueWidth>(a2, b2, row0, second);
+    one_score_product(a1, b1, row0, first);
+    value_score_product(a2, b2, row0, second);
 }
 
 // out += X B for X = this warp's 16 x Inner accumulators (rounded to the input type) and
@@ -333,6 +360,28 @@ __device__ __forceinline__ void stream_tiles(i64 tile_begin, i64 tile_end, Load 
         body(stage, tile);
         __syncthreads();
     }
+}
+
+// PAIRED_WARPS: slab `slab`'s S^T tile (keys x STREAMED_ROWS queries, accumulator layout)
+// from its dV warp to its dK warp, stored [slab][fragment element][lane] so that the 32
+// lanes' stores and loads are conflict-free.
+constexpr int kPairedScores = STREAMED_ROWS / 8 * 4;  // floats a lane
+__device__ __forceinline__ void publish_scores(const Accumulators<STREAMED_ROWS>& st,
+                                               float* exchange, int slab) {
+    float* out = exchange + slab * kPairedScores * 32 + threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < STREAMED_ROWS / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[(n * 4 + e) * 32] = st.tile[n][e];
+}
+
+__device__ __forceinline__ void take_scores(Accumulators<STREAMED_ROWS>& st,
+                                            const float* exchange, int slab) {
+    const float* in = exchange + slab * kPairedScores * 32 + threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < STREAMED_ROWS / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st.tile[n][e] = in[(n * 4 + e) * 32];
 }
 
 // ------------------------------------------------------------------ single pass
@@ -598,6 +647,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     float* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
     // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][kDsPitch].
     bits16* ds_tile = reinterpret_cast<bits16*>(delta_tiles + 2 * STREAMED_ROWS);
+    // PAIRED_WARPS: the slabs' S^T, [kSlabs][kPairedScores][32].
+    float* exchange = delta_tiles + 2 * STREAMED_ROWS;
 
     const SequenceTables tables = SEQUENCE_TABLES;
     const int n_kv_heads = n_q_heads / group_size;
@@ -611,22 +662,33 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     const i64 col_stop = min(col_start + OWNED_ROWS, n_k);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad_row = lane / 4;
-    const i64 my_keys[2] = {col_start + warp * 16 + quad_row,
-                            col_start + warp * 16 + quad_row + 8};
+    // This warp's 16 keys and what it computes of them (warp-uniform).
+    const int slab = warp % kSlabs;
+    const bool computes_dv = PAIRED_WARPS ? warp < kSlabs : kComputesDv;
+    const bool computes_dk = PAIRED_WARPS ? warp >= kSlabs : kComputesDk;
+    const i64 my_keys[2] = {col_start + slab * 16 + quad_row,
+                            col_start + slab * 16 + quad_row + 8};
     const auto dk_head = key_output_rows<HEAD_DIM>(dk, owned, n_k_total, {dk_sb, dk_sh, dk_sn});
     const auto dv_head = key_output_rows<VALUE_DIM>(dv, owned, n_k_total, {dv_sb, dv_sh, dv_sn});
 
-    // The part's accumulators (the other part's are never touched: no registers).
+    // The part's accumulators (the other part's are never touched: no registers); a pair's
+    // two warps hold dV and dK in the same registers.
+#if PAIRED_WARPS
+    Accumulators<kHeadWidth> pair_acc;
+    Accumulators<kHeadWidth>& dk_acc = pair_acc;
+    Accumulators<kValueWidth>& dv_acc = pair_acc;
+#else
     Accumulators<kHeadWidth> dk_acc;
     Accumulators<kValueWidth> dv_acc;
-    if (kComputesDk) dk_acc.clear();
-    if (kComputesDv) dv_acc.clear();
+#endif
+    if (computes_dk) dk_acc.clear();
+    if (computes_dv) dv_acc.clear();
     i64 tile_begin, tile_end;
     query_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, col_start, col_stop, n_q, STREAMED_ROWS,
                                               &tile_begin, &tile_end);
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
-        if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, 0.0f, dk_head, col_start + warp * 16, n_k);
-        if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 0.0f, dv_head, col_start + warp * 16, n_k);
+        if (computes_dk) store_rows<HEAD_DIM>(dk_acc, 0.0f, dk_head, col_start + slab * 16, n_k);
+        if (computes_dv) store_rows<VALUE_DIM>(dv_acc, 0.0f, dv_head, col_start + slab * 16, n_k);
         if (FLAG_NON_FINITE_KEYS && kComputesDk && threadIdx.x == 0) key_flags[blockIdx.x] = 0;
         return;
     }
@@ -687,10 +749,22 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             const i64 query_start = query_tile * STREAMED_ROWS;
             // S^T and dP^T: rows are this warp's keys, columns the tile's queries.
             Accumulators<STREAMED_ROWS> st, dpt;
+#if PAIRED_WARPS
+            if (computes_dv) {
+                one_score_product<true>(k_tile, q_tile, slab * 16, st);
+                publish_scores(st, exchange, slab);
+                dpt.clear();
+            } else {
+                value_score_product<true>(v_tile, do_tile, slab * 16, dpt);
+            }
+            __syncthreads();  // every slab's S^T published
+            if (computes_dk) take_scores(st, exchange, slab);
+#else
             if (kComputesDk)
-                two_score_products<true>(k_tile, q_tile, v_tile, do_tile, warp * 16, st, dpt);
+                two_score_products<true>(k_tile, q_tile, v_tile, do_tile, slab * 16, st, dpt);
             else
-                one_score_product<true>(k_tile, q_tile, warp * 16, st);
+                one_score_product<true>(k_tile, q_tile, slab * 16, st);
+#endif
             // Keys past n_k are not written; outside the single pass they need no mask.
             const bool masked =
                 tile_straddles_band(band, query_start, STREAMED_ROWS, col_start, OWNED_ROWS);
@@ -701,43 +775,46 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             // A cut tile (block-uniform) with inf/NaN in dO or Q: the kept pairs' P^T dO and
             // dS^T Q terms with it on CUDA cores, then zeros for the tensor cores
             // (kept_products.cuh); keys are the rows here, queries the inner index. The
-            // first barrier also orders every warp's score products before the zeroing.
+            // scans' barriers also order every warp's score products before the zeroing;
+            // every warp takes the same barriers (a pair's warps add different terms).
             if (kBandMasksKeys && masked) {
                 const TileMask mask =
                     tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k);
                 const auto kept_queries = [&](int, int half) {
                     return mask.column_window(static_cast<int>(my_keys[half] - col_start), 0);
                 };
-                if (kComputesDv &&
-                    __syncthreads_or(tile_has_non_finite<STREAMED_ROWS, kValueWidth, kVPitch,
-                                                         kThreads>(do_tile))) {
+                const bool do_non_finite =
+                    kComputesDv && __syncthreads_or(tile_has_non_finite<
+                                       STREAMED_ROWS, kValueWidth, kVPitch, kThreads>(do_tile));
+                const bool q_non_finite =
+                    kComputesDk && __syncthreads_or(tile_has_non_finite<
+                                       STREAMED_ROWS, kHeadWidth, kQkPitch, kThreads>(q_tile));
+                if (computes_dv && do_non_finite)
                     add_kept_non_finite_values<STREAMED_ROWS / 8>(
                         dv_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{st.tile},
                         [&](int query, int col) {
                             return element_value(do_tile[query * kVPitch + col]);
                         });
-                    __syncthreads();
-                    zero_non_finite<STREAMED_ROWS, kValueWidth, kVPitch, kThreads>(do_tile);
-                    __syncthreads();
-                }
-                if (kComputesDk &&
-                    __syncthreads_or(tile_has_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch,
-                                                         kThreads>(q_tile))) {
+                if (computes_dk && q_non_finite)
                     add_kept_non_finite_values<STREAMED_ROWS / 8>(
                         dk_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{dpt.tile},
                         [&](int query, int col) {
                             return element_value(q_tile[query * kQkPitch + col]);
                         });
+                if (do_non_finite || q_non_finite) {
                     __syncthreads();
-                    zero_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch, kThreads>(q_tile);
+                    if (do_non_finite)
+                        zero_non_finite<STREAMED_ROWS, kValueWidth, kVPitch, kThreads>(do_tile);
+                    if (q_non_finite)
+                        zero_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch, kThreads>(q_tile);
                     __syncthreads();
                 }
             }
-            if (kComputesDv) accumulate_product(st, do_tile, dv_acc);
+            if (computes_dv) accumulate_product(st, do_tile, dv_acc);
 #if SINGLE_PASS
-            store_transposed_scores(dpt, ds_tile, warp * 16);
+            store_transposed_scores(dpt, ds_tile, slab * 16);
 #endif
-            if (kComputesDk) accumulate_product(dpt, q_tile, dk_acc);
+            if (computes_dk) accumulate_product(dpt, q_tile, dk_acc);
 #if SINGLE_PASS
             {
                 // Every warp's dS^T rows are in ds_tile. On a cut tile the barrier also ORs
@@ -761,8 +838,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 #endif
         });
     }
-    if (kComputesDk) store_rows<HEAD_DIM>(dk_acc, scale, dk_head, col_start + warp * 16, n_k);
-    if (kComputesDv) store_rows<VALUE_DIM>(dv_acc, 1.0f, dv_head, col_start + warp * 16, n_k);
+    if (computes_dk) store_rows<HEAD_DIM>(dk_acc, scale, dk_head, col_start + slab * 16, n_k);
+    if (computes_dv) store_rows<VALUE_DIM>(dv_acc, 1.0f, dv_head, col_start + slab * 16, n_k);
     // The owned tiles are still in shared memory (zeros past n_k and past the head dims).
     if (FLAG_NON_FINITE_KEYS && kComputesDk)
         flag_non_finite_keys(

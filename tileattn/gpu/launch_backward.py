@@ -493,6 +493,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         if entry == "dkdv" and flagging:
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
+        if entry == "dkdv" and tiles.paired:
+            defines += (("PAIRED_WARPS", 1),)
         defines += _split_defines(entry, sums, dq_splits, dq, dk, dv)
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)
         function = _compile.kernel(MMA_SOURCE, f"attention_backward_{entry}_mma",
@@ -502,10 +504,10 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
         arguments = (_with_group(common, group) + tables + _strides_of(*parts) if entry == "dkdv"
                      else common + tables + output_strides(dq))
         if grid and entry == "dq":
-            _dq_launch(function, grid, owned // 16 * 32, shared, arguments, dq,
+            _dq_launch(function, grid, tiles.threads(entry), shared, arguments, dq,
                        dq_splits)(*arrays)
         elif grid:
-            function((grid,), (owned // 16 * 32,), arrays + arguments, shared_mem=shared)
+            function((grid,), (tiles.threads(entry),), arrays + arguments, shared_mem=shared)
     if sums is not None:
         sums(parts, dk, dv)
     if redo is not None:

@@ -107,7 +107,8 @@ class Widths:
 @dataclass(frozen=True)
 class When:
     """A row's condition: padded widths up to `max_width` (both D and Dv) and above
-    `min_width` (the wider of them), where given up to `max_sum` for D + Dv; at most
+    `min_width` (the wider of them), where given up to `max_sum` for D + Dv, and of one
+    padded width where `same_widths`; at most
     `max_keys` keys; a forward grid of fewer than `max_waves` waves of `wave_tiles`
     (block_q, blocks per SM) blocks; score options and a band as given (None: either)."""
 
@@ -119,11 +120,13 @@ class When:
     min_width: int = 0
     max_waves: float | None = None
     wave_tiles: tuple[int, int] = (192, 1)
+    same_widths: bool = False
 
     def matches(self, problem: Problem, widths: Widths) -> bool:
         waves = problem.waves(*self.wave_tiles) if self.max_waves is not None else None
         return (self.min_width < widths.widest <= self.max_width
                 and widths.head + widths.value <= self.max_sum
+                and (not self.same_widths or widths.head == widths.value)
                 and (self.max_keys is None or problem.n_k <= self.max_keys)
                 and (self.max_waves is None or (waves is not None and waves < self.max_waves))
                 and (self.score_options is None or self.score_options == problem.score_options)
@@ -223,17 +226,25 @@ class Tf32Tiles:
 @dataclass(frozen=True)
 class MmaBackwardTiles:
     """The mma.sync / 3xTF32 backward: per kernel (owned rows, streamed rows), 16 owned rows
-    per warp; `split` as in `WgmmaBackwardTiles`."""
+    per warp; `split` as in `WgmmaBackwardTiles`; `paired`: the dK/dV kernel's 16 owned
+    keys a pair of warps, one holding dV and one dK (attention_mma_backward.cu,
+    PAIRED_WARPS; D and Dv of one padded width)."""
 
     dq: tuple[int, int]
     dkdv: tuple[int, int]
     split: bool = False
+    paired: bool = False
+
+    def threads(self, entry: str) -> int:
+        owned = getattr(self, entry)[0]
+        return owned // 16 * 32 * (2 if self.paired and entry == "dkdv" else 1)
 
     def shared_bytes(self, entry: str, widths: Widths, element_size: int,
                      single_pass: bool = False, part: int = 0) -> int:
         """Owned tiles plus two stages of streamed ones, rows padded by 8 elements; the
         dK/dV kernel also stages lse and D per streamed row (no V tile in its dV-only
-        part), and in the single pass the dS^T tile (owned x streamed, padded)."""
+        part), in the single pass the dS^T tile (owned x streamed, padded), paired the
+        S^T tile (owned x streamed floats)."""
         owned, streamed = getattr(self, entry)
         head_pitch, value_pitch = widths.head + 8, widths.value + 8
         stream = 2 * streamed * (head_pitch + value_pitch)
@@ -241,7 +252,8 @@ class MmaBackwardTiles:
             return element_size * (owned * (head_pitch + value_pitch) + stream)
         owned_elements = owned * (head_pitch + (value_pitch if part != 1 else 0))
         return (element_size * (owned_elements + stream) + 2 * 2 * 4 * streamed
-                + (2 * owned * (streamed + 8) if single_pass else 0))
+                + (2 * owned * (streamed + 8) if single_pass else 0)
+                + (4 * owned * streamed if self.paired else 0))
 
 
 # --------------------------------------------------------------------------- tables
@@ -370,7 +382,11 @@ TF32_BACKWARD = [
     Row(When(160), MmaBackwardTiles((128, 16), (128, 16)),
         "v30: D<=160, 8 warps of 16 streamed rows, dK and dV in one kernel (D=160 N=4k: "
         "28.6/25.7 TFLOP/s fwd+bwd vs 21.6/20.0 for the D<=192 row, causal second)"),
+    Row(When(192, same_widths=True), MmaBackwardTiles((64, 32), (64, 32), paired=True),
+        "v39: D=Dv<=192, dK and dV in one kernel of warp pairs (measuring)"),
     Row(When(192), MmaBackwardTiles((64, 32), (64, 32), split=True), "v14: D<=192"),
+    Row(When(256, same_widths=True), MmaBackwardTiles((64, 16), (64, 16), paired=True),
+        "v39: D=Dv<=256, dK and dV in one kernel of warp pairs (measuring)"),
     Row(When(256), MmaBackwardTiles((64, 16), (64, 16), split=True),
         "v14: D<=256, 16 streamed rows: 24 TFLOP/s fwd+bwd vs 14 (32x32)"),
     Row(When(256), MmaBackwardTiles((16, 16), (16, 16), split=True),
