@@ -289,6 +289,11 @@ _WIDER_PATHS = {
                      "v", (0, 0, 80, 7)),
     "decode-576-512": (np.float32, (1, 16, 1, 576), (1, 1, 700, 576), 512,
                        {"window": (300, 0)}, "k", (0, 0, 100, 11)),
+    # float32 at D = Dv 161-256: dK and dV by warp pairs, whose warps add different terms.
+    "float32-256-pairs-q": (np.float32, (1, 4, 150, 256), (1, 2, 170, 256), 256,
+                            {"causal": True}, "q", (0, 1, 40, 5)),
+    "float32-192-pairs-do": (np.float32, (1, 2, 100, 192), (1, 1, 130, 192), 192,
+                             {"window": (30, 5)}, "do", (0, 1, 60, 9)),
 }
 
 
@@ -297,7 +302,7 @@ def test_nan_at_a_masked_key_on_the_wider_paths(backend, path):
     dtype, q_shape, k_shape, value_dim, options, poisoned, index = _WIDER_PATHS[path]
     q, k, v, do = _normal(7, q_shape, k_shape, k_shape[:3] + (value_dim,),
                           q_shape[:3] + (value_dim,), dtype=dtype)
-    {"k": k, "v": v}[poisoned][index] = np.nan
+    {"q": q, "k": k, "v": v, "do": do}[poisoned][index] = np.nan
     check_problem(backend, q, k, v, do, options)
 
 

@@ -57,8 +57,9 @@ def candidates(family: str, direction: str):
             yield tiles.Tf32Tiles(block_q, block_k, rows)
     else:
         sizes = ((128, 64), (64, 64), (128, 32), (64, 32), (32, 32), (128, 16), (64, 16))
-        for dq, dkdv, split in itertools.product(sizes, sizes, (False, True)):
-            yield tiles.MmaBackwardTiles(dq, dkdv, split)
+        for dq, dkdv, (split, paired) in itertools.product(
+                sizes, sizes, ((False, False), (True, False), (False, True))):
+            yield tiles.MmaBackwardTiles(dq, dkdv, split, paired)
 
 
 def _options(q, k, v, **options):
@@ -114,11 +115,17 @@ def _checked(job) -> str | None:
 
 
 def _named(config, only: str) -> bool:
-    """Whether a wgmma forward `config` is one of `only`'s comma-separated names."""
+    """Whether `config` is one of `only`'s comma-separated names: a wgmma forward's
+    block_q x block_k x stages [/ blocks per SM], an mma / 3xTF32 backward's
+    owned x streamed - owned x streamed [-split | -paired] (dQ, then dK/dV); other
+    families are always timed."""
+    names = only.split(",")
+    if isinstance(config, tiles.MmaBackwardTiles):
+        kind = "-split" if config.split else "-paired" if config.paired else ""
+        return ("{}x{}-{}x{}".format(*config.dq, *config.dkdv) + kind) in names
     if not isinstance(config, tiles.WgmmaTiles):
         return True
     name = f"{config.block_q}x{config.block_k}x{config.stages}"
-    names = only.split(",")
     return (f"{name}/{config.blocks_per_sm}" in names
             or (config.blocks_per_sm == 1 and name in names))
 
@@ -138,8 +145,10 @@ def main() -> None:
     parser.add_argument("--alibi", action="store_true",
                         help="time with ALiBi, a slope per head (the score-option rows)")
     parser.add_argument("--only", default=None,
-                        help="wgmma forward candidates to time, e.g. 192x128x2,128x64x2/2 "
-                             "(block_q x block_k x stages [/ blocks per SM]); default: all")
+                        help="candidates to time, e.g. 192x128x2,128x64x2/2 (wgmma forward: "
+                             "block_q x block_k x stages [/ blocks per SM]) or "
+                             "64x16-64x16-paired (mma / tf32 backward: dQ's owned x streamed "
+                             "rows, dK/dV's, -split or -paired); default: all")
     args = parser.parse_args()
     limit = shared_memory_limit(cupy.cuda.Device().id)
     flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
