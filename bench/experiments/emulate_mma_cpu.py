@@ -379,7 +379,7 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
 def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
                      **kwargs):
     """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
-    two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired`, or in
+    two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired` says so (dQ's too), or in
     two launches where `tiles.split`) for host arrays; D = rowsum(do * o) and
     lse as the launcher passes them (float32, contiguous). With `sequence_first` the
     gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are."""
@@ -416,7 +416,7 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
         tail = int(entry == "dkdv" and is_float32 and n_q % streamed != 0)
         lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed, QUERY_TAIL=tail,
                            DKDV_PART=part,
-                           PAIRED_WARPS=int(entry == "dkdv" and tiles.paired)),
+                           PAIRED_WARPS=int(entry in tiles.paired)),
                       "attention_mma_backward.cu", BACKWARD_RUNNER)
         shared = tiles.shared_bytes(entry, widths, q.itemsize, False, part)
         heads, rows = (n_q_heads, n_q) if entry == "dq" else (n_kv_heads, n_k)
@@ -607,10 +607,14 @@ BACKWARD_CASES = [
                                                                              (64, 32))),
     # dK and dV by warp pairs (PAIRED_WARPS) and in two launches (DKDV_PART 1 and 2).
     ("float32", (1, 4, 2, 45, 150, 40, 40), {"causal": True, "softcap": 4.0},
-     MmaBackwardTiles((64, 16), (64, 16), paired=True)),
+     MmaBackwardTiles((64, 16), (64, 16), paired=("dq", "dkdv"))),
     ("float32", (2, 2, 1, 70, 90, 24, 24), {"window": (20, 10), "dropout_p": 0.2,
                                             "seed": 3},
-     MmaBackwardTiles((32, 32), (32, 32), paired=True)),
+     MmaBackwardTiles((32, 32), (32, 32), paired=("dq", "dkdv"))),
+    ("bfloat16", (1, 2, 1, 70, 90, 48, 48), {"causal": True, "softcap": 3.0},
+     MmaBackwardTiles((32, 32), (32, 32), paired=("dq", "dkdv"))),
+    ("float32", (1, 2, 1, 40, 60, 200, 196), {"causal": True},
+     MmaBackwardTiles((32, 16), (32, 16), paired=("dq",))),
     ("float32", (1, 2, 2, 33, 50, 40, 24), {"causal": True},
      MmaBackwardTiles((32, 16), (32, 16), split=True)),
 ]

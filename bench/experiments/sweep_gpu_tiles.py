@@ -57,8 +57,9 @@ def candidates(family: str, direction: str):
             yield tiles.Tf32Tiles(block_q, block_k, rows)
     else:
         sizes = ((128, 64), (64, 64), (128, 32), (64, 32), (32, 32), (128, 16), (64, 16))
-        for dq, dkdv, (split, paired) in itertools.product(
-                sizes, sizes, ((False, False), (True, False), (False, True))):
+        pairings = ((False, ()), (True, ()), (False, ("dkdv",)), (False, ("dq",)),
+                    (False, ("dq", "dkdv")), (True, ("dq",)))
+        for dq, dkdv, (split, paired) in itertools.product(sizes, sizes, pairings):
             yield tiles.MmaBackwardTiles(dq, dkdv, split, paired)
 
 
@@ -117,12 +118,13 @@ def _checked(job) -> str | None:
 def _named(config, only: str) -> bool:
     """Whether `config` is one of `only`'s comma-separated names: a wgmma forward's
     block_q x block_k x stages [/ blocks per SM], an mma / 3xTF32 backward's
-    owned x streamed - owned x streamed [-split | -paired] (dQ, then dK/dV); other
-    families are always timed."""
+    owned x streamed [p] - owned x streamed [p] [-split] (dQ, then dK/dV; p: on warp
+    pairs); other families are always timed."""
     names = only.split(",")
     if isinstance(config, tiles.MmaBackwardTiles):
-        kind = "-split" if config.split else "-paired" if config.paired else ""
-        return ("{}x{}-{}x{}".format(*config.dq, *config.dkdv) + kind) in names
+        dq, dkdv = ("{}x{}{}".format(*getattr(config, entry), "p" * (entry in config.paired))
+                    for entry in ("dq", "dkdv"))
+        return f"{dq}-{dkdv}{'-split' if config.split else ''}" in names
     if not isinstance(config, tiles.WgmmaTiles):
         return True
     name = f"{config.block_q}x{config.block_k}x{config.stages}"
@@ -147,8 +149,9 @@ def main() -> None:
     parser.add_argument("--only", default=None,
                         help="candidates to time, e.g. 192x128x2,128x64x2/2 (wgmma forward: "
                              "block_q x block_k x stages [/ blocks per SM]) or "
-                             "64x16-64x16-paired (mma / tf32 backward: dQ's owned x streamed "
-                             "rows, dK/dV's, -split or -paired); default: all")
+                             "64x16p-64x16p (mma / tf32 backward: dQ's owned x streamed "
+                             "rows, dK/dV's, p on warp pairs, -split: dK and dV apart); "
+                             "default: all")
     args = parser.parse_args()
     limit = shared_memory_limit(cupy.cuda.Device().id)
     flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward

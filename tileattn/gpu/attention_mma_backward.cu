@@ -96,6 +96,11 @@ static_assert(!SINGLE_PASS || (HEAD_DIM == VALUE_DIM && HEAD_DIM % 16 == 0 && DK
               "the single pass serves D = Dv, multiples of 16");
 static_assert(!PAIRED_WARPS || (DKDV_PART == 0 && !SINGLE_PASS && kHeadWidth == kValueWidth),
               "a pair shares one accumulator tile's registers layout: D and Dv of one width");
+// The dQ kernel's columns of dQ a warp (PAIRED_WARPS: the first of a pair's, the second
+// holds the rest), whole tensor-core steps of the product dS K.
+constexpr int kDqStep = IS_FLOAT32 ? 8 : 16;
+constexpr int kDqColumns =
+    PAIRED_WARPS ? (kHeadWidth / 2 + kDqStep - 1) / kDqStep * kDqStep : kHeadWidth;
 // What the block computes (each of its warps, without PAIRED_WARPS).
 constexpr bool kComputesDv = DKDV_PART != 2;
 constexpr bool kComputesDk = DKDV_PART != 1;
@@ -209,13 +214,14 @@ __device__ __forceinline__ void two_score_products(const float* a1, const float*
     value_score_product<Transposed>(a2, b2, row0, second);
 }
 
-// out += X B, X this warp's 16 x Inner accumulators, B the row-major Inner x Width tile
-// `b`: a C fragment's columns 2t, 2t + 1 are the A fragment's k = t, t + 4 (tf32.cuh), so
-// B's b0, b1 are rows 2t, 2t + 1; kProductChunk k8 steps at a time into a zero tile added
-// to out in IEEE float32 (tf32.cuh).
-template <int Inner, int Width>
-__device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x, const float* b,
-                                                   Accumulators<Width>& out) {
+// out[:, 0:Columns) += X B[:, column0:column0 + Columns), X this warp's 16 x Inner
+// accumulators, B the row-major Inner x Width tile `b`: a C fragment's columns 2t, 2t + 1
+// are the A fragment's k = t, t + 4 (tf32.cuh), so B's b0, b1 are rows 2t, 2t + 1;
+// kProductChunk k8 steps at a time into a zero tile added to out in IEEE float32 (tf32.cuh).
+template <int Columns, int Width, int Inner, int Held>
+__device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x, const float* b,
+                                                   int column0, Accumulators<Held>& out) {
+    static_assert(Columns <= Held && Columns % 8 == 0, "whole n8 tiles of out");
     constexpr int kPitch = kPitchOf<Width>, kSteps = Inner / 8;
     const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -234,16 +240,16 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
             }
         }
 #pragma unroll
-        for (int dn0 = 0; dn0 < Width / 8; dn0 += kChunkChains) {
+        for (int dn0 = 0; dn0 < Columns / 8; dn0 += kChunkChains) {
             float chunk[kChunkChains][4] = {};
 #pragma unroll
             for (int c = 0; c < kProductChunk; ++c) {
                 if (c0 + c >= kSteps) continue;
-                const float* rows =
-                    b + ((c0 + c) * 8 + 2 * (lane % 4)) * kPitch + lane / 4 + dn0 * 8;
+                const float* rows = b + ((c0 + c) * 8 + 2 * (lane % 4)) * kPitch + lane / 4 +
+                                    column0 + dn0 * 8;
 #pragma unroll
                 for (int j = 0; j < kChunkChains; ++j)
-                    if (dn0 + j < Width / 8)
+                    if (dn0 + j < Columns / 8)
                         mma_16x8x8_3xtf32(chunk[j], a_big[c], a_small[c],
                                           split_tf32(rows[j * 8]),
                                           split_tf32(rows[kPitch + j * 8]));
@@ -252,7 +258,7 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
             for (int j = 0; j < kChunkChains; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (dn0 + j < Width / 8) out.tile[dn0 + j][e] += chunk[j][e];
+                    if (dn0 + j < Columns / 8) out.tile[dn0 + j][e] += chunk[j][e];
         }
     }
 }
@@ -299,20 +305,21 @@ __device__ __forceinline__ void two_score_products(const bits16* a1, const bits1
     value_score_product(a2, b2, row0, second);
 }
 
-// out += X B for X = this warp's 16 x Inner accumulators (rounded to the input type) and
-// B = the row-major Inner x Width tile `b`.
-template <int Inner, int Width>
-__device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
-                                                   const bits16* b,
-                                                   Accumulators<Width>& out) {
+// out[:, 0:Columns) += X B[:, column0:column0 + Columns) for X = this warp's 16 x Inner
+// accumulators (rounded to the input type) and B = the row-major Inner x Width tile `b`.
+template <int Columns, int Width, int Inner, int Held>
+__device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x,
+                                                   const bits16* b, int column0,
+                                                   Accumulators<Held>& out) {
+    static_assert(Columns <= Held && Columns % 16 == 0, "whole k16 tiles of out");
 #pragma unroll
     for (int kk = 0; kk < Inner / 16; ++kk) {
         u32 a[4];
         pack_a_fragment(x.tile[2 * kk], x.tile[2 * kk + 1], a);
 #pragma unroll
-        for (int dn = 0; dn < Width / 16; ++dn) {
+        for (int dn = 0; dn < Columns / 16; ++dn) {
             u32 fragments[4];
-            load_b_fragments_transposed<Width>(b, kk * 16, dn * 16, fragments);
+            load_b_fragments_transposed<Width>(b, kk * 16, column0 + dn * 16, fragments);
             mma_16x8x16(out.tile[2 * dn], a, fragments[0], fragments[1]);
             mma_16x8x16(out.tile[2 * dn + 1], a, fragments[2], fragments[3]);
         }
@@ -320,12 +327,20 @@ __device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
 }
 #endif
 
+// out += X B over all of B's Width columns.
+template <int Inner, int Width>
+__device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
+                                                   const element* b, Accumulators<Width>& out) {
+    accumulate_columns<Width, Width>(x, b, 0, out);
+}
+
 // Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the output rows
-// `out` (row indices relative to its row 0, Dim columns written a row); rows at or past
-// `row_limit` and the padding columns are not written.
+// `out` (row indices relative to its row 0) at columns from `column0`; rows at or past
+// `row_limit` and columns at or past Dim are not written.
 template <int Dim, int Width, typename Out>
 __device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, float factor,
-                                           OutputRows<Out> out, i64 row0, i64 row_limit) {
+                                           OutputRows<Out> out, i64 row0, i64 row_limit,
+                                           int column0 = 0) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -333,8 +348,8 @@ __device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, float
         if (row >= row_limit) continue;
 #pragma unroll
         for (int n = 0; n < Width / 8; ++n)
-            if (n * 8 < Dim)
-                store_row_pair<Dim>(out.row0 + row * out.stride, n * 8 + 2 * (lane % 4),
+            if (column0 + n * 8 < Dim)
+                store_row_pair<Dim>(out.row0 + row * out.stride, column0 + n * 8 + 2 * (lane % 4),
                                     acc.tile[n][2 * half] * factor,
                                     acc.tile[n][2 * half + 1] * factor);
     }
@@ -525,6 +540,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     element* do_tile = q_tile + OWNED_ROWS * kQkPitch;          // [OWNED_ROWS][kVPitch]
     element* k_tiles = do_tile + OWNED_ROWS * kVPitch;          // [2][STREAMED_ROWS][kQkPitch]
     element* v_tiles = k_tiles + 2 * STREAMED_ROWS * kQkPitch;  // [2][STREAMED_ROWS][kVPitch]
+    // PAIRED_WARPS: the slabs' S, then dS, [kSlabs][kPairedScores][32].
+    float* exchange = reinterpret_cast<float*>(v_tiles + 2 * STREAMED_ROWS * kVPitch);
 
     const SequenceTables tables = SEQUENCE_TABLES;
     const QueryBlock owned = query_block(OWNED_ROWS, n_q_total, n_k_total, band_offset,
@@ -556,8 +573,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad_row = lane / 4, quad_col = lane % 4;
-    const i64 my_rows[2] = {row_start + warp * 16 + quad_row,
-                            row_start + warp * 16 + quad_row + 8};
+    // This warp's 16 rows; a pair's first warp computes S and dQ's first kDqColumns
+    // columns, its second dP, dS and the other columns (warp-uniform).
+    const int slab = warp % kSlabs;
+    const bool first_of_pair = !PAIRED_WARPS || warp < kSlabs;
+    const int dq_column0 = first_of_pair ? 0 : kDqColumns;
+    const i64 my_rows[2] = {row_start + slab * 16 + quad_row,
+                            row_start + slab * 16 + quad_row + 8};
     float row_lse[2], row_delta[2];
     u32 row_states[2];
     load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, row_lse,
@@ -588,18 +610,37 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     commit_copies();
 
     // dQ += dS K, dS = P * (dP * dropout - D) * softcap'.
-    Accumulators<kHeadWidth> dq_acc;
+    Accumulators<kDqColumns> dq_acc;
     dq_acc.clear();
     load_keys(0, tile_begin);
     commit_copies();
     stream_tiles(tile_begin, tile_end, load_keys, [&](int stage, i64 key_tile) {
         element* k_tile = k_tiles + stage * STREAMED_ROWS * kQkPitch;
+        const element* v_tile = v_tiles + stage * STREAMED_ROWS * kVPitch;
         Accumulators<STREAMED_ROWS> s, dp;
-        two_score_products(q_tile, k_tile, do_tile, v_tiles + stage * STREAMED_ROWS * kVPitch,
-                           warp * 16, s, dp);
         const bool masked = tile_is_masked(key_tile);
+#if PAIRED_WARPS
+        // S from the first warp to the second, which turns it into dS, then back.
+        if (first_of_pair) {
+            one_score_product(q_tile, k_tile, slab * 16, s);
+            publish_scores(s, exchange, slab);
+        } else {
+            value_score_product(do_tile, v_tile, slab * 16, dp);
+        }
+        __syncthreads();
+        if (!first_of_pair) {
+            take_scores(s, exchange, slab);
+            scores_to_ds(scores, s.tile, dp.tile, row_lse, my_rows, row_states, row_delta,
+                         key_tile * STREAMED_ROWS, masked, key_tile_mask(key_tile));
+            publish_scores(s, exchange, slab);
+        }
+        __syncthreads();
+        if (first_of_pair) take_scores(s, exchange, slab);
+#else
+        two_score_products(q_tile, k_tile, do_tile, v_tile, slab * 16, s, dp);
         scores_to_ds(scores, s.tile, dp.tile, row_lse, my_rows, row_states, row_delta,
                      key_tile * STREAMED_ROWS, masked, key_tile_mask(key_tile));
+#endif
         // A cut tile (block-uniform) with inf/NaN in K: the kept pairs' dS K terms with it
         // on CUDA cores, then zeros for the tensor cores (kept_products.cuh). The first
         // barrier also orders every warp's S = Q K^T before the zeroing.
@@ -612,17 +653,24 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
                 [&](int, int half) {
                     return mask.row_window(static_cast<int>(my_rows[half] - mask.row0), 0);
                 },
-                HeldFromTile<STREAMED_ROWS / 8>{s.tile},
-                [&](int key, int col) { return element_value(k_tile[key * kQkPitch + col]); });
+                HeldFromTile<STREAMED_ROWS / 8>{s.tile}, [&](int key, int col) {
+                    return dq_column0 + col < kHeadWidth
+                               ? element_value(k_tile[key * kQkPitch + dq_column0 + col])
+                               : 0.0f;
+                });
             __syncthreads();
             zero_non_finite<STREAMED_ROWS, kHeadWidth, kQkPitch, kThreads>(k_tile);
             __syncthreads();
         }
-        accumulate_product(s, k_tile, dq_acc);
+        if (first_of_pair)
+            accumulate_columns<kDqColumns, kHeadWidth>(s, k_tile, 0, dq_acc);
+        else
+            accumulate_columns<kHeadWidth - kDqColumns, kHeadWidth>(s, k_tile, kDqColumns,
+                                                                    dq_acc);
     });
     store_rows<HEAD_DIM>(dq_acc, scale,
                          output_rows<HEAD_DIM>(dq, owned, n_q_total, {dq_sb, dq_sh, dq_sn}),
-                         row_start + warp * 16, n_q);
+                         row_start + slab * 16, n_q, dq_column0);
 }
 
 // ------------------------------------------------------------------ dK, dV

@@ -493,7 +493,7 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         if entry == "dkdv" and flagging:
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
-        if entry == "dkdv" and tiles.paired:
+        if entry in tiles.paired:
             defines += (("PAIRED_WARPS", 1),)
         defines += _split_defines(entry, sums, dq_splits, dq, dk, dv)
         shared = tiles.shared_bytes(entry, widths, q.dtype.itemsize, single_pass, part)

@@ -226,34 +226,34 @@ class Tf32Tiles:
 @dataclass(frozen=True)
 class MmaBackwardTiles:
     """The mma.sync / 3xTF32 backward: per kernel (owned rows, streamed rows), 16 owned rows
-    per warp; `split` as in `WgmmaBackwardTiles`; `paired`: the dK/dV kernel's 16 owned
-    keys a pair of warps, one holding dV and one dK (attention_mma_backward.cu,
-    PAIRED_WARPS; D and Dv of one padded width)."""
+    per warp; `split` as in `WgmmaBackwardTiles`; `paired`: the kernels ("dq", "dkdv")
+    whose 16 owned rows are a pair of warps' (attention_mma_backward.cu, PAIRED_WARPS: dV
+    and dK of the same keys, D and Dv of one padded width; dQ's columns in two halves)."""
 
     dq: tuple[int, int]
     dkdv: tuple[int, int]
     split: bool = False
-    paired: bool = False
+    paired: tuple[str, ...] = ()
 
     def threads(self, entry: str) -> int:
         owned = getattr(self, entry)[0]
-        return owned // 16 * 32 * (2 if self.paired and entry == "dkdv" else 1)
+        return owned // 16 * 32 * (2 if entry in self.paired else 1)
 
     def shared_bytes(self, entry: str, widths: Widths, element_size: int,
                      single_pass: bool = False, part: int = 0) -> int:
         """Owned tiles plus two stages of streamed ones, rows padded by 8 elements; the
         dK/dV kernel also stages lse and D per streamed row (no V tile in its dV-only
-        part), in the single pass the dS^T tile (owned x streamed, padded), paired the
-        S^T tile (owned x streamed floats)."""
+        part), in the single pass the dS^T tile (owned x streamed, padded); a kernel of warp
+        pairs also the score tile they hand over (owned x streamed floats)."""
         owned, streamed = getattr(self, entry)
         head_pitch, value_pitch = widths.head + 8, widths.value + 8
         stream = 2 * streamed * (head_pitch + value_pitch)
+        handed = 4 * owned * streamed if entry in self.paired else 0
         if entry != "dkdv":
-            return element_size * (owned * (head_pitch + value_pitch) + stream)
+            return element_size * (owned * (head_pitch + value_pitch) + stream) + handed
         owned_elements = owned * (head_pitch + (value_pitch if part != 1 else 0))
         return (element_size * (owned_elements + stream) + 2 * 2 * 4 * streamed
-                + (2 * owned * (streamed + 8) if single_pass else 0)
-                + (4 * owned * streamed if self.paired else 0))
+                + (2 * owned * (streamed + 8) if single_pass else 0) + handed)
 
 
 # --------------------------------------------------------------------------- tables
@@ -382,11 +382,11 @@ TF32_BACKWARD = [
     Row(When(160), MmaBackwardTiles((128, 16), (128, 16)),
         "v30: D<=160, 8 warps of 16 streamed rows, dK and dV in one kernel (D=160 N=4k: "
         "28.6/25.7 TFLOP/s fwd+bwd vs 21.6/20.0 for the D<=192 row, causal second)"),
-    Row(When(192, same_widths=True), MmaBackwardTiles((64, 32), (64, 16), paired=True),
+    Row(When(192, same_widths=True), MmaBackwardTiles((64, 32), (64, 16), paired=("dkdv",)),
         "v39: D=Dv<=192, dK and dV in one kernel of warp pairs (H200 D=192 N=4k: 24.9/22.8 "
         "TFLOP/s fwd+bwd vs 21.6/16.6 apart, 20.5/18.4 pairs streaming 32 rows)"),
     Row(When(192), MmaBackwardTiles((64, 32), (64, 32), split=True), "v14: D<=192"),
-    Row(When(256, same_widths=True), MmaBackwardTiles((64, 16), (64, 16), paired=True),
+    Row(When(256, same_widths=True), MmaBackwardTiles((64, 16), (64, 16), paired=("dkdv",)),
         "v39: D=Dv<=256, dK and dV in one kernel of warp pairs (H200 D=256 N=4k: 22.2/21.0 "
         "TFLOP/s fwd+bwd vs 17.2/16.5 apart, causal second)"),
     Row(When(256), MmaBackwardTiles((64, 16), (64, 16), split=True),
