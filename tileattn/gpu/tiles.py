@@ -382,13 +382,16 @@ TF32_BACKWARD = [
     Row(When(160), MmaBackwardTiles((128, 16), (128, 16)),
         "v30: D<=160, 8 warps of 16 streamed rows, dK and dV in one kernel (D=160 N=4k: "
         "28.6/25.7 TFLOP/s fwd+bwd vs 21.6/20.0 for the D<=192 row, causal second)"),
-    Row(When(192, same_widths=True), MmaBackwardTiles((64, 32), (64, 16), paired=("dkdv",)),
-        "v39: D=Dv<=192, dK and dV in one kernel of warp pairs (H200 D=192 N=4k: 24.9/22.8 "
-        "TFLOP/s fwd+bwd vs 21.6/16.6 apart, 20.5/18.4 pairs streaming 32 rows)"),
+    Row(When(192, same_widths=True),
+        MmaBackwardTiles((64, 32), (64, 16), paired=("dq", "dkdv")),
+        "v39: D=Dv<=192, both kernels on warp pairs (H200 D=192 N=4k: 26.2/22.8 TFLOP/s "
+        "fwd+bwd vs 21.6/16.6 dK, dV apart; dK/dV pairs alone 25.1/22.4; 64x16 dQ pairs "
+        "24.5/23.4, causal second)"),
     Row(When(192), MmaBackwardTiles((64, 32), (64, 32), split=True), "v14: D<=192"),
-    Row(When(256, same_widths=True), MmaBackwardTiles((64, 16), (64, 16), paired=("dkdv",)),
-        "v39: D=Dv<=256, dK and dV in one kernel of warp pairs (H200 D=256 N=4k: 22.2/21.0 "
-        "TFLOP/s fwd+bwd vs 17.2/16.5 apart, causal second)"),
+    Row(When(256, same_widths=True),
+        MmaBackwardTiles((64, 16), (64, 16), paired=("dq", "dkdv")),
+        "v39: D=Dv<=256, both kernels on warp pairs (H200 D=256 N=4k: 23.5/22.2 TFLOP/s "
+        "fwd+bwd vs 17.2/16.5 dK, dV apart; dK/dV pairs alone 22.2/20.9, causal second)"),
     Row(When(256), MmaBackwardTiles((64, 16), (64, 16), split=True),
         "v14: D<=256, 16 streamed rows: 24 TFLOP/s fwd+bwd vs 14 (32x32)"),
     Row(When(256), MmaBackwardTiles((16, 16), (16, 16), split=True),
