@@ -593,7 +593,9 @@ DECODE_CASES = [
 
 
 BACKWARD_CASES = [
-    # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaBackwardTiles)
+    # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaBackwardTiles[, NaN places]): NaN
+    # places, {"q" | "do": [(b, h, row, column), ...]}, are rows that a causal band keeps
+    # for some keys of a cut tile and masks for others.
     ("float16", (1, 2, 1, 64, 96, 64, 64), {}, MmaBackwardTiles((64, 64), (64, 32))),
     ("bfloat16", (1, 4, 2, 48, 80, 64, 32), {"causal": True, "softcap": 5.0},
      MmaBackwardTiles((64, 32), (64, 32))),
@@ -617,6 +619,13 @@ BACKWARD_CASES = [
      MmaBackwardTiles((32, 16), (32, 16), paired=("dq",))),
     ("float32", (1, 2, 2, 33, 50, 40, 24), {"causal": True},
      MmaBackwardTiles((32, 16), (32, 16), split=True)),
+    # NaN in Q and dO on cut tiles: the scans and kept terms of both kernels, on pairs
+    # (whose two warps add different terms) and on one warp a slab (dK and dV together).
+    ("float32", (1, 2, 1, 70, 90, 40, 40), {"causal": True},
+     MmaBackwardTiles((32, 16), (32, 16), paired=("dq", "dkdv")),
+     {"q": [(0, 0, 37, 5)], "do": [(0, 1, 20, 3)]}),
+    ("float16", (1, 2, 1, 70, 90, 48, 48), {"causal": True},
+     MmaBackwardTiles((32, 32), (32, 32)), {"q": [(0, 1, 37, 5)], "do": [(0, 0, 50, 7)]}),
 ]
 
 
@@ -825,12 +834,15 @@ def main() -> int:
                                rng, "decode ")
     if not (args.quick or args.backward):
         failures += check_paged_decodes(rng)
-    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles in \
+    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles, *poison in \
             itertools.islice(BACKWARD_CASES, 1 if args.quick else others):
         dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
         q, k, v, do = (rng.standard_normal(s).astype(np.float32).astype(dtype)
                        for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv),
                                  (batch, hq, nq, dv)))
+        for array_name, places in (poison[0] if poison else {}).items():
+            for place in places:
+                {"q": q, "do": do}[array_name][place] = np.nan
         wide = [a.astype(np.float64) for a in (q, k, v, do)]
         o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
         golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)

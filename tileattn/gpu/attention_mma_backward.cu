@@ -36,11 +36,13 @@
 // DKDV_PART (as in attention_wgmma_backward.cu): 1 runs only the dV half of the dK/dV
 // kernel, 2 only the dK half, 0 both; wide head dims split so that each half's accumulators
 // fit the registers. Head dims are zero-padded in shared memory to the tensor cores' K step.
-// PAIRED_WARPS (dK/dV kernel, DKDV_PART 0, D and Dv of one padded width): two warps a 16
-// owned keys, the first of the pair holding dV, the second dK, so that wide head dims keep
-// both halves in one block of twice the warps instead of two launches that each compute
-// S^T. The dV warp computes S^T and hands it to its dK warp through shared memory
-// (publish_scores) while the dK warp computes dP^T; each then adds one product.
+// PAIRED_WARPS (DKDV_PART 0, D and Dv of one padded width): two warps a 16 owned rows, so
+// that wide head dims run twice the warps an SM (each warp holds half the accumulators).
+// dK/dV: the first warp of a pair holds dV, the second dK, in one launch instead of two
+// that each compute S^T; the first computes S^T and hands it to the second through
+// shared memory (publish_scores) while the second computes dP^T; each then adds one
+// product. dQ: the first computes S, the second dP, turns S into dS and hands it back;
+// each adds dS K over its half of dQ's columns (kDqColumns).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
 // VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DKDV_PART,
@@ -86,8 +88,8 @@ template <int Width> constexpr int kPitchOf = kTilePitch<Width>;
 constexpr int kQkPitch = kPitchOf<kHeadWidth>;
 constexpr int kVPitch = kPitchOf<kValueWidth>;
 
-// A slab is 16 owned rows: one warp's, or one pair's (PAIRED_WARPS: the dK/dV kernel's; a
-// module compiled with it has a dQ kernel of pairs too, never launched).
+// A slab is 16 owned rows: one warp's, or one pair's (PAIRED_WARPS pairs both kernels of
+// the module it compiles; the launcher runs one kernel a module).
 constexpr int kSlabs = OWNED_ROWS / 16;
 constexpr int kWarps = kSlabs * (PAIRED_WARPS ? 2 : 1);
 constexpr int kThreads = kWarps * 32;
@@ -95,7 +97,8 @@ static_assert(OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0, "mma tiles");
 static_assert(!SINGLE_PASS || (HEAD_DIM == VALUE_DIM && HEAD_DIM % 16 == 0 && DKDV_PART == 0),
               "the single pass serves D = Dv, multiples of 16");
 static_assert(!PAIRED_WARPS || (DKDV_PART == 0 && !SINGLE_PASS && kHeadWidth == kValueWidth),
-              "a pair shares one accumulator tile's registers layout: D and Dv of one width");
+              "pairs serve D and Dv of one padded width (a dK/dV pair shares one "
+              "accumulator tile)");
 // The dQ kernel's columns of dQ a warp (PAIRED_WARPS: the first of a pair's, the second
 // holds the rest), whole tensor-core steps of the product dS K.
 constexpr int kDqStep = IS_FLOAT32 ? 8 : 16;
