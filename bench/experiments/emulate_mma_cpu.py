@@ -626,6 +626,12 @@ BACKWARD_CASES = [
      {"q": [(0, 0, 37, 5)], "do": [(0, 1, 20, 3)]}),
     ("float16", (1, 2, 1, 70, 90, 48, 48), {"causal": True},
      MmaBackwardTiles((32, 32), (32, 32)), {"q": [(0, 1, 37, 5)], "do": [(0, 0, 50, 7)]}),
+    # Pairs at D != Dv: one accumulator tile of the wider width for either half.
+    ("float32", (1, 2, 1, 60, 80, 40, 24), {"causal": True},
+     MmaBackwardTiles((32, 16), (32, 16), paired=("dq", "dkdv")),
+     {"q": [(0, 1, 30, 2)], "do": [(0, 0, 41, 20)]}),
+    ("bfloat16", (1, 2, 1, 50, 70, 32, 64), {"causal": True, "softcap": 3.0},
+     MmaBackwardTiles((32, 32), (32, 32), paired=("dq", "dkdv"))),
 ]
 
 

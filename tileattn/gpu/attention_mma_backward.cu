@@ -36,7 +36,7 @@
 // DKDV_PART (as in attention_wgmma_backward.cu): 1 runs only the dV half of the dK/dV
 // kernel, 2 only the dK half, 0 both; wide head dims split so that each half's accumulators
 // fit the registers. Head dims are zero-padded in shared memory to the tensor cores' K step.
-// PAIRED_WARPS (DKDV_PART 0, D and Dv of one padded width): two warps a 16 owned rows, so
+// PAIRED_WARPS (DKDV_PART 0): two warps a 16 owned rows, so
 // that wide head dims run twice the warps an SM (each warp holds half the accumulators).
 // dK/dV: the first warp of a pair holds dV, the second dK, in one launch instead of two
 // that each compute S^T; the first computes S^T and hands it to the second through
@@ -96,9 +96,12 @@ constexpr int kThreads = kWarps * 32;
 static_assert(OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0, "mma tiles");
 static_assert(!SINGLE_PASS || (HEAD_DIM == VALUE_DIM && HEAD_DIM % 16 == 0 && DKDV_PART == 0),
               "the single pass serves D = Dv, multiples of 16");
-static_assert(!PAIRED_WARPS || (DKDV_PART == 0 && !SINGLE_PASS && kHeadWidth == kValueWidth),
-              "pairs serve D and Dv of one padded width (a dK/dV pair shares one "
-              "accumulator tile)");
+static_assert(!PAIRED_WARPS || (DKDV_PART == 0 && !SINGLE_PASS),
+              "a dK/dV pair holds both halves, and the single pass has no dQ kernel");
+// The columns of a dK/dV warp's accumulator tile: a pair's warps run one code path over
+// one tile, dK's or dV's (the narrower half leaves the last columns unused).
+constexpr int kDkHeld = PAIRED_WARPS && kValueWidth > kHeadWidth ? kValueWidth : kHeadWidth;
+constexpr int kDvHeld = PAIRED_WARPS && kHeadWidth > kValueWidth ? kHeadWidth : kValueWidth;
 // The dQ kernel's columns of dQ a warp (PAIRED_WARPS: the first of a pair's, the second
 // holds the rest), whole tensor-core steps of the product dS K.
 constexpr int kDqStep = IS_FLOAT32 ? 8 : 16;
@@ -329,13 +332,6 @@ __device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x,
     }
 }
 #endif
-
-// out += X B over all of B's Width columns.
-template <int Inner, int Width>
-__device__ __forceinline__ void accumulate_product(const Accumulators<Inner>& x,
-                                                   const element* b, Accumulators<Width>& out) {
-    accumulate_columns<Width, Width>(x, b, 0, out);
-}
 
 // Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the output rows
 // `out` (row indices relative to its row 0) at columns from `column0`; rows at or past
@@ -725,12 +721,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     // The part's accumulators (the other part's are never touched: no registers); a pair's
     // two warps hold dV and dK in the same registers.
 #if PAIRED_WARPS
-    Accumulators<kHeadWidth> pair_acc;
-    Accumulators<kHeadWidth>& dk_acc = pair_acc;
-    Accumulators<kValueWidth>& dv_acc = pair_acc;
+    static_assert(kDkHeld == kDvHeld, "one tile for either half");
+    Accumulators<kDkHeld> pair_acc;
+    Accumulators<kDkHeld>& dk_acc = pair_acc;
+    Accumulators<kDvHeld>& dv_acc = pair_acc;
 #else
-    Accumulators<kHeadWidth> dk_acc;
-    Accumulators<kValueWidth> dv_acc;
+    Accumulators<kDkHeld> dk_acc;
+    Accumulators<kDvHeld> dv_acc;
 #endif
     if (computes_dk) dk_acc.clear();
     if (computes_dv) dv_acc.clear();
@@ -844,13 +841,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                     add_kept_non_finite_values<STREAMED_ROWS / 8>(
                         dv_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{st.tile},
                         [&](int query, int col) {
-                            return element_value(do_tile[query * kVPitch + col]);
+                            return kDvHeld == kValueWidth || col < kValueWidth
+                                       ? element_value(do_tile[query * kVPitch + col])
+                                       : 0.0f;
                         });
                 if (computes_dk && q_non_finite)
                     add_kept_non_finite_values<STREAMED_ROWS / 8>(
                         dk_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{dpt.tile},
                         [&](int query, int col) {
-                            return element_value(q_tile[query * kQkPitch + col]);
+                            return kDkHeld == kHeadWidth || col < kHeadWidth
+                                       ? element_value(q_tile[query * kQkPitch + col])
+                                       : 0.0f;
                         });
                 if (do_non_finite || q_non_finite) {
                     __syncthreads();
@@ -861,11 +862,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                     __syncthreads();
                 }
             }
-            if (computes_dv) accumulate_product(st, do_tile, dv_acc);
+            if (computes_dv)
+                accumulate_columns<kValueWidth, kValueWidth>(st, do_tile, 0, dv_acc);
 #if SINGLE_PASS
             store_transposed_scores(dpt, ds_tile, slab * 16);
 #endif
-            if (computes_dk) accumulate_product(dpt, q_tile, dk_acc);
+            if (computes_dk) accumulate_columns<kHeadWidth, kHeadWidth>(dpt, q_tile, 0, dk_acc);
 #if SINGLE_PASS
             {
                 // Every warp's dS^T rows are in ds_tile. On a cut tile the barrier also ORs

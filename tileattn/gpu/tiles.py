@@ -228,7 +228,7 @@ class MmaBackwardTiles:
     """The mma.sync / 3xTF32 backward: per kernel (owned rows, streamed rows), 16 owned rows
     per warp; `split` as in `WgmmaBackwardTiles`; `paired`: the kernels ("dq", "dkdv")
     whose 16 owned rows are a pair of warps' (attention_mma_backward.cu, PAIRED_WARPS: dV
-    and dK of the same keys, D and Dv of one padded width; dQ's columns in two halves)."""
+    and dK of the same keys; dQ's columns in two halves)."""
 
     dq: tuple[int, int]
     dkdv: tuple[int, int]
