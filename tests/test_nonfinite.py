@@ -289,7 +289,8 @@ _WIDER_PATHS = {
                      "v", (0, 0, 80, 7)),
     "decode-576-512": (np.float32, (1, 16, 1, 576), (1, 1, 700, 576), 512,
                        {"window": (300, 0)}, "k", (0, 0, 100, 11)),
-    # float32 at D = Dv 161-256: dK and dV by warp pairs, whose warps add different terms.
+    # float32 at D = Dv 161-256: both backward kernels on warp pairs, whose two warps add
+    # different terms.
     "float32-256-pairs-q": (np.float32, (1, 4, 150, 256), (1, 2, 170, 256), 256,
                             {"causal": True}, "q", (0, 1, 40, 5)),
     "float32-192-pairs-do": (np.float32, (1, 2, 100, 192), (1, 1, 130, 192), 192,
