@@ -523,16 +523,19 @@ def test_mma_two_kernel_backward(dims, split, options):
     _backward_with(Choice("mma", tiles), q, k, v, do, options)
 
 
-@pytest.mark.parametrize("dims", [(40, 40), (192, 192), (256, 256), (200, 196), (192, 128),
-                                  (64, 128)], ids=DIM_IDS)
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize(
+    "dtype,dims",
+    [(np.float32, d) for d in ((40, 40), (192, 192), (256, 256), (200, 196), (192, 128),
+                               (64, 128))] + [(np.float16, d) for d in ((40, 40), (256, 256),
+                                                                        (192, 128))],
+    ids=lambda c: c.__name__ if isinstance(c, type) else DIM_IDS(c))
 @pytest.mark.parametrize("tiles", [((64, 16), (64, 16)), ((32, 32), (32, 32))],
                          ids=lambda t: f"dq{t[0][0]}x{t[0][1]}-dkdv{t[1][0]}x{t[1][1]}")
 @pytest.mark.parametrize("paired", [("dkdv",), ("dq", "dkdv")],
                          ids=lambda p: "pairs-" + "-".join(p))
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
                          ids=["causal", "every-option"])
-def test_backward_by_warp_pairs(dims, dtype, tiles, paired, options):
+def test_backward_by_warp_pairs(dtype, dims, tiles, paired, options):
     """Kernels of warp pairs (PAIRED_WARPS), called directly: dK/dV's pairs hold dV in one
     warp and dK in the other (S^T handed over in shared memory), dQ's hand S and dS over
     and hold half of dQ's columns each; at D = Dv and D != Dv (a pair's warps then share an
