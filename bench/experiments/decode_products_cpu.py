@@ -24,6 +24,18 @@ from tileattn.cpu.vector_math import FASTMATH
 
 
 @njit(fastmath=FASTMATH)
+def _remaining_keys(rows, keys, out, first):
+    """``out[:, first:] = rows @ keys[first:].T``, one key at a time: the keys a variant's
+    blocks of keys leave over."""
+    for j in range(first, keys.shape[0]):
+        for r in range(rows.shape[0]):
+            total = rows.dtype.type(0.0)
+            for d in range(rows.shape[1]):
+                total += rows[r, d] * keys[j, d]
+            out[r, j] = total
+
+
+@njit(fastmath=FASTMATH)
 def qk_1x4(rows, keys, out):
     """The kernel's loop of session 17: one row times four keys a pass."""
     n_keys = keys.shape[0]
@@ -40,12 +52,7 @@ def qk_1x4(rows, keys, out):
                 total3 += x * keys[j + 3, d]
             out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = \
                 total0, total1, total2, total3
-    for j in range(n_fours, n_keys):
-        for r in range(rows.shape[0]):
-            total = zero
-            for d in range(rows.shape[1]):
-                total += rows[r, d] * keys[j, d]
-            out[r, j] = total
+    _remaining_keys(rows, keys, out, n_fours)
 
 
 @njit(fastmath=FASTMATH)
@@ -80,12 +87,7 @@ def qk_4x2(rows, keys, out):
                 a0 += x * keys[j, d]
                 a1 += x * keys[j + 1, d]
             out[r, j], out[r, j + 1] = a0, a1
-    for j in range(n_twos, n_keys):
-        for r in range(n_rows):
-            total = zero
-            for d in range(depth):
-                total += rows[r, d] * keys[j, d]
-            out[r, j] = total
+    _remaining_keys(rows, keys, out, n_twos)
 
 
 @njit(fastmath=FASTMATH)
@@ -134,12 +136,7 @@ def qk_4x4(rows, keys, out):
                 a2 += x * keys[j + 2, d]
                 a3 += x * keys[j + 3, d]
             out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = a0, a1, a2, a3
-    for j in range(n_fours, n_keys):
-        for r in range(n_rows):
-            total = zero
-            for d in range(depth):
-                total += rows[r, d] * keys[j, d]
-            out[r, j] = total
+    _remaining_keys(rows, keys, out, n_fours)
 
 
 @njit(fastmath=FASTMATH)
@@ -244,12 +241,7 @@ def qk_1x8(rows, keys, out):
                 t7 += x * keys[j + 7, d]
             out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = t0, t1, t2, t3
             out[r, j + 4], out[r, j + 5], out[r, j + 6], out[r, j + 7] = t4, t5, t6, t7
-    for j in range(n_eights, n_keys):
-        for r in range(rows.shape[0]):
-            total = zero
-            for d in range(rows.shape[1]):
-                total += rows[r, d] * keys[j, d]
-            out[r, j] = total
+    _remaining_keys(rows, keys, out, n_eights)
 
 
 @njit
