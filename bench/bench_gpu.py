@@ -511,7 +511,8 @@ def main() -> None:
                                dims)
         precompile(cases)
         print(f"timing: {args.timing}, {args.repetitions} calls")
-        run_fa(args.repetitions, (), nondeterministic=False, timing=args.timing, cases=cases)
+        run_fa(args.repetitions, (), nondeterministic=not args.no_nd, timing=args.timing,
+               cases=cases)
         return
     if args.fa:
         print(f"timing: {args.timing}, {args.repetitions} calls")

@@ -553,6 +553,38 @@ def test_backward_by_warp_pairs(dtype, dims, tiles, paired, options):
                    options)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (96, 96), (128, 128), (80, 80), (160, 160),
+                                  (192, 192), (256, 256), (40, 24)], ids=DIM_IDS)
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
+                         ids=["causal", "every-option"])
+def test_float32_single_pass_backward(dims, options):
+    """deterministic=False in float32: the table's dK/dV kernel adds dQ into float32 sums
+    itself (no dQ kernel; on warp pairs at D 192 and 256, and column ranges past the head
+    width at D 80, 160 and 40), through the API; then called directly in turns (ORDERED):
+    bitwise the same twice, against the golden model."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
+                      np.float32)
+    do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(np.float32)
+    _check(q, k, v, do, deterministic=False, **options)
+    _, choice = _choices(q, k, v, options)
+    widths = tile_tables.Widths.padded(head_dim, value_dim, 8)
+    assert choice.family == "tf32" and choice.tiles.serves_single_pass
+    assert (choice.tiles.shared_bytes("dkdv", widths, 4, single_pass=True)
+            <= shared_memory_limit(cupy.cuda.Device().id))
+    device = [cupy.asarray(a) for a in (do, q, k, v)]
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    o, lse = cupy.asarray(golden_o.astype(np.float32)), cupy.asarray(golden_lse, np.float32)
+    resolved = _resolved_options(q, k, v, {**options, "deterministic": True})
+    runs = [gpu_backward.backward_mma(*device, o, lse, resolved, choice.tiles, single_pass=True)
+            for _ in range(2)]
+    for first, again in zip(*runs):
+        assert cupy.array_equal(first, again)
+    expected = _golden_grads(do, q, k, v, golden_o.astype(np.float32), golden_lse, **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), runs[0], expected):
+        assert_attention_close(grad.get(), want, np.float32, name=name)
+
+
 @pytest.mark.parametrize("family", ["default", "mma", "mma-apart", "float32"])
 @pytest.mark.parametrize("heads", [(8, 1), (12, 3), (6, 2)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],

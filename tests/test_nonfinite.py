@@ -382,7 +382,8 @@ def test_16_bit_non_finite_inputs_reach_exactly_the_entries_that_keep_them(backe
 
 def _gpu_single_pass(q, k, v, do, options):
     """The mma.sync single pass (deterministic=False where the table sends 16-bit inputs to
-    mma.sync, i.e. not on Hopper), called directly, with the golden o and lse as given."""
+    mma.sync, i.e. not on Hopper, and float32 inputs), called directly, with the golden o
+    and lse as given."""
     import cupy
 
     from tileattn.gpu import launch_backward
@@ -395,8 +396,12 @@ def _gpu_single_pass(q, k, v, do, options):
     golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                             backend="reference", return_lse=True, **options)
     o_given, lse_given = golden_o.astype(q.dtype), golden_lse.astype(np.float32)
-    tiles = {64: MmaBackwardTiles((64, 64), (128, 64)),
-             128: MmaBackwardTiles((128, 128), (128, 64))}[q.shape[-1]]
+    if q.dtype == np.float32:  # 8 warps of pairs at D 128, 4 single warps at D 64
+        tiles = {64: MmaBackwardTiles((64, 32), (64, 32)),
+                 128: MmaBackwardTiles((64, 16), (64, 16), paired=("dkdv",))}[q.shape[-1]]
+    else:
+        tiles = {64: MmaBackwardTiles((64, 64), (128, 64)),
+                 128: MmaBackwardTiles((128, 128), (128, 64))}[q.shape[-1]]
     device = [cupy.asarray(a) for a in (do, q, k, v, o_given, lse_given)]
     grads = launch_backward.backward_mma(*device, resolved, tiles, single_pass=True)
     return [g.get() for g in grads], o_given, lse_given
@@ -405,13 +410,12 @@ def _gpu_single_pass(q, k, v, do, options):
 @pytest.mark.gpu
 @pytest.mark.skipif(backends.availability("gpu") is not None,
                     reason=str(backends.availability("gpu")))
-@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", _half_dtypes() + [np.dtype(np.float32)], ids=lambda d: d.name)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("poisoned", ["k", "q", "do"])
 @pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 10)}],
                          ids=["causal", "window"])
-def test_16_bit_single_pass_dq_ignores_masked_non_finite_keys(dtype, head_dim, poisoned,
-                                                              options):
+def test_single_pass_dq_ignores_masked_non_finite_keys(dtype, head_dim, poisoned, options):
     """The single pass's dQ share, dS K over the owned keys, with a NaN in K (and in Q, dO:
     its dK/dV products) at rows and keys that cut tiles mask for some rows and keep for
     others: dq, dk, dv are non-finite exactly where `reach` says, and match the golden

@@ -4,10 +4,11 @@ its splits merged in the kernel; dense and paged K/V) and the 3xTF32 forward
 (attention_tf32_forward.cu) on the CPU, no GPU: the kernels' own source under
 emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they
 add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) computed by
-meaning, checked against the float64 golden model. The backward's single pass and the
-non-finite-key redo are not run.
+meaning, checked against the float64 golden model. The backward's single pass runs in arrival order
+(not ORDERED); the non-finite-key redo is not run.
 
-    python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --launcher]
+    python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
+                                                  --single-pass | --launcher]
 
 `--launcher` runs only the wide decode's fold through the Python launch path
 (`launch_forward.forward` on a CuPy stand-in) with the mma.sync forward and
@@ -157,6 +158,10 @@ inline void mma_emulated(float* c, const u32* a, u32 b0, u32 b1) {
 # Whole helper functions of the shared headers replaced by their meaning: (the start of the
 # definition, the new body). The definition's braces are matched to find its end.
 FUNCTIONS = [
+    ("__device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {",
+     "{ if (threadIdx.x == 0)\n"
+     "      while (__atomic_load_n(turn, __ATOMIC_ACQUIRE) != rank) std::this_thread::yield();\n"
+     "  __syncthreads(); }"),
     ("__device__ __forceinline__ void copy_16_async(u32 destination, const void* source, "
      "bool valid) {",
      "{ const PendingCopy copy{destination, source, valid, 16};\n"
@@ -267,16 +272,16 @@ extern "C" void run_dq(const element* q, const element* k, const element* v,
     }, blocks, threads, shared);
 }
 
+// dq_sum: the single pass's float32 sums of dQ (SINGLE_PASS; unused otherwise).
 extern "C" void run_dkdv(const element* q, const element* k, const element* v,
                          const element* d_out, const float* lse, const float* delta,
-                         element* dk, element* dv, const double* slopes, i64 n_q, i64 n_k,
-                         int n_q_heads, int group, const i64* s, const float* reals,
-                         const i64* band, const unsigned* bits, int blocks, int threads,
-                         int shared) {
-    float dq_sum = 0;
+                         element* dk, element* dv, float* dq_sum, const double* slopes,
+                         i64 n_q, i64 n_k, int n_q_heads, int group, const i64* s,
+                         const float* reals, const i64* band, const unsigned* bits, int blocks,
+                         int threads, int shared) {
     int turns = 0, flags[4096] = {};
     run_blocks([&] {
-        attention_backward_dkdv_mma(q, k, v, d_out, lse, delta, dk, dv, &dq_sum, &turns, flags,
+        attention_backward_dkdv_mma(q, k, v, d_out, lse, delta, dk, dv, dq_sum, &turns, flags,
                                     slopes, n_q, n_k, n_q_heads, group, s[0], s[1], s[2], s[3],
                                     s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11],
                                     reals[0], reals[1], band[0], band[1], band[2], bits[0],
@@ -377,12 +382,14 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
 
 
 def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
-                     **kwargs):
+                     single_pass: bool = False, **kwargs):
     """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
-    two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired` says so (dQ's too), or in
-    two launches where `tiles.split`) for host arrays; D = rowsum(do * o) and
-    lse as the launcher passes them (float32, contiguous). With `sequence_first` the
-    gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are."""
+    two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired` says so
+    (dQ's too), or in two launches where `tiles.split`) for host arrays; D = rowsum(do * o)
+    and lse as the launcher passes them (float32, contiguous). With `sequence_first` the
+    gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are.
+    `single_pass`: the dK/dV kernel alone adds dQ into float32 sums (SINGLE_PASS, in
+    arrival order), which attention_backward_dq_convert's arithmetic turns into dq."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -406,9 +413,11 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                   VALUE_DIM=value_dim,
                   COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
-                  ORDERED=0, SINGLE_PASS=0, DEFERRED_COPIES=1,
+                  ORDERED=0, SINGLE_PASS=int(single_pass), DEFERRED_COPIES=1,
                   STRIDED_OUT=int(sequence_first), **switches)
-    launches = [("dq", 0)] + [("dkdv", part) for part in ((1, 2) if tiles.split else (0,))]
+    launches = ([] if single_pass else [("dq", 0)]) + [
+        ("dkdv", part) for part in ((1, 2) if tiles.split else (0,))]
+    dq_sum = np.zeros(dq.size if single_pass else 1, np.float32)
     for entry, part in launches:
         owned, streamed = getattr(tiles, entry)
         # float32 zeroes the probabilities of a last query tile's rows past Nq (QUERY_TAIL),
@@ -418,10 +427,10 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                            DKDV_PART=part,
                            PAIRED_WARPS=int(entry in tiles.paired)),
                       "attention_mma_backward.cu", BACKWARD_RUNNER)
-        shared = tiles.shared_bytes(entry, widths, q.itemsize, False, part)
+        shared = tiles.shared_bytes(entry, widths, q.itemsize, single_pass, part)
         heads, rows = (n_q_heads, n_q) if entry == "dq" else (n_kv_heads, n_k)
         blocks = batch * heads * -(-rows // owned)
-        outputs = (dq,) if entry == "dq" else (dk, dv)
+        outputs = (dq,) if entry == "dq" else (dk, dv, dq_sum)
         function = getattr(lib, f"run_{entry}")
         function.restype = None
         function(*(pointer(a) for a in (q, k, v, do, lse, delta) + outputs), pointer(slopes),
@@ -429,6 +438,8 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                  ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals),
                  pointer(band), pointer(bits), ctypes.c_int(blocks),
                  ctypes.c_int(tiles.threads(entry)), ctypes.c_int(shared))
+    if single_pass:
+        dq[...] = (np.float32(options.scale) * dq_sum.reshape(dq.shape)).astype(q.dtype)
     return dq, dk, dv
 
 
@@ -634,6 +645,28 @@ BACKWARD_CASES = [
      MmaBackwardTiles((32, 32), (32, 32), paired=("dq", "dkdv"))),
 ]
 
+# The single pass (SINGLE_PASS: dQ added by the dK/dV kernel), as BACKWARD_CASES; NaN places
+# may also be in K ("k": its owned tile's non-finite elements enter dQ's products as 0 on
+# cut tiles, their kept terms on CUDA cores).
+SINGLE_PASS_CASES = [
+    ("float16", (1, 2, 1, 64, 96, 64, 64), {"causal": True},
+     MmaBackwardTiles((64, 64), (64, 32)), {"k": [(0, 0, 50, 3)]}),
+    # GQA, D != Dv; two row slabs x two column ranges.
+    ("float32", (1, 4, 2, 45, 70, 32, 24), {"causal": True}, MmaBackwardTiles((64, 32),
+                                                                             (64, 32))),
+    # Pairs: 8 warps over one row slab, 8-column ranges of which the last three lie past
+    # D 40 (skipped); NaN in K and Q on cut tiles.
+    ("float32", (1, 4, 2, 45, 150, 40, 40), {"causal": True, "softcap": 4.0},
+     MmaBackwardTiles((64, 16), (64, 16), paired=("dkdv",)),
+     {"k": [(0, 1, 120, 5)], "q": [(0, 2, 30, 1)]}),
+    # Two 24-column ranges over D 40: the second reads past the K rows' end.
+    ("float32", (1, 2, 1, 70, 90, 40, 40), {"causal": True},
+     MmaBackwardTiles((32, 16), (32, 16)), {"k": [(0, 0, 40, 7)], "do": [(0, 1, 20, 3)]}),
+    ("float32", (2, 2, 1, 70, 90, 24, 24), {"window": (20, 10), "dropout_p": 0.2, "seed": 3,
+                                            "alibi_slopes": np.array([0.3, 0.1])},
+     MmaBackwardTiles((32, 32), (32, 32))),
+]
+
 
 TF32_RUNNER = RUN_BLOCKS + r"""
 extern "C" void run(const float* q, const float* k, const float* v, float* o, float* lse,
@@ -816,6 +849,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the first two cases only")
     parser.add_argument("--decode", action="store_true", help="the decode cases only")
     parser.add_argument("--backward", action="store_true", help="the backward cases only")
+    parser.add_argument("--single-pass", action="store_true",
+                        help="the single pass's backward cases only")
     parser.add_argument("--launcher", action="store_true",
                         help="only the wide decode's fold through tileattn/gpu/launch_forward "
                              "on a CuPy stand-in")
@@ -827,7 +862,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     failures = 0
     others = 0 if args.decode else None
-    forwards = 0 if args.backward else None
+    forwards = 0 if args.backward or args.single_pass else None
     failures += check_forwards(
         emulate, itertools.islice(CASES, 2 if args.quick else 0 if args.decode else forwards),
         rng, "")
@@ -838,24 +873,30 @@ def main() -> int:
     failures += check_forwards(emulate_decode,
                                itertools.islice(DECODE_CASES, 1 if args.quick else forwards),
                                rng, "decode ")
-    if not (args.quick or args.backward):
+    if not (args.quick or args.backward or args.single_pass):
         failures += check_paged_decodes(rng)
-    for name, (batch, hq, hkv, nq, nk, d, dv), options, tiles, *poison in \
-            itertools.islice(BACKWARD_CASES, 1 if args.quick else others):
+    backward_cases = [(case, False) for case in BACKWARD_CASES] + [
+        (case, True) for case in SINGLE_PASS_CASES]
+    if args.single_pass:
+        backward_cases = backward_cases[len(BACKWARD_CASES):]
+    for (name, (batch, hq, hkv, nq, nk, d, dv), options, tiles, *poison), single_pass in \
+            itertools.islice(backward_cases, 1 if args.quick else others):
         dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
         q, k, v, do = (rng.standard_normal(s).astype(np.float32).astype(dtype)
                        for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv),
                                  (batch, hq, nq, dv)))
         for array_name, places in (poison[0] if poison else {}).items():
             for place in places:
-                {"q": q, "do": do}[array_name][place] = np.nan
+                {"q": q, "k": k, "do": do}[array_name][place] = np.nan
         wide = [a.astype(np.float64) for a in (q, k, v, do)]
         o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
         golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
-        for sequence_first in (False, True):
+        # The single pass writes contiguous gradients only.
+        for sequence_first in (False,) if single_pass else (False, True):
             grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
-                                     **options)
-            label = (f"backward {name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
+                                     single_pass, **options)
+            label = (f"backward{' single pass' if single_pass else ''} {name} q{q.shape} "
+                     f"k{k.shape} v{v.shape} {sorted(options)} "
                      f"{tiles}{' gradients (B, N, H, D)' if sequence_first else ''}")
             try:
                 for grad_name, ours, want in zip(("dq", "dk", "dv"), grads, golden):

@@ -31,7 +31,8 @@
 // accumulation is float32.
 //
 // IS_FLOAT32: the same kernels for float32 on TF32 tensor cores at float32 accuracy
-// (3xTF32, tf32.cuh), without the single pass (its dS^T tile goes through ldmatrix).
+// (3xTF32, tf32.cuh). Its single pass keeps dS in shared memory as float32 with queries as
+// rows (store_scores_by_query), so that the dQ share loads it as split A fragments.
 //
 // DKDV_PART (as in attention_wgmma_backward.cu): 1 runs only the dV half of the dK/dV
 // kernel, 2 only the dK half, 0 both; wide head dims split so that each half's accumulators
@@ -77,7 +78,6 @@ typedef float element;
 constexpr int kHeadWidth = padded_width(HEAD_DIM, 8);
 constexpr int kValueWidth = padded_width(VALUE_DIM, 8);
 template <int Width> constexpr int kPitchOf = Width + 8;
-static_assert(!SINGLE_PASS, "the float32 backward runs the two kernels");
 #else
 typedef bits16 element;
 constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);
@@ -94,10 +94,12 @@ constexpr int kSlabs = OWNED_ROWS / 16;
 constexpr int kWarps = kSlabs * (PAIRED_WARPS ? 2 : 1);
 constexpr int kThreads = kWarps * 32;
 static_assert(OWNED_ROWS % 16 == 0 && STREAMED_ROWS % 16 == 0, "mma tiles");
-static_assert(!SINGLE_PASS || (HEAD_DIM == VALUE_DIM && HEAD_DIM % 16 == 0 && DKDV_PART == 0),
-              "the single pass serves D = Dv, multiples of 16");
-static_assert(!PAIRED_WARPS || (DKDV_PART == 0 && !SINGLE_PASS),
-              "a dK/dV pair holds both halves, and the single pass has no dQ kernel");
+static_assert(!SINGLE_PASS || (DKDV_PART == 0 &&
+                               (IS_FLOAT32 ? HEAD_DIM % 8 == 0
+                                           : HEAD_DIM == VALUE_DIM && HEAD_DIM % 16 == 0)),
+              "the single pass serves dK and dV in one kernel, D a multiple of 8 (float32) "
+              "or D = Dv, multiples of 16");
+static_assert(!PAIRED_WARPS || DKDV_PART == 0, "a dK/dV pair holds both halves");
 // The columns of a dK/dV warp's accumulator tile: a pair's warps run one code path over
 // one tile, dK's or dV's (the narrower half leaves the last columns unused).
 constexpr int kDkHeld = PAIRED_WARPS && kValueWidth > kHeadWidth ? kValueWidth : kHeadWidth;
@@ -220,45 +222,39 @@ __device__ __forceinline__ void two_score_products(const float* a1, const float*
     value_score_product<Transposed>(a2, b2, row0, second);
 }
 
-// out[:, 0:Columns) += X B[:, column0:column0 + Columns), X this warp's 16 x Inner
-// accumulators, B the row-major Inner x Width tile `b`: a C fragment's columns 2t, 2t + 1
-// are the A fragment's k = t, t + 4 (tf32.cuh), so B's b0, b1 are rows 2t, 2t + 1;
-// kProductChunk k8 steps at a time into a zero tile added to out in IEEE float32 (tf32.cuh).
-template <int Columns, int Width, int Inner, int Held>
-__device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x, const float* b,
-                                                   int column0, Accumulators<Held>& out) {
+// out[:, 0:Columns) += A B[:, column0:column0 + Columns) for this warp's 16 rows of A over
+// Steps k8 steps, `split_a(step, big, small)` giving a step's split A fragment, and B the
+// row-major (8 Steps) x Width tile `b`, each element taken as `b_value(element)`: a C
+// fragment's columns 2t, 2t + 1 are the A fragment's k = t, t + 4 (tf32.cuh), so B's b0, b1
+// are rows 2t, 2t + 1; kProductChunk k8 steps at a time into a zero tile added to out in
+// IEEE float32 (tf32.cuh).
+template <int Columns, int Width, int Steps, int Held, class SplitA, class BValue>
+__device__ __forceinline__ void accumulate_split_columns(SplitA split_a, BValue b_value,
+                                                         const float* b, int column0,
+                                                         Accumulators<Held>& out) {
     static_assert(Columns <= Held && Columns % 8 == 0, "whole n8 tiles of out");
-    constexpr int kPitch = kPitchOf<Width>, kSteps = Inner / 8;
+    constexpr int kPitch = kPitchOf<Width>;
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int c0 = 0; c0 < kSteps; c0 += kProductChunk) {
+    for (int c0 = 0; c0 < Steps; c0 += kProductChunk) {
         u32 a_big[kProductChunk][4], a_small[kProductChunk][4];
 #pragma unroll
-        for (int c = 0; c < kProductChunk; ++c) {
-            if (c0 + c >= kSteps) continue;
-            const float* tile = x.tile[c0 + c];
-            const float p[4] = {tile[0], tile[2], tile[1], tile[3]};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const Tf32Split split = split_tf32(p[i]);
-                a_big[c][i] = split.big;
-                a_small[c][i] = split.small;
-            }
-        }
+        for (int c = 0; c < kProductChunk; ++c)
+            if (c0 + c < Steps) split_a(c0 + c, a_big[c], a_small[c]);
 #pragma unroll
         for (int dn0 = 0; dn0 < Columns / 8; dn0 += kChunkChains) {
             float chunk[kChunkChains][4] = {};
 #pragma unroll
             for (int c = 0; c < kProductChunk; ++c) {
-                if (c0 + c >= kSteps) continue;
+                if (c0 + c >= Steps) continue;
                 const float* rows = b + ((c0 + c) * 8 + 2 * (lane % 4)) * kPitch + lane / 4 +
                                     column0 + dn0 * 8;
 #pragma unroll
                 for (int j = 0; j < kChunkChains; ++j)
                     if (dn0 + j < Columns / 8)
                         mma_16x8x8_3xtf32(chunk[j], a_big[c], a_small[c],
-                                          split_tf32(rows[j * 8]),
-                                          split_tf32(rows[kPitch + j * 8]));
+                                          split_tf32(b_value(rows[j * 8])),
+                                          split_tf32(b_value(rows[kPitch + j * 8])));
             }
 #pragma unroll
             for (int j = 0; j < kChunkChains; ++j)
@@ -267,6 +263,25 @@ __device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x,
                     if (dn0 + j < Columns / 8) out.tile[dn0 + j][e] += chunk[j][e];
         }
     }
+}
+
+// out[:, 0:Columns) += X B[:, column0:column0 + Columns), X this warp's 16 x Inner
+// accumulators (a C fragment is an A fragment, its elements reordered).
+template <int Columns, int Width, int Inner, int Held>
+__device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x, const float* b,
+                                                   int column0, Accumulators<Held>& out) {
+    accumulate_split_columns<Columns, Width, Inner / 8>(
+        [&](int step, u32(&big)[4], u32(&small)[4]) {
+            const float* tile = x.tile[step];
+            const float p[4] = {tile[0], tile[2], tile[1], tile[3]};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const Tf32Split split = split_tf32(p[i]);
+                big[i] = split.big;
+                small[i] = split.small;
+            }
+        },
+        [](float element) { return element; }, b, column0, out);
 }
 #else
 // out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b.
@@ -399,22 +414,81 @@ __device__ __forceinline__ void take_scores(Accumulators<STREAMED_ROWS>& st,
 }
 
 // ------------------------------------------------------------------ single pass
-// Compiled only for it: its dQ split needs head dims of 16 or more.
+// Compiled only for it: its dQ split needs head dims of 16 or more (8 in float32).
 #if SINGLE_PASS
 
-constexpr int kDsPitch = kTilePitch<STREAMED_ROWS>;  // ds_tile row pitch (16-byte pad)
 // dQ share of one query tile: warps split it into (STREAMED_ROWS / 16) row slabs x
-// kDqColumnParts column ranges.
-constexpr int kDqRowSlabs = STREAMED_ROWS / 16;
-constexpr int kDqColumnParts = kWarps / kDqRowSlabs > 0 ? kWarps / kDqRowSlabs : 1;
-constexpr int kDqColumns = kHeadWidth / kDqColumnParts;
-static_assert(!SINGLE_PASS || (kWarps % kDqRowSlabs == 0 && kDqColumns % 16 == 0),
-              "single-pass dQ split");
+// kDqShareParts column ranges of whole tensor-core steps; where the steps do not divide
+// the head width evenly, the last ranges reach past it (see add_query_tile_dq).
+constexpr int kDqShareSlabs = STREAMED_ROWS / 16;
+constexpr int kDqShareParts = kWarps / kDqShareSlabs > 0 ? kWarps / kDqShareSlabs : 1;
+constexpr int kDqShareColumns =
+    (kHeadWidth + kDqShareParts * kDqStep - 1) / (kDqShareParts * kDqStep) * kDqStep;
+static_assert(kWarps % kDqShareSlabs == 0, "single-pass dQ split");
+
+#if IS_FLOAT32
+// ds_tile: dS of the current query tile, [STREAMED_ROWS][kDsPitch] floats, queries as rows:
+// the dQ share's A operand, loaded as the score products load theirs. The pitch is 8 more
+// than the keys, as the other float32 tiles' (tf32.cuh's 64-bit loads conflict-free).
+constexpr int kDsPitch = OWNED_ROWS + 8;
+typedef float ds_element;
+
+// This warp's 16 key rows of dS^T (accumulators, keys x STREAMED_ROWS queries) into
+// ds_tile[query][key].
+__device__ __forceinline__ void store_scores_by_query(const Accumulators<STREAMED_ROWS>& dst,
+                                                      float* ds_tile, int row0) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < STREAMED_ROWS / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = row0 + lane / 4 + 8 * (e / 2), query = n * 8 + 2 * (lane % 4) + e % 2;
+            ds_tile[query * kDsPitch + key] = dst.tile[n][e];
+        }
+}
+
+// The value of dS at (query, key) in ds_tile.
+__device__ __forceinline__ float stored_score(const float* ds_tile, int query, int key) {
+    return ds_tile[query * kDsPitch + key];
+}
+
+// This warp's dQ share, [16 rows][kDqShareColumns] accumulators from column0: dS (ds_tile,
+// queries as rows) times the owned K tile over its keys; with ZeroNonFiniteK the K
+// elements that are inf or NaN enter the tensor cores as 0 (kept_products.cuh).
+template <bool ZeroNonFiniteK>
+__device__ __forceinline__ void dq_share_product_of(const float* ds_tile, const float* k_tile,
+                                                    int slab, int column0,
+                                                    Accumulators<kDqShareColumns>& acc) {
+    accumulate_split_columns<kDqShareColumns, kHeadWidth, OWNED_ROWS / 8>(
+        [&](int step, u32(&big)[4], u32(&small)[4]) {
+            load_split_a_fragment<kDsPitch>(ds_tile, slab * 16, step * 8, big, small);
+        },
+        [](float element) {
+            return ZeroNonFiniteK && bits_non_finite(element) ? 0.0f : element;
+        },
+        k_tile, column0, acc);
+}
+
+// The test on each K element in the products' loop costs as much as the split of it, and
+// a non-finite K is rare: two instantiations, chosen once a tile.
+__device__ __forceinline__ void dq_share_product(const float* ds_tile, const float* k_tile,
+                                                 int slab, int column0, bool zero_non_finite_k,
+                                                 Accumulators<kDqShareColumns>& acc) {
+    if (zero_non_finite_k)
+        dq_share_product_of<true>(ds_tile, k_tile, slab, column0, acc);
+    else
+        dq_share_product_of<false>(ds_tile, k_tile, slab, column0, acc);
+}
+#else
+// ds_tile: dS^T of the current query tile, [OWNED_ROWS][kDsPitch], keys as rows (read back
+// through the transposing ldmatrix).
+constexpr int kDsPitch = kTilePitch<STREAMED_ROWS>;  // 16-byte pad
+typedef bits16 ds_element;
 
 // This warp's 16 key rows of dS^T (accumulators, keys x STREAMED_ROWS queries), rounded to
 // the input type, into ds_tile[key][query].
-__device__ __forceinline__ void store_transposed_scores(const Accumulators<STREAMED_ROWS>& dst,
-                                                        bits16* ds_tile, int row0) {
+__device__ __forceinline__ void store_scores_by_key(const Accumulators<STREAMED_ROWS>& dst,
+                                                    bits16* ds_tile, int row0) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int n = 0; n < STREAMED_ROWS / 8; ++n)
@@ -426,45 +500,71 @@ __device__ __forceinline__ void store_transposed_scores(const Accumulators<STREA
         }
 }
 
-// dq_head[query_start + r][c] += sum over this block's keys of dS[r][key] K[key][c], each
-// warp one 16-row slab x kDqColumns columns; A = dS from ds_tile (stored keys x queries,
-// hence the transposing ldmatrix), B = the K tile. Rows past n_q are not added.
-// k_non_finite (block-uniform: a tile the band cuts, whose owned K holds inf or NaN): the
-// K fragments' non-finite halves are made 0 in registers, so a masked dS = 0 meets 0, not
-// 0 x NaN, and the kept pairs' terms with them are added on CUDA cores from ds_tile and the
-// K tile (kept_products.cuh; `mask`'s rows are the tile's queries, its columns the owned
-// keys). The owned K tile itself stays as it is: every later query tile's S^T reads it.
-// One body with a run-time flag, not two instantiations: ptxas spilled 4-32 bytes more
-// with two (bench/NOTES-gpu.md, v17).
-__device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const bits16* k_tile,
-                                                  float* dq_head, i64 query_start, i64 n_q,
-                                                  bool k_non_finite, const TileMask& mask) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int slab = warp % kDqRowSlabs, column0 = (warp / kDqRowSlabs) * kDqColumns;
-    Accumulators<kDqColumns> acc;
-    acc.clear();
+__device__ __forceinline__ float stored_score(const bits16* ds_tile, int query, int key) {
+    return element_value(ds_tile[key * kDsPitch + query]);
+}
+
+// As the float32 dq_share_product; A = dS from ds_tile (stored keys x queries, hence the
+// transposing ldmatrix), B = the K tile, non-finite K halves made 0 in registers. One body
+// with a run-time flag, not two instantiations: ptxas spilled 4-32 bytes more with two
+// (bench/NOTES-gpu.md, v17).
+__device__ __forceinline__ void dq_share_product(const bits16* ds_tile, const bits16* k_tile,
+                                                 int slab, int column0, bool zero_non_finite_k,
+                                                 Accumulators<kDqShareColumns>& acc) {
 #pragma unroll
     for (int kk = 0; kk < OWNED_ROWS / 16; ++kk) {
         u32 a[4];
         load_a_fragment_transposed<STREAMED_ROWS>(ds_tile, slab * 16, kk * 16, a);
 #pragma unroll
-        for (int dn = 0; dn < kDqColumns / 16; ++dn) {
+        for (int dn = 0; dn < kDqShareColumns / 16; ++dn) {
             u32 b[4];
             load_b_fragments_transposed<kHeadWidth>(k_tile, kk * 16, column0 + dn * 16, b);
-            if (kBandMasksKeys && k_non_finite)
+            if (zero_non_finite_k)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) b[i] = zero_non_finite_pair(b[i]);
             mma_16x8x16(acc.tile[2 * dn], a, b[0], b[1]);
             mma_16x8x16(acc.tile[2 * dn + 1], a, b[2], b[3]);
         }
     }
+}
+#endif
+
+// This warp's dS rows of the query tile (its dK half's dS^T accumulators) into ds_tile.
+__device__ __forceinline__ void store_scores(const Accumulators<STREAMED_ROWS>& dst,
+                                             ds_element* ds_tile, int row0) {
+#if IS_FLOAT32
+    store_scores_by_query(dst, ds_tile, row0);
+#else
+    store_scores_by_key(dst, ds_tile, row0);
+#endif
+}
+
+// dq_head[query_start + r][c] += sum over this block's keys of dS[r][key] K[key][c], each
+// warp one 16-row slab x kDqShareColumns columns (dq_share_product). Rows past n_q and
+// columns past HEAD_DIM (a multiple of the step here) are not added: a range that reaches
+// past the head width reads the next K row's elements there (or the V tile's, after the
+// last), whose products land in those columns only; a range wholly past it is skipped.
+// k_non_finite (block-uniform: a tile the band cuts, whose owned K holds inf or NaN): the
+// K elements that are not finite enter the products as 0, so a masked dS = 0 meets 0, not
+// 0 x NaN, and the kept pairs' terms with them are added on CUDA cores from ds_tile and the
+// K tile (kept_products.cuh; `mask`'s rows are the tile's queries, its columns the owned
+// keys). The owned K tile itself stays as it is: every later query tile's S^T reads it.
+__device__ __forceinline__ void add_query_tile_dq(const ds_element* ds_tile,
+                                                  const element* k_tile, float* dq_head,
+                                                  i64 query_start, i64 n_q, bool k_non_finite,
+                                                  const TileMask& mask) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int slab = warp % kDqShareSlabs, column0 = (warp / kDqShareSlabs) * kDqShareColumns;
+    if (column0 >= HEAD_DIM) return;
+    Accumulators<kDqShareColumns> acc;
+    acc.clear();
+    dq_share_product(ds_tile, k_tile, slab, column0, kBandMasksKeys && k_non_finite, acc);
     if (kBandMasksKeys && k_non_finite) {
         const int row0 = slab * 16 + lane / 4, quad_col = lane % 4;
         add_kept_non_finite_values<OWNED_ROWS / 8>(
             acc.tile, [&](int, int half) { return mask.row_window(row0 + 8 * half, 0); },
             [&](int, int n, int half, int odd) {
-                return element_value(
-                    ds_tile[(n * 8 + 2 * quad_col + odd) * kDsPitch + row0 + 8 * half]);
+                return stored_score(ds_tile, row0 + 8 * half, n * 8 + 2 * quad_col + odd);
             },
             [&](int key, int col) {
                 return element_value(k_tile[key * kQkPitch + column0 + col]);
@@ -476,8 +576,9 @@ __device__ __forceinline__ void add_query_tile_dq(const bits16* ds_tile, const b
         if (query >= n_q) continue;
         float* row = dq_head + query * HEAD_DIM + column0 + 2 * (lane % 4);
 #pragma unroll
-        for (int n = 0; n < kDqColumns / 8; ++n)
-            add_pair(row + n * 8, acc.tile[n][2 * half], acc.tile[n][2 * half + 1]);
+        for (int n = 0; n < kDqShareColumns / 8; ++n)
+            if (column0 + n * 8 < HEAD_DIM)
+                add_pair(row + n * 8, acc.tile[n][2 * half], acc.tile[n][2 * half + 1]);
     }
 }
 
@@ -692,10 +793,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     element* do_tiles = q_tiles + 2 * STREAMED_ROWS * kQkPitch;   // [2][STREAMED_ROWS][kVPitch]
     float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * STREAMED_ROWS * kVPitch);
     float* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
-    // SINGLE_PASS: dS^T of the current query tile, [OWNED_ROWS][kDsPitch].
-    bits16* ds_tile = reinterpret_cast<bits16*>(delta_tiles + 2 * STREAMED_ROWS);
     // PAIRED_WARPS: the slabs' S^T, [kSlabs][kPairedScores][32].
     float* exchange = delta_tiles + 2 * STREAMED_ROWS;
+#if SINGLE_PASS
+    // The current query tile's dS (see kDsPitch).
+    ds_element* ds_tile = reinterpret_cast<ds_element*>(
+        exchange + (PAIRED_WARPS ? kSlabs * kPairedScores * 32 : 0));
+#endif
 
     const SequenceTables tables = SEQUENCE_TABLES;
     const int n_kv_heads = n_q_heads / group_size;
@@ -766,7 +870,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         const i64 n_k_blocks = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
         const i64 rotation =
             ORDERED && !LIMIT_LEFT && !LIMIT_RIGHT ? tile * n_q_tiles / n_k_blocks : 0;
-        const auto visited_tile = [&](i64 step) { return (step + rotation) % n_q_tiles; };
+        // The single pass in arrival order under a band walks its query tiles from the
+        // last: the blocks of a head that run together then add to the same dQ rows at
+        // once, where an ascending walk (each block from its own first tile) spreads
+        // their additions over the whole of dQ (float32 causal: 0-3 % faster, NOTES-gpu
+        // v40).
+        constexpr bool kDescending = SINGLE_PASS && !ORDERED && (LIMIT_LEFT || LIMIT_RIGHT);
+        const auto visited_tile = [&](i64 step) {
+            return kDescending ? tile_begin + tile_end - 1 - step : (step + rotation) % n_q_tiles;
+        };
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
             load_tile_async<STREAMED_ROWS, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
@@ -865,12 +977,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             if (computes_dv)
                 accumulate_columns<kValueWidth, kValueWidth>(st, do_tile, 0, dv_acc);
 #if SINGLE_PASS
-            store_transposed_scores(dpt, ds_tile, slab * 16);
+            if (computes_dk) store_scores(dpt, ds_tile, slab * 16);
 #endif
             if (computes_dk) accumulate_columns<kHeadWidth, kHeadWidth>(dpt, q_tile, 0, dk_acc);
 #if SINGLE_PASS
             {
-                // Every warp's dS^T rows are in ds_tile. On a cut tile the barrier also ORs
+                // Every dK warp's dS rows are in ds_tile. On a cut tile the barrier also ORs
                 // a scan of the owned K tile for inf or NaN (add_query_tile_dq).
                 const bool k_non_finite =
                     kBandMasksKeys

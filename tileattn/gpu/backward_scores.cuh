@@ -125,12 +125,21 @@ __device__ __forceinline__ void add_pair(float* pair, float low, float high) {
 }
 
 // dq = scale * dq_sum, rounded to the input type (the single pass's last step).
+#if defined(IS_FLOAT32) && IS_FLOAT32
+extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, float* dq,
+                                                         i64 count, float scale) {
+    for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count;
+         i += static_cast<i64>(gridDim.x) * blockDim.x)
+        dq[i] = scale * dq_sum[i];
+}
+#else
 extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bits16* dq,
                                                          i64 count, float scale) {
     for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count / 2;
          i += static_cast<i64>(gridDim.x) * blockDim.x)
         reinterpret_cast<u32*>(dq)[i] = pack_pair(scale * dq_sum[2 * i], scale * dq_sum[2 * i + 1]);
 }
+#endif
 
 #define SCORE_OPTION_PARAMS                                                                  \
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \

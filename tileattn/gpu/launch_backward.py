@@ -17,8 +17,9 @@ from .launch_decode import decode_shape
 from .launch_forward import GENERIC_THREADS, GenericConfig
 from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slopes, cached,
                        contiguous_strides, element_strides, empty, output_strides, plan_key,
-                       problem_for, problem_of, remember, score_arguments, sm_count,
-                       strided_out_defines, tensor_core_operands)
+                       problem_for, problem_of, remember, score_arguments,
+                       shared_memory_limit, sm_count, strided_out_defines,
+                       tensor_core_operands)
 from .tiles import (Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, backward_group_splits,
                     choose_backward, dq_key_splits)
 from .varlen import Sequences, tile_grid
@@ -446,22 +447,27 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     ``options.deterministic`` (bitwise reproducible), in arrival order otherwise. Without
     it the dQ kernel recomputes each tile for dQ itself (7 tile products instead of 5,
     deterministic). Default: the single pass only for ``deterministic=False`` where it
-    serves the problem (16-bit, D = Dv a multiple of 16, dK and dV in one kernel,
-    contiguous gradients: its dQ buffer is converted as contiguous rows); taking
-    turns cost more than the products it saves (bench/NOTES-gpu.md, v5).
+    serves the problem (16-bit: D = Dv a multiple of 16; float32: D a multiple of 8; dK
+    and dV in one kernel, its dS tile within the shared memory; contiguous gradients: its
+    dQ buffer is converted as contiguous rows); taking turns cost more than the products
+    it saves (bench/NOTES-gpu.md, v5).
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     is_float32 = dtype_name(q.dtype) == "float32"
-    can_single = (not is_float32 and head_dim == value_dim and head_dim % 16 == 0
-                  and not tiles.split and not _writes_strided(given))
+    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
+    can_single = ((head_dim % 8 == 0 if is_float32 else
+                   head_dim == value_dim and head_dim % 16 == 0)
+                  and tiles.serves_single_pass
+                  and tiles.shared_bytes("dkdv", widths, q.dtype.itemsize, True)
+                  <= shared_memory_limit(q.device.id)
+                  and not _writes_strided(given))
     single_pass = (not options.deterministic if single_pass is None else single_pass)
     single_pass = single_pass and can_single and sequences is None
     ordered = single_pass and options.deterministic
     delta = row_deltas(do, o)[0]
     (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options,
                                                                      given, sequences)
-    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles.dkdv[1])
     dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)

@@ -243,7 +243,7 @@ class MmaBackwardTiles:
                      single_pass: bool = False, part: int = 0) -> int:
         """Owned tiles plus two stages of streamed ones, rows padded by 8 elements; the
         dK/dV kernel also stages lse and D per streamed row (no V tile in its dV-only
-        part), in the single pass the dS^T tile (owned x streamed, padded); a kernel of warp
+        part), in the single pass the dS tile (owned x streamed, padded); a kernel of warp
         pairs also the score tile they hand over (owned x streamed floats)."""
         owned, streamed = getattr(self, entry)
         head_pitch, value_pitch = widths.head + 8, widths.value + 8
@@ -252,8 +252,18 @@ class MmaBackwardTiles:
         if entry != "dkdv":
             return element_size * (owned * (head_pitch + value_pitch) + stream) + handed
         owned_elements = owned * (head_pitch + (value_pitch if part != 1 else 0))
-        return (element_size * (owned_elements + stream) + 2 * 2 * 4 * streamed
-                + (2 * owned * (streamed + 8) if single_pass else 0) + handed)
+        ds_tile = (0 if not single_pass else 4 * streamed * (owned + 8) if element_size == 4
+                   else 2 * owned * (streamed + 8))
+        return (element_size * (owned_elements + stream) + 2 * 2 * 4 * streamed + ds_tile
+                + handed)
+
+    @property
+    def serves_single_pass(self) -> bool:
+        """Whether the dK/dV kernel can add dQ itself (attention_mma_backward.cu, SINGLE_PASS):
+        dK and dV in one kernel, whose warps split a query tile's dQ share into whole row
+        slabs."""
+        warps, slabs = self.threads("dkdv") // 32, self.dkdv[1] // 16
+        return not self.split and warps % slabs == 0
 
 
 # --------------------------------------------------------------------------- tables
