@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from tileattn.gpu import tiles
-from tileattn.gpu.tiles import Choice, Problem, Widths
+from tileattn.gpu.tiles import Choice, MmaBackwardTiles, Problem, Widths
 
 H100 = dict(capability=90, shared_limit=227 * 1024)
 A100 = dict(capability=80, shared_limit=163 * 1024)
@@ -180,6 +180,41 @@ def test_describe_names_the_family_row_and_reason():
     generic = tiles.describe(Problem(dtype="float64", head_dim=80, value_dim=80, n_k=4096,
                                      **H100))
     assert generic["forward"] == "generic (float64 runs on CUDA cores)"
+
+
+@pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
+@pytest.mark.parametrize("dims", [(32, 32), (40, 24), (64, 64), (80, 80), (96, 96),
+                                  (128, 128), (160, 160), (192, 192), (256, 256)])
+def test_float32_single_pass_serves_the_table_rows_it_fits(device, dims):
+    """deterministic=False in float32 runs the single pass on every table row whose dS tile
+    fits beside its tiles (the dQ share's column ranges round up past the width), and the
+    report says so; its shared memory is the kernel's layout (tiles.shared_bytes)."""
+    problem = Problem(dtype="float32", head_dim=dims[0], value_dim=dims[1], n_k=4096,
+                      **device)
+    choice = tiles.choose_backward(problem)
+    assert choice.family == "tf32"
+    widths = Widths.padded(*dims, 8)
+    fits = choice.tiles.shared_bytes("dkdv", widths, 4, True) <= device["shared_limit"]
+    assert choice.tiles.single_pass_fits(*dims, 4, device["shared_limit"]) == (
+        fits and choice.tiles.serves_single_pass)
+    assert ("SINGLE_PASS" in tiles.describe(problem)["backward"]) == (
+        choice.tiles.single_pass_fits(*dims, 4, device["shared_limit"]))
+    if device is H100:
+        assert choice.tiles.single_pass_fits(*dims, 4, device["shared_limit"])
+
+
+def test_single_pass_needs_whole_columns_and_one_dkdv_kernel():
+    limit = H100["shared_limit"]
+    table_row = MmaBackwardTiles((128, 32), (128, 32))
+    assert table_row.single_pass_fits(128, 128, 4, limit)
+    assert not table_row.single_pass_fits(100, 100, 4, limit)  # padded dQ columns
+    assert not table_row.single_pass_fits(128, 128, 4, 200 * 1024)  # no room for dS
+    assert not MmaBackwardTiles((64, 32), (64, 32), split=True).single_pass_fits(
+        64, 64, 4, limit)
+    sixteen = MmaBackwardTiles((64, 64), (128, 64))
+    assert sixteen.single_pass_fits(64, 64, 2, limit)
+    assert not sixteen.single_pass_fits(64, 32, 2, limit)  # 16-bit: D = Dv only
+    assert not sixteen.single_pass_fits(72, 72, 2, limit)
 
 
 # --------------------------------------------------------------------------- decode

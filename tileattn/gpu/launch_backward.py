@@ -456,11 +456,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     is_float32 = dtype_name(q.dtype) == "float32"
     widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
-    can_single = ((head_dim % 8 == 0 if is_float32 else
-                   head_dim == value_dim and head_dim % 16 == 0)
-                  and tiles.serves_single_pass
-                  and tiles.shared_bytes("dkdv", widths, q.dtype.itemsize, True)
-                  <= shared_memory_limit(q.device.id)
+    can_single = (tiles.single_pass_fits(head_dim, value_dim, q.dtype.itemsize,
+                                         shared_memory_limit(q.device.id))
                   and not _writes_strided(given))
     single_pass = (not options.deterministic if single_pass is None else single_pass)
     single_pass = single_pass and can_single and sequences is None

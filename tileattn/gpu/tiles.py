@@ -265,6 +265,18 @@ class MmaBackwardTiles:
         warps, slabs = self.threads("dkdv") // 32, self.dkdv[1] // 16
         return not self.split and warps % slabs == 0
 
+    def single_pass_fits(self, head_dim: int, value_dim: int, element_size: int,
+                         shared_limit: int) -> bool:
+        """Whether these tiles run a dense problem's single pass (``deterministic=False``):
+        16-bit D = Dv a multiple of 16, float32 D a multiple of 8 (the dQ sums' columns
+        unpadded), `serves_single_pass`, and the dS tile within `shared_limit`."""
+        is_float32 = element_size == 4
+        widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
+        return ((head_dim % 8 == 0 if is_float32 else
+                 head_dim == value_dim and head_dim % 16 == 0)
+                and self.serves_single_pass
+                and self.shared_bytes("dkdv", widths, element_size, True) <= shared_limit)
+
 
 # --------------------------------------------------------------------------- tables
 
@@ -637,6 +649,11 @@ def describe(problem: Problem) -> dict[str, str]:
                               ("backward", choose_backward(problem))):
         tiles = "" if choice.tiles is None else f" {choice.tiles}"
         lines[direction] = f"{choice.family}{tiles} ({choice.note})"
+        if (isinstance(choice.tiles, MmaBackwardTiles) and choice.tiles.single_pass_fits(
+                problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
+                problem.shared_limit)):
+            lines[direction] += ("; deterministic=False: one kernel, dQ added by atomics "
+                                 "(SINGLE_PASS)")
     return lines
 
 
