@@ -155,14 +155,18 @@ CPU_PATHS = {
 
 @pytest.mark.parametrize("options", OPTION_SETS + WIDE_WINDOWS, ids=_option_id)
 @pytest.mark.parametrize("path", list(CPU_PATHS))
+@pytest.mark.parametrize("schedule", ["key-parts", "split"])
 @pytest.mark.parametrize("backend", ["cpu"], indirect=True)
-def test_cpu_blocks_merge_on_every_path(backend, monkeypatch, options, path):
+def test_cpu_blocks_merge_on_every_path(backend, monkeypatch, options, path, schedule):
     from tileattn import cpu
     from tileattn.cpu import decode
 
-    # Force what a small machine would not choose: the split backward schedule and three
-    # key splits on the decode path.
+    # Force what a small machine would not choose: a backward schedule over key tiles (dQ
+    # in parts per key tile, or in a second pass over query tiles) and three key splits on
+    # the decode path.
     monkeypatch.setattr(cpu, "_use_heads_schedule", lambda *args: False)
+    if schedule == "split":
+        monkeypatch.setattr(cpu, "KEY_PARTS_BYTES", 0)
     monkeypatch.setattr(decode, "split_count", lambda *args: 3)
     _assert_blocks_merge(backend, options, **CPU_PATHS[path])
 

@@ -70,8 +70,9 @@ def describe(n_k: int, head_dim: int, value_dim: int, dtype,
     else:
         forward = "tiled forward (cpu/forward_kernel.py): a task per (query tile, query head)"
     return {"forward": forward,
-            "backward": "tiled backward (cpu/backward_kernel.py): tasks per kv head, or per "
-                        "key tile and query tile"}
+            "backward": "tiled backward (cpu/backward_kernel.py): tasks per kv head, or, "
+                        "with fewer heads than threads want, per key tile (dQ summed from "
+                        "a part per key tile)"}
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
@@ -157,6 +158,12 @@ class Sequences:
         if not self.varlen:
             return len(self.descriptors) * -(-self.max_rows // block_q)
         return int((-(-self.descriptors[:, ROWS] // block_q)).sum())
+
+    def key_tasks(self, block_k: int) -> int:
+        """Key tiles over all sequences (per kv head) for tiles of `block_k` keys."""
+        if not self.varlen:
+            return len(self.descriptors) * -(-self.max_keys // block_k)
+        return int((-(-self.descriptors[:, KEYS] // block_k)).sum())
 
     def pairs(self, options: AttentionOptions) -> int:
         """Kept (row, key) pairs over all sequences, per head."""
@@ -323,6 +330,12 @@ def forward(q, k, v, options: AttentionOptions):
     return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
 
 
+# The backward's dQ parts (`backward_kernel.KEY_PARTS`: a dQ per key tile) up to this many
+# bytes; larger calls take the seven-product split schedule instead.
+KEY_PARTS_BYTES = 64 << 20
+_NO_PARTS = {name: np.zeros((0, 0, 0, 0, 0), name) for name in ("float32", "float64")}
+
+
 def _use_heads_schedule(n_sequences: int, n_kv_heads: int, n_threads: int) -> bool:
     """Whether one task per (sequence, kv head) keeps every thread equally busy (see
     `backward_kernel`); otherwise the split schedule spreads key and query tiles."""
@@ -331,8 +344,8 @@ def _use_heads_schedule(n_sequences: int, n_kv_heads: int, n_threads: int) -> bo
 
 
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
-    from .backward_kernel import (HEADS, KEY_TILES, QUERY_TILES, backward_kernel,
-                                  row_terms_kernel)
+    from .backward_kernel import (HEADS, KEY_PARTS, KEY_TILES, QUERY_TILES, backward_kernel,
+                                  row_terms_kernel, sum_key_parts)
 
     dtype = _compute_dtype(q.dtype)
     do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
@@ -354,19 +367,34 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
     with _kernel_lock, blas.single_threaded():
         row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
         delta.flags.writeable = safe_lse.flags.writeable = False
-        if _use_heads_schedule(n_sequences, n_kv_heads, n_threads):
+        dq_parts = _NO_PARTS[dtype.name]
+        heads_schedule = _use_heads_schedule(n_sequences, n_kv_heads, n_threads)
+        if not heads_schedule and options.block_k is None:
+            # Tasks per key tile: as many as `spread_over_threads` gives query tiles.
+            blocks = Blocks(blocks.block_q, spread_over_threads(
+                blocks.block_k, lambda size: n_kv_heads * shape.key_tasks(size), n_threads))
+            tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
+        n_parts = -(-shape.max_keys // blocks.block_k)
+        if heads_schedule:
             dq = np.zeros(q.shape, dtype)
             tiles = _in_order(n_sequences)
             if shape.varlen:  # longest sequences first, so a long one never starts last
                 work = descriptors[:, ROWS] * descriptors[:, KEYS]
                 tiles = tiles[np.argsort(-work, kind="stable")]
             runs = [(HEADS, min(n_threads, n_sequences * n_kv_heads), tiles)]
+        elif n_parts * q.size * dtype.itemsize <= KEY_PARTS_BYTES:
+            dq = np.empty(q.shape, dtype)
+            dq_parts = np.zeros((n_parts,) + q.shape, dtype)
+            runs = [(KEY_PARTS, n_threads, shape.tiles(blocks.block_k, options, keys=True))]
         else:
             dq = allocate(q.shape, dtype)
             runs = [(KEY_TILES, n_threads, shape.tiles(blocks.block_k, options, keys=True)),
                     (QUERY_TILES, n_threads, shape.tiles(blocks.block_q, options))]
         for kernel_schedule, n_workers, tiles in runs:
             threads.run(backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse, delta, dq,
-                        dk, dv, descriptors, *scalars, *tiling, kernel_schedule, tiles)
+                        dq_parts, dk, dv, descriptors, *scalars, *tiling, kernel_schedule,
+                        tiles)
+        if len(dq_parts):
+            threads.run(sum_key_parts, n_threads, dq_parts, dq)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

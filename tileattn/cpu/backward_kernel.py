@@ -16,9 +16,15 @@ summed by one thread in a fixed order):
   queries inner, so ``dK_j``/``dV_j`` stay in local accumulators and ``dQ`` is summed into
   rows that no other task touches. Five matrix products per tile, the minimum. Used when
   there are enough (batch, kv head) pairs to keep every thread busy.
+* `KEY_PARTS` then `sum_key_parts`: one task per key tile sums its ``dK``, ``dV`` and
+  adds its share of ``dQ`` into a zeroed copy of ``dQ`` of its own (one per key tile), which
+  a second pass sums in key-tile order. Five products, and a single long sequence uses
+  every core; the parts cost a ``dQ`` of memory per key tile. Its sums are `HEADS`'s, bit
+  for bit: each row of ``dQ`` gets one product per key tile, added from 0 in key-tile order
+  either way.
 * `KEY_TILES` then `QUERY_TILES`: one task per key tile (summing ``dK``, ``dV``) and then
   one per query tile (summing ``dQ``). Both passes recompute ``S`` and ``dP``, seven
-  products per tile instead of five, but a single long sequence uses every core.
+  products per tile instead of five, where the parts would not fit their memory budget.
 """
 
 from __future__ import annotations
@@ -337,13 +343,13 @@ def _scratch(block_q, block_k, head_dim, value_dim, softcap, dtype):
             np.empty((block_k, value_dim), dtype))
 
 
-HEADS, KEY_TILES, QUERY_TILES = 0, 1, 2
+HEADS, KEY_TILES, QUERY_TILES, KEY_PARTS = 0, 1, 2, 3
 """The schedules of `backward_kernel` (see the module docstring)."""
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, softcap,
-                    alibi_slopes, window_left, window_right, row_offset, col_offset,
+def backward_kernel(q, k, v, do, safe_lse, delta, dq, dq_parts, dk, dv, sequences, scale,
+                    softcap, alibi_slopes, window_left, window_right, row_offset, col_offset,
                     dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
                     schedule, tiles, next_task):
     """One thread's share of one schedule, run on every thread by `threads.run`; each
@@ -357,6 +363,8 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, 
       given a long sequence, run fewer of them.
     * `KEY_TILES`: ``dK`` and ``dV``, one task per (key tile, kv head) in `tiles`, longest
       first (causal key tiles shrink along the sequence).
+    * `KEY_PARTS`: the same tasks, each also adding its key tile's share of ``dQ`` into
+      ``dq_parts[key tile]`` (zeroed; `sum_key_parts` then sums them into `dq`).
     * `QUERY_TILES`: ``dQ``, one task per (query tile, query head) in `tiles`.
 
     Keys and rows of no sequence (padding) are not written: the launcher zeroes them.
@@ -390,7 +398,8 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, 
                 first_tile = start // block_k
                 last_tile = first_tile + 1
             for tile in range(first_tile, last_tile):
-                _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, sequence,
+                query_grads = dq_parts[tile] if schedule == KEY_PARTS else dq
+                _key_tile(q, k, v, do, safe_lse, delta, query_grads, dk, dv, sequences, sequence,
                           head, tile * block_k, want_key_grads, want_query_grads, scale,
                           softcap, alibi_slopes, window_left, window_right, row_offset,
                           col_offset, dropout_key, dropout_threshold, inv_keep, block_q,
@@ -399,4 +408,25 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, scale, 
     restore_subnormals(previous)
 
 
-flush_if_stale(row_terms_kernel, backward_kernel)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def sum_key_parts(dq_parts, dq, next_task):
+    """``dq = sum of dq_parts`` over the key tiles, in their order, from 0 (as `HEADS`
+    adds them into a zeroed ``dQ``): one task per (batch, head) row block of 64 rows."""
+    n_parts, batch, n_heads, n_q, head_dim = dq_parts.shape
+    blocks = (n_q + 63) // 64
+    n_tasks = batch * n_heads * blocks
+    task = claim_next(next_task)
+    while task < n_tasks:
+        bh, block = task // blocks, task % blocks
+        b, h = bh // n_heads, bh % n_heads
+        for i in range(block * 64, min(block * 64 + 64, n_q)):
+            row = dq[b, h, i]
+            row[:] = 0
+            for part in range(n_parts):
+                addend = dq_parts[part, b, h, i]
+                for d in range(head_dim):
+                    row[d] += addend[d]
+        task = claim_next(next_task)
+
+
+flush_if_stale(row_terms_kernel, backward_kernel, sum_key_parts)
