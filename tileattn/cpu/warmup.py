@@ -42,9 +42,11 @@ def warmup(dtypes=None, progress=None) -> None:
 
     Each step runs its kernel once on a tiny problem, which compiles exactly what a real
     call needs (the same argument types) and caches it for later processes: the forward on
-    more query rows than the decode path takes, the decode path on one row, the backward.
+    more query rows than the decode path takes, the decode path on one row, the backward
+    (and the sum of its dQ parts, `backward_kernel.KEY_PARTS`).
     """
     from . import backward, decode, forward
+    from .backward_kernel import sum_key_parts
     from .compile_notice import NOTICE
 
     rows = {"forward": decode.MAX_QUERY_ROWS + 1, "decode": 1,
@@ -58,5 +60,8 @@ def warmup(dtypes=None, progress=None) -> None:
             o, lse = forward(q, q, q, options)
             if kind == "backward":
                 backward(o, q, q, q, o, lse, options)
+                # The sum of dQ's parts, which a tiny call on one thread never reaches.
+                sum_key_parts(np.zeros((1,) + q.shape, dtype), np.empty(q.shape, dtype),
+                              np.zeros(1, np.int64))
             if progress is not None:
                 progress(done, len(steps), f"{kind} {dtype.name}")
