@@ -560,13 +560,17 @@ def test_backward_by_warp_pairs(dtype, dims, tiles, paired, options):
 def test_float32_single_pass_backward(dims, options):
     """deterministic=False in float32: the table's dK/dV kernel adds dQ into float32 sums
     itself (no dQ kernel; on warp pairs at D 192 and 256, and column ranges past the head
-    width at D 80, 160 and 40), through the API; then called directly in turns (ORDERED):
-    bitwise the same twice, against the golden model."""
+    width at D 80, 160 and 40), through the API (MHA: so small a GQA grid takes the two
+    kernels); then on GQA called directly in turns (ORDERED): bitwise the same twice,
+    against the golden model."""
     head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 4, 263, head_dim), (2, 4, 263, value_dim),
+                      np.float32, seed=5)
+    do = np.random.default_rng(2).standard_normal((2, 4, 200, value_dim)).astype(np.float32)
+    _check(q, k, v, do, deterministic=False, **options)
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
                       np.float32)
     do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(np.float32)
-    _check(q, k, v, do, deterministic=False, **options)
     _, choice = _choices(q, k, v, options)
     widths = tile_tables.Widths.padded(head_dim, value_dim, 8)
     assert choice.family == "tf32" and choice.tiles.serves_single_pass

@@ -450,7 +450,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     serves the problem (16-bit: D = Dv a multiple of 16; float32: D a multiple of 8; dK
     and dV in one kernel, its dS tile within the shared memory; contiguous gradients: its
     dQ buffer is converted as contiguous rows); taking turns cost more than the products
-    it saves (bench/NOTES-gpu.md, v5).
+    it saves (bench/NOTES-gpu.md, v5), and not where a GQA group would be cut over
+    dK/dV blocks (a grid of few K/V heads).
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -459,7 +460,12 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     can_single = (tiles.single_pass_fits(head_dim, value_dim, q.dtype.itemsize,
                                          shared_memory_limit(q.device.id))
                   and not _writes_strided(given))
-    single_pass = (not options.deterministic if single_pass is None else single_pass)
+    if single_pass is None:
+        # A GQA group over too few dK/dV blocks cuts its heads over blocks (_group_split),
+        # which the single pass cannot: there the two kernels keep the SMs busy.
+        key_blocks = batch * n_kv_heads * -(-n_k // tiles.dkdv[0])
+        single_pass = (not options.deterministic and backward_group_splits(
+            key_blocks, n_q_heads // n_kv_heads, sm_count(q.device.id)) == 1)
     single_pass = single_pass and can_single and sequences is None
     ordered = single_pass and options.deterministic
     delta = row_deltas(do, o)[0]
