@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_tiles.py --family wgmma --direction forward \
         --dims 80,96,160 [--dtype float16] [--n 1024,4096] [--dropout 0.1 | --softcap 30 |
-        --alibi]
+        --alibi] [--nondeterministic]
 
 For each head dim (D or D:Dv), causal and not, and sequence length (batch * N = 16k tokens,
 hidden about 2048), every candidate configuration of the family is first checked against
@@ -63,9 +63,15 @@ def candidates(family: str, direction: str):
             yield tiles.MmaBackwardTiles(dq, dkdv, split, paired)
 
 
+# --nondeterministic: the backward with deterministic=False (the mma.sync / 3xTF32 single
+# pass where the tiles take it, attention_mma_backward.cu).
+DETERMINISTIC = True
+
+
 def _options(q, k, v, **options):
     defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
-                    dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
+                    dropout_p=0.0, seed=None, block_q=None, block_k=None,
+                    deterministic=DETERMINISTIC)
     return validate(q, k, v, **{**defaults, **options}).options
 
 
@@ -104,7 +110,8 @@ def check(choice, direction, case: Case) -> None:
 def _checked(job) -> str | None:
     """check() in a worker process (it compiles the configuration's kernels, with every option
     and without, into the disk caches): None when right, else why not."""
-    choice, direction, case = job
+    global DETERMINISTIC
+    choice, direction, case, DETERMINISTIC = job
     try:
         check(choice, direction, case)
         q, k, v, do = make_inputs(replace(case, batch=1, heads=1))
@@ -152,7 +159,12 @@ def main() -> None:
                              "64x16p-64x16p (mma / tf32 backward: dQ's owned x streamed "
                              "rows, dK/dV's, p on warp pairs, -split: dK and dV apart); "
                              "default: all")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="backward with deterministic=False (the single pass where the "
+                             "tiles serve it; candidates' shared memory as the two kernels')")
     args = parser.parse_args()
+    global DETERMINISTIC
+    DETERMINISTIC = not args.nondeterministic
     limit = shared_memory_limit(cupy.cuda.Device().id)
     flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
     print("| D | Dv | causal | N | tiles | TFLOP/s | table's row |")
@@ -189,7 +201,7 @@ def main() -> None:
 
             with multiprocessing.get_context("spawn").Pool(16) as pool:
                 verdicts = pool.map(_checked, [(tiles.Choice(args.family, c), args.direction,
-                                                case) for c in configs])
+                                                case, DETERMINISTIC) for c in configs])
             for config, verdict in zip(configs, verdicts):
                 if verdict is not None:
                     print(f"  skipped {config}: {verdict}")
