@@ -653,7 +653,7 @@ def describe(problem: Problem) -> dict[str, str]:
                 problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
                 problem.shared_limit)):
             lines[direction] += ("; deterministic=False: one kernel, dQ added by atomics "
-                                 "(SINGLE_PASS)")
+                                 "(SINGLE_PASS), unless a GQA group is cut over blocks")
     return lines
 
 
