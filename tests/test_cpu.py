@@ -422,13 +422,20 @@ def test_every_backward_schedule_gives_the_same_bits(monkeypatch, options, packe
         q, k, v, do = (a[0] for a in (q, k, v, do))
         options["cu_seqlens_q"] = options["cu_seqlens_k"] = np.array([0, 70, 71, 300])
     o, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, **options)
+    from tileattn.cpu import backward_kernel
+
+    sums = []
+    summed = backward_kernel.sum_key_parts
+    monkeypatch.setattr(backward_kernel, "sum_key_parts",
+                        lambda *args: (sums.append(1), summed(*args)))
     results = {}
-    for name, heads, budget in (("heads", True, cpu.KEY_PARTS_BYTES),
-                                ("key-parts", False, cpu.KEY_PARTS_BYTES),
-                                ("split", False, 0)):
+    for name, heads, budget in (("heads", True, 0.0), ("key-parts", False, 100.0),
+                                ("split", False, 0.0)):
         monkeypatch.setattr(cpu, "_use_heads_schedule", lambda *args, use=heads: use)
-        monkeypatch.setattr(cpu, "KEY_PARTS_BYTES", budget)
+        monkeypatch.setattr(cpu, "KEY_PARTS_BUDGET", budget)
+        sums.clear()
         results[name] = tileattn.backward(do, q, k, v, o, lse, backend="cpu", **options)
+        assert bool(sums) == (name == "key-parts")  # once a thread that ran it
     for name in ("key-parts", "split"):
         for a, b in zip(results["heads"], results[name]):
             np.testing.assert_array_equal(a, b)

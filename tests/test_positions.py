@@ -166,7 +166,9 @@ def test_cpu_blocks_merge_on_every_path(backend, monkeypatch, options, path, sch
     # the decode path.
     monkeypatch.setattr(cpu, "_use_heads_schedule", lambda *args: False)
     if schedule == "split":
-        monkeypatch.setattr(cpu, "KEY_PARTS_BYTES", 0)
+        monkeypatch.setattr(cpu, "KEY_PARTS_BUDGET", 0.0)
+    else:
+        monkeypatch.setattr(cpu, "KEY_PARTS_BUDGET", 100.0)
     monkeypatch.setattr(decode, "split_count", lambda *args: 3)
     _assert_blocks_merge(backend, options, **CPU_PATHS[path])
 

@@ -331,8 +331,9 @@ def forward(q, k, v, options: AttentionOptions):
 
 
 # The backward's dQ parts (`backward_kernel.KEY_PARTS`: a dQ per key tile) up to this many
-# bytes; larger calls take the seven-product split schedule instead.
-KEY_PARTS_BYTES = 64 << 20
+# times the bytes of its inputs (q, k, v, dO), so that its extra memory stays O(N) (one
+# head of D 64: up to N = 4096, 8 MB); larger calls take the seven-product split schedule.
+KEY_PARTS_BUDGET = 2.0
 _NO_PARTS = {name: np.zeros((0, 0, 0, 0, 0), name) for name in ("float32", "float64")}
 
 
@@ -382,7 +383,8 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
                 work = descriptors[:, ROWS] * descriptors[:, KEYS]
                 tiles = tiles[np.argsort(-work, kind="stable")]
             runs = [(HEADS, min(n_threads, n_sequences * n_kv_heads), tiles)]
-        elif n_parts * q.size * dtype.itemsize <= KEY_PARTS_BYTES:
+        elif n_parts * q_c.nbytes <= KEY_PARTS_BUDGET * (q_c.nbytes + k_c.nbytes + v_c.nbytes
+                                                           + do_c.nbytes):
             dq = np.empty(q.shape, dtype)
             dq_parts = np.zeros((n_parts,) + q.shape, dtype)
             runs = [(KEY_PARTS, n_threads, shape.tiles(blocks.block_k, options, keys=True))]
