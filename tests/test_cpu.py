@@ -403,18 +403,24 @@ def test_both_backward_schedules_agree_with_the_golden_model_and_are_determinist
 
 
 @pytest.mark.parametrize("options", [{"causal": True}, {"window": (60, 5), "softcap": 4.0},
-                                     {"dropout_p": 0.25, "seed": 3, "alibi_slopes": "each"}],
-                         ids=["causal", "window-softcap", "dropout-alibi"])
+                                     {"dropout_p": 0.25, "seed": 3, "alibi_slopes": "each"},
+                                     {"causal": True, "nan_key": 150}],
+                         ids=["causal", "window-softcap", "dropout-alibi", "causal-nan-key"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_every_backward_schedule_gives_the_same_bits(monkeypatch, options, packed):
     """One task per kv head, dQ in parts per key tile summed in key-tile order, and the
     split schedule (dQ over query tiles) add every term in the same order: bitwise equal
     gradients for the same tiles, GQA and packed sequences included, and the golden
-    model's."""
+    model's; a NaN in K at a key that the causal mask hides from the rows before it
+    reaches only the rows that keep it (and dK, dV of that key), in every schedule."""
     from tileattn import cpu
 
     q, k, v = _inputs((1, 4, 300, 32), (1, 2, 300, 32), (1, 2, 300, 40), seed=11)
     do = np.random.default_rng(12).standard_normal((1, 4, 300, 40)).astype(np.float32)
+    options = dict(options)
+    nan_key = options.pop("nan_key", None)
+    if nan_key is not None:
+        k[0, 0, nan_key, 3] = np.nan
     options = dict(options, block_q=64, block_k=96)
     if options.get("alibi_slopes") == "each":
         options["alibi_slopes"] = np.linspace(0.1, 0.5, 4)
@@ -443,6 +449,12 @@ def test_every_backward_schedule_gives_the_same_bits(monkeypatch, options, packe
                                backend="reference", **options)
     for name, grad, want in zip(("dq", "dk", "dv"), results["key-parts"], golden):
         assert_attention_close(grad, want, np.float32, name=name)
+    if nan_key is not None:
+        # Query heads 0 and 1 read kv head 0; packed, the key is the third sequence's 80th
+        # (it starts at row 71), so the same rows keep it.
+        heads = results["key-parts"][0].reshape(4, 300, 32)
+        assert np.isfinite(heads[:2, :nan_key]).all() and np.isnan(heads[:2, nan_key:]).all()
+        assert np.isfinite(heads[2:]).all()
 
 
 def test_exp2_matches_numpy_over_its_domain():
