@@ -317,6 +317,15 @@ def test_gqa_group_splits_reach_two_waves():
     assert tiles.backward_group_splits(4, 1, 132) == 1  # MHA
 
 
+def test_single_pass_takes_grids_that_fill_their_waves():
+    assert tiles.takes_single_pass(4, 1, 132)  # MHA: no group to cut
+    assert tiles.takes_single_pass(300, 8, 132)  # two waves already: nothing cut
+    assert tiles.takes_single_pass(128, 16, 132)  # MQA B4 N4k: one wave 0.97 full
+    assert tiles.takes_single_pass(256, 8, 132)  # two waves 0.97 full
+    assert not tiles.takes_single_pass(32, 16, 132)  # MQA B1 N4k: 32 of 132 SMs
+    assert not tiles.takes_single_pass(150, 8, 132)  # a second wave of 18 blocks
+
+
 def test_decode_splits_fill_the_device():
     """One (batch, kv head) is split toward one wave of resident blocks, never past it; a grid
     that fills half the resident blocks is not split; a split keeps at least two key tiles;

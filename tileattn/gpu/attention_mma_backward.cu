@@ -135,7 +135,12 @@ __device__ __forceinline__ void score_product(const float* a, const float* b, in
                                               Accumulators<Columns>& out) {
     const int lane = threadIdx.x % 32;
     constexpr int kPitch = kPitchOf<Width>;
-#pragma unroll
+    // The single pass's step (five products, the dS tile, dQ's additions) outgrew the
+    // instruction cache once fully unrolled: warps waited on instruction fetches more
+    // than on anything but their own dependences. This product's k loop, rolled, takes
+    // 1/16 of its code (bench/NOTES-gpu.md, v41); the two-kernel backward keeps it unrolled.
+    constexpr int kUnroll = SINGLE_PASS ? 1 : Width / 8;
+#pragma unroll (kUnroll)
     for (int kk = 0; kk < Width / 8; ++kk) {
         u32 a_big[4], a_small[4];
         load_split_a_fragment<kPitch>(a, row0, kk * 8, a_big, a_small);

@@ -21,7 +21,7 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
 from .tiles import (Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, backward_group_splits,
-                    choose_backward, dq_key_splits)
+                    choose_backward, dq_key_splits, takes_single_pass)
 from .varlen import Sequences, tile_grid
 from .workspace import workspace
 
@@ -450,8 +450,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     serves the problem (16-bit: D = Dv a multiple of 16; float32: D a multiple of 8; dK
     and dV in one kernel, its dS tile within the shared memory; contiguous gradients: its
     dQ buffer is converted as contiguous rows); taking turns cost more than the products
-    it saves (bench/NOTES-gpu.md, v5), and not where a GQA group would be cut over
-    dK/dV blocks (a grid of few K/V heads).
+    it saves (bench/NOTES-gpu.md, v5), and not where a GQA grid of few dK/dV blocks would
+    leave SMs idle (`tiles.takes_single_pass`: the two kernels cut its groups instead).
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -462,10 +462,11 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                   and not _writes_strided(given))
     if single_pass is None:
         # A GQA group over too few dK/dV blocks cuts its heads over blocks (_group_split),
-        # which the single pass cannot: there the two kernels keep the SMs busy.
+        # which the single pass cannot: where its own grid would leave SMs idle, the two
+        # kernels keep them busy.
         key_blocks = batch * n_kv_heads * -(-n_k // tiles.dkdv[0])
-        single_pass = (not options.deterministic and backward_group_splits(
-            key_blocks, n_q_heads // n_kv_heads, sm_count(q.device.id)) == 1)
+        single_pass = not options.deterministic and takes_single_pass(
+            key_blocks, n_q_heads // n_kv_heads, sm_count(q.device.id))
     single_pass = single_pass and can_single and sequences is None
     ordered = single_pass and options.deterministic
     delta = row_deltas(do, o)[0]

@@ -653,7 +653,7 @@ def describe(problem: Problem) -> dict[str, str]:
                 problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
                 problem.shared_limit)):
             lines[direction] += ("; deterministic=False: one kernel, dQ added by atomics "
-                                 "(SINGLE_PASS), unless a GQA group is cut over blocks")
+                                 "(SINGLE_PASS), unless a GQA grid too small for it cuts its groups over blocks")
     return lines
 
 
@@ -675,6 +675,24 @@ def backward_group_splits(key_blocks: int, group: int, sm_count: int) -> int:
         return 1
     return next(s for s in range(2, group + 1) if group % s == 0 and
                 (key_blocks * s >= target or s == group))
+
+
+# deterministic=False takes the single pass (5 tile products to the two kernels' 7) also
+# over a GQA grid the two kernels would cut, where its blocks fill at least this share of
+# the waves they make: H200 float32 D 128 B4 N4k, Hq 16 over Hkv 2 (256 blocks) and over
+# Hkv 1 (128 blocks, one wave) 35 ms a backward against the cut two kernels' 46
+# (NOTES-gpu v41). Below, SMs left idle cost more than the products saved.
+SINGLE_PASS_WAVE_FILL = 0.75
+
+
+def takes_single_pass(key_blocks: int, group: int, sm_count: int) -> bool:
+    """Whether deterministic=False runs the single pass over `key_blocks` dK/dV blocks
+    (where it serves the problem): always where no GQA group would be cut over blocks,
+    else where the blocks fill SINGLE_PASS_WAVE_FILL of their waves."""
+    if backward_group_splits(key_blocks, group, sm_count) == 1:
+        return True
+    waves = -(-key_blocks // sm_count)
+    return key_blocks >= SINGLE_PASS_WAVE_FILL * waves * sm_count
 
 
 # --------------------------------------------------------------------------- decode
