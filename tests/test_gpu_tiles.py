@@ -509,6 +509,17 @@ def test_describe_names_the_gqa_cut_of_the_backward():
 
     assert "each group of 16 query heads cut over 4 blocks" in backward()
     assert "cut over" not in backward(kv_heads=16)
+    # The 3xTF32 and mma.sync single pass (deterministic=False) where it fits: uncut over
+    # one wave 0.97 full (B4 MQA, 128-key blocks) or two (64-key blocks), the cut kept
+    # over 32 / 64 blocks (B1).
+    for dtype, hardware in (("float32", H100), ("float16", A100)):
+        wide = Problem(dtype=dtype, head_dim=128, value_dim=128, n_k=4096, **hardware)
+        assert tiles.choose_backward(wide).family in ("mma", "tf32")
+        lines = [tiles.describe_with_decode(wide, tiles.DecodeShape(
+            n_q=4096, group=16, batch_kv_heads=batch, batch_q_heads=16 * batch,
+            band_keys=4096, sm_count=132))["backward"] for batch in (4, 1)]
+        assert "runs the single pass uncut" in lines[0]
+        assert "cut over" in lines[1] and "deterministic=False too" in lines[1]
     assert "cut over" not in backward(n_q=4000)  # a query tail: keys are flagged instead
     assert "cut over" not in backward(batch=64)
 

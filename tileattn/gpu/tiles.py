@@ -1262,7 +1262,8 @@ def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice
 
 def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
     """Where a dense deterministic backward cuts each GQA group over blocks
-    (`backward_group_splits`), a line saying so, else None."""
+    (`backward_group_splits`), a line saying so and what deterministic=False runs there
+    (`takes_single_pass`), else None."""
     choice = choose_backward(problem)
     if choice.family == "generic" or shape.group == 1:
         return None
@@ -1273,9 +1274,17 @@ def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
     splits = backward_group_splits(key_blocks, shape.group, shape.sm_count)
     if splits == 1:
         return None
-    return (f"dK/dV: each group of {shape.group} query heads cut over {splits} blocks "
+    line = (f"dK/dV: each group of {shape.group} query heads cut over {splits} blocks "
             f"({key_blocks} key-tile blocks are under {BACKWARD_GROUP_WAVES} waves of "
             f"{shape.sm_count} SMs)")
+    if isinstance(choice.tiles, MmaBackwardTiles) and choice.tiles.single_pass_fits(
+            problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
+            problem.shared_limit):
+        line += ("; deterministic=False runs the single pass uncut (its blocks fill "
+                 f"at least {SINGLE_PASS_WAVE_FILL:.0%} of their waves)"
+                 if takes_single_pass(key_blocks, shape.group, shape.sm_count)
+                 else "; deterministic=False too (the single pass would leave SMs idle)")
+    return line
 
 
 def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[str, str]:
