@@ -7,12 +7,13 @@ and an `AttentionOptions`. Empty problems are answered here so no backend specia
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import itemgetter
 
 import numpy as np
 
 from . import arrays, backends
 from .reference import lse_dtype
-from .problem_cache import validate_call
+from .problem_cache import remembered_problem, validate_call
 from .validation import Problem, check_backend_name
 from .varlen_validation import VARLEN_KEYWORDS
 
@@ -42,21 +43,26 @@ def _resolve_backend(name: str, memory: str):
 
 
 _OUTPUT_NAMES = {"forward": ("out", "lse_out"), "backward": ("dq_out", "dk_out", "dv_out")}
+# A backend's arrays per pass, in the order it takes them.
+_INPUTS = {"forward": itemgetter("q", "k", "v"),
+           "backward": itemgetter("do", "q", "k", "v", "o", "lse")}
 
 
 def _run(module, function_name: str, problem: Problem):
     """Call a backend; the reference backend also serves CUDA arrays through host copies.
     Output buffers go to backends that write into them (``WRITES_OUT``)."""
     tensors = problem.tensors
-    crosses_to_host = module.MEMORY == "host" and problem.layout.memory == "cuda"
+    layout = problem.layout
+    crosses_to_host = module.MEMORY == "host" and layout.memory == "cuda"
     if crosses_to_host:
         tensors = {name: arrays.to_host(a) for name, a in tensors.items()}
     options = problem.options
     if crosses_to_host and options.varlen is not None:  # lengths an unchecked call kept there
         options = replace(options, varlen=options.varlen.on_host())
-    names = ("q", "k", "v") if function_name == "forward" else ("do", "q", "k", "v", "o", "lse")
     buffers = {}
-    if getattr(module, "WRITES_OUT", False) and not crosses_to_host:
+    # Asked only where there is a buffer to pass: a getattr that misses costs ~1 us.
+    if ((problem.outputs or layout.sequence_first) and not crosses_to_host
+            and getattr(module, "WRITES_OUT", False)):
         buffers = {name: problem.outputs[name] for name in _OUTPUT_NAMES[function_name]
                    if name in problem.outputs}
         if (getattr(module, "STRIDED_OUT", False) and problem.layout.sequence_first
@@ -64,7 +70,7 @@ def _run(module, function_name: str, problem: Problem):
             for name, like, width in _RESULT_ROWS[function_name]:
                 if name not in buffers:
                     buffers[name] = _sequence_first_buffer(problem, like, width)
-    results = getattr(module, function_name)(*(tensors[n] for n in names), options,
+    results = getattr(module, function_name)(*_INPUTS[function_name](tensors), options,
                                              **buffers)
     if crosses_to_host:
         results = tuple(arrays.to_device_like(r, problem.tensors["q"]) for r in results)
@@ -90,6 +96,8 @@ def _sequence_first_buffer(problem: Problem, like: str, width: str):
 
 def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
     """Copy each result into its caller's buffer, unless the backend wrote it there."""
+    if not problem.outputs:
+        return
     for name, result in zip(_OUTPUT_NAMES[function_name], results):
         buffer = problem.outputs.get(name)
         if buffer is not None and result is not buffer:
@@ -98,7 +106,7 @@ def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
 
 def _check_serves(module, problem: Problem) -> None:
     """Variable-length and paged calls need a backend that declares ``VARLEN``."""
-    if problem.options.varlen is not None and not getattr(module, "VARLEN", False):
+    if not getattr(module, "VARLEN", False):
         raise NotImplementedError(
             f"variable-length and paged attention (seqlens_q, seqlens_k, cu_seqlens_q, "
             f"cu_seqlens_k, block_table) is not implemented by the backend module "
@@ -120,7 +128,8 @@ def run_forward(problem: Problem, backend: str):
     written into the problem's output buffers. `tileattn.distributed` calls this (and
     `run_backward`) with options placed in a longer sequence (`AttentionOptions.row_offset`)."""
     module = _resolve_backend(backend, problem.layout.memory)
-    _check_serves(module, problem)
+    if problem.options.varlen is not None:
+        _check_serves(module, problem)
     if problem.is_empty:
         batch = problem.tensors["q"].shape[0]
         memory, like = problem.layout.memory, problem.tensors["q"]
@@ -137,7 +146,8 @@ def run_forward(problem: Problem, backend: str):
 def run_backward(problem: Problem, backend: str):
     """Backward of a validated problem on `backend`: ``(dq, dk, dv)`` in "bhsd" order."""
     module = _resolve_backend(backend, problem.layout.memory)
-    _check_serves(module, problem)
+    if problem.options.varlen is not None:
+        _check_serves(module, problem)
     if problem.is_empty:
         memory, tensors = problem.layout.memory, problem.tensors
         dq, dk, dv = (arrays.full(tensors[n].shape, 0.0, problem.dtype, memory, tensors["q"])
@@ -292,13 +302,14 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
         (`out` and `lse_out` themselves when given)
     """
-    problem = validate_call(q, k, v, causal=causal, window=window, scale=scale,
-                            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                            seed=seed, block_q=block_q, block_k=block_k, deterministic=True,
-                            layout=layout, outputs={"out": out, "lse_out": lse_out},
-                            varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
-                                                    cu_seqlens_k, block_table),
-                            check_lengths=check_lengths)
+    # The options as values in `problem_cache.OPTION_NAMES` order: `validate_call`'s
+    # sixteen keywords would cost ~3 us more.
+    problem = remembered_problem(
+        (q, k, v), (causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q,
+                    block_k, True), layout,
+        None if out is None and lse_out is None else {"out": out, "lse_out": lse_out},
+        _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table),
+        check_lengths)
     o, lse = run_forward(problem, backend)
     o = problem.layout.restore(o, problem.n_q_heads) if out is None else out
     if not return_lse:
@@ -356,14 +367,13 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
         For GQA/MQA, ``dk`` and ``dv`` sum over the query heads that share a kv head.
         (`dq_out`, `dk_out`, `dv_out` themselves when given)
     """
-    problem = validate_call(q, k, v, do=do, o=o, lse=lse, causal=causal, window=window,
-                            scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                            dropout_p=dropout_p, seed=seed, block_q=block_q, block_k=block_k,
-                            deterministic=deterministic, layout=layout,
-                            outputs={"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out},
-                            varlen=_length_keywords(seqlens_q, seqlens_k, cu_seqlens_q,
-                                                    cu_seqlens_k, block_table),
-                            check_lengths=check_lengths)
+    problem = remembered_problem(
+        (q, k, v, do, o, lse), (causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
+                                block_q, block_k, deterministic), layout,
+        (None if dq_out is None and dk_out is None and dv_out is None
+         else {"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out}),
+        _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table),
+        check_lengths)
     dq, dk, dv = run_backward(problem, backend)
     return tuple(problem.layout.restore(result, heads) if given is None else given
                  for result, heads, given in ((dq, problem.n_q_heads, dq_out),

@@ -7,7 +7,9 @@ output buffers' addresses: their alignment and overlap with the inputs are check
 every call (`validation.check_output_addresses`). A call whose signature was validated
 before therefore gets that problem again with its own arrays in it, in a few microseconds
 instead of the ~25-40 that validation costs: on the GPU a small call or a decode step is
-counted in tens of microseconds of host time (bench/NOTES-gpu.md).
+counted in tens of microseconds of host time (bench/NOTES-gpu.md), and so is a small call
+on the CPU (bench/NOTES-cpu.md, session 26: the key and the remembered problem are built
+from as few Python objects as the checks allow, ~5 us a call on the 2-core host).
 
 Host torch tensors (the torch adapter on the CPU) are remembered through their NumPy views
 (`arrays.to_native`), under their own type, so that results still go back as tensors.
@@ -25,10 +27,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from operator import attrgetter
 
 import numpy as np
 
 from . import arrays
+from .options import evolve
 from .validation import (Problem, backend_views, check_output_addresses, heads_first,
                          output_view, validate, with_lengths)
 
@@ -36,15 +40,22 @@ _LIMIT = 256  # signatures remembered; the whole cache is dropped when it is ful
 _PROBLEMS: dict = {}
 _FORWARD_NAMES = ("q", "k", "v")
 _BACKWARD_NAMES = ("q", "k", "v", "do", "o", "lse")
+OPTION_NAMES = ("causal", "window", "scale", "softcap", "alibi_slopes", "dropout_p", "seed",
+                "block_q", "block_k", "deterministic")
+"""The option keywords of `validation.validate`, in the order `remembered_problem` takes
+their values."""
+_ALIBI = OPTION_NAMES.index("alibi_slopes")
+# Option values of these types need no more than their type in the key; others (a window
+# tuple) also the types of their items (`_types_of`).
+_SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
+_HOST_SIGNATURE = attrgetter("shape", "strides", "dtype")
 
 
 def _array_signature(array):
-    """What validation reads of a NumPy or CuPy array, or None for one this does not
-    remember (a non-native byte order)."""
+    """What validation reads of a NumPy or CuPy array (of a host output buffer, also
+    whether it is writeable: `_signature`)."""
     if type(array) is np.ndarray:
-        if not array.dtype.isnative:
-            return None
-        return array.shape, array.strides, array.dtype, array.flags.writeable
+        return _HOST_SIGNATURE(array)
     return array.shape, array.strides, array.dtype, array.data.device_id
 
 
@@ -52,7 +63,12 @@ def _natives(arrays_in: tuple) -> tuple | None:
     """The arrays as validation reads them (NumPy or CuPy), or None for kinds this does not
     remember: host torch tensors become their NumPy views, which is what validation makes
     of them too; CUDA tensors and JAX arrays would cost a DLPack exchange here and another
-    in validation."""
+    in validation. `arrays_in` itself when all are NumPy arrays."""
+    for array in arrays_in:
+        if type(array) is not np.ndarray:
+            break
+    else:  # the common case on the host
+        return arrays_in
     cupy = sys.modules.get("cupy")
     natives = []
     for array in arrays_in:
@@ -65,21 +81,25 @@ def _natives(arrays_in: tuple) -> tuple | None:
     return tuple(natives)
 
 
-def _signature(arrays_in: tuple, natives: tuple, layout, check_lengths, options: dict,
-               extra: tuple = ()):
-    """The key of a call, or None when it is not remembered; `extra` joins the key as it
-    is (the output names and the lengths' signature: no types to tell apart there)."""
-    if options.get("alibi_slopes") is not None:
-        return None
-    signatures = tuple(map(_array_signature, natives))
-    if None in signatures:
-        return None
-    values = tuple(options.values())
+def _signature(arrays_in: tuple, natives: tuple, n_inputs: int, layout, check_lengths,
+               options: tuple, extra: tuple):
+    """The key of a call whose first `n_inputs` arrays are inputs and the others output
+    buffers; `extra` joins the key as it is (the output names and the lengths' signature:
+    no types to tell apart there). Arrays in another byte order get keys too, which no
+    call remembers (`_remember`): their dtypes differ from the native ones'."""
+    signatures = tuple(map(_HOST_SIGNATURE if natives is arrays_in else _array_signature,
+                           natives))
+    writeable = tuple(array.flags.writeable for array in natives[n_inputs:]
+                      if type(array) is np.ndarray)
     # The types too, inside tuples as well: causal=1 and causal=True compare (and hash)
     # equal, as do window=(True, 1) and (1, 1), but validation rejects the bool and the
-    # int; and a tensor's results go back as tensors.
-    return (layout, check_lengths, type(check_lengths), tuple(options), values,
-            tuple(map(_types_of, values)), tuple(map(type, arrays_in)), signatures, extra)
+    # int; and a tensor's results go back as tensors. Plain scalars give the same tuple
+    # either way (`_types_of`), so a value's key does not depend on the way taken.
+    kinds = tuple(map(type, options))
+    if not _SCALAR_TYPES.issuperset(kinds):
+        kinds = tuple(map(_types_of, options))
+    return (layout, check_lengths, type(check_lengths), options, kinds,
+            tuple(map(type, arrays_in)), signatures, writeable, extra)
 
 
 def _types_of(value):
@@ -91,35 +111,48 @@ def _types_of(value):
 
 def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
                   varlen=None, check_lengths=True, **options) -> Problem:
-    """`validation.validate` with the same arguments, remembered per call signature."""
+    """`validation.validate` with the same arguments, remembered per call signature
+    (`remembered_problem`)."""
+    if options.keys() != set(OPTION_NAMES):  # validation names what is missing or extra
+        return validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
+                        varlen=varlen, check_lengths=check_lengths, **options)
+    return remembered_problem((q, k, v) if do is None else (q, k, v, do, o, lse),
+                              tuple(options[name] for name in OPTION_NAMES), layout, outputs,
+                              varlen, check_lengths)
+
+
+def remembered_problem(arrays_in: tuple, options: tuple, layout="bhsd", outputs=None,
+                       varlen=None, check_lengths=True) -> Problem:
+    """`validate_call` of `arrays_in`, ``(q, k, v)`` or ``(q, k, v, do, o, lse)``, and the
+    option values in `OPTION_NAMES` order: what `tileattn.forward` and `backward` call,
+    since sixteen keywords, ten of them gathered into a dict, cost ~3 us a call on the
+    2-core development host (bench/NOTES-cpu.md, session 26)."""
     lengths = None
     if varlen is not None:
         lengths = _lengths_signature(varlen)
         if lengths is None:
-            return validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
-                            varlen=varlen, check_lengths=check_lengths, **options)
-    arrays_in = (q, k, v) if do is None else (q, k, v, do, o, lse)
+            return _validate(arrays_in, options, layout, outputs, varlen, check_lengths)
     given = {name: b for name, b in outputs.items() if b is not None} if outputs else {}
-    natives = _natives(arrays_in + tuple(given.values()))
-    key = (None if natives is None else
-           _signature(arrays_in + tuple(given.values()), natives, layout, check_lengths,
-                      options, (tuple(given), lengths)))
+    every_array = arrays_in + tuple(given.values()) if given else arrays_in
+    natives = _natives(every_array)
+    key = None
+    if natives is not None and options[_ALIBI] is None:
+        key = _signature(every_array, natives, len(arrays_in), layout, check_lengths, options,
+                         (tuple(given), lengths))
     try:
-        remembered = _PROBLEMS.get(key) if key is not None else None
+        remembered = _PROBLEMS.get(key)
     except TypeError:  # an option value that is not hashable, e.g. window given as a list
         key = remembered = None
+    names = _FORWARD_NAMES if len(arrays_in) == 3 else _BACKWARD_NAMES
     if remembered is None:
-        problem = validate(q, k, v, do=do, o=o, lse=lse, layout=layout, outputs=outputs,
-                           varlen=varlen, check_lengths=check_lengths, **options)
+        problem = _validate(arrays_in, options, layout, outputs, varlen, check_lengths)
         if key is not None:
-            if len(_PROBLEMS) >= _LIMIT:
-                _PROBLEMS.clear()
-            # Without its arrays, which the cache must not keep alive.
-            _PROBLEMS[key] = (problem.tensors["q"].shape[0],
-                              replace(problem, tensors={}, outputs={}))
+            _remember(key, problem, names, natives, not given and varlen is None)
         return problem
-    batch, template = remembered
-    named = dict(zip(_FORWARD_NAMES if do is None else _BACKWARD_NAMES, natives))
+    batch, as_given, template = remembered
+    if as_given:
+        return evolve(template, tensors=dict(zip(names, natives)), outputs={})
+    named = dict(zip(names, natives))
     given = dict(zip(given, natives[len(named):]))
     layout_of = template.layout
     if layout_of.sequence_first:
@@ -129,13 +162,36 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None
-                  else with_lengths(template, varlen, do is not None,
+                  else with_lengths(template, varlen, len(arrays_in) > 3,
                                     natives[0].data.device_id
                                     if arrays.memory_of(natives[0]) == "cuda" else None,
                                     check_lengths))
-    return Problem(tensors, layout_of, options_of, template.dtype, template.n_q_heads,
-                   template.n_kv_heads, template.n_q, template.n_k, template.head_dim,
-                   template.value_dim, views)
+    return evolve(template, tensors=tensors, options=options_of, outputs=views)
+
+
+def _validate(arrays_in: tuple, options: tuple, layout, outputs, varlen,
+              check_lengths) -> Problem:
+    """`validation.validate` of `remembered_problem`'s arguments."""
+    q, k, v, *more = arrays_in
+    backward_of = dict(zip(("do", "o", "lse"), more))
+    return validate(q, k, v, **backward_of, layout=layout, outputs=outputs, varlen=varlen,
+                    check_lengths=check_lengths, **dict(zip(OPTION_NAMES, options)))
+
+
+def _remember(key, problem: Problem, names: tuple, natives: tuple, plain: bool) -> None:
+    """Keep a validated problem, without its arrays (which the cache must not keep alive),
+    under `key`, unless an array is not in the machine's byte order: validation gave the
+    backends a native copy of it, which a repeated call would have to make again. For a
+    `plain` call (no output buffers, no lengths), also whether the backends read the
+    caller's arrays themselves (4-D, "bhsd"): a repeated call then only names them."""
+    if not all(array.dtype.isnative for array in natives):
+        return
+    if len(_PROBLEMS) >= _LIMIT:
+        _PROBLEMS.clear()
+    as_given = plain and all(problem.tensors[name] is array
+                             for name, array in zip(names, natives))
+    _PROBLEMS[key] = (problem.tensors["q"].shape[0], as_given,
+                      replace(problem, tensors={}, outputs={}))
 
 
 def _lengths_signature(varlen: dict) -> tuple | None:

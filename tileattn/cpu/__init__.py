@@ -24,7 +24,6 @@ import numpy as np
 
 from ..dropout import dropout_key, dropout_threshold
 from ..options import BAND, KEYS, ROWS, AttentionOptions, Blocks, dense_descriptors
-from ..reference import lse_dtype
 from .. import tile_order
 from . import (blas, compile_notice, decode,  # noqa: F401 (compile_notice listens)
                threads)
@@ -88,14 +87,18 @@ def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
     return tiles
 
 
+_FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    """float64 for float64, float32 for the others; also lse's dtype (SPEC)."""
+    return _FLOAT64 if dtype == _FLOAT64 else _FLOAT32
 
 
 def _read_only(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """A read-only C-contiguous view in `dtype`, copying only when the input is not one."""
     view = np.ascontiguousarray(array, dtype=dtype).view()
-    view.flags.writeable = False
+    view.setflags(write=False)  # 0.7 us, where setting ``flags.writeable`` takes 1.1
     return view
 
 
@@ -277,7 +280,7 @@ class _ForwardPlan:
 # planning, ~10 us of Python a call (bench/NOTES-cpu.md, session 12). Calls with new
 # options every time (a dropout seed per step) only cycle the cache.
 _FORWARD_PLANS: dict = {}
-_FORWARD_PLAN_LIMIT = 64
+_PLAN_LIMIT = 64
 
 
 def _forward_plan(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences) -> _ForwardPlan:
@@ -292,10 +295,16 @@ def _forward_plan(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences) ->
                         tiles)
 
 
+@functools.cache
+def _kernels(module: str):
+    """The kernel module `module` ("forward_kernel", "backward_kernel"), imported at its
+    first use (importing it loads or compiles its kernels), then without the ~2 us of an
+    import statement a call. Callers read the kernels from it at each call."""
+    return importlib.import_module(f"{__name__}.{module}")
+
+
 def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan):
     """Forward over prepared (compute-dtype, read-only, contiguous) arrays."""
-    from .forward_kernel import forward_kernel
-
     shape = plan.shape
     if plan.decode is not None:
         return decode.forward(q_c, k_c, v_c, options, plan.scalars, _kernel_lock, shape,
@@ -307,15 +316,15 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan):
     out = allocate[0]((batch, n_q_heads, n_q, v_c.shape[3]), q_c.dtype)
     lse = allocate[1]((batch, n_q_heads, n_q), q_c.dtype)
     with _kernel_lock, blas.single_threaded():
-        threads.run(forward_kernel, plan.n_workers, q_c, k_c, v_c, out, lse, shape.descriptors,
-                    plan.tiles, *_paging(shape), *plan.scalars, plan.blocks.block_q,
-                    plan.blocks.block_k, BOUNDARY_SLICE_ROWS)
+        threads.run(_kernels("forward_kernel").forward_kernel, plan.n_workers, q_c, k_c, v_c,
+                    out, lse, shape.descriptors, plan.tiles, *_paging(shape), *plan.scalars,
+                    plan.blocks.block_q, plan.blocks.block_k, BOUNDARY_SLICE_ROWS)
     return out, lse
 
 
 def forward(q, k, v, options: AttentionOptions):
     dtype = _compute_dtype(q.dtype)
-    key = ((options, q.shape, k.shape, v.shape, dtype, numba.get_num_threads())
+    key = ((options, q.shape, k.shape, v.shape, dtype, threads.allowed())
            if options.varlen is None else None)
     plan = _FORWARD_PLANS.get(key) if key is not None else None
     shape = Sequences(q, k, options) if plan is None else plan.shape
@@ -323,18 +332,19 @@ def forward(q, k, v, options: AttentionOptions):
     if plan is None:
         plan = _forward_plan(q_c, k_c, v_c, options, shape)
         if key is not None:
-            if len(_FORWARD_PLANS) >= _FORWARD_PLAN_LIMIT:
+            if len(_FORWARD_PLANS) >= _PLAN_LIMIT:
                 _FORWARD_PLANS.clear()
             _FORWARD_PLANS[key] = plan
     out, lse = _forward(q_c, k_c, v_c, options, plan)
-    return out.astype(q.dtype, copy=False), lse.astype(lse_dtype(q.dtype), copy=False)
+    # lse's dtype (SPEC) is the compute dtype: only o may need converting.
+    return out.astype(q.dtype, copy=False), lse
 
 
 # The backward's dQ parts (`backward_kernel.KEY_PARTS`: a dQ per key tile) up to this many
 # times the bytes of its inputs (q, k, v, dO), so that its extra memory stays O(N) (one
 # head of D 64: up to N = 4096, 8 MB); larger calls take the seven-product split schedule.
 KEY_PARTS_BUDGET = 2.0
-_NO_PARTS = {name: np.zeros((0, 0, 0, 0, 0), name) for name in ("float32", "float64")}
+_NO_PARTS = {dtype: np.zeros((0, 0, 0, 0, 0), dtype) for dtype in (_FLOAT32, _FLOAT64)}
 
 
 def _use_heads_schedule(n_sequences: int, n_kv_heads: int, n_threads: int) -> bool:
@@ -344,59 +354,99 @@ def _use_heads_schedule(n_sequences: int, n_kv_heads: int, n_threads: int) -> bo
     return tasks % n_threads == 0 or tasks >= 4 * n_threads
 
 
-def backward(do, q, k, v, o, lse, options: AttentionOptions):
-    from .backward_kernel import (HEADS, KEY_PARTS, KEY_TILES, QUERY_TILES, backward_kernel,
-                                  row_terms_kernel, sum_key_parts)
+@dataclass(frozen=True)
+class _BackwardPlan:
+    """What a backward derives from its shapes and options before any kernel runs: the
+    sequences, the kernels' option arguments and tiling, and the `backward_kernel` passes
+    as ``(schedule, threads, task list)``; with `key_parts`, dQ is summed from `n_parts`
+    parts (`backward_kernel.KEY_PARTS`) on `n_threads` threads."""
 
-    dtype = _compute_dtype(q.dtype)
-    do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
-    shape = Sequences(q, k, options)
+    shape: Sequences
+    scalars: tuple
+    tiling: tuple
+    runs: tuple
+    key_parts: bool
+    n_parts: int
+    n_threads: int
+    dq_zeroed: bool  # the schedule adds into dQ (or leaves padding rows): it starts at 0
+
+
+# Dense backwards per signature, as `_FORWARD_PLANS` (the same key): a training step's small
+# calls skip the planning, ~15 us of Python a call (bench/NOTES-cpu.md, session 26).
+_BACKWARD_PLANS: dict = {}
+
+
+def _backward_plan(q_c, k_c, v_c, do_c, options: AttentionOptions,
+                   shape: Sequences) -> _BackwardPlan:
+    from .backward_kernel import HEADS, KEY_PARTS, KEY_TILES, QUERY_TILES
+
     descriptors = shape.descriptors
-    n_sequences, (batch, n_q_heads, n_q, _) = len(descriptors), q.shape
-    n_kv_heads = k.shape[1]
-    delta = np.empty((batch, n_q_heads, n_q), dtype)
-    safe_lse = np.empty((batch, n_q_heads, n_q), dtype)
-    # Keys and rows of no sequence (padding) are never written by the kernel: 0 (SPEC).
-    allocate = np.zeros if shape.varlen else np.empty
-    dk = allocate(k.shape, dtype)
-    dv = allocate(v.shape, dtype)
+    n_sequences, n_q_heads, n_kv_heads = len(descriptors), q_c.shape[1], k_c.shape[1]
     # FlashAttention's count: the backward's five products are 2.5x the forward's two.
     n_threads = threads.threads_for(2.5 * _flops(q_c, v_c, shape.pairs(options)))
     blocks = _blocks("backward", q_c, v_c, options, n_threads, shape)
     scalars = _option_scalars(options, n_sequences, n_q_heads)
+    heads_schedule = _use_heads_schedule(n_sequences, n_kv_heads, n_threads)
+    if not heads_schedule and options.block_k is None:
+        # Tasks per key tile: as many as `spread_over_threads` gives query tiles.
+        blocks = Blocks(blocks.block_q, spread_over_threads(
+            blocks.block_k, lambda size: n_kv_heads * shape.key_tasks(size), n_threads))
     tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
+    n_parts = -(-shape.max_keys // blocks.block_k)
+    key_parts = False
+    if heads_schedule:
+        tiles = _in_order(n_sequences)
+        if shape.varlen:  # longest sequences first, so a long one never starts last
+            work = descriptors[:, ROWS] * descriptors[:, KEYS]
+            tiles = tiles[np.argsort(-work, kind="stable")]
+        runs = ((HEADS, min(n_threads, n_sequences * n_kv_heads), tiles),)
+        dq_zeroed = True
+    elif n_parts * q_c.nbytes <= KEY_PARTS_BUDGET * (q_c.nbytes + k_c.nbytes + v_c.nbytes
+                                                       + do_c.nbytes):
+        runs = ((KEY_PARTS, n_threads, shape.tiles(blocks.block_k, options, keys=True)),)
+        key_parts, dq_zeroed = True, False
+    else:
+        runs = ((KEY_TILES, n_threads, shape.tiles(blocks.block_k, options, keys=True)),
+                (QUERY_TILES, n_threads, shape.tiles(blocks.block_q, options)))
+        # Rows of no sequence (padding) are never written by the kernel: 0 (SPEC).
+        dq_zeroed = shape.varlen
+    return _BackwardPlan(shape, scalars, tiling, runs, key_parts, n_parts, n_threads,
+                         dq_zeroed)
+
+
+def backward(do, q, k, v, o, lse, options: AttentionOptions):
+    kernels = _kernels("backward_kernel")
+    dtype = _compute_dtype(q.dtype)
+    do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
+    key = ((options, q.shape, k.shape, v.shape, dtype, threads.allowed())
+           if options.varlen is None else None)
+    plan = _BACKWARD_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _backward_plan(q_c, k_c, v_c, do_c, options, Sequences(q, k, options))
+        if key is not None:
+            if len(_BACKWARD_PLANS) >= _PLAN_LIMIT:
+                _BACKWARD_PLANS.clear()
+            _BACKWARD_PLANS[key] = plan
+    shape = plan.shape
+    rows = q.shape[:3]
+    delta = np.empty(rows, dtype)
+    safe_lse = np.empty(rows, dtype)
+    # Keys and rows of no sequence (padding) are never written by the kernel: 0 (SPEC).
+    allocate = np.zeros if shape.varlen else np.empty
+    dk = allocate(k.shape, dtype)
+    dv = allocate(v.shape, dtype)
+    dq = (np.zeros if plan.dq_zeroed else np.empty)(q.shape, dtype)
+    dq_parts = (np.zeros((plan.n_parts,) + q.shape, dtype) if plan.key_parts
+                else _NO_PARTS[dtype])
     with _kernel_lock, blas.single_threaded():
-        row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
-        delta.flags.writeable = safe_lse.flags.writeable = False
-        dq_parts = _NO_PARTS[dtype.name]
-        heads_schedule = _use_heads_schedule(n_sequences, n_kv_heads, n_threads)
-        if not heads_schedule and options.block_k is None:
-            # Tasks per key tile: as many as `spread_over_threads` gives query tiles.
-            blocks = Blocks(blocks.block_q, spread_over_threads(
-                blocks.block_k, lambda size: n_kv_heads * shape.key_tasks(size), n_threads))
-            tiling = (blocks.block_q, blocks.block_k, BOUNDARY_SLICE_ROWS)
-        n_parts = -(-shape.max_keys // blocks.block_k)
-        if heads_schedule:
-            dq = np.zeros(q.shape, dtype)
-            tiles = _in_order(n_sequences)
-            if shape.varlen:  # longest sequences first, so a long one never starts last
-                work = descriptors[:, ROWS] * descriptors[:, KEYS]
-                tiles = tiles[np.argsort(-work, kind="stable")]
-            runs = [(HEADS, min(n_threads, n_sequences * n_kv_heads), tiles)]
-        elif n_parts * q_c.nbytes <= KEY_PARTS_BUDGET * (q_c.nbytes + k_c.nbytes + v_c.nbytes
-                                                           + do_c.nbytes):
-            dq = np.empty(q.shape, dtype)
-            dq_parts = np.zeros((n_parts,) + q.shape, dtype)
-            runs = [(KEY_PARTS, n_threads, shape.tiles(blocks.block_k, options, keys=True))]
-        else:
-            dq = allocate(q.shape, dtype)
-            runs = [(KEY_TILES, n_threads, shape.tiles(blocks.block_k, options, keys=True)),
-                    (QUERY_TILES, n_threads, shape.tiles(blocks.block_q, options))]
-        for kernel_schedule, n_workers, tiles in runs:
-            threads.run(backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse, delta, dq,
-                        dq_parts, dk, dv, descriptors, *scalars, *tiling, kernel_schedule,
-                        tiles)
+        kernels.row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
+        delta.setflags(write=False)
+        safe_lse.setflags(write=False)
+        for kernel_schedule, n_workers, tiles in plan.runs:
+            threads.run(kernels.backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse,
+                        delta, dq, dq_parts, dk, dv, shape.descriptors, *plan.scalars,
+                        *plan.tiling, kernel_schedule, tiles)
         if len(dq_parts):
-            threads.run(sum_key_parts, n_threads, dq_parts, dq)
+            threads.run(kernels.sum_key_parts, plan.n_threads, dq_parts, dq)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

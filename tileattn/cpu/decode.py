@@ -4,6 +4,7 @@ splits they get."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,6 +130,24 @@ def plan(q_c, k_c, v_c, options, shape, n_splits=None) -> DecodePlan:
                       max(1, -(-longest // n_splits)), block_k, packed_rows > MAX_LOOP_ROWS)
 
 
+# One split's call finishes its rows in the kernel (`decode_kernel.decode_kernel`) and
+# passes partial state of no splits: one writeable placeholder per compute dtype, with the
+# partials' dimensions, so that the kernel keeps one signature per dtype. Keyed by the dtype
+# itself: NumPy computes ``dtype.name`` in Python, ~3 us.
+_NO_PARTIALS = {np.dtype(name): (np.zeros((0,) * 5, name), np.zeros((0,) * 4, name),
+                                 np.zeros((0,) * 4, name)) for name in ("float32", "float64")}
+_NO_LIMIT = contextlib.nullcontext()
+
+
+@functools.cache
+def _kernels():
+    """`decode_kernel`, the module, imported at the first call (importing it loads or
+    compiles its kernels), then without the ~2 us of an import statement a call."""
+    from . import decode_kernel
+
+    return decode_kernel
+
+
 def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None, sizing=None):
     """``(out, lse)`` for prepared (compute-dtype, read-only, contiguous) arrays.
 
@@ -137,27 +156,32 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None, sizing=
     `DecodePlan` where the caller kept one. `n_splits` (private, for tests) forces the
     split count.
     """
-    from .decode_kernel import decode_kernel, merge_kernel
-
+    kernels = _kernels()
     sizing = sizing or plan(q_c, k_c, v_c, options, shape, n_splits)
     batch, n_q_heads, n_q, _ = q_c.shape
     value_dim = v_c.shape[3]
     dtype = q_c.dtype
     n_splits = sizing.n_splits
-    # Rows of no sequence (padding) get no partial state from the kernel: give them an
-    # empty one, which the merge turns into o = 0, lse = -inf (SPEC).
-    partial_acc = (np.zeros if shape.varlen else np.empty)(
-        (n_splits, batch, n_q_heads, n_q, value_dim), dtype)
-    partial_max = (np.full((n_splits, batch, n_q_heads, n_q), -np.inf, dtype) if shape.varlen
-                   else np.empty((n_splits, batch, n_q_heads, n_q), dtype))
-    partial_sum = (np.zeros if shape.varlen else np.empty)((n_splits, batch, n_q_heads, n_q),
-                                                           dtype)
-    out = np.empty((batch, n_q_heads, n_q, value_dim), dtype)
-    lse = np.empty((batch, n_q_heads, n_q), dtype)
-    limit = blas.single_threaded() if sizing.limits_blas else contextlib.nullcontext()
-    with lock, limit:
-        threads.run(decode_kernel, sizing.n_workers, q_c, k_c, v_c, partial_acc, partial_max,
-                    partial_sum, shape.descriptors, shape.block_table, shape.page_size,
+    rows = (batch, n_q_heads, n_q)
+    fill = np.zeros if shape.varlen else np.empty
+    if n_splits == 1:
+        partials = _NO_PARTIALS[dtype]
+        # Rows of no sequence (padding) are not written by the kernel: o 0, lse -inf (SPEC).
+        out = fill(rows + (value_dim,), dtype)
+        lse = np.full(rows, -np.inf, dtype) if shape.varlen else np.empty(rows, dtype)
+    else:
+        # Rows of no sequence (padding) get no partial state from the kernel: give them an
+        # empty one, which the merge turns into o = 0, lse = -inf (SPEC).
+        splits = (n_splits,) + rows
+        partials = (fill(splits + (value_dim,), dtype),
+                    np.full(splits, -np.inf, dtype) if shape.varlen else np.empty(splits, dtype),
+                    fill(splits, dtype))
+        out = np.empty(rows + (value_dim,), dtype)
+        lse = np.empty(rows, dtype)
+    with lock, (blas.single_threaded() if sizing.limits_blas else _NO_LIMIT):
+        threads.run(kernels.decode_kernel, sizing.n_workers, q_c, k_c, v_c, *partials, out, lse,
+                    shape.descriptors, shape.block_table, shape.page_size,
                     shape.slots_outer, *scalars, sizing.block_k, sizing.split_size)
-        merge_kernel(partial_acc, partial_max, partial_sum, out, lse)
+        if n_splits > 1:
+            kernels.merge_kernel(*partials, out, lse)
     return out, lse

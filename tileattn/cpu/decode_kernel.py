@@ -171,10 +171,10 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index,
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, block_table,
-                  page_size, slots_outer, scale, softcap, alibi_slopes, window_left,
-                  window_right, row_offset, col_offset, dropout_key, dropout_threshold,
-                  inv_keep, block_k, split_size, next_task):
+def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequences,
+                  block_table, page_size, slots_outer, scale, softcap, alibi_slopes,
+                  window_left, window_right, row_offset, col_offset, dropout_key,
+                  dropout_threshold, inv_keep, block_k, split_size, next_task):
     """Fill the partial state of every (sequence, kv head, split): one thread's share, run
     on every thread by `threads.run`.
 
@@ -184,13 +184,20 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, blo
     `partial_sum` (splits, B, Hq, Nq). Split ``s`` of a sequence takes keys
     ``[start + s * split_size, ...)`` of the keys its rows keep, ``[start, stop)``; a split
     with no keys leaves max -inf, sum 0, accumulator 0. Rows of no sequence are not written.
+
+    A call of one split passes partial state of no splits (shape ``(0, ...)``): each row
+    is then finished here into `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) by the code
+    that `merge_kernel` finishes a row with (`_finish_row`), so with the same bits, and
+    the call saves the partial arrays and the merge's dispatch (microseconds of a small
+    call's host time). Otherwise `out` and `lse` are not written here.
     """
     n_q_heads, head_dim = q.shape[1], q.shape[3]
     n_kv_heads = k.shape[2] if slots_outer else k.shape[1]
     value_dim = v.shape[3]
     group = n_q_heads // n_kv_heads
     max_rows = group * q.shape[2]
-    n_splits = partial_acc.shape[0]
+    finishes = partial_acc.shape[0] == 0
+    n_splits = 1 if finishes else partial_acc.shape[0]
     n_tasks = n_splits * sequences.shape[0] * n_kv_heads
     task = claim_next(next_task)
     if task >= n_tasks:
@@ -204,6 +211,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, blo
     max_buffer = np.empty(max_rows, dtype)
     sum_buffer = np.empty(max_rows, dtype)
     rescale_buffer = np.empty(max_rows, dtype)
+    row_buffer = np.empty(value_dim if finishes else 0, dtype)
     paged = block_table.shape[0] > 0
     key_buffer = np.empty(block_k * head_dim if paged else 0, dtype)
     value_buffer = np.empty(block_k * value_dim if paged else 0, dtype)
@@ -247,51 +255,65 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, sequences, blo
                         dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer)
         for g in range(group):
             for r in range(n_q):
-                row = row_base + r
-                partial_max[split, b, first_head + g, row] = row_max[g * n_q + r]
-                partial_sum[split, b, first_head + g, row] = row_sum[g * n_q + r]
+                row, packed = row_base + r, g * n_q + r
+                if finishes:
+                    lse[b, first_head + g, row] = _finish_row(
+                        row_max[packed:packed + 1], row_sum[packed:packed + 1],
+                        acc[packed:packed + 1], out[b, first_head + g, row], row_buffer)
+                    continue
+                partial_max[split, b, first_head + g, row] = row_max[packed]
+                partial_sum[split, b, first_head + g, row] = row_sum[packed]
                 for d in range(value_dim):
-                    partial_acc[split, b, first_head + g, row, d] = acc[g * n_q + r, d]
+                    partial_acc[split, b, first_head + g, row, d] = acc[packed, d]
     restore_subnormals(previous)
+
+
+@njit(fastmath=FASTMATH)
+def _finish_row(row_maxima, row_sums, row_accs, out_row, row):
+    """One row's output from its splits' partial state (`row_maxima`, `row_sums` of
+    (splits,), `row_accs` of (splits, Dv)), written into `out_row`; returns its lse.
+    Finishes the row as `forward_kernel._query_tile` does (no kept key: 0 and -inf; NaN
+    anywhere: NaN). `row` is scratch of Dv elements."""
+    n_splits, value_dim = row_accs.shape
+    dtype = out_row.dtype.type
+    row_max = row_maxima[0]
+    for s in range(1, n_splits):
+        row_max = maximum(row_max, row_maxima[s])
+    # All splits empty: max -inf, and exp(-inf - 0) = 0 gives total 0.
+    safe_max = dtype(0.0) if row_max == -np.inf else row_max
+    total = dtype(0.0)
+    row[:] = 0
+    for s in range(n_splits):
+        weight = np.exp(row_maxima[s] - safe_max)
+        total += row_sums[s] * weight
+        # A split that kept nothing holds exact zeros (its masked terms never reach the
+        # accumulator: `kept_products`), so its 0 weight adds 0; a NaN in a split's kept
+        # values reaches the row, as in one pass.
+        for d in range(value_dim):
+            row[d] += row_accs[s, d] * weight
+    if total > 0:
+        inverse = dtype(1.0) / total
+        for d in range(value_dim):
+            out_row[d] = row[d] * inverse
+        return row_max + np.log(total)
+    if total == 0:
+        out_row[:] = 0
+        return dtype(-np.inf)
+    out_row[:] = np.nan
+    return dtype(np.nan)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def merge_kernel(partial_acc, partial_max, partial_sum, out, lse):
     """Combine the splits' partial state into `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq),
-    finishing each row as `forward_kernel._query_tile` does (no kept key: 0 and -inf; NaN
-    anywhere: NaN)."""
+    a row at a time (`_finish_row`)."""
     n_splits, batch, n_q_heads, n_q, value_dim = partial_acc.shape
-    dtype = out.dtype.type
     row = np.empty(value_dim, out.dtype)
     for b in range(batch):
         for h in range(n_q_heads):
             for i in range(n_q):
-                row_max = partial_max[0, b, h, i]
-                for s in range(1, n_splits):
-                    row_max = maximum(row_max, partial_max[s, b, h, i])
-                # All splits empty: max -inf, and exp(-inf - 0) = 0 gives total 0.
-                safe_max = dtype(0.0) if row_max == -np.inf else row_max
-                total = dtype(0.0)
-                row[:] = 0
-                for s in range(n_splits):
-                    weight = np.exp(partial_max[s, b, h, i] - safe_max)
-                    total += partial_sum[s, b, h, i] * weight
-                    # A split that kept nothing holds exact zeros (its masked terms never
-                    # reach the accumulator: `kept_products`), so its 0 weight adds 0; a
-                    # NaN in a split's kept values reaches the row, as in one pass.
-                    for d in range(value_dim):
-                        row[d] += partial_acc[s, b, h, i, d] * weight
-                if total > 0:
-                    inverse = dtype(1.0) / total
-                    for d in range(value_dim):
-                        out[b, h, i, d] = row[d] * inverse
-                    lse[b, h, i] = row_max + np.log(total)
-                elif total == 0:
-                    out[b, h, i, :] = 0
-                    lse[b, h, i] = -np.inf
-                else:
-                    out[b, h, i, :] = np.nan
-                    lse[b, h, i] = np.nan
+                lse[b, h, i] = _finish_row(partial_max[:, b, h, i], partial_sum[:, b, h, i],
+                                           partial_acc[:, b, h, i], out[b, h, i], row)
 
 
 flush_if_stale(decode_kernel, merge_kernel)

@@ -19,7 +19,8 @@ spins. It also compiles faster: no parfor lowering (bench/NOTES-cpu.md, session 
 Small problems run on one thread: waking a pool thread and dispatching a kernel to it takes
 0.1-0.2 ms when the other core is busy, more than a call of 64 x 64 keys on 8 heads takes on
 one thread. `threads_for` gives a call one thread per `FLOPS_PER_THREAD`, at most
-``numba.get_num_threads()`` (so ``numba.set_num_threads`` still limits tileattn).
+``numba.get_num_threads()`` (so ``numba.set_num_threads`` still limits tileattn; `allowed`
+asks it).
 """
 
 from __future__ import annotations
@@ -28,16 +29,35 @@ import concurrent.futures
 import functools
 
 import numba
+import numba.np.ufunc.parallel
 import numpy as np
 
 FLOPS_PER_THREAD = 32e6
 """About 0.5 ms of one core's work at the kernels' ~65 GFLOP/s (bench/NOTES-cpu.md)."""
 
 
+def allowed() -> int:
+    """``numba.get_num_threads()``: the calling thread's count (`numba.set_num_threads` sets
+    it per thread), asked on every call, never remembered.
+
+    Numba's function takes a lock to check that its threading layer is up before it calls
+    the layer's C getter: ~2 us, a tenth of a small forward's host time on the 2-core
+    development host, where the C getter alone (a ctypes call) takes ~0.3. Once the layer is
+    up, this calls that getter, and falls back to Numba's function where the getter is not
+    there or answers what Numba would refuse (a count below one)."""
+    count = _count_getter()()
+    return count if count > 0 else numba.get_num_threads()
+
+
+@functools.cache
+def _count_getter():
+    numba.get_num_threads()  # starts the threading layer, which defines the getter
+    return getattr(numba.np.ufunc.parallel, "_get_num_threads", numba.get_num_threads)
+
+
 def threads_for(flops: float) -> int:
-    """One thread per `FLOPS_PER_THREAD` of work, at least one, at most
-    ``numba.get_num_threads()``."""
-    return max(1, min(numba.get_num_threads(), int(flops // FLOPS_PER_THREAD)))
+    """One thread per `FLOPS_PER_THREAD` of work, at least one, at most `allowed`."""
+    return max(1, min(allowed(), int(flops // FLOPS_PER_THREAD)))
 
 
 @functools.cache
@@ -50,10 +70,11 @@ def run(kernel, n_threads: int, *args) -> None:
     """``kernel(*args, next_task)`` on `n_threads` threads, this one included; `next_task`
     is the shared task counter (int64, one element) the copies claim from."""
     next_task = np.zeros(1, np.int64)
-    helpers = []
-    if n_threads > 1:
-        pool = _pool(numba.config.NUMBA_NUM_THREADS)
-        helpers = [pool.submit(kernel, *args, next_task) for _ in range(n_threads - 1)]
+    if n_threads <= 1:
+        kernel(*args, next_task)
+        return
+    pool = _pool(numba.config.NUMBA_NUM_THREADS)
+    helpers = [pool.submit(kernel, *args, next_task) for _ in range(n_threads - 1)]
     try:
         kernel(*args, next_task)
     finally:

@@ -42,12 +42,14 @@ def warmup(dtypes=None, progress=None) -> None:
 
     Each step runs its kernel once on a tiny problem, which compiles exactly what a real
     call needs (the same argument types) and caches it for later processes: the forward on
-    more query rows than the decode path takes, the decode path on one row, the backward
-    (and the sum of its dQ parts, `backward_kernel.KEY_PARTS`).
+    more query rows than the decode path takes, the decode path on one row (and the merge
+    of its key splits), the backward (and the sum of its dQ parts,
+    `backward_kernel.KEY_PARTS`).
     """
     from . import backward, decode, forward
     from .backward_kernel import sum_key_parts
     from .compile_notice import NOTICE
+    from .decode_kernel import merge_kernel
 
     rows = {"forward": decode.MAX_QUERY_ROWS + 1, "decode": 1,
             "backward": decode.MAX_QUERY_ROWS + 1}
@@ -58,6 +60,11 @@ def warmup(dtypes=None, progress=None) -> None:
         for done, (kind, dtype) in enumerate(steps, start=1):
             q = np.zeros((1, 1, rows[kind], 2), dtype)
             o, lse = forward(q, q, q, options)
+            if kind == "decode":
+                # The merge of key splits, which a call of one split never reaches.
+                merge_kernel(np.zeros((1,) + o.shape, dtype), np.zeros((1,) + lse.shape, dtype),
+                             np.zeros((1,) + lse.shape, dtype), np.empty_like(o),
+                             np.empty_like(lse))
             if kind == "backward":
                 backward(o, q, q, q, o, lse, options)
                 # The sum of dQ's parts, which a tiny call on one thread never reaches.
