@@ -178,6 +178,155 @@ def test_repeated_calls_reuse_their_plan_and_follow_the_thread_count(monkeypatch
         numba.set_num_threads(previous)
 
 
+def test_allowed_threads_are_numbas_count_of_the_calling_thread():
+    """`threads.allowed` (numba's C getter) answers what ``numba.get_num_threads()`` answers,
+    after ``numba.set_num_threads`` and on another Python thread, whose count is its own."""
+    import numba
+
+    from tileattn.cpu import threads
+
+    assert threads.allowed() == numba.get_num_threads()
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        assert threads.allowed() == 1
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(
+            (threads.allowed(), numba.get_num_threads())))
+        other.start()
+        other.join()
+        assert seen[0][0] == seen[0][1] == numba.config.NUMBA_NUM_THREADS
+    finally:
+        numba.set_num_threads(previous)
+    assert threads.allowed() == previous
+
+
+def test_repeated_backwards_reuse_their_plan_and_follow_the_thread_count(monkeypatch):
+    """As the forward's plans: a repeated dense backward takes its first call's plan and
+    gives the same bits, other options plan anew, and after numba.set_num_threads(1) the
+    call plans anew and runs on one thread, with gradients as close to the golden model."""
+    import numba
+
+    from tileattn.cpu import threads
+
+    q, k, v = _inputs((1, 2, 200, 32), (1, 1, 200, 32), (1, 1, 200, 16), seed=5)
+    o, lse = tileattn.forward(q, k, v, causal=True, backend="cpu", return_lse=True)
+    do = np.random.default_rng(6).standard_normal(o.shape).astype(np.float32)
+    cpu._BACKWARD_PLANS.clear()
+    first = tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    assert len(cpu._BACKWARD_PLANS) == 1
+    planned, original = [], cpu._backward_plan
+    monkeypatch.setattr(cpu, "_backward_plan", lambda *a: planned.append(a) or original(*a))
+    again = tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    assert not planned
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+    tileattn.backward(do, q, k, v, o, lse, causal=True, softcap=5.0, backend="cpu")
+    assert len(planned) == 1 and len(cpu._BACKWARD_PLANS) == 2
+    runs = []
+    monkeypatch.setattr(threads, "FLOPS_PER_THREAD", 1.0)  # every call would want more
+    monkeypatch.setattr(threads, "run", lambda kernel, n, *a, run=threads.run: (
+        runs.append(n), run(kernel, n, *a)))
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        one_thread = tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    finally:
+        numba.set_num_threads(previous)
+    new_plans = 2 if previous > 1 else 1  # one thread is then the first call's count
+    assert len(planned) == new_plans and runs and set(runs) == {1}
+    for name, grad, golden in zip(("dq", "dk", "dv"), one_thread,
+                                  _golden_grads(do, q, k, v, o, causal=True)):
+        assert_attention_close(grad, golden, np.float32, name=name)
+    tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    assert len(planned) == new_plans  # the first call's thread count again: its plan
+
+
+@pytest.mark.parametrize("n_q", [1, 96], ids=["decode", "tiled"])
+def test_a_thread_with_its_own_thread_count_gets_its_own_plan(monkeypatch, n_q):
+    """numba.set_num_threads holds for the Python thread that calls it: a call from a thread
+    limited to one runs on one, while the same call from this thread keeps its threads."""
+    import numba
+
+    from tileattn.cpu import threads
+
+    if numba.get_num_threads() < 2:
+        pytest.skip("one thread here")
+    q, k, v = _inputs((1, 4, n_q, 32), (1, 4, 500, 32), (1, 4, 500, 32), seed=7)
+    monkeypatch.setattr(threads, "FLOPS_PER_THREAD", 1.0)  # every call would want more
+    runs = []
+    monkeypatch.setattr(threads, "run", lambda kernel, n, *a, run=threads.run: (
+        runs.append((threading.get_ident(), n)), run(kernel, n, *a)))
+    expected = tileattn.forward(q, k, v, backend="cpu")
+    results = []
+
+    def limited():
+        numba.set_num_threads(1)
+        results.append(tileattn.forward(q, k, v, backend="cpu"))
+
+    worker = threading.Thread(target=limited)
+    worker.start()
+    worker.join()
+    tileattn.forward(q, k, v, backend="cpu")
+    assert [n for ident, n in runs if ident == worker.ident] == [1]
+    assert all(n > 1 for ident, n in runs if ident != worker.ident)
+    assert_attention_close(results[0], _golden(q, k, v)[0], np.float32)
+    assert_attention_close(expected, _golden(q, k, v)[0], np.float32)
+
+
+def _strided(array, rng):
+    """`array`'s values in an array of the same shape and dtype with other strides: every
+    second row of a taller one, its last two axes stored transposed."""
+    taller = rng.standard_normal(array.shape[:-2] + (array.shape[-1], 2 * array.shape[-2]))
+    view = taller.astype(array.dtype).swapaxes(-1, -2)[..., ::2, :]
+    view[...] = array
+    return view
+
+
+@pytest.mark.parametrize("n_q", [1, 96], ids=["decode", "tiled"])
+def test_same_shapes_with_other_strides_or_byte_order_give_the_same_bits(n_q):
+    """The remembered problem and the kernels' plans are kept per shape, dtype and options:
+    a call of the same shapes whose arrays have other strides, another byte order or are
+    read-only gives the bits of the contiguous native call, leaves its inputs as they were,
+    and returns arrays that share no memory with them."""
+    rng = np.random.default_rng(n_q)
+    q, k, v = _inputs((2, 4, n_q, 32), (2, 2, 150, 32), (2, 2, 150, 16), seed=n_q)
+    o, lse = tileattn.forward(q, k, v, causal=True, backend="cpu", return_lse=True)
+    do = rng.standard_normal(o.shape).astype(np.float32)
+    grads = tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    swapped = [a.astype(a.dtype.newbyteorder()) for a in (q, k, v, do, o, lse)]
+    read_only = [a.copy() for a in (q, k, v, do, o, lse)]
+    for a in read_only:
+        a.flags.writeable = False
+    for arrays in ([_strided(a, rng) for a in (q, k, v, do, o)] + [lse], swapped, read_only):
+        kept = [a.copy() for a in arrays]
+        for _ in range(2):  # the second call is a remembered signature, where remembered
+            o_again, lse_again = tileattn.forward(*arrays[:3], causal=True, backend="cpu",
+                                                  return_lse=True)
+            grads_again = tileattn.backward(*arrays[3:4], *arrays[:3], *arrays[4:],
+                                            causal=True, backend="cpu")
+            for result, expected in zip((o_again, lse_again, *grads_again), (o, lse, *grads)):
+                assert result.dtype == expected.dtype and result.dtype.isnative
+                assert result.tobytes() == expected.tobytes()
+                assert not any(np.shares_memory(result, a) for a in arrays)
+        for a, before in zip(arrays, kept):
+            assert a.tobytes() == before.tobytes()
+
+
+def test_the_cpu_caches_keep_no_array_alive():
+    import gc
+    import weakref
+
+    q, k, v = _inputs((1, 2, 1, 16), (1, 2, 40, 16), (1, 2, 40, 16), seed=8)
+    for _ in range(2):
+        o, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True)
+        grads = tileattn.backward(o, q, k, v, o, lse, backend="cpu")
+    references = [weakref.ref(a) for a in (q, k, v, o, lse, *grads)]
+    del q, k, v, o, lse, grads
+    gc.collect()
+    assert all(reference() is None for reference in references)
+
+
 def test_run_gives_every_task_to_exactly_one_thread_and_reraises_errors():
     from tileattn.cpu import threads
 

@@ -59,6 +59,41 @@ def test_every_split_count_matches_the_golden_model(n_splits, heads, n_q, mask):
     assert_attention_close(lse, expected_lse, np.float32, name="lse")
 
 
+@pytest.mark.parametrize("lengths", ["dense", "padded"])
+def test_one_split_finishes_its_rows_with_the_bits_of_the_merge(lengths):
+    """A call of one key split finishes its rows in the decode kernel, with neither partial
+    arrays nor the merge kernel: the same bits as the merge of that split's partial state,
+    rows with a NaN, an infinity or no kept key (0 and -inf) and padding rows included."""
+    from tileattn.validation import validate
+
+    q, k, v = _inputs(3, 4, 2, 5, 60, seed=9)
+    k[0, 0, 50, 1] = np.nan  # reaches the rows of batch 0, kv head 0 that keep key 50
+    v[1, 1, 55, :] = v[2, 1, 5, :] = np.inf  # the first kept when dense, the other padded
+    # Padded: sequence 1's rows keep no key, and rows past each length are padding.
+    varlen = None if lengths == "dense" else {"seqlens_q": np.array([5, 2, 3]),
+                                              "seqlens_k": np.array([60, 0, 10])}
+    options = validate(q, k, v, causal=True, window=(12, None), scale=None, softcap=None,
+                       alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None, block_k=16,
+                       deterministic=True, varlen=varlen).options
+    arrays = tuple(cpu._read_only(x, np.dtype(np.float32)) for x in (q, k, v))
+    shape = cpu.Sequences(q, k, options)
+    scalars = cpu._option_scalars(options, len(shape.descriptors), q.shape[1])
+    out, lse = decode.forward(*arrays, options, scalars, cpu._kernel_lock, shape, n_splits=1)
+    sizing = decode.plan(*arrays, options, shape, n_splits=1)
+    partials = (np.zeros((1,) + out.shape, np.float32),
+                np.full((1,) + lse.shape, -np.inf, np.float32),
+                np.zeros((1,) + lse.shape, np.float32))
+    merged = np.zeros_like(out), np.full_like(lse, -np.inf)
+    kernels = decode._kernels()
+    threads.run(kernels.decode_kernel, 1, *arrays, *partials, *merged, shape.descriptors,
+                shape.block_table, shape.page_size, shape.slots_outer, *scalars,
+                sizing.block_k, sizing.split_size)
+    kernels.merge_kernel(*partials, *merged)
+    assert out.tobytes() == merged[0].tobytes() and lse.tobytes() == merged[1].tobytes()
+    assert np.isnan(lse).any() and np.isinf(out).any() and np.isfinite(lse).any()
+    assert np.isneginf(lse).any() == (lengths == "padded")
+
+
 @pytest.mark.parametrize("n_splits", [1, 3])
 def test_rows_that_keep_no_key_give_zero_and_minus_infinity(n_splits):
     # Causal with Nq > Nk: the first 3 of 8 rows keep nothing (bottom-right alignment).

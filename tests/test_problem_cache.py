@@ -343,3 +343,24 @@ def test_checked_lengths_are_remembered_and_checked_at_every_call(backend, valid
         fresh = tileattn.forward(q, k, v, causal=True, seqlens_k=np.array(lengths),
                                  backend=backend)
         np.testing.assert_array_equal(remembered, fresh)
+
+
+def test_keyword_order_does_not_matter_and_the_api_shares_the_entries(validations):
+    """`validate_call` takes the options by keyword in any order and remembers them under
+    the key that `tileattn.forward` uses (`remembered_problem`); a missing or unknown
+    keyword is validation's TypeError."""
+    calls = validations.calls
+    q, k, v = _arrays((1, 2, 5, 8), (1, 2, 7, 8))
+    options = dict(FORWARD_OPTIONS, causal=True)
+    problem_cache._PROBLEMS.clear()
+    tileattn.forward(q, k, v, causal=True, backend="reference")
+    in_reverse = dict(reversed(list(options.items())))
+    remembered = problem_cache.validate_call(q, k, v, **in_reverse)
+    assert len(calls) == 1
+    with validations.paused():
+        _same_problem(remembered, validate(q, k, v, **options))
+    with pytest.raises(TypeError, match="not_an_option"):
+        problem_cache.validate_call(q, k, v, **options, not_an_option=1)
+    del options["seed"]
+    with pytest.raises(TypeError, match="seed"):
+        problem_cache.validate_call(q, k, v, **options)
