@@ -98,7 +98,9 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
 def _read_only(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """A read-only C-contiguous view in `dtype`, copying only when the input is not one."""
     view = np.ascontiguousarray(array, dtype=dtype).view()
-    view.setflags(write=False)  # 0.7 us, where setting ``flags.writeable`` takes 1.1
+    # write=False, passed by position: ~0.25 us, against ~0.5 by keyword and ~0.8 through
+    # ``flags.writeable`` (2-core development host; a backward makes six of these).
+    view.setflags(False)
     return view
 
 
@@ -440,8 +442,8 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
                 else _NO_PARTS[dtype])
     with _kernel_lock, blas.single_threaded():
         kernels.row_terms_kernel(do_c, o_c, lse_c, delta, safe_lse)
-        delta.setflags(write=False)
-        safe_lse.setflags(write=False)
+        delta.setflags(False)  # write=False (`_read_only`)
+        safe_lse.setflags(False)
         for kernel_schedule, n_workers, tiles in plan.runs:
             threads.run(kernels.backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse,
                         delta, dq, dq_parts, dk, dv, shape.descriptors, *plan.scalars,

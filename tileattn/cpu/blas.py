@@ -61,14 +61,14 @@ class _OneThread:
     (about 10 us a call, a tenth of a small forward's host time, and decode steps are
     small); this asks each library its thread count alone and sets only those above one."""
 
-    def __init__(self, libraries):
-        self._libraries = libraries  # (controller, its setter) pairs
+    def __init__(self, counters):
+        self._counters = counters  # (getter, setter) pairs, one per library
         self._restore = []
 
     def __enter__(self):
         self._restore = []
-        for library, set_num_threads in self._libraries:
-            threads = library.get_num_threads()
+        for get_num_threads, set_num_threads in self._counters:
+            threads = get_num_threads()
             if threads != 1:
                 set_num_threads(1)
                 self._restore.append((set_num_threads, threads))
@@ -89,9 +89,28 @@ def _libraries() -> tuple:
         (library, _setter(library)) for library in controller.lib_controllers)
 
 
+@functools.cache
+def _counters() -> tuple:
+    """A ``(get_num_threads, set_num_threads)`` pair per library of `_libraries`: for a
+    pthreads OpenBLAS, its own C functions, which threadpoolctl's methods call after
+    looking them up again at each call (a ctypes call ~0.3 us, a method ~1 us on the
+    2-core development host; the limit costs a get and two sets per kernel call); for
+    the others, threadpoolctl's getter and `_setter`'s setter."""
+    counters = []
+    for library, set_num_threads in _libraries():
+        functions = (library.get_num_threads, set_num_threads)
+        symbol = getattr(library, "_get_symbol", None)
+        if set_num_threads == getattr(library, "_real_set_num_threads", None) and symbol:
+            own = symbol("openblas_get_num_threads"), symbol("openblas_set_num_threads")
+            if None not in own:
+                functions = own
+        counters.append(functions)
+    return tuple(counters)
+
+
 def single_threaded():
     """Context manager: SciPy's BLAS limited to one thread (or nothing, if it cannot)."""
-    libraries = _libraries()
-    if not libraries:
+    counters = _counters()
+    if not counters:
         return contextlib.nullcontext()
-    return _OneThread(libraries)
+    return _OneThread(counters)
