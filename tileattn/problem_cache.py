@@ -89,8 +89,8 @@ def _signature(arrays_in: tuple, natives: tuple, n_inputs: int, layout, check_le
     call remembers (`_remember`): their dtypes differ from the native ones'."""
     signatures = tuple(map(_HOST_SIGNATURE if natives is arrays_in else _array_signature,
                            natives))
-    writeable = tuple(array.flags.writeable for array in natives[n_inputs:]
-                      if type(array) is np.ndarray)
+    writeable = () if len(natives) == n_inputs else tuple(
+        array.flags.writeable for array in natives[n_inputs:] if type(array) is np.ndarray)
     # The types too, inside tuples as well: causal=1 and causal=True compare (and hash)
     # equal, as do window=(True, 1) and (1, 1), but validation rejects the bool and the
     # int; and a tensor's results go back as tensors. Plain scalars give the same tuple

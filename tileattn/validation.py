@@ -552,6 +552,8 @@ def _check_not_masked(name: str, array) -> None:
 
 
 def check_backend_name(backend) -> str:
+    if type(backend) is str and (backend in REGISTRY or backend == "auto"):
+        return backend
     names = ("auto",) + tuple(REGISTRY)
     if backend not in names:
         raise ValueError(f"backend must be one of {names}, got {backend!r}")

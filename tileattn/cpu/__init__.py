@@ -278,9 +278,10 @@ class _ForwardPlan:
 
 # Dense forwards per signature: the validated options object (hashed by identity; the
 # problem cache hands the same one back for a repeated call), the arrays' shapes, the
-# compute dtype and Numba's thread count. A decode step or a small call then skips the
-# planning, ~10 us of Python a call (bench/NOTES-cpu.md, session 12). Calls with new
-# options every time (a dropout seed per step) only cycle the cache.
+# compute dtype and Numba's thread count (the calling thread's: `threads.allowed`). A
+# decode step or a small call then skips the planning, ~10 us of Python a call
+# (bench/NOTES-cpu.md, session 12). Calls with new options every time (a dropout seed
+# per step) only cycle the cache.
 _FORWARD_PLANS: dict = {}
 _PLAN_LIMIT = 64
 
