@@ -558,16 +558,23 @@ def test_backward_by_warp_pairs(dtype, dims, tiles, paired, options):
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
                          ids=["causal", "every-option"])
 def test_float32_single_pass_backward(dims, options):
-    """deterministic=False in float32: the table's dK/dV kernel adds dQ into float32 sums
-    itself (no dQ kernel; on warp pairs at D 192 and 256, and column ranges past the head
-    width at D 80, 160 and 40), through the API (MHA: so small a GQA grid takes the two
-    kernels); then on GQA called directly in turns (ORDERED): bitwise the same twice,
+    """float32's single pass: the table's dK/dV kernel adds dQ into float32 sums itself
+    (no dQ kernel; on warp pairs at D 192 and 256, and column ranges past the head width
+    at D 80, 160 and 40), through the API (MHA: so small a GQA grid takes the two
+    kernels) in arrival order (deterministic=False) and in turns (the default: bitwise the
+    same twice); then on GQA called directly in turns (ORDERED): bitwise the same twice,
     against the golden model."""
     head_dim, value_dim = dims
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 4, 263, head_dim), (2, 4, 263, value_dim),
                       np.float32, seed=5)
     do = np.random.default_rng(2).standard_normal((2, 4, 200, value_dim)).astype(np.float32)
     _check(q, k, v, do, deterministic=False, **options)
+    _check(q, k, v, do, **options)
+    device = [cupy.asarray(a) for a in (q, k, v, do)]
+    o, lse = tileattn.forward(*device[:3], backend="gpu", return_lse=True, **options)
+    for first, again in zip(*(tileattn.backward(device[3], *device[:3], o, lse, backend="gpu",
+                                                **options) for _ in range(2))):
+        assert cupy.array_equal(first, again)
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),
                       np.float32)
     do = np.random.default_rng(1).standard_normal((2, 4, 200, value_dim)).astype(np.float32)

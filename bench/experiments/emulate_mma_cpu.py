@@ -5,7 +5,7 @@ its splits merged in the kernel; dense and paged K/V) and the 3xTF32 forward
 emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they
 add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) computed by
 meaning, checked against the float64 golden model. The backward's single pass runs in arrival order
-(not ORDERED); the non-finite-key redo is not run.
+and in turns (ORDERED); the non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass | --launcher]
@@ -279,9 +279,11 @@ extern "C" void run_dkdv(const element* q, const element* k, const element* v,
                          i64 n_q, i64 n_k, int n_q_heads, int group, const i64* s,
                          const float* reals, const i64* band, const unsigned* bits, int blocks,
                          int threads, int shared) {
-    int turns = 0, flags[4096] = {};
+    // ORDERED: the ticket, then the turns (zeroed, as the launcher's).
+    std::vector<int> turns(1 << 16, 0);
+    int flags[4096] = {};
     run_blocks([&] {
-        attention_backward_dkdv_mma(q, k, v, d_out, lse, delta, dk, dv, dq_sum, &turns, flags,
+        attention_backward_dkdv_mma(q, k, v, d_out, lse, delta, dk, dv, dq_sum, turns.data(), flags,
                                     slopes, n_q, n_k, n_q_heads, group, s[0], s[1], s[2], s[3],
                                     s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11],
                                     reals[0], reals[1], band[0], band[1], band[2], bits[0],
@@ -382,14 +384,16 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
 
 
 def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
-                     single_pass: bool = False, **kwargs):
+                     single_pass: bool = False, ordered: bool = False, **kwargs):
     """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
     two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired` says so
     (dQ's too), or in two launches where `tiles.split`) for host arrays; D = rowsum(do * o)
     and lse as the launcher passes them (float32, contiguous). With `sequence_first` the
     gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are.
     `single_pass`: the dK/dV kernel alone adds dQ into float32 sums (SINGLE_PASS, in
-    arrival order), which attention_backward_dq_convert's arithmetic turns into dq."""
+    arrival order, or in turns with `ordered`: ORDERED, its blocks' tickets taken in the
+    emulation's sequential order), which attention_backward_dq_convert's arithmetic turns
+    into dq."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -413,7 +417,8 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                   VALUE_DIM=value_dim,
                   COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
-                  ORDERED=0, SINGLE_PASS=int(single_pass), DEFERRED_COPIES=1,
+                  ORDERED=int(single_pass and ordered), SINGLE_PASS=int(single_pass),
+                  DEFERRED_COPIES=1,
                   STRIDED_OUT=int(sequence_first), **switches)
     launches = ([] if single_pass else [("dq", 0)]) + [
         ("dkdv", part) for part in ((1, 2) if tiles.split else (0,))]
@@ -665,6 +670,11 @@ SINGLE_PASS_CASES = [
     ("float32", (2, 2, 1, 70, 90, 24, 24), {"window": (20, 10), "dropout_p": 0.2, "seed": 3,
                                             "alibi_slopes": np.array([0.3, 0.1])},
      MmaBackwardTiles((32, 32), (32, 32))),
+    # No band (every key block visits every query tile: turns in block order) and a window
+    # limited on the left only (turns counted from each tile's first key block).
+    ("float32", (1, 2, 2, 100, 130, 32, 32), {}, MmaBackwardTiles((32, 16), (32, 16))),
+    ("float32", (1, 2, 1, 100, 130, 16, 16), {"window": (40, None)},
+     MmaBackwardTiles((32, 16), (32, 16))),
 ]
 
 
@@ -891,11 +901,14 @@ def main() -> int:
         wide = [a.astype(np.float64) for a in (q, k, v, do)]
         o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
         golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
-        # The single pass writes contiguous gradients only.
-        for sequence_first in (False,) if single_pass else (False, True):
+        # The single pass writes contiguous gradients only; it runs in arrival order and in
+        # turns (ORDERED).
+        for sequence_first, ordered in (((False, False), (False, True)) if single_pass
+                                        else ((False, False), (True, False))):
             grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
-                                     single_pass, **options)
-            label = (f"backward{' single pass' if single_pass else ''} {name} q{q.shape} "
+                                     single_pass, ordered, **options)
+            mode = " in turns" if ordered else ""
+            label = (f"backward{' single pass' if single_pass else ''}{mode} {name} q{q.shape} "
                      f"k{k.shape} v{v.shape} {sorted(options)} "
                      f"{tiles}{' gradients (B, N, H, D)' if sequence_first else ''}")
             try:

@@ -18,9 +18,9 @@
 // over its keys, into a float32 buffer (FA2's single pass): 5 tile products instead of 7.
 // Without ORDERED (deterministic=False) the additions land in whatever order the blocks
 // reach them. With ORDERED the key blocks of a head take turns on each query tile through
-// a counter per (head, query tile), in a fixed order, so dq is bitwise reproducible; the
-// order is the one in which the blocks arrive when they run in step (see dq_turn_rank), so
-// a block rarely waits. dS goes through shared memory, as the dQ product needs it with
+// a counter per (head, query tile), in ascending order of the key blocks, so dq is
+// bitwise reproducible; blocks that run together trail each other by a turn
+// (backward_single_pass.cuh: dq_turn_rank). dS goes through shared memory, as the dQ product needs it with
 // queries as rows; attention_backward_dq_convert scales and rounds the buffer into dq.
 //
 // Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
@@ -599,8 +599,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 
     const SequenceTables tables = SEQUENCE_TABLES;
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyBlock owned = key_block<kBandedGrid && !ORDERED>(OWNED_ROWS, n_q_total, n_k_total,
-                                                              band_offset, n_kv_heads, tables);
+    // ORDERED: turns need a head's key blocks in ascending order (backward_single_pass.cuh),
+    // which the tile-major order keeps; it also starts few blocks of a head together, so
+    // few trail each other, and under a causal band the longest first.
+#if ORDERED
+    const i64 block_index = ordered_block_index(dq_turns);
+    int* const turns = dq_turns + 1;
+#else
+    const i64 block_index = blockIdx.x;
+#endif
+    const KeyBlock owned = key_block<kBandedGrid || ORDERED>(
+        OWNED_ROWS, n_q_total, n_k_total, band_offset, n_kv_heads, tables, block_index);
     const i64 batch = owned.batch, n_q = owned.n_q, n_k = owned.n_k;
     const int kv_head = owned.kv_head;
     const Band band{owned.band_offset, window_left, window_right};
@@ -637,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     if (tile_begin == tile_end) {  // no query keeps these keys: dk = dv = 0
         if (computes_dk) store_rows<HEAD_DIM>(dk_acc, 0.0f, dk_head, col_start + slab * 16, n_k);
         if (computes_dv) store_rows<VALUE_DIM>(dv_acc, 0.0f, dv_head, col_start + slab * 16, n_k);
-        if (FLAG_NON_FINITE_KEYS && kComputesDk && threadIdx.x == 0) key_flags[blockIdx.x] = 0;
+        if (FLAG_NON_FINITE_KEYS && kComputesDk && threadIdx.x == 0) key_flags[block_index] = 0;
         return;
     }
 
@@ -661,19 +670,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         const element* q_head = q + batch * q_sb + head * q_sh + owned.row_base * q_sn;
         const element* do_head = d_out + batch * do_sb + head * do_sh + owned.row_base * do_sn;
         const i64 head_row0 = array_head * n_q_total + owned.row_base;  // in lse and D
-        // ORDERED without a band: block `tile` starts at its own query tile and wraps.
-        const i64 n_q_tiles = (n_q + STREAMED_ROWS - 1) / STREAMED_ROWS;
-        const i64 n_k_blocks = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
-        const i64 rotation =
-            ORDERED && !LIMIT_LEFT && !LIMIT_RIGHT ? tile * n_q_tiles / n_k_blocks : 0;
-        // The single pass in arrival order under a band walks its query tiles from the
-        // last: the blocks of a head that run together then add to the same dQ rows at
-        // once, where an ascending walk (each block from its own first tile) spreads
-        // their additions over the whole of dQ (float32 causal: 0-3 % faster, NOTES-gpu
-        // v40).
-        constexpr bool kDescending = SINGLE_PASS && !ORDERED && (LIMIT_LEFT || LIMIT_RIGHT);
+        // The single pass under a band walks its query tiles from the last: the blocks of
+        // a head that run together then add to the same dQ rows at once, where an
+        // ascending walk (each block from its own first tile) spreads their additions
+        // over the whole of dQ (float32 causal: 0-3 % faster in arrival order, NOTES-gpu
+        // v40), and in turns they trail each other by a turn, not by tiles.
+        constexpr bool kDescending = SINGLE_PASS && (LIMIT_LEFT || LIMIT_RIGHT);
         const auto visited_tile = [&](i64 step) {
-            return kDescending ? tile_begin + tile_end - 1 - step : (step + rotation) % n_q_tiles;
+            return kDescending ? tile_begin + tile_end - 1 - step : step;
         };
         const auto load_queries = [&](int stage, i64 query_tile) {
             const i64 start = query_tile * STREAMED_ROWS;
@@ -786,15 +790,19 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                               masked && tile_has_non_finite<OWNED_ROWS, kHeadWidth, kQkPitch,
                                                             kThreads>(k_tile))
                         : (__syncthreads(), false);
-                int* turn = dq_turns + array_head * n_q_tiles + query_tile;
-                if (ORDERED)
-                    wait_for_turn(turn, dq_turn_rank(band, query_tile, tile, n_q_tiles,
-                                                     n_k_blocks, n_q, n_k));
                 const TileMask mask =
                     tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k);
-                add_query_tile_dq(ds_tile, k_tile, dq_sum + array_head * n_q * HEAD_DIM,
-                                  query_start, n_q, k_non_finite, mask);
-                if (ORDERED) pass_turn(turn);
+                float* const dq_head = dq_sum + array_head * n_q * HEAD_DIM;
+#if ORDERED
+                const i64 n_q_tiles = (n_q + STREAMED_ROWS - 1) / STREAMED_ROWS;
+                add_query_tile_dq_in_turn(ds_tile, k_tile, dq_head, query_start, n_q,
+                                          k_non_finite, mask,
+                                          turns + array_head * n_q_tiles + query_tile,
+                                          dq_turn_rank(band, query_tile, tile, n_q, n_k));
+#else
+                add_query_tile_dq(ds_tile, k_tile, dq_head, query_start, n_q, k_non_finite,
+                                  mask);
+#endif
             }
 #endif
         });
@@ -806,5 +814,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         flag_non_finite_keys(
             key_flags,
             tile_has_non_finite<OWNED_ROWS, kHeadWidth, kQkPitch, kThreads>(k_tile) ||
-                tile_has_non_finite<OWNED_ROWS, kValueWidth, kVPitch, kThreads>(v_tile));
+                tile_has_non_finite<OWNED_ROWS, kValueWidth, kVPitch, kThreads>(v_tile),
+            block_index);
 }

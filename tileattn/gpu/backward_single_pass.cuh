@@ -140,59 +140,95 @@ __device__ __forceinline__ void store_scores(const Accumulators<STREAMED_ROWS>& 
 // 0 x NaN, and the kept pairs' terms with them are added on CUDA cores from ds_tile and the
 // K tile (kept_products.cuh; `mask`'s rows are the tile's queries, its columns the owned
 // keys). The owned K tile itself stays as it is: every later query tile's S^T reads it.
-__device__ __forceinline__ void add_query_tile_dq(const ds_element* ds_tile,
-                                                  const element* k_tile, float* dq_head,
-                                                  i64 query_start, i64 n_q, bool k_non_finite,
-                                                  const TileMask& mask) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int slab = warp % kDqShareSlabs, column0 = (warp / kDqShareSlabs) * kDqShareColumns;
-    if (column0 >= HEAD_DIM) return;
-    Accumulators<kDqShareColumns> acc;
+// This warp's part of a query tile's dQ share: a 16-row slab and the column range from
+// column0; a range wholly past the head width holds nothing.
+struct DqShareWarp {
+    int slab, column0;
+    __device__ __forceinline__ bool holds() const { return column0 < HEAD_DIM; }
+};
+
+__device__ __forceinline__ DqShareWarp dq_share_warp() {
+    const int warp = threadIdx.x / 32;
+    return {warp % kDqShareSlabs, (warp / kDqShareSlabs) * kDqShareColumns};
+}
+
+// The warp's share of dS K (its part must hold columns), the kept non-finite terms included.
+__device__ __forceinline__ void query_tile_dq_share(const ds_element* ds_tile,
+                                                    const element* k_tile, DqShareWarp part,
+                                                    bool k_non_finite, const TileMask& mask,
+                                                    Accumulators<kDqShareColumns>& acc) {
+    const int lane = threadIdx.x % 32;
     acc.clear();
-    dq_share_product(ds_tile, k_tile, slab, column0, kBandMasksKeys && k_non_finite, acc);
+    dq_share_product(ds_tile, k_tile, part.slab, part.column0, kBandMasksKeys && k_non_finite,
+                     acc);
     if (kBandMasksKeys && k_non_finite) {
-        const int row0 = slab * 16 + lane / 4, quad_col = lane % 4;
+        const int row0 = part.slab * 16 + lane / 4, quad_col = lane % 4;
         add_kept_non_finite_values<OWNED_ROWS / 8>(
             acc.tile, [&](int, int half) { return mask.row_window(row0 + 8 * half, 0); },
             [&](int, int n, int half, int odd) {
                 return stored_score(ds_tile, row0 + 8 * half, n * 8 + 2 * quad_col + odd);
             },
             [&](int key, int col) {
-                return element_value(k_tile[key * kQkPitch + column0 + col]);
+                return element_value(k_tile[key * kQkPitch + part.column0 + col]);
             });
     }
+}
+
+// dq_head's rows of the tile += the warp's share, rows past n_q and columns past HEAD_DIM
+// left out.
+__device__ __forceinline__ void add_dq_share(const Accumulators<kDqShareColumns>& acc,
+                                             DqShareWarp part, float* dq_head, i64 query_start,
+                                             i64 n_q) {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const i64 query = query_start + slab * 16 + lane / 4 + 8 * half;
+        const i64 query = query_start + part.slab * 16 + lane / 4 + 8 * half;
         if (query >= n_q) continue;
-        float* row = dq_head + query * HEAD_DIM + column0 + 2 * (lane % 4);
+        float* row = dq_head + query * HEAD_DIM + part.column0 + 2 * (lane % 4);
 #pragma unroll
         for (int n = 0; n < kDqShareColumns / 8; ++n)
-            if (column0 + n * 8 < HEAD_DIM)
+            if (part.column0 + n * 8 < HEAD_DIM)
                 add_pair(row + n * 8, acc.tile[n][2 * half], acc.tile[n][2 * half + 1]);
     }
 }
 
-// ORDERED: the turn of key block `block` (of n_blocks) on query tile `tile` (of n_tiles).
-// Without a band every block visits every query tile, block b starting at tile
-// b * n_tiles / n_blocks and wrapping, so running in step the blocks reach a tile in
-// descending order from the last block that started at or before it. With a band a block
-// visits its tiles in ascending order from the first it reaches, later blocks starting
-// later (a causal diagonal), so they arrive in descending order from the last block that
-// reaches the tile. Any fixed rank is deterministic; this one keeps the waits short.
-__device__ __forceinline__ int dq_turn_rank(const Band& band, i64 tile, i64 block, i64 n_tiles,
-                                            i64 n_blocks, i64 n_q, i64 n_k) {
-    i64 top;
-    if (!LIMIT_LEFT && !LIMIT_RIGHT) {
-        top = min(n_blocks - 1, ((tile + 1) * n_blocks + n_tiles - 1) / n_tiles - 1);
-        return static_cast<int>((top - block + n_blocks) % n_blocks);
-    }
+__device__ __forceinline__ void add_query_tile_dq(const ds_element* ds_tile,
+                                                  const element* k_tile, float* dq_head,
+                                                  i64 query_start, i64 n_q, bool k_non_finite,
+                                                  const TileMask& mask) {
+    const DqShareWarp part = dq_share_warp();
+    if (!part.holds()) return;
+    Accumulators<kDqShareColumns> acc;
+    query_tile_dq_share(ds_tile, k_tile, part, k_non_finite, mask, acc);
+    add_dq_share(acc, part, dq_head, query_start, n_q);
+}
+
+// ORDERED: the key blocks that visit a query tile add their shares to it in ascending
+// order of their index, here the turn (rank) of key block `block` (within its head) on
+// query tile `tile`. Blocks take their grid index from a ticket as they start
+// (ordered_block_index), so a block only ever waits on blocks that run already or have
+// finished, whatever order the hardware dispatches them in: no deadlock. Every block walks
+// its query tiles in the same direction (ascending without a band; descending under one,
+// from its last tile, which under a causal band all of a head's blocks share), so blocks
+// that start together reach a tile together and each trails the one before it by a turn
+// (its additions and a fence), not by whole tiles.
+__device__ __forceinline__ int dq_turn_rank(const Band& band, i64 tile, i64 block, i64 n_q,
+                                            i64 n_k) {
+    if (!LIMIT_LEFT && !LIMIT_RIGHT) return static_cast<int>(block);
     i64 key_first, key_stop;
     band_key_range<LIMIT_LEFT, LIMIT_RIGHT>(band, tile * STREAMED_ROWS,
                                             min((tile + 1) * STREAMED_ROWS, n_q), n_k,
                                             &key_first, &key_stop);
-    top = (key_stop - 1) / OWNED_ROWS;
-    return static_cast<int>(top - block);
+    return static_cast<int>(block - key_first / OWNED_ROWS);
+}
+
+// ORDERED: this block's grid index, from a counter the launcher zeroes (`ticket`), in the
+// order in which the blocks start.
+__device__ __forceinline__ i64 ordered_block_index(int* ticket) {
+    __shared__ int index;
+    if (threadIdx.x == 0) index = atomicAdd(ticket, 1);
+    __syncthreads();
+    return index;
 }
 
 __device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {
@@ -210,9 +246,28 @@ __device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {
     __syncthreads();
 }
 
-// After this block's additions: they are ordered before the counter moves on.
+// After this block's additions: every warp's are ordered before the counter moves on by
+// the barrier and thread 0's fence (the other warps go on meanwhile).
 __device__ __forceinline__ void pass_turn(int* turn) {
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(turn, 1);
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(turn, 1);
+    }
+}
+
+// ORDERED: add_query_tile_dq in this block's turn; the share is multiplied out before the
+// wait, so a turn holds only the additions.
+__device__ __forceinline__ void add_query_tile_dq_in_turn(const ds_element* ds_tile,
+                                                          const element* k_tile, float* dq_head,
+                                                          i64 query_start, i64 n_q,
+                                                          bool k_non_finite,
+                                                          const TileMask& mask, int* turn,
+                                                          int rank) {
+    const DqShareWarp part = dq_share_warp();
+    Accumulators<kDqShareColumns> acc;
+    if (part.holds()) query_tile_dq_share(ds_tile, k_tile, part, k_non_finite, mask, acc);
+    wait_for_turn(turn, rank);
+    if (part.holds()) add_dq_share(acc, part, dq_head, query_start, n_q);
+    pass_turn(turn);
 }

@@ -273,9 +273,8 @@ struct GridCell {
 };
 
 template <bool kTileMajor>
-__device__ __forceinline__ GridCell grid_cell(i64 n_tiles) {
+__device__ __forceinline__ GridCell grid_cell(i64 n_tiles, i64 block = blockIdx.x) {
     const i64 n_heads = gridDim.x / n_tiles;
-    const i64 block = blockIdx.x;
     return {kTileMajor ? block % n_heads : block / n_tiles,
             kTileMajor ? block / n_heads : block % n_tiles};
 }
@@ -311,11 +310,12 @@ struct KeyTile {
 
 // Key-tile kernels (dK/dV) own one kv head's key tile and loop over its query heads; the
 // first key tiles see the most queries under a causal band, so they run first.
-// The ordered single pass (attention_mma_backward.cu) ranks its blocks' turns by the
-// head-major launch order, so it asks for `kTileMajor` false under a band too.
+// The ordered single pass (attention_mma_backward.cu) asks for `kTileMajor` without a
+// band too, and passes the index it took from its ticket as `block`.
 template <bool kTileMajor = kBandedGrid>
-__device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads) {
-    const GridCell cell = grid_cell<kTileMajor>((n_k + block_k - 1) / block_k);
+__device__ __forceinline__ KeyTile key_tile_of_block(i64 n_k, int block_k, int n_kv_heads,
+                                                    i64 block = blockIdx.x) {
+    const GridCell cell = grid_cell<kTileMajor>((n_k + block_k - 1) / block_k, block);
     KeyTile owned;
     owned.batch_kv_head = cell.head;
     owned.tile = cell.tile;

@@ -124,9 +124,10 @@ __device__ __forceinline__ bool shared_tile_has_non_finite(u32 tile) {
 // in a streamed tile are zero rows; against such a key they make 0 x inf = NaN, which a
 // select per score would keep out at a measured 6-10 % of the backward, so the flagged
 // blocks are computed again on CUDA cores over the real queries only.
-__device__ __forceinline__ void flag_non_finite_keys(int* key_flags, bool found) {
+__device__ __forceinline__ void flag_non_finite_keys(int* key_flags, bool found,
+                                                    i64 block = blockIdx.x) {
     found = __syncthreads_or(found);
-    if (threadIdx.x == 0) key_flags[blockIdx.x] = found;
+    if (threadIdx.x == 0) key_flags[block] = found;
 }
 
 __device__ __forceinline__ bits16 load_shared_bits16(u32 address) {

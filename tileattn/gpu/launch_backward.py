@@ -21,7 +21,8 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
 from .tiles import (Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, backward_group_splits,
-                    choose_backward, dq_key_splits, takes_single_pass)
+                    choose_backward, dq_key_splits, runs_single_pass,
+                    takes_single_pass)
 from .varlen import Sequences, tile_grid
 from .workspace import workspace
 
@@ -446,12 +447,14 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in turns when
     ``options.deterministic`` (bitwise reproducible), in arrival order otherwise. Without
     it the dQ kernel recomputes each tile for dQ itself (7 tile products instead of 5,
-    deterministic). Default: the single pass only for ``deterministic=False`` where it
-    serves the problem (16-bit: D = Dv a multiple of 16; float32: D a multiple of 8; dK
-    and dV in one kernel, its dS tile within the shared memory; contiguous gradients: its
-    dQ buffer is converted as contiguous rows); taking turns cost more than the products
-    it saves (bench/NOTES-gpu.md, v5), and not where a GQA grid of few dK/dV blocks would
-    leave SMs idle (`tiles.takes_single_pass`: the two kernels cut its groups instead).
+    deterministic). Default: the single pass where it serves the problem (16-bit: D = Dv
+    a multiple of 16; float32: D a multiple of 8; dK and dV in one kernel, its dS tile
+    within the shared memory; contiguous gradients: its dQ buffer is converted as
+    contiguous rows), in float32 for both settings, in 16-bit for ``deterministic=False``
+    only (`tiles.runs_single_pass`: turns cost more than the products they save in 16-bit,
+    bench/NOTES-gpu.md v5, not in float32, v42); and not where a GQA grid of few dK/dV
+    blocks would leave SMs idle (`tiles.takes_single_pass`: the two kernels cut its groups
+    instead).
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -465,8 +468,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
         # which the single pass cannot: where its own grid would leave SMs idle, the two
         # kernels keep them busy.
         key_blocks = batch * n_kv_heads * -(-n_k // tiles.dkdv[0])
-        single_pass = not options.deterministic and takes_single_pass(
-            key_blocks, n_q_heads // n_kv_heads, sm_count(q.device.id))
+        single_pass = runs_single_pass(dtype_name(q.dtype), options.deterministic) and \
+            takes_single_pass(key_blocks, n_q_heads // n_kv_heads, sm_count(q.device.id))
     single_pass = single_pass and can_single and sequences is None
     ordered = single_pass and options.deterministic
     delta = row_deltas(do, o)[0]
@@ -474,12 +477,14 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                                                                      given, sequences)
     dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles.dkdv[1])
-    dq_turns = cupy.zeros(batch * n_q_heads * n_q_tiles if ordered else 0, dtype=cupy.int32)
+    # ORDERED: the blocks' ticket, then a turn counter per (batch x head, query tile).
+    dq_turns = cupy.zeros(1 + batch * n_q_heads * n_q_tiles if ordered else 0,
+                          dtype=cupy.int32)
     # float32 zeroes the tail's probabilities instead (QUERY_TAIL below), at no cost there.
     flagging = not is_float32 and _has_query_tail(n_q, tiles.dkdv[1], sequences)
     key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, dk, dv, options,
                                                   tiles.dkdv[0], flagging,
-                                                  Switches.of(options).banded and not ordered,
+                                                  Switches.of(options).banded or ordered,
                                                   sequences)
     group, sums, parts, key_grid, key_tables = _group_split(
         q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],

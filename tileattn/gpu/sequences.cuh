@@ -184,11 +184,12 @@ struct KeyBlock {
 template <bool kTileMajor = kBandedGrid>
 __device__ __forceinline__ KeyBlock key_block(int block_keys, i64 n_q, i64 n_k,
                                               i64 band_offset, int n_kv_heads,
-                                              const SequenceTables& tables) {
+                                              const SequenceTables& tables,
+                                              i64 block_index = blockIdx.x) {
     KeyBlock block;
 #if VARLEN
-    const i64 entry = blockIdx.x / n_kv_heads;
-    block.kv_head = static_cast<int>(blockIdx.x % n_kv_heads);
+    const i64 entry = block_index / n_kv_heads;
+    block.kv_head = static_cast<int>(block_index % n_kv_heads);
     const Sequence sequence = sequence_at(tables.descriptors, tables.tiles[2 * entry]);
     block.key_start = tables.tiles[2 * entry + 1];
     block.index = sequence.index;
@@ -199,7 +200,8 @@ __device__ __forceinline__ KeyBlock key_block(int block_keys, i64 n_q, i64 n_k,
     block.key_base = sequence.key_base;
     block.band_offset = sequence.band + band_offset;
 #else
-    const KeyTile owned = key_tile_of_block<kTileMajor>(n_k, block_keys, n_kv_heads);
+    const KeyTile owned = key_tile_of_block<kTileMajor>(n_k, block_keys, n_kv_heads,
+                                                        block_index);
     block.kv_head = owned.kv_head;
     block.key_start = owned.tile * block_keys;
     block.index = block.batch = owned.batch;

@@ -652,8 +652,13 @@ def describe(problem: Problem) -> dict[str, str]:
         if (isinstance(choice.tiles, MmaBackwardTiles) and choice.tiles.single_pass_fits(
                 problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
                 problem.shared_limit)):
-            lines[direction] += ("; deterministic=False: one kernel, dQ added by atomics "
-                                 "(SINGLE_PASS), unless a GQA grid too small for it cuts its groups over blocks")
+            lines[direction] += (
+                "; one kernel, dQ added in turns (SINGLE_PASS, ORDERED), with "
+                "deterministic=False in arrival order"
+                if runs_single_pass(problem.dtype, True) else
+                "; deterministic=False: one kernel, dQ added by atomics (SINGLE_PASS)")
+            lines[direction] += (", unless a GQA grid too small for it cuts its groups over "
+                                 "blocks")
     return lines
 
 
@@ -677,7 +682,7 @@ def backward_group_splits(key_blocks: int, group: int, sm_count: int) -> int:
                 (key_blocks * s >= target or s == group))
 
 
-# deterministic=False takes the single pass (5 tile products to the two kernels' 7) also
+# The single pass (5 tile products to the two kernels' 7) is taken also
 # over a GQA grid the two kernels would cut, where its blocks fill at least this share of
 # the waves they make: H200 float32 D 128 B4 N4k, Hq 16 over Hkv 2 (256 blocks) and over
 # Hkv 1 (128 blocks, one wave) 35 ms a backward against the cut two kernels' 46
@@ -685,10 +690,23 @@ def backward_group_splits(key_blocks: int, group: int, sm_count: int) -> int:
 SINGLE_PASS_WAVE_FILL = 0.75
 
 
+# The deterministic backward's single pass has its key blocks add dQ in turns (ORDERED;
+# attention_mma_backward.cu), in a fixed order. float32 takes it: H200 B4 N4k, backward
+# alone, D 64-256, 0.72-0.88 of the two kernels' time (NOTES-gpu v42). 16-bit keeps the
+# two kernels (in turns was slower on the H100, v5; not measured since).
+DETERMINISTIC_SINGLE_PASS_DTYPES = frozenset({"float32"})
+
+
+def runs_single_pass(dtype: str, deterministic: bool) -> bool:
+    """Whether a backward of this dtype and setting runs the single pass where it serves
+    the problem (and `takes_single_pass` the grid)."""
+    return not deterministic or dtype in DETERMINISTIC_SINGLE_PASS_DTYPES
+
+
 def takes_single_pass(key_blocks: int, group: int, sm_count: int) -> bool:
-    """Whether deterministic=False runs the single pass over `key_blocks` dK/dV blocks
-    (where it serves the problem): always where no GQA group would be cut over blocks,
-    else where the blocks fill SINGLE_PASS_WAVE_FILL of their waves."""
+    """Whether a backward that runs the single pass (`runs_single_pass`) takes it over
+    `key_blocks` dK/dV blocks: always where no GQA group would be cut over blocks, else
+    where the blocks fill SINGLE_PASS_WAVE_FILL of their waves."""
     if backward_group_splits(key_blocks, group, sm_count) == 1:
         return True
     waves = -(-key_blocks // sm_count)
@@ -1261,8 +1279,8 @@ def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice
 
 
 def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
-    """Where a dense deterministic backward cuts each GQA group over blocks
-    (`backward_group_splits`), a line saying so and what deterministic=False runs there
+    """Where a dense backward's two kernels cut each GQA group over blocks
+    (`backward_group_splits`), a line saying so and what the single pass does there
     (`takes_single_pass`), else None."""
     choice = choose_backward(problem)
     if choice.family == "generic" or shape.group == 1:
@@ -1280,10 +1298,12 @@ def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
     if isinstance(choice.tiles, MmaBackwardTiles) and choice.tiles.single_pass_fits(
             problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
             problem.shared_limit):
-        line += ("; deterministic=False runs the single pass uncut (its blocks fill "
+        who = ("float32 (either setting of deterministic)"
+               if runs_single_pass(problem.dtype, True) else "deterministic=False")
+        line += (f"; {who} runs the single pass uncut (its blocks fill "
                  f"at least {SINGLE_PASS_WAVE_FILL:.0%} of their waves)"
                  if takes_single_pass(key_blocks, shape.group, shape.sm_count)
-                 else "; deterministic=False too (the single pass would leave SMs idle)")
+                 else f"; {who} too (the single pass would leave SMs idle)")
     return line
 
 
