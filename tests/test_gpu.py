@@ -596,6 +596,31 @@ def test_float32_single_pass_backward(dims, options):
         assert_attention_close(grad.get(), want, np.float32, name=name)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float32_turns_over_more_key_blocks_than_the_device_holds(causal):
+    """The float32 backward in turns (the default) over one head of 32k keys at D 256: 512
+    key blocks of 64, more than the device runs at once, so a turn that waited on a block
+    not started yet would hang here. Bitwise the same twice; dk and dv bitwise those of
+    the single pass in arrival order (the same walk over the same tiles), dq within
+    float32's tolerance of it (only the order of its additions differs)."""
+    n, head_dim = 32768, 256
+    q, k, v = (cupy.asarray(a) for a in _inputs((1, 1, n, head_dim), (1, 1, n, head_dim),
+                                                 (1, 1, n, head_dim), np.float32, seed=9))
+    do = cupy.asarray(np.random.default_rng(3).standard_normal(q.shape).astype(np.float32))
+    o, lse = tileattn.forward(q, k, v, backend="gpu", return_lse=True, causal=causal)
+    problem = problem_of(q, k, v, _resolved_options(q, k, v, {"causal": causal}))
+    key_blocks = n // tile_tables.choose_backward(problem).tiles.dkdv[0]
+    assert key_blocks > 2 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    runs = [tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=causal)
+            for _ in range(2)]
+    for first, again in zip(*runs):
+        assert cupy.array_equal(first, again)
+    arrival = tileattn.backward(do, q, k, v, o, lse, backend="gpu", causal=causal,
+                                deterministic=False)
+    assert cupy.array_equal(runs[0][1], arrival[1]) and cupy.array_equal(runs[0][2], arrival[2])
+    assert_attention_close(runs[0][0].get(), arrival[0].get(), np.float32, name="dq")
+
+
 @pytest.mark.parametrize("family", ["default", "mma", "mma-apart", "float32"])
 @pytest.mark.parametrize("heads", [(8, 1), (12, 3), (6, 2)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
