@@ -38,8 +38,12 @@ do not fit the registers): 7 tile products per (query tile, key tile), nothing d
 scheduling. ``deterministic=False`` on sm_80 GPUs other than Hopper runs FlashAttention-2's
 single pass instead (no dQ kernel; dQ added into a float32 buffer with atomics, 5 products,
 ``4 * B * Hq * Nq * D`` bytes of extra memory, dq's last bits vary from run to run). On
-Hopper the two deterministic kernels are faster than the single pass, so both settings run
-them there. bench/NOTES-gpu.md has the measured speeds.
+Hopper the two deterministic 16-bit kernels are faster than the single pass, so both
+settings run them there. float32 runs the single pass under both settings: by default the
+key blocks that share a query tile add their dQ shares in turns, in a fixed order (a
+counter per query tile), so dq is bitwise reproducible; ``deterministic=False`` adds them
+in arrival order. Where a GQA grid is too small for the single pass, the two kernels cut
+its groups over blocks instead. bench/NOTES-gpu.md has the measured speeds.
 
 Kernels are compiled once per (device, dtype, head dims, tile sizes, option switches) and
 cached; the first call of a configuration pays a compile (about a second). The launches of
