@@ -269,13 +269,20 @@ class MmaBackwardTiles:
                          shared_limit: int) -> bool:
         """Whether these tiles run a dense problem's single pass (``deterministic=False``):
         16-bit D = Dv a multiple of 16, float32 D a multiple of 8 (the dQ sums' columns
-        unpadded), `serves_single_pass`, and the dS tile within `shared_limit`."""
+        unpadded), `serves_single_pass`, and the dS tile within `shared_limit` (less the
+        static shared memory of the pass in turns: its blocks' ticket)."""
         is_float32 = element_size == 4
         widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
         return ((head_dim % 8 == 0 if is_float32 else
                  head_dim == value_dim and head_dim % 16 == 0)
                 and self.serves_single_pass
-                and self.shared_bytes("dkdv", widths, element_size, True) <= shared_limit)
+                and self.shared_bytes("dkdv", widths, element_size, True)
+                <= shared_limit - ORDERED_STATIC_BYTES)
+
+
+ORDERED_STATIC_BYTES = 16
+"""Static shared memory of the single pass in turns (backward_single_pass.cuh:
+ordered_block_index's ticket, rounded up), beside its dynamic tiles."""
 
 
 # --------------------------------------------------------------------------- tables
