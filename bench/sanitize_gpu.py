@@ -50,6 +50,11 @@ CASES = [
     ("float16", (1, 2, 2, 50, 77, 33, 33), dict(window=(20, 5))),
     ("float32", (1, 2, 1, 70, 100, 160, 160), dict(causal=True, softcap=3.0)),
     ("float32", (1, 2, 2, 50, 77, 36, 100), dict(window=(30, 10))),
+    # float32 MHA (no GQA group to cut): the single pass, its dQ in turns by default and in
+    # arrival order with deterministic=False
+    ("float32", (1, 2, 2, 70, 150, 64, 64), dict(causal=True, dropout_p=0.2, seed=7)),
+    ("float32", (2, 2, 2, 100, 90, 128, 128), dict(window=(30, 10), softcap=3.0)),
+    ("float32", (1, 2, 2, 100, 90, 128, 128), dict(causal=True, deterministic=False)),
 ]
 
 MMA_LAYOUTS = [tiles.MmaTiles(128, 64, 32, False), tiles.MmaTiles(128, 64, 32, True)]
