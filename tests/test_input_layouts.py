@@ -245,6 +245,9 @@ STRIDED_GRADIENT_CASES = [
     ("mma", "float16", 2, 4, 2, 77, 90, 64, 64, dict(causal=True)),
     ("mma", "bfloat16", 1, 2, 1, 40, 70, 192, 128, dict(window=(20, 3))),
     (None, "float32", 2, 2, 1, 40, 70, 32, 24, dict(window=(20, 3))),
+    # float32 MHA: the single pass in turns, dq converted at the bshd strides
+    (None, "float32", 2, 2, 2, 77, 90, 64, 64, dict(causal=True)),
+    (None, "float32", 1, 3, 3, 50, 70, 128, 96, dict(window=(20, 3))),
     (None, "float64", 1, 3, 3, 20, 33, 16, 8, dict(causal=True)),
     (None, "bfloat16", 1, 8, 1, 64, 4096, 128, 128, {}),
     (None, "float16", 2, 6, 3, 33, 50, 72, 40, dict(softcap=5.0)),

@@ -293,6 +293,16 @@ extern "C" void run_dkdv(const element* q, const element* k, const element* v,
                                     s[20]);
     }, blocks, threads, shared);
 }
+
+// The single pass's dq at strides (a "bshd" gradient): one block of a warp walks it all.
+extern "C" void run_dq_convert_strided(const float* dq_sum, dq_element* dq, i64 count,
+                                       float scale, int n_heads, i64 n_q, int head_dim,
+                                       const i64* s) {
+    run_blocks([&] {
+        attention_backward_dq_convert_strided(dq_sum, dq, count, scale, n_heads, n_q,
+                                              head_dim, s[12], s[13], s[14]);
+    }, 1, 32, 0);
+}
 """
 DECODE_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, o (3 each). The merge of the splits is attention_decode.cu's, run by
@@ -446,7 +456,14 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                  ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals),
                  pointer(band), pointer(bits), ctypes.c_int(blocks),
                  ctypes.c_int(tiles.threads(entry)), ctypes.c_int(shared))
-    if single_pass:
+    if single_pass and sequence_first:  # attention_backward_dq_convert_strided itself
+        function = lib.run_dq_convert_strided
+        function.restype = None
+        function(pointer(dq_sum), ctypes.c_void_p(dq.__array_interface__["data"][0]),
+                 ctypes.c_int64(dq.size), ctypes.c_float(options.scale),
+                 ctypes.c_int(n_q_heads), ctypes.c_int64(n_q), ctypes.c_int(head_dim),
+                 pointer(strides))
+    elif single_pass:
         dq[...] = (np.float32(options.scale) * dq_sum.reshape(dq.shape)).astype(q.dtype)
     return dq, dk, dv
 
@@ -904,10 +921,11 @@ def main() -> int:
         wide = [a.astype(np.float64) for a in (q, k, v, do)]
         o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
         golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
-        # The single pass writes contiguous gradients only; it runs in arrival order and in
-        # turns (ORDERED).
+        # The single pass runs in arrival order, in turns (ORDERED) and in late turns, and
+        # in turns into (B, N, H, D) gradients.
         for sequence_first, ordered, late in (
-                ((False, False, False), (False, True, False), (False, True, True))
+                ((False, False, False), (False, True, False), (False, True, True),
+                 (True, True, False))
                 if single_pass else ((False, False, False), (True, False, False))):
             grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
                                      single_pass, ordered, late, **options)

@@ -117,10 +117,12 @@ def main() -> int:
         ("float16", (1, 2, 2, 64, 8192, 128, 128), {}, ("wgmma", "mma")),  # dQ key shares
         ("float16", (2, 6, 3, 33, 50, 72, 40), {"softcap": 5.0}, ("wgmma", "mma")),
         ("float32", (2, 2, 1, 40, 70, 32, 24), {"window": (20, 3)}, ("tf32",)),
-        # The single pass (bhsd; "bshd" gradients take the two kernels; MHA: a GQA group
-        # on so small a grid would be cut over blocks, which takes the two kernels too).
+        # The single pass ("bshd": dq through attention_backward_dq_convert_strided; MHA: a
+        # GQA group on so small a grid would be cut over blocks, which takes the two
+        # kernels), in arrival order and in turns.
         ("float32", (2, 4, 4, 40, 70, 256, 256), {"causal": True, "deterministic": False},
          ("tf32",)),
+        ("float32", (2, 3, 3, 40, 70, 128, 96), {"window": (20, 3)}, ("tf32",)),
         ("float16", (2, 2, 2, 40, 70, 64, 64), {"deterministic": False}, ("mma",)),
         ("float64", (1, 3, 3, 20, 33, 16, 8), {"causal": True}, ("generic",)),
         ("float16", (1, 8, 1, 1, 3000, 128, 128), {}, ("decode",)),

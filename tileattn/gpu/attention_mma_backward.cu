@@ -20,8 +20,9 @@
 // reach them. With ORDERED the key blocks of a head take turns on each query tile through
 // a counter per (head, query tile), in ascending order of the key blocks, so dq is
 // bitwise reproducible; blocks that run together trail each other by a turn
-// (backward_single_pass.cuh: dq_turn_rank). dS goes through shared memory, as the dQ product needs it with
-// queries as rows; attention_backward_dq_convert scales and rounds the buffer into dq.
+// (backward_single_pass.cuh: dq_turn_rank). dS goes through shared memory, as the dQ
+// product needs it with queries as rows; attention_backward_dq_convert scales and rounds
+// the buffer into dq.
 //
 // Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
 // t is multiplied), skip tiles outside the band and evaluate the per-score mask only on
@@ -55,7 +56,8 @@
 // DROPOUT, VARLEN (sequences.cuh; not with SINGLE_PASS), GROUP_SPLITS (dK/dV kernel,
 // default 1: a GQA group's query heads cut over blocks, attention_wgmma_backward.cu says how),
 // STRIDED_OUT (sequences.cuh: the gradients at the strides the kernels' last arguments give;
-// not with SINGLE_PASS, SPLIT_KEYS or GROUP_SPLITS, whose outputs are contiguous parts).
+// not with SPLIT_KEYS or GROUP_SPLITS, whose outputs are contiguous parts; the single pass
+// writes dk and dv so, and attention_backward_dq_convert_strided dq).
 #include "backward_scores.cuh"
 #include "kept_products.cuh"
 #ifndef QUERY_TAIL
@@ -580,8 +582,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
     SCORE_OPTION_PARAMS, SEQUENCE_PARAMETERS, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb,
     i64 dv_sh, i64 dv_sn) {
-    static_assert(!(STRIDED_OUT && (SINGLE_PASS || GROUP_SPLITS > 1)),
-                  "cut groups and the single pass write contiguous gradients");
+    static_assert(!(STRIDED_OUT && GROUP_SPLITS > 1), "cut groups write contiguous parts");
     extern __shared__ __align__(16) element shared_tiles[];
     element* k_tile = shared_tiles;                               // [OWNED_ROWS][kQkPitch]
     element* v_tile = k_tile + OWNED_ROWS * kQkPitch;             // [OWNED_ROWS][kVPitch]

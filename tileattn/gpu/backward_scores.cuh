@@ -141,6 +141,29 @@ extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bi
 }
 #endif
 
+// The same into a dq at any batch, head and row strides (elements; rows contiguous): a
+// "bshd" gradient in the caller's order. dq_sum is contiguous (B, H, Nq, D).
+#if defined(IS_FLOAT32) && IS_FLOAT32
+typedef float dq_element;
+#else
+typedef bits16 dq_element;
+#endif
+extern "C" __global__ void attention_backward_dq_convert_strided(
+    const float* dq_sum, dq_element* dq, i64 count, float scale, int n_heads, i64 n_q,
+    int head_dim, i64 dq_sb, i64 dq_sh, i64 dq_sn) {
+    for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count;
+         i += static_cast<i64>(gridDim.x) * blockDim.x) {
+        const i64 row = i / head_dim, column = i % head_dim;
+        const i64 head_row = row % n_q, bh = row / n_q;
+        const i64 at = bh / n_heads * dq_sb + bh % n_heads * dq_sh + head_row * dq_sn + column;
+#if defined(IS_FLOAT32) && IS_FLOAT32
+        dq[at] = scale * dq_sum[i];
+#else
+        dq[at] = static_cast<bits16>(pack_pair(scale * dq_sum[i], 0.0f) & 0xffffu);
+#endif
+    }
+}
+
 #define SCORE_OPTION_PARAMS                                                                  \
     float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
         u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,       \

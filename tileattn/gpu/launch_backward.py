@@ -450,8 +450,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     it the dQ kernel recomputes each tile for dQ itself (7 tile products instead of 5,
     deterministic). Default: the single pass where it serves the problem (16-bit: D = Dv
     a multiple of 16; float32: D a multiple of 8; dK and dV in one kernel, its dS tile
-    within the shared memory; contiguous gradients: its dQ buffer is converted as
-    contiguous rows), in float32 for both settings, in 16-bit for ``deterministic=False``
+    within the shared memory; "bshd" gradients are written in place, dq by
+    attention_backward_dq_convert_strided), in float32 for both settings, in 16-bit for ``deterministic=False``
     only (`tiles.runs_single_pass`: turns cost more than the products they save in 16-bit,
     bench/NOTES-gpu.md v5, not in float32, v42); and not where a GQA grid of few dK/dV
     blocks would leave SMs idle (`tiles.takes_single_pass`: the two kernels cut its groups
@@ -462,9 +462,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     is_float32 = dtype_name(q.dtype) == "float32"
     widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
-    can_single = (tiles.single_pass_fits(head_dim, value_dim, q.dtype.itemsize,
-                                         shared_memory_limit(q.device.id))
-                  and not _writes_strided(given))
+    can_single = tiles.single_pass_fits(head_dim, value_dim, q.dtype.itemsize,
+                                        shared_memory_limit(q.device.id))
     if single_pass is None:
         # A GQA group over too few dK/dV blocks cuts its heads over blocks (_group_split),
         # which the single pass cannot: where its own grid would leave SMs idle, the two
@@ -532,10 +531,15 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     if redo is not None:
         redo(q, k, v, do, lse, delta, dk, dv, flags)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
-        convert = _compile.kernel(MMA_SOURCE, "attention_backward_dq_convert",
-                                  tuple(sorted(defines)), 0)
-        convert((min(4096, -(-dq.size // 512)),), (256,),
-                (dq_sum, dq, np.int64(dq.size), np.float32(options.scale)))
+        strided = bool(strided_out_defines(dq))
+        convert = _compile.kernel(
+            MMA_SOURCE, "attention_backward_dq_convert" + ("_strided" if strided else ""),
+            tuple(sorted(defines)), 0)
+        arguments = (dq_sum, dq, np.int64(dq.size), np.float32(options.scale))
+        if strided:  # a "bshd" dq, written in the caller's order
+            arguments += (np.int32(n_q_heads), np.int64(n_q), np.int32(head_dim),
+                          *output_strides(dq))
+        convert((min(4096, -(-dq.size // 512)),), (256,), arguments)
     return dq, dk, dv
 
 
