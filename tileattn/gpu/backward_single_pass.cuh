@@ -231,7 +231,7 @@ __device__ __forceinline__ i64 ordered_block_index(int* ticket) {
     return index;
 }
 
-// LATE_TURNS (ORDERED; measured against the default next): a block passes a query tile's
+// LATE_TURNS (ORDERED; off by default, bench/NOTES-gpu.md v42): a block passes a query tile's
 // turn at its next wait, a step later, instead of right after its additions: by then they
 // are done, so the fence does not wait for them, and the pass shares the wait's barrier.
 // A block started together with the one before it then trails it by a step, not a turn.
