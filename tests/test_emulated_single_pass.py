@@ -1,0 +1,44 @@
+"""The backward's single pass run on the CPU under emulation of the CUDA built-ins
+(bench/experiments/emulate_mma_cpu.py --single-pass --quick), no GPU needed: a banded
+float16 GQA case and an unbanded float32 one, each in arrival order, in turns (ORDERED:
+the float32 default's protocol), in late turns (LATE_TURNS) and in turns into (B, N, H, D)
+gradients, against the float64 golden model. The emulation runs its blocks one after
+another, taking their tickets in that order, so a turn ranked out of order hangs here:
+the subprocess's timeout turns that into a failure."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "bench", "experiments",
+                      "emulate_mma_cpu.py")
+
+
+def _gxx_major() -> int:
+    """g++'s major version, 0 where it is missing (the emulation needs C++20's barriers)."""
+    if shutil.which("g++") is None:
+        return 0
+    version = subprocess.run(["g++", "-dumpfullversion", "-dumpversion"], capture_output=True,
+                             text=True).stdout
+    match = re.match(r"(\d+)", version)
+    return int(match.group(1)) if match else 0
+
+
+def test_single_pass_in_turns_under_emulation():
+    if _gxx_major() < 12:
+        pytest.skip("the emulation needs g++ 12 or later")
+    pytest.importorskip("ml_dtypes")  # the emulation's 16-bit inputs
+    result = subprocess.run([sys.executable, SCRIPT, "--single-pass", "--quick"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
+    assert "all passed" in result.stdout
+    # in turns: each case into (B, H, N, D) and into (B, N, H, D) gradients
+    assert result.stdout.count("\nok backward single pass in turns") == 4, result.stdout
+    assert result.stdout.count("\nok backward single pass in late turns") == 2, result.stdout
+    assert result.stdout.count("gradients (B, N, H, D)") == 2, result.stdout
