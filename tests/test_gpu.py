@@ -596,6 +596,35 @@ def test_float32_single_pass_backward(dims, options):
         assert_attention_close(grad.get(), want, np.float32, name=name)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (1, 2, 2, 1, 300), (2, 3, 3, 300, 1),
+                                   (1, 1, 1, 17, 1000), (1, 2, 2, 260, 130),
+                                   (2, 4, 2, 70, 500)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}".format(*s))
+@pytest.mark.parametrize("head_dim", [8, 40, 128, 200, 256])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (50, 0)}],
+                         ids=["full", "causal", "left-window"])
+def test_float32_default_backward_at_edge_shapes(shape, head_dim, options):
+    """float32's default backward (the single pass in turns where it serves) at shapes at
+    the edges of its tiles: one query or one key, fewer rows than a streamed tile, more
+    keys than queries and the reverse (causal rows that keep no key), GQA: against the
+    golden model, and bitwise the same twice."""
+    batch, n_q_heads, n_kv_heads, n_q, n_k = shape
+    q, k, v = _inputs((batch, n_q_heads, n_q, head_dim), (batch, n_kv_heads, n_k, head_dim),
+                      (batch, n_kv_heads, n_k, head_dim), np.float32, seed=n_q + n_k)
+    do = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
+    device = [cupy.asarray(a) for a in (q, k, v, do)]
+    golden_o, golden_lse = _golden(q, k, v, **options)
+    o = cupy.asarray(golden_o.astype(np.float32))
+    lse = cupy.asarray(golden_lse.astype(np.float32))
+    runs = [tileattn.backward(device[3], *device[:3], o, lse, backend="gpu", **options)
+            for _ in range(2)]
+    for first, again in zip(*runs):
+        assert cupy.array_equal(first, again)
+    expected = _golden_grads(do, q, k, v, golden_o.astype(np.float32), golden_lse, **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), runs[0], expected):
+        assert_attention_close(grad.get(), want, np.float32, name=name)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_float32_turns_over_more_key_blocks_than_the_device_holds(causal):
     """The float32 backward in turns (the default) over one head of 32k keys at D 256: 512
