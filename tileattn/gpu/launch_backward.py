@@ -451,12 +451,13 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     deterministic). Default: the single pass where it serves the problem (16-bit: D = Dv
     a multiple of 16; float32: D a multiple of 8; dK and dV in one kernel, its dS tile
     within the shared memory; "bshd" gradients are written in place, dq by
-    attention_backward_dq_convert_strided), in float32 for both settings, in 16-bit for ``deterministic=False``
-    only (`tiles.runs_single_pass`: turns cost more than the products they save in 16-bit,
-    bench/NOTES-gpu.md v5, not in float32, v42); and not where a GQA grid of few dK/dV
-    blocks would leave SMs idle (`tiles.takes_single_pass`: the two kernels cut its groups
-    instead). `late_turns` (in turns only; measured, not the default): LATE_TURNS,
-    backward_single_pass.cuh, the same additions in the same order.
+    attention_backward_dq_convert_strided), in float32 for both settings, in 16-bit for
+    ``deterministic=False`` only (`tiles.runs_single_pass`: turns cost more than the
+    products they save in 16-bit, bench/NOTES-gpu.md v5, not in float32, v42); and not
+    where a GQA grid of few dK/dV blocks would leave SMs idle (`tiles.takes_single_pass`:
+    the two kernels cut its groups instead). `late_turns` (in turns only; not the
+    default, to be measured): LATE_TURNS, backward_single_pass.cuh, the same additions in
+    the same order.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]

@@ -699,7 +699,7 @@ SINGLE_PASS_WAVE_FILL = 0.75
 
 # The deterministic backward's single pass has its key blocks add dQ in turns (ORDERED;
 # attention_mma_backward.cu), in a fixed order. float32 takes it: H200 B4 N4k, backward
-# alone, D 64-256, 0.72-0.88 of the two kernels' time (NOTES-gpu v42). 16-bit keeps the
+# alone, D 64-256, 0.76-0.90 of the two kernels' time (NOTES-gpu v42). 16-bit keeps the
 # two kernels (in turns was slower on the H100, v5; not measured since).
 DETERMINISTIC_SINGLE_PASS_DTYPES = frozenset({"float32"})
 
