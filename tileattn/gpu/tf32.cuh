@@ -7,7 +7,11 @@
 // the truncation of the small parts, is below 2^-20 |a b| per product (float32's own
 // rounding is 2^-24), inside the float32 tolerance of tileattn/testing.py; a single TF32
 // product (2^-11 per operand) is not. CUTLASS calls this OpMultiplyAddFastF32; torch's
-// memory-efficient attention runs float32 this way on sm_80+.
+// memory-efficient attention runs float32 this way on sm_80+. The tensor cores read only
+// the top 19 bits of a TF32 operand (sign, exponent, 10 mantissa bits) and ignore the rest,
+// so small is passed as the float x - big itself: on the H200, clearing its low 13 bits
+// first gave the same bits in 150 of 150 forwards and backwards (TF32_MASK_SMALL,
+// bench/experiments/tf32_split_gpu.py; bench/NOTES-gpu.md v43).
 //
 // The scores S = Q K^T take big rounded to the nearest TF32 instead (split_tf32 with
 // `nearest`): the rest then has at most 12 significant bits, and a score's error falls from
@@ -26,6 +30,10 @@
 // so one 64-bit shared load fetches both and a C fragment is already an A fragment.
 #pragma once
 #include "mma.cuh"
+
+#ifndef TF32_MASK_SMALL
+#define TF32_MASK_SMALL 0  // 1: clear small's low 13 bits (what the tensor cores ignore)
+#endif
 
 // An operand element as the two TF32 halves the three products take.
 struct Tf32Split {
@@ -47,17 +55,21 @@ constexpr u32 kTf32Mask = 0xffffe000u;  // sign, exponent and the top 10 mantiss
 // where b is 0. A NaN x keeps a NaN in small, whatever its payload bits. The rest needs
 // no NaN guard (a split into (inf, inf - inf) would), so the clamp adds no op to a split.
 __device__ __forceinline__ Tf32Split split_tf32(float x, bool nearest = false) {
-    constexpr u32 kLastRoundingDown = 0x7f7ff000u;  // magnitudes below round to <= TF32 max
     constexpr u32 kLargestTf32 = 0x7f7fe000u;
     constexpr u32 kSign = 0x80000000u;
     const u32 bits = __float_as_uint(x);
-    const u32 rounding =
-        nearest && fabsf(x) < __uint_as_float(kLastRoundingDown) ? 0x1000u : 0u;
-    const u32 magnitude = min((bits + rounding) & kTf32Mask & ~kSign, kLargestTf32);
+    // The rounding bit added to the magnitude carries magnitudes from 0x7f7ff000 up (and
+    // infinities and NaNs) past the largest TF32; the unsigned min brings them back to it.
+    const u32 magnitude =
+        min(((bits & ~kSign) + (nearest ? 0x1000u : 0u)) & kTf32Mask, kLargestTf32);
     Tf32Split split;
     split.big = magnitude | (bits & kSign);
     const float rest = x - __uint_as_float(split.big);
+#if TF32_MASK_SMALL
     split.small = __float_as_uint(rest) & kTf32Mask;
+#else
+    split.small = __float_as_uint(rest);  // the tensor cores read its top 19 bits only
+#endif
     return split;
 }
 
