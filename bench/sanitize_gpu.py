@@ -1,9 +1,12 @@
 """A small, representative workload for compute-sanitizer: every kernel of the GPU backend.
 
     compute-sanitizer --tool memcheck  python3 bench/sanitize_gpu.py [--decode-only | --varlen-only
-                                                                     | --redo-only | --split-only]
+                                                | --redo-only | --split-only | --float32-only]
     compute-sanitizer --tool racecheck python3 bench/sanitize_gpu.py [--decode-only | --varlen-only
-                                                                     | --redo-only | --split-only]
+                                                | --redo-only | --split-only | --float32-only]
+
+`--float32-only`: the dense float32 cases alone (3xTF32 forwards and the default backward,
+the single pass in turns where it serves).
 
 Sizes are small (the sanitizer slows kernels down a hundredfold) but ragged, so every
 kernel sees partial tiles, fully masked rows, GQA and each option switch. Each case is also
@@ -55,6 +58,9 @@ CASES = [
     ("float32", (1, 2, 2, 70, 150, 64, 64), dict(causal=True, dropout_p=0.2, seed=7)),
     ("float32", (2, 2, 2, 100, 90, 128, 128), dict(window=(30, 10), softcap=3.0)),
     ("float32", (1, 2, 2, 100, 90, 128, 128), dict(causal=True, deterministic=False)),
+    # warp pairs at D 192 and 256, in turns (the default)
+    ("float32", (1, 2, 2, 60, 90, 192, 192), {}),
+    ("float32", (1, 2, 2, 70, 100, 256, 256), dict(causal=True)),
 ]
 
 MMA_LAYOUTS = [tiles.MmaTiles(128, 64, 32, False), tiles.MmaTiles(128, 64, 32, True)]
@@ -73,7 +79,10 @@ def main() -> int:
         return redo_cases(rng)
     if "--split-only" in sys.argv[1:]:
         return split_cases(rng)
+    float32_only = "--float32-only" in sys.argv[1:]
     for dtype, (batch, hq, hkv, nq, nk, d, dv), options in CASES:
+        if float32_only and dtype != "float32":
+            continue
         options = dict(options)
         deterministic = options.pop("deterministic", True)
         dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
@@ -97,6 +106,8 @@ def main() -> int:
         print(f"ok {dtype} {(batch, hq, hkv, nq, nk, d, dv)} {sorted(options)} "
               f"forward={forward.family} {forward.tiles} backward={backward.family} "
               f"{backward.tiles}{'' if deterministic else ' (deterministic=False)'}")
+    if float32_only:
+        return 0
     for dtype in ("float16", "float32"):  # D from rows the vector kernel cannot read
         q, k, v, do = (rng.standard_normal((1, 2, 70, 64)).astype(dtype) for _ in range(4))
         device = [cupy.asarray(a) for a in (q, k, v)]

@@ -158,10 +158,9 @@ inline void mma_emulated(float* c, const u32* a, u32 b0, u32 b1) {
 # Whole helper functions of the shared headers replaced by their meaning: (the start of the
 # definition, the new body). The definition's braces are matched to find its end.
 FUNCTIONS = [
-    ("__device__ __forceinline__ void wait_for_turn(const int* turn, int rank, int* passing) {",
-     "{ if (threadIdx.x == 0) {\n"
-     "      if (passing != nullptr) __atomic_fetch_add(passing, 1, __ATOMIC_SEQ_CST);\n"
-     "      while (__atomic_load_n(turn, __ATOMIC_ACQUIRE) != rank) std::this_thread::yield(); }\n"
+    ("__device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {",
+     "{ if (threadIdx.x == 0)\n"
+     "      while (__atomic_load_n(turn, __ATOMIC_ACQUIRE) != rank) std::this_thread::yield();\n"
      "  __syncthreads(); }"),
     ("__device__ __forceinline__ void copy_16_async(u32 destination, const void* source, "
      "bool valid) {",
@@ -395,8 +394,7 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
 
 
 def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
-                     single_pass: bool = False, ordered: bool = False,
-                     late_turns: bool = False, **kwargs):
+                     single_pass: bool = False, ordered: bool = False, **kwargs):
     """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
     two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired` says so
     (dQ's too), or in two launches where `tiles.split`) for host arrays; D = rowsum(do * o)
@@ -404,8 +402,8 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are.
     `single_pass`: the dK/dV kernel alone adds dQ into float32 sums (SINGLE_PASS, in
     arrival order, or in turns with `ordered`: ORDERED, its blocks' tickets taken in the
-    emulation's sequential order; `late_turns`: LATE_TURNS), which
-    attention_backward_dq_convert's arithmetic turns into dq."""
+    emulation's sequential order), which attention_backward_dq_convert's arithmetic turns
+    into dq."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -430,7 +428,6 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                   COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
                   ORDERED=int(single_pass and ordered), SINGLE_PASS=int(single_pass),
-                  LATE_TURNS=int(single_pass and ordered and late_turns),
                   DEFERRED_COPIES=1,
                   STRIDED_OUT=int(sequence_first), **switches)
     launches = ([] if single_pass else [("dq", 0)]) + [
@@ -926,15 +923,14 @@ def main() -> int:
         wide = [a.astype(np.float64) for a in (q, k, v, do)]
         o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
         golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
-        # The single pass runs in arrival order, in turns (ORDERED) and in late turns, and
-        # in turns into (B, N, H, D) gradients.
-        for sequence_first, ordered, late in (
-                ((False, False, False), (False, True, False), (False, True, True),
-                 (True, True, False))
-                if single_pass else ((False, False, False), (True, False, False))):
+        # The single pass runs in arrival order and in turns (ORDERED), and in turns into
+        # (B, N, H, D) gradients.
+        for sequence_first, ordered in (
+                ((False, False), (False, True), (True, True))
+                if single_pass else ((False, False), (True, False))):
             grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
-                                     single_pass, ordered, late, **options)
-            mode = " in late turns" if late else " in turns" if ordered else ""
+                                     single_pass, ordered, **options)
+            mode = " in turns" if ordered else ""
             label = (f"backward{' single pass' if single_pass else ''}{mode} {name} q{q.shape} "
                      f"k{k.shape} v{v.shape} {sorted(options)} "
                      f"{tiles}{' gradients (B, N, H, D)' if sequence_first else ''}")

@@ -8,8 +8,7 @@ Per (D, causal, Hq:Hkv): the backward of a forward computed once, timed alone (C
 events, median, L2 not flushed: the inputs exceed it): tileattn's two kernels
 (deterministic=True), the single pass in arrival order (deterministic=False, forced on
 where the launcher would take two kernels for a GQA group cut over blocks), the single
-pass in turns (deterministic, ORDERED; and passing each turn a step late, LATE_TURNS),
-what deterministic=False runs by default, and torch's efficient backward (autograd.grad on a
+pass in turns (deterministic, ORDERED), what deterministic=False runs by default, and torch's efficient backward (autograd.grad on a
 kept graph; GQA on K/V repeated per query head). Heads scale with a hidden size of 2048
 (Hq = 16 at D = 128), batch x N = 16k. `--once` runs each mode once, for a profiler
 (ncu's --kernel-name ``regex:dkdv|cutlassB``; bench/NOTES-gpu.md v41).
@@ -64,9 +63,6 @@ def modes(q, k, v, do, causal):
         result["single pass in turns"] = lambda: launch_backward.backward_mma(
             do, q, k, v, o, lse, _options(q, k, v, causal, True), choice.tiles,
             single_pass=True)
-        result["single pass in late turns"] = lambda: launch_backward.backward_mma(
-            do, q, k, v, o, lse, _options(q, k, v, causal, True), choice.tiles,
-            single_pass=True, late_turns=True)
     if torch is not None:
         # GQA: K/V repeated per query head, as a torch user would (its efficient kernel
         # takes equal head counts only).

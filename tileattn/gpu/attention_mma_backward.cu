@@ -47,8 +47,7 @@
 // each adds dS K over its half of dQ's columns (kDqColumns).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
-// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, LATE_TURNS
-// (ORDERED, default 0: backward_single_pass.cuh), DKDV_PART,
+// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DKDV_PART,
 // PAIRED_WARPS (default 0) and
 // QUERY_TAIL (dK/dV kernel; QUERY_TAIL, default 0: a streamed query tile may end past n_q,
 // backward_scores.cuh), FLAG_NON_FINITE_KEYS (16-bit dK/dV kernel, default 0; the same
@@ -607,7 +606,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 #if ORDERED
     const i64 block_index = ordered_block_index(dq_turns);
     int* const turns = dq_turns + 1;
-    int* held_turn = nullptr;  // LATE_TURNS: the turn this block passes at its next wait
 #else
     const i64 block_index = blockIdx.x;
 #endif
@@ -801,8 +799,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                 add_query_tile_dq_in_turn(ds_tile, k_tile, dq_head, query_start, n_q,
                                           k_non_finite, mask,
                                           turns + array_head * n_q_tiles + query_tile,
-                                          dq_turn_rank(band, query_tile, tile, n_q, n_k),
-                                          held_turn);
+                                          dq_turn_rank(band, query_tile, tile, n_q, n_k));
 #else
                 add_query_tile_dq(ds_tile, k_tile, dq_head, query_start, n_q, k_non_finite,
                                   mask);
@@ -811,9 +808,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
 #endif
         });
     }
-#if ORDERED
-    if (LATE_TURNS && held_turn != nullptr) pass_turn(held_turn);
-#endif
     if (computes_dk) store_rows<HEAD_DIM>(dk_acc, scale, dk_head, col_start + slab * 16, n_k);
     if (computes_dv) store_rows<VALUE_DIM>(dv_acc, 1.0f, dv_head, col_start + slab * 16, n_k);
     // The owned tiles are still in shared memory (zeros past n_k and past the head dims).

@@ -231,22 +231,8 @@ __device__ __forceinline__ i64 ordered_block_index(int* ticket) {
     return index;
 }
 
-// LATE_TURNS (ORDERED; off by default, bench/NOTES-gpu.md v42): a block passes a query tile's
-// turn at its next wait, a step later, instead of right after its additions: by then they
-// are done, so the fence does not wait for them, and the pass shares the wait's barrier.
-// A block started together with the one before it then trails it by a step, not a turn.
-#ifndef LATE_TURNS
-#define LATE_TURNS 0
-#endif
-
-// Thread 0 first passes the turn `passing` where given (a turn this block held since its
-// last additions, which a barrier has ordered before this point), then waits for `turn`.
-__device__ __forceinline__ void wait_for_turn(const int* turn, int rank, int* passing) {
+__device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {
     if (threadIdx.x == 0) {
-        if (passing != nullptr) {
-            __threadfence();
-            atomicAdd(passing, 1);
-        }
         int current;
         while (true) {
             asm volatile("ld.acquire.gpu.global.b32 %0, [%1];"
@@ -271,22 +257,17 @@ __device__ __forceinline__ void pass_turn(int* turn) {
 }
 
 // ORDERED: add_query_tile_dq in this block's turn; the share is multiplied out before the
-// wait, so a turn holds only the additions. `held`: with LATE_TURNS the turn this block
-// still holds (null at first), passed at this wait, and the one it holds after it; the
-// kernel passes the last with pass_turn.
+// wait, so a turn holds only the additions.
 __device__ __forceinline__ void add_query_tile_dq_in_turn(const ds_element* ds_tile,
                                                           const element* k_tile, float* dq_head,
                                                           i64 query_start, i64 n_q,
                                                           bool k_non_finite,
                                                           const TileMask& mask, int* turn,
-                                                          int rank, int*& held) {
+                                                          int rank) {
     const DqShareWarp part = dq_share_warp();
     Accumulators<kDqShareColumns> acc;
     if (part.holds()) query_tile_dq_share(ds_tile, k_tile, part, k_non_finite, mask, acc);
-    wait_for_turn(turn, rank, LATE_TURNS ? held : nullptr);
+    wait_for_turn(turn, rank);
     if (part.holds()) add_dq_share(acc, part, dq_head, query_start, n_q);
-    if (LATE_TURNS)
-        held = turn;
-    else
-        pass_turn(turn);
+    pass_turn(turn);
 }

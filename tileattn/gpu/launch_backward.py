@@ -440,8 +440,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
 
 def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackwardTiles,
                  single_pass: bool | None = None, given=(None, None, None),
-                 sequences: Sequences | None = None, dq_splits: int | None = None,
-                 late_turns: bool = False):
+                 sequences: Sequences | None = None, dq_splits: int | None = None):
     """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32).
 
     `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
@@ -455,9 +454,7 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     ``deterministic=False`` only (`tiles.runs_single_pass`: turns cost more than the
     products they save in 16-bit, bench/NOTES-gpu.md v5, not in float32, v42); and not
     where a GQA grid of few dK/dV blocks would leave SMs idle (`tiles.takes_single_pass`:
-    the two kernels cut its groups instead). `late_turns` (in turns only; not the
-    default, to be measured): LATE_TURNS, backward_single_pass.cuh, the same additions in
-    the same order.
+    the two kernels cut its groups instead).
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -506,8 +503,6 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                    ) + Switches.of(options).defines()
         if sequences is not None:
             defines += (("VARLEN", 1),)
-        if ordered and late_turns:
-            defines += (("LATE_TURNS", 1),)
         if entry == "dkdv" and is_float32 and _has_query_tail(n_q, streamed, sequences):
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         if entry == "dkdv" and flagging:
