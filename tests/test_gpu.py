@@ -637,9 +637,14 @@ def _assert_cancelled_key_gradient(dk, do, q, v):
     allowance; the terms that cancel can: float32's atol times the root sum of squares over
     the rows of the golden terms scale (dO_i . v) q_i. (dq_i = scale dS_i k sums nothing,
     and its terms are the size assert_attention_close assumes.)"""
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    dp = np.einsum("bhid,bhd->bhi", do.astype(np.float64), v[:, :, 0].astype(np.float64))
-    terms = scale * np.sqrt(np.sum(dp[..., None] ** 2 * q.astype(np.float64) ** 2, axis=2))
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads = v.shape[1]
+    scale = 1.0 / np.sqrt(head_dim)
+    values = np.repeat(v[:, :, 0].astype(np.float64), n_q_heads // n_kv_heads, axis=1)
+    dp = np.einsum("bhid,bhd->bhi", do.astype(np.float64), values)
+    squares = (dp[..., None] * q.astype(np.float64)) ** 2  # a group's heads add into one dk
+    squares = squares.reshape(batch, n_kv_heads, -1, head_dim).sum(axis=2)
+    terms = scale * np.sqrt(squares)
     allowed = tolerance_for(np.float32).atol * max(1.0, float(terms.max()))
     worst = float(np.abs(dk).max())
     assert worst <= allowed, f"dk: {worst:.3g} where {allowed:.3g} is allowed (exactly 0)"
