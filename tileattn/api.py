@@ -106,7 +106,7 @@ def _fill_outputs(problem: Problem, function_name: str, results: tuple) -> None:
 
 def _check_serves(module, problem: Problem) -> None:
     """Variable-length and paged calls need a backend that declares ``VARLEN``."""
-    if not getattr(module, "VARLEN", False):
+    if problem.options.varlen is not None and not getattr(module, "VARLEN", False):
         raise NotImplementedError(
             f"variable-length and paged attention (seqlens_q, seqlens_k, cu_seqlens_q, "
             f"cu_seqlens_k, block_table) is not implemented by the backend module "
@@ -128,8 +128,7 @@ def run_forward(problem: Problem, backend: str):
     written into the problem's output buffers. `tileattn.distributed` calls this (and
     `run_backward`) with options placed in a longer sequence (`AttentionOptions.row_offset`)."""
     module = _resolve_backend(backend, problem.layout.memory)
-    if problem.options.varlen is not None:
-        _check_serves(module, problem)
+    _check_serves(module, problem)
     if problem.is_empty:
         batch = problem.tensors["q"].shape[0]
         memory, like = problem.layout.memory, problem.tensors["q"]
@@ -146,8 +145,7 @@ def run_forward(problem: Problem, backend: str):
 def run_backward(problem: Problem, backend: str):
     """Backward of a validated problem on `backend`: ``(dq, dk, dv)`` in "bhsd" order."""
     module = _resolve_backend(backend, problem.layout.memory)
-    if problem.options.varlen is not None:
-        _check_serves(module, problem)
+    _check_serves(module, problem)
     if problem.is_empty:
         memory, tensors = problem.layout.memory, problem.tensors
         dq, dk, dv = (arrays.full(tensors[n].shape, 0.0, problem.dtype, memory, tensors["q"])
