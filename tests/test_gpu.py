@@ -16,7 +16,7 @@ from tileattn import backends
 from tileattn.dropout import keep_mask
 from tileattn.gpu import tiles as tile_tables
 from tileattn.gpu.tiles import (Choice, MmaBackwardTiles, MmaTiles, Problem, Tf32Tiles,
-                                WgmmaBackwardTiles, WgmmaTiles)
+                                Tf32WgmmaTiles, WgmmaBackwardTiles, WgmmaTiles)
 from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close, bfloat16, tolerance_for
 from tileattn.validation import validate
@@ -366,12 +366,36 @@ def test_every_float32_tensor_core_tile_shape(dims, tiles, options):
     _forward_with(Choice("tf32", tiles), q, k, v, options)
 
 
+@hopper_only
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (40, 40), (100, 100), (160, 160),
+                                  (192, 128), (256, 256), (128, 64), (24, 200)], ids=DIM_IDS)
+@pytest.mark.parametrize("tiles", [(128, 64), (128, 32), (64, 32), (128, 16), (64, 16)],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
+                                     TENSOR_CORE_OPTIONS[-1]],
+                         ids=["plain", "causal", "every-option"])
+def test_every_float32_wgmma_tile_shape(dims, tiles, options):
+    """The float32 forward on wgmma at every tile shape that fits, on GQA, Nq != Nk and
+    sequence ends inside a tile, with a long run of key tiles (the raw tile refilled while
+    the split ones are read)."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 663, head_dim), (2, 2, 663, value_dim),
+                      np.float32)
+    tiles = Tf32WgmmaTiles(*tiles)
+    if not _fits(tiles, tile_tables.Widths.padded(head_dim, value_dim, 8)):
+        pytest.skip(f"{tiles} needs more shared memory than this GPU has")
+    _forward_with(Choice("tf32", tiles), q, k, v, options)
+
+
 def test_float32_tensor_core_forward_selection():
     q, k, v = _inputs((1, 1, 8, 64), (1, 1, 8, 64), (1, 1, 8, 64), np.float32)
     choice = _choices(q, k, v, {})[0]
     assert choice.family == "tf32"
+    assert isinstance(choice.tiles, Tf32WgmmaTiles if _is_hopper() else Tf32Tiles)
+    # Named tile sizes take the mma.sync forward (on Hopper too), with its table's warps.
     named = _choices(q, k, v, {"block_q": 64, "block_k": 32})[0]
-    assert named == Choice("tf32", Tf32Tiles(64, 32, choice.tiles.warp_rows), named.note)
+    warp_rows = tile_tables.TF32_FORWARD[0].tiles.warp_rows
+    assert named == Choice("tf32", Tf32Tiles(64, 32, warp_rows), named.note)
     # Tile sizes it is not built for, float64, widths above 384: the CUDA-core kernel.
     assert _choices(q, k, v, {"block_k": 16})[0].family == "generic"
     q64 = q.astype(np.float64)

@@ -18,7 +18,7 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
 from .tiles import (FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, Choice, MmaTiles, Tf32Tiles,
-                    WgmmaTiles, Widths, choose_decode, choose_forward, fold_value_slices,
+                    Tf32WgmmaTiles, WgmmaTiles, Widths, choose_decode, choose_forward, fold_value_slices,
                     folded_choice, folds_group_rows, forward_resident_blocks, key_shares,
                     with_key_splits, within_pages)
 from .varlen import Sequences, tile_grid
@@ -27,6 +27,7 @@ from .workspace import partials
 WGMMA_SOURCE = "attention_wgmma_forward.cu"
 MMA_SOURCE = "attention_mma_forward.cu"
 TF32_SOURCE = "attention_tf32_forward.cu"
+TF32_WGMMA_SOURCE = "attention_tf32_wgmma_forward.cu"
 GENERIC_SOURCE = "attention_generic.cu"
 SPLIT_MERGE_SOURCE = "split_keys_merge.cu"
 SPLIT_MERGE_THREADS = 256  # split_keys_merge's __launch_bounds__
@@ -142,8 +143,13 @@ def forward_mma(q, k, v, o, lse, options: AttentionOptions, tiles: MmaTiles,
                                     q, k, v, o, lse, options, tiles, sequences, splits)
 
 
-def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles,
+def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles | Tf32WgmmaTiles,
                  sequences: Sequences | None = None, splits: int = 1) -> tuple:
+    if isinstance(tiles, Tf32WgmmaTiles):
+        return _forward_on_tensor_cores(
+            TF32_WGMMA_SOURCE, "attention_forward_tf32_wgmma",
+            (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q)), 8, "90a",
+            q, k, v, o, lse, options, tiles, sequences, splits)
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q),
                ("WARP_ROWS", tiles.warp_rows))
     return _forward_on_tensor_cores(TF32_SOURCE, "attention_forward_tf32", defines, 8, None,

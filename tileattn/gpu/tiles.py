@@ -224,6 +224,29 @@ class Tf32Tiles:
 
 
 @dataclass(frozen=True)
+class Tf32WgmmaTiles:
+    """The Hopper float32 (3xTF32 on wgmma) forward: `block_q` query rows (64 per
+    warpgroup), `block_k` keys per step."""
+
+    block_q: int
+    block_k: int
+
+    @property
+    def threads(self) -> int:
+        return self.block_q // 64 * 128
+
+    def shared_bytes(self, widths: Widths) -> int:
+        """Q's big and small tiles, K's, V^T's (Dv padded to 16: wgmma's N), each swizzled
+        and starting on a 1024-byte period, one raw K and V tile, float32; 1024 bytes of
+        alignment slack (attention_tf32_wgmma_forward.cu)."""
+        value = padded(widths.value, 16)
+        split_tiles = (padded(4 * self.block_q * widths.head, 1024)
+                       + padded(4 * self.block_k * widths.head, 1024)
+                       + padded(4 * value * self.block_k, 1024))
+        return 1024 + 2 * split_tiles + 4 * self.block_k * (widths.head + value)
+
+
+@dataclass(frozen=True)
 class MmaBackwardTiles:
     """The mma.sync / 3xTF32 backward: per kernel (owned rows, streamed rows), 16 owned rows
     per warp; `split` as in `WgmmaBackwardTiles`; `paired`: the kernels ("dq", "dkdv")
@@ -401,6 +424,20 @@ TF32_FORWARD = [
     Row(When(256), Tf32Tiles(32, 16, 16), "v14: D<=256 in sm_80's 163 KiB"),
     Row(When(WIDE_BACKWARD_DIM, max_sum=2 * WIDE_BACKWARD_DIM, min_width=256),
         Tf32Tiles(32, 16, 16), "v25: widths 257-384 (ptxas at 320/320: 32 bytes of spills)"),
+]
+
+# float32 on Hopper: 3xTF32 on wgmma up to D = Dv = 160 (H200, B4 N4k hidden 2048, ms
+# against the mma.sync rows, full / causal: D 64 8.00 / 4.40 vs 10.60 / 5.77, D 128 8.43 /
+# 4.51 vs 13.53 / 6.67). Wider, the split Q tiles leave room for one warpgroup, and above
+# 176 only for 16-key steps, whose score products wait on shared memory: D 192 and 256 on
+# 64 x 16 tiles 0.85 / 1.02x the mma.sync rows, which keep them (NOTES-gpu v44).
+TF32_WGMMA_FORWARD = [
+    Row(When(64), Tf32WgmmaTiles(128, 64), "v44: D<=64, 64-key steps in 161 KiB (128x32: "
+        "9.71/5.43 ms vs 8.05/4.40)"),
+    Row(When(128), Tf32WgmmaTiles(128, 32), "v44: D<=128, 32-key steps in 225 KiB (128x16: "
+        "11.14/5.90 ms vs 8.37/4.50; 64x32 12.51/7.11)"),
+    Row(When(160), Tf32WgmmaTiles(64, 32), "v44: D<=160, one warpgroup (D=160: 12.75/7.02 ms "
+        "vs 16.19/9.24 for 64x16, mma.sync 13.41/8.39)"),
 ]
 
 TF32_BACKWARD = [
@@ -592,6 +629,11 @@ def choose_forward(problem: Problem) -> Choice:
         if problem.capability < 80:
             return _generic("TF32 tensor cores need sm_80 or later")
         widths = Widths.of(problem, 8)
+        if problem.capability == 90 and not problem.named_blocks:
+            row = _first_fitting(TF32_WGMMA_FORWARD, problem, widths,
+                                 lambda t: t.shared_bytes(widths) <= problem.shared_limit)
+            if row is not None:
+                return Choice("tf32", row.tiles, row.note)
         row = _first_fitting(TF32_FORWARD, problem, widths,
                              lambda t: t.shared_bytes(widths) <= problem.shared_limit)
         if row is None:
