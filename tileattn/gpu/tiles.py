@@ -438,6 +438,8 @@ TF32_WGMMA_FORWARD = [
         "11.14/5.90 ms vs 8.37/4.50; 64x32 12.51/7.11)"),
     Row(When(160), Tf32WgmmaTiles(64, 32), "v44: D<=160, one warpgroup (D=160: 12.75/7.02 ms "
         "vs 16.19/9.24 for 64x16, mma.sync 13.41/8.39)"),
+    Row(When(192, max_sum=320), Tf32WgmmaTiles(64, 32),
+        "v44: D+Dv<=320 (MLA's 192/128: 11.19/6.24 ms vs mma.sync 12.17/7.03)"),
 ]
 
 TF32_BACKWARD = [
@@ -453,6 +455,9 @@ TF32_BACKWARD = [
         "v39: D=Dv<=192, both kernels on warp pairs (H200 D=192 N=4k: 26.2/22.8 TFLOP/s "
         "fwd+bwd vs 21.6/16.6 dK, dV apart; dK/dV pairs alone 25.1/22.4; 64x16 dQ pairs "
         "24.5/23.4, causal second)"),
+    Row(When(192), MmaBackwardTiles((64, 16), (64, 16), paired=("dq", "dkdv")),
+        "v44: D!=Dv<=192 on warp pairs (H200 192/128 B4 N4k backward 47.96/24.36 ms vs "
+        "67.05/35.30 dK, dV apart; causal second)"),
     Row(When(192), MmaBackwardTiles((64, 32), (64, 32), split=True), "v14: D<=192"),
     Row(When(256, same_widths=True),
         MmaBackwardTiles((64, 16), (64, 16), paired=("dq", "dkdv")),
