@@ -7,7 +7,8 @@ Families (the ``.cu`` files' headers say how each works):
 * ``mma``: mma.sync tensor cores on sm_80 and later, float16/bfloat16
   (attention_mma_forward.cu, attention_mma_backward.cu);
 * ``tf32``: float32 at float32 accuracy on TF32 tensor cores, sm_80 and later
-  (attention_tf32_forward.cu, attention_mma_backward.cu with IS_FLOAT32);
+  (attention_tf32_forward.cu, attention_mma_backward.cu with IS_FLOAT32; on Hopper the
+  forward's `Tf32WgmmaTiles` rows run attention_tf32_wgmma_forward.cu);
 * ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64, head
   dims beyond the tensor-core rows (above 576 for the 16-bit forward, 384 for the rest),
   GPUs before sm_80, and tile sizes the caller names that no tensor-core configuration is
