@@ -8,7 +8,8 @@ meaning, checked against the float64 golden model. The backward's single pass ru
 and in turns (ORDERED); the non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
-                                                  --single-pass [--quick] | --launcher]
+                                                  --single-pass [--quick] | --launcher |
+                                                  --tf32]
 
 `--launcher` runs only the wide decode's fold through the Python launch path
 (`launch_forward.forward` on a CuPy stand-in) with the mma.sync forward and
@@ -45,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
 from tileattn.gpu.tiles import (  # noqa: E402
-    DecodeMmaTiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Widths)
+    DecodeMmaTiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Tf32WgmmaTiles, Widths)
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 WARP_PTX = r"""
@@ -128,6 +129,55 @@ inline void mma_tf32_emulated(float* c, const u32* a, u32 b0, u32 b1) {
     __syncwarp();
     for (int i = 0; i < 4; ++i) c[i] = result[i];
 }
+struct alignas(16) float4 { float x, y, z, w; };
+// wgmma on TF32 (wgmma_tf32.cuh), computed at issue (fence, commit and wait are then
+// nothing): a K-major operand's element (row, k) from its shared-memory descriptor (start
+// address, stride between 8-row groups, swizzle mode: rows of 128, 64 or 32 bytes whose
+// 16-byte chunks are XORed with the address bits above 128 bytes, as the hardware's
+// swizzle is address-based).
+inline float wgmma_operand(u64 descriptor, int row, int k) {
+    const u32 start = static_cast<u32>(descriptor & 0x3FFF) << 4;
+    const u32 stride = static_cast<u32>((descriptor >> 32) & 0x3FFF) << 4;
+    const int mode = static_cast<int>(descriptor >> 62);
+    const u32 row_bytes = mode == 1 ? 128 : mode == 2 ? 64 : 32;
+    const u32 logical = start + (row / 8) * stride + (row % 8) * row_bytes + k * 4;
+    const u32 physical = logical ^ (((logical >> 7) & (row_bytes / 16 - 1)) << 4);
+    return tf32_of(shared_word(physical));
+}
+// d (64 x N per warpgroup, each warp's 16 rows in the m16n8 accumulator layout) = A B
+// (+ d when `accumulate`) over K = 8; A(row, k) from a(row, k), B(k, n) from B's K-major
+// descriptor.
+template <int Frags, class AOf>
+inline void wgmma_tf32_emulated(float (&d)[Frags][4], AOf a, u64 b, int accumulate) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row0 = ((threadIdx.x % 128) / 32) * 16 + g;
+    for (int j = 0; j < Frags; ++j)
+        for (int e = 0; e < 4; ++e) {
+            const int row = row0 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e % 2);
+            float sum = accumulate ? d[j][e] : 0.0f;
+            for (int k = 0; k < 8; ++k) sum += a(row, k) * wgmma_operand(b, col, k);
+            d[j][e] = sum;
+        }
+}
+template <int Frags>
+inline void wgmma_ss_tf32_emulated(float (&d)[Frags][4], u64 a, u64 b, int accumulate) {
+    wgmma_tf32_emulated(d, [&](int row, int k) { return wgmma_operand(a, row, k); }, b,
+                        accumulate);
+}
+// A from registers: lane 4 g + t holds rows g, g + 8 at k = t, t + 4 (the warp's 16 rows).
+template <int Frags>
+inline void wgmma_rs_tf32_emulated(float (&d)[Frags][4], const u32 (&a)[4], u64 b,
+                                   int accumulate) {
+    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    for (int i = 0; i < 4; ++i) g_words[threadIdx.x][i] = a[i];
+    __syncwarp();
+    const int warp_row0 = ((threadIdx.x % 128) / 32) * 16;
+    wgmma_tf32_emulated(d, [&](int row, int k) {
+        const int r = row - warp_row0;
+        return tf32_of(g_words[warp0 + (r % 8) * 4 + k % 4][(r >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
+    }, b, accumulate);
+    __syncwarp();
+}
 // c += A (16 x 16, row) B (16 x 8, col); lane l = 4 g + t holds A rows g, g + 8 at columns
 // 2t, 2t + 1 (+ 8), B columns g at rows 2t, 2t + 1 (+ 8), C rows g, g + 8 at columns 2t, 2t + 1.
 inline void mma_emulated(float* c, const u32* a, u32 b0, u32 b1) {
@@ -190,8 +240,25 @@ FUNCTIONS = [
      "float& high) {", "{ low = pointer[0]; high = pointer[1]; }"),
     ("__device__ __forceinline__ bits16 load_shared_bits16(u32 address) {",
      "{ return shared_half(address); }"),
+    ("__device__ __forceinline__ float load_shared_float(u32 address) {",
+     "{ return std::bit_cast<float>(shared_word(address)); }"),
+    ("__device__ __forceinline__ void store_shared_float4(u32 address, float a, float b, "
+     "float c,\n                                                    float d) {",
+     "{ const float x[4] = {a, b, c, d}; std::memcpy(g_shared + address, x, 16); }"),
 ]
 MORE_PATCHES = [
+    (r"extern __shared__ __align__\(128\) unsigned char shared_bytes\[\];",
+     "unsigned char* shared_bytes = g_shared;"),
+    # wgmma_tf32.cuh's instructions by meaning (their specialisations are dropped).
+    (r"template <int N>\s*__device__ __forceinline__ void wgmma_ss_tf32\(float \(&d\)\[N / 8\]"
+     r"\[4\], u64 a, u64 b, int accumulate\);",
+     "template <int N> inline void wgmma_ss_tf32(float (&d)[N / 8][4], u64 a, u64 b, "
+     "int accumulate) { wgmma_ss_tf32_emulated(d, a, b, accumulate); }"),
+    (r"template <int N>\s*__device__ __forceinline__ void wgmma_rs_tf32\(float \(&d\)\[N / 8\]"
+     r"\[4\], const u32 \(&a\)\[4\], u64 b,\s*int accumulate\);",
+     "template <int N> inline void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], "
+     "u64 b, int accumulate) { wgmma_rs_tf32_emulated(d, a, b, accumulate); }"),
+    (r"WGMMA_FOR_EACH_N\(WGMMA_TF32_SHAPE\)", ""),
     (r"extern __shared__ __align__\(\d+\) (bits16|element) shared_tiles\[\];",
      r"\1* shared_tiles = reinterpret_cast<\1*>(g_shared);"),
     (r"extern __shared__ __align__\(\d+\) float shared_floats\[\];",
@@ -712,17 +779,26 @@ extern "C" void run(const float* q, const float* k, const float* v, float* o, fl
 """
 
 
-def emulate_tf32(q, k, v, tiles: Tf32Tiles, sequence_first_o: bool, **kwargs):
-    """o and lse of attention_forward_tf32 (3xTF32, float32) for host float32 arrays."""
+# The Hopper float32 forward takes the same arguments.
+TF32_WGMMA_RUNNER = TF32_RUNNER.replace("attention_forward_tf32(", "attention_forward_tf32_wgmma(")
+
+
+def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: bool, **kwargs):
+    """o and lse of attention_forward_tf32 (3xTF32, float32), or of
+    attention_forward_tf32_wgmma for `Tf32WgmmaTiles`, for host float32 arrays."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     switches, band, reals, bits = score_operands(options, n_q, n_k)
     defines = dict(STORAGE="float", ACCUM="float", HEAD_DIM=head_dim, VALUE_DIM=value_dim,
                    COPY_BYTES=16 if head_dim % 4 == 0 else 4, BLOCK_Q=tiles.block_q,
-                   BLOCK_K=tiles.block_k, WARP_ROWS=tiles.warp_rows, IS_BFLOAT16=0,
+                   BLOCK_K=tiles.block_k, IS_BFLOAT16=0,
                    DEFERRED_COPIES=1, STRIDED_OUT=int(sequence_first_o), **switches)
-    lib = library(defines, "attention_tf32_forward.cu", TF32_RUNNER)
+    if isinstance(tiles, Tf32WgmmaTiles):
+        lib = library(defines, "attention_tf32_wgmma_forward.cu", TF32_WGMMA_RUNNER)
+    else:
+        lib = library(dict(defines, WARP_ROWS=tiles.warp_rows), "attention_tf32_forward.cu",
+                      TF32_RUNNER)
     o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, np.float32).swapaxes(1, 2)
          if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan,
                                           np.float32))
@@ -744,6 +820,14 @@ TF32_CASES = [
     ("float32", (1, 2, 1, 70, 90, 64, 64), {"causal": True}, Tf32Tiles(64, 32, 16)),
     ("float32", (2, 2, 2, 40, 70, 32, 24), {"window": (20, 3), "softcap": 3.0},
      Tf32Tiles(64, 32, 16)),
+    # The Hopper float32 forward on wgmma: its table's rows, a head dim padded to 8 (a 32-byte
+    # swizzle), Dv wider than D, every score option, keys past a tile and a band.
+    ("float32", (1, 2, 1, 70, 150, 64, 64), {"causal": True}, Tf32WgmmaTiles(128, 64)),
+    ("float32", (1, 4, 2, 150, 100, 128, 128),
+     {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5,
+      "alibi_slopes": np.linspace(0.1, 0.4, 4)}, Tf32WgmmaTiles(128, 32)),
+    ("float32", (2, 2, 2, 40, 70, 40, 72), {"window": (20, 3)}, Tf32WgmmaTiles(128, 32)),
+    ("float32", (1, 2, 1, 70, 90, 160, 96), {}, Tf32WgmmaTiles(64, 32)),
 ]
 
 
@@ -877,6 +961,8 @@ def main() -> int:
                         help="the first two cases only (with --single-pass: a banded float16 "
                              "GQA case and an unbanded float32 one, no forwards)")
     parser.add_argument("--decode", action="store_true", help="the decode cases only")
+    parser.add_argument("--tf32", action="store_true",
+                        help="the 3xTF32 forwards only (mma.sync and wgmma)")
     parser.add_argument("--backward", action="store_true", help="the backward cases only")
     parser.add_argument("--single-pass", action="store_true",
                         help="the single pass's backward cases only")
@@ -889,6 +975,10 @@ def main() -> int:
         print("all passed" if not failures else f"{failures} failed")
         return failures
     rng = np.random.default_rng(0)
+    if args.tf32:
+        failures = check_forwards(emulate_tf32, TF32_CASES, rng, "3xTF32 ")
+        print("all passed" if not failures else f"{failures} failed")
+        return int(failures > 0)
     failures = 0
     others = 0 if args.decode else None
     forwards = 0 if args.backward or args.single_pass else None
