@@ -1,6 +1,7 @@
-"""The backward's single pass run on the CPU under emulation of the CUDA built-ins
-(bench/experiments/emulate_mma_cpu.py --single-pass --quick), no GPU needed: a banded
-float16 GQA case and an unbanded float32 one, each in arrival order, in turns (ORDERED:
+"""Tensor-core kernels run on the CPU under emulation of the CUDA built-ins, no GPU needed.
+
+The backward's single pass (bench/experiments/emulate_mma_cpu.py --single-pass --quick):
+a banded float16 GQA case and an unbanded float32 one, each in arrival order, in turns (ORDERED:
 the float32 default's protocol) and in turns into (B, N, H, D) gradients, against the
 float64 golden model. The emulation runs its blocks one after another, taking their
 tickets in that order, so a turn ranked out of order hangs here: the subprocess's
@@ -41,3 +42,17 @@ def test_single_pass_in_turns_under_emulation():
     # in turns: each case into (B, H, N, D) and into (B, N, H, D) gradients
     assert result.stdout.count("\nok backward single pass in turns") == 4, result.stdout
     assert result.stdout.count("gradients (B, N, H, D)") == 2, result.stdout
+
+
+def test_float32_forwards_under_emulation():
+    """The 3xTF32 forwards (bench/experiments/emulate_mma_cpu.py --tf32): mma.sync, and the
+    Hopper kernel on wgmma, whose descriptors, swizzle and operand orders the emulation
+    reads as the hardware does, each with o contiguous and in (B, N, H, Dv)."""
+    if _gxx_major() < 12:
+        pytest.skip("the emulation needs g++ 12 or later")
+    pytest.importorskip("ml_dtypes")
+    result = subprocess.run([sys.executable, SCRIPT, "--tf32"], capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
+    assert "all passed" in result.stdout
+    assert result.stdout.count("Tf32WgmmaTiles") == 8, result.stdout
