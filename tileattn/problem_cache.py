@@ -147,12 +147,16 @@ def remembered_problem(arrays_in: tuple, options: tuple, layout="bhsd", outputs=
     if remembered is None:
         problem = _validate(arrays_in, options, layout, outputs, varlen, check_lengths)
         if key is not None:
-            _remember(key, problem, names, natives, not given and varlen is None)
+            _remember(key, problem, names, natives, tuple(given), varlen is None)
         return problem
     batch, as_given, template = remembered
-    if as_given:
-        return evolve(template, tensors=dict(zip(names, natives)), outputs={})
     named = dict(zip(names, natives))
+    if as_given:
+        if not given:
+            return evolve(template, tensors=named, outputs={})
+        given = dict(zip(given, natives[len(named):]))
+        check_output_addresses(given, named, template.layout.memory)
+        return evolve(template, tensors=named, outputs=given)
     given = dict(zip(given, natives[len(named):]))
     layout_of = template.layout
     if layout_of.sequence_first:
@@ -178,18 +182,22 @@ def _validate(arrays_in: tuple, options: tuple, layout, outputs, varlen,
                     check_lengths=check_lengths, **dict(zip(OPTION_NAMES, options)))
 
 
-def _remember(key, problem: Problem, names: tuple, natives: tuple, plain: bool) -> None:
+def _remember(key, problem: Problem, names: tuple, natives: tuple, output_names: tuple,
+              dense: bool) -> None:
     """Keep a validated problem, without its arrays (which the cache must not keep alive),
     under `key`, unless an array is not in the machine's byte order: validation gave the
     backends a native copy of it, which a repeated call would have to make again. For a
-    `plain` call (no output buffers, no lengths), also whether the backends read the
-    caller's arrays themselves (4-D, "bhsd"): a repeated call then only names them."""
+    `dense` call (no lengths), also whether the backends read the caller's arrays and
+    write its output buffers (`output_names`, the arrays after the inputs) themselves (4-D,
+    "bhsd"): a repeated call then only names them (and checks the buffers' addresses)."""
     if not all(array.dtype.isnative for array in natives):
         return
     if len(_PROBLEMS) >= _LIMIT:
         _PROBLEMS.clear()
-    as_given = plain and all(problem.tensors[name] is array
-                             for name, array in zip(names, natives))
+    as_given = dense and all(problem.tensors[name] is array
+                             for name, array in zip(names, natives)) and all(
+        problem.outputs.get(name) is array
+        for name, array in zip(output_names, natives[len(names):]))
     _PROBLEMS[key] = (problem.tensors["q"].shape[0], as_given,
                       replace(problem, tensors={}, outputs={}))
 
