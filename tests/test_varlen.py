@@ -250,12 +250,14 @@ def test_decode_against_a_paged_cache(backend, page_size, n_q, page_major, dtype
     assert_attention_close(lse, expected_lse, dtype, name="lse")
 
 
-def test_paged_equals_contiguous_with_every_option(backend):
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_paged_equals_contiguous_with_every_option(backend, kv_heads):
     """Paged K/V gives what the same keys laid out contiguously give, option for option
-    (dropout counts logical key positions, never page slots)."""
+    (dropout counts logical key positions, never page slots), also where pools stored
+    slots outermost hold several kv heads (the CPU decode then gathers all heads at once)."""
     rng = np.random.default_rng(3)
     lengths_k = [90, 33]
-    k, v, (k_pool, v_pool), table = _paged_cache(rng, 2, 1, lengths_k, 16, 8, 8, True,
+    k, v, (k_pool, v_pool), table = _paged_cache(rng, 2, kv_heads, lengths_k, 16, 8, 8, True,
                                                  np.float64)
     q = rng.standard_normal((2, 2, 24, 8))
     options = {"window": (30, 2), "softcap": 3.0, "alibi_slopes": np.array([0.2, 0.05]),

@@ -191,6 +191,12 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
     the call saves the partial arrays and the merge's dispatch (microseconds of a small
     call's host time). Otherwise `out` and `lse` are not written here.
     """
+    if slots_outer and block_table.shape[0] > 0:
+        _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequences,
+                         block_table, page_size, scale, softcap, alibi_slopes, window_left,
+                         window_right, row_offset, col_offset, dropout_key, dropout_threshold,
+                         inv_keep, block_k, split_size, next_task)
+        return
     n_q_heads, head_dim = q.shape[1], q.shape[3]
     n_kv_heads = k.shape[2] if slots_outer else k.shape[1]
     value_dim = v.shape[3]
@@ -253,18 +259,126 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
                         first_head, n_q_heads, col_start, n_q, softcap, alibi_slopes,
                         window_left, window_right, band_offset, row_offset, col_offset,
                         dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer)
-        for g in range(group):
-            for r in range(n_q):
-                row, packed = row_base + r, g * n_q + r
-                if finishes:
-                    lse[b, first_head + g, row] = _finish_row(
-                        row_max[packed:packed + 1], row_sum[packed:packed + 1],
-                        acc[packed:packed + 1], out[b, first_head + g, row], row_buffer)
-                    continue
-                partial_max[split, b, first_head + g, row] = row_max[packed]
-                partial_sum[split, b, first_head + g, row] = row_sum[packed]
-                for d in range(value_dim):
-                    partial_acc[split, b, first_head + g, row, d] = acc[packed, d]
+        _store_group(acc, row_max, row_sum, b, first_head, group, row_base, n_q, split,
+                     out, lse, partial_acc, partial_max, partial_sum, row_buffer)
+    restore_subnormals(previous)
+
+
+@njit(fastmath=FASTMATH)
+def _store_group(acc, row_max, row_sum, b, first_head, group, row_base, n_q, split, out, lse,
+                 partial_acc, partial_max, partial_sum, row_buffer):
+    """A group's rows after its keys: finished into `out` and `lse` where the call has one
+    split (no partial state), else the split's partial state."""
+    finishes = partial_acc.shape[0] == 0
+    for g in range(group):
+        for r in range(n_q):
+            row, packed = row_base + r, g * n_q + r
+            if finishes:
+                lse[b, first_head + g, row] = _finish_row(
+                    row_max[packed:packed + 1], row_sum[packed:packed + 1],
+                    acc[packed:packed + 1], out[b, first_head + g, row], row_buffer)
+                continue
+            partial_max[split, b, first_head + g, row] = row_max[packed]
+            partial_sum[split, b, first_head + g, row] = row_sum[packed]
+            for d in range(acc.shape[1]):
+                partial_acc[split, b, first_head + g, row, d] = acc[packed, d]
+
+
+ALL_HEADS_TILE_BYTES = 1 << 18
+"""The all-heads path's key tiles (`_all_heads_tasks`) hold every kv head's K and V rows of
+their keys in this many bytes at most (at least 8 keys), half of a 512 KiB L2."""
+
+
+@njit(fastmath=FASTMATH)
+def _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequences,
+                     block_table, page_size, scale, softcap, alibi_slopes, window_left,
+                     window_right, row_offset, col_offset, dropout_key, dropout_threshold,
+                     inv_keep, block_k, split_size, next_task):
+    """`decode_kernel` for page pools stored ``(num_pages, page_size, Hkv, D)`` (vLLM's and
+    flash-attn's order): a task is one (sequence, key split) with every kv head. In that
+    order one kv head's rows of a page lie ``Hkv * D`` elements apart, a new 4 KiB memory
+    page per row for Hkv * D * itemsize >= 4 KiB, which the hardware prefetcher does not
+    follow: a task per kv head gathered its tiles at half the bandwidth of a contiguous
+    cache (2 threads, B1 Hq 32 Hkv 8 D128 over 16k keys: 14.3 ms against 7.0,
+    bench/NOTES-cpu.md session 28). Here each key row of a page is read once for all kv
+    heads, contiguously, into one tile per head, and each head's group runs `_group_tile`
+    on its own. The key splits then count one task per sequence (`decode.plan`)."""
+    n_q_heads, head_dim = q.shape[1], q.shape[3]
+    n_kv_heads, value_dim = k.shape[2], v.shape[3]
+    group = n_q_heads // n_kv_heads
+    max_rows = group * q.shape[2]
+    finishes = partial_acc.shape[0] == 0
+    n_splits = 1 if finishes else partial_acc.shape[0]
+    n_tasks = n_splits * sequences.shape[0]
+    task = claim_next(next_task)
+    if task >= n_tasks:
+        return
+    dtype = q.dtype
+    q_factor = dtype.type(scale)
+    tile_keys = ALL_HEADS_TILE_BYTES // (n_kv_heads * (head_dim + value_dim) * q.itemsize)
+    tile_keys = min(block_k, max(8, tile_keys))
+    keys_all = np.empty((n_kv_heads, tile_keys, head_dim), dtype)
+    values_all = np.empty((n_kv_heads, tile_keys, value_dim), dtype)
+    q_scaled = np.empty((n_kv_heads, max_rows, head_dim), dtype)
+    acc = np.empty((n_kv_heads, max_rows, value_dim), dtype)
+    row_max = np.empty((n_kv_heads, max_rows), dtype)
+    row_sum = np.empty((n_kv_heads, max_rows), dtype)
+    rescale = np.empty(max_rows, dtype)
+    scores_buffer = np.empty(max_rows * tile_keys, dtype)
+    pv_buffer = np.empty(max_rows * value_dim, dtype)
+    row_buffer = np.empty(value_dim if finishes else 0, dtype)
+    last_page, last_column = k.shape[0] - 1, block_table.shape[1] - 1
+    previous = flush_subnormals()  # the caller's MXCSR, put back below
+    while task < n_tasks:
+        split, sequence = task % n_splits, task // n_splits
+        task = claim_next(next_task)
+        b, index = sequences[sequence, BATCH], sequences[sequence, INDEX]
+        row_base, n_q = sequences[sequence, ROW_BASE], sequences[sequence, ROWS]
+        key_base, n_keys = sequences[sequence, KEY_BASE], sequences[sequence, KEYS]
+        band_offset = sequences[sequence, BAND]
+        if n_q == 0:
+            continue
+        n_rows = group * n_q
+        for h in range(n_kv_heads):
+            for g in range(group):
+                for r in range(n_q):
+                    for d in range(head_dim):
+                        q_scaled[h, g * n_q + r, d] = (q[b, h * group + g, row_base + r, d]
+                                                       * q_factor)
+            acc[h, :n_rows] = 0
+            row_max[h, :n_rows] = -np.inf
+            row_sum[h, :n_rows] = 0
+        key_lo, key_hi = key_span(0, n_q, n_keys, band_offset, window_left, window_right)
+        key_start = max(key_lo, 0)
+        key_stop = max(min(key_hi, n_keys), key_start)
+        split_start = key_start + split * split_size
+        split_stop = min(split_start + split_size, key_stop)
+        for col_start in range(split_start, split_stop, tile_keys):
+            n_cols = min(col_start + tile_keys, split_stop) - col_start
+            # Page ids clamped into the pool, table columns into the table, as
+            # `tiles.key_value_rows` (unchecked tables give wrong numbers, no stray reads).
+            for j in range(n_cols):
+                key = key_base + col_start + j
+                page = block_table[b, min(key // page_size, last_column)]
+                page = min(max(page, 0), last_page)
+                slot = key % page_size
+                for h in range(n_kv_heads):
+                    key_row, value_row = k[page, slot, h], v[page, slot, h]
+                    for d in range(head_dim):
+                        keys_all[h, j, d] = key_row[d]
+                    for d in range(value_dim):
+                        values_all[h, j, d] = value_row[d]
+            for h in range(n_kv_heads):
+                _group_tile(q_scaled[h, :n_rows], keys_all[h, :n_cols], values_all[h, :n_cols],
+                            acc[h, :n_rows], row_max[h, :n_rows], row_sum[h, :n_rows],
+                            rescale[:n_rows], index, h * group, n_q_heads, col_start, n_q,
+                            softcap, alibi_slopes, window_left, window_right, band_offset,
+                            row_offset, col_offset, dropout_key, dropout_threshold, inv_keep,
+                            scores_buffer, pv_buffer)
+        for h in range(n_kv_heads):
+            _store_group(acc[h, :n_rows], row_max[h, :n_rows], row_sum[h, :n_rows], b,
+                         h * group, group, row_base, n_q, split, out, lse, partial_acc,
+                         partial_max, partial_sum, row_buffer)
     restore_subnormals(previous)
 
 

@@ -160,7 +160,8 @@ def key_value_rows(keys, values, b, kv_head, start, stop, block_table, page_size
     Tried and not kept: an LLVM ``prefetch`` of the page rows 4 keys ahead (pools in
     vLLM's order put each row of one kv head in a new 4 KiB page, which hardware prefetch
     does not follow); paged decode gained about 10% CPU time on a machine at load 50,
-    within that machine's noise (docs/varlen.md, "Measured").
+    within that machine's noise (docs/varlen.md, "Measured"). The decode kernel reads such
+    pools through `decode_kernel._all_heads_tasks` instead, a page row for every kv head.
     """
     if block_table.shape[0] == 0:
         return keys[b, kv_head, start:stop], values[b, kv_head, start:stop]
