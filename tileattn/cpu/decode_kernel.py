@@ -296,8 +296,12 @@ def all_heads(block_table, slots_outer, group, n_q):
 
 
 ALL_HEADS_TILE_BYTES = 1 << 18
+ALL_HEADS_MIN_KEYS = 32
 """The all-heads path's key tiles (`_all_heads_tasks`) hold every kv head's K and V rows of
-their keys in this many bytes at most (at least 8 keys), half of a 512 KiB L2."""
+their keys in ALL_HEADS_TILE_BYTES at most, half of a 512 KiB L2, but no fewer than
+ALL_HEADS_MIN_KEYS keys: MHA's 32 heads of D 128 left 8 keys a tile, whose per-tile work
+cost (B1 32/32 D128 over 4096 keys, page 16: 0.70-0.75 of contiguous at 8 keys, 0.88-0.94 at
+32; 1 MiB tiles for every shape slowed 8/2 D64; bench/NOTES-cpu.md session 28)."""
 
 
 @njit(fastmath=FASTMATH)
@@ -327,7 +331,7 @@ def _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, s
     dtype = q.dtype
     q_factor = dtype.type(scale)
     tile_keys = ALL_HEADS_TILE_BYTES // (n_kv_heads * (head_dim + value_dim) * q.itemsize)
-    tile_keys = min(block_k, max(8, tile_keys))
+    tile_keys = min(block_k, max(ALL_HEADS_MIN_KEYS, tile_keys))
     keys_all = np.empty((n_kv_heads, tile_keys, head_dim), dtype)
     values_all = np.empty((n_kv_heads, tile_keys, value_dim), dtype)
     q_scaled = np.empty((n_kv_heads, max_rows, head_dim), dtype)
