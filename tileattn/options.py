@@ -261,8 +261,9 @@ class VarlenLayout:
             n_keys = self.key_capacity(n_k)
             for column, lengths, limit in ((ROWS, self.seqlens_q, n_q),
                                            (KEYS, self.seqlens_k, n_keys)):
-                descriptors[:, column] = limit if lengths is None else np.clip(lengths, 0,
-                                                                               limit)
+                # np.minimum / np.maximum: np.clip's checks cost ~5 us a call here
+                descriptors[:, column] = (limit if lengths is None
+                                          else np.minimum(np.maximum(lengths, 0), limit))
         descriptors[:, BAND] = descriptors[:, KEYS] - descriptors[:, ROWS]
         descriptors[:, INDEX] = np.arange(len(descriptors))
         return descriptors
