@@ -109,22 +109,32 @@ def _torch_efficient(q, k, v, causal):
     return call
 
 
-def tile_timings(head_dim: int, shapes, repetitions: int) -> None:
-    """The wgmma forward at D = Dv = head_dim on each (block_q, block_k) of `shapes`."""
+def _timing_inputs(head_dim: int):
+    """q, k, v at B 4, N 4096, hidden 2048 (H = 2048 / D), and a forward's FLOPs by causal."""
     heads = max(1, 2048 // head_dim)
     rng = cupy.random.default_rng(0)
     q, k, v = (rng.standard_normal((4, heads, 4096, head_dim), dtype=cupy.float32)
                for _ in range(3))
+    return (q, k, v), lambda causal: 4 * 4 * heads * 4096 * 4096 * head_dim / (1 + causal)
+
+
+def _time_choice(choice, q, k, v, options, repetitions: int) -> float:
+    """ms a call of `choice`'s cached launch (its outputs allocated once)."""
+    o, lse = launch_forward.run(choice, q, k, v, options)
+    launch = launch_forward.launch(choice, q, k, v, o, lse, options)
+    return median_ms(lambda: launch(q, k, v, o, lse), repetitions)
+
+
+def tile_timings(head_dim: int, shapes, repetitions: int) -> None:
+    """The wgmma forward at D = Dv = head_dim on each (block_q, block_k) of `shapes`."""
+    (q, k, v), flops = _timing_inputs(head_dim)
     for causal in (False, True):
         options = _options(q, k, v, causal)
         for block_q, block_k in shapes:
             choice = tiles.Choice("tf32", tiles.Tf32WgmmaTiles(block_q, block_k))
-            o, lse = launch_forward.run(choice, q, k, v, options)
-            launch = launch_forward.launch(choice, q, k, v, o, lse, options)
-            ms = median_ms(lambda: launch(q, k, v, o, lse), repetitions)
-            flops = 4 * 4 * heads * 4096 * 4096 * head_dim / (2 if causal else 1)
+            ms = _time_choice(choice, q, k, v, options, repetitions)
             print(f"D{head_dim} {'causal' if causal else 'full'} {block_q}x{block_k}: "
-                  f"{ms:.2f} ms, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+                  f"{ms:.2f} ms, {flops(causal) / ms / 1e9:.1f} TFLOP/s", flush=True)
 
 
 def timings(dims, repetitions: int) -> None:
@@ -132,23 +142,15 @@ def timings(dims, repetitions: int) -> None:
           "wgmma / mma.sync | wgmma / torch |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for head_dim in dims:
-        heads = max(1, 2048 // head_dim)
-        rng = cupy.random.default_rng(0)
-        q, k, v = (rng.standard_normal((4, heads, 4096, head_dim), dtype=cupy.float32)
-                   for _ in range(3))
+        (q, k, v), flops = _timing_inputs(head_dim)
         for causal in (False, True):
             options = _options(q, k, v, causal)
-            new, old = _choices(q, k, v, options)
-            times = []
-            for choice in (new, old):
-                o, lse = launch_forward.run(choice, q, k, v, options)
-                launch = launch_forward.launch(choice, q, k, v, o, lse, options)
-                times.append(median_ms(lambda: launch(q, k, v, o, lse), repetitions))
+            times = [_time_choice(choice, q, k, v, options, repetitions)
+                     for choice in _choices(q, k, v, options)]
             torch_call = _torch_efficient(q, k, v, causal)
             torch_ms = median_ms(torch_call, repetitions) if torch_call else float("nan")
-            flops = 4 * 4 * heads * 4096 * 4096 * head_dim / (2 if causal else 1)
             print(f"| {head_dim} | {causal} | {times[0]:.2f} | {times[1]:.2f} | {torch_ms:.2f} | "
-                  f"{flops / times[0] / 1e9:.1f} | {times[1] / times[0]:.2f} | "
+                  f"{flops(causal) / times[0] / 1e9:.1f} | {times[1] / times[0]:.2f} | "
                   f"{torch_ms / times[0]:.2f} |", flush=True)
 
 

@@ -121,10 +121,9 @@ def plan(q_c, k_c, v_c, options, shape, n_splits=None) -> DecodePlan:
         flops *= LOOP_FLOP_COST
     kv_bytes = n_kv_heads * keys_read * (head_dim + value_dim) * q_c.itemsize
     n_threads = threads.threads_for(max(flops, BYTE_COST * kv_bytes))
-    # Pools stored slots outermost may run a task per sequence for every kv head
-    # (`decode_kernel.all_heads`).
-    all_heads = (shape.page_size > 0 and shape.slots_outer
-                 and packed_rows <= MAX_LOOP_ROWS)
+    # Pools stored slots outermost may run a task per sequence for every kv head.
+    all_heads = _kernels().all_heads(shape.block_table, shape.slots_outer,
+                                     n_q_heads // n_kv_heads, n_q)
     n_tasks_per_split = len(descriptors) * (1 if all_heads else n_kv_heads)
     if n_splits is None:
         n_splits = split_count(n_tasks_per_split, longest, block_k, n_threads)

@@ -238,19 +238,10 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
         row_max, row_sum = max_buffer[:n_rows], sum_buffer[:n_rows]
         rescale = rescale_buffer[:n_rows]
         first_head = kv_head * group
-        # The same scaled query as the forward and backward kernels, so all round alike.
-        for g in range(group):
-            for r in range(n_q):
-                for d in range(head_dim):
-                    q_scaled[g * n_q + r, d] = q[b, first_head + g, row_base + r, d] * q_factor
-        acc[:] = 0
-        row_max[:] = -np.inf
-        row_sum[:] = 0
-        key_lo, key_hi = key_span(0, n_q, n_keys, band_offset, window_left, window_right)
-        key_start = max(key_lo, 0)
-        key_stop = max(min(key_hi, n_keys), key_start)
-        split_start = key_start + split * split_size
-        split_stop = min(split_start + split_size, key_stop)
+        _start_group(q, b, first_head, row_base, n_q, q_factor, q_scaled, acc, row_max,
+                     row_sum)
+        split_start, split_stop = _split_keys(n_q, n_keys, band_offset, window_left,
+                                              window_right, split, split_size)
         for col_start in range(split_start, split_stop, block_k):
             col_stop = min(col_start + block_k, split_stop)
             k_tile, v_tile = key_value_rows(k, v, b, kv_head, key_base + col_start,
@@ -263,6 +254,30 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
         _store_group(acc, row_max, row_sum, b, first_head, group, row_base, n_q, split,
                      out, lse, partial_acc, partial_max, partial_sum, row_buffer)
     restore_subnormals(previous)
+
+
+@njit(fastmath=FASTMATH)
+def _start_group(q, b, first_head, row_base, n_q, q_factor, q_scaled, acc, row_max, row_sum):
+    """A group's packed rows before its keys: the scaled queries of heads `first_head` ..
+    (the same scaled query as the forward and backward kernels, so all round alike), and
+    an empty softmax state."""
+    for g in range(q_scaled.shape[0] // n_q):
+        for r in range(n_q):
+            for d in range(q_scaled.shape[1]):
+                q_scaled[g * n_q + r, d] = q[b, first_head + g, row_base + r, d] * q_factor
+    acc[:] = 0
+    row_max[:] = -np.inf
+    row_sum[:] = 0
+
+
+@njit
+def _split_keys(n_q, n_keys, band_offset, window_left, window_right, split, split_size):
+    """``[start, stop)``: split `split`'s keys of the keys a sequence's rows keep."""
+    key_lo, key_hi = key_span(0, n_q, n_keys, band_offset, window_left, window_right)
+    key_start = max(key_lo, 0)
+    key_stop = max(min(key_hi, n_keys), key_start)
+    split_start = key_start + split * split_size
+    return split_start, min(split_start + split_size, key_stop)
 
 
 @njit(fastmath=FASTMATH)
@@ -355,19 +370,10 @@ def _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, s
             continue
         n_rows = group * n_q
         for h in range(n_kv_heads):
-            for g in range(group):
-                for r in range(n_q):
-                    for d in range(head_dim):
-                        q_scaled[h, g * n_q + r, d] = (q[b, h * group + g, row_base + r, d]
-                                                       * q_factor)
-            acc[h, :n_rows] = 0
-            row_max[h, :n_rows] = -np.inf
-            row_sum[h, :n_rows] = 0
-        key_lo, key_hi = key_span(0, n_q, n_keys, band_offset, window_left, window_right)
-        key_start = max(key_lo, 0)
-        key_stop = max(min(key_hi, n_keys), key_start)
-        split_start = key_start + split * split_size
-        split_stop = min(split_start + split_size, key_stop)
+            _start_group(q, b, h * group, row_base, n_q, q_factor, q_scaled[h, :n_rows],
+                         acc[h, :n_rows], row_max[h, :n_rows], row_sum[h, :n_rows])
+        split_start, split_stop = _split_keys(n_q, n_keys, band_offset, window_left,
+                                              window_right, split, split_size)
         for col_start in range(split_start, split_stop, tile_keys):
             n_cols = min(col_start + tile_keys, split_stop) - col_start
             # Page ids clamped into the pool, table columns into the table, as

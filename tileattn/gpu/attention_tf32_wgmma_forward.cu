@@ -218,6 +218,17 @@ __device__ __forceinline__ void redo_nan_scores_split(float (&s)[kKeyFrags][4], 
         }
 }
 
+// Keys [row, row + BLOCK_K) of K and V into the raw staging tile, row-major (zeros past n_k).
+__device__ __forceinline__ void load_raw_key_tile(float* raw_k, float* raw_v,
+                                                  const KeyRows<float>& k_rows,
+                                                  const KeyRows<float>& v_rows, i64 row,
+                                                  i64 n_k) {
+    load_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kHeadWidth, COPY_BYTES>(
+        raw_k, k_rows, row, n_k);
+    load_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kValueWidth, COPY_BYTES>(
+        raw_v, v_rows, row, n_k);
+}
+
 // s = 0 + chunk 0, then s += chunk c, in IEEE float32 (the mma.sync kernels' sums).
 __device__ __forceinline__ void add_score_chunk(float (&s)[kKeyFrags][4],
                                                 float (&chunk)[kKeyFrags][4], int c) {
@@ -287,10 +298,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_tf32
     // Q split in place once it has landed.
     load_tile_async<BLOCK_Q, HEAD_DIM, kHeadWidth, kThreads, kHeadWidth, COPY_BYTES>(
         raw_q, q_head, q_sn, row_start, n_q);
-    load_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kHeadWidth, COPY_BYTES>(
-        raw_k, k_head, tile_begin * BLOCK_K, n_k);
-    load_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kValueWidth, COPY_BYTES>(
-        raw_v, v_head, tile_begin * BLOCK_K, n_k);
+    load_raw_key_tile(raw_k, raw_v, k_head, v_head, tile_begin * BLOCK_K, n_k);
     commit_copies();
     wait_copies<0>();
     __syncthreads();
@@ -327,10 +335,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_tf32
         // needs it (below).
         const bool prefetch = key_tile + 1 < tile_end;
         if (prefetch && !v_non_finite) {
-            load_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kHeadWidth, COPY_BYTES>(
-                raw_k, k_head, (key_tile + 1) * BLOCK_K, n_k);
-            load_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kValueWidth,
-                            COPY_BYTES>(raw_v, v_head, (key_tile + 1) * BLOCK_K, n_k);
+            load_raw_key_tile(raw_k, raw_v, k_head, v_head, (key_tile + 1) * BLOCK_K, n_k);
             commit_copies();
         }
 
@@ -389,10 +394,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attention_forward_tf32
                 [&](int key, int col) { return raw_v[key * kValueWidth + col]; });
             __syncthreads();
             if (prefetch) {
-                load_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kHeadWidth,
-                                COPY_BYTES>(raw_k, k_head, (key_tile + 1) * BLOCK_K, n_k);
-                load_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kValueWidth,
-                                COPY_BYTES>(raw_v, v_head, (key_tile + 1) * BLOCK_K, n_k);
+                load_raw_key_tile(raw_k, raw_v, k_head, v_head, (key_tile + 1) * BLOCK_K,
+                                  n_k);
                 commit_copies();
             }
         }
