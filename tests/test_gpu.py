@@ -492,7 +492,8 @@ def test_wgmma_forward_long_rows_and_fully_masked_tiles():
                          ids=DIM_IDS)
 @pytest.mark.parametrize("tiles", [((128, 64), (128, 64), 2), ((192, 64), (128, 64), 3),
                                    ((64, 128), (64, 128), 2), ((192, 64), (192, 64), 2),
-                                   ((128, 32), (128, 32), 2, True), ((128, 64), (128, 64), 2, True)],
+                                   ((128, 32), (128, 32), 2, True), ((128, 64), (128, 64), 2, True),
+                                   ((128, 64), (192, 64), 3), ((64, 64), (64, 64), 2)],
                          ids=lambda t: (f"dq{t[0][0]}x{t[0][1]}-dkdv{t[1][0]}x{t[1][1]}-s{t[2]}"
                                         + ("-split" if len(t) > 3 else "")))
 @pytest.mark.parametrize("single_pass", [False, True], ids=["two-kernel", "single-pass"])
@@ -526,6 +527,37 @@ def test_every_wgmma_backward_tile_shape(dtype, dims, tiles, single_pass, option
                                         _resolved_options(q, k, v, options), tiles,
                                         single_pass=single_pass)
     expected = _golden_grads(do, q, k, v, given_o, golden_lse, **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_attention_close(grad.get(), want, q.dtype, name=name)
+
+
+@hopper_only
+def test_named_backward_tiles_bypass_the_plan_cache(monkeypatch):
+    """The plan cache is keyed by the problem: a backward with tiles named by a test or a
+    sweep must run those tiles, not a plan the table's choice left for the same problem,
+    and must leave none of its own."""
+    from tileattn.gpu import operands
+
+    q, k, v = _inputs((1, 2, 200, 64), (1, 2, 200, 64), (1, 2, 200, 64), np.float16)
+    do = np.random.default_rng(1).standard_normal(q.shape).astype(np.float16)
+    device = [cupy.asarray(a) for a in (do, q, k, v)]
+    o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, causal=True)
+    tileattn.backward(*device, o, lse, backend="gpu", causal=True)  # the table's plan
+    plans = dict(operands._PLANS)
+    assert plans, "the table's backward should have left a plan"
+    table = _choices(q, k, v, {"causal": True})[1]
+    named = WgmmaBackwardTiles((64, 64), (64, 64), 2)
+    assert table.family == "wgmma" and table.tiles != named
+    found = []
+    original = gpu_backward.cached
+    monkeypatch.setattr(gpu_backward, "cached",
+                        lambda *a: found.append(original(*a)) or found[-1])
+    grads = gpu_backward.run(Choice("wgmma", named), *device, o, lse,
+                             _resolved_options(q, k, v, {"causal": True}))
+    assert found and all(plan is None for plan in found)
+    assert dict(operands._PLANS) == plans
+    expected = _golden_grads(do, q, k, v, o.get(), _golden(q, k, v, causal=True)[1],
+                             causal=True)
     for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
         assert_attention_close(grad.get(), want, q.dtype, name=name)
 

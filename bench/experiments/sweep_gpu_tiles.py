@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_tiles.py --family wgmma --direction forward \
         --dims 80,96,160 [--dtype float16] [--n 1024,4096] [--dropout 0.1 | --softcap 30 |
-        --alibi] [--nondeterministic]
+        --alibi] [--causal both|yes|no] [--only NAMES] [--nondeterministic]
 
 For each head dim (D or D:Dv), causal and not, and sequence length (batch * N = 16k tokens,
 hidden about 2048), every candidate configuration of the family is first checked against
@@ -132,6 +132,10 @@ def _named(config, only: str) -> bool:
         dq, dkdv = ("{}x{}{}".format(*getattr(config, entry), "p" * (entry in config.paired))
                     for entry in ("dq", "dkdv"))
         return f"{dq}-{dkdv}{'-split' if config.split else ''}" in names
+    if isinstance(config, tiles.WgmmaBackwardTiles):
+        dq, dkdv = ("{}x{}".format(*getattr(config, entry)) for entry in ("dq", "dkdv"))
+        return (f"{dq}-{dkdv}x{config.stages}{'-split' if config.split else ''}"
+                in names)
     if not isinstance(config, tiles.WgmmaTiles):
         return True
     name = f"{config.block_q}x{config.block_k}x{config.stages}"
@@ -157,8 +161,11 @@ def main() -> None:
                         help="candidates to time, e.g. 192x128x2,128x64x2/2 (wgmma forward: "
                              "block_q x block_k x stages [/ blocks per SM]) or "
                              "64x16p-64x16p (mma / tf32 backward: dQ's owned x streamed "
-                             "rows, dK/dV's, p on warp pairs, -split: dK and dV apart); "
-                             "default: all")
+                             "rows, dK/dV's, p on warp pairs, -split: dK and dV apart) or "
+                             "192x64-128x64x3 (wgmma backward: dQ's, dK/dV's, stages, "
+                             "-split); default: all")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                        help="time causal problems, problems without a mask, or both")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="backward with deterministic=False (the single pass where the "
                              "tiles serve it; candidates' shared memory as the two kernels')")
@@ -173,7 +180,8 @@ def main() -> None:
         head_dim, value_dim = map(int, dim.split(":")) if ":" in dim else (int(dim),) * 2
         step = 8 if args.family == "tf32" else 16
         widths = tiles.Widths.padded(head_dim, value_dim, step)
-        for causal, n in itertools.product((False, True), map(int, args.n.split(","))):
+        masks = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+        for causal, n in itertools.product(masks, map(int, args.n.split(","))):
             case = Case(args.dtype, 16384 // n, max(1, round(2048 / head_dim)), n, head_dim,
                         causal=causal, value_dim=value_dim)
             q, k, v, do = make_inputs(case)

@@ -350,7 +350,8 @@ def _with_group(common: tuple, group: int) -> tuple:
 
 def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaBackwardTiles,
                    single_pass: bool = False, given=(None, None, None),
-                   sequences: Sequences | None = None, dq_splits: int | None = None):
+                   sequences: Sequences | None = None, dq_splits: int | None = None,
+                   planned: bool = False):
     """D = rowsum(do * o) first, then the dQ and the dK/dV kernels, which both read it.
 
     `single_pass` (measured, not the default): no dQ kernel; the dK/dV kernel adds dQ into
@@ -363,8 +364,10 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     single_pass = single_pass and sequences is None and not _writes_strided(given)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
-    # Forced dQ shares (tests, sweeps) are neither taken from nor left in the plan cache.
-    cacheable = not single_pass and dq_splits is None
+    # The plan cache's key is the problem, not the tiles: only the table's own choice
+    # (`planned`) is taken from and left in it, never tiles or dQ shares that tests and
+    # sweeps force on a problem the cache may hold with others.
+    cacheable = planned and not single_pass and dq_splits is None
     key = plan_key("backward", options, do, q, k, v, o) if cacheable else None
     if key is not None:
         key += gradient_strides(q, k, v, given)
@@ -580,14 +583,15 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
 
 
 def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
-        given=(None, None, None), sequences: Sequences | None = None):
+        given=(None, None, None), sequences: Sequences | None = None, planned: bool = False):
     """``(dq, dk, dv)`` with the family and tiles of `choice` (the sweeps pass their own;
     its `key_splits` above 1 forces the dQ kernel's key shares), written into the `given`
-    buffers where there are some."""
+    buffers where there are some. `planned`: `choice` is the tile table's for the problem,
+    so its launches may be cached under the problem (`backward_wgmma`)."""
     forced = choice.key_splits if choice.key_splits > 1 else None
     if choice.family == "wgmma":
         return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles, given=given,
-                              sequences=sequences, dq_splits=forced)
+                              sequences=sequences, dq_splits=forced, planned=planned)
     if choice.family in ("mma", "tf32"):
         return backward_mma(do, q, k, v, o, lse, options, choice.tiles, given=given,
                             sequences=sequences, dq_splits=forced)
@@ -601,6 +605,7 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, 
         sequences = Sequences(q, k, options)
         problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3],
                               max(1, sequences.max_keys), options)
-        return run(choose_backward(problem), do, q, k, v, o, lse, options, given, sequences)
+        return run(choose_backward(problem), do, q, k, v, o, lse, options, given, sequences,
+                   planned=True)
     return run(choose_backward(problem_of(q, k, v, options)), do, q, k, v, o, lse, options,
-               given)
+               given, planned=True)

@@ -365,6 +365,18 @@ WGMMA_FORWARD = [
 # band (v12). Wider: dK and dV split where D + Dv > 256,
 # whose accumulators no longer fit beside the score tiles (v14, ptxas).
 WGMMA_BACKWARD = [
+    Row(When(32, banded=True), WgmmaBackwardTiles((128, 64), (192, 64), 3),
+        "v45: banded D<=32, 128-row dQ blocks (H200 fwd+bwd N=1k/4k/16k: 129.9/183.0/204.4 "
+        "TFLOP/s vs 112.6/169.4/195.5 for 192-row)"),
+    Row(When(32), WgmmaBackwardTiles((128, 64), (192, 64), 2),
+        "v45: D<=32, 128-row dQ blocks (H200 fwd+bwd N=1k/4k/16k: 203.6/235.1/238.9 TFLOP/s "
+        "vs 183.1/221.0/231.0 for 192-row)"),
+    Row(When(64, banded=True, max_keys=1024), WgmmaBackwardTiles((64, 64), (64, 64), 2),
+        "v45: banded D<=64 over <=1k keys, one warpgroup a block (H200 D=64 N=1k fwd+bwd: "
+        "172.7 TFLOP/s vs 158.4 for 192x64x3; at N=4k 220.6 vs 236.7)"),
+    Row(When(64, max_keys=1024), WgmmaBackwardTiles((64, 64), (128, 64), 2),
+        "v45: D<=64 over <=1k keys (H200 D=64 N=1k fwd+bwd: 263.9 TFLOP/s vs 247.0 for "
+        "192x64x2; at N=4k 288.7 vs 291.5)"),
     Row(When(64, banded=True), WgmmaBackwardTiles((192, 64), (192, 64), 3),
         "v12: banded D=64, a third stage +4-5 %"),
     Row(When(64), WgmmaBackwardTiles((192, 64), (192, 64), 2), "v7: D=64"),
