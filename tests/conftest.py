@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -91,3 +92,24 @@ def backend(request) -> BackendUnderTest:
     if reason is not None:
         pytest.skip(reason)
     return BackendUnderTest(request.param)
+
+
+def _clear_plans() -> None:
+    backends.clear_plans()
+    adapter = sys.modules.get("tileattn.torch")
+    if adapter is not None:
+        adapter._REPLAYS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _plans_under_the_tests_own_policies(request):
+    """Plans are kept per call signature and made under the backends' policies (schedules,
+    split counts, table rows). A test that monkeypatches one of them must not run a plan
+    an earlier test left for the same signature, nor leave its own to later tests: plans
+    are forgotten before and after every test that uses `monkeypatch`."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    _clear_plans()
+    yield
+    _clear_plans()

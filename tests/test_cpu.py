@@ -242,6 +242,36 @@ def test_repeated_backwards_reuse_their_plan_and_follow_the_thread_count(monkeyp
     assert len(planned) == new_plans  # the first call's thread count again: its plan
 
 
+def test_cleared_plans_make_a_forced_policy_run(monkeypatch):
+    """A plan is kept per signature, so a policy changed after the first call (a test
+    forcing a schedule) is not seen by the next one of that signature until
+    `backends.clear_plans` forgets the plans; tests/conftest.py does that around every test
+    that monkeypatches."""
+    from tileattn import backends
+    from tileattn.cpu import backward_kernel
+
+    q, k, v = _inputs((1, 2, 300, 32), (1, 2, 300, 32), (1, 2, 300, 32), seed=3)
+    o, lse = tileattn.forward(q, k, v, causal=True, backend="cpu", return_lse=True)
+    do = np.random.default_rng(4).standard_normal(o.shape).astype(np.float32)
+    monkeypatch.setattr(cpu, "_use_heads_schedule", lambda *args: True)
+    heads = tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    sums = []
+    summed = backward_kernel.sum_key_parts
+    monkeypatch.setattr(backward_kernel, "sum_key_parts",
+                        lambda *args: (sums.append(1), summed(*args)))
+    monkeypatch.setattr(cpu, "_use_heads_schedule", lambda *args: False)
+    monkeypatch.setattr(cpu, "KEY_PARTS_BUDGET", 100.0)
+    tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    assert not sums  # the heads schedule's plan ran again
+    backends.clear_plans()
+    assert not cpu._FORWARD_PLANS and not cpu._BACKWARD_PLANS
+    key_parts = tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    assert sums  # planned anew: dQ in parts per key tile
+    for name, grads in (("heads", heads), ("key parts", key_parts)):
+        for grad, golden in zip(grads, _golden_grads(do, q, k, v, o, causal=True)):
+            assert_attention_close(grad, golden, np.float32, name=name)
+
+
 @pytest.mark.parametrize("n_q", [1, 96], ids=["decode", "tiled"])
 def test_a_thread_with_its_own_thread_count_gets_its_own_plan(monkeypatch, n_q):
     """numba.set_num_threads holds for the Python thread that calls it: a call from a thread

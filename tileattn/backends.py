@@ -36,6 +36,12 @@ A backend is a module that exposes
     allocates a "bshd" call's o and gradients in the caller's ``(B, N, H, D)`` order and
     passes their views, so the caller gets C-contiguous results.
 
+``clear_plans()`` (optional)
+    Forgets whatever the backend planned or chose for earlier calls and keeps for the
+    next call of the same signature. The plans are a function of the signature under the
+    backend's policies, so only code that changes a policy needs this (tests and sweeps
+    that force a schedule, a split count or a table row).
+
 Optional, for ``python -m tileattn info``:
 
 ``hardware() -> dict[str, str]``
@@ -103,6 +109,14 @@ def load(name: str) -> ModuleType:
         raise BackendUnavailableError(f"backend={name!r} is not available: {reason}")
     _loaded[name] = module
     return module
+
+
+def clear_plans() -> None:
+    """`clear_plans` of every backend loaded so far (none is imported for it)."""
+    for module in _loaded.values():
+        clear = getattr(module, "clear_plans", None)
+        if clear is not None:
+            clear()
 
 
 def availability(name: str) -> str | None:

@@ -350,6 +350,12 @@ KEY_PARTS_BUDGET = 2.0
 _NO_PARTS = {dtype: np.zeros((0, 0, 0, 0, 0), dtype) for dtype in (_FLOAT32, _FLOAT64)}
 
 
+def clear_plans() -> None:
+    """Forgets the plans of earlier calls (the registry's `clear_plans`)."""
+    _FORWARD_PLANS.clear()
+    _BACKWARD_PLANS.clear()
+
+
 def _use_heads_schedule(n_sequences: int, n_kv_heads: int, n_threads: int) -> bool:
     """Whether one task per (sequence, kv head) keeps every thread equally busy (see
     `backward_kernel`); otherwise the split schedule spreads key and query tiles."""

@@ -113,6 +113,16 @@ def replay(function_name: str, tensors: dict, options: AttentionOptions, allocat
         return make(function_name, tensors, options, allocate, outputs or {})
 
 
+def clear_plans() -> None:
+    """Forgets the launches planned by earlier calls and the tile choices made for their
+    problems (the registry's `clear_plans`)."""
+    from . import operands, tiles
+
+    operands._PLANS.clear()
+    tiles.choose_forward.cache_clear()
+    tiles.choose_backward.cache_clear()
+
+
 def hardware() -> dict[str, str]:
     """The current device as `python -m tileattn info` shows it."""
     import cupy
