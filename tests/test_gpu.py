@@ -546,7 +546,7 @@ def test_named_backward_tiles_bypass_the_plan_cache(monkeypatch):
     plans = dict(operands._PLANS)
     assert plans, "the table's backward should have left a plan"
     table = _choices(q, k, v, {"causal": True})[1]
-    named = WgmmaBackwardTiles((64, 64), (64, 64), 2)
+    named = WgmmaBackwardTiles((128, 64), (128, 64), 2)
     assert table.family == "wgmma" and table.tiles != named
     found = []
     original = gpu_backward.cached
