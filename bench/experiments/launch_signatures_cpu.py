@@ -10,7 +10,9 @@ a scalar: i64, int, u32, float, double).
 A launcher that passes one argument too few or too many, or an int where the kernel takes
 an i64, would misread every later parameter on a GPU; here it fails with the kernel, the
 position and both types. Forwards and backwards of the tensor-core families (wgmma, mma.sync,
-3xTF32), the generic kernels, decode, split keys, GQA group sums, and "bshd" outputs.
+3xTF32), the generic kernels, decode, split keys, GQA group sums, and "bshd" outputs. Last,
+a wgmma backward with tiles named beside the table's cached plan for the same problem must
+launch kernels compiled for the named tiles (the plan cache is keyed by the problem).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class SignatureKernel:
 
     max_dynamic_shared_size_bytes = 48 * 1024
     launches: list = []
+    defines: list = []  # each launch's compile-time defines, in launch order
 
     def __init__(self, source_name, entry, defines):
         self.source_name, self.entry, self.defines = source_name, entry, tuple(defines)
@@ -79,6 +82,7 @@ class SignatureKernel:
 
     def __call__(self, grid, block, args, shared_mem=0):
         SignatureKernel.launches.append(self.entry)
+        SignatureKernel.defines.append(dict(self.defines))
         label = f"{self.source_name}:{self.entry}"
         assert len(args) == len(self.kinds), (
             f"{label}: {len(args)} arguments for {len(self.kinds)} parameters")
@@ -168,8 +172,48 @@ def main() -> int:
                 except (AssertionError, AttributeError, TypeError, ValueError) as error:
                     print(f"FAILED {label}: {type(error).__name__}: {error}", flush=True)
                     failures += 1
+    failures += _named_tiles_launch_their_own_kernels(standin, rng, resolved_options=validate)
     print("all passed" if not failures else f"{failures} failed")
     return int(failures > 0)
+
+
+def _named_tiles_launch_their_own_kernels(standin, rng, resolved_options) -> int:
+    """The plan cache is keyed by the problem: after a backward of the table's choice left
+    its plan there, a backward with other tiles named (a test's, a sweep's) must launch
+    kernels compiled for those tiles, and leave the cache as it was. 1 when it does not."""
+    from tileattn.gpu import launch_backward, operands
+    from tileattn.gpu import tiles as tile_tables
+    from tileattn.gpu.operands import problem_of
+
+    q, k, v, do, o = (standin.asarray(rng.standard_normal((1, 2, 300, 64)).astype("float16"))
+                      for _ in range(5))
+    lse = standin.empty(q.shape[:3], np.float32)
+    options = resolved_options(q, k, v, causal=True, window=None, scale=None, softcap=None,
+                               alibi_slopes=None, dropout_p=0.0, seed=None, block_q=None,
+                               block_k=None, deterministic=True).options
+    table = tile_tables.choose_backward(problem_of(q, k, v, options))
+    named = tile_tables.WgmmaBackwardTiles((128, 64), (128, 64), 2)
+    operands._PLANS.clear()
+    launch_backward.backward(do, q, k, v, o, lse, options)
+    plans = dict(operands._PLANS)
+    SignatureKernel.defines = []
+    try:
+        launch_backward.run(tile_tables.Choice("wgmma", named), do, q, k, v, o, lse, options)
+    except Exception as error:  # a cached plan run in its place fails on the stand-in
+        print(f"FAILED named wgmma backward tiles: {type(error).__name__}: {error}")
+        return 1
+    rows = {(d["OWNED_ROWS"], d["STREAMED_ROWS"], d.get("STAGES"))
+            for d in SignatureKernel.defines if "OWNED_ROWS" in d}
+    wanted = {(named.dq[0], named.dq[1], named.stages),
+              (named.dkdv[0], named.dkdv[1], named.stages)}
+    if table.tiles == named or not plans or rows != wanted or dict(operands._PLANS) != plans:
+        print(f"FAILED named wgmma backward tiles: table {table.tiles}, launched "
+              f"(owned, streamed, stages) {sorted(rows)} for {sorted(wanted)}, plans "
+              f"{len(plans)} -> {len(operands._PLANS)}", flush=True)
+        return 1
+    print(f"ok named wgmma backward tiles {named} launch their own kernels beside the "
+          f"table's cached plan ({table.tiles})", flush=True)
+    return 0
 
 
 def _mma_rows(dim: int, value_dim: int):
