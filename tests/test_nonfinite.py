@@ -196,6 +196,25 @@ def test_nan_query_and_output_gradient_rows_reach_only_the_keys_they_keep(backen
             assert np.isnan(dv[0, 0, keys, 1]).all() and np.isfinite(dv[0, 0, :, [0, 2]]).all()
 
 
+def test_a_dropped_entry_is_a_product_with_zero(backend):
+    """SPEC step 6 drops an entry by multiplying P with keep / (1 - p) = 0, not by masking
+    it: a NaN that the mask keeps reaches the gradients through the entries that dropout
+    drops as well (NaN x 0 is NaN), as in the golden model. A NaN in query row 3 makes the
+    row's P NaN, so dv is NaN at every key the row keeps, dropped ones included."""
+    from tileattn.dropout import keep_mask
+
+    options = {"dropout_p": 0.5, "seed": 11, "window": (3, 2)}
+    dropped = ~keep_mask(11, 0.5, 0, 3, np.arange(6))  # row 3's keys 0-5 (window (3, 2))
+    assert dropped.any() and not dropped.all()  # the seed drops some of them
+    for blocks in ({}, {"block_q": 2, "block_k": 2}):
+        q, k, v, do = _four_d(*_normal(9, (8, 4), (8, 4), (8, 4), (8, 4)))
+        q[..., 3, 0] = np.nan
+        _, (_, _, dv) = check_problem(backend, q, k, v, do, {**options, **blocks})
+        keys = np.zeros(8, bool)
+        keys[:6] = True
+        assert np.isnan(dv[0, 0, keys]).all() and np.isfinite(dv[0, 0, ~keys]).all()
+
+
 def test_infinite_values_follow_ieee_on_kept_keys_only(backend):
     """+inf in v: kept with p > 0 gives +inf, kept with p == 0 (a score 2000 below the row's
     maximum) gives 0 x inf = NaN, masked gives nothing."""

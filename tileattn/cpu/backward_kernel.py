@@ -140,9 +140,9 @@ def _general_score_gradients(probs, score_grads, softcap_grad, safe_lse, delta, 
                 if dropout.keeps(state, col_start + j, dropout_threshold):
                     dp *= dtype(inv_keep)
                     probs[r, j] = p * dtype(inv_keep)
-                else:
-                    dp = dtype(0.0)
-                    probs[r, j] = dtype(0.0)
+                else:  # times 0, not 0: a NaN P or dP stays NaN (SPEC step 6)
+                    dp *= dtype(0.0)
+                    probs[r, j] = p * dtype(0.0)
             else:
                 probs[r, j] = p
             grad = p * (dp - row_delta) * dtype(scale)

@@ -69,8 +69,8 @@ def _apply_dropout(probs, bh, row_start, col_start, key, threshold, inv_keep):
         for j in range(n_cols):
             if dropout.keeps(state, col_start + j, threshold):
                 probs[r, j] *= dtype(inv_keep)
-            else:
-                probs[r, j] = dtype(0.0)
+            else:  # times 0, not 0: a NaN P stays NaN (SPEC step 6)
+                probs[r, j] *= dtype(0.0)
 
 
 @njit(fastmath=FASTMATH)
