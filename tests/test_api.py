@@ -115,6 +115,15 @@ def test_option_errors_name_argument_and_values(kwargs, error, match):
     assert_raises(error, match, *arrays(), **kwargs)
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_return_lse_must_be_a_bool(value):
+    """A truthy string or number is not taken for True (``return_lse="no"`` would be)."""
+    with pytest.raises(TypeError, match=f"return_lse must be a bool, got {value!r}"):
+        tileattn.forward(*arrays(), backend="reference", return_lse=value)
+    o, lse = tileattn.forward(*arrays(), backend="reference", return_lse=np.bool_(True))
+    assert lse.shape == o.shape[:-1]
+
+
 def test_backward_shape_errors():
     q, k, v = arrays()
     o, lse = tileattn.forward(q, k, v, backend="reference", return_lse=True)

@@ -300,6 +300,8 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
         (`out` and `lse_out` themselves when given)
     """
+    if return_lse.__class__ is not bool and not isinstance(return_lse, np.bool_):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     # The options as values in `problem_cache.OPTION_NAMES` order: `validate_call`'s
     # sixteen keywords would cost ~3 us more.
     problem = remembered_problem(
