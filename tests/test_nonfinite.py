@@ -365,6 +365,9 @@ def poisoned_problems(draw, dtypes=(np.float32, np.float64), max_len=11,
     # An infinite score is capped to a finite one: only NaN keeps its reach through it.
     if (np.isnan(value) or poisoned in ("v", "do")) and draw(st.booleans()):
         options["softcap"] = 2.0
+    # Dropout multiplies (SPEC step 6): a dropped entry is P x 0, so the reach is the mask's.
+    if draw(st.booleans()):
+        options.update(dropout_p=0.5, seed=draw(st.integers(0, 2**16)))
     exact = bool(np.isnan(value)) or poisoned in ("v", "do")
     return (*(arrays[name] for name in ("q", "k", "v", "do")), options, exact)
 
