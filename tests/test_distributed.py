@@ -270,6 +270,25 @@ def test_an_option_of_the_wrong_type_on_every_rank_is_a_type_error():
     assert messages[0] == messages[1]
 
 
+def test_return_lse_of_the_wrong_type_on_one_rank_is_refused_on_every_rank():
+    """As `tileattn.forward` (a truthy ``"no"`` is not True); the rank that passed it and
+    the rank that did not raise the same error, neither hangs."""
+    q, k, v, _ = problem(np.float64, n_q=24, n_k=24)
+
+    def run(group):
+        local = [td.shard(a, group, layout="zigzag") for a in (q, k, v)]
+        try:
+            td.forward(*local, group=group, backend="reference",
+                       return_lse="no" if group.rank == 0 else True)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    messages = td.simulate(2, run)
+    assert messages[0] is not None and "return_lse must be a bool, got 'no'" in messages[0]
+    assert messages[0] == messages[1]
+
+
 # --------------------------------------------------------------------------- agreement
 
 

@@ -887,6 +887,35 @@ def test_torch_adapter_names_an_input_that_is_not_a_tensor():
             attention(*args)
 
 
+@pytest.mark.parametrize("options, error, message", [
+    (dict(window=4), ValueError, r"window must be None or a pair \(left, right\), got 4"),
+    (dict(deterministic="no"), TypeError, "deterministic must be a bool, got 'no'"),
+])
+def test_torch_adapter_rejects_bad_options_in_the_forward(options, error, message):
+    """tileattn.forward's error naming the argument, raised by the forward (not a conversion
+    error, and not only once the backward runs)."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q = torch.ones(1, 1, 4, 8, requires_grad=True)
+    with pytest.raises(error, match=message):
+        attention(q, q, q, **options)
+
+
+def test_jax_adapter_names_an_unavailable_backend_before_tracing():
+    """BackendUnavailableError naming the pip extra, as tileattn.forward raises it, not
+    JAX's runtime error wrapped around it from inside the callback."""
+    require("jax")
+    from tileattn import backends
+    from tileattn.jax import attention
+
+    if backends.availability("gpu") is None:
+        pytest.skip("a GPU is available here")
+    q = np.ones((4, 8), np.float32)
+    with pytest.raises(tileattn.BackendUnavailableError, match="backend='gpu'"):
+        attention(q, q, q, backend="gpu")
+
+
 def test_torch_paged_backward_raises_tileattn_error():
     torch = require("torch")
     from tileattn.torch import attention

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, arrays
+from . import api, arrays, backends
 from .reference import lse_dtype
 from .problem_cache import validate_call
 from .validation import check_backend_name, check_layout
@@ -304,6 +304,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     TypeError, naming the argument).
     """
     check_layout(layout)  # before tracing: the callbacks' result shapes depend on it
+    if check_backend_name(backend) != "auto":
+        # Before tracing: inside the callback its BackendUnavailableError would reach the
+        # caller wrapped in JAX's runtime error.
+        backends.load(backend)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if all(value is None for value in (seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k,
                                        block_table)):

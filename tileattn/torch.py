@@ -48,9 +48,12 @@ def _seed_from_argument(seed):
 
 def _window_argument(window):
     """torch.library has no list of optional ints; a negative side means unlimited, as None
-    does (SPEC), so None sides travel as -1."""
+    does (SPEC), so None sides travel as -1. Anything but a pair gets `tileattn.forward`'s
+    error here, before it would meet the conversion."""
     if window is None:
         return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
     return [-1 if side is None else side for side in window]
 
 
@@ -430,6 +433,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
             raise TypeError(f"tileattn.torch.attention: {name} must be a torch.Tensor, got "
                             f"{type(array).__module__}.{type(array).__qualname__} (NumPy "
                             f"arrays go to tileattn.forward, or through torch.from_numpy)")
+    # The forward never reads `deterministic`: checked here, or a bad one would surface
+    # only when the backward runs.
+    if deterministic.__class__ is not bool and not isinstance(deterministic, np.bool_):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     arguments = (causal, _window_argument(window), scale, softcap,
                  _slopes_argument(alibi_slopes), dropout_p, _seed_argument(seed), block_q,
                  block_k, backend, layout, deterministic, _lengths_argument(seqlens_q),
@@ -446,7 +453,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
 
 
 def _in_functorch_transform(*tensors) -> bool:
-    """Whether torch.func (vmap, grad, ...) wraps any of `tensors`: the ops have the rules
-    those transforms need (vmap loops over the op), `_EagerAttention` has none."""
+    """Whether torch.func (vmap, grad, ...) wraps any of `tensors`: the ops have vmap's
+    rule (a loop over the op), `_EagerAttention` has none. torch.func.grad, vjp and jacrev
+    are not served: the autograd formula `register_autograd` builds has no setup_context
+    that functorch asks for (torch's error names it); only vmap is tested."""
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return wrapped is not None and any(wrapped(tensor) for tensor in tensors)

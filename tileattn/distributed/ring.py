@@ -252,6 +252,8 @@ def ring_forward(group, q, k, v, *, layout, causal, window, backend, options, re
     check_layout(layout)
 
     def check():
+        if return_lse.__class__ is not bool and not isinstance(return_lse, np.bool_):
+            raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
         problem = validate(q, k, v, causal=causal, window=window, **options,
                            deterministic=True)
         _check_local_rows(layout, problem.n_q, problem.n_k)
