@@ -71,6 +71,9 @@ BAD_ARGUMENTS = (
        (["bench", "--sizes", "4000000000"], "N=4000000000 (--sizes) with --batch 1, 8 heads"),
        (["bench", "--sizes", "64", "--head-dims", "64", "300000000"],
         "D=300000000 (--head-dims) needs about"),
+       (["bench", "--sizes", "3", "--heads", "1", "--head-dims", "2000000"],
+        "the memory sweep (one head up to N=65536) at D=2000000 (the first --head-dims) "
+        "needs about"),
        (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate")]
     + [(["bench", flag, "64", value], f"argument {flag}: {message}")
        for flag in ("--sizes", "--head-dims") for value, message in NOT_POSITIVE]

@@ -186,7 +186,7 @@ def _info(parser, args) -> int:
 
 def _bench(parser, args) -> int:
     from . import backends
-    from .benchmark import benchmark_bytes, default_sizes, run_bench
+    from .benchmark import benchmark_bytes, default_memory_sizes, default_sizes, run_bench
     from .check import available_memory_bytes
 
     if args.out is not None:
@@ -209,6 +209,12 @@ def _bench(parser, args) -> int:
         parser.error(f"N={largest} (--sizes) with --batch {args.batch}, {heads} heads and "
                      f"D={max(args.head_dims)} (--head-dims) needs about {needed / 1e9:.1f} "
                      f"GB of arrays; {available / 1e9:.1f} GB are available")
+    swept = max(default_memory_sizes(args.quick))
+    needed = benchmark_bytes(1, 1, swept, args.head_dims[0], _dtype(args.dtype).itemsize)
+    if module.MEMORY == "host" and needed > available:
+        parser.error(f"the memory sweep (one head up to N={swept}) at D={args.head_dims[0]} "
+                     f"(the first --head-dims) needs about {needed / 1e9:.1f} GB of arrays; "
+                     f"{available / 1e9:.1f} GB are available")
     try:
         run_bench(backend=name, quick=args.quick, out=args.out, dtype=_dtype(args.dtype),
                   head_dims=args.head_dims, batch=args.batch, heads=heads, sizes=args.sizes)

@@ -347,6 +347,11 @@ def default_sizes(memory: str, quick: bool) -> list:
     return [1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
 
 
+def default_memory_sizes(quick: bool) -> list[int]:
+    """N of the memory sweep (one head, batch 1, the first head dim)."""
+    return [1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]
+
+
 def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dims=(64,),
               batch=1, heads=None, sizes=None, memory_sizes=None, rounds=None, blocks=None,
               progress=True, print_fn=print) -> BenchResult:
@@ -361,7 +366,7 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
     if sizes is None:
         sizes = default_sizes(memory, quick)
     if memory_sizes is None:
-        memory_sizes = [1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]
+        memory_sizes = default_memory_sizes(quick)
     rounds = rounds or (3 if quick else 5)
     for d in head_dims:
         if not run_check(heads=2, seq_len=128, head_dim=d, dtype=dtype, names=[backend],
