@@ -14,7 +14,7 @@ import numpy as np
 from . import arrays, backends
 from .reference import lse_dtype
 from .problem_cache import remembered_problem, validate_call
-from .validation import Problem, check_backend_name
+from .validation import Problem, check_backend_name, check_bool
 from .varlen_validation import VARLEN_KEYWORDS
 
 _CAUSAL_PICTURE = """
@@ -300,8 +300,7 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     lse : array, shape (*batch, Hq, Nq), float32 (float64 for float64 inputs); if return_lse
         (`out` and `lse_out` themselves when given)
     """
-    if return_lse.__class__ is not bool and not isinstance(return_lse, np.bool_):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    check_bool("return_lse", return_lse)
     # The options as values in `problem_cache.OPTION_NAMES` order: `validate_call`'s
     # sixteen keywords would cost ~3 us more.
     problem = remembered_problem(

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import api, arrays
-from .validation import check_seed
+from .validation import check_bool, check_seed
 
 _INT64_SPAN = 2**64
 
@@ -435,8 +435,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
                             f"arrays go to tileattn.forward, or through torch.from_numpy)")
     # The forward never reads `deterministic`: checked here, or a bad one would surface
     # only when the backward runs.
-    if deterministic.__class__ is not bool and not isinstance(deterministic, np.bool_):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    check_bool("deterministic", deterministic)
     arguments = (causal, _window_argument(window), scale, softcap,
                  _slopes_argument(alibi_slopes), dropout_p, _seed_argument(seed), block_q,
                  block_k, backend, layout, deterministic, _lengths_argument(seqlens_q),

@@ -422,8 +422,7 @@ def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, see
                  dtype) -> AttentionOptions:
     """Check every keyword option and fold them into one `AttentionOptions`; `dtype` is the
     inputs' (scalar options must survive its compute dtype)."""
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     window_left, window_right = _normalise_window(window, bool(causal), n_q, n_k)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_real("scale", scale)
     _check_in_compute_dtype("scale", scale, dtype)
@@ -447,8 +446,7 @@ def make_options(*, causal, window, scale, softcap, alibi_slopes, dropout_p, see
         block_q = _check_int("block_q", block_q, minimum=1)
     if block_k is not None:
         block_k = _check_int("block_k", block_k, minimum=1)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    check_bool("deterministic", deterministic)
     return AttentionOptions(
         causal=bool(causal), window_left=window_left, window_right=window_right, scale=scale,
         softcap=softcap,
@@ -563,6 +561,12 @@ def _check_not_masked(name: str, array) -> None:
                         "causal, window, seqlens_k or cu_seqlens_k")
 
 
+def check_bool(name: str, value) -> None:
+    """A flag must be a bool (or NumPy's): a truthy ``"no"`` or ``1`` is not taken for True."""
+    if value.__class__ is not bool and not isinstance(value, np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def check_backend_name(backend) -> str:
     if type(backend) is str and (backend in REGISTRY or backend == "auto"):
         return backend
@@ -604,8 +608,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     ``cu_seqlens_k``, ``block_table``) to the caller's arrays or None; they become
     ``options.varlen`` (SPEC "Variable-length batches and paged K/V")."""
     sequence_first = check_layout(layout)
-    if check_lengths is not True and not isinstance(check_lengths, (bool, np.bool_)):
-        raise TypeError(f"check_lengths must be a bool, got {check_lengths!r}")
+    check_bool("check_lengths", check_lengths)
     family = varlen_family(varlen, backward=do is not None) if varlen else None
     library = arrays.library_of(q)
     named = {"q": q, "k": k, "v": v}

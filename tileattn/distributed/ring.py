@@ -36,7 +36,7 @@ from .. import arrays
 from ..api import run_backward, run_forward
 from ..options import UNLIMITED, tile_is_masked
 from ..reference import lse_dtype
-from ..validation import _normalise_window, validate
+from ..validation import _normalise_window, check_bool, validate
 from .layouts import (
     array_module,
     as_bits,
@@ -252,8 +252,7 @@ def ring_forward(group, q, k, v, *, layout, causal, window, backend, options, re
     check_layout(layout)
 
     def check():
-        if return_lse.__class__ is not bool and not isinstance(return_lse, np.bool_):
-            raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+        check_bool("return_lse", return_lse)
         problem = validate(q, k, v, causal=causal, window=window, **options,
                            deterministic=True)
         _check_local_rows(layout, problem.n_q, problem.n_k)
