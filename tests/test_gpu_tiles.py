@@ -133,7 +133,11 @@ def test_rows_follow_the_key_count_and_options():
     assert banded.tiles.stages == 2
     wide = tiles.choose_backward(Problem(dtype="float16", head_dim=192, value_dim=128,
                                          n_k=8192, **H100))
-    assert wide.tiles.split  # D + Dv > 256: dK and dV in two kernels
+    # D + Dv > 256 up to 192: dK and dV together over 32 streamed rows; D = 256 apart.
+    assert wide.tiles == tiles.WgmmaBackwardTiles((128, 64), (128, 32), 2)
+    widest = tiles.choose_backward(Problem(dtype="float16", head_dim=256, value_dim=256,
+                                           n_k=8192, **H100))
+    assert widest.tiles.split
 
 
 def test_paged_forwards_take_tiles_within_pages():

@@ -363,8 +363,8 @@ WGMMA_FORWARD = [
 
 # Hopper backward. D <= 64: the v45 sweep (H200) at D 32 and 64; D <= 128: the v7/v12
 # sweeps, D 128 re-timed in v45 (v12's sweep ran through the plan cache, which then held one
-# tiling per problem). Wider: dK and dV split where D + Dv > 256, whose accumulators no
-# longer fit beside the score tiles (v14, ptxas); not yet timed against other tilings.
+# tiling per problem), D 80-112 in v46. Wider: the v46 sweep at D 160, 192, 256 and 192/128
+# (N = 4k); D + Dv <= 256 beyond 128 is not yet timed against other tilings.
 WGMMA_BACKWARD = [
     Row(When(32, banded=True), WgmmaBackwardTiles((128, 64), (192, 64), 3),
         "v45: banded D<=32, 128-row dQ blocks (H200 fwd+bwd N=1k/4k/16k: 129.9/183.0/204.4 "
@@ -381,6 +381,10 @@ WGMMA_BACKWARD = [
     Row(When(64, banded=True), WgmmaBackwardTiles((192, 64), (192, 64), 3),
         "v12: banded D=64, a third stage +4-5 %"),
     Row(When(64), WgmmaBackwardTiles((192, 64), (192, 64), 2), "v7: D=64"),
+    Row(When(112, banded=False), WgmmaBackwardTiles((192, 64), (128, 64), 2),
+        "v46: unbanded D=65-112, two stages (H200 fwd+bwd N=1k/4k/16k: D=80 "
+        "257.0/301.4/316.6 TFLOP/s vs 256.9/287.4/320.1 for three, D=112 "
+        "254.1/324.0/341.4 vs 251.8/317.5/333.9)"),
     Row(When(128, banded=True), WgmmaBackwardTiles((192, 64), (128, 64), 2),
         "v12: banded D=128, a third stage spills the dK/dV kernel (v45, H200 N=4k causal: "
         "310.9 TFLOP/s fwd+bwd, best of 8 tilings 311.9)"),
@@ -389,6 +393,10 @@ WGMMA_BACKWARD = [
         "tilings 387.0)"),
     Row(When(192, max_sum=256), WgmmaBackwardTiles((128, 64), (128, 64), 2),
         "v14: D+Dv<=256 beyond 128, one dK/dV kernel"),
+    Row(When(192), WgmmaBackwardTiles((128, 64), (128, 32), 2),
+        "v46: D<=192, one dK/dV kernel over 32 streamed rows (H200 N=4k fwd+bwd, full/causal: "
+        "D=160 320.1/258.0 TFLOP/s vs 291.7/234.1 split in two kernels, D=192 332.3/267.7 vs "
+        "327.0/260.7, 192/128 325.0 vs 309.1)"),
     Row(When(192), WgmmaBackwardTiles((128, 64), (128, 64), 2, split=True),
         "v14: D<=192, dK and dV in two kernels (ptxas: 222-236 registers each)"),
     Row(When(256), WgmmaBackwardTiles((128, 32), (128, 32), 2, split=True),
