@@ -396,8 +396,8 @@ def test_torch_second_derivative_is_refused_by_name():
 
 
 def test_torch_func_vmap_equals_the_loop():
-    """torch.func.vmap over `attention` (a batch axis torch adds) runs through the op, whose
-    vmap rule loops; eager calls outside it take the faster autograd.Function: both agree."""
+    """torch.func.vmap over `attention` (a batch axis torch adds) loops over that axis
+    (the Function's vmap rule): the same bits as calls in a Python loop."""
     torch = require("torch")
     from tileattn.torch import attention
 
@@ -405,6 +405,52 @@ def test_torch_func_vmap_equals_the_loop():
     batched = torch.func.vmap(lambda q_: attention(q_, k[0], v[0], causal=True))(q)
     looped = torch.stack([attention(q[i], k[0], v[0], causal=True) for i in range(len(q))])
     assert torch.equal(batched, looped)
+
+
+def test_torch_func_gradients_equal_the_golden_model():
+    """torch.func.grad, vjp, vmap of grad and grad of vmap give the golden model's
+    gradients (GQA and every score option, as `golden`), and jacrev the golden model's
+    Jacobian by central differences; a second derivative is refused by name."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = numpy_problem()
+    do = np.random.default_rng(5).standard_normal(q.shape).astype(np.float32)
+    _, want = golden(q, k, v, do)
+    q, k, v, do = (torch.from_numpy(a).double() for a in (q, k, v, do))
+    options = {**OPTIONS, "alibi_slopes": torch.from_numpy(OPTIONS["alibi_slopes"])}
+
+    def loss(q_, k_, v_, do_):
+        return (attention(q_, k_, v_, **options) * do_).sum()
+
+    def check(grads, label):
+        for name, grad, expected in zip(("dq", "dk", "dv"), grads, want):
+            assert_attention_close(grad.numpy(), expected, np.float64, name=f"{label} {name}")
+
+    check(torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v, do), "grad")
+    o, pullback = torch.func.vjp(lambda *qkv: attention(*qkv, **options), q, k, v)
+    check(pullback(do), "vjp")
+    # The batch axis taken by vmap: each element is a (heads, rows, dim) problem.
+    per_element = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, do)
+    check(per_element, "vmap(grad)")
+    check(torch.func.grad(lambda *qkv: (torch.func.vmap(
+        lambda *x: attention(*x, **options))(*qkv) * do).sum(), argnums=(0, 1, 2))(q, k, v),
+        "grad(vmap)")
+
+    small = [t[:1, :2, :3, :4].clone() for t in (q, k[:, :1], v[:, :1])]
+    jacobian = torch.func.jacrev(lambda q_: attention(q_, *small[1:], causal=True))(small[0])
+    step = 1e-6
+    for index in np.ndindex(*small[0].shape):
+        shift = torch.zeros_like(small[0])
+        shift[index] = step
+        plus, minus = (tileattn.forward(*(t.numpy() for t in (small[0] + s, *small[1:])),
+                                        causal=True, backend="reference")
+                       for s in (shift, -shift))
+        np.testing.assert_allclose(jacobian[(...,) + index].numpy(),
+                                   (plus - minus) / (2 * step), atol=1e-8)
+
+    with pytest.raises(RuntimeError, match="tileattn.backward has no derivative"):
+        torch.func.grad(lambda q_: torch.func.grad(loss)(q_, k, v, do).sum())(q)
 
 
 def test_torch_seed_is_checked_before_the_op():

@@ -382,20 +382,81 @@ class _EagerAttention(torch.autograd.Function):
     """The same passes as the ops, for calls outside torch.compile: a custom op's dispatch
     costs ~40 us a pass, and its autograd wrapper ~140 us more (CPU, tiny problem: 297 us a
     call against 118 us for `tileattn.forward` on the same tensors, 136 us through this).
-    torch.compile traces the ops (`attention`)."""
+    torch.compile traces the ops (`attention`).
+
+    The forward takes no ctx and `setup_context` saves what the backward needs, the form
+    torch.func asks of a Function: grad, vjp, jacrev and vmap (by `vmap`, a loop over the
+    batched axis) run through it. lse is an output so that `setup_context` sees it; it is
+    not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *arguments):
-        o, lse = _run_forward(q, k, v, *arguments)
-        _setup_context(ctx, (q, k, v, *arguments), (o, lse))
-        return o
+    def forward(q, k, v, *arguments):
+        return _run_forward(q, k, v, *arguments)
 
     @staticmethod
-    def backward(ctx, do):
-        # Under create_graph=True (grad mode on here) the op, whose missing autograd formula
-        # then refuses a second derivative by name, as in compiled code.
-        backward = torch.ops.tileattn.backward if torch.is_grad_enabled() else _run_backward
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        # Under create_graph=True (grad mode on here, as torch.func.grad runs backwards) a
+        # Function whose own backward refuses a second derivative by name, as the op does
+        # in compiled code, instead of a silent zero.
+        backward = _EagerBackward.call if torch.is_grad_enabled() else _run_backward
         return _gradients(ctx, do, backward)
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return _looped(_EagerAttention, info, in_dims, inputs)
+
+
+class _EagerBackward(torch.autograd.Function):
+    """The backward pass as a Function with no derivative of its own: a second derivative
+    (create_graph=True, torch.func.grad of a gradient) raises instead of reading zero."""
+
+    @staticmethod
+    def call(do, q, k, v, o, lse, **options):
+        names = _OPTION_NAMES + ("check_lengths",) + _LENGTH_NAMES
+        return _EagerBackward.apply(do, q, k, v, o, lse, *(options[n] for n in names))
+
+    @staticmethod
+    def forward(do, q, k, v, o, lse, *arguments):
+        options, check_lengths = arguments[:len(_OPTION_NAMES)], arguments[len(_OPTION_NAMES)]
+        lengths = arguments[len(_OPTION_NAMES) + 1:]
+        return _run_backward(do, q, k, v, o, lse, *options, *lengths, check_lengths)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("tileattn.backward has no derivative: tileattn.torch.attention "
+                           "serves first derivatives only")
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return _looped(_EagerBackward, info, in_dims, inputs)
+
+
+def _looped(function, info, in_dims, inputs):
+    """torch.func.vmap's rule for `function`: one call per element of the batched axis
+    (each call already runs every batch and head of its own tensors in one pass). Only
+    tensors can be batched (q, k, v, do, o, lse, the slopes and the lengths); the options
+    are Python values. Calls go through `function.apply`, so transforms below vmap (grad
+    inside vmap) still see them."""
+    batched = [(position, value.movedim(dim, 0))
+               for position, (value, dim) in enumerate(zip(inputs, in_dims))
+               if isinstance(dim, int)]  # None, or Nones mirroring a list option
+    results = []
+    for index in range(info.batch_size):
+        call = list(inputs)
+        for position, value in batched:
+            call[position] = value[index]
+        results.append(function.apply(*call))
+    stacked = tuple(torch.stack(parts) for parts in zip(*results))
+    return stacked, (0,) * len(stacked)
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
@@ -427,6 +488,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     of the dispatcher (`_EagerAttention`, ~160 us less host time a training step), where a
     mistyped option gets `tileattn.forward`'s own error; a call with no gradient to take
     (under ``torch.no_grad()``, or no input requiring one) runs the forward alone.
+    torch.func's grad, vjp, jacrev and vmap run through that Function too; a second
+    derivative raises a RuntimeError naming tileattn.backward.
     """
     for name, array in (("q", q), ("k", k), ("v", v)):
         if not isinstance(array, torch.Tensor):
@@ -442,19 +505,18 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
                  _lengths_argument(seqlens_k), _lengths_argument(cu_seqlens_q),
                  _lengths_argument(cu_seqlens_k), _lengths_argument(block_table),
                  check_lengths)
-    if torch.compiler.is_compiling() or _in_functorch_transform(q, k, v):
+    if torch.compiler.is_compiling():
         return torch.ops.tileattn.forward(q, k, v, *arguments)[0]
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                         or v.requires_grad)):
+                                         or v.requires_grad)
+            or _in_functorch_transform(q, k, v)):
         # Inference: no graph to record, so not even the Function's (~20 us a call).
         return _run_forward(q, k, v, *arguments)[0]
-    return _EagerAttention.apply(q, k, v, *arguments)
+    return _EagerAttention.apply(q, k, v, *arguments)[0]
 
 
 def _in_functorch_transform(*tensors) -> bool:
-    """Whether torch.func (vmap, grad, ...) wraps any of `tensors`: the ops have vmap's
-    rule (a loop over the op), `_EagerAttention` has none. torch.func.grad, vjp and jacrev
-    are not served: the autograd formula `register_autograd` builds has no setup_context
-    that functorch asks for (torch's error names it); only vmap is tested."""
+    """Whether torch.func (vmap, grad, vjp, ...) wraps any of `tensors`: its gradients do
+    not show in `requires_grad`, and its tensors need `_EagerAttention`'s rules."""
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return wrapped is not None and any(wrapped(tensor) for tensor in tensors)
