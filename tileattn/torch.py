@@ -497,8 +497,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
                             f"{type(array).__module__}.{type(array).__qualname__} (NumPy "
                             f"arrays go to tileattn.forward, or through torch.from_numpy)")
     # The forward never reads `deterministic`: checked here, or a bad one would surface
-    # only when the backward runs.
-    check_bool("deterministic", deterministic)
+    # only when the backward runs. Compiled code leaves it to the op's schema (bool), so
+    # that the graph holds no NumPy type test.
+    if not torch.compiler.is_compiling():
+        check_bool("deterministic", deterministic)
     arguments = (causal, _window_argument(window), scale, softcap,
                  _slopes_argument(alibi_slopes), dropout_p, _seed_argument(seed), block_q,
                  block_k, backend, layout, deterministic, _lengths_argument(seqlens_q),
