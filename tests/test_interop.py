@@ -453,6 +453,72 @@ def test_torch_func_gradients_equal_the_golden_model():
         torch.func.grad(lambda q_: torch.func.grad(loss)(q_, k, v, do).sum())(q)
 
 
+def test_torch_func_edges():
+    """vmap over an empty axis, or over only the slopes or the lengths; forward mode and
+    torch's legacy batched gradients refused by an error, never a zero tangent."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = (torch.from_numpy(a).double() for a in numpy_problem())
+    empty = torch.func.vmap(lambda q_: attention(q_, k[0], v[0]))(q[:0])
+    assert empty.shape == (0,) + q.shape[1:]
+    grads = torch.func.vmap(torch.func.grad(lambda q_: attention(q_, k[0], v[0]).sum()))(q[:0])
+    assert grads.shape == (0,) + q.shape[1:]
+    slopes = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.0, 0.2, 0.1]], dtype=torch.float64)
+    by_slopes = torch.func.vmap(lambda s: attention(q[0], k[0], v[0], alibi_slopes=s))(slopes)
+    for index, s in enumerate(slopes):
+        assert torch.equal(by_slopes[index], attention(q[0], k[0], v[0], alibi_slopes=s))
+    lengths = torch.tensor([[5], [12]])
+    by_lengths = torch.func.vmap(lambda n: attention(q[:1], k[:1], v[:1], seqlens_k=n))(lengths)
+    for index, n in enumerate(lengths):
+        assert torch.equal(by_lengths[index], attention(q[:1], k[:1], v[:1], seqlens_k=n))
+    with pytest.raises(NotImplementedError, match="jvp"):
+        torch.func.linearize(lambda q_: attention(q_, k, v), q)[1](q)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        torch.func.jvp(lambda q_: attention(q_, k, v), (q,), (q,))
+    trainable = q.clone().requires_grad_()
+    o = attention(trainable, k, v)
+    with pytest.raises(NotImplementedError, match="legacy vmap"):
+        torch.autograd.grad(o, trainable, torch.ones((2,) + o.shape, dtype=o.dtype),
+                            is_grads_batched=True)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(alibi_slopes=np.array([0.1 + 1j, 0.2, 0.3, 0.4])), TypeError,
+     "alibi_slopes must be real numbers, got dtype complex128"),
+    (dict(alibi_slopes=[True, False, True, False]), TypeError,
+     "alibi_slopes must be real numbers, got dtype bool"),
+    (dict(alibi_slopes="abcd"), TypeError, "alibi_slopes must be an array of numbers"),
+    (dict(seqlens_k=[1, None]), TypeError, "seqlens_k must be an array of numbers"),
+    (dict(seqlens_k=[[1], [2, 3]]), TypeError, "seqlens_k must be an array of numbers"),
+])
+def test_torch_adapter_names_bad_slopes_and_lengths(options, error, message):
+    """Slopes and lengths are checked before torch's conversion would cast complex or bool
+    slopes or fail without naming the argument."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = (torch.from_numpy(a) for a in numpy_problem())
+    with pytest.raises(error, match=message):
+        attention(q, k, v, **options)
+
+
+def test_torch_slopes_that_would_be_differentiated_are_refused():
+    """tileattn has no gradient for ALiBi slopes: slopes that require one (eagerly, or as
+    an argument torch.func.grad differentiates) raise, where torch would read zeros."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    q, k, v = (torch.from_numpy(a).double() for a in numpy_problem())
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    with pytest.raises(ValueError, match="alibi_slopes get no gradient"):
+        attention(q.requires_grad_(), k, v, alibi_slopes=slopes.clone().requires_grad_())
+    with pytest.raises(ValueError, match="alibi_slopes get no gradient"):
+        torch.func.grad(lambda s: attention(q.detach(), k, v, alibi_slopes=s).sum())(slopes)
+    with torch.no_grad():  # nothing to differentiate: served
+        attention(q, k, v, alibi_slopes=slopes.clone().requires_grad_())
+
+
 def test_torch_seed_is_checked_before_the_op():
     torch = require("torch")
     from tileattn.torch import attention

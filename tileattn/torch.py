@@ -58,14 +58,57 @@ def _window_argument(window):
 
 
 def _slopes_argument(alibi_slopes):
-    """Slopes given as a tensor, a NumPy array or a (nested) list, as the op's tensor."""
-    return None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float64)
+    """Slopes given as a tensor, a NumPy array or a (nested) list, as the op's tensor of
+    float64. Complex and bool slopes get `tileattn.forward`'s TypeError here, before the
+    cast would drop their imaginary part or take True for 1.0; slopes that would be
+    differentiated get an error too (tileattn has no gradient for them, and torch would
+    read the missing one as zero)."""
+    if alibi_slopes is None:
+        return None
+    if torch.compiler.is_compiling():  # no NumPy in the traced graph
+        return torch.as_tensor(alibi_slopes, dtype=torch.float64)
+    if not isinstance(alibi_slopes, torch.Tensor) and hasattr(alibi_slopes,
+                                                             "__cuda_array_interface__"):
+        alibi_slopes = torch.as_tensor(alibi_slopes)  # CuPy, Numba: on their device
+    if isinstance(alibi_slopes, torch.Tensor):
+        if alibi_slopes.requires_grad and torch.is_grad_enabled() or _tracks_grad(alibi_slopes):
+            raise ValueError("alibi_slopes get no gradient from tileattn: pass "
+                             "alibi_slopes.detach()")
+        kind = "c" if alibi_slopes.is_complex() else "b" if alibi_slopes.dtype == torch.bool else "f"
+        dtype = alibi_slopes.dtype
+    else:
+        array = _as_array("alibi_slopes", alibi_slopes)
+        kind, dtype = array.dtype.kind, array.dtype
+        alibi_slopes = array
+    if kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be real numbers, got dtype {dtype}")
+    return torch.as_tensor(alibi_slopes, dtype=torch.float64)
 
 
-def _lengths_argument(values):
+def _lengths_argument(name, values):
     """Lengths or a block table given as a tensor, a NumPy array or a list, as the op's
     tensor. The dtype is kept, so a float array still gets tileattn's TypeError."""
-    return None if values is None else torch.as_tensor(values)
+    if values is None or isinstance(values, torch.Tensor):
+        return values
+    if torch.compiler.is_compiling():  # no NumPy in the traced graph
+        return torch.as_tensor(values)
+    if hasattr(values, "__cuda_array_interface__"):
+        return torch.as_tensor(values)  # CuPy, Numba: on their device
+    array = _as_array(name, values)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be integers, got dtype {array.dtype}")
+    return torch.as_tensor(array)
+
+
+def _as_array(name, values):
+    """A list or NumPy array as NumPy's array, or a TypeError naming the argument."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as error:  # ragged lists
+        raise TypeError(f"{name} must be an array of numbers: {error}") from None
+    if array.dtype.kind in "OSUV":
+        raise TypeError(f"{name} must be an array of numbers, got {values!r}")
+    return array
 
 
 _FLOAT_DTYPES = {torch.float16: np.float16, torch.float32: np.float32,
@@ -400,6 +443,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
+        legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+        if legacy_batched is not None and legacy_batched(do):
+            raise NotImplementedError(
+                "tileattn.torch.attention: batched gradients through torch's legacy vmap "
+                "(is_grads_batched=True, autograd.functional.jacobian(vectorize=True)) are "
+                "not served; torch.func.vmap over torch.func.vjp is")
         # Under create_graph=True (grad mode on here, as torch.func.grad runs backwards) a
         # Function whose own backward refuses a second derivative by name, as the op does
         # in compiled code, instead of a silent zero.
@@ -450,12 +499,15 @@ def _looped(function, info, in_dims, inputs):
                for position, (value, dim) in enumerate(zip(inputs, in_dims))
                if isinstance(dim, int)]  # None, or Nones mirroring a list option
     results = []
-    for index in range(info.batch_size):
+    for index in range(max(info.batch_size, 1)):
         call = list(inputs)
         for position, value in batched:
-            call[position] = value[index]
+            # An empty axis: one call on zeros of an element's shape gives the results'
+            # shapes, of which none is kept.
+            call[position] = value[index] if info.batch_size else value.new_zeros(
+                value.shape[1:])
         results.append(function.apply(*call))
-    stacked = tuple(torch.stack(parts) for parts in zip(*results))
+    stacked = tuple(torch.stack(parts)[:info.batch_size] for parts in zip(*results))
     return stacked, (0,) * len(stacked)
 
 
@@ -503,22 +555,58 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
         check_bool("deterministic", deterministic)
     arguments = (causal, _window_argument(window), scale, softcap,
                  _slopes_argument(alibi_slopes), dropout_p, _seed_argument(seed), block_q,
-                 block_k, backend, layout, deterministic, _lengths_argument(seqlens_q),
-                 _lengths_argument(seqlens_k), _lengths_argument(cu_seqlens_q),
-                 _lengths_argument(cu_seqlens_k), _lengths_argument(block_table),
+                 block_k, backend, layout, deterministic,
+                 _lengths_argument("seqlens_q", seqlens_q),
+                 _lengths_argument("seqlens_k", seqlens_k),
+                 _lengths_argument("cu_seqlens_q", cu_seqlens_q),
+                 _lengths_argument("cu_seqlens_k", cu_seqlens_k),
+                 _lengths_argument("block_table", block_table),
                  check_lengths)
     if torch.compiler.is_compiling():
         return torch.ops.tileattn.forward(q, k, v, *arguments)[0]
+    if _in_functorch_transform(q, k, v, *arguments) or _has_tangents(q, k, v):
+        # torch.func (under make_fx too, as torch.func.linearize traces): the Function,
+        # whose rules serve vmap, grad and vjp and refuse forward mode by torch's error.
+        return _EagerAttention.apply(q, k, v, *arguments)[0]
+    if _dispatch_mode_active():
+        # Traced by make_fx: the op, whose fake implementation gives the shapes.
+        return torch.ops.tileattn.forward(q, k, v, *arguments)[0]
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                         or v.requires_grad)
-            or _in_functorch_transform(q, k, v)):
+                                         or v.requires_grad)):
         # Inference: no graph to record, so not even the Function's (~20 us a call).
         return _run_forward(q, k, v, *arguments)[0]
     return _EagerAttention.apply(q, k, v, *arguments)[0]
 
 
-def _in_functorch_transform(*tensors) -> bool:
-    """Whether torch.func (vmap, grad, vjp, ...) wraps any of `tensors`: its gradients do
-    not show in `requires_grad`, and its tensors need `_EagerAttention`'s rules."""
+def _in_functorch_transform(*values) -> bool:
+    """Whether torch.func (vmap, grad, vjp, ...) wraps any tensor among `values` (q, k, v,
+    slopes or lengths): its gradients do not show in `requires_grad`, and its tensors need
+    `_EagerAttention`'s rules."""
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return wrapped is not None and any(wrapped(tensor) for tensor in tensors)
+    return wrapped is not None and any(wrapped(value) for value in values
+                                       if isinstance(value, torch.Tensor))
+
+
+def _tracks_grad(tensor) -> bool:
+    """Whether torch.func.grad (or vjp, jacrev) differentiates `tensor`."""
+    tracking = getattr(torch._C._functorch, "is_gradtrackingtensor", None)
+    return tracking is not None and tracking(tensor)
+
+
+def _has_tangents(*tensors) -> bool:
+    """Whether forward-mode AD (torch.autograd.forward_ad, torch.func.linearize) carries a
+    tangent on any of `tensors`: the Function then refuses it by torch's jvp error, where
+    the forward alone would drop the tangent without a word."""
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) < 0:
+        return False
+    return any(forward_ad.unpack_dual(tensor).tangent is not None for tensor in tensors)
+
+
+def _dispatch_mode_active() -> bool:
+    """Whether a Python dispatch mode (make_fx's proxy or fake tensors) is tracing: the
+    kernels cannot read its tensors, the op's fake implementation serves it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
