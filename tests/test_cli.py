@@ -17,13 +17,18 @@ import numpy as np
 import pytest
 
 from tileattn import backends
-from tileattn.__main__ import INFO_MAX_SEQ_LEN, main
+from tileattn.__main__ import (INFO_MAX_SEQ_LEN, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS,
+                               MAX_LENGTH, main)
 
 NOT_POSITIVE = [("-5", "must be a positive integer, got -5"),
                 ("0", "must be a positive integer, got 0"),
                 ("abc", "must be a positive integer, got 'abc'"),
                 ("1.5", "must be a positive integer, got '1.5'"),
                 ("", "must be a positive integer, got ''")]
+HUGE = str(10 ** 310)  # beyond a float: the reports' byte counts overflowed
+# Each shape argument's maximum, and a value above it.
+MAXIMA = {"--seq-len": MAX_LENGTH, "--heads": MAX_HEADS, "--head-dim": MAX_HEAD_DIM,
+          "--batch": MAX_BATCH}
 BAD_DTYPES = [(name, f"must be one of float16, bfloat16, float32, float64, got '{name}'")
               for name in ("float8", "int32", "FLOAT32", "")]
 
@@ -34,6 +39,9 @@ def shape_argument_cases(command):
         cases += [([command, flag, value], f"argument {flag}: {message}")
                   for value, message in NOT_POSITIVE]
         cases.append(([command, flag], f"argument {flag}: expected one argument"))
+        cases += [([command, flag, value], f"argument {flag}: must be at most {MAXIMA[flag]}, "
+                                           f"got {value}")
+                  for value in (str(MAXIMA[flag] + 1), HUGE)]
     cases += [([command, "--dtype", value], f"argument --dtype: {message}")
               for value, message in BAD_DTYPES]
     cases.append(([command, "--dtype"], "argument --dtype: expected one argument"))
@@ -53,12 +61,18 @@ BAD_ARGUMENTS = (
        (["check", "--seq-len", "1000000"],
         "--seq-len 1000000 with --batch 1 --heads 4 --head-dim 64 needs about 256032.8 GB "
         "for the golden model"),
-       (["check", "--head-dim", "10000000"], "GB for the golden model")]
+       (["check", "--head-dim", "65536", "--seq-len", "65536"], "GB for the golden model")]
     + shape_argument_cases("info")
     + [(["info", "--seq-len", str(INFO_MAX_SEQ_LEN + 1)],
         f"argument --seq-len: at most {INFO_MAX_SEQ_LEN}"),
        (["info", "--value-dim", "0"], "argument --value-dim: must be a positive integer, got 0"),
-       (["info", "--value-dim", "x"], "argument --value-dim: must be a positive integer")]
+       (["info", "--value-dim", "x"], "argument --value-dim: must be a positive integer"),
+       (["info", "--value-dim", HUGE], f"argument --value-dim: must be at most {MAX_HEAD_DIM}"),
+       (["info", "--kv-heads", str(MAX_HEADS + 1)],
+        f"argument --kv-heads: must be at most {MAX_HEADS}, got {MAX_HEADS + 1}"),
+       # The hang: a GQA group of 2**31 - 1 heads walked for minutes.
+       (["info", "--dtype", "float32", "--seq-len", "100", "--n-k", "100", "--heads",
+         "2147483647", "--kv-heads", "1"], f"argument --heads: must be at most {MAX_HEADS}")]
     + [(["bench", "--backend", value], f"argument --backend: invalid choice: '{value}'")
        for value in ("nope", "reference", "auto")]
     + [(["bench", "--backend"], "argument --backend: expected one argument"),
@@ -68,12 +82,17 @@ BAD_ARGUMENTS = (
        (["bench", "--out", "/proc/no/such/folder"], "argument --out: cannot create"),
        (["bench", "--sizes"], "argument --sizes: expected at least one argument"),
        (["bench", "--head-dims"], "argument --head-dims: expected at least one argument"),
-       (["bench", "--sizes", "4000000000"], "N=4000000000 (--sizes) with --batch 1, 8 heads"),
-       (["bench", "--sizes", "64", "--head-dims", "64", "300000000"],
-        "D=300000000 (--head-dims) needs about"),
-       (["bench", "--sizes", "3", "--heads", "1", "--head-dims", "2000000"],
-        "the memory sweep (one head up to N=65536) at D=2000000 (the first --head-dims) "
+       (["bench", "--sizes", "2000000000"], "N=2000000000 (--sizes) with --batch 1, 8 heads"),
+       (["bench", "--sizes", "1000000", "--head-dims", "64", "65536"],
+        "D=65536 (--head-dims) needs about"),
+       (["bench", "--sizes", "3", "--heads", "1", "--head-dims", "65536"],
+        "the memory sweep (one head up to N=65536) at D=65536 (the first --head-dims) "
         "needs about"),
+       (["bench", "--head-dims", "64", HUGE],
+        f"argument --head-dims: must be at most {MAX_HEAD_DIM}"),
+       (["bench", "--sizes", HUGE], f"argument --sizes: must be at most {MAX_LENGTH}"),
+       (["bench", "--heads", HUGE], f"argument --heads: must be at most {MAX_HEADS}"),
+       (["bench", "--batch", HUGE], f"argument --batch: must be at most {MAX_BATCH}"),
        (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate")]
     + [(["bench", flag, "64", value], f"argument {flag}: {message}")
        for flag in ("--sizes", "--head-dims") for value, message in NOT_POSITIVE]
@@ -162,6 +181,24 @@ def test_check_without_a_fast_backend_fails(monkeypatch, capsys):
     assert_one_line_error(status, err, "the check failed", expected_status=1)
     assert "reference" in out and "no fast backend (cpu, gpu) could run" in out
     assert "within tolerance" not in out
+
+
+def test_check_of_the_golden_model_alone_fails(capsys):
+    """README: check fails when no fast backend ran, named or not (it exited 0 having
+    checked the golden model against itself)."""
+    status, out, err = run_main(["check", "--backend", "reference", "--seq-len", "16",
+                                 "--heads", "1"], capsys)
+    assert_one_line_error(status, err, "the check failed", expected_status=1)
+    assert "no fast backend (cpu, gpu) was named" in out
+    assert "within tolerance" not in out
+
+
+def test_bench_refused_for_its_sizes_creates_no_out_folder(tmp_path, capsys):
+    out_folder = tmp_path / "new" / "results"
+    status, _, err = run_main(["bench", "--backend", "cpu", "--out", str(out_folder),
+                               "--sizes", "100000000"], capsys)
+    assert_one_line_error(status, err, "N=100000000 (--sizes)")
+    assert not (tmp_path / "new").exists()
 
 
 def test_check_uses_the_values_given(capsys):

@@ -18,6 +18,13 @@ FAST_BACKENDS = ["cpu", "gpu"]
 
 # info's traffic model walks every query row in Python (about a second per million rows).
 INFO_MAX_SEQ_LEN = 2 ** 22
+# Beyond these a shape describes no call anyone runs, and the reports' byte counts must
+# stay numbers a float holds (--batch 10**310 would overflow them). Lengths stay in the
+# int32 the kernels take for counts.
+MAX_LENGTH = 2 ** 31 - 1
+MAX_HEADS = 2 ** 16
+MAX_BATCH = 2 ** 16
+MAX_HEAD_DIM = 2 ** 16
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,14 +34,29 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, maximum: int = MAX_LENGTH) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
     return value
+
+
+def _positive_at_most(maximum: int):
+    """`_positive_int` with its own maximum, as an argparse type."""
+    def positive(text: str) -> int:
+        return _positive_int(text, maximum)
+
+    return positive
+
+
+_heads = _positive_at_most(MAX_HEADS)
+_batch = _positive_at_most(MAX_BATCH)
+_head_dim = _positive_at_most(MAX_HEAD_DIM)
 
 
 def _dtype_name(text: str) -> str:
@@ -64,10 +86,12 @@ def _shape_arguments(parser, seq_len, heads, max_seq_len=None):
     seq_help = f"sequence length N (default {seq_len}"
     seq_help += f", at most {max_seq_len})" if max_seq_len else ")"
     parser.add_argument("--seq-len", type=_positive_int, default=seq_len, help=seq_help)
-    parser.add_argument("--heads", type=_positive_int, default=heads,
-                        help=f"heads (default {heads})")
-    parser.add_argument("--head-dim", type=_positive_int, default=64, help="D (default 64)")
-    parser.add_argument("--batch", type=_positive_int, default=1, help="batch (default 1)")
+    parser.add_argument("--heads", type=_heads, default=heads,
+                        help=f"heads (default {heads}, at most {MAX_HEADS})")
+    parser.add_argument("--head-dim", type=_head_dim, default=64,
+                        help=f"D (default 64, at most {MAX_HEAD_DIM})")
+    parser.add_argument("--batch", type=_batch, default=1,
+                        help=f"batch (default 1, at most {MAX_BATCH})")
     parser.add_argument("--dtype", type=_dtype_name, default="float32", metavar="DTYPE",
                         help=f"one of {', '.join(DTYPES)} (default float32)")
     parser.add_argument("--no-causal", dest="causal", action="store_false",
@@ -90,13 +114,14 @@ def _parser():
     info = commands.add_parser(
         "info", help="backends, device, cache sizes, chosen tiles, modelled memory traffic")
     _shape_arguments(info, 4096, 8, max_seq_len=INFO_MAX_SEQ_LEN)
-    info.add_argument("--value-dim", type=_positive_int, default=None,
-                      help="Dv (default: the head dim)")
+    info.add_argument("--value-dim", type=_head_dim, default=None,
+                      help=f"Dv (default: the head dim; at most {MAX_HEAD_DIM})")
     info.add_argument("--n-k", type=_positive_int, default=None,
                       help="keys Nk (default: --seq-len, which is then Nq); e.g. --seq-len 1 "
                            "--n-k 131072 shows a decode step's kernel")
-    info.add_argument("--kv-heads", type=_positive_int, default=None,
-                      help="K/V heads Hkv (default: --heads; fewer for GQA/MQA)")
+    info.add_argument("--kv-heads", type=_heads, default=None,
+                      help="K/V heads Hkv (default: --heads; fewer for GQA/MQA; at most "
+                           f"{MAX_HEADS})")
 
     bench = commands.add_parser(
         "bench", help="correctness check, then speed and memory against N vs the anchors")
@@ -109,11 +134,11 @@ def _parser():
                             "speed-BACKEND.png and memory-BACKEND.png")
     bench.add_argument("--sizes", type=_positive_int, nargs="+", default=None, metavar="N",
                        help="sequence lengths to time")
-    bench.add_argument("--head-dims", type=_positive_int, nargs="+", default=[64],
+    bench.add_argument("--head-dims", type=_head_dim, nargs="+", default=[64],
                        metavar="D", help="head dims to sweep (memory is measured at the first)")
-    bench.add_argument("--heads", type=_positive_int, default=None,
+    bench.add_argument("--heads", type=_heads, default=None,
                        help="default: 8 on the CPU, 32 on the GPU")
-    bench.add_argument("--batch", type=_positive_int, default=1)
+    bench.add_argument("--batch", type=_batch, default=1)
     bench.add_argument("--dtype", type=_dtype_name, default="float32", metavar="DTYPE",
                        help=f"one of {', '.join(DTYPES)} (default float32)")
 
@@ -189,15 +214,8 @@ def _bench(parser, args) -> int:
     from .benchmark import benchmark_bytes, default_memory_sizes, default_sizes, run_bench
     from .check import available_memory_bytes
 
-    if args.out is not None:
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            parser.error(f"argument --out: {args.out!r} exists and is not a folder")
-        try:
-            os.makedirs(args.out, exist_ok=True)
-        except OSError as error:
-            parser.error(f"argument --out: cannot create {args.out!r} ({error.strerror})")
-        if not os.access(args.out, os.W_OK):
-            parser.error(f"argument --out: cannot write into {args.out!r}")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"argument --out: {args.out!r} exists and is not a folder")
     name = args.backend or ("gpu" if backends.availability("gpu") is None else "cpu")
     module = _require([name])[name]
     heads = args.heads or (8 if module.MEMORY == "host" else 32)
@@ -215,6 +233,14 @@ def _bench(parser, args) -> int:
         parser.error(f"the memory sweep (one head up to N={swept}) at D={args.head_dims[0]} "
                      f"(the first --head-dims) needs about {needed / 1e9:.1f} GB of arrays; "
                      f"{available / 1e9:.1f} GB are available")
+    # Created only once every value is known to run: a refused call leaves no folder behind.
+    if args.out is not None:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as error:
+            parser.error(f"argument --out: cannot create {args.out!r} ({error.strerror})")
+        if not os.access(args.out, os.W_OK):
+            parser.error(f"argument --out: cannot write into {args.out!r}")
     try:
         run_bench(backend=name, quick=args.quick, out=args.out, dtype=_dtype(args.dtype),
                   head_dims=args.head_dims, batch=args.batch, heads=heads, sizes=args.sizes)

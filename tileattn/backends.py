@@ -46,9 +46,12 @@ Optional, for ``python -m tileattn info``:
 
 ``hardware() -> dict[str, str]``
     The device and the cache or shared-memory sizes the backend detected.
-``tile_sizes(n_q, n_k, head_dim, value_dim, dtype, query_heads=0) -> dict[str, Blocks]``
-    The default tiles per pass (``"forward"``, ``"backward"``) for a shape (`query_heads`:
-    B x Hq where the choice depends on the grid; 0 when not known).
+``tile_sizes(n_q, n_k, head_dim, value_dim, dtype, query_heads=0, options=None, *,
+kv_heads=None, batch=1) -> dict[str, Blocks | None]``
+    The tiles each pass (``"forward"``, ``"backward"``) of a dense call of that shape runs,
+    as the backend's dispatch chooses them (`query_heads`: B x Hq, 0 when not known;
+    `options`: the mask and score options, none where omitted); None for a pass the
+    backend does not serve at that shape.
 
 Backend modules are imported only when chosen, so ``import tileattn`` loads neither Numba
 nor CuPy.

@@ -53,40 +53,6 @@ def hardware() -> dict[str, str]:
             "L2 per core": f"{caches.l2 // 1024} KiB"}
 
 
-def describe(n_k: int, head_dim: int, value_dim: int, dtype,
-             options: AttentionOptions | None = None, *, n_q: int | None = None,
-             heads: int = 1, kv_heads: int | None = None, batch: int = 1) -> dict[str, str]:
-    """For ``python -m tileattn info``: which kernel each direction of a dense call of this
-    shape runs (`decode.takes` chooses the forward's)."""
-    kv_heads = kv_heads or heads
-    n_q = n_k if n_q is None else n_q
-    group = max(1, heads // kv_heads)
-    if decode.takes(n_q, n_k, group):
-        forward = (f"decode path (cpu/decode_kernel.py): a task per (batch, kv head, key "
-                   f"split); the {group} query head(s) of a kv head x {n_q} row(s) packed "
-                   f"into {group * n_q} rows against each K/V tile, splits merged by their "
-                   f"log-sum-exp")
-    else:
-        forward = "tiled forward (cpu/forward_kernel.py): a task per (query tile, query head)"
-    return {"forward": forward,
-            "backward": "tiled backward (cpu/backward_kernel.py): tasks per kv head, or, "
-                        "with fewer heads than threads want, per key tile (dQ summed from "
-                        "a part per key tile)"}
-
-
-def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
-               query_heads: int = 0) -> dict[str, Blocks]:
-    """The default tiles per pass for one head (more heads may get smaller query tiles:
-    `blocks.spread_over_threads`; `query_heads` is not read); the forward's are those
-    without a mask (a causal or window mask halves its ``block_q``)."""
-    itemsize = _compute_dtype(np.dtype(dtype)).itemsize
-    tiles = {}
-    for kind in ("forward", "backward"):
-        blocks = default_blocks(kind, head_dim, value_dim, itemsize, masked=False)
-        tiles[kind] = Blocks(min(blocks.block_q, n_q), min(blocks.block_k, n_k))
-    return tiles
-
-
 _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
@@ -459,3 +425,101 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
             threads.run(kernels.sum_key_parts, plan.n_threads, dq_parts, dq)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))
+
+
+# --------------------------------------------------------------------------- info
+
+
+def describe(n_k: int, head_dim: int, value_dim: int, dtype,
+             options: AttentionOptions | None = None, *, n_q: int | None = None,
+             heads: int = 1, kv_heads: int | None = None, batch: int = 1) -> dict[str, str]:
+    """For ``python -m tileattn info``: which kernel and schedule each direction of a dense
+    call of this shape runs here, as the call's own plans choose them (`_forward_plan`,
+    `_backward_plan`)."""
+    n_q = n_k if n_q is None else n_q
+    forward_plan, backward_plan = _plans(n_q, n_k, head_dim, value_dim, dtype, options,
+                                         heads, kv_heads, batch)
+    return {"forward": _forward_line(forward_plan, n_q, heads, kv_heads or heads),
+            "backward": _backward_line(backward_plan)}
+
+
+def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
+               query_heads: int = 0, options: AttentionOptions | None = None, *,
+               kv_heads: int | None = None, batch: int = 1) -> dict[str, Blocks]:
+    """The tiles each direction of a dense call of this shape runs here (`query_heads` =
+    B x Hq heads, of which `kv_heads` K/V heads a batch element; one head where 0), as its
+    plans choose them: the mask, the thread count and the heads all size them. The decode
+    path's are all of a kv head's packed query rows against its key tiles."""
+    heads = max(1, query_heads // batch)
+    forward_plan, backward_plan = _plans(n_q, n_k, head_dim, value_dim, dtype, options,
+                                         heads, kv_heads, batch)
+    sizing = forward_plan.decode
+    forward = (forward_plan.blocks if sizing is None
+               else Blocks(n_q, min(sizing.block_k, max(1, n_k))))
+    block_q, block_k, _ = backward_plan.tiling
+    return {"forward": forward, "backward": Blocks(block_q, block_k)}
+
+
+class _Counted(Sequences):
+    """The `Sequences` of a dense call that `describe` plans without running it: a plan only
+    keeps its task lists (or their length), so they are counted, not built, and describing
+    a batch of thousands allocates nothing of its size."""
+
+    def __init__(self, q, k, options: AttentionOptions):
+        super().__init__(q, k, options)
+        self._one = Sequences(q[:1], k[:1], options)  # every sequence of a dense call alike
+
+    def tiles(self, block: int, options: AttentionOptions, keys: bool = False):
+        count = len(self._one.tiles(block, options, keys)) * len(self.descriptors)
+        return np.broadcast_to(np.zeros(2, np.int64), (count, 2))
+
+
+def _plans(n_q, n_k, head_dim, value_dim, dtype, options, heads, kv_heads, batch):
+    """The forward's and the backward's plans of a dense call of this shape, over stand-in
+    arrays of its shapes and compute dtype that hold no memory."""
+    options = options or AttentionOptions()
+    kv_heads = kv_heads or heads
+    compute = _compute_dtype(np.dtype(dtype))
+
+    def stand_in(shape):
+        return np.broadcast_to(np.zeros((), compute), shape)
+
+    q, do = stand_in((batch, heads, n_q, head_dim)), stand_in((batch, heads, n_q, value_dim))
+    k, v = stand_in((batch, kv_heads, n_k, head_dim)), stand_in((batch, kv_heads, n_k, value_dim))
+    shape = _Counted(q, k, options)
+    return (_forward_plan(q, k, v, options, shape),
+            _backward_plan(q, k, v, do, options, _Counted(q, k, options)))
+
+
+def _forward_line(plan: "_ForwardPlan", n_q: int, heads: int, kv_heads: int) -> str:
+    sizing = plan.decode
+    if sizing is None:
+        return (f"tiled forward (cpu/forward_kernel.py): a task per (query tile, query head), "
+                f"tiles of {plan.blocks.block_q} x {plan.blocks.block_k} on "
+                f"{plan.n_workers} thread(s)")
+    group = heads // kv_heads
+    splits = ("one key split" if sizing.n_splits == 1 else
+              f"{sizing.n_splits} key splits of up to {sizing.split_size} keys, merged by "
+              f"their log-sum-exp")
+    return (f"decode path (cpu/decode_kernel.py): a task per (batch, kv head, key split); "
+            f"the {group} query head(s) of a kv head x {n_q} row(s) packed into "
+            f"{group * n_q} rows against each K/V tile of {sizing.block_k} keys; {splits}; "
+            f"{sizing.n_workers} thread(s)")
+
+
+def _backward_line(plan: "_BackwardPlan") -> str:
+    from .backward_kernel import HEADS, KEY_PARTS
+
+    block_q, block_k, _ = plan.tiling
+    schedule = plan.runs[0][0]
+    if schedule == HEADS:
+        tasks = "a task per (batch element, kv head)"
+    elif schedule == KEY_PARTS:
+        tasks = (f"a task per key tile, dQ summed from a part per key tile ({plan.n_parts} "
+                 f"parts)")
+    else:
+        tasks = (f"a task per key tile (dK, dV), then one per query tile (dQ): parts of dQ "
+                 f"per key tile would take over {KEY_PARTS_BUDGET:g}x the inputs' memory")
+    n_threads = max(n_workers for _, n_workers, _ in plan.runs)
+    return (f"tiled backward (cpu/backward_kernel.py): {tasks}; tiles of {block_q} queries "
+            f"x {block_k} keys on {n_threads} thread(s)")

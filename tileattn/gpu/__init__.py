@@ -56,6 +56,8 @@ Importing this module does not import CuPy; `availability` says whether it can r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..options import AttentionOptions, Blocks
 
 MEMORY = "cuda"
@@ -148,85 +150,195 @@ def _problem(n_k: int, head_dim: int, value_dim: int, dtype, options: AttentionO
                        query_heads, n_q)
 
 
+class _Shaped:
+    """What dispatch reads of an array (`launch_forward.choose`, `launch_decode.decode_shape`):
+    its shape, dtype and device, without memory; `describe` asks dispatch itself."""
+
+    def __init__(self, shape: tuple, dtype, device_id: int):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.device = _Device(device_id)
+
+
+@dataclass(frozen=True)
+class _Device:
+    id: int
+
+
+@dataclass(frozen=True)
+class _ForwardRun:
+    """The forward a dense call of some shape runs: dispatch's `choice`, or where it folds a
+    wide GQA decode, each query row's ``(kept keys, folded choice)`` in `folds`."""
+
+    choice: object
+    folds: tuple = ()
+
+
+def _arrays(n_q, n_k, head_dim, value_dim, dtype, heads, kv_heads, batch):
+    import cupy
+
+    device = cupy.cuda.Device().id
+    return (_Shaped((batch, heads, n_q, head_dim), dtype, device),
+            _Shaped((batch, kv_heads, n_k, head_dim), dtype, device),
+            _Shaped((batch, kv_heads, n_k, value_dim), dtype, device))
+
+
+def _forward_run(q, k, v, options: AttentionOptions) -> _ForwardRun:
+    """What `launch_forward.forward` runs for arrays of these shapes."""
+    from .launch_forward import choose
+
+    folds = _folds(q, k, v, options)
+    return _ForwardRun(folds[0][1], folds) if folds else _ForwardRun(choose(q, k, v, options))
+
+
+def _folds(q, k, v, options: AttentionOptions):
+    """Each query row's ``(kept keys, choice)`` where `launch_forward.forward` folds a wide
+    GQA decode (`_forward_folded_rows`: one fold a row, over the keys that row keeps, or none
+    at all where a row keeps no key or declines its fold), else None."""
+    from ..options import evolve
+    from .launch_decode import decode_shape, kept_keys
+    from .launch_forward import choose, folds_group, unmasked
+    from .operands import problem_for
+    from .tiles import FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, fold_value_slices, folded_choice
+
+    batch, heads, n_q, head_dim = q.shape
+    kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    group = heads // kv_heads
+    if (n_q > FOLD_MAX_QUERY_ROWS or max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM
+            or not folds_group(q.dtype, head_dim, value_dim, n_q, group, options)):
+        return None
+    offset = options.band_offset(n_q, n_k)
+    rows = [options] if n_q == 1 else [
+        evolve(options, alignment=offset + row, row_offset=0, col_offset=0)
+        for row in range(n_q)]
+    decodes = choose(q, k, v, options).family == "decode"
+    widest = fold_value_slices(value_dim)[0][1]  # (the first slice is the widest)
+    folds = []
+    for alone in rows:
+        low, high = kept_keys(alone, 1, n_k)
+        if low >= high:
+            return None
+        folded_options = unmasked(alone)
+        folded_q = _Shaped((batch, kv_heads, group, head_dim), q.dtype, q.device.id)
+        cut_k = _Shaped((batch, kv_heads, high - low, head_dim), q.dtype, q.device.id)
+        problem = problem_for(q.device.id, q.dtype, head_dim, widest, high - low,
+                              folded_options, batch * kv_heads, group)
+        choice = folded_choice(problem, decode_shape(folded_q, cut_k, folded_options),
+                               decodes)
+        if choice is None:
+            return None
+        folds.append((high - low, choice))
+    return tuple(folds)
+
+
+def _fold_line(folds: tuple, value_dim: int) -> str:
+    from .tiles import fold_value_slices
+
+    choice = folds[0][1]
+    slices = fold_value_slices(value_dim)
+    line = f"{choice.family} {choice.tiles} ({choice.note}"
+    if len(slices) > 1:
+        line += f"; V and O in {len(slices)} launches of up to {slices[0][1]} columns"
+    if len(folds) > 1:
+        keys = ", ".join(str(kept) for kept, _ in folds)
+        shares = ", ".join(str(folded.key_splits) for _, folded in folds)
+        line += (f"; each of the {len(folds)} query rows folded on its own, over its own "
+                 f"keys ({keys}) in key shares ({shares})")
+    return line + ")"
+
+
+def _generic_refusal(dtype, head_dim: int, value_dim: int, options: AttentionOptions,
+                     entries: tuple) -> str | None:
+    """Why the CUDA-core kernels `entries` refuse these head dims on the current device
+    (`GenericConfig.kernel` raises it as a ValueError), or None where they run."""
+    import cupy
+
+    from .launch_forward import GenericConfig, _generic_shared_bytes
+    from .operands import accumulation_dtype, shared_memory_limit
+
+    config = GenericConfig.for_problem(dtype, head_dim, value_dim, options)
+    shared = _generic_shared_bytes(accumulation_dtype(config.dtype).itemsize, config.head_pad,
+                                   config.value_pad, config.capacity.block_q,
+                                   config.capacity.block_k)
+    limit = shared_memory_limit(cupy.cuda.Device().id)
+    for entry in entries:
+        if shared[entry] > limit:
+            return (f"not served on the GPU (backend='cpu'): head dims {config.head_pad}/"
+                    f"{config.value_pad} (padded) in {config.dtype} need "
+                    f"{shared[entry] // 1024} KiB of shared memory a block for {entry} on "
+                    f"the CUDA-core kernels; this device offers {limit // 1024} KiB")
+    return None
+
+
+_GENERIC_ENTRIES = {"forward": ("attention_forward",),
+                    "backward": ("attention_backward_dq", "attention_backward_dkdv")}
+
+
 def describe(n_k: int, head_dim: int, value_dim: int, dtype,
              options: AttentionOptions | None = None, *, n_q: int | None = None,
              heads: int = 1, kv_heads: int | None = None, batch: int = 1) -> dict[str, str]:
     """The kernel family and tile-table row each direction runs for this shape on the current
-    device, and why (`tiles.describe`); given `n_q` (and the heads and batch), the forward
-    line names the split-KV decode kernel where it runs (`tiles.choose_decode`)."""
-    import cupy
-
-    from .launch_decode import band_keys
-    from .operands import sm_count
-    from .tiles import DecodeShape, describe_with_decode
+    device, and why (`tiles.describe`); given `n_q` (and the heads and batch), what a dense
+    call of that shape runs, as dispatch chooses it: the split-KV decode kernel, key shares,
+    a folded wide decode (`launch_forward.choose` and the fold's own choice), the backward's
+    single pass, group cut and dQ shares (`tiles.describe_backward`)."""
+    from .launch_decode import decode_shape
+    from .tiles import choose_backward, describe_with_decode
 
     options = options or AttentionOptions()
-    shape = None
-    grid = (0, 0)
-    if n_q is not None:
-        kv_heads = heads if kv_heads is None else kv_heads
-        shape = DecodeShape(n_q=n_q, group=heads // kv_heads, batch_kv_heads=batch * kv_heads,
-                            batch_q_heads=batch * heads, band_keys=band_keys(options, n_q, n_k),
-                            sm_count=sm_count(cupy.cuda.Device().id))
-        grid = (batch * heads, n_q)
-    lines = describe_with_decode(_problem(n_k, head_dim, value_dim, dtype, options, *grid),
-                                 shape)
-    folded = (None if shape is None
-              else _folded_line(options, shape, n_k, head_dim, value_dim, dtype))
-    if folded is not None:
-        lines["forward"] = folded
+    if n_q is None:
+        return describe_with_decode(_problem(n_k, head_dim, value_dim, dtype, options), None)
+    kv_heads = heads if kv_heads is None else kv_heads
+    q, k, v = _arrays(n_q, n_k, head_dim, value_dim, dtype, heads, kv_heads, batch)
+    # The forward's grid picks rows of its table; no backward row reads it.
+    problem = _problem(n_k, head_dim, value_dim, dtype, options, batch * heads, n_q)
+    lines = describe_with_decode(problem, decode_shape(q, k, options))
+    run = _forward_run(q, k, v, options)
+    if run.folds:
+        lines["forward"] = _fold_line(run.folds, value_dim)
+    else:
+        choice = run.choice
+        tiles = "" if choice.tiles is None else f" {choice.tiles}"
+        lines["forward"] = f"{choice.family}{tiles} ({choice.note})"
+    for direction, family in (("forward", run.choice.family),
+                              ("backward", choose_backward(problem).family)):
+        refusal = (_generic_refusal(dtype, head_dim, value_dim, options,
+                                    _GENERIC_ENTRIES[direction])
+                   if family == "generic" else None)
+        if refusal is not None:
+            lines[direction] = refusal
     return lines
 
 
-def _folded_line(options: AttentionOptions, shape, n_k: int, head_dim: int, value_dim: int,
-                 dtype):
-    """The forward line of a wide GQA decode that folds its group into query rows
-    (`launch_forward._fold_group`), else None."""
-    from .launch_forward import folds_group, unmasked
-    from .tiles import DecodeShape, choose_decode, fold_value_slices, folded_choice
-
-    if shape.band_keys == 0 or not folds_group(dtype, head_dim, value_dim, shape.n_q,
-                                               shape.group, options):
-        return None
-    folded = DecodeShape(n_q=shape.group, group=1, batch_kv_heads=shape.batch_kv_heads,
-                         batch_q_heads=shape.batch_kv_heads, band_keys=shape.band_keys,
-                         sm_count=shape.sm_count)
-    decodes = choose_decode(_problem(n_k, head_dim, value_dim, dtype, options,
-                                     shape.batch_q_heads, shape.n_q), shape) is not None
-    slices = fold_value_slices(value_dim)
-    widest = slices[0][1]  # (the first slice is the widest)
-    choice = folded_choice(_problem(shape.band_keys, head_dim, widest, dtype,
-                                    unmasked(options), shape.batch_kv_heads, shape.group),
-                           folded, decodes)
-    if choice is None:
-        return None
-    sliced = (f"; V and O in {len(slices)} launches of up to {widest} columns"
-              if len(slices) > 1 else "")
-    if shape.n_q > 1:
-        sliced += f"; each of the {shape.n_q} query rows folded on its own"
-    return f"{choice.family} {choice.tiles} ({choice.note}{sliced})"
-
-
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
-               query_heads: int = 0, options: AttentionOptions | None = None
-               ) -> dict[str, Blocks]:
-    """Default tiles on the current device: the forward's query x key tile (for a grid of
-    `query_heads` = B x Hq heads where given: rows that go by waves), and the backward's
-    dK/dV kernel's (keys owned by a block x queries streamed); the generic kernels'
-    capacity where they run."""
+               query_heads: int = 0, options: AttentionOptions | None = None, *,
+               kv_heads: int | None = None, batch: int = 1) -> dict[str, Blocks | None]:
+    """The tiles each direction of a dense call runs on the current device (`query_heads` =
+    B x Hq heads, `kv_heads` K/V heads a batch element): the forward's query x key tile of
+    the kernel dispatch chooses (the decode kernel: every packed row of a K/V head against
+    its key tiles; a folded decode: its prefill's), the backward's dK/dV kernel's (keys owned
+    by a block x queries streamed), the generic kernels' tiles where they run; None for a
+    direction the GPU does not serve (`describe` says why)."""
     from .launch_forward import GenericConfig
-    from .tiles import choose_backward, choose_forward
+    from .tiles import choose_backward
 
     options = options or AttentionOptions()
-    problem = _problem(n_k, head_dim, value_dim, dtype, options, query_heads,
-                       n_q if query_heads else 0)
-    capacity = GenericConfig.for_problem(dtype, head_dim, value_dim, options).capacity
-    forward_choice, backward_choice = choose_forward(problem), choose_backward(problem)
-    forward_tiles = (capacity if forward_choice.tiles is None
-                     else Blocks(forward_choice.tiles.block_q, forward_choice.tiles.block_k))
-    if backward_choice.tiles is None:
-        backward_tiles = capacity
+    heads = max(1, query_heads // batch)
+    kv_heads = heads if kv_heads is None else kv_heads
+    q, k, v = _arrays(n_q, n_k, head_dim, value_dim, dtype, heads, kv_heads, batch)
+    generic = GenericConfig.for_problem(dtype, head_dim, value_dim, options).blocks(options)
+    choice = _forward_run(q, k, v, options).choice
+    if choice.family == "generic":
+        forward = (None if _generic_refusal(dtype, head_dim, value_dim, options,
+                                            _GENERIC_ENTRIES["forward"]) else generic)
+    elif choice.family == "decode":
+        forward = Blocks(n_q, choice.tiles.block_k)
     else:
-        keys_owned, queries_streamed = backward_choice.tiles.dkdv
-        backward_tiles = Blocks(block_q=queries_streamed, block_k=keys_owned)
-    return {"forward": forward_tiles, "backward": backward_tiles}
+        forward = Blocks(choice.tiles.block_q, choice.tiles.block_k)
+    choice = choose_backward(_problem(n_k, head_dim, value_dim, dtype, options))
+    if choice.family == "generic":
+        backward = (None if _generic_refusal(dtype, head_dim, value_dim, options,
+                                             _GENERIC_ENTRIES["backward"]) else generic)
+    else:
+        keys_owned, queries_streamed = choice.tiles.dkdv
+        backward = Blocks(block_q=queries_streamed, block_k=keys_owned)
+    return {"forward": forward, "backward": backward}

@@ -588,6 +588,16 @@ def _generic(reason: str) -> Choice:
     return Choice("generic", None, reason)
 
 
+def _no_row_note(what: str, table, widths: Widths) -> str:
+    """Why no row of `table` serves `widths`: none covers them (the rows end below), or
+    every row that does outgrows the device's shared memory."""
+    covered = max(row.when.max_width for row in table)
+    if widths.widest > covered:
+        return (f"no {what} rows cover head dims above {covered}: these pad to "
+                f"{widths.head}/{widths.value}")
+    return f"no {what} tiles fit this device's shared memory"
+
+
 def wgmma_named_tiles(problem: Problem, default: WgmmaTiles) -> WgmmaTiles | None:
     """The Hopper forward with the caller's tile sizes where it is built for them: one block
     per SM, the default's stages where they fit shared memory, else fewer."""
@@ -649,7 +659,7 @@ def choose_forward(problem: Problem) -> Choice:
         row = _first_fitting(MMA_FORWARD, problem, widths,
                              lambda t: t.shared_bytes(widths) <= problem.shared_limit)
         if row is None:
-            return _generic("no mma.sync tiles fit this device's shared memory")
+            return _generic(_no_row_note("mma.sync", MMA_FORWARD, widths))
         return _with_named_blocks(
             "mma", row, problem, widths, MMA_BLOCK_Q, MMA_BLOCK_K,
             lambda block_q, block_k, rows: MmaTiles(block_q, block_k, rows,
@@ -666,7 +676,7 @@ def choose_forward(problem: Problem) -> Choice:
         row = _first_fitting(TF32_FORWARD, problem, widths,
                              lambda t: t.shared_bytes(widths) <= problem.shared_limit)
         if row is None:
-            return _generic("no 3xTF32 tiles fit this device's shared memory")
+            return _generic(_no_row_note("3xTF32", TF32_FORWARD, widths))
         return _with_named_blocks("tf32", row, problem, widths, TF32_BLOCK_Q, TF32_BLOCK_K,
                                   Tf32Tiles)
     return _generic(f"{problem.dtype} runs on CUDA cores")
@@ -716,28 +726,53 @@ def choose_backward(problem: Problem) -> Choice:
     row = _first_fitting(table, problem, widths, lambda t: backward_fits(
         t, widths, problem.shared_limit, element_size))
     if row is None:
-        return _generic(f"no {family} backward tiles fit this device's shared memory")
+        return _generic(_no_row_note(f"{family} backward", table, widths))
     return Choice(family, row.tiles, row.note)
 
 
 def describe(problem: Problem) -> dict[str, str]:
-    """One line per direction: the family, its tiles and the row's note."""
-    lines = {}
-    for direction, choice in (("forward", choose_forward(problem)),
-                              ("backward", choose_backward(problem))):
-        tiles = "" if choice.tiles is None else f" {choice.tiles}"
-        lines[direction] = f"{choice.family}{tiles} ({choice.note})"
-        if (isinstance(choice.tiles, MmaBackwardTiles) and choice.tiles.single_pass_fits(
-                problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
-                problem.shared_limit)):
-            lines[direction] += (
-                "; one kernel, dQ added in turns (SINGLE_PASS, ORDERED), with "
-                "deterministic=False in arrival order"
-                if runs_single_pass(problem.dtype, True) else
-                "; deterministic=False: one kernel, dQ added by atomics (SINGLE_PASS)")
-            lines[direction] += (", unless a GQA grid too small for it cuts its groups over "
-                                 "blocks")
+    """One line per direction: the family, its tiles and the row's note; for any grid (the
+    shape's own: `describe_with_decode`)."""
+    lines = {direction: _choice_line(choice) for direction, choice in
+             (("forward", choose_forward(problem)), ("backward", choose_backward(problem)))}
+    if _single_pass_fits(problem):
+        lines["backward"] += (f"; {_single_pass_clause(problem.dtype)}, unless a GQA grid too "
+                              "small for it cuts its groups over blocks")
     return lines
+
+
+def _choice_line(choice: Choice) -> str:
+    tiles = "" if choice.tiles is None else f" {choice.tiles}"
+    return f"{choice.family}{tiles} ({choice.note})"
+
+
+def _single_pass_fits(problem: Problem) -> bool:
+    """Whether the backward's tiles serve the single pass (`MmaBackwardTiles`), as
+    launch_backward.backward_mma asks."""
+    tiles = choose_backward(problem).tiles
+    return isinstance(tiles, MmaBackwardTiles) and tiles.single_pass_fits(
+        problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
+        problem.shared_limit)
+
+
+def _single_pass_clause(dtype: str) -> str:
+    if runs_single_pass(dtype, True):
+        return ("one kernel, dQ added in turns (SINGLE_PASS, ORDERED), with "
+                "deterministic=False in arrival order")
+    return "deterministic=False: one kernel, dQ added by atomics (SINGLE_PASS)"
+
+
+def _dense_key_blocks(problem: Problem, shape: DecodeShape) -> int:
+    """The dK/dV kernels' blocks of a dense backward: B x Hkv x key tiles."""
+    owned = choose_backward(problem).tiles.dkdv[0]
+    return shape.batch_kv_heads * -(-problem.n_k // owned)
+
+
+def _flags_query_tail(problem: Problem, shape: DecodeShape) -> bool:
+    """Whether the 16-bit dK/dV kernels meet a query tail and flag non-finite keys for a
+    redo (FLAG_NON_FINITE_KEYS), which keeps GQA groups whole; float32 zeroes the tail."""
+    streamed = choose_backward(problem).tiles.dkdv[1]
+    return problem.dtype != "float32" and shape.n_q % streamed != 0
 
 
 # --------------------------------------------------------------------------- GQA backward
@@ -756,8 +791,29 @@ def backward_group_splits(key_blocks: int, group: int, sm_count: int) -> int:
     target = BACKWARD_GROUP_WAVES * sm_count
     if group == 1 or key_blocks >= target:
         return 1
-    return next(s for s in range(2, group + 1) if group % s == 0 and
-                (key_blocks * s >= target or s == group))
+    # The fewest splits that reach the target lie between `needed` and the target; above
+    # it every divisor does, so the smallest divisor above the target (or the group) wins.
+    # Both searches stay small for any group, where a walk up to the group would take
+    # minutes at 2**31 - 1 query heads.
+    needed = -(-target // key_blocks)
+    for splits in range(needed, min(group, target) + 1):
+        if group % splits == 0:
+            return splits
+    return _smallest_divisor_above(group, target)
+
+
+def _smallest_divisor_above(number: int, bound: int) -> int:
+    """The smallest divisor of `number` greater than `bound` (`number` itself at most),
+    from the divisor pairs ``(d, number // d)`` with ``d <= sqrt(number)``."""
+    smallest = number
+    divisor = 1
+    while divisor * divisor <= number:
+        if number % divisor == 0:
+            for candidate in (divisor, number // divisor):
+                if bound < candidate < smallest:
+                    smallest = candidate
+        divisor += 1
+    return smallest
 
 
 # The single pass (5 tile products to the two kernels' 7) is taken also
@@ -1357,25 +1413,26 @@ def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice
 
 
 def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
-    """Where a dense backward's two kernels cut each GQA group over blocks
-    (`backward_group_splits`), a line saying so and what the single pass does there
-    (`takes_single_pass`), else None."""
+    """Where a dense backward's GQA grid is too small for the single pass or the two kernels
+    uncut (`backward_group_splits`), a line saying whether the two kernels cut each group
+    over blocks (not over a 16-bit query tail, whose keys are flagged instead) and what the
+    single pass does there (`takes_single_pass`), else None."""
     choice = choose_backward(problem)
     if choice.family == "generic" or shape.group == 1:
         return None
-    owned, streamed = choice.tiles.dkdv
-    if problem.dtype != "float32" and shape.n_q % streamed:
-        return None  # a 16-bit query tail: the dK/dV kernels flag keys instead
-    key_blocks = shape.batch_kv_heads * -(-problem.n_k // owned)
+    key_blocks = _dense_key_blocks(problem, shape)
     splits = backward_group_splits(key_blocks, shape.group, shape.sm_count)
     if splits == 1:
         return None
-    line = (f"dK/dV: each group of {shape.group} query heads cut over {splits} blocks "
-            f"({key_blocks} key-tile blocks are under {BACKWARD_GROUP_WAVES} waves of "
-            f"{shape.sm_count} SMs)")
-    if isinstance(choice.tiles, MmaBackwardTiles) and choice.tiles.single_pass_fits(
-            problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
-            problem.shared_limit):
+    if _flags_query_tail(problem, shape):
+        line = (f"dK/dV: each group of {shape.group} query heads stays whole over "
+                f"{key_blocks} key-tile blocks (a 16-bit query tail flags keys for a redo "
+                f"instead of cutting the groups over blocks)")
+    else:
+        line = (f"dK/dV: each group of {shape.group} query heads cut over {splits} blocks "
+                f"({key_blocks} key-tile blocks are under {BACKWARD_GROUP_WAVES} waves of "
+                f"{shape.sm_count} SMs)")
+    if _single_pass_fits(problem):
         who = ("float32 (either setting of deterministic)"
                if runs_single_pass(problem.dtype, True) else "deterministic=False")
         line += (f"; {who} runs the single pass uncut (its blocks fill "
@@ -1386,22 +1443,42 @@ def backward_group_note(problem: Problem, shape: DecodeShape) -> str | None:
 
 
 def describe_with_decode(problem: Problem, shape: DecodeShape | None) -> dict[str, str]:
-    """`describe`, with the forward line naming the decode family where it runs and the
-    backward line the GQA group's cut where there is one."""
+    """`describe`, for the grid of `shape` where given: the forward line naming the decode
+    family or the key shares where they run, the backward line the single pass, the GQA
+    group's cut and the dQ kernel's key shares where this grid takes them (as
+    launch_backward decides)."""
+    if shape is None:
+        return describe(problem)
     lines = describe(problem)
-    choice = None if shape is None else choose_decode(problem, shape)
+    choice = choose_decode(problem, shape)
     if choice is not None:
         lines["forward"] = f"decode {choice.tiles} ({choice.note})"
-    elif shape is not None and not problem.named_blocks:
-        split = with_key_splits(choose_forward(problem), shape)
-        if split.key_splits > 1:
-            lines["forward"] = f"{split.family} {split.tiles} ({split.note})"
-    note = None if shape is None else backward_group_note(problem, shape)
-    if note is not None:
-        lines["backward"] += f"; {note}"
-    backward = choose_backward(problem)
-    if shape is not None and backward.family != "generic":
-        splits = dq_key_splits(backward.tiles, shape)
-        if splits > 1:
-            lines["backward"] += f"; dQ: keys cut into {splits} shares (a small grid)"
+    elif not problem.named_blocks:
+        lines["forward"] = _choice_line(with_key_splits(choose_forward(problem), shape))
+    lines["backward"] = describe_backward(problem, shape)
     return lines
+
+
+def describe_backward(problem: Problem, shape: DecodeShape) -> str:
+    """The backward line of a dense call of `shape`: the family, its tiles and note, then
+    which kernels each setting of ``deterministic`` runs on this grid."""
+    choice = choose_backward(problem)
+    line = _choice_line(choice)
+    if choice.family == "generic":
+        return line
+    # A setting runs the single pass where it serves the tiles and fills this grid
+    # (launch_backward.backward_mma; the wgmma backward never takes it by default).
+    single = (_single_pass_fits(problem) and takes_single_pass(
+        _dense_key_blocks(problem, shape), shape.group, shape.sm_count))
+    if single:
+        line += f"; {_single_pass_clause(problem.dtype)}"
+    note = backward_group_note(problem, shape)
+    if note is not None:
+        line += f"; {note}"
+    if single and runs_single_pass(problem.dtype, True):
+        return line  # no dQ kernel under either setting
+    splits = dq_key_splits(choice.tiles, shape)
+    if splits > 1:
+        who = " (deterministic=True)" if single else ""
+        line += f"; dQ{who}: keys cut into {splits} shares (a small grid)"
+    return line
