@@ -4,7 +4,8 @@ Every kernel is compiled once per compute dtype (float32, or float64 for float64
 and cached on disk (``cache=True``), so later processes load it instead of compiling. To
 keep that to one compilation, the launchers always pass the same argument types: inputs as
 read-only C-contiguous arrays of the compute dtype, options as plain Python scalars.
-float16 and bfloat16 inputs are converted to float32 (SPEC: they accumulate in float32).
+float16 and bfloat16 inputs are converted to float32 (SPEC: they accumulate in float32), on
+every thread (`widen`).
 
 The first use of a dtype compiles for seconds: `compile_notice` says so on stderr, and
 `warmup` compiles every kernel ahead of time.
@@ -29,6 +30,7 @@ from . import (blas, compile_notice, decode,  # noqa: F401 (compile_notice liste
                threads)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
 from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
+from .widen import widened
 
 MEMORY = "host"
 VARLEN = True  # serves seqlens, cu_seqlens and block_table (`Sequences`)
@@ -62,8 +64,10 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def _read_only(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """A read-only C-contiguous view in `dtype`, copying only when the input is not one."""
-    view = np.ascontiguousarray(array, dtype=dtype).view()
+    """A read-only C-contiguous view in `dtype`, copying only when the input is not one
+    (16-bit inputs widened to float32 on every thread: `widen`)."""
+    wide = widened(array) if dtype == _FLOAT32 and array.itemsize == 2 else None
+    view = (np.ascontiguousarray(array, dtype=dtype) if wide is None else wide).view()
     # write=False, passed by position: ~0.25 us, against ~0.5 by keyword and ~0.8 through
     # ``flags.writeable`` (2-core development host; a backward makes six of these).
     view.setflags(False)

@@ -1,0 +1,70 @@
+"""The CPU backend's threaded widening of float16 and bfloat16 inputs (tileattn/cpu/widen.py):
+NumPy's values bit for bit, and the same attention as inputs NumPy converted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import tileattn  # noqa: E402
+from tileattn.arrays import bfloat16_dtype  # noqa: E402
+from tileattn.cpu.widen import MIN_ELEMENTS, widened  # noqa: E402
+
+
+def _half_dtypes():
+    dtypes = [np.dtype(np.float16)]
+    try:
+        dtypes.append(bfloat16_dtype())
+    except ImportError:
+        pass
+    return dtypes
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+def test_every_bit_pattern_widens_as_numpy_converts(dtype):
+    """All 65,536 patterns (infinities, NaN payloads, signed zeros, subnormals), enough
+    times over to take the threaded path, in C order and through strides."""
+    patterns = np.tile(np.arange(65536, dtype=np.uint16), -(-2 * MIN_ELEMENTS // 65536))
+    source = patterns.view(dtype)
+    for array in (source, source.reshape(-1, 64)[:, ::-1], source.reshape(-1, 64).T):
+        wide = widened(array)
+        assert wide is not None and wide.flags.c_contiguous and wide.dtype == np.float32
+        np.testing.assert_array_equal(wide.view(np.uint32),
+                                      array.astype(np.float32).view(np.uint32))
+        assert wide.shape == array.shape
+
+
+def test_what_numpy_converts_instead():
+    """Small arrays, other dtypes and a non-native byte order are left to NumPy (None)."""
+    assert widened(np.ones(MIN_ELEMENTS - 1, np.float16)) is None
+    assert widened(np.ones(MIN_ELEMENTS, np.float32)) is None
+    assert widened(np.ones(MIN_ELEMENTS, np.dtype(np.float16).newbyteorder())) is None
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+def test_widened_inputs_give_the_same_attention(dtype):
+    """A decode step whose K and V take the threaded path (8 heads x 2048 keys x 16) and a
+    prefill's backward: the same bits as the same values given in float32."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in
+               ((1, 8, 4, 16), (1, 8, 2048, 16), (1, 8, 2048, 16)))
+    k[0, 1, 5] = np.inf  # a masked-out key's infinities stay where they were
+    as32 = [a.astype(np.float32) for a in (q, k, v)]
+    o, lse = tileattn.forward(q, k, v, causal=True, backend="cpu", return_lse=True,
+                              window=(100, 0))
+    o32, lse32 = tileattn.forward(*as32, causal=True, backend="cpu", return_lse=True,
+                                  window=(100, 0))
+    np.testing.assert_array_equal(o, o32.astype(dtype))
+    np.testing.assert_array_equal(lse, lse32)
+    k[0, 1, 5] = 0
+    q = rng.standard_normal((1, 8, 2048, 16)).astype(dtype)
+    do = rng.standard_normal(q.shape).astype(dtype)
+    as32 = [a.astype(np.float32) for a in (q, k, v, do)]
+    o, lse = tileattn.forward(q, k, v, causal=True, backend="cpu", return_lse=True)
+    grads = tileattn.backward(do, q, k, v, o, lse, causal=True, backend="cpu")
+    grads32 = tileattn.backward(as32[3], *as32[:3], o.astype(np.float32), lse, causal=True,
+                                backend="cpu")
+    for grad, want in zip(grads, grads32):
+        np.testing.assert_array_equal(grad, want.astype(dtype))
