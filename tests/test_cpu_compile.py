@@ -51,22 +51,27 @@ def test_the_notice_comes_only_when_a_kernel_is_not_cached(monkeypatch, tmp_path
 def test_warmup_compiles_each_kernel_dtype_once_and_reports_progress(capsys):
     steps = []
     cpu.warmup(dtypes=["float32", np.float16], progress=lambda *step: steps.append(step))
-    assert steps == [(1, 3, "forward float32"), (2, 3, "decode float32"),
-                     (3, 3, "backward float32")]
+    assert steps == [(1, 4, "forward float32"), (2, 4, "decode float32"),
+                     (3, 4, "backward float32"), (4, 4, "decode 16-bit")]
+    steps.clear()
+    cpu.warmup(dtypes="float32", progress=lambda *step: steps.append(step))
+    assert [label for _, _, label in steps] == [
+        "forward float32", "decode float32", "backward float32"]
     steps.clear()
     cpu.warmup(progress=lambda *step: steps.append(step))
     assert [label for _, _, label in steps] == [
         "forward float32", "decode float32", "backward float32",
-        "forward float64", "decode float64", "backward float64"]
-    assert [(done, total) for done, total, _ in steps] == [(i, 6) for i in range(1, 7)]
+        "forward float64", "decode float64", "backward float64", "decode 16-bit"]
+    assert [(done, total) for done, total, _ in steps] == [(i, 7) for i in range(1, 8)]
     assert "tileattn: compiling" not in capsys.readouterr().err
     from tileattn.cpu.backward_kernel import backward_kernel
     from tileattn.cpu.decode_kernel import decode_kernel
     from tileattn.cpu.forward_kernel import forward_kernel as real_forward_kernel
 
-    # one signature per compute dtype: what a later call of any dtype finds compiled
-    assert (len(real_forward_kernel.signatures) == len(decode_kernel.signatures)
-            == len(backward_kernel.signatures) == 2)
+    # one signature per compute dtype (and the decode's over 16-bit K and V): what a later
+    # call of any dtype finds compiled
+    assert (len(real_forward_kernel.signatures) == len(backward_kernel.signatures) == 2
+            and len(decode_kernel.signatures) == 3)
 
 
 def test_warmup_names_a_dtype_it_cannot_compile():

@@ -87,7 +87,7 @@ def test_one_split_finishes_its_rows_with_the_bits_of_the_merge(lengths):
     kernels = decode._kernels()
     threads.run(kernels.decode_kernel, 1, *arrays, *partials, *merged, shape.descriptors,
                 shape.block_table, shape.page_size, shape.slots_outer, *scalars,
-                sizing.block_k, sizing.split_size)
+                sizing.block_k, sizing.split_size, 0)
     kernels.merge_kernel(*partials, *merged)
     assert out.tobytes() == merged[0].tobytes() and lse.tobytes() == merged[1].tobytes()
     assert np.isnan(lse).any() and np.isinf(out).any() and np.isfinite(lse).any()

@@ -68,3 +68,26 @@ def test_widened_inputs_give_the_same_attention(dtype):
                                 backend="cpu")
     for grad, want in zip(grads, grads32):
         np.testing.assert_array_equal(grad, want.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+def test_decode_reads_16_bit_keys_as_float32_would(dtype):
+    """The decode kernel widens 16-bit key tiles itself (no float32 copy of K and V):
+    padded lengths with NaN past them, GQA, every score option and dropout, the same bits
+    as the same values given in float32."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 3, 24)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 700, 24)).astype(dtype) for _ in range(2))
+    lengths = np.array([650, 123])
+    for array in (k, v):
+        array[0, :, 650:] = np.nan
+        array[1, :, 123:] = np.inf
+    k[0, 0, 7, 3] = 2.0 ** -20  # a float16 subnormal, a normal bfloat16
+    options = dict(causal=True, seqlens_k=lengths, softcap=5.0, window=(300, None),
+                   alibi_slopes=np.array([0.1, 0.2, 0.0, 0.3]), dropout_p=0.2, seed=9)
+    o, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, **options)
+    o32, lse32 = tileattn.forward(*(a.astype(np.float32) for a in (q, k, v)), backend="cpu",
+                                  return_lse=True, **options)
+    np.testing.assert_array_equal(o, o32.astype(dtype))
+    np.testing.assert_array_equal(lse, lse32)
+    assert np.isfinite(o.astype(np.float32)).all()

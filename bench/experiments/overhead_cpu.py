@@ -68,7 +68,7 @@ def _layers(q, k, v) -> dict:
     def kernels():
         threads.run(decode_kernel, sizing.n_workers, q_c, k_c, v_c, *partials, out, lse,
                     shape.descriptors, shape.block_table, shape.page_size, shape.slots_outer,
-                    *plan.scalars, sizing.block_k, sizing.split_size)
+                    *plan.scalars, sizing.block_k, sizing.split_size, 0)
         if sizing.n_splits > 1:
             merge_kernel(*partials, out, lse)
 

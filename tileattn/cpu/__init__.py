@@ -26,6 +26,7 @@ import numpy as np
 from ..dropout import dropout_key, dropout_threshold
 from ..options import BAND, KEYS, ROWS, AttentionOptions, Blocks, dense_descriptors
 from .. import tile_order
+from ..arrays import dtype_name
 from . import (blas, compile_notice, decode,  # noqa: F401 (compile_notice listens)
                threads)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
@@ -276,12 +277,13 @@ def _kernels(module: str):
     return importlib.import_module(f"{__name__}.{module}")
 
 
-def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan):
-    """Forward over prepared (compute-dtype, read-only, contiguous) arrays."""
+def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan, widen: int = 0):
+    """Forward over prepared (compute-dtype, read-only, contiguous) arrays; for a decode
+    with `widen`, k and v are 16-bit bits (`_decode_widening`)."""
     shape = plan.shape
     if plan.decode is not None:
         return decode.forward(q_c, k_c, v_c, options, plan.scalars, _kernel_lock, shape,
-                              sizing=plan.decode)
+                              sizing=plan.decode, widen=widen)
     batch, n_q_heads, n_q, _ = q_c.shape
     # Rows of no sequence (padding) are never written by the kernel: o 0, lse -inf (SPEC).
     allocate = (np.zeros, lambda shape_, dtype: np.full(shape_, -np.inf, dtype)) \
@@ -301,16 +303,40 @@ def forward(q, k, v, options: AttentionOptions):
            if options.varlen is None else None)
     plan = _FORWARD_PLANS.get(key) if key is not None else None
     shape = Sequences(q, k, options) if plan is None else plan.shape
-    q_c, (k_c, v_c) = _read_only(q, dtype), shape.pools(k, v, dtype)
+    widen = _decode_widening(q, k, v, shape, plan)
+    q_c = _read_only(q, dtype)
+    k_c, v_c = (_bits_of(k), _bits_of(v)) if widen else shape.pools(k, v, dtype)
     if plan is None:
         plan = _forward_plan(q_c, k_c, v_c, options, shape)
         if key is not None:
             if len(_FORWARD_PLANS) >= _PLAN_LIMIT:
                 _FORWARD_PLANS.clear()
             _FORWARD_PLANS[key] = plan
-    out, lse = _forward(q_c, k_c, v_c, options, plan)
+    out, lse = _forward(q_c, k_c, v_c, options, plan, widen)
     # lse's dtype (SPEC) is the compute dtype: only o may need converting.
     return out.astype(q.dtype, copy=False), lse
+
+
+def _decode_widening(q, k, v, shape: Sequences, plan: _ForwardPlan | None) -> int:
+    """1 (float16) or 2 (bfloat16) where a forward on the decode path reads 16-bit K and V
+    as they are, widening each key tile in the kernel (`decode_kernel`): it streams K and V
+    once, and their float32 copy cost more than the whole step (bench/NOTES-cpu.md,
+    session 30). 0 elsewhere: paged pools (gathered by page) and the tiled kernels, whose
+    products dwarf the copy, take float32 arrays."""
+    name = dtype_name(k.dtype)
+    if (name not in ("float16", "bfloat16") or shape.page_size or v.dtype != k.dtype
+            or not k.dtype.isnative):
+        return 0
+    takes = (plan.decode is not None if plan is not None else
+             decode.takes(q.shape[2], shape.max_keys, q.shape[1] // k.shape[1]))
+    return (1 if name == "float16" else 2) if takes else 0
+
+
+def _bits_of(array: np.ndarray) -> np.ndarray:
+    """A read-only C-contiguous uint16 view of a 16-bit array's bits."""
+    view = np.ascontiguousarray(array).view(np.uint16)
+    view.setflags(False)
+    return view
 
 
 # The backward's dQ parts (`backward_kernel.KEY_PARTS`: a dQ per key tile) up to this many

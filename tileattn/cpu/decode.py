@@ -151,8 +151,10 @@ def _kernels():
     return decode_kernel
 
 
-def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None, sizing=None):
-    """``(out, lse)`` for prepared (compute-dtype, read-only, contiguous) arrays.
+def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None, sizing=None,
+            widen=0):
+    """``(out, lse)`` for prepared (compute-dtype, read-only, contiguous) arrays; or, with
+    `widen` (1 float16, 2 bfloat16), k and v as their 16-bit bits (`decode_kernel`).
 
     `scalars` are the kernels' option arguments (`tileattn.cpu._option_scalars`), `lock`
     the backend's kernel lock, `shape` the call's `tileattn.cpu.Sequences`, `sizing` its
@@ -184,7 +186,7 @@ def forward(q_c, k_c, v_c, options, scalars, lock, shape, n_splits=None, sizing=
     with lock, (blas.single_threaded() if sizing.limits_blas else _NO_LIMIT):
         threads.run(kernels.decode_kernel, sizing.n_workers, q_c, k_c, v_c, *partials, out, lse,
                     shape.descriptors, shape.block_table, shape.page_size,
-                    shape.slots_outer, *scalars, sizing.block_k, sizing.split_size)
+                    shape.slots_outer, *scalars, sizing.block_k, sizing.split_size, widen)
         if n_splits > 1:
             kernels.merge_kernel(*partials, out, lse)
     return out, lse

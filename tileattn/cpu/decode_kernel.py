@@ -21,7 +21,8 @@ non-finite inputs per head, so every option behaves as in the forward kernel.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
 from .denormals import flush_subnormals, restore_subnormals
@@ -32,6 +33,7 @@ from .schedule import claim_next
 from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
                     transform_tile)
 from .vector_math import FASTMATH, maximum
+from .widen import widen_rows
 
 MAX_LOOP_ROWS = 32
 """Up to this many rows per group, the two products of a tile are plain loops that read
@@ -174,7 +176,7 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index,
 def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequences,
                   block_table, page_size, slots_outer, scale, softcap, alibi_slopes,
                   window_left, window_right, row_offset, col_offset, dropout_key,
-                  dropout_threshold, inv_keep, block_k, split_size, next_task):
+                  dropout_threshold, inv_keep, block_k, split_size, widen, next_task):
     """Fill the partial state of every (sequence, kv head, split): one thread's share, run
     on every thread by `threads.run`.
 
@@ -190,6 +192,11 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
     that `merge_kernel` finishes a row with (`_finish_row`), so with the same bits, and
     the call saves the partial arrays and the merge's dispatch (microseconds of a small
     call's host time). Otherwise `out` and `lse` are not written here.
+
+    `widen` (0, or 1 for float16 and 2 for bfloat16 given as their bits: uint16 k and v of
+    a call without a block table): each key tile is widened into the float32 scratch
+    before its products (`widen.widen_rows`), so K and V are read from memory at two bytes
+    an element and never copied whole.
     """
     kv_heads = k.shape[2] if slots_outer else k.shape[1]
     if all_heads(block_table, slots_outer, q.shape[1] // kv_heads, q.shape[2]):
@@ -219,9 +226,9 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
     sum_buffer = np.empty(max_rows, dtype)
     rescale_buffer = np.empty(max_rows, dtype)
     row_buffer = np.empty(value_dim if finishes else 0, dtype)
-    paged = block_table.shape[0] > 0
-    key_buffer = np.empty(block_k * head_dim if paged else 0, dtype)
-    value_buffer = np.empty(block_k * value_dim if paged else 0, dtype)
+    gathers = block_table.shape[0] > 0 or widen > 0
+    key_buffer = np.empty(block_k * head_dim if gathers else 0, dtype)
+    value_buffer = np.empty(block_k * value_dim if gathers else 0, dtype)
     previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         split = task % n_splits
@@ -244,9 +251,9 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
                                               window_right, split, split_size)
         for col_start in range(split_start, split_stop, block_k):
             col_stop = min(col_start + block_k, split_stop)
-            k_tile, v_tile = key_value_rows(k, v, b, kv_head, key_base + col_start,
-                                            key_base + col_stop, block_table, page_size,
-                                            slots_outer, key_buffer, value_buffer)
+            k_tile, v_tile = key_value_tiles(k, v, b, kv_head, key_base + col_start,
+                                             key_base + col_stop, block_table, page_size,
+                                             slots_outer, key_buffer, value_buffer, widen)
             _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index,
                         first_head, n_q_heads, col_start, n_q, softcap, alibi_slopes,
                         window_left, window_right, band_offset, row_offset, col_offset,
@@ -254,6 +261,35 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
         _store_group(acc, row_max, row_sum, b, first_head, group, row_base, n_q, split,
                      out, lse, partial_acc, partial_max, partial_sum, row_buffer)
     restore_subnormals(previous)
+
+
+def key_value_tiles(k, v, b, kv_head, start, stop, block_table, page_size, slots_outer,
+                    key_buffer, value_buffer, widen):
+    """Keys and values ``[start, stop)`` of one kv head in the compute dtype:
+    `tiles.key_value_rows` for K and V of that dtype; for 16-bit bits (uint16 K and V of
+    a call without a block table, `widen` 1 float16 or 2 bfloat16) the rows' float32
+    values in the scratch buffers."""
+
+
+@overload(key_value_tiles, jit_options={"nogil": True})
+def _key_value_tiles(k, v, b, kv_head, start, stop, block_table, page_size, slots_outer,
+                     key_buffer, value_buffer, widen):
+    if k.dtype != types.uint16:
+        def as_stored(k, v, b, kv_head, start, stop, block_table, page_size, slots_outer,
+                      key_buffer, value_buffer, widen):
+            return key_value_rows(k, v, b, kv_head, start, stop, block_table, page_size,
+                                  slots_outer, key_buffer, value_buffer)
+        return as_stored
+
+    def widened(k, v, b, kv_head, start, stop, block_table, page_size, slots_outer,
+                key_buffer, value_buffer, widen):
+        n_rows, head_dim, value_dim = stop - start, k.shape[3], v.shape[3]
+        widen_rows(k[b, kv_head, start:stop], key_buffer, widen == 2)
+        widen_rows(v[b, kv_head, start:stop], value_buffer, widen == 2)
+        return (key_buffer[:n_rows * head_dim].reshape((n_rows, head_dim)),
+                value_buffer[:n_rows * value_dim].reshape((n_rows, value_dim)))
+
+    return widened
 
 
 @njit(fastmath=FASTMATH)

@@ -28,6 +28,15 @@ def _compute_dtypes(dtypes) -> list[np.dtype]:
     return compute
 
 
+def _takes_16_bit(dtypes) -> bool:
+    if dtypes is None:
+        return True
+    if isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = [dtypes]
+    return any((d if isinstance(d, str) else np.dtype(d).name) in ("float16", "bfloat16")
+               for d in dtypes)
+
+
 def warmup(dtypes=None, progress=None) -> None:
     """Compile, or load from Numba's on-disk cache, the forward, decode and backward kernels.
 
@@ -35,7 +44,8 @@ def warmup(dtypes=None, progress=None) -> None:
     ----------
     dtypes : iterable of dtypes or dtype names, optional
         Among ``float16``, ``bfloat16``, ``float32``, ``float64`` (default: all four). The
-        16-bit types share the float32 kernels, so they add no step.
+        16-bit types share the float32 kernels, and add one step together: the decode path
+        over 16-bit K and V.
     progress : callable ``progress(done, total, label)``, optional
         Called after each step (``label`` like ``"forward float32"``). While it is given, the
         one-line compile notice on stderr stays silent: the caller shows progress instead.
@@ -43,8 +53,9 @@ def warmup(dtypes=None, progress=None) -> None:
     Each step runs its kernel once on a tiny problem, which compiles exactly what a real
     call needs (the same argument types) and caches it for later processes: the forward on
     more query rows than the decode path takes (and, for float32, the widening of 16-bit
-    inputs), the decode path on one row (and the merge of its key splits), the backward (and the sum of its dQ parts,
-    `backward_kernel.KEY_PARTS`).
+    inputs), the decode path on one row (and the merge of its key splits), the backward
+    (and the sum of its dQ parts, `backward_kernel.KEY_PARTS`); for float16 or bfloat16 one
+    more step, the decode path reading 16-bit K and V (`decode_kernel`'s widening).
     """
     from . import backward, decode, forward
     from .backward_kernel import sum_key_parts
@@ -56,13 +67,16 @@ def warmup(dtypes=None, progress=None) -> None:
             "backward": decode.MAX_QUERY_ROWS + 1}
     steps = [(kind, dtype) for dtype in _compute_dtypes(dtypes)
              for kind in ("forward", "decode", "backward")]
+    if _takes_16_bit(dtypes):
+        steps.append(("decode", np.dtype(np.float16)))
     options = AttentionOptions()
     with NOTICE.silenced() if progress is not None else contextlib.nullcontext():
         for done, (kind, dtype) in enumerate(steps, start=1):
             q = np.zeros((1, 1, rows[kind], 2), dtype)
             o, lse = forward(q, q, q, options)
-            if kind == "decode":
-                # The merge of key splits, which a call of one split never reaches.
+            if kind == "decode" and dtype != np.float16:
+                # The merge of key splits, which a call of one split never reaches (a
+                # 16-bit call's is the float32 one).
                 merge_kernel(np.zeros((1,) + o.shape, dtype), np.zeros((1,) + lse.shape, dtype),
                              np.zeros((1,) + lse.shape, dtype), np.empty_like(o),
                              np.empty_like(lse))
@@ -76,4 +90,5 @@ def warmup(dtypes=None, progress=None) -> None:
                 sum_key_parts(np.zeros((1,) + q.shape, dtype), np.empty(q.shape, dtype),
                               np.zeros(1, np.int64))
             if progress is not None:
-                progress(done, len(steps), f"{kind} {dtype.name}")
+                label = "16-bit" if dtype == np.float16 else dtype.name
+                progress(done, len(steps), f"{kind} {label}")

@@ -63,24 +63,60 @@ def _widen_kernel(bits, out_bits, out, is_bfloat16, chunk, next_task):
             _widen_half(bits, out_bits, out, start, stop)
 
 
+@njit(nogil=True)
+def widen_rows(rows, out, bfloat16):
+    """The 16-bit bits `rows` (``(n, width)``, rows contiguous) as float32 into the first
+    ``n * width`` elements of `out` (1-D), row after row: a key or value tile the decode
+    kernel reads from 16-bit K and V (`decode_kernel`), which stays in L2."""
+    n_rows, width = rows.shape
+    out_bits = out.view(np.uint32)
+    for r in range(n_rows):
+        # Row views indexed from 0: a computed index would carry Numba's negative-index
+        # wraparound into every access, which keeps LLVM from vectorising the loops.
+        row, row_bits = rows[r], out_bits[r * width:(r + 1) * width]
+        if bfloat16:
+            for d in range(width):
+                row_bits[d] = np.uint32(row[d]) << np.uint32(16)
+            continue
+        row_out = out[r * width:(r + 1) * width]
+        for d in range(width):
+            row_bits[d] = _normal_half(np.uint32(row[d]))
+        for d in range(width):
+            half = np.uint32(row[d])
+            if half & np.uint32(0x7C00) == 0 and half & np.uint32(0x3FF) != 0:
+                row_out[d] = _subnormal_half(half)
+
+
+@njit(inline="always")
+def _normal_half(half):
+    """float16 bits to float32 bits: the exponent rebased from 15 to 127 (all ones kept all
+    ones for infinities and NaNs, whose payload shifts along; zeros kept zero). Subnormals
+    come out wrong here: `_subnormal_half`."""
+    rest = (half & np.uint32(0x7FFF)) << np.uint32(13)
+    exponent = rest & np.uint32(0x0F800000)
+    if exponent == np.uint32(0x0F800000):
+        rest += np.uint32(224 << 23)
+    elif exponent == 0:
+        rest = np.uint32(0)
+    else:
+        rest += np.uint32(112 << 23)
+    return rest | ((half & np.uint32(0x8000)) << np.uint32(16))
+
+
+@njit(inline="always")
+def _subnormal_half(half):
+    """A float16 subnormal's value (a normal float32): its mantissa times 2**-24."""
+    size = np.float32(half & np.uint32(0x3FF)) * np.float32(2.0 ** -24)
+    return -size if half & np.uint32(0x8000) else size
+
+
 @njit(nogil=True, cache=True)
 def _widen_half(bits, out_bits, out, start, stop):
-    """float16 bits to float32: the exponent rebased from 15 to 127 (all ones kept all ones
-    for infinities and NaNs, whose payload shifts along; zeros kept zero), then subnormals,
-    which float32 holds as normal numbers, from their mantissa times 2**-24."""
+    """float16 bits to float32 (`_normal_half`), then the subnormals, which float32 holds
+    as normal numbers (`_subnormal_half`), in a second, rarely taken loop."""
     for i in range(start, stop):
-        half = np.uint32(bits[i])
-        rest = (half & np.uint32(0x7FFF)) << np.uint32(13)
-        exponent = rest & np.uint32(0x0F800000)
-        if exponent == np.uint32(0x0F800000):
-            rest += np.uint32(224 << 23)
-        elif exponent == 0:
-            rest = np.uint32(0)  # zeros; subnormals below
-        else:
-            rest += np.uint32(112 << 23)
-        out_bits[i] = rest | ((half & np.uint32(0x8000)) << np.uint32(16))
+        out_bits[i] = _normal_half(np.uint32(bits[i]))
     for i in range(start, stop):
         half = np.uint32(bits[i])
         if half & np.uint32(0x7C00) == 0 and half & np.uint32(0x3FF) != 0:
-            size = np.float32(half & np.uint32(0x3FF)) * np.float32(2.0 ** -24)
-            out[i] = -size if half & np.uint32(0x8000) else size
+            out[i] = _subnormal_half(half)
