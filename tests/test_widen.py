@@ -91,3 +91,31 @@ def test_decode_reads_16_bit_keys_as_float32_would(dtype):
     np.testing.assert_array_equal(o, o32.astype(dtype))
     np.testing.assert_array_equal(lse, lse32)
     assert np.isfinite(o.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("slots_outer", [False, True], ids=["heads-major", "slots-major"])
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+def test_paged_decode_reads_16_bit_pages_as_float32_would(dtype, slots_outer):
+    """Paged 16-bit pools are read page by page (each gathered row widened), not widened
+    whole: the same bits as the same pools in float32, pages the table does not name full
+    of NaN, both pool orders, GQA with few and many packed rows."""
+    rng = np.random.default_rng(8)
+    page, pages = 16, 40
+    pools = [np.full((pages, 2, page, 24), np.nan, dtype) for _ in range(2)]
+    table = np.array([[3, 7, 1, 30, 12], [5, 0, 22, 9, 2]], np.int32)
+    lengths = np.array([70, 41])
+    for pool in pools:
+        pool[table] = rng.standard_normal((2, 5, 2, page, 24)).astype(dtype)
+    if slots_outer:  # (pages, page, Hkv, D) in memory, passed as the (pages, Hkv, page, D) view
+        pools = [np.ascontiguousarray(p.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                 for p in pools]
+    for n_q, heads in ((1, 4), (3, 8)):
+        q = rng.standard_normal((2, heads, n_q, 24)).astype(dtype)
+        options = dict(causal=True, seqlens_k=lengths, block_table=table)
+        o, lse = tileattn.forward(q, *pools, backend="cpu", return_lse=True, **options)
+        wide = [p.astype(np.float32) for p in pools]
+        o32, lse32 = tileattn.forward(q.astype(np.float32), *wide, backend="cpu",
+                                      return_lse=True, **options)
+        np.testing.assert_array_equal(o, o32.astype(dtype))
+        np.testing.assert_array_equal(lse, lse32)
+        assert np.isfinite(o.astype(np.float32)).all()

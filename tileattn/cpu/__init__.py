@@ -115,15 +115,19 @@ class Sequences:
             self.max_rows = int(self.descriptors[:, ROWS].max(initial=0))
             self.max_keys = int(self.descriptors[:, KEYS].max(initial=0))
 
-    def pools(self, k, v, dtype):
-        """The kernels' read-only C-contiguous views of k and v. For a paged call, pools
-        stored ``(num_pages, page_size, Hkv, D)`` (vLLM's order, passed transposed) are read
-        in that order without a copy (`tiles.key_value_rows`'s `slots_outer`); both pools are
+    def pools(self, k, v, dtype, bits=False):
+        """The kernels' read-only C-contiguous views of k and v, in `dtype` or, with `bits`,
+        as 16-bit inputs' uint16 bits (`_decode_widening`). For a paged call, pools stored
+        ``(num_pages, page_size, Hkv, D)`` (vLLM's order, passed transposed) are read in
+        that order without a copy (`tiles.key_value_rows`'s `slots_outer`); both pools are
         read in k's order."""
+        def prepared(x):
+            return _bits_of(x) if bits else _read_only(x, dtype)
+
         if self.page_size and k.strides[2] > k.strides[1] and k.shape[1] > 1:
             self.slots_outer = 1
-            return tuple(_read_only(x.transpose(0, 2, 1, 3), dtype) for x in (k, v))
-        return _read_only(k, dtype), _read_only(v, dtype)
+            return tuple(prepared(x.transpose(0, 2, 1, 3)) for x in (k, v))
+        return prepared(k), prepared(v)
 
     def kv_heads(self, k_pool) -> int:
         """Hkv of the kernels' view of k (`pools`: a paged pool may hold slots outermost)."""
@@ -305,7 +309,7 @@ def forward(q, k, v, options: AttentionOptions):
     shape = Sequences(q, k, options) if plan is None else plan.shape
     widen = _decode_widening(q, k, v, shape, plan)
     q_c = _read_only(q, dtype)
-    k_c, v_c = (_bits_of(k), _bits_of(v)) if widen else shape.pools(k, v, dtype)
+    k_c, v_c = shape.pools(k, v, dtype, bits=bool(widen))
     if plan is None:
         plan = _forward_plan(q_c, k_c, v_c, options, shape)
         if key is not None:
@@ -321,11 +325,10 @@ def _decode_widening(q, k, v, shape: Sequences, plan: _ForwardPlan | None) -> in
     """1 (float16) or 2 (bfloat16) where a forward on the decode path reads 16-bit K and V
     as they are, widening each key tile in the kernel (`decode_kernel`): it streams K and V
     once, and their float32 copy cost more than the whole step (bench/NOTES-cpu.md,
-    session 30). 0 elsewhere: paged pools (gathered by page) and the tiled kernels, whose
-    products dwarf the copy, take float32 arrays."""
+    session 30), of a whole page pool where a call reads a few of its pages. 0 elsewhere:
+    the tiled kernels, whose products dwarf the copy, take float32 arrays."""
     name = dtype_name(k.dtype)
-    if (name not in ("float16", "bfloat16") or shape.page_size or v.dtype != k.dtype
-            or not k.dtype.isnative):
+    if name not in ("float16", "bfloat16") or v.dtype != k.dtype or not k.dtype.isnative:
         return 0
     takes = (plan.decode is not None if plan is not None else
              decode.takes(q.shape[2], shape.max_keys, q.shape[1] // k.shape[1]))

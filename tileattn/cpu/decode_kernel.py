@@ -30,10 +30,10 @@ from .forward_kernel import _apply_dropout, _softmax_update
 from .kept_products import redo_non_finite_rows
 from .kernel_cache import flush_if_stale
 from .schedule import claim_next
-from .tiles import (key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
+from .tiles import (gathered_rows, key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
                     transform_tile)
 from .vector_math import FASTMATH, maximum
-from .widen import widen_rows
+from .widen import copy_row, widen_rows
 
 MAX_LOOP_ROWS = 32
 """Up to this many rows per group, the two products of a tile are plain loops that read
@@ -193,17 +193,17 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
     the call saves the partial arrays and the merge's dispatch (microseconds of a small
     call's host time). Otherwise `out` and `lse` are not written here.
 
-    `widen` (0, or 1 for float16 and 2 for bfloat16 given as their bits: uint16 k and v of
-    a call without a block table): each key tile is widened into the float32 scratch
-    before its products (`widen.widen_rows`), so K and V are read from memory at two bytes
-    an element and never copied whole.
+    `widen` (0, or 1 for float16 and 2 for bfloat16 given as their bits: uint16 k and v,
+    or page pools): each key tile is widened into the float32 scratch before its products
+    (`widen.widen_rows`; paged rows as they are gathered, `widen.copy_row`), so K and V are
+    read from memory at two bytes an element and never copied whole.
     """
     kv_heads = k.shape[2] if slots_outer else k.shape[1]
     if all_heads(block_table, slots_outer, q.shape[1] // kv_heads, q.shape[2]):
         _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequences,
                          block_table, page_size, scale, softcap, alibi_slopes, window_left,
                          window_right, row_offset, col_offset, dropout_key, dropout_threshold,
-                         inv_keep, block_k, split_size, next_task)
+                         inv_keep, block_k, split_size, widen, next_task)
         return
     n_q_heads, head_dim = q.shape[1], q.shape[3]
     n_kv_heads = k.shape[2] if slots_outer else k.shape[1]
@@ -266,9 +266,9 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
 def key_value_tiles(k, v, b, kv_head, start, stop, block_table, page_size, slots_outer,
                     key_buffer, value_buffer, widen):
     """Keys and values ``[start, stop)`` of one kv head in the compute dtype:
-    `tiles.key_value_rows` for K and V of that dtype; for 16-bit bits (uint16 K and V of
-    a call without a block table, `widen` 1 float16 or 2 bfloat16) the rows' float32
-    values in the scratch buffers."""
+    `tiles.key_value_rows` for K and V of that dtype; for 16-bit bits (uint16 K and V or
+    page pools, `widen` 1 float16 or 2 bfloat16) the rows' float32 values in the scratch
+    buffers."""
 
 
 @overload(key_value_tiles, jit_options={"nogil": True})
@@ -283,6 +283,9 @@ def _key_value_tiles(k, v, b, kv_head, start, stop, block_table, page_size, slot
 
     def widened(k, v, b, kv_head, start, stop, block_table, page_size, slots_outer,
                 key_buffer, value_buffer, widen):
+        if block_table.shape[0] > 0:
+            return gathered_rows(k, v, b, kv_head, start, stop, block_table, page_size,
+                                 slots_outer, key_buffer, value_buffer, widen)
         n_rows, head_dim, value_dim = stop - start, k.shape[3], v.shape[3]
         widen_rows(k[b, kv_head, start:stop], key_buffer, widen == 2)
         widen_rows(v[b, kv_head, start:stop], value_buffer, widen == 2)
@@ -359,7 +362,7 @@ cost (B1 32/32 D128 over 4096 keys, page 16: 0.70-0.75 of contiguous at 8 keys, 
 def _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequences,
                      block_table, page_size, scale, softcap, alibi_slopes, window_left,
                      window_right, row_offset, col_offset, dropout_key, dropout_threshold,
-                     inv_keep, block_k, split_size, next_task):
+                     inv_keep, block_k, split_size, widen, next_task):
     """`decode_kernel` for page pools stored ``(num_pages, page_size, Hkv, D)`` (vLLM's and
     flash-attn's order): a task is one (sequence, key split) with every kv head. In that
     order one kv head's rows of a page lie ``Hkv * D`` elements apart, a new 4 KiB memory
@@ -420,11 +423,8 @@ def _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, s
                 page = min(max(page, 0), last_page)
                 slot = key % page_size
                 for h in range(n_kv_heads):
-                    key_row, value_row = k[page, slot, h], v[page, slot, h]
-                    for d in range(head_dim):
-                        keys_all[h, j, d] = key_row[d]
-                    for d in range(value_dim):
-                        values_all[h, j, d] = value_row[d]
+                    copy_row(k[page, slot, h], keys_all[h, j], widen)
+                    copy_row(v[page, slot, h], values_all[h, j], widen)
             for h in range(n_kv_heads):
                 _group_tile(q_scaled[h, :n_rows], keys_all[h, :n_cols], values_all[h, :n_cols],
                             acc[h, :n_rows], row_max[h, :n_rows], row_sum[h, :n_rows],

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from .vector_math import FASTMATH, tanh
+from .widen import copy_row
 
 UNLIMITED = -1  # tileattn.options.UNLIMITED, repeated so kernels see a compile-time constant
 
@@ -165,6 +166,15 @@ def key_value_rows(keys, values, b, kv_head, start, stop, block_table, page_size
     """
     if block_table.shape[0] == 0:
         return keys[b, kv_head, start:stop], values[b, kv_head, start:stop]
+    return gathered_rows(keys, values, b, kv_head, start, stop, block_table, page_size,
+                         slots_outer, key_buffer, value_buffer, 0)
+
+
+@njit
+def gathered_rows(keys, values, b, kv_head, start, stop, block_table, page_size, slots_outer,
+                  key_buffer, value_buffer, widen):
+    """`key_value_rows` of paged K/V: the rows gathered into the buffers, widened from
+    16-bit bits where the pools hold them (`widen.copy_row`)."""
     n_rows, head_dim, value_dim = stop - start, keys.shape[3], values.shape[3]
     key_rows = key_buffer[:n_rows * head_dim].reshape((n_rows, head_dim))
     value_rows = value_buffer[:n_rows * value_dim].reshape((n_rows, value_dim))
@@ -178,9 +188,6 @@ def key_value_rows(keys, values, b, kv_head, start, stop, block_table, page_size
         # contiguous row (a layout test inside them: paged decode 1.7x the contiguous
         # time), and one indexing path for both layouts.
         outer, inner = (slot, kv_head) if slots_outer else (kv_head, slot)
-        key_row, value_row = keys[page, outer, inner], values[page, outer, inner]
-        for d in range(head_dim):
-            key_rows[j, d] = key_row[d]
-        for d in range(value_dim):
-            value_rows[j, d] = value_row[d]
+        copy_row(keys[page, outer, inner], key_rows[j], widen)
+        copy_row(values[page, outer, inner], value_rows[j], widen)
     return key_rows, value_rows

@@ -14,7 +14,8 @@ rarely taken loop).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from ..arrays import dtype_name
 from . import threads
@@ -69,22 +70,44 @@ def widen_rows(rows, out, bfloat16):
     ``n * width`` elements of `out` (1-D), row after row: a key or value tile the decode
     kernel reads from 16-bit K and V (`decode_kernel`), which stays in L2."""
     n_rows, width = rows.shape
-    out_bits = out.view(np.uint32)
     for r in range(n_rows):
-        # Row views indexed from 0: a computed index would carry Numba's negative-index
-        # wraparound into every access, which keeps LLVM from vectorising the loops.
-        row, row_bits = rows[r], out_bits[r * width:(r + 1) * width]
-        if bfloat16:
-            for d in range(width):
-                row_bits[d] = np.uint32(row[d]) << np.uint32(16)
-            continue
-        row_out = out[r * width:(r + 1) * width]
-        for d in range(width):
-            row_bits[d] = _normal_half(np.uint32(row[d]))
-        for d in range(width):
-            half = np.uint32(row[d])
-            if half & np.uint32(0x7C00) == 0 and half & np.uint32(0x3FF) != 0:
-                row_out[d] = _subnormal_half(half)
+        widen_row(rows[r], out[r * width:(r + 1) * width], bfloat16)
+
+
+@njit(nogil=True)
+def widen_row(row, out, bfloat16):
+    """One row of 16-bit bits as float32 into `out` (1-D, contiguous). Indexed from 0
+    within the row: an index computed from a row number carries Numba's negative-index
+    wraparound into every access, which keeps LLVM from vectorising the loops."""
+    out_bits = out.view(np.uint32)
+    if bfloat16:
+        for d in range(row.shape[0]):
+            out_bits[d] = np.uint32(row[d]) << np.uint32(16)
+        return
+    for d in range(row.shape[0]):
+        out_bits[d] = _normal_half(np.uint32(row[d]))
+    for d in range(row.shape[0]):
+        half = np.uint32(row[d])
+        if half & np.uint32(0x7C00) == 0 and half & np.uint32(0x3FF) != 0:
+            out[d] = _subnormal_half(half)
+
+
+def copy_row(source, target, widen):
+    """``target[:] = source`` for a row of K or V gathered from a page: `source` as stored
+    in the compute dtype, or as 16-bit bits (uint16; `widen` 1 float16, 2 bfloat16)."""
+
+
+@overload(copy_row, inline="always")
+def _copy_row(source, target, widen):
+    if source.dtype == types.uint16:
+        def widened(source, target, widen):
+            widen_row(source, target, widen == 2)
+        return widened
+
+    def copied(source, target, widen):
+        for d in range(source.shape[0]):
+            target[d] = source[d]
+    return copied
 
 
 @njit(inline="always")
