@@ -146,6 +146,63 @@ def test_buffers_must_not_alias_inputs():
                           dk_out=overlapping[8:].reshape(q.shape))
 
 
+@pytest.mark.parametrize("backend_name", ["reference", "cpu"])
+def test_buffers_that_would_lose_the_results_or_overwrite_an_input_are_refused(backend_name):
+    """A list (converted to a new array, which would take the results), a buffer over the
+    bytes of an input in another byte order, or over the lengths or the slopes: each is
+    refused by name, and the inputs stay as they were."""
+    if backend_name == "cpu":
+        pytest.importorskip("numba")
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 2, 8, 16))
+    with pytest.raises(TypeError, match="out must be a NumPy, CuPy or torch array"):
+        tileattn.forward(q, q, q, backend=backend_name, out=np.zeros(q.shape).tolist())
+    raw = np.zeros(q.nbytes, np.uint8)
+    swapped = raw.view(">f8").reshape(q.shape)
+    swapped[...] = q
+    with pytest.raises(ValueError, match="out must not share memory with q"):
+        tileattn.forward(swapped, q, q, backend=backend_name,
+                         out=raw.view("<f8").reshape(q.shape))
+    np.testing.assert_array_equal(swapped, q)
+    batched = rng.standard_normal((2, 1, 4, 2))
+    out = np.zeros(batched.shape)
+    lengths = out.reshape(-1)[:2].view(np.int64)
+    lengths[:] = [3, 4]
+    with pytest.raises(ValueError, match="out must not share memory with seqlens_k"):
+        tileattn.forward(batched, batched, batched, seqlens_k=lengths, backend=backend_name,
+                         out=out)
+    np.testing.assert_array_equal(lengths, [3, 4])
+    lse_out = np.zeros((1, 2, 8))
+    slopes = lse_out.reshape(-1)[:2]
+    slopes[:] = [0.5, 0.25]
+    with pytest.raises(ValueError, match="lse_out must not share memory with alibi_slopes"):
+        tileattn.forward(q, q, q, alibi_slopes=slopes, backend=backend_name, return_lse=True,
+                         lse_out=lse_out)
+    np.testing.assert_array_equal(slopes, [0.5, 0.25])
+
+
+def test_a_buffer_in_the_gaps_of_a_strided_input_is_taken():
+    """Byte bounds that overlap but no shared byte: lse_out between q's rows."""
+    whole = np.random.default_rng(0).standard_normal((2, 2, 8, 16)).astype(np.float32)
+    q, kv = whole[:, :1], np.ones((2, 1, 8, 16), np.float32)
+    lse_out = whole[0, 1].reshape(-1)[:16].reshape(2, 1, 8)
+    assert not np.shares_memory(q, lse_out)
+    o, lse = tileattn.forward(q, kv, kv, backend="reference", return_lse=True,
+                              lse_out=lse_out)
+    assert lse is lse_out
+    want = tileattn.forward(np.ascontiguousarray(q), kv, kv, backend="reference",
+                            return_lse=True)[1]
+    np.testing.assert_array_equal(lse, want)
+
+
+def test_torch_tensors_off_the_cpu_and_cuda_are_named():
+    torch = pytest.importorskip("torch")
+    q = np.ones((1, 1, 4, 8))
+    with pytest.raises(ValueError, match="torch tensors must be on the CPU or a CUDA device"):
+        tileattn.forward(q, q, q, backend="reference",
+                         out=torch.empty(q.shape, dtype=torch.float64, device="meta"))
+
+
 @pytest.mark.parametrize("order", ["callers", "heads first"])
 def test_bshd_buffers_may_be_contiguous_in_either_order(backend, order):
     """With layout="bshd" a buffer may be C-contiguous as the caller holds it

@@ -61,6 +61,9 @@ def _torch_to_native(tensor):
     import torch
 
     tensor = tensor.detach()
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"torch tensors must be on the CPU or a CUDA device, got one on "
+                         f"{tensor.device}")
     on_cuda = tensor.device.type == "cuda"
     bfloat16 = tensor.dtype == torch.bfloat16
     # DLPack consumers do not all know bfloat16: move the bits as int16 and relabel them.

@@ -34,7 +34,7 @@ import numpy as np
 from . import arrays
 from .options import evolve
 from .validation import (Problem, backend_views, check_output_addresses, heads_first,
-                         output_view, validate, with_lengths)
+                         other_readers, output_view, validate, with_lengths)
 
 _LIMIT = 256  # signatures remembered; the whole cache is dropped when it is full
 _PROBLEMS: dict = {}
@@ -155,14 +155,16 @@ def remembered_problem(arrays_in: tuple, options: tuple, layout="bhsd", outputs=
         if not given:
             return evolve(template, tensors=named, outputs={})
         given = dict(zip(given, natives[len(named):]))
-        check_output_addresses(given, named, template.layout.memory)
+        check_output_addresses(given, {**named, **other_readers(
+            varlen, None, template.layout.memory)}, template.layout.memory)
         return evolve(template, tensors=named, outputs=given)
     given = dict(zip(given, natives[len(named):]))
     layout_of = template.layout
     if layout_of.sequence_first:
         named = heads_first(named)
     tensors = backend_views(named, batch, layout_of.single_head)
-    check_output_addresses(given, named, layout_of.memory)
+    check_output_addresses(given, {**named, **other_readers(varlen, None, layout_of.memory)},
+                           layout_of.memory)
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None

@@ -489,6 +489,12 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
         if array is None:
             continue
         _check_not_masked(name, array)
+        if (arrays.library_of(array) not in ("numpy", "cupy", "torch")
+                and not hasattr(array, "__cuda_array_interface__")):
+            # Anything else converts to a new array, which the results would go into.
+            raise TypeError(f"{name} must be a NumPy, CuPy or torch array to write the "
+                            f"results into, got {type(array).__module__}."
+                            f"{type(array).__qualname__}")
         array = arrays.to_native(array)
         shape, dtype = expected[name]
         if tuple(array.shape) != shape:
@@ -514,6 +520,35 @@ def _check_outputs(given: dict, expected: dict, to_backend, inputs: dict, memory
     return views
 
 
+def other_readers(varlen, alibi_slopes, memory: str) -> dict:
+    """The arrays a call reads besides q, k, v (do, o, lse): its lengths, block table and
+    ALiBi slopes where given as arrays in the call's memory, which no output buffer may
+    overlap either (the kernels read them while they write)."""
+    readers = {}
+    for name, value in list((varlen or {}).items()) + [("alibi_slopes", alibi_slopes)]:
+        if value is None or arrays.library_of(value) not in ("numpy", "cupy", "torch"):
+            continue
+        native = arrays.to_native(value)
+        if arrays.memory_of(native) == memory:
+            readers[name] = native
+    return readers
+
+
+def _may_overlap(array, other) -> bool:
+    """Whether two host arrays share a byte: NumPy's bounds test, then, where the bounds
+    overlap, its exact test (a strided array's gaps may hold the other), bounded in work;
+    where that gives up, taken as sharing."""
+    if not np.may_share_memory(array, other):
+        return False
+    try:
+        return np.shares_memory(array, other, max_work=1 << 16)
+    except _TOO_HARD:
+        return True
+
+
+_TOO_HARD = getattr(getattr(np, "exceptions", np), "TooHardError", Exception)
+
+
 def check_output_addresses(outputs: dict, inputs: dict, memory: str) -> None:
     """What `_check_outputs` asks of the buffers' addresses, the part that a call with the
     shapes, strides and dtypes of a validated one must still check (`problem_cache`)."""
@@ -536,7 +571,7 @@ def check_output_addresses(outputs: dict, inputs: dict, memory: str) -> None:
         for name, array in named:
             if name in outputs:
                 for other_name, other in named:
-                    if other_name != name and np.may_share_memory(array, other):
+                    if other_name != name and _may_overlap(array, other):
                         raise ValueError(f"{name} must not share memory with {other_name}")
         return
     # Each range once: on the GPU a range reads a few CuPy attributes, and a decode step
@@ -616,8 +651,11 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
         named.update(do=do, o=o, lse=lse)
     for name, array in named.items():
         _check_not_masked(name, array)
-    named = {name: arrays.to_native_byte_order(arrays.to_native(a))
-             for name, a in named.items()}
+    slopes_given = option_kwargs.get("alibi_slopes")
+    # The caller's memory, for the output buffers' overlap check: an input in another byte
+    # order is read from a native copy, but a buffer over its bytes would still overwrite it.
+    natives = {name: arrays.to_native(a) for name, a in named.items()}
+    named = {name: arrays.to_native_byte_order(a) for name, a in natives.items()}
     shapes = {name: tuple(a.shape) for name, a in named.items()}
     if sequence_first:
         named = heads_first(named)
@@ -687,7 +725,8 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
         def to_backend(name, array):
             return output_view(name, array, batch, single_head, sequence_first)
 
-        output_views = _check_outputs(outputs, expected, to_backend, named, memory)
+        readers = {**natives, **other_readers(varlen, slopes_given, memory)}
+        output_views = _check_outputs(outputs, expected, to_backend, readers, memory)
     return Problem(tensors=tensors,
                    layout=Layout(batch_shape, single_head, memory, library, sequence_first),
                    options=options, dtype=dtype, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads,
