@@ -8,7 +8,8 @@ x 128), more than the float32 decode kernel takes for K and V together (bench/NO
 session 30). Here the bits are widened by integer operations that LLVM vectorises, over
 chunks the threads claim: exactly NumPy's values, NaN payloads and signed zeros included
 (float16's subnormals, the one case the shift does not cover, are rewritten in a second,
-rarely taken loop).
+rarely taken loop). The decode path does not convert K and V at all: its kernel widens
+each key tile as it reads it (`widen_rows`, or row by row from page pools, `copy_row`).
 """
 
 from __future__ import annotations
