@@ -1,7 +1,7 @@
 """CPU decode forward against torch SDPA: a few query rows against a long K/V cache.
 
     python bench/bench_cpu_decode.py --threads 2
-    python bench/bench_cpu_decode.py --threads 2 --batch 1 --nk 8192 32768
+    python bench/bench_cpu_decode.py --threads 2 --batch 1 --nk 8192 32768 [--dtype bfloat16]
 
 Each configuration is first validated against the float64 golden model on the same batch,
 heads and query rows with a short cache (the full one in float64 would not fit in memory),
@@ -11,6 +11,8 @@ bottom-right alignment (SPEC), which torch gets as `causal_lower_right`. Prints 
 table: ratio = torch time / tileattn time (> 1: tileattn faster) and the GB/s of K and V
 each reads (every kept key once per kv head). ``--forward-kernel`` times the forward
 kernel instead of the decode path (the path before session 5), for before/after tables.
+``--dtype`` float16 or bfloat16 gives both libraries the cache in that dtype (torch SDPA
+then computes in it; tileattn widens each key tile to float32 as it reads it).
 """
 
 from __future__ import annotations
@@ -40,26 +42,35 @@ def _tileattn(q, k, v, causal):
     return tileattn.forward(q, k, v, causal=causal, backend="cpu")
 
 
+def _as_torch(array):
+    if array.dtype.name == "bfloat16":  # NumPy's bfloat16 is ml_dtypes': move the bits
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
 def _torch(q, k, v, causal):
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    tq, tk, tv = (_as_torch(x) for x in (q, k, v))
     mask = causal_lower_right(q.shape[2], k.shape[2]) if causal else None
     with torch.no_grad():
-        return torch.nn.functional.scaled_dot_product_attention(
-            tq, tk, tv, attn_mask=mask, enable_gqa=True).numpy()
+        o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask,
+                                                             enable_gqa=True)
+    return o.float().numpy() if o.dtype == torch.bfloat16 else o.numpy()
 
 
-def _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k):
+def _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k, dtype):
     def normal(heads, rows):
-        return rng.standard_normal((batch, heads, rows, HEAD_DIM), dtype=np.float32)
+        return rng.standard_normal((batch, heads, rows, HEAD_DIM),
+                                   dtype=np.float32).astype(dtype)
     return normal(n_q_heads, n_q), normal(n_kv_heads, n_k), normal(n_kv_heads, n_k)
 
 
-def _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal):
-    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, VALIDATION_KEYS)
+def _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal, dtype):
+    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, VALIDATION_KEYS, dtype)
     expected = tileattn.forward(*(x.astype(np.float64) for x in (q, k, v)), causal=causal,
                                 backend="reference")
-    assert_attention_close(_tileattn(q, k, v, causal), expected, np.float32, name="tileattn")
-    assert_attention_close(_torch(q, k, v, causal), expected, np.float32, name="torch")
+    ours = _tileattn(q, k, v, causal).astype(np.float32)
+    assert_attention_close(ours, expected, dtype, name="tileattn")
+    assert_attention_close(_torch(q, k, v, causal), expected, dtype, name="torch")
 
 
 def _seconds(function, *args):
@@ -79,14 +90,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--forward-kernel", action="store_true",
                         help="time the forward kernel instead of the decode path")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                        default="float32", help="of q, k and v, for both libraries")
     args = parser.parse_args()
+    if args.dtype == "bfloat16":
+        from tileattn.arrays import bfloat16_dtype
+
+        dtype = bfloat16_dtype()
+    else:
+        dtype = np.dtype(args.dtype)
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     if args.forward_kernel:
         tileattn.cpu.decode.MAX_QUERY_ROWS = tileattn.cpu.decode.MAX_GROUP_ROWS = 0
     rng = np.random.default_rng(0)
     path = "forward kernel" if args.forward_kernel else "decode path"
-    print(f"threads {args.threads}, float32, D = {HEAD_DIM}, tileattn {path}\n")
+    print(f"threads {args.threads}, {args.dtype}, D = {HEAD_DIM}, tileattn {path}\n")
     print("| B | Hq | Hkv | Nq | Nk | tileattn ms | torch ms | ratio | tileattn GB/s | "
           "torch GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -94,9 +113,9 @@ def main() -> None:
         for n_q_heads, n_kv_heads in HEADS:
             for n_q in args.nq:
                 causal = n_q > 1
-                _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal)
+                _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal, dtype)
                 for n_k in args.nk:
-                    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k)
+                    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k, dtype)
                     for function in (_tileattn, _torch):  # warm: compile, first touch
                         function(q, k, v, causal)
                     ours, theirs = [], []

@@ -141,3 +141,17 @@ def test_gpu_cliff_sweep_rejects_a_bad_argument_in_one_line(argument):
     result = bench(*argument, script="sweep_cliffs_gpu.py")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "error:" in result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cpu_decode_bench_takes_a_16_bit_cache(dtype):
+    """bench_cpu_decode.py --dtype: both libraries get the cache in that dtype, each
+    validated against the golden model at the dtype's tolerance before it is timed."""
+    pytest.importorskip("torch")
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    result = bench("--threads", "1", "--batch", "1", "--nk", "1024", "--nq", "1",
+                   "--repeats", "1", "--dtype", dtype, script="bench_cpu_decode.py")
+    assert result.returncode == 0, result.stderr
+    assert f"threads 1, {dtype}, D = 128" in result.stdout
+    assert sum(line.startswith("| 1 |") for line in result.stdout.splitlines()) == 3
