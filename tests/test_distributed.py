@@ -253,19 +253,26 @@ def test_shard_and_unshard_name_an_axis_the_array_lacks(axis):
                                                        axis=axis))
 
 
-def test_an_option_of_the_wrong_type_on_every_rank_is_a_type_error():
-    """As `tileattn.forward`: a TypeError, the same on every rank (no hang)."""
+def _forward_errors(error, options_of_rank):
+    """What `error` each of two simulated ranks gets from `td.forward` with the options
+    `options_of_rank(rank)` gives it (None: no error)."""
     q, k, v, _ = problem(np.float64, n_q=24, n_k=24)
 
     def run(group):
         local = [td.shard(a, group, layout="zigzag") for a in (q, k, v)]
         try:
-            td.forward(*local, group=group, backend="reference", causal="yes")
-        except TypeError as error:
-            return str(error)
+            td.forward(*local, group=group, backend="reference",
+                       **options_of_rank(group.rank))
+        except error as raised:
+            return str(raised)
         return None
 
-    messages = td.simulate(2, run)
+    return td.simulate(2, run)
+
+
+def test_an_option_of_the_wrong_type_on_every_rank_is_a_type_error():
+    """As `tileattn.forward`: a TypeError, the same on every rank (no hang)."""
+    messages = _forward_errors(TypeError, lambda rank: {"causal": "yes"})
     assert messages[0] is not None and "causal must be a bool, got 'yes'" in messages[0]
     assert messages[0] == messages[1]
 
@@ -273,18 +280,8 @@ def test_an_option_of_the_wrong_type_on_every_rank_is_a_type_error():
 def test_return_lse_of_the_wrong_type_on_one_rank_is_refused_on_every_rank():
     """As `tileattn.forward` (a truthy ``"no"`` is not True); the rank that passed it and
     the rank that did not raise the same error, neither hangs."""
-    q, k, v, _ = problem(np.float64, n_q=24, n_k=24)
-
-    def run(group):
-        local = [td.shard(a, group, layout="zigzag") for a in (q, k, v)]
-        try:
-            td.forward(*local, group=group, backend="reference",
-                       return_lse="no" if group.rank == 0 else True)
-        except ValueError as error:
-            return str(error)
-        return None
-
-    messages = td.simulate(2, run)
+    messages = _forward_errors(ValueError,
+                               lambda rank: {"return_lse": "no" if rank == 0 else True})
     assert messages[0] is not None and "return_lse must be a bool, got 'no'" in messages[0]
     assert messages[0] == messages[1]
 

@@ -163,8 +163,10 @@ def remembered_problem(arrays_in: tuple, options: tuple, layout="bhsd", outputs=
     if layout_of.sequence_first:
         named = heads_first(named)
     tensors = backend_views(named, batch, layout_of.single_head)
-    check_output_addresses(given, {**named, **other_readers(varlen, None, layout_of.memory)},
-                           layout_of.memory)
+    if given:
+        check_output_addresses(given, {**named, **other_readers(varlen, None,
+                                                                 layout_of.memory)},
+                               layout_of.memory)
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None

@@ -25,6 +25,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import api, arrays
 from .validation import check_bool, check_seed
@@ -597,8 +599,6 @@ def _has_tangents(*tensors) -> bool:
     """Whether forward-mode AD (torch.autograd.forward_ad, torch.func.linearize) carries a
     tangent on any of `tensors`: the Function then refuses it by torch's jvp error, where
     the forward alone would drop the tangent without a word."""
-    from torch.autograd import forward_ad
-
     if getattr(forward_ad, "_current_level", -1) < 0:
         return False
     return any(forward_ad.unpack_dual(tensor).tangent is not None for tensor in tensors)
@@ -607,6 +607,4 @@ def _has_tangents(*tensors) -> bool:
 def _dispatch_mode_active() -> bool:
     """Whether a Python dispatch mode (make_fx's proxy or fake tensors) is tracing: the
     kernels cannot read its tensors, the op's fake implementation serves it."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return _get_current_dispatch_mode() is not None

@@ -82,8 +82,8 @@ def warmup(dtypes=None, progress=None) -> None:
                              np.empty_like(lse))
             if kind == "forward" and dtype == np.float32:
                 # The widening of 16-bit inputs, which tiny arrays leave to NumPy.
-                _widen_kernel(np.zeros(1, np.uint16), np.empty(1, np.uint32),
-                              np.empty(1, np.float32), False, 1, np.zeros(1, np.int64))
+                _widen_kernel(np.zeros(1, np.uint16), np.empty(1, np.float32), False, 1,
+                              np.zeros(1, np.int64))
             if kind == "backward":
                 backward(o, q, q, q, o, lse, options)
                 # The sum of dQ's parts, which a tiny call on one thread never reaches.

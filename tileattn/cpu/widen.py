@@ -42,27 +42,21 @@ def widened(array: np.ndarray) -> np.ndarray | None:
     out = np.empty(array.shape, _FLOAT32)
     flat = out.reshape(-1)
     n_tasks = -(-source.size // CHUNK)
-    threads.run(_widen_kernel, min(threads.allowed(), n_tasks), source, flat.view(np.uint32),
-                flat, name == "bfloat16", CHUNK)
+    threads.run(_widen_kernel, min(threads.allowed(), n_tasks), source, flat,
+                name == "bfloat16", CHUNK)
     return out
 
 
 @njit(nogil=True, cache=True)
-def _widen_kernel(bits, out_bits, out, is_bfloat16, chunk, next_task):
+def _widen_kernel(bits, out, is_bfloat16, chunk, next_task):
     n_tasks = (bits.size + chunk - 1) // chunk
     while True:
         task = claim_next(next_task)
         if task >= n_tasks:
             return
-        # Unsigned bounds: a signed index would carry Numba's negative-index wraparound
-        # into every access, which keeps LLVM from vectorising the loops (5x slower).
-        start = np.uint64(task) * np.uint64(chunk)
-        stop = min(np.uint64(bits.size), start + np.uint64(chunk))
-        if is_bfloat16:
-            for i in range(start, stop):
-                out_bits[i] = np.uint32(bits[i]) << np.uint32(16)
-        else:
-            _widen_half(bits, out_bits, out, start, stop)
+        start = task * chunk
+        stop = min(bits.size, start + chunk)
+        widen_row(bits[start:stop], out[start:stop], is_bfloat16)
 
 
 @njit(nogil=True)
@@ -77,7 +71,7 @@ def widen_rows(rows, out, bfloat16):
 
 @njit(nogil=True)
 def widen_row(row, out, bfloat16):
-    """One row of 16-bit bits as float32 into `out` (1-D, contiguous). Indexed from 0
+    """A row (or a chunk) of 16-bit bits as float32 into `out` (1-D). Indexed from 0
     within the row: an index computed from a row number carries Numba's negative-index
     wraparound into every access, which keeps LLVM from vectorising the loops."""
     out_bits = out.view(np.uint32)
@@ -132,15 +126,3 @@ def _subnormal_half(half):
     """A float16 subnormal's value (a normal float32): its mantissa times 2**-24."""
     size = np.float32(half & np.uint32(0x3FF)) * np.float32(2.0 ** -24)
     return -size if half & np.uint32(0x8000) else size
-
-
-@njit(nogil=True, cache=True)
-def _widen_half(bits, out_bits, out, start, stop):
-    """float16 bits to float32 (`_normal_half`), then the subnormals, which float32 holds
-    as normal numbers (`_subnormal_half`), in a second, rarely taken loop."""
-    for i in range(start, stop):
-        out_bits[i] = _normal_half(np.uint32(bits[i]))
-    for i in range(start, stop):
-        half = np.uint32(bits[i])
-        if half & np.uint32(0x7C00) == 0 and half & np.uint32(0x3FF) != 0:
-            out[i] = _subnormal_half(half)
