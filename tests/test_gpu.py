@@ -556,7 +556,7 @@ def test_named_backward_tiles_bypass_the_plan_cache(monkeypatch):
                         lambda *a: found.append(original(*a)) or found[-1])
     grads = gpu_backward.run(Choice("wgmma", named), *device, o, lse,
                              _resolved_options(q, k, v, {"causal": True}))
-    assert found and all(plan is None for plan in found)
+    assert all(plan is None for plan in found)  # (named tiles do not even look)
     assert dict(operands._PLANS) == plans
     expected = _golden_grads(do, q, k, v, o.get(), _golden(q, k, v, causal=True)[1],
                              causal=True)

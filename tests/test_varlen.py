@@ -787,3 +787,69 @@ def test_exact_tile_order_equals_the_per_sequence_count():
         expected = [(s, r) for _, s, r in sorted(listed, key=lambda item: item[0])]
         assert list(map(tuple, tiles.tolist())) == expected
         assert total == expected_total == kept_pairs(rows, cols, bands, *window)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
+@pytest.mark.parametrize("family", ["packed", "padded"])
+@pytest.mark.parametrize("check", [True, False])
+def test_repeated_host_length_calls_reuse_plans_only_for_the_same_lengths(family, check):
+    """Packed forwards and variable-length backwards with NumPy lengths keep their launches
+    per lengths' contents (gpu/operands.py SequenceContents): a call repeated with the same
+    values, with new values, and with the same arrays changed in place, each equal to the
+    golden model on its own lengths; the same lengths plan once; more lengths than the
+    cache holds evict the oldest, never a wrong plan."""
+    import cupy
+
+    from tileattn.gpu import operands
+
+    rng = np.random.default_rng(21)
+    heads, n_rows, head_dim = 4, 300, 64
+    if family == "packed":
+        shapes = [(heads, n_rows, head_dim)] * 4
+    else:
+        shapes = [(3, heads, 100, head_dim)] * 4
+    host = [rng.standard_normal(s).astype(np.float16) for s in shapes]
+    q, k, v, do = (cupy.asarray(a) for a in host)
+    wide = [a.astype(np.float64) for a in host]
+
+    def lengths_of(step):
+        if family == "packed":
+            cuts = np.sort(rng.integers(0, n_rows + 1, 3))
+            return {"cu_seqlens_q": np.array([0, *cuts, n_rows], np.int32),
+                    "cu_seqlens_k": np.array([0, *cuts, n_rows], np.int32)}
+        return {"seqlens_q": rng.integers(0, 101, 3).astype(np.int32),
+                "seqlens_k": rng.integers(1, 101, 3).astype(np.int32)}
+
+    def golden(lengths):
+        if family == "packed":
+            o, lse = rv.forward_packed(*wide[:3], **lengths, causal=True)
+            return (o, *rv.backward_packed(wide[3], *wide[:3], o, lse, **lengths,
+                                           causal=True))
+        o, lse = rv.forward_padded(*wide[:3], **lengths, causal=True)
+        return (o, *rv.backward_padded(wide[3], *wide[:3], o, lse, **lengths, causal=True))
+
+    operands._SEQUENCE_PLANS.clear()
+    lengths = lengths_of(0)
+    steps = ["new", "same", "same", "in place", "new", "same"]
+    for step, what in enumerate(steps):
+        if what == "new":
+            lengths = lengths_of(step)
+        elif what == "in place":
+            fresh = lengths_of(step)
+            for name in lengths:
+                lengths[name][:] = fresh[name]
+        before = len(operands._SEQUENCE_PLANS)
+        o, lse = tileattn.forward(q, k, v, return_lse=True, causal=True, check_lengths=check,
+                                  **lengths)
+        grads = tileattn.backward(do, q, k, v, o, lse, causal=True, check_lengths=check,
+                                  **lengths)
+        if what == "same":
+            assert len(operands._SEQUENCE_PLANS) == before, "the same lengths planned again"
+        for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), golden(lengths)):
+            assert_attention_close(got.get(), want, np.float16, name=f"{name} at step {step}")
+    for step in range(operands._SEQUENCE_PLAN_LIMIT + 3):  # past the cache's size
+        lengths = lengths_of(100 + step)
+        o = tileattn.forward(q, k, v, causal=True, check_lengths=check, **lengths)
+    assert len(operands._SEQUENCE_PLANS) <= operands._SEQUENCE_PLAN_LIMIT
+    assert_attention_close(o.get(), golden(lengths)[0], np.float16, name="o after eviction")

@@ -234,6 +234,13 @@ class VarlenLayout:
         return (self.family, self.page_size, self.num_pages, self.checked,
                 of(self.seqlens_q), of(self.seqlens_k), of(self.block_table))
 
+    def contents(self) -> tuple:
+        """The host lengths' values (and table's): with `signature`, what a plan whose
+        tables are built from them is keyed by. Host arrays only."""
+        return tuple(None if array is None else (array.dtype.str, array.shape, array.tobytes())
+                     for array in (self.seqlens_q, self.seqlens_k, self.cu_seqlens_q,
+                                   self.cu_seqlens_k, self.block_table))
+
     def key_capacity(self, n_k: int) -> int:
         """Logical keys per batch element: ``max_pages * page_size`` when paged, else n_k."""
         if self.family == "paged":

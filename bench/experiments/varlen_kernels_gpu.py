@@ -17,76 +17,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-from collections import defaultdict
 
 import cupy
 
 import tileattn
-from tileattn.gpu import _compile, operands
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_gpu_varlen  # noqa: E402
 from bench_gpu_varlen import make_packed_batch, parse_args  # noqa: E402
+from kernel_timer_gpu import profile  # noqa: E402
 
 bench_gpu_varlen.cupy = cupy  # the benchmark imports CuPy in its main(), which is not run
 
 
-class KernelTimer:
-    """Wraps `Launch.__call__` to put a pair of CUDA events around every launch; `take`
-    synchronises and returns milliseconds per kernel name, summed over a call."""
-
-    def __init__(self):
-        self.events = []
-        self._original = operands.Launch.__call__
-        timer = self
-
-        def timed(launch, *operands_):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            timer._original(launch, *operands_)
-            end.record()
-            timer.events.append((launch.function, start, end))
-
-        self._timed = timed
-
-    def __enter__(self):
-        operands.Launch.__call__ = self._timed
-        return self
-
-    def __exit__(self, *exc):
-        operands.Launch.__call__ = self._original
-
-    def take(self) -> dict[str, float]:
-        cupy.cuda.Device().synchronize()
-        # Entry names from the compile cache, whose keys end in the kernel's entry point.
-        names = {id(function): key[-1] for key, function in _compile._kernels.items()}
-        times: dict[str, float] = defaultdict(float)
-        for function, start, end in self.events:
-            name = names.get(id(function), repr(function)[:40])
-            times[name] += cupy.cuda.get_elapsed_time(start, end)
-        self.events.clear()
-        return times
-
-
-def profile(call, calls: int) -> tuple[dict[str, float], float]:
-    """Median ms per kernel name and of the whole call, over `calls` back-to-back calls."""
-    for _ in range(2):
-        call()
-    per_kernel = defaultdict(list)
-    whole = []
-    with KernelTimer() as timer:
-        for _ in range(calls):
-            begin, finish = cupy.cuda.Event(), cupy.cuda.Event()
-            begin.record()
-            call()
-            finish.record()
-            for name, ms in timer.take().items():
-                per_kernel[name].append(ms)
-            whole.append(cupy.cuda.get_elapsed_time(begin, finish))
-    return ({name: statistics.median(ms) for name, ms in per_kernel.items()},
-            statistics.median(whole))
+def by_name(times: dict) -> dict[str, float]:
+    """`profile`'s (name, grid) times summed per kernel name (the layouts' grids differ)."""
+    summed: dict[str, float] = {}
+    for (name, _), ms in times.items():
+        summed[name] = summed.get(name, 0.0) + ms
+    return summed
 
 
 def main() -> None:
@@ -121,6 +71,7 @@ def main() -> None:
     for name, (packed_call, dense_call) in passes.items():
         packed_kernels, packed_whole = profile(packed_call, args.calls)
         dense_kernels, dense_whole = profile(dense_call, args.calls)
+        packed_kernels, dense_kernels = (by_name(t) for t in (packed_kernels, dense_kernels))
         for kernel in sorted(set(packed_kernels) | set(dense_kernels)):
             p, d = packed_kernels.get(kernel, 0.0), dense_kernels.get(kernel, 0.0)
             ratio = (d / dense_kept) / (p / kept) if p and d else float("nan")

@@ -121,6 +121,7 @@ def clear_plans() -> None:
     from . import operands, tiles
 
     operands._PLANS.clear()
+    operands._SEQUENCE_PLANS.clear()
     tiles.choose_forward.cache_clear()
     tiles.choose_backward.cache_clear()
 

@@ -23,7 +23,7 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
 from .tiles import (Choice, MmaBackwardTiles, WgmmaBackwardTiles, Widths, backward_group_splits,
                     choose_backward, dq_key_splits, runs_single_pass,
                     takes_single_pass)
-from .varlen import Sequences, tile_grid
+from .varlen import Sequences, leaves_padding, tile_grid
 from .workspace import workspace
 
 WGMMA_SOURCE = "attention_wgmma_backward.cu"
@@ -58,12 +58,6 @@ def gradient_strides(q, k, v, given) -> tuple:
     the launches take them as arguments."""
     return tuple(contiguous_strides(like.shape, like.itemsize) if buffer is None
                  else buffer.strides for like, buffer in zip((q, k, v), given))
-
-
-def _leaves_padding(sequences: Sequences | None) -> bool:
-    """Whether some rows or keys of the arrays belong to no sequence (their gradients, 0,
-    are then the launcher's to write)."""
-    return sequences is not None and not sequences.covers_every_row
 
 
 # --------------------------------------------------------------------------- D
@@ -125,7 +119,8 @@ def _operands(do, q, k, v, lse, options: AttentionOptions, given=(None, None, No
     (q, k, v, do), (q_strides, k_strides, v_strides, do_strides), copy_bytes = (
         tensor_core_operands(q, k, v, do))
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    outputs = _outputs(q, k, v, given, zeroed=_leaves_padding(sequences))
+    outputs = _outputs(q, k, v, given,
+                       zeroed=sequences is not None and not sequences.covers_every_row)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
@@ -368,16 +363,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
     # (`planned`) is taken from and left in it, never tiles or dQ shares that tests and
     # sweeps force on a problem the cache may hold with others.
     cacheable = planned and not single_pass and dq_splits is None
-    key = plan_key("backward", options, do, q, k, v, o) if cacheable else None
-    if key is not None:
-        key += gradient_strides(q, k, v, given)
-    launches = cached(key, do, q, k, v, o)
-    if launches is not None and lse.dtype == cupy.float32 and lse.flags.c_contiguous:
-        plan = launches[0]
-        dq, dk, dv = _outputs(q, k, v, given)
-        held = []  # the scratch's arrays, alive until the kernels are queued
-        plan(do, q, k, v, o, lse, dq, dk, dv, plan.scratch(partial(new_bytes, held)))
-        return dq, dk, dv
+    key = backward_plan_key(do, q, k, v, o, options, given) if cacheable else None
     arrays_in = (do, q, k, v, o)
     delta, delta_launch = row_deltas(do, o)
     launches = [delta_launch]
@@ -557,7 +543,8 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
         lse = lse.astype(accum)
     (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-    dq, dk, dv = _outputs(q, k, v, given, zeroed=_leaves_padding(sequences))
+    dq, dk, dv = _outputs(q, k, v, given,
+                          zeroed=sequences is not None and not sequences.covers_every_row)
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
               np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,
@@ -598,9 +585,36 @@ def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
     return backward_generic(do, q, k, v, o, lse, options, given, sequences)
 
 
+def backward_plan_key(do, q, k, v, o, options: AttentionOptions, given) -> tuple | None:
+    """The plan cache's key of a backward: the problem and the gradients' strides (the
+    launches take them as arguments)."""
+    key = plan_key("backward", options, do, q, k, v, o)
+    return None if key is None else key + gradient_strides(q, k, v, given)
+
+
+def _replayed(do, q, k, v, o, lse, options: AttentionOptions, given) -> tuple | None:
+    """``(dq, dk, dv)`` by the launches an earlier call of this problem left in the plan
+    cache (the tile table's own choice: `backward_wgmma` with `planned`), or None."""
+    if lse.dtype != cupy.float32 or not lse.flags.c_contiguous:
+        return None
+    launches = cached(backward_plan_key(do, q, k, v, o, options, given), do, q, k, v, o)
+    if launches is None:
+        return None
+    plan = launches[0]
+    dq, dk, dv = _outputs(q, k, v, given, zeroed=leaves_padding(options.varlen))
+    held = []  # the scratch's arrays, alive until the kernels are queued
+    plan(do, q, k, v, o, lse, dq, dk, dv, plan.scratch(partial(new_bytes, held)))
+    return dq, dk, dv
+
+
 def backward(do, q, k, v, o, lse, options: AttentionOptions, given=(None, None, None)):
     """``(dq, dk, dv)``, written into the `given` buffers (any batch, head and row strides:
-    a "bshd" gradient in the caller's order) where there are some."""
+    a "bshd" gradient in the caller's order) where there are some. A problem whose
+    launches are cached (dense, or variable-length with host lengths: the layers of a
+    training step repeat them) runs them without choosing or planning again."""
+    replayed = _replayed(do, q, k, v, o, lse, options, given)
+    if replayed is not None:
+        return replayed
     if options.varlen is not None:
         sequences = Sequences(q, k, options)
         problem = problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3],

@@ -464,7 +464,8 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     never written by the query-tile kernels, so there o and lse start as 0 and -inf (SPEC).
     A padded or paged call (`Sequences.dense_grid`, lengths from the host or the device) is
     planned once per signature: a repeated one fills its tables (`DeviceTables.fill`) and
-    launches."""
+    launches. A packed call is planned once per lengths (`operands.SequenceContents`): the
+    layers of a training step repeat them."""
     o, lse = _outputs(q, v, out, lse_out)
     key = forward_plan_key(options, q, k, v, o.strides)
     plan = cached(key, q, k, v)
@@ -473,7 +474,8 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         if fills:
             o.fill(0)
             lse.fill(-np.inf)
-        tables.fill(options.varlen)
+        if tables is not None:
+            tables.fill(options.varlen)
         launch(q, k, v, o, lse)
         return o, lse
     sequences = Sequences(q, k, options, forward=True)
@@ -491,8 +493,8 @@ def _forward_varlen(q, k, v, options: AttentionOptions, out=None, lse_out=None):
         lse.fill(-np.inf)
     launch, alignment = _run(choice, q, k, v, o, lse, options, sequences,
                              _varlen_shares(choice, q, options, sequences))
-    if sequences.dense_grid:
-        remember(key, (sequences.device_tables, launch, fills), alignment, q, k, v)
+    remember(key, (sequences.device_tables if sequences.dense_grid else None, launch, fills),
+             alignment, q, k, v)
     return o, lse
 
 

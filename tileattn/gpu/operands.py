@@ -3,6 +3,7 @@ scalar score arguments, the device's limits, and the cache of a problem's launch
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -245,6 +246,20 @@ class Launch:
 # (bench/NOTES-gpu.md, v9). Bounded: cleared when full.
 _PLANS: dict[tuple, "Plan"] = {}
 _PLAN_LIMIT = 256
+# Launches over sequence tables built from the lengths' contents (`SequenceContents`): the
+# layers of one training step share their lengths, the next step brings new ones, so these
+# are kept apart, the least recently used dropped first, and never crowd out dense plans.
+_SEQUENCE_PLANS: OrderedDict[tuple, "Plan"] = OrderedDict()
+_SEQUENCE_PLAN_LIMIT = 32
+
+
+@dataclass(frozen=True)
+class SequenceContents:
+    """The host lengths of a variable-length call (`VarlenLayout.contents`), in a plan key
+    whose launches hold tables made from them (packed forwards, variable-length
+    backwards)."""
+
+    contents: tuple
 
 
 @dataclass(frozen=True)
@@ -267,20 +282,27 @@ def plans_once(layout, forward: bool) -> bool:
 def plan_key(direction: str, options: AttentionOptions, *arrays) -> tuple | None:
     """What a problem's launches depend on besides the arrays' addresses, or None when they
     are not cached: ALiBi slopes are an array of their own, dropout's seed usually changes
-    with every call, and a variable-length call's tables hold its lengths, except for a
-    padded or paged forward (`plans_once`: its tables are buffers of the plan,
-    refilled per call on the current stream, so plans are per stream)."""
+    with every call. A padded or paged forward (`plans_once`) keys by its lengths'
+    signature: its tables are buffers of the plan, refilled per call on the current stream,
+    so plans are per stream. Other variable-length calls build their tables from the
+    lengths, so host lengths key by their contents too (`SequenceContents`, first in the
+    key), and device lengths, which such a call must read anyway, are not cached."""
     if options.alibi_slopes is not None or options.dropout_p > 0:
         return None
-    lengths = ()
-    if options.varlen is not None:
-        if not plans_once(options.varlen, direction == "forward"):
+    first, lengths = (), ()
+    layout = options.varlen
+    if layout is not None:
+        if plans_once(layout, direction == "forward"):
+            lengths = (layout.signature(), cupy.cuda.get_current_stream().ptr)
+        elif layout.on_device:
             return None
-        lengths = (options.varlen.signature(), cupy.cuda.get_current_stream().ptr)
-    return (direction, options.window_left, options.window_right, options.scale,
-            options.softcap, options.block_q, options.block_k, options.deterministic,
-            options.row_offset, options.col_offset, options.alignment,
-            arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays) + lengths
+        else:
+            first, lengths = (SequenceContents(layout.contents()),), (layout.signature(),)
+    return first + (
+        direction, options.window_left, options.window_right, options.scale,
+        options.softcap, options.block_q, options.block_k, options.deterministic,
+        options.row_offset, options.col_offset, options.alignment,
+        arrays[0].device.id) + tuple((a.dtype, a.shape, a.strides) for a in arrays) + lengths
 
 
 def contiguous_strides(shape: tuple, itemsize: int) -> tuple:
@@ -315,6 +337,11 @@ def remember(key: tuple | None, launches: tuple, alignment: int, *arrays) -> Non
     the launches' arguments are the arrays' own)."""
     if key is None or any(a.strides[3] != a.itemsize for a in arrays):
         return
+    if isinstance(key[0], SequenceContents):
+        _SEQUENCE_PLANS[key] = Plan(launches, alignment)
+        if len(_SEQUENCE_PLANS) > _SEQUENCE_PLAN_LIMIT:
+            _SEQUENCE_PLANS.popitem(last=False)
+        return
     if len(_PLANS) >= _PLAN_LIMIT:
         _PLANS.clear()
     _PLANS[key] = Plan(launches, alignment)
@@ -325,6 +352,10 @@ def cached(key: tuple | None, *arrays) -> tuple | None:
     if key is None:
         return None
     plan = _PLANS.get(key)
+    if plan is None and isinstance(key[0], SequenceContents):
+        plan = _SEQUENCE_PLANS.get(key)
+        if plan is not None:
+            _SEQUENCE_PLANS.move_to_end(key)
     if plan is None or any(a.data.ptr % plan.alignment for a in arrays):
         return None
     return plan.launches

@@ -16,8 +16,8 @@ from functools import partial
 import cupy
 
 from ..options import AttentionOptions
-from .launch_backward import BackwardPlan, gradient_strides, new_bytes
-from .operands import cached, contiguous_strides, forward_plan_key, plan_key
+from .launch_backward import BackwardPlan, backward_plan_key, new_bytes
+from .operands import cached, contiguous_strides, forward_plan_key
 
 # The widest copy any kernel assumes of a row (operands.row_alignment); outputs need two
 # elements. XLA's and CuPy's buffers start 256-byte aligned.
@@ -69,9 +69,7 @@ def replay(function_name: str, tensors: dict, options: AttentionOptions,
         return None if launches is None else Replay(launches[0], backward=False)
     arrays = [tensors[n] for n in ("do", "q", "k", "v", "o")]
     given = tuple((outputs or {}).get(name) for name in ("dq_out", "dk_out", "dv_out"))
-    key = plan_key("backward", options, *arrays)
-    launches = (None if key is None else
-                cached(key + gradient_strides(*arrays[1:4], given), *arrays))
+    launches = cached(backward_plan_key(*arrays, options, given), *arrays)
     lse = tensors["lse"]
     if (launches is None or not isinstance(launches[0], BackwardPlan)
             or lse.dtype != cupy.float32 or not lse.flags.c_contiguous):

@@ -41,6 +41,14 @@ def tile_grid(heads: int, n_rows: int, block: int, batch: int, sequences: Sequen
     return entries * heads, tables
 
 
+def leaves_padding(layout) -> bool:
+    """Whether some rows or keys of a call of `layout` (a `VarlenLayout`; None: dense)
+    belong to no sequence: their gradients, 0, are then the launcher's to write. Checked
+    packed sequences tile the row and key axes (cu_seqlens run from 0 to the totals), so
+    the kernels write every output row and gradient."""
+    return layout is not None and not (layout.family == "packed" and layout.checked)
+
+
 class Sequences:
     """A variable-length call's sequences on the device, for launches of any tile height.
 
@@ -63,12 +71,9 @@ class Sequences:
         self.dense_grid = plans_once(layout, forward)
         if not self.dense_grid:
             layout = layout.on_host()
-        # Checked packed sequences tile the row and key axes (cu_seqlens run from 0 to the
-        # totals), so the kernels write every output row and gradient; otherwise padding
-        # rows and keys are left to the launcher to zero. A forward writes every row of o
-        # also where every batch element has all the rows (no seqlens_q: a row that keeps
-        # no key gets 0 and -inf from its tile).
-        self.covers_every_row = self.packed and layout.checked
+        # A forward writes every row of o also where every batch element has all the rows
+        # (no seqlens_q: a row that keeps no key gets 0 and -inf from its tile).
+        self.covers_every_row = not leaves_padding(layout)
         self.forward_covers_every_row = self.covers_every_row or (
             not self.packed and layout.seqlens_q is None)
         self.key_capacity = layout.key_capacity(k.shape[2])
