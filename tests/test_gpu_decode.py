@@ -1,11 +1,12 @@
 """The split-KV decode forward (attention_decode.cu on CUDA cores, attention_decode_mma.cu on
 tensor cores; launch_decode.py) against the golden model.
 
-Each kernel (the tensor-core one where it serves: 16-bit, no ALiBi or dropout) at every forced
+Each kernel (the tensor-core one where it serves: 16-bit, no dropout) at every forced
 split count (one, a few, an uneven number, many, more splits than key tiles; the tensor-core
 kernel's splits merged in the kernel and by the merge kernel), Nq from 1 to 16 with GQA/MQA/MHA packing, every option, every dtype, odd head dims and
 Dv != D, strided inputs, out=/lse_out= buffers, non-finite values at masked keys, the
-dispatch that picks the kernel, and CUDA-graph capture. Outputs start as NaN, so every
+dispatch that picks the kernel, ALiBi's slope per packed row on tensor cores (dense, padded,
+paged), and CUDA-graph capture. Outputs start as NaN, so every
 element must be written. Everything skips cleanly without CuPy or a GPU.
 """
 
@@ -63,11 +64,10 @@ KERNELS = ["cuda_cores", "tensor_cores"]
 
 
 def _skip_unserved(kernel, dtype, options):
-    """The tensor-core kernel takes 16-bit inputs without ALiBi or dropout."""
+    """The tensor-core kernel takes 16-bit inputs without dropout."""
     if kernel == "tensor_cores" and (
-            np.dtype(dtype).itemsize != 2 or "alibi_slopes" in options
-            or options.get("dropout_p", 0) > 0):
-        pytest.skip("the tensor-core decode takes 16-bit inputs without ALiBi or dropout")
+            np.dtype(dtype).itemsize != 2 or options.get("dropout_p", 0) > 0):
+        pytest.skip("the tensor-core decode takes 16-bit inputs without dropout")
 
 
 def _decode(q, k, v, options, splits, kernel="cuda_cores", **tile_fields):
@@ -146,12 +146,18 @@ def test_tensor_core_splits_merged_in_the_kernel_or_by_the_merge_kernel(merge, s
 @pytest.mark.parametrize(("batch", "head_dim"), [(3, 64), (3, 128), (70, 64)],
                          ids=["merged-in-kernel", "merge-kernel", "one-split"])
 @pytest.mark.parametrize("layout", ["padded", "paged"])
-def test_decode_rows_past_a_sequence_write_zeros_whatever_their_q(batch, head_dim, layout):
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi-causal"])
+def test_decode_rows_past_a_sequence_write_zeros_whatever_their_q(batch, head_dim, layout,
+                                                                  alibi):
     """A padded or paged decode batch (1 or 2 query rows of Nq = 2) whose Q rows past a
     sequence are NaN, as are its keys past the sequence: those rows write o = 0 and
     lse = -inf (not 0 x NaN) whichever way the splits are merged (by the last split block,
-    by the merge kernel, or one split), and every other row equals the golden model."""
+    by the merge kernel, or one split), and every other row equals the golden model; with
+    ALiBi (a slope per sequence and head) and a causal band, both at each sequence's own
+    bottom-right offset."""
     rng = np.random.default_rng(batch + head_dim)
+    options = ({"alibi_slopes": rng.uniform(0.01, 0.5, (batch, 8)), "causal": True}
+               if alibi else {})
     seqlens_q = 1 + np.arange(batch) % 2
     seqlens_k = rng.integers(300, 700, batch)
     q = rng.standard_normal((batch, 8, 2, head_dim)).astype(np.float16)
@@ -173,10 +179,11 @@ def test_decode_rows_past_a_sequence_write_zeros_whatever_their_q(batch, head_di
                 pool_v[order[b, j // 16], :, j % 16] = v[b, :, j]
         keys, values, lengths["block_table"] = pool_k, pool_v, order.astype(np.int64)
     o, lse = tileattn.forward(*(cupy.asarray(a) for a in (q, keys, values)), backend="gpu",
-                              return_lse=True, **lengths)
+                              return_lse=True, **lengths, **options)
     expected_o, expected_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                                 backend="reference", return_lse=True,
-                                                seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+                                                seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                                **options)
     assert_attention_close(o.get(), expected_o, np.float16, name="o")
     assert_attention_close(lse.get(), expected_lse, np.float16, name="lse")
 
@@ -326,6 +333,42 @@ def test_a_placed_block_uses_global_positions(splits):
                             "alibi_slopes": np.linspace(0.1, 0.4, 4)}),
         row_offset=100, col_offset=37, alignment=300)
     o, lse = _decode(q, k, v, options, splits)
+    expected_o, expected_lse = reference.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                 options)
+    assert_attention_close(o, expected_o, q.dtype, name="o")
+    assert_attention_close(lse, expected_lse, q.dtype, name="lse")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("packing", [(8, 2, 1), (32, 8, 1), (4, 4, 1), (8, 1, 4), (16, 2, 5),
+                                     (8, 1, 16)],
+                         ids=lambda p: f"Hq{p[0]}-Hkv{p[1]}-Nq{p[2]}")
+def test_tensor_core_alibi_takes_each_packed_rows_slope(packing, dtype, splits):
+    """ALiBi on the tensor-core decode: the packed rows of one block belong to different
+    query heads (GQA, MQA; 40 and 128 rows in row warps), each with its own slope (here per
+    batch element too), at its own query row's bottom-right distance (causal for Nq > 1);
+    dispatch takes this kernel for ALiBi."""
+    n_q_heads, n_kv_heads, n_q = packing
+    q, k, v = _inputs(2, n_q_heads, n_kv_heads, n_q, 600, 64, 64, dtype, seed=n_q_heads + n_q)
+    slopes = np.random.default_rng(n_q).uniform(0.01, 0.5, (2, n_q_heads))
+    options = {"alibi_slopes": slopes, "causal": n_q > 1}
+    _check(q, k, v, options, splits, "tensor_cores")
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    choice = launch_forward.choose(*device, _resolved(*device, options))
+    assert choice.family == "decode" and isinstance(choice.tiles, gpu_tiles.DecodeMmaTiles)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tensor_core_alibi_at_global_positions(splits):
+    """A placed block (row_offset, col_offset, alignment) on the tensor-core decode: ALiBi
+    and the band at global positions."""
+    q, k, v = _inputs(1, 8, 2, 3, 400, 64, 64, np.float16, seed=15)
+    options = dataclasses.replace(
+        _resolved(q, k, v, {"causal": True, "window": (200, None),
+                            "alibi_slopes": np.linspace(0.1, 0.4, 8)}),
+        row_offset=100, col_offset=37, alignment=300)
+    o, lse = _decode(q, k, v, options, splits, "tensor_cores")
     expected_o, expected_lse = reference.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                                  options)
     assert_attention_close(o, expected_o, q.dtype, name="o")

@@ -334,9 +334,9 @@ def test_decode_splits_fill_the_device():
     """One (batch, kv head) is split toward one wave of resident blocks, never past it; a grid
     that fills half the resident blocks is not split; a split keeps at least two key tiles;
     the count is capped."""
-    # ALiBi keeps float16 on the CUDA-core kernel (a slope per packed row).
+    # Dropout keeps float16 on the CUDA-core kernel.
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=262144,
-                      per_row_options=True, **H100)
+                      per_row_options=True, dropout=True, **H100)
     single = tiles.choose_decode(problem, _decode_shape(n_q_heads=8, n_kv_heads=1,
                                                         n_k=262144)).tiles
     assert isinstance(single, tiles.DecodeTiles)
@@ -427,21 +427,24 @@ def test_tensor_core_decode_rows_have_measured_registers(head_dim, n_q_heads, n_
     assert chosen.registers(head_dim, head_dim) == tiles.DECODE_MMA_REGISTERS[key]
 
 
-def test_tensor_core_decode_serves_16_bit_rows_without_per_row_options():
+def test_tensor_core_decode_serves_16_bit_rows_without_dropout():
     """16-bit inputs from one packed row up to 64, in blocks of what O's registers hold (16
     rows a warp at Dv = 256, 32 at 128, 64 at 64; more rows take row warps, up to four,
     and forced tiles with fewer row warps cut them into row groups, a block each, counted as
-    blocks by the split rule); float32, float64, ALiBi and dropout stay on CUDA cores."""
-    def kernel(dtype="float16", value_dim=128, n_q=1, group=4, per_row=False):
+    blocks by the split rule), ALiBi included (a slope per packed row); float32, float64
+    and dropout stay on CUDA cores."""
+    def kernel(dtype="float16", value_dim=128, n_q=1, group=4, alibi=False, dropout=False):
         problem = Problem(dtype=dtype, head_dim=128, value_dim=value_dim, n_k=65536,
-                          per_row_options=per_row, **H100)
+                          per_row_options=alibi or dropout, dropout=dropout, **H100)
         choice = tiles.choose_decode(problem, _decode_shape(n_q=n_q, n_q_heads=group,
                                                             n_kv_heads=1))
         return type(choice.tiles).__name__
 
     assert kernel() == kernel(dtype="bfloat16") == "DecodeMmaTiles"
     assert kernel(dtype="float32") == kernel(dtype="float64") == "DecodeTiles"
-    assert kernel(per_row=True) == "DecodeTiles"
+    assert kernel(alibi=True) == kernel(dtype="bfloat16", alibi=True) == "DecodeMmaTiles"
+    assert kernel(alibi=True, n_q=4, group=8) == "DecodeMmaTiles"
+    assert kernel(dropout=True) == kernel(alibi=True, dropout=True) == "DecodeTiles"
     assert kernel(group=1) == "DecodeMmaTiles"
     assert kernel(value_dim=256, group=16) == "DecodeMmaTiles"
     assert kernel(value_dim=256, group=32) == "DecodeMmaTiles"  # two row warps

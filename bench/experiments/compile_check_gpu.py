@@ -94,8 +94,8 @@ JOBS = [
 ]
 # The tensor-core decode (DecodeMmaTiles): D = 128 as the table runs it, D = 256, four row
 # tiles at D = 64, row warps (32 rows at D = 128, 64 at D = 64 and 256), odd dims; every
-# option it takes (ALiBi and dropout decode on CUDA cores).
-DECODE_MMA_OPTIONS = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
+# option it takes (dropout decodes on CUDA cores).
+DECODE_MMA_OPTIONS = ["ALIBI=1", "DROPOUT=0", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
 JOBS += [("attention_decode_mma.cu", "90", [f"COPY_BYTES={copy}", f"Q_COPY_BYTES={copy}",
           f"FUSED_MERGE={int(row_warps == 1)}", "IS_BFLOAT16=0",
           f"HEAD_DIM={d}", f"VALUE_DIM={dv}", f"ROW_TILES={row_tiles}", f"WARPS={warps}",

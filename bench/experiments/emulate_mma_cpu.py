@@ -1,11 +1,11 @@
 """Run the mma.sync forward (attention_mma_forward.cu), backward (attention_mma_backward.cu:
-the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, o direct or
-its splits merged in the kernel; dense and paged K/V) and the 3xTF32 forward
-(attention_tf32_forward.cu) on the CPU, no GPU: the kernels' own source under
-emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they
-add (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) computed by
-meaning, checked against the float64 golden model. The backward's single pass runs in arrival order
-and in turns (ORDERED); the non-finite-key redo is not run.
+the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, o direct or its
+splits merged in the kernel; dense, padded and paged K/V; ALiBi among the options) and the
+3xTF32 forward (attention_tf32_forward.cu) on the CPU, no GPU: the kernels' own source under
+emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they add
+(ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) computed by
+meaning, checked against the float64 golden model. The backward's single pass runs in
+arrival order and in turns (ORDERED); the non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass [--quick] | --launcher |
@@ -373,16 +373,18 @@ extern "C" void run_dq_convert_strided(const float* dq_sum, dq_element* dq, i64 
 DECODE_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, o (3 each). The merge of the splits is attention_decode.cu's, run by
 // emulate_decode_cpu.py; here the splits are 1 (o direct) or the partials are compared.
-// tables: a paged batch's descriptors and block table (null and 0 for a dense call).
+// tables: a padded or paged batch's descriptors and block table (null and 0 for a dense
+// call, the table null for a padded one).
 extern "C" void run_decode(const bits16* q, const bits16* k, const bits16* v, bits16* o,
                            float* lse, float* partial_o, float* partial_lse, u32* split_counts,
-                           i64 n_q, i64 n_k, int n_q_heads, int group, int splits,
+                           const double* slopes, i64 n_q, i64 n_k, int n_q_heads, int group,
+                           int splits,
                            const i64* s, const float* reals, const i64* band,
                            const i64* descriptors, const i64* block_table, i64 table_stride,
                            i64 page_size, i64 n_pages, int blocks, int shared) {
     run_blocks([&] {
-        attention_decode_mma(q, k, v, o, lse, partial_o, partial_lse, split_counts, n_q, n_k,
-                             n_q_heads, group, splits, s[0], s[1], s[2], s[3], s[4], s[5],
+        attention_decode_mma(q, k, v, o, lse, partial_o, partial_lse, split_counts, slopes,
+                             n_q, n_k, n_q_heads, group, splits, s[0], s[1], s[2], s[3], s[4], s[5],
                              s[6], s[7], s[8], s[9], s[10], s[11], reals[0], reals[1],
                              band[0], band[1], band[2], 0u, 0u, 1.0f, 0u, 0u, descriptors,
                              nullptr, block_table, table_stride, page_size, n_pages);
@@ -532,17 +534,22 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     return dq, dk, dv
 
 
-def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, **kwargs):
+def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, padded=None,
+                   **kwargs):
     """o and lse of attention_decode_mma.cu for host 16-bit arrays (one split: o written
     directly; more: merged by each group's last block), o in a (B, Nq, Hq, Dv) buffer with
     `sequence_first_o`; the split counters must end at zero. With `paged` (a
-    `PagedKeys`), K and V are its pools, read through its block table (PAGED)."""
-    options = resolved(q, k, v, **kwargs,
-                       **({"varlen": paged.keywords()} if paged is not None else {}))
+    `PagedKeys`), K and V are its pools, read through its block table (PAGED); with
+    `padded` (``seqlens_q`` and ``seqlens_k``), batch element b is a sequence of those
+    lengths (VARLEN)."""
+    varlen = (paged.keywords() if paged is not None
+              else None if padded is None
+              else {"cu_seqlens_q": None, "cu_seqlens_k": None, "block_table": None, **padded})
+    options = resolved(q, k, v, **kwargs, **({"varlen": varlen} if varlen is not None else {}))
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    if paged is None:
-        switches, band, reals, _ = score_operands(options, n_q, n_k)  # no ALiBi or dropout
+    if varlen is None:
+        switches, band, reals, _ = score_operands(options, n_q, n_k)
     else:  # as operands.score_arguments: the kernel adds each sequence's own band offset
         switches, band, reals, _ = score_operands(options, n_q,
                                                   options.varlen.key_capacity(n_k))
@@ -563,6 +570,12 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, **kwargs)
         table = np.ascontiguousarray(layout.block_table, dtype=np.int64)
         tables = (layout.descriptors(batch, n_q, n_k), table, table.shape[1],
                   layout.page_size, layout.num_pages)
+    elif padded is not None:
+        defines.update(VARLEN=1, PAGED=0)
+        tables = (options.varlen.descriptors(batch, n_q, n_k), None, 0, 0, 0)
+    # The launcher's operand: the (B, Hq) slopes, or a stand-in where ALiBi is off.
+    slopes = (np.zeros(1) if options.alibi_slopes is None
+              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
     lib = library(defines, "attention_decode_mma.cu", DECODE_RUNNER)
     o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
          if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
@@ -576,7 +589,8 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, **kwargs)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     lib.run_decode.restype = None
     descriptors, table, table_stride, page_size, n_pages = tables
-    lib.run_decode(*(pointer(a) for a in (q, k, v, o, lse, partial_o, partial_lse, counters)),
+    lib.run_decode(*(pointer(a) for a in (q, k, v, o, lse, partial_o, partial_lse, counters,
+                                           slopes)),
                    ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
                    ctypes.c_int(n_q_heads // n_kv_heads), ctypes.c_int(tiles.splits),
                    pointer(strides), pointer(reals), pointer(band),
@@ -649,6 +663,10 @@ PAGED_DECODE_CASES = [
      DecodeMmaTiles(1, 4, 16, 4, 1)),
     ("float16", (2, 8, 2, 1, 400, 96, 72), (400, 170), 16, False, {},
      DecodeMmaTiles(1, 4, 16, 2, 3)),
+    # ALiBi at each sequence's own bottom-right offset (190 keys for 2 causal rows).
+    ("float16", (2, 8, 2, 2, 448, 64, 64), (448, 190), 16, False,
+     {"causal": True, "alibi_slopes": np.linspace(0.02, 0.3, 16).reshape(2, 8)},
+     DecodeMmaTiles(1, 4, 16, 2, 2)),
 ]
 
 
@@ -675,6 +693,43 @@ def check_paged_decodes(rng) -> int:
     return failures
 
 
+# (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), seqlens_q, seqlens_k, options, DecodeMmaTiles): a
+# padded batch (VARLEN), Q rows and keys past each sequence NaN; ALiBi and the causal band
+# at each sequence's own bottom-right offset.
+PADDED_DECODE_CASES = [
+    ("bfloat16", (2, 8, 2, 3, 500, 64, 64), (3, 1), (500, 210),
+     {"causal": True, "alibi_slopes": np.linspace(0.01, 0.4, 16).reshape(2, 8)},
+     DecodeMmaTiles(1, 4, 16, 2, 3)),
+    ("float16", (3, 4, 1, 1, 300, 64, 64), (1, 1, 0), (300, 17, 256),
+     {"alibi_slopes": np.linspace(0.05, 0.5, 4)}, DecodeMmaTiles(1, 4, 16, 2, 1)),
+]
+
+
+def check_padded_decodes(rng) -> int:
+    """The padded cases against the golden model: the failures' count."""
+    failures = 0
+    for name, (batch, hq, hkv, nq, nk, d, dv), seqlens_q, seqlens_k, options, tiles in \
+            PADDED_DECODE_CASES:
+        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+        q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+                   for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+        for b in range(batch):
+            q[b, :, seqlens_q[b]:] = np.nan
+            k[b, :, seqlens_k[b]:] = v[b, :, seqlens_k[b]:] = np.nan
+        lengths = {"seqlens_q": np.asarray(seqlens_q), "seqlens_k": np.asarray(seqlens_k)}
+        golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
+                                                backend="reference", return_lse=True,
+                                                **lengths, **options)
+        for sequence_first_o in (False, True):
+            o, lse = emulate_decode(q, k, v, tiles, sequence_first_o, padded=lengths,
+                                    **options)
+            failures += not _matches(
+                o, lse, golden_o, golden_lse, dtype,
+                f"padded decode {name} q{q.shape} rows {seqlens_q} keys {seqlens_k} "
+                f"{sorted(options)} {tiles}{' o (B, N, H, Dv)' if sequence_first_o else ''}")
+    return failures
+
+
 DECODE_CASES = [
     # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, DecodeMmaTiles)
     ("float16", (2, 8, 2, 1, 300, 64, 64), {}, DecodeMmaTiles(1, 4, 16, 2, 1)),
@@ -689,6 +744,19 @@ DECODE_CASES = [
      DecodeMmaTiles(1, 2, 32, 2, 7, 2)),
     # 32 packed rows in two row groups of 16 (a block and a split counter each), 3 splits
     ("float16", (2, 16, 2, 4, 500, 64, 64), {"causal": True}, DecodeMmaTiles(1, 4, 16, 2, 3)),
+    # ALiBi, a slope per packed row (its query head's; per batch element where given so):
+    # Nq 1 with four heads a block; causal Nq 4 in two row groups and 3 splits; 48 rows in
+    # two row warps of two m16 tiles each (the second tile's slopes); a window.
+    ("float16", (2, 8, 2, 1, 300, 64, 64),
+     {"alibi_slopes": np.linspace(0.02, 0.5, 16).reshape(2, 8)}, DecodeMmaTiles(1, 4, 16, 2, 1)),
+    ("bfloat16", (1, 16, 2, 4, 333, 128, 128),
+     {"causal": True, "alibi_slopes": np.linspace(0.02, 0.5, 16)}, DecodeMmaTiles(1, 4, 16, 2, 3)),
+    ("float16", (1, 12, 1, 4, 200, 64, 64),
+     {"causal": True, "softcap": 3.0, "alibi_slopes": np.linspace(0.05, 0.6, 12)},
+     DecodeMmaTiles(2, 2, 32, 2, 2, 2)),
+    ("float16", (2, 8, 2, 3, 400, 64, 64),
+     {"window": (100, 0), "alibi_slopes": np.linspace(0.3, 0.01, 16).reshape(2, 8)},
+     DecodeMmaTiles(1, 4, 16, 3, 1)),
 ]
 
 
@@ -995,6 +1063,7 @@ def main() -> int:
                                rng, "decode ")
     if not (args.quick or args.backward or args.single_pass):
         failures += check_paged_decodes(rng)
+        failures += check_padded_decodes(rng)
     backward_cases = [(case, False) for case in BACKWARD_CASES] + [
         (case, True) for case in SINGLE_PASS_CASES]
     if args.single_pass:

@@ -16,8 +16,8 @@ Four kernel families; `tiles` chooses one per problem and direction from its tab
   against >= 256 keys; up to 128 packed rows in 16-bit where the prefill grid leaves SMs
   idle; MHA only up to 16 queries, 32 in float32): split-KV with GQA packing, K/V read
   once per group, partials merged by log-sum-exp; 16-bit inputs up to D = 256 on tensor
-  cores (attention_decode_mma.cu), the rest, wider heads and ALiBi or dropout on CUDA
-  cores (attention_decode.cu; launch_decode.py for both).
+  cores (attention_decode_mma.cu, ALiBi included), the rest, wider heads and dropout on
+  CUDA cores (attention_decode.cu; launch_decode.py for both).
 
 A dense tensor-core forward whose query tiles fill under 0.8 of a wave (a chunk of queries
 against a long cache, few heads) cuts each tile's keys into shares, blocks of their own,

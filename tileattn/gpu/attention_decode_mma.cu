@@ -19,17 +19,19 @@
 //   cp.async (rows padded by 16 bytes for conflict-free ldmatrix, zeros past the keys and
 //   in the padding columns); the score options, masks and the online softmax are
 //   forward_softmax.cuh's, the same code as the prefill mma.sync forward.
-// Packed row r is query head kv_head * group + r / Nq, query row r % Nq; the masks see the
-// query row, so causal speculative rows (Nq > 1) keep their own keys. Rows past the packed
-// rows in use are zero and never stored. More packed rows than a block holds
-// (16 * ROW_TILES * ROW_WARPS) are cut into row groups, a block each: K/V is then read once
-// per row group, still far less than once per query head. ALiBi (a slope per packed row)
-// and dropout run on the CUDA-core kernel (tileattn/gpu/tiles.py, choose_decode).
+// Packed row r is query head kv_head * group + r / Nq, query row r % Nq; the masks and
+// ALiBi see the query row, so causal speculative rows (Nq > 1) keep their own keys, and
+// ALiBi takes each packed row's own head's slope (held in registers, two a row tile).
+// Rows past the packed rows in use are zero and never stored. More packed rows than a
+// block holds (16 * ROW_TILES * ROW_WARPS) are cut into row groups, a block each: K/V is
+// then read once per row group, still far less than once per query head. Dropout runs on
+// the CUDA-core kernel (tileattn/gpu/tiles.py, decode_on_tensor_cores): decoding with
+// dropout is no inference case.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES (K and V rows), Q_COPY_BYTES (Q rows), ROW_TILES, ROW_WARPS, WARPS, WARP_KEYS,
-// STAGES, MIN_BLOCKS, FUSED_MERGE, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, VARLEN, PAGED (ALIBI
-// and DROPOUT are 0).
+// STAGES, MIN_BLOCKS, FUSED_MERGE, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED
+// (DROPOUT is 0).
 #include "forward_softmax.cuh"
 
 constexpr int kRowTiles = ROW_TILES;  // a warp's m16 tiles of packed rows
@@ -48,7 +50,7 @@ constexpr int kVPitch = kTilePitch<kValueWidth>;
 constexpr bool kQInRegisters = kRowTiles * kHeadWidth <= 128;
 static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole k16 steps of P V");
 static_assert(STAGES >= 2, "one tile in flight while one is used");
-static_assert(!ALIBI && !DROPOUT, "ALiBi and dropout decode on CUDA cores");
+static_assert(!DROPOUT, "dropout decodes on CUDA cores (tiles.decode_on_tensor_cores)");
 
 // Shared memory (launch_decode.py mirrors it): STAGES x (K tile, V tile), then Q. After
 // the key loop the stages hold the key warps' partial results: O [kWarps][kRows][kOPitch]
@@ -267,8 +269,8 @@ __device__ __forceinline__ void merge_if_last_split(
 // so ptxas keeps the registers within it.
 extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_decode_mma(
     const bits16* q, const bits16* k, const bits16* v, bits16* o, float* lse,
-    float* partial_o, float* partial_lse, u32* split_counts, i64 n_q, i64 n_k, int n_q_heads,
-    int group_size,
+    float* partial_o, float* partial_lse, u32* split_counts, const double* alibi_slopes,
+    i64 n_q, i64 n_k, int n_q_heads, int group_size,
     int n_splits, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
     i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn, float scale, float softcap,
     i64 band_offset, i64 window_left,
@@ -317,15 +319,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const int warp = threadIdx.x / 32 % kWarps, lane = threadIdx.x % 32;  // warp: key warp
     const int warp_row0 = threadIdx.x / 32 / kWarps * 16 * kRowTiles;  // its group's rows
     const int quad_row = lane / 4, quad_col = lane % 4;
-    // The query row (for the masks) of this thread's two rows of each row tile; rows past
-    // the packed rows in use take row 0 (computed, never stored).
+    // The query row (for the masks and ALiBi) and the ALiBi slope (its query head's, in
+    // logit units) of this thread's two rows of each row tile; rows past the packed rows in
+    // use take row 0 and slope 0 (computed, never stored).
     i64 my_rows[kRowTiles][2];
+    float my_slopes[kRowTiles][2];
 #pragma unroll
     for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int packed = first_row + warp_row0 + m * 16 + quad_row + 8 * half;
-            my_rows[m][half] = packed < rows ? packed % n_q : 0;
+            const bool in_use = packed < rows;
+            my_rows[m][half] = in_use ? packed % n_q : 0;
+            const i64 head = static_cast<i64>(kv_head) * group_size + packed / n_q;
+            my_slopes[m][half] =
+                ALIBI && in_use
+                    ? static_cast<float>(alibi_slopes[batch * n_q_heads + head]) * kLogitUnit
+                    : 0.0f;
         }
 
     const auto stage_of = [&](i64 tile_index) {
@@ -406,7 +416,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
 
     float o_acc[kRowTiles][kValueWidth / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
     start_online_softmax(o_acc, row_max, row_sum);
-    const ForwardScores scores = make_forward_scores(scale, softcap, nullptr, 0, band, seq_keys);
+    // The block's slope (its first query head's) goes unused: the rows take my_slopes.
+    const ForwardScores scores =
+        make_forward_scores(scale, softcap, alibi_slopes,
+                            batch * n_q_heads + static_cast<i64>(kv_head) * group_size, band,
+                            seq_keys);
 
     for (i64 tile = my_begin; tile < my_end; ++tile) {
         const int slot = static_cast<int>((tile - my_begin) % STAGES);
@@ -470,7 +484,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                                                     col_start, kWarpKeys);
         scores_to_logits(s, my_rows, col_start, needs_mask,
                          tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start, seq_keys),
-                         scores);
+                         scores, my_slopes);
         online_softmax_step(s, row_max, row_sum, o_acc);
 
         // A stage the band cuts with a non-finite V: the kept pairs' products on CUDA cores,

@@ -54,13 +54,16 @@ __device__ __forceinline__ bool key_tile_needs_mask(const ForwardScores& scores,
     return needs_mask;
 }
 
-// Raw products Q K^T -> logits: scale, softcap, ALiBi, then, when `needs_mask`, the
-// mask (relative to the tile at row mask.row0, key col_start) by select.
+// Raw products Q K^T -> logits: scale, softcap, ALiBi (row m, half h of this thread
+// taking slope slopes[m][h], in logit units), then, when `needs_mask`, the mask (relative
+// to the tile at row mask.row0, key col_start) by select. The decode kernel's packed rows
+// belong to different query heads, so each row has its own slope.
 template <int RowTiles, int KeyFrags>
 __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][4],
                                                  const i64 (&rows)[RowTiles][2], i64 col_start,
                                                  bool needs_mask, const TileMask& mask,
-                                                 const ForwardScores& scores) {
+                                                 const ForwardScores& scores,
+                                                 const float (&slopes)[RowTiles][2]) {
     const int quad_col = threadIdx.x % 4;
 #pragma unroll
     for (int m = 0; m < RowTiles; ++m) {
@@ -80,7 +83,7 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
                 if (ALIBI) {
                     const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
                     const i64 distance = rows[m][e >> 1] + scores.band.offset - col;
-                    score -= scores.logit_slope *
+                    score -= slopes[m][e >> 1] *
                              static_cast<float>(distance < 0 ? -distance : distance);
                 }
                 if (needs_mask && !kept[e >> 1].keeps(n * 8 + (e & 1)))
@@ -88,6 +91,19 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
                 s[m][n][e] = score;
             }
     }
+}
+
+// The same for a block of one query head (the prefill kernels): every row takes the
+// head's slope.
+template <int RowTiles, int KeyFrags>
+__device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][4],
+                                                 const i64 (&rows)[RowTiles][2], i64 col_start,
+                                                 bool needs_mask, const TileMask& mask,
+                                                 const ForwardScores& scores) {
+    float slopes[RowTiles][2];
+#pragma unroll
+    for (int m = 0; m < RowTiles; ++m) slopes[m][0] = slopes[m][1] = scores.logit_slope;
+    scores_to_logits(s, rows, col_start, needs_mask, mask, scores, slopes);
 }
 
 // Before the first key tile: O = 0, running max -inf (in logit units), running sums 0.

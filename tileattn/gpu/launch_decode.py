@@ -154,14 +154,12 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
     if on_tensor_cores:
         shared = tiles.shared_bytes(head_dim, value_dim)
         function = _compile.kernel(DECODE_MMA_SOURCE, "attention_decode_mma", defines, shared)
-        leading = ()
     else:
         shared = tiles.shared_bytes(q.itemsize, accum.itemsize, head_dim, value_dim)
         function = _compile.kernel(DECODE_SOURCE, "attention_decode", defines, shared)
-        leading = (alibi_slopes(options),)
     decode = Launch(function, (batch * n_kv_heads * row_groups * splits,), (tiles.threads,),
                     shared,
-                    (*leading, np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
+                    (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(group), np.int32(splits), *q_strides[:3], *k_strides[:3],
                      *v_strides[:3], *output_strides(o), *score_arguments(options, n_q, n_k, accum),
                      *tables))

@@ -53,6 +53,7 @@ def problem_for(device: int, dtype, head_dim: int, value_dim: int, n_k: int,
                    score_options=switches.softcap or switches.alibi or switches.dropout,
                    banded=options.is_masked, block_q=options.block_q, block_k=options.block_k,
                    per_row_options=switches.alibi or switches.dropout,
+                   dropout=switches.dropout,
                    query_heads=query_heads, n_q=n_q,
                    multiprocessors=sm_count(device) if query_heads else 0)
 

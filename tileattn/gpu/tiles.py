@@ -59,6 +59,7 @@ class Problem:
     score_options: bool = False
     banded: bool = False
     per_row_options: bool = False  # ALiBi or dropout (a slope or hash state per query head)
+    dropout: bool = False  # the tensor-core decode has none (decode_on_tensor_cores)
     block_q: int | None = None
     block_k: int | None = None
     # The forward's grid: B x Hq query heads of Nq rows on `multiprocessors` SMs (0: not
@@ -965,8 +966,8 @@ def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, 
 # each, with fewer key warps taking more keys, so that a block keeps DECODE_MMA_WARPS warps
 # and a stage of 64 keys (32 where Dv > 128: S's registers would spill beside O's); every
 # group reads the same stages, so K/V is read once per block. Row groups (a block each,
-# K/V read once per group) remain for tile shapes a test or sweep forces. Not with ALiBi or
-# dropout, whose state differs per packed row (query head).
+# K/V read once per group) remain for tile shapes a test or sweep forces. ALiBi takes a
+# slope per packed row (its query head's); dropout (no inference case) stays on CUDA cores.
 # Chosen by sweeps (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
 # NOTES-gpu v20: 4 warps x 16 keys in 2 stages reach 0.86-0.99 of copy bandwidth on the
 # fp16 Nq = 1 grid at >= 256 MiB of K/V, where 3 stages lost up to 0.2 at B*Hkv >= 512 (no
@@ -1080,7 +1081,7 @@ DECODE_MMA_REGISTERS = {
 
 def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
     """Whether attention_decode_mma.cu serves this decode problem (else attention_decode.cu)."""
-    return (problem.dtype in ("float16", "bfloat16") and not problem.per_row_options
+    return (problem.dtype in ("float16", "bfloat16") and not problem.dropout
             and shape.rows <= DECODE_MMA_MAX_ROWS
             and max(problem.head_dim, problem.value_dim) <= MAX_TENSOR_CORE_DIM)
 
@@ -1247,7 +1248,7 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         return None
     if decode_on_tensor_cores(problem, shape):
         tiles = decode_mma_tiles(problem, shape)
-        note = ("16-bit, no ALiBi or dropout: tensor cores (attention_decode_mma.cu), the "
+        note = ("16-bit, no dropout: tensor cores (attention_decode_mma.cu), the "
                 "warps split each stage's keys")
     else:
         tiles, note = decode_tiles(problem, shape), row.note
