@@ -1,11 +1,13 @@
 """Sweep of a kernel family's tiles at any head dims: the experiment behind tileattn/gpu/tiles.py.
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_tiles.py --family wgmma --direction forward \
-        --dims 80,96,160 [--dtype float16] [--n 1024,4096] [--dropout 0.1 | --softcap 30 |
-        --alibi] [--causal both|yes|no] [--only NAMES] [--nondeterministic]
+        --dims 80,96,160 [--dtype float16] [--n 1024,4096] [--queries 1,128] [--dropout 0.1 |
+        --softcap 30 | --alibi] [--causal both|yes|no] [--only NAMES] [--nondeterministic]
 
 For each head dim (D or D:Dv), causal and not, and sequence length (batch * N = 16k tokens,
-hidden about 2048), every candidate configuration of the family is first checked against
+hidden about 2048; with --queries, each count of query rows over N keys, causal aligned
+bottom-right, at the same batch and heads: a prefill chunk over a cache, or few queries
+pooling many keys), every candidate configuration of the family is first checked against
 the float64 golden model on a small problem with every option on, then timed on the large
 one (calls back to back, bench_gpu.back_to_back_ms) beside the row the table chooses now.
 Candidates that do not fit shared memory, or that the compiler refuses, are reported and
@@ -150,6 +152,8 @@ def main() -> None:
     parser.add_argument("--dims", default="80,96,160", help="D or D:Dv, comma-separated")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--n", default="1024,4096")
+    parser.add_argument("--queries", default=None,
+                        help="query rows over the N keys, comma-separated (default: N)")
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="time with this dropout_p (the table's dropout rows)")
@@ -181,10 +185,19 @@ def main() -> None:
         step = 8 if args.family == "tf32" else 16
         widths = tiles.Widths.padded(head_dim, value_dim, step)
         masks = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-        for causal, n in itertools.product(masks, map(int, args.n.split(","))):
+        queries = [None] if args.queries is None else [int(x) for x in args.queries.split(",")]
+        for causal, n, n_q in itertools.product(masks, map(int, args.n.split(",")), queries):
             case = Case(args.dtype, 16384 // n, max(1, round(2048 / head_dim)), n, head_dim,
                         causal=causal, value_dim=value_dim)
             q, k, v, do = make_inputs(case)
+            flops = case.flops
+            if n_q is not None:  # the last n_q rows: causal keeps what a chunk at the end keeps
+                q, do = (cupy.ascontiguousarray(a[:, :, n - n_q:]) for a in (q, do))
+                flops = 4.0 * case.batch * case.heads * n_q * n * (head_dim + value_dim) / 2
+                if causal:
+                    flops -= 2.0 * case.batch * case.heads * n_q * n_q * (
+                        head_dim + value_dim) / 2
+            label = n if n_q is None else f"{n_q}x{n}"
             slopes = (np.linspace(0.05, 0.5, q.shape[1]) if args.alibi else None)
             options = _options(q, k, v, causal=causal, dropout_p=args.dropout,
                                seed=7 if args.dropout else None, softcap=args.softcap,
@@ -217,14 +230,14 @@ def main() -> None:
                 choice = tiles.Choice(args.family, config)
                 ms = back_to_back_ms(lambda: run(choice, args.direction, q, k, v, do, options),
                                      args.repetitions)
-                tflops = flops_factor * case.flops / ms / 1e9
+                tflops = flops_factor * flops / ms / 1e9
                 results.append((tflops, config))
-                print(f"| {head_dim} | {value_dim} | {causal} | {n} | {config} | "
+                print(f"| {head_dim} | {value_dim} | {causal} | {label} | {config} | "
                       f"{tflops:.1f} | {'<- table' if config == chosen.tiles else ''} |",
                       flush=True)
             if results:
                 best = max(results, key=lambda r: r[0])
-                print(f"best D={head_dim} Dv={value_dim} causal={causal} N={n}: "
+                print(f"best D={head_dim} Dv={value_dim} causal={causal} N={label}: "
                       f"{best[1]} {best[0]:.1f} TFLOP/s; table: {chosen.tiles}", flush=True)
             del q, k, v, do
             cupy.get_default_memory_pool().free_all_blocks()
