@@ -71,6 +71,15 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
         const Window kept[2] = {
             mask.row_window(static_cast<int>(rows[m][0] - mask.row0), 2 * quad_col),
             mask.row_window(static_cast<int>(rows[m][1] - mask.row0), 2 * quad_col)};
+        // ALiBi's |row + offset - col| as the float `base - (n * 8 + (e & 1))`, base taken
+        // once per row: a float add per score instead of 64-bit integer arithmetic and an
+        // int64-to-float conversion, the same value while distances stay below 2^24.
+        float base[2] = {0.0f, 0.0f};
+        if (ALIBI)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                base[half] = static_cast<float>(rows[m][half] + scores.band.offset - col_start -
+                                                2 * quad_col);
 #pragma unroll
         for (int n = 0; n < KeyFrags; ++n)
 #pragma unroll
@@ -80,12 +89,9 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
                     score = scores.logit_softcap * tanhf(s[m][n][e] * scores.scale_over_softcap);
                 else
                     score = s[m][n][e] * scores.logit_scale;
-                if (ALIBI) {
-                    const i64 col = col_start + n * 8 + 2 * quad_col + (e & 1);
-                    const i64 distance = rows[m][e >> 1] + scores.band.offset - col;
+                if (ALIBI)
                     score -= slopes[m][e >> 1] *
-                             static_cast<float>(distance < 0 ? -distance : distance);
-                }
+                             fabsf(base[e >> 1] - static_cast<float>(n * 8 + (e & 1)));
                 if (needs_mask && !kept[e >> 1].keeps(n * 8 + (e & 1)))
                     score = negative_infinity<float>();
                 s[m][n][e] = score;

@@ -3,7 +3,6 @@ scalar score arguments, the device's limits, and the cache of a problem's launch
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -249,8 +248,8 @@ _PLANS: dict[tuple, "Plan"] = {}
 _PLAN_LIMIT = 256
 # Launches over sequence tables built from the lengths' contents (`SequenceContents`): the
 # layers of one training step share their lengths, the next step brings new ones, so these
-# are kept apart, the least recently used dropped first, and never crowd out dense plans.
-_SEQUENCE_PLANS: OrderedDict[tuple, "Plan"] = OrderedDict()
+# are kept apart, the oldest dropped first, and never crowd out dense plans.
+_SEQUENCE_PLANS: dict[tuple, "Plan"] = {}
 _SEQUENCE_PLAN_LIMIT = 32
 
 
@@ -339,9 +338,9 @@ def remember(key: tuple | None, launches: tuple, alignment: int, *arrays) -> Non
     if key is None or any(a.strides[3] != a.itemsize for a in arrays):
         return
     if isinstance(key[0], SequenceContents):
+        if len(_SEQUENCE_PLANS) >= _SEQUENCE_PLAN_LIMIT:
+            _SEQUENCE_PLANS.pop(next(iter(_SEQUENCE_PLANS)), None)
         _SEQUENCE_PLANS[key] = Plan(launches, alignment)
-        if len(_SEQUENCE_PLANS) > _SEQUENCE_PLAN_LIMIT:
-            _SEQUENCE_PLANS.popitem(last=False)
         return
     if len(_PLANS) >= _PLAN_LIMIT:
         _PLANS.clear()
@@ -352,11 +351,7 @@ def cached(key: tuple | None, *arrays) -> tuple | None:
     """The launches cached under `key`, if the arrays' addresses allow their copies."""
     if key is None:
         return None
-    plan = _PLANS.get(key)
-    if plan is None and isinstance(key[0], SequenceContents):
-        plan = _SEQUENCE_PLANS.get(key)
-        if plan is not None:
-            _SEQUENCE_PLANS.move_to_end(key)
+    plan = (_SEQUENCE_PLANS if isinstance(key[0], SequenceContents) else _PLANS).get(key)
     if plan is None or any(a.data.ptr % plan.alignment for a in arrays):
         return None
     return plan.launches
