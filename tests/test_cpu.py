@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -383,6 +385,42 @@ def test_run_gives_every_task_to_exactly_one_thread_and_reraises_errors():
 
     with pytest.raises(ValueError, match="from a kernel"):
         threads.run(failing, 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux thread affinity and two cores")
+def test_pool_threads_start_away_from_the_caller_and_get_its_core_back():
+    """A call's pool thread is woken on the caller's cores but the caller's own (so Linux
+    cannot queue it behind the caller), and once the caller's share is done it may use
+    that core too; a caller restricted to some cores keeps the pool within them."""
+    from tileattn.cpu import threads
+
+    cores = sorted(os.sched_getaffinity(0))
+    seen = []
+    started = threading.Event()
+    main = threading.get_ident()
+
+    def kernel(next_task):
+        if threading.get_ident() == main:  # the caller's copy waits for the pool's to start
+            started.wait(5)
+            return
+        seen.append(os.sched_getaffinity(0))
+        started.set()
+        time.sleep(0.05)  # the caller's copy returns meanwhile
+        seen.append(os.sched_getaffinity(0))
+
+    threads.run(kernel, 2)  # starts (and registers) a pool thread
+    for allowed in ({cores[0], cores[1]}, set(cores)):
+        os.sched_setaffinity(0, allowed)
+        try:
+            seen.clear()
+            started.clear()
+            threads.run(kernel, 2)
+        finally:
+            os.sched_setaffinity(0, cores)
+        at_start, later = seen
+        assert at_start < allowed, (at_start, allowed)
+        assert later == allowed
 
 
 def test_run_gives_every_task_once_over_many_calls_and_callers():

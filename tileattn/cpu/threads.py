@@ -26,7 +26,10 @@ asks it).
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
+import os
+import threading
 
 import numba
 import numba.np.ufunc.parallel
@@ -63,7 +66,71 @@ def threads_for(flops: float) -> int:
 @functools.cache
 def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=size,
-                                                 thread_name_prefix="tileattn-cpu")
+                                                 thread_name_prefix="tileattn-cpu",
+                                                 initializer=_helpers.register)
+
+
+class _HelperPlaces:
+    """Where the pool's threads may run: away from the caller's core while a call starts.
+
+    Linux wakes a thread on the core of the thread that woke it when that core looks
+    cheaper than an idle one (wake-affine), and moves it only at the next load balancing,
+    milliseconds later: after a pause, a call's pool thread then queued behind the caller on
+    one core while the other idled (2 cores, MHA Nq 32 over 4k keys after a 30 ms pause
+    11.5 ms, 5.9 back to back; 6.5 with the pool thread pinned to the other core:
+    bench/NOTES-cpu.md, session 31). So before waking them the caller allows the pool's
+    threads every core it may use but its own (`away`), and gives its core back to those
+    still running once its own share is done (`back`): a pool thread that waits for a busy
+    core then takes the caller's. Linux only (os.sched_setaffinity, sched_getcpu); a
+    no-op elsewhere, on one core, and for threads the pool has not started yet."""
+
+    def __init__(self):
+        self._threads: dict[int, frozenset | None] = {}  # native id -> cores last allowed
+        self._current_core = _current_core_function()
+
+    def register(self) -> None:
+        """A pool thread's initializer."""
+        self._threads[threading.get_native_id()] = None
+
+    def away(self) -> frozenset | None:
+        """Every pool thread allowed the caller's cores but the one it runs on; those cores
+        (to give back), or None where nothing was changed."""
+        if self._current_core is None or not self._threads:
+            return None
+        cores = frozenset(os.sched_getaffinity(0))
+        away = cores - {self._current_core()}
+        if not away or away == cores:
+            return None
+        self._allow(away)
+        return cores
+
+    def back(self, cores: frozenset) -> None:
+        self._allow(cores)
+
+    def _allow(self, cores: frozenset) -> None:
+        for thread, allowed in list(self._threads.items()):
+            if allowed != cores:
+                try:
+                    os.sched_setaffinity(thread, cores)
+                except OSError:  # a thread that has exited, or cores taken away meanwhile
+                    continue
+                self._threads[thread] = cores
+
+
+def _current_core_function():
+    """libc's sched_getcpu through ctypes (~0.3 us), or None where there is none."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        function = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = []
+    return function if function() >= 0 else None
+
+
+_helpers = _HelperPlaces()
 
 
 def run(kernel, n_threads: int, *args) -> None:
@@ -74,10 +141,13 @@ def run(kernel, n_threads: int, *args) -> None:
         kernel(*args, next_task)
         return
     pool = _pool(numba.config.NUMBA_NUM_THREADS)
+    cores = _helpers.away()
     helpers = [pool.submit(kernel, *args, next_task) for _ in range(n_threads - 1)]
     try:
         kernel(*args, next_task)
     finally:
+        if cores is not None and not all(helper.done() for helper in helpers):
+            _helpers.back(cores)
         for helper in helpers:
             if not helper.cancel():
                 helper.result()
