@@ -26,7 +26,6 @@ asks it).
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import os
 import threading
@@ -87,6 +86,8 @@ class _HelperPlaces:
     def __init__(self):
         self._threads: dict[int, frozenset | None] = {}  # native id -> cores last allowed
         self._current_core = _current_core_function()
+        if hasattr(os, "register_at_fork"):  # a forked child has none of these threads, and
+            os.register_at_fork(after_in_child=self._threads.clear)  # their ids may be reused
 
     def register(self) -> None:
         """A pool thread's initializer."""
@@ -97,7 +98,10 @@ class _HelperPlaces:
         (to give back), or None where nothing was changed."""
         if self._current_core is None or not self._threads:
             return None
-        cores = frozenset(os.sched_getaffinity(0))
+        try:
+            cores = frozenset(os.sched_getaffinity(0))
+        except OSError:
+            return None
         away = cores - {self._current_core()}
         if not away or away == cores:
             return None
@@ -122,8 +126,10 @@ def _current_core_function():
     if not hasattr(os, "sched_setaffinity"):
         return None
     try:
+        import ctypes
+
         function = ctypes.CDLL(None).sched_getcpu
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         return None
     function.restype = ctypes.c_int
     function.argtypes = []
