@@ -390,8 +390,12 @@ def _backward_plan(q_c, k_c, v_c, do_c, options: AttentionOptions,
 
     descriptors = shape.descriptors
     n_sequences, n_q_heads, n_kv_heads = len(descriptors), q_c.shape[1], k_c.shape[1]
-    # FlashAttention's count: the backward's five products are 2.5x the forward's two.
-    n_threads = threads.threads_for(2.5 * _flops(q_c, v_c, shape.pairs(options)))
+    # FlashAttention's count: the backward's five products are 2.5x the forward's two. Few
+    # query rows over many keys do little arithmetic for the bytes of K and V read and dK
+    # and dV written, which count as a decode call's bytes do (`decode.BYTE_COST`).
+    moved = 2 * (k_c.nbytes + v_c.nbytes)
+    n_threads = threads.threads_for(max(2.5 * _flops(q_c, v_c, shape.pairs(options)),
+                                        decode.BYTE_COST * moved))
     blocks = _blocks("backward", q_c, v_c, options, n_threads, shape)
     scalars = _option_scalars(options, n_sequences, n_q_heads)
     heads_schedule = _use_heads_schedule(n_sequences, n_kv_heads, n_threads)
