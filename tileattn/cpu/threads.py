@@ -152,8 +152,8 @@ def run(kernel, n_threads: int, *args) -> None:
     try:
         kernel(*args, next_task)
     finally:
-        if cores is not None and not all(helper.done() for helper in helpers):
-            _helpers.back(cores)
+        if cores is not None and any(helper.running() for helper in helpers):
+            _helpers.back(cores)  # (those not started yet are cancelled below)
         for helper in helpers:
             if not helper.cancel():
                 helper.result()
