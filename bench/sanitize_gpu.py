@@ -382,7 +382,8 @@ def decode_cases(rng) -> int:
     # ids outside the pool (the offsets' clamp: nothing may be read past the pools).
     q, k, v, _, lengths = _varlen_problem(rng, np.dtype(np.float16), "paged", rows=(1, 2, 1),
                                           keys=(700, 333, 290), heads=(8, 2))
-    for options in ({}, {"causal": True}):
+    for options in ({}, {"causal": True},
+                    {"causal": True, "alibi_slopes": np.linspace(0.05, 0.5, 8)}):
         o, lse = tileattn.forward(*map(cupy.asarray, (q, k, v)), backend="gpu",
                                   return_lse=True, **lengths, **options)
         golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
@@ -407,7 +408,7 @@ def decode_cases(rng) -> int:
 # the tensor-core kernel (attention_decode_mma.cu, a fifth field): a cut stage with a
 # non-finite V (its scan and zeroing), two row tiles, odd dims, D = 256, splits merged by
 # the last block of each group (3 and 16 splits) and by the merge kernel (4 and 100: past
-# its early loads).
+# its early loads), ALiBi's slope per packed row.
 _NON_FINITE_V = dict(causal=True, window=(40, None))
 DECODE_CASES = [
     ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, softcap=2.0), 3, "tensor_cores"),
@@ -415,6 +416,8 @@ DECODE_CASES = [
     ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3)), 16, "tensor_cores"),
     ("float16", (1, 8, 1, 1, 900, 256, 256), {}, 1, "tensor_cores"),
     ("float16", (1, 8, 1, 1, 9000, 64, 64), dict(causal=True), 100, "tensor_cores"),
+    ("bfloat16", (2, 16, 2, 2, 500, 128, 128),
+     dict(causal=True, alibi_slopes=np.linspace(0.05, 0.5, 16)), 3, "tensor_cores"),
     ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, dropout_p=0.2, seed=4), 3),
     ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3), softcap=3.0), 16),
     ("bfloat16", (1, 4, 4, 1, 200, 128, 128),
