@@ -75,11 +75,12 @@ __device__ __forceinline__ void scores_to_logits(float (&s)[RowTiles][KeyFrags][
         // once per row: a float add per score instead of 64-bit integer arithmetic and an
         // int64-to-float conversion, the same value while distances stay below 2^24.
         float base[2] = {0.0f, 0.0f};
-        if (ALIBI)
+        if (ALIBI) {
 #pragma unroll
             for (int half = 0; half < 2; ++half)
                 base[half] = static_cast<float>(rows[m][half] + scores.band.offset - col_start -
                                                 2 * quad_col);
+        }
 #pragma unroll
         for (int n = 0; n < KeyFrags; ++n)
 #pragma unroll
