@@ -76,7 +76,8 @@ def _slopes_argument(alibi_slopes):
         if alibi_slopes.requires_grad and torch.is_grad_enabled() or _tracks_grad(alibi_slopes):
             raise ValueError("alibi_slopes get no gradient from tileattn: pass "
                              "alibi_slopes.detach()")
-        kind = "c" if alibi_slopes.is_complex() else "b" if alibi_slopes.dtype == torch.bool else "f"
+        kind = ("c" if alibi_slopes.is_complex()
+                else "b" if alibi_slopes.dtype == torch.bool else "f")
         dtype = alibi_slopes.dtype
     else:
         array = _as_array("alibi_slopes", alibi_slopes)

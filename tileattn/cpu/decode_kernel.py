@@ -30,8 +30,8 @@ from .forward_kernel import _apply_dropout, _softmax_update
 from .kept_products import redo_non_finite_rows
 from .kernel_cache import flush_if_stale
 from .schedule import claim_next
-from .tiles import (gathered_rows, key_span, key_value_rows, mask_tile, tile_is_fully_kept, tile_view,
-                    transform_tile)
+from .tiles import (gathered_rows, key_span, key_value_rows, mask_tile, tile_is_fully_kept,
+                    tile_view, transform_tile)
 from .vector_math import FASTMATH, maximum
 from .widen import copy_row, widen_rows
 
