@@ -479,6 +479,24 @@ def test_describe_names_the_decode_row():
     assert tiles.describe_with_decode(problem, None) == tiles.describe(problem)
 
 
+def test_dense_backwards_of_few_query_rows_take_smaller_tiles():
+    """Hopper, 16-bit D = 128: a dense backward of at most 32 query rows takes 64-row dQ and
+    dK/dV blocks, of up to 128 rows 128-row dQ blocks over 64-key dK/dV blocks; more rows,
+    or an unknown count (variable-length calls), keep the row of any Nq."""
+    def backward(n_q, head_dim=128, **fields):
+        problem = Problem(dtype="float16", head_dim=head_dim, value_dim=head_dim, n_k=32768,
+                          n_q=n_q, **fields, **H100)
+        return tiles.choose_backward(problem).tiles
+
+    few, some = (tiles.WgmmaBackwardTiles((64, 64), (64, 64), 2),
+                 tiles.WgmmaBackwardTiles((128, 64), (64, 64), 2))
+    assert backward(1) == backward(32) == backward(32, banded=True) == few
+    assert backward(33) == backward(128) == backward(100, score_options=True) == some
+    assert backward(129) == backward(0) == tiles.WgmmaBackwardTiles((192, 64), (128, 64), 3)
+    assert backward(0, banded=True) == backward(4096, banded=True) != some
+    assert backward(1, head_dim=64) == backward(0, head_dim=64)  # not swept below D = 113
+
+
 def test_forward_grids_of_few_waves_take_two_blocks_per_multiprocessor():
     """Hopper, D = 128 without a band: a forward grid under 8 waves of 192-row blocks (B = 1
     prefill, a short query block over a long cache) takes 128-row tiles at two blocks per

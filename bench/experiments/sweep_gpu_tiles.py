@@ -178,8 +178,8 @@ def main() -> None:
     DETERMINISTIC = not args.nondeterministic
     limit = shared_memory_limit(cupy.cuda.Device().id)
     flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
-    print("| D | Dv | causal | N | tiles | TFLOP/s | table's row |")
-    print("| ---: | ---: | --- | ---: | --- | ---: | --- |")
+    print("| D | Dv | causal | N | tiles | ms | TFLOP/s | table's row |")
+    print("| ---: | ---: | --- | ---: | --- | ---: | ---: | --- |")
     for dim in args.dims.split(","):
         head_dim, value_dim = map(int, dim.split(":")) if ":" in dim else (int(dim),) * 2
         step = 8 if args.family == "tf32" else 16
@@ -187,8 +187,8 @@ def main() -> None:
         masks = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
         queries = [None] if args.queries is None else [int(x) for x in args.queries.split(",")]
         for causal, n, n_q in itertools.product(masks, map(int, args.n.split(",")), queries):
-            case = Case(args.dtype, 16384 // n, max(1, round(2048 / head_dim)), n, head_dim,
-                        causal=causal, value_dim=value_dim)
+            case = Case(args.dtype, max(1, 16384 // n), max(1, round(2048 / head_dim)), n,
+                        head_dim, causal=causal, value_dim=value_dim)
             q, k, v, do = make_inputs(case)
             flops = case.flops
             if n_q is not None:  # the last n_q rows: causal keeps what a chunk at the end keeps
@@ -233,7 +233,7 @@ def main() -> None:
                 tflops = flops_factor * flops / ms / 1e9
                 results.append((tflops, config))
                 print(f"| {head_dim} | {value_dim} | {causal} | {label} | {config} | "
-                      f"{tflops:.1f} | {'<- table' if config == chosen.tiles else ''} |",
+                      f"{ms:.3f} | {tflops:.1f} | {'<- table' if config == chosen.tiles else ''} |",
                       flush=True)
             if results:
                 best = max(results, key=lambda r: r[0])

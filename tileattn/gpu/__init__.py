@@ -335,7 +335,7 @@ def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
         forward = Blocks(n_q, choice.tiles.block_k)
     else:
         forward = Blocks(choice.tiles.block_q, choice.tiles.block_k)
-    choice = choose_backward(_problem(n_k, head_dim, value_dim, dtype, options))
+    choice = choose_backward(_problem(n_k, head_dim, value_dim, dtype, options, n_q=n_q))
     if choice.family == "generic":
         backward = (None if _generic_refusal(dtype, head_dim, value_dim, options,
                                              _GENERIC_ENTRIES["backward"]) else generic)

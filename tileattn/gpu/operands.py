@@ -58,8 +58,10 @@ def problem_for(device: int, dtype, head_dim: int, value_dim: int, n_k: int,
 
 
 def problem_of(q, k, v, options: AttentionOptions) -> Problem:
-    """The `tiles.Problem` of these arrays on their device."""
-    return problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], k.shape[2], options)
+    """The `tiles.Problem` of these arrays on their device (a dense call's: with its Nq,
+    which backward rows for few query rows read; not the forward's grid)."""
+    return problem_for(q.device.id, q.dtype, q.shape[3], v.shape[3], k.shape[2], options,
+                       n_q=q.shape[2])
 
 
 # --------------------------------------------------------------------------- options

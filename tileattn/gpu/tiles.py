@@ -64,6 +64,7 @@ class Problem:
     block_k: int | None = None
     # The forward's grid: B x Hq query heads of Nq rows on `multiprocessors` SMs (0: not
     # known, as for the backward and variable-length calls; rows on waves then never match).
+    # A dense backward knows its Nq alone (rows for few queries over many keys).
     query_heads: int = 0
     n_q: int = 0
     multiprocessors: int = 0
@@ -111,7 +112,8 @@ class When:
     """A row's condition: padded widths up to `max_width` (both D and Dv) and above
     `min_width` (the wider of them), where given up to `max_sum` for D + Dv, and of one
     padded width where `same_widths`; at most
-    `max_keys` keys; a forward grid of fewer than `max_waves` waves of `wave_tiles`
+    `max_keys` keys; at most `max_queries` query rows (a known Nq: the dense backward's); a
+    forward grid of fewer than `max_waves` waves of `wave_tiles`
     (block_q, blocks per SM) blocks; score options and a band as given (None: either)."""
 
     max_width: int
@@ -123,6 +125,7 @@ class When:
     max_waves: float | None = None
     wave_tiles: tuple[int, int] = (192, 1)
     same_widths: bool = False
+    max_queries: int | None = None
 
     def matches(self, problem: Problem, widths: Widths) -> bool:
         waves = problem.waves(*self.wave_tiles) if self.max_waves is not None else None
@@ -130,6 +133,7 @@ class When:
                 and widths.head + widths.value <= self.max_sum
                 and (not self.same_widths or widths.head == widths.value)
                 and (self.max_keys is None or problem.n_k <= self.max_keys)
+                and (self.max_queries is None or 0 < problem.n_q <= self.max_queries)
                 and (self.max_waves is None or (waves is not None and waves < self.max_waves))
                 and (self.score_options is None or self.score_options == problem.score_options)
                 and (self.banded is None or self.banded == problem.banded))
@@ -386,6 +390,13 @@ WGMMA_BACKWARD = [
         "v46: unbanded D=65-112, two stages (H200 fwd+bwd N=1k/4k/16k: D=80 "
         "257.0/301.4/316.6 TFLOP/s vs 256.9/287.4/320.1 for three, D=112 "
         "254.1/324.0/341.4 vs 251.8/317.5/333.9)"),
+    Row(When(128, min_width=112, max_queries=32), WgmmaBackwardTiles((64, 64), (64, 64), 2),
+        "v48: D=128, <=32 query rows (H200 fwd+bwd over 32k keys, Nq=1/32 full 1.525/1.548 ms "
+        "vs 1.611/1.630 for 192x64-128x64x3, causal 1.246/1.247 vs 1.355/1.349)"),
+    Row(When(128, min_width=112, max_queries=128), WgmmaBackwardTiles((128, 64), (64, 64), 2),
+        "v48: D=128, <=128 query rows (H200 fwd+bwd over 32k keys, Nq=100/128 full "
+        "1.633/1.604 ms vs 1.677/1.645 for 192x64-128x64x3, causal 1.385/1.345 vs "
+        "1.432/1.424)"),
     Row(When(128, banded=True), WgmmaBackwardTiles((192, 64), (128, 64), 2),
         "v12: banded D=128, a third stage spills the dK/dV kernel (v45, H200 N=4k causal: "
         "310.9 TFLOP/s fwd+bwd, best of 8 tilings 311.9)"),
