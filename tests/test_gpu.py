@@ -229,6 +229,22 @@ def test_tensor_core_backward_masked_tiles(head_dim, n_q, n_k, options):
     _check(q, k, v, do, **options)
 
 
+@hopper_only
+@pytest.mark.parametrize("n_q", [1, 7, 32, 33, 100, 128])
+@pytest.mark.parametrize("options", [{}, {"causal": True},
+                                     {"causal": True, "alibi_slopes": np.array([0.2, 0.4])}],
+                         ids=["plain", "causal", "causal-alibi"])
+def test_backward_of_few_query_rows_over_many_keys(n_q, options):
+    """Up to 128 query rows over 1100 keys (GQA 2/1, D 128) take the table's rows for few
+    queries, and are right."""
+    q, k, v = _inputs((1, 2, n_q, 128), (1, 1, 1100, 128), (1, 1, 1100, 128), np.float16,
+                      seed=n_q)
+    do = np.random.default_rng(n_q).standard_normal(q.shape).astype(np.float16)
+    backward = _choices(q, k, v, options)[1]
+    assert backward.tiles.dkdv == (64, 64) and "query rows" in backward.note
+    _check(q, k, v, do, **options)
+
+
 def test_tensor_core_backward_is_deterministic():
     q, k, v = (cupy.asarray(a) for a in _inputs((2, 8, 700, 64), (2, 2, 700, 64),
                                                 (2, 2, 700, 64), np.float16))
@@ -494,7 +510,7 @@ def test_wgmma_forward_long_rows_and_fully_masked_tiles():
                                    ((64, 128), (64, 128), 2), ((192, 64), (192, 64), 2),
                                    ((128, 32), (128, 32), 2, True), ((128, 64), (128, 64), 2, True),
                                    ((128, 64), (192, 64), 3), ((64, 64), (64, 64), 2),
-                                   ((128, 64), (128, 32), 2)],
+                                   ((128, 64), (128, 32), 2), ((128, 64), (64, 64), 2)],
                          ids=lambda t: (f"dq{t[0][0]}x{t[0][1]}-dkdv{t[1][0]}x{t[1][1]}-s{t[2]}"
                                         + ("-split" if len(t) > 3 else "")))
 @pytest.mark.parametrize("single_pass", [False, True], ids=["two-kernel", "single-pass"])

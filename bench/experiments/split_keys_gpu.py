@@ -1,6 +1,6 @@
 """Split-KV in the prefill forward (tiles.forward_key_splits) and the backward's dQ kernel
 (tiles.dq_key_splits): each shape's forward (or, with --backward, backward) with the keys cut
-into 1, 2, 3, 4, 6, 8 and 12 shares and as the rule chooses, against torch SDPA's flash
+into 1-32 shares (SPLITS) and as the rule chooses, against torch SDPA's flash
 (FlashAttention-2), memory-efficient and cuDNN backends (their backward: forward + backward
 less forward), calls back to back (kernels and host alike).
 
@@ -20,14 +20,15 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])  # bench/, for gpu_timing and ben
 
 # (B, Hq, Nq, Nk, D, causal): few query tiles over many keys, and a few that fill the GPU.
 SHAPES = [
-    (4, 16, 100, 8192, 128, True), (4, 16, 100, 8192, 128, False),
+    (1, 32, 1, 65536, 128, False), (4, 16, 100, 8192, 128, True),
+    (1, 32, 128, 32768, 128, True), (4, 16, 100, 8192, 128, False),
     (4, 16, 65, 8192, 128, True), (4, 16, 128, 8192, 64, True),
-    (1, 32, 128, 32768, 128, True), (1, 32, 128, 2048, 128, False),
+    (1, 32, 128, 2048, 128, False),
     (1, 16, 256, 8192, 128, True), (1, 8, 512, 32768, 128, True),
     (1, 8, 1024, 1024, 128, True), (2, 8, 2048, 2048, 64, True),
     (1, 8, 200, 16384, 256, True), (8, 16, 128, 4096, 128, True),
 ]
-SPLITS = (1, 2, 3, 4, 6, 8, 12)
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def main(argv=None) -> None:
