@@ -284,6 +284,23 @@ def test_an_infinite_key_drops_out_beside_a_partial_query_tile(backend, dtype, s
     assert (dk[1, 0, key] == 0).all() and (dv[1, 0, key] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() else []),
+                         ids=lambda d: d.name)
+def test_infinite_keys_drop_out_in_far_key_blocks_beside_a_partial_query_tile(backend, dtype):
+    """Five query rows over 20000 keys, GQA 8/4, two batch elements: on the GPU more 16-bit
+    dK/dV blocks than the redo's grid (a few blocks an SM, each walking every gridDim.x-th
+    flag), with infinite keys in the first block and in the last. dk and dv of those keys
+    are 0; every other entry is the golden model's."""
+    q, k, v, do = _normal(4, (2, 8, 5, 8), (2, 4, 20000, 8), (2, 4, 20000, 8), (2, 8, 5, 8),
+                          dtype=dtype)
+    q[..., 0] = -np.abs(q[..., 0]) - np.asarray(0.1, dtype)
+    k[0, 0, 3, 0] = k[1, 3, 19990, 0] = np.inf
+    o, (dq, dk, dv) = check_problem(backend, q, k, v, do, {}, exact=False)
+    assert np.isfinite(o).all()
+    for batch, head, key in ((0, 0, 3), (1, 3, 19990)):
+        assert (dk[batch, head, key] == 0).all() and (dv[batch, head, key] == 0).all()
+
+
 def test_an_infinite_query_against_keys_of_one_sign_scores_minus_inf(backend):
     """q[3, 0] = +inf against k[:, 0] < 0 (not TF32 numbers either): row 3's scores are all
     -inf, and no other row is touched."""

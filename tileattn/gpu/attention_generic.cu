@@ -755,25 +755,31 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 }
 
 // dK and dV again for the key blocks of a 16-bit tensor-core dK/dV kernel that flagged
-// inf or NaN in their owned K or V rows (`key_flags[block]`, FLAG_NON_FINITE_KEYS there),
-// with that kernel's grid: `owned_rows` keys a block, in its block order (`tile_major`).
+// inf or NaN in their owned K or V rows (`key_flags[block]`, FLAG_NON_FINITE_KEYS there):
+// `key_blocks` blocks of `owned_rows` keys, in that kernel's block order (`tile_major`).
 // Those kernels stream query tiles whose rows past n_q are zero rows of Q, dO, lse and D;
 // against an infinite key element they score 0 x inf = NaN, which would reach dk and dv of
-// a key that no real query keeps. Here only real rows are read. Any other block returns
-// at once, so with finite keys this costs a launch.
+// a key that no real query keeps. Here only real rows are read. The grid is a few blocks an
+// SM, each walking every gridDim.x-th flag: with finite keys a few reads a block, where a
+// block per key block cost a launch of tens of thousands of blocks (few query rows over
+// long keys). A flag is the same for the whole block, so the barriers inside a tile stay
+// uniform.
 extern "C" __global__ void __launch_bounds__(THREADS)
     attention_backward_dkdv_redo(BACKWARD_DKDV_ARRAYS, const int* key_flags,
-                                 BACKWARD_DKDV_SCALARS, int owned_rows, int tile_major) {
-    if (!key_flags[blockIdx.x]) return;
+                                 BACKWARD_DKDV_SCALARS, int owned_rows, int tile_major,
+                                 int key_blocks) {
     const int n_kv_heads = n_q_heads / group_size;
-    const KeyBlock owned =
-        tile_major ? key_block<true>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
-                                     SEQUENCE_TABLES)
-                   : key_block<false>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
-                                      SEQUENCE_TABLES);
-    const i64 stop = min(owned.key_start + owned_rows, owned.n_k);
-    for (i64 col_start = owned.key_start; col_start < stop; col_start += block_k)
-        BACKWARD_DKDV_TILE(owned, col_start);
+    for (int block = blockIdx.x; block < key_blocks; block += gridDim.x) {
+        if (!key_flags[block]) continue;
+        const KeyBlock owned =
+            tile_major ? key_block<true>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
+                                         SEQUENCE_TABLES, block)
+                       : key_block<false>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
+                                          SEQUENCE_TABLES, block);
+        const i64 stop = min(owned.key_start + owned_rows, owned.n_k);
+        for (i64 col_start = owned.key_start; col_start < stop; col_start += block_k)
+            BACKWARD_DKDV_TILE(owned, col_start);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq(

@@ -30,6 +30,9 @@ WGMMA_SOURCE = "attention_wgmma_backward.cu"
 MMA_SOURCE = "attention_mma_backward.cu"
 DELTA_SOURCE = "attention_backward_delta.cu"
 DELTA_THREADS = 256
+# The redo of flagged key blocks walks the dK/dV kernels' flags over this many blocks an SM
+# (attention_backward_dkdv_redo): with finite keys each reads a few flags and returns.
+REDO_BLOCKS_PER_SM = 4
 GROUP_SUM_SOURCE = "group_sum.cu"
 
 
@@ -138,12 +141,12 @@ def _has_query_tail(n_q: int, streamed: int, sequences: Sequences | None) -> boo
     return sequences is not None or n_q % streamed != 0
 
 
-def _key_flags(redo: Launch | None):
-    """The dK/dV kernels' flag per block for `redo` (each block writes its own), or an empty
-    stand-in when they flag nothing."""
+def _key_flags(redo: Launch | None, key_blocks: int):
+    """The dK/dV kernels' flag per block (each of their `key_blocks` blocks writes its own),
+    or an empty stand-in when they flag nothing (no `redo`)."""
     if redo is None:
         return empty(cupy.cuda.Device().id, "int32")
-    return cupy.empty(redo.grid[0], dtype=cupy.int32)
+    return cupy.empty(key_blocks, dtype=cupy.int32)
 
 
 def _key_grid(q, k, v, do, lse, dk, dv, options: AttentionOptions, owned: int,
@@ -156,7 +159,7 @@ def _key_grid(q, k, v, do, lse, dk, dv, options: AttentionOptions, owned: int,
     grid, tables = tile_grid(n_kv_heads, n_k, owned, batch, sequences, keys=True)
     redo = (_key_redo(q, k, v, do, lse, dk, dv, options, owned, tile_major, grid, tables,
                       sequences) if flagging else None)
-    return grid, tables, redo, _key_flags(redo)
+    return grid, tables, redo, _key_flags(redo, grid)
 
 
 def _key_redo(q, k, v, do, lse, dk, dv, options: AttentionOptions, owned: int,
@@ -177,11 +180,12 @@ def _key_redo(q, k, v, do, lse, dk, dv, options: AttentionOptions, owned: int,
     arguments = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                  np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
                  np.int32(blocks.block_q), np.int32(blocks.block_k))
-    return Launch(function, (grid,), (GENERIC_THREADS,), shared,
+    return Launch(function, (min(grid, REDO_BLOCKS_PER_SM * sm_count(q.device.id)),),
+                  (GENERIC_THREADS,), shared,
                   arguments + tuple(strides)
                   + score_arguments(options, n_q, n_k, np.float32) + tables
                   + output_strides(dk) + output_strides(dv)
-                  + (np.int32(owned), np.int32(tile_major)))
+                  + (np.int32(owned), np.int32(tile_major), np.int32(grid)))
 
 
 def _group_sum_launch(out, splits: int, part: str | None = None) -> Launch:
@@ -290,13 +294,14 @@ class BackwardPlan:
     redo: Launch | None
     sums: GroupSums | None
     n_rows: int  # D's length: B x Hq x Nq
+    key_blocks: int  # the dK/dV kernels' blocks: a flag each where there is a redo
 
     def scratch(self, allocate) -> tuple:
         """D, the dK/dV kernels' flags and the group sums' partial dK and dV (or None), as
         the device addresses ``allocate(bytes)`` gives: memory for one call, or for every
         call of a replay on one stream (calls on a stream run in order)."""
         flags = (empty(cupy.cuda.runtime.getDevice(), "int32").data.ptr if self.redo is None
-                 else allocate(4 * self.redo.grid[0]))
+                 else allocate(4 * self.key_blocks))
         parts = (None if self.sums is None
                  else tuple(allocate(size) for size in self.sums.part_bytes()))
         return allocate(4 * self.n_rows), flags, parts
@@ -418,7 +423,7 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
         redo(q, k, v, do, lse, delta, dk, dv, flags)
     if key is not None:
         remember(key, (BackwardPlan(launches[0], launches[1], tuple(launches[2:]), redo,
-                                    sums, delta.size),), copy_bytes, *arrays_in)
+                                    sums, delta.size, flags.size),), copy_bytes, *arrays_in)
     if single_pass:  # `defines` are the dK/dV kernel's: the same module
         unblock = _compile.kernel(WGMMA_SOURCE, "attention_backward_dq_unblock",
                                   tuple(sorted(defines)), 0, arch="90a")
