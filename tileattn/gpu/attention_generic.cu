@@ -760,25 +760,32 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // Those kernels stream query tiles whose rows past n_q are zero rows of Q, dO, lse and D;
 // against an infinite key element they score 0 x inf = NaN, which would reach dk and dv of
 // a key that no real query keeps. Here only real rows are read. The grid is a few blocks an
-// SM, each walking every gridDim.x-th flag: with finite keys a few reads a block, where a
-// block per key block cost a launch of tens of thousands of blocks (few query rows over
-// long keys). A flag is the same for the whole block, so the barriers inside a tile stay
-// uniform.
+// SM; block b owns the flags b, b + gridDim.x, ... and its threads read as many of them
+// at once, so with finite keys a block reads a flag a thread and returns, where a block per
+// key block cost a launch of tens of thousands of blocks (few query rows over long keys).
+// Every branch below is the same for the whole block (a flag is read by all its threads),
+// so the barriers inside a tile stay uniform.
 extern "C" __global__ void __launch_bounds__(THREADS)
     attention_backward_dkdv_redo(BACKWARD_DKDV_ARRAYS, const int* key_flags,
                                  BACKWARD_DKDV_SCALARS, int owned_rows, int tile_major,
                                  int key_blocks) {
     const int n_kv_heads = n_q_heads / group_size;
-    for (int block = blockIdx.x; block < key_blocks; block += gridDim.x) {
-        if (!key_flags[block]) continue;
-        const KeyBlock owned =
-            tile_major ? key_block<true>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
-                                         SEQUENCE_TABLES, block)
-                       : key_block<false>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
-                                          SEQUENCE_TABLES, block);
-        const i64 stop = min(owned.key_start + owned_rows, owned.n_k);
-        for (i64 col_start = owned.key_start; col_start < stop; col_start += block_k)
-            BACKWARD_DKDV_TILE(owned, col_start);
+    const i64 stride = gridDim.x, pass = stride * blockDim.x;
+    for (i64 first = blockIdx.x; first < key_blocks; first += pass) {
+        const i64 mine = first + threadIdx.x * stride;
+        if (!__syncthreads_or(mine < key_blocks && key_flags[mine])) continue;
+        const i64 last = min(first + pass, static_cast<i64>(key_blocks));
+        for (i64 block = first; block < last; block += stride) {
+            if (!key_flags[block]) continue;
+            const KeyBlock owned =
+                tile_major ? key_block<true>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
+                                             SEQUENCE_TABLES, block)
+                           : key_block<false>(owned_rows, n_q, n_k, band_offset, n_kv_heads,
+                                              SEQUENCE_TABLES, block);
+            const i64 stop = min(owned.key_start + owned_rows, owned.n_k);
+            for (i64 col_start = owned.key_start; col_start < stop; col_start += block_k)
+                BACKWARD_DKDV_TILE(owned, col_start);
+        }
     }
 }
 
