@@ -761,8 +761,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // against an infinite key element they score 0 x inf = NaN, which would reach dk and dv of
 // a key that no real query keeps. Here only real rows are read. The grid is a few blocks an
 // SM; block b owns the flags b, b + gridDim.x, ... and its threads read as many of them
-// at once, so with finite keys a block reads a flag a thread and returns, where a block per
-// key block cost a launch of tens of thousands of blocks (few query rows over long keys).
+// at once, so with finite keys a block reads a flag a thread and returns (a block per key
+// block would be tens of thousands of blocks for few query rows over long keys).
 // Every branch below is the same for the whole block (a flag is read by all its threads),
 // so the barriers inside a tile stay uniform.
 extern "C" __global__ void __launch_bounds__(THREADS)
