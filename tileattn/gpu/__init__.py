@@ -195,36 +195,20 @@ def _folds(q, k, v, options: AttentionOptions):
     """Each query row's ``(kept keys, choice)`` where `launch_forward.forward` folds a wide
     GQA decode (`_forward_folded_rows`: one fold a row, over the keys that row keeps, or none
     at all where a row keeps no key or declines its fold), else None."""
-    from ..options import evolve
-    from .launch_decode import decode_shape, kept_keys
-    from .launch_forward import choose, folds_group, unmasked
-    from .operands import problem_for
-    from .tiles import FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, fold_value_slices, folded_choice
+    from .launch_forward import choose, fold_choice, fold_rows, may_fold, unmasked
 
+    if not may_fold(q, k, v, options):
+        return None
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    group = heads // kv_heads
-    if (n_q > FOLD_MAX_QUERY_ROWS or max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM
-            or not folds_group(q.dtype, head_dim, value_dim, n_q, group, options)):
-        return None
-    offset = options.band_offset(n_q, n_k)
-    rows = [options] if n_q == 1 else [
-        evolve(options, alignment=offset + row, row_offset=0, col_offset=0)
-        for row in range(n_q)]
     decodes = choose(q, k, v, options).family == "decode"
-    widest = fold_value_slices(value_dim)[0][1]  # (the first slice is the widest)
+    folded_q = _Shaped((batch, kv_heads, heads // kv_heads, head_dim), q.dtype, q.device.id)
     folds = []
-    for alone in rows:
-        low, high = kept_keys(alone, 1, n_k)
+    for alone, low, high in fold_rows(options, n_q, n_k):
         if low >= high:
             return None
-        folded_options = unmasked(alone)
-        folded_q = _Shaped((batch, kv_heads, group, head_dim), q.dtype, q.device.id)
         cut_k = _Shaped((batch, kv_heads, high - low, head_dim), q.dtype, q.device.id)
-        problem = problem_for(q.device.id, q.dtype, head_dim, widest, high - low,
-                              folded_options, batch * kv_heads, group)
-        choice = folded_choice(problem, decode_shape(folded_q, cut_k, folded_options),
-                               decodes)
+        choice = fold_choice(folded_q, cut_k, value_dim, unmasked(alone), decodes)
         if choice is None:
             return None
         folds.append((high - low, choice))

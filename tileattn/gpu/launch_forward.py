@@ -18,9 +18,9 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
 from .tiles import (FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, Choice, MmaTiles, Tf32Tiles,
-                    Tf32WgmmaTiles, WgmmaTiles, Widths, choose_decode, choose_forward, fold_value_slices,
-                    folded_choice, folds_group_rows, forward_resident_blocks, key_shares,
-                    with_key_splits, within_pages)
+                    Tf32WgmmaTiles, WgmmaTiles, Widths, choose_decode, choose_forward,
+                    fold_value_slices, folded_choice, folds_group_rows, forward_resident_blocks,
+                    key_shares, with_key_splits, within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -337,9 +337,8 @@ def forward(q, k, v, options: AttentionOptions, out=None, lse_out=None):
     if options.varlen is not None:
         return _forward_varlen(q, k, v, options, out, lse_out)
     o, lse = _outputs(q, v, out, lse_out)
-    if q.shape[2] <= FOLD_MAX_QUERY_ROWS and max(q.shape[3], v.shape[3]) > MAX_TENSOR_CORE_DIM:
-        if _forward_folded_rows(q, k, v, o, lse, options):  # (only wide decodes fold)
-            return o, lse
+    if may_fold(q, k, v, options) and _forward_folded_rows(q, k, v, o, lse, options):
+        return o, lse
     key = forward_plan_key(options, q, k, v, o.strides)
     launches = cached(key, q, k, v)
     if launches is not None:
@@ -359,6 +358,40 @@ def folds_group(dtype, head_dim: int, value_dim: int, n_q: int, group: int,
                             options.block_q is not None or options.block_k is not None)
 
 
+def may_fold(q, k, v, options: AttentionOptions) -> bool:
+    """Whether a dense forward of these shapes is a wide GQA decode that folds its group
+    into query rows (`tiles.folds_group_rows`), where each row's fold still has to take it
+    (`fold_choice`)."""
+    n_q, head_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
+    return (n_q <= FOLD_MAX_QUERY_ROWS and max(head_dim, value_dim) > MAX_TENSOR_CORE_DIM
+            and folds_group(q.dtype, head_dim, value_dim, n_q, q.shape[1] // k.shape[1],
+                            options))
+
+
+def fold_rows(options: AttentionOptions, n_q: int, n_k: int) -> list:
+    """A folded forward's query rows, each ``(options, low, high)``: the row alone, its band
+    where it was (a one-row call aligned at its offset), and the keys [low, high) it keeps
+    (none where low >= high)."""
+    if n_q == 1:
+        rows = [options]
+    else:
+        offset = options.band_offset(n_q, n_k)
+        rows = [evolve(options, alignment=offset + row, row_offset=0, col_offset=0)
+                for row in range(n_q)]
+    return [(alone, *kept_keys(alone, 1, n_k)) for alone in rows]
+
+
+def fold_choice(q, k, value_dim: int, options: AttentionOptions, decodes: bool):
+    """`tiles.folded_choice` for a folded decode: `q` its (B, Hkv, group, D) query rows, `k`
+    the keys its row keeps, values `value_dim` wide run in column slices
+    (`tiles.fold_value_slices`, the first the widest), `options` unmasked; `decodes`: the
+    unfolded call takes the decode kernel."""
+    widest = fold_value_slices(value_dim)[0][1]
+    problem = problem_for(q.device.id, q.dtype, q.shape[3], widest, k.shape[2], options,
+                          q.shape[0] * q.shape[1], q.shape[2])
+    return folded_choice(problem, decode_shape(q, k, options), decodes)
+
+
 def unmasked(options: AttentionOptions) -> AttentionOptions:
     """A folded decode's options: its keys already cut to the row's, no mask or offsets."""
     return evolve(options, causal=False, window_left=UNLIMITED, window_right=UNLIMITED,
@@ -371,24 +404,19 @@ def _forward_folded_rows(q, k, v, o, lse, options: AttentionOptions) -> bool:
     that keeps no key, or a fold `_forward_folded` declines), the plain path then writing
     every row."""
     n_q, n_k = q.shape[2], k.shape[2]
-    if not folds_group(q.dtype, q.shape[3], v.shape[3], n_q, q.shape[1] // k.shape[1],
-                       options):
-        return False
     unfolded = (q, k, v, options)
+    rows = fold_rows(options, n_q, n_k)
     if n_q == 1:
-        folded = _fold_group(q, k, v, o, lse, options)
+        folded = _fold_group(q, k, v, o, lse, *rows[0])
         return folded is not None and _forward_folded(*folded, unfolded=unfolded)
     # The kernels write lse as a contiguous (B, H, N) array: each query row's go to a row
     # of their own, copied into lse once every row has run.
     rows_lse = cupy.empty((n_q,) + lse.shape[:2], dtype=lse.dtype)
-    offset = options.band_offset(n_q, n_k)
     folds = []
-    for row in range(n_q):
+    for row, (alone, low, high) in enumerate(rows):
         one = slice(row, row + 1)
-        # Row `row` alone, its band where it was: a one-row call aligned at its offset.
-        alone = evolve(options, alignment=offset + row, row_offset=0, col_offset=0)
         folded = _fold_group(q[:, :, one], k, v, o[:, :, one], rows_lse[row][..., None],
-                             alone)
+                             alone, low, high)
         if folded is None:
             return False
         folds.append(folded)
@@ -398,15 +426,14 @@ def _forward_folded_rows(q, k, v, o, lse, options: AttentionOptions) -> bool:
     return True
 
 
-def _fold_group(q, k, v, o, lse, options: AttentionOptions):
+def _fold_group(q, k, v, o, lse, options: AttentionOptions, low: int, high: int):
     """``(q, k, v, o, lse, options)`` of a one-row wide GQA decode folded into query rows:
     each K/V head's group of query heads as `group` rows of one head, K and V cut to the
-    keys the row keeps, no mask; views of the same memory, so the kernels write the
-    caller's o and lse. None where the row keeps no key."""
+    keys [low, high) the row keeps (`fold_rows`), no mask; views of the same memory, so the
+    kernels write the caller's o and lse. None where the row keeps no key."""
     batch, n_q_heads, _, head_dim = q.shape
-    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    n_kv_heads, value_dim = k.shape[1], v.shape[3]
     group = n_q_heads // n_kv_heads
-    low, high = kept_keys(options, 1, n_k)
     if low >= high:
         return None
 
@@ -437,11 +464,7 @@ def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple)
         for launch, (start, stop) in zip(launches, slices):
             launch(q, k, _columns(v, start, stop), _columns(o, start, stop), lse)
         return True
-    widest = slices[0][1]  # (the first slice is the widest)
-    problem = problem_for(q.device.id, q.dtype, q.shape[3], widest, k.shape[2], options,
-                          q.shape[0] * q.shape[1], q.shape[2])
-    choice = folded_choice(problem, decode_shape(q, k, options),
-                           decodes=choose(*unfolded).family == "decode")
+    choice = fold_choice(q, k, v.shape[3], options, choose(*unfolded).family == "decode")
     if choice is None:
         remember(key, (None,), 1, q, k, v)
         return False
