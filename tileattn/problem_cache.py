@@ -151,22 +151,17 @@ def remembered_problem(arrays_in: tuple, options: tuple, layout="bhsd", outputs=
         return problem
     batch, as_given, template = remembered
     named = dict(zip(names, natives))
-    if as_given:
-        if not given:
-            return evolve(template, tensors=named, outputs={})
-        given = dict(zip(given, natives[len(named):]))
-        check_output_addresses(given, {**named, **other_readers(
-            varlen, None, template.layout.memory)}, template.layout.memory)
-        return evolve(template, tensors=named, outputs=given)
     given = dict(zip(given, natives[len(named):]))
     layout_of = template.layout
-    if layout_of.sequence_first:
-        named = heads_first(named)
-    tensors = backend_views(named, batch, layout_of.single_head)
     if given:
         check_output_addresses(given, {**named, **other_readers(varlen, None,
                                                                  layout_of.memory)},
                                layout_of.memory)
+    if as_given:
+        return evolve(template, tensors=named, outputs=given)
+    if layout_of.sequence_first:
+        named = heads_first(named)
+    tensors = backend_views(named, batch, layout_of.single_head)
     views = {name: output_view(name, array, batch, layout_of.single_head,
                                layout_of.sequence_first)[1] for name, array in given.items()}
     options_of = (template.options if varlen is None

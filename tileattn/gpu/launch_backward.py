@@ -122,8 +122,7 @@ def _operands(do, q, k, v, lse, options: AttentionOptions, given=(None, None, No
     (q, k, v, do), (q_strides, k_strides, v_strides, do_strides), copy_bytes = (
         tensor_core_operands(q, k, v, do))
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    outputs = _outputs(q, k, v, given,
-                       zeroed=sequences is not None and not sequences.covers_every_row)
+    outputs = _outputs(q, k, v, given, zeroed=leaves_padding(options.varlen))
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
               *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
@@ -548,8 +547,7 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
         lse = lse.astype(accum)
     (do, do_strides), (lse, lse_strides) = map(element_strides, (do, lse))
     (q, q_strides), (k, k_strides), (v, v_strides) = map(element_strides, (q, k, v))
-    dq, dk, dv = _outputs(q, k, v, given,
-                          zeroed=sequences is not None and not sequences.covers_every_row)
+    dq, dk, dv = _outputs(q, k, v, given, zeroed=leaves_padding(options.varlen))
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), np.int32(head_dim), np.int32(value_dim),
               np.int32(blocks.block_q), np.int32(blocks.block_k), *q_strides, *k_strides,

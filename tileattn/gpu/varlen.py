@@ -71,10 +71,10 @@ class Sequences:
         self.dense_grid = plans_once(layout, forward)
         if not self.dense_grid:
             layout = layout.on_host()
-        # A forward writes every row of o also where every batch element has all the rows
-        # (no seqlens_q: a row that keeps no key gets 0 and -inf from its tile).
-        self.covers_every_row = not leaves_padding(layout)
-        self.forward_covers_every_row = self.covers_every_row or (
+        # A forward writes every row of o where the sequences tile the rows
+        # (`leaves_padding`), and also where every batch element has all the rows (no
+        # seqlens_q: a row that keeps no key gets 0 and -inf from its tile).
+        self.forward_covers_every_row = not leaves_padding(layout) or (
             not self.packed and layout.seqlens_q is None)
         self.key_capacity = layout.key_capacity(k.shape[2])
         self.n_pages = layout.num_pages if self.paged else 0
