@@ -331,6 +331,12 @@ _WIDER_PATHS = {
                             {"causal": True}, "q", (0, 1, 40, 5)),
     "float32-192-pairs-do": (np.float32, (1, 2, 100, 192), (1, 1, 130, 192), 192,
                              {"window": (30, 5)}, "do", (0, 1, 60, 9)),
+    # 16-bit D = 128 backwards of few query rows over many keys (their own tile rows:
+    # 64-key dK/dV blocks, 64- or 128-row dQ blocks, a query tail).
+    "few-query-rows-k": (np.float16, (1, 4, 20, 128), (1, 2, 600, 128), 128,
+                         {"causal": True, "window": (200, 0)}, "k", (0, 1, 385, 3)),
+    "few-query-rows-do": (np.float16, (1, 2, 100, 128), (1, 1, 900, 128), 128,
+                          {"window": (300, 10)}, "do", (0, 1, 60, 9)),
 }
 
 
