@@ -245,6 +245,24 @@ def test_backward_of_few_query_rows_over_many_keys(n_q, options):
     _check(q, k, v, do, **options)
 
 
+@hopper_only
+@pytest.mark.parametrize("n", [1, 37, 64, 100, 128, 300, 512])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"causal": True, "softcap": 5.0}],
+                         ids=["plain", "causal", "causal-softcap"])
+def test_short_sequences_at_a_large_batch(n, head_dim, options):
+    """Short sequences (an encoder's, a batch of 24 in 4/2 heads) take the table's rows for
+    few keys, one-warpgroup blocks forward and backward, and are right."""
+    q, k, v = _inputs((24, 4, n, head_dim), (24, 2, n, head_dim), (24, 2, n, head_dim),
+                      np.float16, seed=n)
+    do = np.random.default_rng(n).standard_normal(q.shape).astype(np.float16)
+    forward, backward = _choices(q, k, v, options)[:2]
+    if n <= 64 and not options.get("softcap"):
+        assert forward.tiles.block_q == forward.tiles.block_k == 64
+    assert backward.tiles.dq == backward.tiles.dkdv == (64, 64)
+    _check(q, k, v, do, **options)
+
+
 def test_tensor_core_backward_is_deterministic():
     q, k, v = (cupy.asarray(a) for a in _inputs((2, 8, 700, 64), (2, 2, 700, 64),
                                                 (2, 2, 700, 64), np.float16))
@@ -437,8 +455,8 @@ def test_float32_tensor_core_non_finite_rows():
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (80, 80), (40, 40), (256, 256)],
                          ids=DIM_IDS)
-@pytest.mark.parametrize("tiles", [(128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 3), (128, 64, 4),
-                                   (192, 64, 3), (192, 128, 2), (256, 64, 2)],
+@pytest.mark.parametrize("tiles", [(128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 3), (64, 64, 2, 4),
+                                   (128, 64, 4), (192, 64, 3), (192, 128, 2), (256, 64, 2)],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[2], TENSOR_CORE_OPTIONS[-1]],
@@ -451,8 +469,8 @@ def test_every_wgmma_tile_shape(dtype, dims, tiles, options):
     widths = tile_tables.Widths.padded(head_dim, value_dim, 16)
     if tiles.threads * tiles.blocks_per_sm >= 512 and widths.widest * tiles.block_k > 8192:
         pytest.skip("128 registers cannot hold wide accumulators beside 128-key scores")
-    if tiles.blocks_per_sm == 2 and widths.widest > 128:
-        pytest.skip("two blocks per SM leave too few registers for D > 128")
+    if tiles.blocks_per_sm >= 2 and widths.widest > 128:
+        pytest.skip("two blocks per SM or more leave too few registers for D > 128")
     if not _fits(tiles, widths):
         pytest.skip(f"{tiles} needs more shared memory than this GPU has")
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),

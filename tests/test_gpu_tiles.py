@@ -521,6 +521,31 @@ def test_forward_grids_of_few_waves_take_two_blocks_per_multiprocessor():
                    multiprocessors=4, **H100).waves(192, 1) == 10 * 3 / 4
 
 
+def test_short_sequences_take_one_warpgroup_blocks():
+    """Hopper, 16-bit: over <= 64 keys (<= 128 under a band at D <= 64) the forward takes
+    64-row, 64-key blocks, which a 128-row or 128-key tile would leave half empty; over
+    <= 512 keys the backward's dQ and dK/dV blocks are 64 x 64 at D <= 64 and D = 128.
+    Longer sequences, score options in the forward and unswept widths keep their rows."""
+    def choose(head_dim, n_k, direction=tiles.choose_forward, **fields):
+        problem = Problem(dtype="float16", head_dim=head_dim, value_dim=head_dim, n_k=n_k,
+                          **fields, **H100)
+        return direction(problem).tiles
+
+    four_an_sm = tiles.WgmmaTiles(64, 64, 2, 4)
+    assert choose(64, 64) == choose(32, 1) == choose(64, 128, banded=True) == four_an_sm
+    assert choose(64, 128) == choose(64, 64, score_options=True) == choose(64, 4096)
+    assert choose(128, 64) == tiles.WgmmaTiles(64, 64, 3)
+    assert choose(128, 128) == tiles.WgmmaTiles(128, 64, 2, 2)
+    assert choose(96, 64) == choose(96, 1024)
+    small = tiles.WgmmaBackwardTiles((64, 64), (64, 64), 2)
+    for head_dim in (64, 128):
+        for n_k in (1, 64, 512):
+            assert choose(head_dim, n_k, tiles.choose_backward) == small
+            assert choose(head_dim, n_k, tiles.choose_backward, n_q=4096, banded=True) == small
+        assert choose(head_dim, 513, tiles.choose_backward) != small
+    assert choose(96, 64, tiles.choose_backward) == choose(96, 4096, tiles.choose_backward)
+
+
 def test_describe_names_the_gqa_cut_of_the_backward():
     """`python -m tileattn info` says where the backward cuts GQA groups over blocks: MQA
     at B = 4 and 4k keys, not MHA, not a 16-bit query tail, not a grid of two waves."""

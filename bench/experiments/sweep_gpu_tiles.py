@@ -9,7 +9,9 @@ hidden about 2048; with --queries, each count of query rows over N keys, causal 
 bottom-right, at the same batch and heads: a prefill chunk over a cache, or few queries
 pooling many keys), every candidate configuration of the family is first checked against
 the float64 golden model on a small problem with every option on, then timed on the large
-one (calls back to back, bench_gpu.back_to_back_ms) beside the row the table chooses now.
+one (calls back to back, bench_gpu.back_to_back_ms) beside the row the table chooses now,
+and by CUDA events around each of its launches ("kernels ms", the median call's sum: what a
+tiling changes where a short call's host time hides it back to back).
 Candidates that do not fit shared memory, or that the compiler refuses, are reported and
 skipped. The winners become rows of the family's table, each with a note naming this sweep.
 """
@@ -31,7 +33,9 @@ from tileattn.testing import assert_attention_close
 from tileattn.validation import validate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu import Case, back_to_back_ms, make_inputs  # noqa: E402
+from kernel_timer_gpu import profile  # noqa: E402
 
 EVERY_OPTION = dict(causal=True, window=(100, None), softcap=4.0,
                     alibi_slopes=None, dropout_p=0.1, seed=7)
@@ -41,8 +45,9 @@ def candidates(family: str, direction: str):
     """Every configuration worth timing for a family and direction."""
     if family == "wgmma" and direction == "forward":
         for block_q, block_k, stages, per_sm in itertools.product(
-                (64, 128, 192), (64, 128), (2, 3), (1, 2)):
-            if per_sm == 1 or block_q <= 128:
+                (64, 128, 192), (64, 128), (2, 3), (1, 2, 3, 4)):
+            # 3-4 resident blocks only of one warpgroup (128-170 registers a thread)
+            if per_sm == 1 or (block_q <= 128 and per_sm == 2) or block_q == 64:
                 yield tiles.WgmmaTiles(block_q, block_k, stages, per_sm)
         yield tiles.WgmmaTiles(256, 64, 2)  # four warpgroups: 128 registers, D <= 128
     elif family == "wgmma":
@@ -178,8 +183,8 @@ def main() -> None:
     DETERMINISTIC = not args.nondeterministic
     limit = shared_memory_limit(cupy.cuda.Device().id)
     flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
-    print("| D | Dv | causal | N | tiles | ms | TFLOP/s | table's row |")
-    print("| ---: | ---: | --- | ---: | --- | ---: | ---: | --- |")
+    print("| D | Dv | causal | N | tiles | ms | kernels ms | TFLOP/s | table's row |")
+    print("| ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | --- |")
     for dim in args.dims.split(","):
         head_dim, value_dim = map(int, dim.split(":")) if ":" in dim else (int(dim),) * 2
         step = 8 if args.family == "tf32" else 16
@@ -228,12 +233,15 @@ def main() -> None:
                     print(f"  skipped {config}: {verdict}")
                     continue
                 choice = tiles.Choice(args.family, config)
-                ms = back_to_back_ms(lambda: run(choice, args.direction, q, k, v, do, options),
-                                     args.repetitions)
+                def call():
+                    run(choice, args.direction, q, k, v, do, options)
+
+                ms = back_to_back_ms(call, args.repetitions)
+                kernels_ms = sum(profile(call, args.repetitions)[0].values())
                 tflops = flops_factor * flops / ms / 1e9
                 results.append((tflops, config))
                 print(f"| {head_dim} | {value_dim} | {causal} | {label} | {config} | "
-                      f"{ms:.3f} | {tflops:.1f} | {'<- table' if config == chosen.tiles else ''} |",
+                      f"{ms:.3f} | {kernels_ms:.3f} | {tflops:.1f} | {'<- table' if config == chosen.tiles else ''} |",
                       flush=True)
             if results:
                 best = max(results, key=lambda r: r[0])

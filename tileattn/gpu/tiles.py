@@ -330,6 +330,12 @@ class Row:
 # (v10-v13b, v28: FlashAttention's shapes, N = 1k-16k); the other widths start from the
 # registers ptxas reports per width (bench/NOTES-gpu.md, v14) until the sweep measures them.
 WGMMA_FORWARD = [
+    Row(When(64, max_keys=64, score_options=False), WgmmaTiles(64, 64, 2, 4),
+        "v49: D<=64 over <=64 keys, one-warpgroup blocks, four an SM (H200 B256 H32 N64, "
+        "kernels alone, full/causal: 0.107/0.110 ms vs 0.209/0.225 for 128x128 tiles)"),
+    Row(When(64, max_keys=128, score_options=False, banded=True), WgmmaTiles(64, 64, 2, 4),
+        "v49: banded D<=64 over <=128 keys (H200 B128 H32 N128 causal, kernels alone: 0.122 "
+        "ms vs 0.136; full 0.128 vs 0.123, so not there)"),
     Row(When(64), WgmmaTiles(128, 128, 2, 2),
         "v28: D<=64, two blocks per SM at every N (FA shapes N=16k: 386/374 TFLOP/s vs "
         "353/329 for 192x128, full/causal; v14: 270/266 vs 212/197 at D<=32); v29: with "
@@ -339,6 +345,9 @@ WGMMA_FORWARD = [
         "v29: score options at D<=128, two blocks per SM (D=128 N=4k, full/causal TFLOP/s: "
         "dropout 311/296 vs 293/257 for 192x64x3, ALiBi 318/288 vs 277/244, softcap "
         "288/265 vs 266/234)"),
+    Row(When(128, min_width=112, max_keys=64), WgmmaTiles(64, 64, 3),
+        "v49: D=128 over <=64 keys, one-warpgroup blocks (H200 B256 H16 N64 full, kernels "
+        "alone: 0.103 ms vs 0.116 for 128x64x2/2; at N=128 128x64x2/2 stays, 0.122 vs 0.132)"),
     Row(When(96, max_keys=1024), WgmmaTiles(128, 64, 3, 2),
         "v14: N<=1k at D=96, a third stage: 362/227 TFLOP/s vs 356/216"),
     Row(When(112, max_keys=1024), WgmmaTiles(192, 64, 3),
@@ -377,6 +386,9 @@ WGMMA_BACKWARD = [
     Row(When(32), WgmmaBackwardTiles((128, 64), (192, 64), 2),
         "v45: D<=32, 128-row dQ blocks (H200 fwd+bwd N=1k/4k/16k: 203.6/235.1/238.9 TFLOP/s "
         "vs 183.1/221.0/231.0 for 192-row)"),
+    Row(When(64, max_keys=512), WgmmaBackwardTiles((64, 64), (64, 64), 2),
+        "v49: D<=64 over <=512 keys, one warpgroup a block (H200 fwd+bwd kernels alone, "
+        "N=64/128/512 full: 0.568/0.499/1.017 ms vs 0.688/0.555/1.047 for 64x64-128x64)"),
     Row(When(64, banded=True, max_keys=1024), WgmmaBackwardTiles((64, 64), (64, 64), 2),
         "v45: banded D<=64 over <=1k keys, one warpgroup a block (H200 D=64 N=1k fwd+bwd: "
         "172.7 TFLOP/s vs 158.4 for 192x64x3; at N=4k 220.6 vs 236.7)"),
@@ -390,6 +402,10 @@ WGMMA_BACKWARD = [
         "v46: unbanded D=65-112, two stages (H200 fwd+bwd N=1k/4k/16k: D=80 "
         "257.0/301.4/316.6 TFLOP/s vs 256.9/287.4/320.1 for three, D=112 "
         "254.1/324.0/341.4 vs 251.8/317.5/333.9)"),
+    Row(When(128, min_width=112, max_keys=512), WgmmaBackwardTiles((64, 64), (64, 64), 2),
+        "v49: D=128 over <=512 keys (H200 fwd+bwd kernels alone, N=64/128/512 full "
+        "0.457/0.459/0.955 ms vs 0.521/0.473/0.990 for the rows below, causal "
+        "0.518/0.522/0.776 vs 0.567/0.563/0.869)"),
     Row(When(128, min_width=112, max_queries=32), WgmmaBackwardTiles((64, 64), (64, 64), 2),
         "v48: D=128, <=32 query rows (H200 fwd+bwd over 32k keys, Nq=1/32 full 1.525/1.548 ms "
         "vs 1.611/1.630 for 192x64-128x64x3, causal 1.246/1.247 vs 1.355/1.349)"),
