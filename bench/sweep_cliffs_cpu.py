@@ -70,6 +70,11 @@ def cases(quick: bool) -> list:
         Case("Nq 17", 1, 8, 8, 17, keys, 128, causal),
         Case("Nq 33", 1, 8, 8, 33, keys, 128, causal),
         Case("B 256 of N 64", 256, 4, 4, 64, 64, 64, causal),
+        # Encoders' short, odd lengths, no mask (the GPU sweep's cases at CPU batch sizes)
+        Case("encoder ViT-B N 197", 8, 12, 12, 197, 197, 64),
+        Case("encoder ViT-H N 257 D 80", 4, 16, 16, 257, 257, 80),
+        Case("encoder BERT N 512", 4, 12, 12, 512, 512, 64),
+        Case("encoder Whisper N 1500", 1, 20, 20, 1500, 1500, 64),
         Case("one long head", 1, 1, 1, long, long, 64, causal),
         Case("GQA 32/4", 1, 32, 4, n, n, 128, causal),
         Case("plain", 1, 8, 8, n, n, 64),
