@@ -133,9 +133,11 @@ def cases(quick: bool, dtypes) -> list:
         add("B 256 of N 64", 256, 16, 16, 64, 64, 64)
         add("B 1024 of N 128", 1024, 8, 8, 128, 128, 128)
         # Encoders' short, odd sequence lengths at large batches (no mask): ViT-B/16 at
-        # 224 px (197 tokens, 12 heads of 64), ViT-H/14 (257 tokens, 16 heads of 80), BERT-base
+        # 224 px (197 tokens, 12 heads of 64), Swin-T's first stage (windows of 7 x 7 tokens,
+        # 3 heads of 32, 64 windows of 64 images), ViT-H/14 (257 tokens, 16 heads of 80), BERT-base
         # (512 tokens), Whisper's encoder (1500 frames, 20 heads of 64).
         add("ViT-B N 197", 256, 12, 12, 197, 197, 64, options={})
+        add("Swin window N 49 D 32", 4096, 3, 3, 49, 49, 32, options={})
         add("ViT-H N 257 D 80", 64, 16, 16, 257, 257, 80, options={})
         add("BERT N 512", 64, 12, 12, 512, 512, 64, options={})
         add("Whisper N 1500", 8, 20, 20, 1500, 1500, 64, options={})

@@ -247,19 +247,20 @@ def test_backward_of_few_query_rows_over_many_keys(n_q, options):
 
 @hopper_only
 @pytest.mark.parametrize("n", [1, 37, 64, 100, 128, 300, 512])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"causal": True, "softcap": 5.0}],
                          ids=["plain", "causal", "causal-softcap"])
 def test_short_sequences_at_a_large_batch(n, head_dim, options):
     """Short sequences (an encoder's, a batch of 24 in 4/2 heads) take the table's rows for
-    few keys, one-warpgroup blocks forward and backward, and are right."""
+    few keys, one-warpgroup blocks forward and (D 64 and 128) backward, and are right."""
     q, k, v = _inputs((24, 4, n, head_dim), (24, 2, n, head_dim), (24, 2, n, head_dim),
                       np.float16, seed=n)
     do = np.random.default_rng(n).standard_normal(q.shape).astype(np.float16)
     forward, backward = _choices(q, k, v, options)[:2]
     if n <= 64 and not options.get("softcap"):
         assert forward.tiles.block_q == forward.tiles.block_k == 64
-    assert backward.tiles.dq == backward.tiles.dkdv == (64, 64)
+    if head_dim != 80:
+        assert backward.tiles.dq == backward.tiles.dkdv == (64, 64)
     _check(q, k, v, do, **options)
 
 

@@ -330,9 +330,10 @@ class Row:
 # (v10-v13b, v28: FlashAttention's shapes, N = 1k-16k); the other widths start from the
 # registers ptxas reports per width (bench/NOTES-gpu.md, v14) until the sweep measures them.
 WGMMA_FORWARD = [
-    Row(When(64, max_keys=64, score_options=False), WgmmaTiles(64, 64, 2, 4),
-        "v49: D<=64 over <=64 keys, one-warpgroup blocks, four an SM (H200 B256 H32 N64, "
-        "kernels alone, full/causal: 0.107/0.110 ms vs 0.209/0.225 for 128x128 tiles)"),
+    Row(When(96, max_keys=64, score_options=False), WgmmaTiles(64, 64, 2, 4),
+        "v49: D<=96 over <=64 keys, one-warpgroup blocks, four an SM (H200 N64 16k tokens, "
+        "kernels alone: D=64 full/causal 0.107/0.110 ms vs 0.209/0.225 for 128x128 tiles; "
+        "D=80/96 full 0.114/0.108 vs 0.152/0.122 for 128x64x3/2)"),
     Row(When(64, max_keys=128, score_options=False, banded=True), WgmmaTiles(64, 64, 2, 4),
         "v49: banded D<=64 over <=128 keys (H200 B128 H32 N128 causal, kernels alone: 0.122 "
         "ms vs 0.136; full 0.128 vs 0.123, so not there)"),
@@ -345,9 +346,10 @@ WGMMA_FORWARD = [
         "v29: score options at D<=128, two blocks per SM (D=128 N=4k, full/causal TFLOP/s: "
         "dropout 311/296 vs 293/257 for 192x64x3, ALiBi 318/288 vs 277/244, softcap "
         "288/265 vs 266/234)"),
-    Row(When(128, min_width=112, max_keys=64), WgmmaTiles(64, 64, 3),
-        "v49: D=128 over <=64 keys, one-warpgroup blocks (H200 B256 H16 N64 full, kernels "
-        "alone: 0.103 ms vs 0.116 for 128x64x2/2; at N=128 128x64x2/2 stays, 0.122 vs 0.132)"),
+    Row(When(128, min_width=96, max_keys=64), WgmmaTiles(64, 64, 3),
+        "v49: D=97-128 over <=64 keys, one-warpgroup blocks (H200 B256 H16 N64 full, kernels "
+        "alone, D=128: 0.103 ms vs 0.116 for 128x64x2/2, 0.106 four an SM; at N=128 "
+        "128x64x2/2 stays, 0.122 vs 0.132)"),
     Row(When(96, max_keys=1024), WgmmaTiles(128, 64, 3, 2),
         "v14: N<=1k at D=96, a third stage: 362/227 TFLOP/s vs 356/216"),
     Row(When(112, max_keys=1024), WgmmaTiles(192, 64, 3),
