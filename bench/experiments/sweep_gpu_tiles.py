@@ -240,9 +240,9 @@ def main() -> None:
                 kernels_ms = sum(profile(call, args.repetitions)[0].values())
                 tflops = flops_factor * flops / ms / 1e9
                 results.append((tflops, config))
+                mark = "<- table" if config == chosen.tiles else ""
                 print(f"| {head_dim} | {value_dim} | {causal} | {label} | {config} | "
-                      f"{ms:.3f} | {kernels_ms:.3f} | {tflops:.1f} | {'<- table' if config == chosen.tiles else ''} |",
-                      flush=True)
+                      f"{ms:.3f} | {kernels_ms:.3f} | {tflops:.1f} | {mark} |", flush=True)
             if results:
                 best = max(results, key=lambda r: r[0])
                 print(f"best D={head_dim} Dv={value_dim} causal={causal} N={label}: "
