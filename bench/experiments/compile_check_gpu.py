@@ -36,6 +36,13 @@ JOBS = [
     ("attention_wgmma_forward.cu", "90a",
      ["BLOCK_K=64", "BLOCK_Q=128", "BLOCKS_PER_SM=1", "IS_BFLOAT16=0", "STAGES=2",
       "COPY_BYTES=16", "HEAD_DIM=128", "VALUE_DIM=128"]),
+    # Short sequences' row at D <= 64 (tiles.WGMMA_FORWARD, no score option): four blocks an
+    # SM cap the registers at 128 (ptxas: 113-128, a 4-byte spill paged under a band; D 80
+    # and 96 spilled 24-140 bytes there, so they take two).
+    ("attention_wgmma_forward.cu", "90a",
+     ["BLOCK_K=64", "BLOCK_Q=64", "BLOCKS_PER_SM=4", "IS_BFLOAT16=0", "STAGES=2",
+      "COPY_BYTES=16", "HEAD_DIM=64", "VALUE_DIM=64"],
+     ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=0"]),
     ("attention_mma_forward.cu", "90",
      ["BLOCK_K=64", "BLOCK_Q=128", "IS_BFLOAT16=0", "Q_IN_REGISTERS=1", "WARP_ROWS=16",
       "COPY_BYTES=16", "HEAD_DIM=64", "VALUE_DIM=64"]),

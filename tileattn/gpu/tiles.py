@@ -330,10 +330,13 @@ class Row:
 # (v10-v13b, v28: FlashAttention's shapes, N = 1k-16k); the other widths start from the
 # registers ptxas reports per width (bench/NOTES-gpu.md, v14) until the sweep measures them.
 WGMMA_FORWARD = [
-    Row(When(96, max_keys=64, score_options=False), WgmmaTiles(64, 64, 2, 4),
-        "v49: D<=96 over <=64 keys, one-warpgroup blocks, four an SM (H200 N64 16k tokens, "
-        "kernels alone: D=64 full/causal 0.107/0.110 ms vs 0.209/0.225 for 128x128 tiles; "
-        "D=80/96 full 0.114/0.108 vs 0.152/0.122 for 128x64x3/2)"),
+    Row(When(64, max_keys=64, score_options=False), WgmmaTiles(64, 64, 2, 4),
+        "v49: D<=64 over <=64 keys, one-warpgroup blocks, four an SM (H200 N64 16k tokens, "
+        "kernels alone, full/causal: 0.107/0.110 ms vs 0.209/0.225 for 128x128 tiles)"),
+    Row(When(96, max_keys=64, score_options=False), WgmmaTiles(64, 64, 2, 2),
+        "v49: D=65-96 over <=64 keys, one-warpgroup blocks (H200 N64 full, kernels alone, "
+        "D=80/96: 0.123/0.112 ms vs 0.152/0.122 for 128x64x3/2; four an SM 0.114/0.108, but "
+        "ptxas spills 24-140 bytes there under a band or variable lengths)"),
     Row(When(64, max_keys=128, score_options=False, banded=True), WgmmaTiles(64, 64, 2, 4),
         "v49: banded D<=64 over <=128 keys (H200 B128 H32 N128 causal, kernels alone: 0.122 "
         "ms vs 0.136; full 0.128 vs 0.123, so not there)"),
