@@ -2,8 +2,8 @@
 
 The backward's single pass (bench/experiments/emulate_mma_cpu.py --single-pass --quick):
 a banded float16 GQA case and an unbanded float32 one, each in arrival order, in turns (ORDERED:
-the float32 default's protocol) and in turns into (B, N, H, D) gradients, against the
-float64 golden model. The emulation runs its blocks one after another, taking their
+the float32 default's protocol), into a slot per key block (DQ_PARTS), and the last two
+into (B, N, H, D) gradients too, against the float64 golden model. The emulation runs its blocks one after another, taking their
 tickets in that order, so a turn ranked out of order hangs here: the subprocess's
 timeout turns that into a failure."""
 
@@ -39,9 +39,11 @@ def test_single_pass_in_turns_under_emulation():
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
     assert "all passed" in result.stdout
-    # in turns: each case into (B, H, N, D) and into (B, N, H, D) gradients
+    # in turns and in a slot per key block: each case into (B, H, N, D) and into
+    # (B, N, H, D) gradients
     assert result.stdout.count("\nok backward single pass in turns") == 4, result.stdout
-    assert result.stdout.count("gradients (B, N, H, D)") == 2, result.stdout
+    assert result.stdout.count("\nok backward single pass in parts") == 4, result.stdout
+    assert result.stdout.count("gradients (B, N, H, D)") == 4, result.stdout
 
 
 def test_float32_forwards_under_emulation():

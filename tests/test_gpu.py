@@ -304,6 +304,35 @@ def test_ordered_single_pass_is_deterministic_and_exact(options):
         assert_attention_close(grad.get(), want, q.dtype, name=name)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
+@pytest.mark.parametrize("n_q", [1, 5, 16, 40])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (300, 40)}],
+                         ids=["plain", "causal", "window"])
+def test_single_pass_into_a_slot_per_key_block(dtype, n_q, options):
+    """Few query rows over many keys (GQA 4/2, D 128) through the mma.sync single pass with
+    each key block's dQ share in a slot of its own (DQ_PARTS), summed in key-block order:
+    right, bitwise the same run after run, and into a "bshd" dq as well."""
+    q, k, v = _inputs((2, 4, n_q, 128), (2, 2, 2000, 128), (2, 2, 2000, 128), dtype,
+                      seed=n_q)
+    do = np.random.default_rng(n_q).standard_normal(q.shape).astype(dtype)
+    device = [cupy.asarray(a) for a in (do, q, k, v)]
+    o, lse = tileattn.forward(*device[1:], backend="gpu", return_lse=True, **options)
+    resolved = _resolved_options(q, k, v, options)
+    tiles = MmaBackwardTiles((64, 64), (64, 16))
+    expected = _golden_grads(do, q, k, v, o.get(), lse.get(), **options)
+    first = gpu_backward.backward_mma(*device, o, lse, resolved, tiles, single_pass=True,
+                                      dq_parts=True)
+    for name, grad, want in zip(("dq", "dk", "dv"), first, expected):
+        assert_attention_close(grad.get(), want, q.dtype, name=name)
+    again = gpu_backward.backward_mma(*device, o, lse, resolved, tiles, single_pass=True,
+                                      dq_parts=True)
+    assert all(cupy.array_equal(a, b) for a, b in zip(first, again))
+    strided = cupy.empty((2, n_q, 4, 128), q.dtype).swapaxes(1, 2)
+    gpu_backward.backward_mma(*device, o, lse, resolved, tiles, single_pass=True,
+                              given=(strided, None, None), dq_parts=True)
+    assert cupy.array_equal(strided, first[0])
+
+
 def _check_single_passes(q, k, v, do, **options):
     """Each single-pass backward the device has (mma.sync; wgmma on Hopper), called
     directly (the API may route deterministic=False elsewhere), against the golden model."""

@@ -125,6 +125,12 @@ JOBS += [(name, arch, [{"ORDERED=1": "ORDERED=0"}.get(d, d) for d in defines]
 JOBS += [(name, arch, defines + ["PAGES_HOLD_TILES=1"], *options)
          for name, arch, defines, *options in JOBS
          if name == "attention_wgmma_forward.cu" and "PAGED=1" in defines]
+# The mma.sync single pass with a dQ slot per key block (DQ_PARTS; dense calls only), on
+# 16-row query tiles: few query rows.
+JOBS += [("attention_mma_backward.cu", "90",
+          [d for d in BACKWARD if not d.startswith("SINGLE_PASS")]
+          + [f"IS_FLOAT32={f32}", "ORDERED=0", "SINGLE_PASS=1", "DQ_PARTS=1",
+             "OWNED_ROWS=64", "STREAMED_ROWS=16"]) for f32 in (0, 1)]
 
 
 NO_BAND = ["ALIBI=0", "DROPOUT=0", "LIMIT_LEFT=0", "LIMIT_RIGHT=0", "SOFTCAP=0"]

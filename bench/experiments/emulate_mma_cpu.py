@@ -5,7 +5,8 @@ splits merged in the kernel; dense, padded and paged K/V; ALiBi among the option
 emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they add
 (ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) computed by
 meaning, checked against the float64 golden model. The backward's single pass runs in
-arrival order and in turns (ORDERED); the non-finite-key redo is not run.
+arrival order, in turns (ORDERED) and into a slot per key block (DQ_PARTS); the
+non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass [--quick] | --launcher |
@@ -360,13 +361,21 @@ extern "C" void run_dkdv(const element* q, const element* k, const element* v,
     }, blocks, threads, shared);
 }
 
-// The single pass's dq at strides (a "bshd" gradient): one block of a warp walks it all.
-extern "C" void run_dq_convert_strided(const float* dq_sum, dq_element* dq, i64 count,
-                                       float scale, int n_heads, i64 n_q, int head_dim,
-                                       const i64* s) {
+// The single pass's dq, contiguous or at strides (a "bshd" gradient), from `parts` slots a
+// head (DQ_PARTS) or one: one block of a warp walks it all.
+extern "C" void run_dq_convert(const float* dq_sum, dq_element* dq, i64 count, float scale,
+                               int parts, i64 head_elements) {
     run_blocks([&] {
-        attention_backward_dq_convert_strided(dq_sum, dq, count, scale, n_heads, n_q,
-                                              head_dim, s[12], s[13], s[14]);
+        attention_backward_dq_convert(dq_sum, dq, count, scale, parts, head_elements);
+    }, 1, 32, 0);
+}
+
+extern "C" void run_dq_convert_strided(const float* dq_sum, dq_element* dq, i64 count,
+                                       float scale, int parts, i64 head_elements, int n_heads,
+                                       i64 n_q, int head_dim, const i64* s) {
+    run_blocks([&] {
+        attention_backward_dq_convert_strided(dq_sum, dq, count, scale, parts, head_elements,
+                                              n_heads, n_q, head_dim, s[12], s[13], s[14]);
     }, 1, 32, 0);
 }
 """
@@ -463,7 +472,8 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
 
 
 def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
-                     single_pass: bool = False, ordered: bool = False, **kwargs):
+                     single_pass: bool = False, ordered: bool = False, dq_parts: bool = False,
+                     **kwargs):
     """dq, dk, dv of attention_backward_dq_mma and attention_backward_dkdv_mma (the
     two-kernel path: dK and dV in one kernel, by warp pairs where `tiles.paired` says so
     (dQ's too), or in two launches where `tiles.split`) for host arrays; D = rowsum(do * o)
@@ -472,7 +482,8 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     `single_pass`: the dK/dV kernel alone adds dQ into float32 sums (SINGLE_PASS, in
     arrival order, or in turns with `ordered`: ORDERED, its blocks' tickets taken in the
     emulation's sequential order), which attention_backward_dq_convert's arithmetic turns
-    into dq."""
+    into dq; with `dq_parts` (DQ_PARTS) into a slot per key block, which the convert kernel
+    itself sums."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -497,11 +508,13 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                   COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
                   ORDERED=int(single_pass and ordered), SINGLE_PASS=int(single_pass),
+                  DQ_PARTS=int(single_pass and dq_parts),
                   DEFERRED_COPIES=1,
                   STRIDED_OUT=int(sequence_first), **switches)
     launches = ([] if single_pass else [("dq", 0)]) + [
         ("dkdv", part) for part in ((1, 2) if tiles.split else (0,))]
-    dq_sum = np.zeros(dq.size if single_pass else 1, np.float32)
+    slots = -(-n_k // tiles.dkdv[0]) if single_pass and dq_parts else 1
+    dq_sum = np.zeros(dq.size * slots if single_pass else 1, np.float32)
     for entry, part in launches:
         owned, streamed = getattr(tiles, entry)
         # float32 zeroes the probabilities of a last query tile's rows past Nq (QUERY_TAIL),
@@ -522,13 +535,18 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
                  ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals),
                  pointer(band), pointer(bits), ctypes.c_int(blocks),
                  ctypes.c_int(tiles.threads(entry)), ctypes.c_int(shared))
+    converted = (ctypes.c_void_p(dq.__array_interface__["data"][0]), ctypes.c_int64(dq.size),
+                 ctypes.c_float(options.scale), ctypes.c_int(slots),
+                 ctypes.c_int64(n_q * head_dim))
     if single_pass and sequence_first:  # attention_backward_dq_convert_strided itself
         function = lib.run_dq_convert_strided
         function.restype = None
-        function(pointer(dq_sum), ctypes.c_void_p(dq.__array_interface__["data"][0]),
-                 ctypes.c_int64(dq.size), ctypes.c_float(options.scale),
-                 ctypes.c_int(n_q_heads), ctypes.c_int64(n_q), ctypes.c_int(head_dim),
-                 pointer(strides))
+        function(pointer(dq_sum), *converted, ctypes.c_int(n_q_heads), ctypes.c_int64(n_q),
+                 ctypes.c_int(head_dim), pointer(strides))
+    elif single_pass and dq_parts:  # attention_backward_dq_convert sums the slots
+        function = lib.run_dq_convert
+        function.restype = None
+        function(pointer(dq_sum), *converted)
     elif single_pass:
         dq[...] = (np.float32(options.scale) * dq_sum.reshape(dq.shape)).astype(q.dtype)
     return dq, dk, dv
@@ -1082,14 +1100,15 @@ def main() -> int:
         wide = [a.astype(np.float64) for a in (q, k, v, do)]
         o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
         golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
-        # The single pass runs in arrival order and in turns (ORDERED), and in turns into
-        # (B, N, H, D) gradients.
-        for sequence_first, ordered in (
-                ((False, False), (False, True), (True, True))
-                if single_pass else ((False, False), (True, False))):
+        # The single pass runs in arrival order, in turns (ORDERED) and into a slot per key
+        # block (DQ_PARTS), the last two also into (B, N, H, D) gradients.
+        for sequence_first, ordered, dq_parts in (
+                ((False, False, False), (False, True, False), (True, True, False),
+                 (False, False, True), (True, False, True))
+                if single_pass else ((False, False, False), (True, False, False))):
             grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
-                                     single_pass, ordered, **options)
-            mode = " in turns" if ordered else ""
+                                     single_pass, ordered, dq_parts, **options)
+            mode = " in turns" if ordered else " in parts" if dq_parts else ""
             label = (f"backward{' single pass' if single_pass else ''}{mode} {name} q{q.shape} "
                      f"k{k.shape} v{v.shape} {sorted(options)} "
                      f"{tiles}{' gradients (B, N, H, D)' if sequence_first else ''}")

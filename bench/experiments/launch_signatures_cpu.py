@@ -173,6 +173,7 @@ def main() -> int:
                     print(f"FAILED {label}: {type(error).__name__}: {error}", flush=True)
                     failures += 1
     failures += _named_tiles_launch_their_own_kernels(standin, rng, resolved_options=validate)
+    failures += _single_pass_into_parts(standin, rng, resolved_options=validate)
     print("all passed" if not failures else f"{failures} failed")
     return int(failures > 0)
 
@@ -214,6 +215,42 @@ def _named_tiles_launch_their_own_kernels(standin, rng, resolved_options) -> int
     print(f"ok named wgmma backward tiles {named} launch their own kernels beside the "
           f"table's cached plan ({table.tiles})", flush=True)
     return 0
+
+
+def _single_pass_into_parts(standin, rng, resolved_options) -> int:
+    """The mma.sync single pass with a dQ slot per key block (`backward_mma(dq_parts=True)`,
+    DQ_PARTS), 16-bit and float32, dq contiguous and at "bshd" strides: the dK/dV kernel
+    and the convert with the slots' count. 1 when a launch's arguments do not match."""
+    from tileattn.gpu import launch_backward
+    from tileattn.gpu import tiles as tile_tables
+
+    failures = 0
+    for dtype in ("float16", "float32"):
+        q, k, v, do, o = (standin.asarray(rng.standard_normal((1, 2, n, 64)).astype(dtype))
+                          for n in (5, 300, 300, 5, 5))
+        lse = standin.empty(q.shape[:3], np.float32)
+        options = resolved_options(q, k, v, causal=True, window=None, scale=None,
+                                   softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None,
+                                   block_q=None, block_k=None, deterministic=True).options
+        for layout in ("bhsd", "bshd"):
+            dq = (standin.empty(q.shape, q.dtype) if layout == "bhsd" else
+                  standin.empty((1, 5, 2, 64), q.dtype).swapaxes(1, 2))
+            label = f"mma single pass into parts {dtype} {layout}"
+            SignatureKernel.launches = []
+            SignatureKernel.defines = []
+            try:
+                launch_backward.backward_mma(do, q, k, v, o, lse, options,
+                                             tile_tables.MmaBackwardTiles((64, 64), (64, 16)),
+                                             single_pass=True, given=(dq, None, None),
+                                             dq_parts=True)
+                assert any(defines.get("DQ_PARTS") == 1
+                           for defines in SignatureKernel.defines), "no DQ_PARTS kernel"
+                print(f"ok {label}: {', '.join(sorted(set(SignatureKernel.launches)))}",
+                      flush=True)
+            except (AssertionError, AttributeError, TypeError, ValueError) as error:
+                print(f"FAILED {label}: {type(error).__name__}: {error}", flush=True)
+                failures += 1
+    return failures
 
 
 def _mma_rows(dim: int, value_dim: int):

@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_tiles.py --family wgmma --direction forward \
         --dims 80,96,160 [--dtype float16] [--n 1024,4096] [--queries 1,128] [--dropout 0.1 |
-        --softcap 30 | --alibi] [--causal both|yes|no] [--only NAMES] [--nondeterministic]
+        --softcap 30 | --alibi] [--causal both|yes|no] [--only NAMES] [--nondeterministic |
+        --dq-parts]
 
 For each head dim (D or D:Dv), causal and not, and sequence length (batch * N = 16k tokens,
 hidden about 2048; with --queries, each count of query rows over N keys, causal aligned
@@ -73,6 +74,9 @@ def candidates(family: str, direction: str):
 # --nondeterministic: the backward with deterministic=False (the mma.sync / 3xTF32 single
 # pass where the tiles take it, attention_mma_backward.cu).
 DETERMINISTIC = True
+# --dq-parts: the mma.sync / 3xTF32 backward as its single pass with a dQ slot per key block
+# (launch_backward.backward_mma(dq_parts=True): deterministic, not yet a table's row).
+DQ_PARTS = False
 
 
 def _options(q, k, v, **options):
@@ -88,6 +92,9 @@ def run(choice, direction, q, k, v, do, options):
                                 q, k, v, options)
     if direction == "forward":
         return o, lse
+    if DQ_PARTS:
+        return launch_backward.backward_mma(do, q, k, v, o, lse, options, choice.tiles,
+                                            single_pass=True, dq_parts=True)
     return launch_backward.run(choice, do, q, k, v, o, lse, options)
 
 
@@ -117,8 +124,8 @@ def check(choice, direction, case: Case) -> None:
 def _checked(job) -> str | None:
     """check() in a worker process (it compiles the configuration's kernels, with every option
     and without, into the disk caches): None when right, else why not."""
-    global DETERMINISTIC
-    choice, direction, case, DETERMINISTIC = job
+    global DETERMINISTIC, DQ_PARTS
+    choice, direction, case, DETERMINISTIC, DQ_PARTS = job
     try:
         check(choice, direction, case)
         q, k, v, do = make_inputs(replace(case, batch=1, heads=1))
@@ -178,9 +185,15 @@ def main() -> None:
     parser.add_argument("--nondeterministic", action="store_true",
                         help="backward with deterministic=False (the single pass where the "
                              "tiles serve it; candidates' shared memory as the two kernels')")
+    parser.add_argument("--dq-parts", action="store_true",
+                        help="mma / tf32 backward: the single pass with a dQ slot per key "
+                             "block (deterministic; launch_backward.backward_mma(dq_parts))")
     args = parser.parse_args()
-    global DETERMINISTIC
+    if args.dq_parts and (args.family == "wgmma" or args.direction != "backward"):
+        parser.error("--dq-parts is the mma / tf32 backward's")
+    global DETERMINISTIC, DQ_PARTS
     DETERMINISTIC = not args.nondeterministic
+    DQ_PARTS = args.dq_parts
     limit = shared_memory_limit(cupy.cuda.Device().id)
     flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
     print("| D | Dv | causal | N | tiles | ms | kernels ms | TFLOP/s | table's row |")
@@ -227,7 +240,8 @@ def main() -> None:
 
             with multiprocessing.get_context("spawn").Pool(16) as pool:
                 verdicts = pool.map(_checked, [(tiles.Choice(args.family, c), args.direction,
-                                                case, DETERMINISTIC) for c in configs])
+                                                case, DETERMINISTIC, DQ_PARTS)
+                                               for c in configs])
             for config, verdict in zip(configs, verdicts):
                 if verdict is not None:
                     print(f"  skipped {config}: {verdict}")

@@ -22,7 +22,10 @@
 // bitwise reproducible; blocks that run together trail each other by a turn
 // (backward_single_pass.cuh: dq_turn_rank). dS goes through shared memory, as the dQ
 // product needs it with queries as rows; attention_backward_dq_convert scales and rounds
-// the buffer into dq.
+// the buffer into dq. With DQ_PARTS (not with ORDERED) each key block stores its shares
+// into a slot of its own, (batch x head, key block, Nq, D) floats, and
+// attention_backward_dq_convert sums a head's slots in the order of its key blocks:
+// reproducible without turns, for few query rows (the slots are key blocks x Nq x D).
 //
 // Both kernels double-buffer the streamed tiles with cp.async (tile t + 1 in flight while
 // t is multiplied), skip tiles outside the band and evaluate the per-score mask only on
@@ -47,7 +50,7 @@
 // each adds dS K over its half of dQ's columns (kDqColumns).
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
-// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DKDV_PART,
+// VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DQ_PARTS, DKDV_PART,
 // PAIRED_WARPS (default 0) and
 // QUERY_TAIL (dK/dV kernel; QUERY_TAIL, default 0: a streamed query tile may end past n_q,
 // backward_scores.cuh), FLAG_NON_FINITE_KEYS (16-bit dK/dV kernel, default 0; the same
@@ -71,6 +74,10 @@
 #ifndef GROUP_SPLITS
 #define GROUP_SPLITS 1  // as in attention_wgmma_backward.cu
 #endif
+#ifndef DQ_PARTS
+#define DQ_PARTS 0
+#endif
+static_assert(!DQ_PARTS || (SINGLE_PASS && !ORDERED), "parts are the single pass's, no turns");
 static_assert(!(FLAG_NON_FINITE_KEYS && IS_FLOAT32), "float32 zeroes its tail (QUERY_TAIL)");
 #if IS_FLOAT32
 #include "tf32.cuh"
@@ -793,7 +800,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                         : (__syncthreads(), false);
                 const TileMask mask =
                     tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, query_start, col_start, n_k);
-                float* const dq_head = dq_sum + array_head * n_q * HEAD_DIM;
+                // DQ_PARTS: this key block's slot of the head's parts.
+                const i64 key_tiles = (n_k + OWNED_ROWS - 1) / OWNED_ROWS;
+                float* const dq_head =
+                    dq_sum + (DQ_PARTS ? array_head * key_tiles + tile : array_head) * n_q *
+                                 HEAD_DIM;
 #if ORDERED
                 const i64 n_q_tiles = (n_q + STREAMED_ROWS - 1) / STREAMED_ROWS;
                 add_query_tile_dq_in_turn(ds_tile, k_tile, dq_head, query_start, n_q,

@@ -124,42 +124,58 @@ __device__ __forceinline__ void add_pair(float* pair, float low, float high) {
 #endif
 }
 
-// dq = scale * dq_sum, rounded to the input type (the single pass's last step).
+// dq = scale * dq_sum, rounded to the input type (the single pass's last step). With
+// `parts` > 1 (DQ_PARTS), dq_sum holds `parts` slots of `head_elements` (Nq x D) floats per
+// batch x head, summed in slot order (the key blocks', so every run adds alike).
+__device__ __forceinline__ float dq_total(const float* dq_sum, i64 i, int parts,
+                                          i64 head_elements) {
+    if (parts == 1) return dq_sum[i];
+    const float* slot = dq_sum + i / head_elements * parts * head_elements + i % head_elements;
+    float total = 0.0f;
+    for (int p = 0; p < parts; ++p) total += slot[p * head_elements];
+    return total;
+}
+
 #if defined(IS_FLOAT32) && IS_FLOAT32
 extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, float* dq,
-                                                         i64 count, float scale) {
+                                                         i64 count, float scale, int parts,
+                                                         i64 head_elements) {
     for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count;
          i += static_cast<i64>(gridDim.x) * blockDim.x)
-        dq[i] = scale * dq_sum[i];
+        dq[i] = scale * dq_total(dq_sum, i, parts, head_elements);
 }
 #else
 extern "C" __global__ void attention_backward_dq_convert(const float* dq_sum, bits16* dq,
-                                                         i64 count, float scale) {
+                                                         i64 count, float scale, int parts,
+                                                         i64 head_elements) {
     for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count / 2;
          i += static_cast<i64>(gridDim.x) * blockDim.x)
-        reinterpret_cast<u32*>(dq)[i] = pack_pair(scale * dq_sum[2 * i], scale * dq_sum[2 * i + 1]);
+        reinterpret_cast<u32*>(dq)[i] =
+            pack_pair(scale * dq_total(dq_sum, 2 * i, parts, head_elements),
+                      scale * dq_total(dq_sum, 2 * i + 1, parts, head_elements));
 }
 #endif
 
 // The same into a dq at any batch, head and row strides (elements; rows contiguous): a
-// "bshd" gradient in the caller's order. dq_sum is contiguous (B, H, Nq, D).
+// "bshd" gradient in the caller's order. dq_sum is contiguous (B, H, [parts,] Nq, D).
 #if defined(IS_FLOAT32) && IS_FLOAT32
 typedef float dq_element;
 #else
 typedef bits16 dq_element;
 #endif
 extern "C" __global__ void attention_backward_dq_convert_strided(
-    const float* dq_sum, dq_element* dq, i64 count, float scale, int n_heads, i64 n_q,
-    int head_dim, i64 dq_sb, i64 dq_sh, i64 dq_sn) {
+    const float* dq_sum, dq_element* dq, i64 count, float scale, int parts,
+    i64 head_elements, int n_heads, i64 n_q, int head_dim, i64 dq_sb, i64 dq_sh, i64 dq_sn) {
     for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < count;
          i += static_cast<i64>(gridDim.x) * blockDim.x) {
         const i64 row = i / head_dim, column = i % head_dim;
         const i64 head_row = row % n_q, bh = row / n_q;
         const i64 at = bh / n_heads * dq_sb + bh % n_heads * dq_sh + head_row * dq_sn + column;
+        const float value = scale * dq_total(dq_sum, i, parts, head_elements);
 #if defined(IS_FLOAT32) && IS_FLOAT32
-        dq[at] = scale * dq_sum[i];
+        dq[at] = value;
 #else
-        dq[at] = static_cast<bits16>(pack_pair(scale * dq_sum[i], 0.0f) & 0xffffu);
+        dq[at] = static_cast<bits16>(pack_pair(value, 0.0f) & 0xffffu);
 #endif
     }
 }

@@ -1,7 +1,10 @@
 // The single pass's dQ (attention_mma_backward.cu, SINGLE_PASS): the dK/dV kernel, after
 // dV and dK for a query tile, keeps that tile's dS in shared memory and its warps add the
 // tile's share of dQ, dS K over the block's keys, into float32 sums (red.global.add), in
-// arrival order or, with ORDERED, in a fixed order of turns per (head, query tile).
+// arrival order or, with ORDERED, in a fixed order of turns per (head, query tile); or,
+// with DQ_PARTS, store it into the key block's own slot of float32 parts, which
+// attention_backward_dq_convert sums in the order of the key blocks (deterministic, no
+// turns: for few query rows, where the parts are few bytes beside K and V).
 //
 // Not a standalone header: attention_mma_backward.cu includes it after its products
 // (Accumulators, accumulate_split_columns, kWarps, kHeadWidth, kQkPitch, kDqStep, element),
@@ -174,8 +177,8 @@ __device__ __forceinline__ void query_tile_dq_share(const ds_element* ds_tile,
     }
 }
 
-// dq_head's rows of the tile += the warp's share, rows past n_q and columns past HEAD_DIM
-// left out.
+// dq_head's rows of the tile += the warp's share (DQ_PARTS: = it, in the block's own slot),
+// rows past n_q and columns past HEAD_DIM left out.
 __device__ __forceinline__ void add_dq_share(const Accumulators<kDqShareColumns>& acc,
                                              DqShareWarp part, float* dq_head, i64 query_start,
                                              i64 n_q) {
@@ -187,8 +190,14 @@ __device__ __forceinline__ void add_dq_share(const Accumulators<kDqShareColumns>
         float* row = dq_head + query * HEAD_DIM + part.column0 + 2 * (lane % 4);
 #pragma unroll
         for (int n = 0; n < kDqShareColumns / 8; ++n)
-            if (part.column0 + n * 8 < HEAD_DIM)
-                add_pair(row + n * 8, acc.tile[n][2 * half], acc.tile[n][2 * half + 1]);
+            if (part.column0 + n * 8 < HEAD_DIM) {
+                if (DQ_PARTS) {
+                    row[n * 8] = acc.tile[n][2 * half];
+                    row[n * 8 + 1] = acc.tile[n][2 * half + 1];
+                } else {
+                    add_pair(row + n * 8, acc.tile[n][2 * half], acc.tile[n][2 * half + 1]);
+                }
+            }
     }
 }
 

@@ -433,7 +433,8 @@ def backward_wgmma(do, q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaB
 
 def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackwardTiles,
                  single_pass: bool | None = None, given=(None, None, None),
-                 sequences: Sequences | None = None, dq_splits: int | None = None):
+                 sequences: Sequences | None = None, dq_splits: int | None = None,
+                 dq_parts: bool = False):
     """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32).
 
     `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
@@ -447,7 +448,10 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     ``deterministic=False`` only (`tiles.runs_single_pass`: turns cost more than the
     products they save in 16-bit, bench/NOTES-gpu.md v5, not in float32, v42); and not
     where a GQA grid of few dK/dV blocks would leave SMs idle (`tiles.takes_single_pass`:
-    the two kernels cut its groups instead).
+    the two kernels cut its groups instead). `dq_parts` (with the single pass; a sweep's or
+    test's choice until it is measured against the table's rows for few query rows): each
+    key block stores its dQ shares into a slot of its own (B * Hq * key blocks * Nq * D * 4
+    bytes), summed in the key blocks' order by the convert: reproducible without turns.
     """
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -463,11 +467,14 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
         single_pass = runs_single_pass(dtype_name(q.dtype), options.deterministic) and \
             takes_single_pass(key_blocks, n_q_heads // n_kv_heads, sm_count(q.device.id))
     single_pass = single_pass and can_single and sequences is None
-    ordered = single_pass and options.deterministic
+    dq_parts = dq_parts and single_pass
+    ordered = single_pass and options.deterministic and not dq_parts
     delta = row_deltas(do, o)[0]
     (do, q, k, v, lse), (dq, dk, dv), common, copy_bytes = _operands(do, q, k, v, lse, options,
                                                                      given, sequences)
-    dq_sum = cupy.zeros(dq.size if single_pass else 0, dtype=cupy.float32)
+    # DQ_PARTS: a slot per key block of each head, zeros where a band skips the block.
+    dq_slots = -(-n_k // tiles.dkdv[0]) if dq_parts else 1
+    dq_sum = cupy.zeros(dq.size * dq_slots if single_pass else 0, dtype=cupy.float32)
     n_q_tiles = -(-n_q // tiles.dkdv[1])
     # ORDERED: the blocks' ticket, then a turn counter per (batch x head, query tile).
     dq_turns = cupy.zeros(1 + batch * n_q_heads * n_q_tiles if ordered else 0,
@@ -496,6 +503,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                    ) + Switches.of(options).defines()
         if sequences is not None:
             defines += (("VARLEN", 1),)
+        if dq_parts:
+            defines += (("DQ_PARTS", 1),)
         if entry == "dkdv" and is_float32 and _has_query_tail(n_q, streamed, sequences):
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         if entry == "dkdv" and flagging:
@@ -524,7 +533,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
         convert = _compile.kernel(
             MMA_SOURCE, "attention_backward_dq_convert" + ("_strided" if strided else ""),
             tuple(sorted(defines)), 0)
-        arguments = (dq_sum, dq, np.int64(dq.size), np.float32(options.scale))
+        arguments = (dq_sum, dq, np.int64(dq.size), np.float32(options.scale),
+                     np.int32(dq_slots), np.int64(n_q * head_dim))
         if strided:  # a "bshd" dq, written in the caller's order
             arguments += (np.int32(n_q_heads), np.int64(n_q), np.int32(head_dim),
                           *output_strides(dq))
