@@ -75,6 +75,12 @@ def cases(quick: bool) -> list:
         Case("encoder ViT-H N 257 D 80", 4, 16, 16, 257, 257, 80),
         Case("encoder BERT N 512", 4, 12, 12, 512, 512, 64),
         Case("encoder Whisper N 1500", 1, 20, 20, 1500, 1500, 64),
+        # Head counts that are not powers of two: GQA groups of 7 (Qwen2-7B's 28/4), MQA
+        # over 71 heads (Falcon-7B), and their decode steps.
+        Case("odd heads GQA 28/4", 1, 28, 4, n // 2, n // 2, 128, causal),
+        Case("odd heads MQA 71/1", 1, 71, 1, n // 4, n // 4, 64, causal),
+        Case("odd heads decode 28/4", 4, 28, 4, 1, keys, 128),
+        Case("odd heads decode 71/1", 4, 71, 1, 1, keys, 64),
         Case("one long head", 1, 1, 1, long, long, 64, causal),
         Case("GQA 32/4", 1, 32, 4, n, n, 128, causal),
         Case("plain", 1, 8, 8, n, n, 64),

@@ -141,6 +141,12 @@ def cases(quick: bool, dtypes) -> list:
         add("ViT-H N 257 D 80", 64, 16, 16, 257, 257, 80, options={})
         add("BERT N 512", 64, 12, 12, 512, 512, 64, options={})
         add("Whisper N 1500", 8, 20, 20, 1500, 1500, 64, options={})
+        # Head counts that are not powers of two: GQA groups of 7 (Qwen2-7B's 28/4), MQA over
+        # 71 heads (Falcon-7B), prefill and decode.
+        add("odd heads GQA 28/4", tokens // n, 28, 4, n, n, 128)
+        add("odd heads MQA 71/1", tokens // n, 71, 1, n, n, 64)
+        add("odd heads decode 28/4", 8, 28, 4, 1, 4 * keys, 128, options={})
+        add("odd heads decode 71/1", 8, 71, 1, 1, 4 * keys, 64, options={})
         add("one long head", 1, 1, 1, long, long, 128)
         add("B 1 long 16 heads", 1, 16, 16, long // 4, long // 4, 128)
         add("GQA 32/4", tokens // n, 32, 4, n, n, 128)
