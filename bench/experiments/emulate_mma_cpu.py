@@ -481,9 +481,8 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     gradients are written into (B, N, H, D) buffers (STRIDED_OUT), as a "bshd" call's are.
     `single_pass`: the dK/dV kernel alone adds dQ into float32 sums (SINGLE_PASS, in
     arrival order, or in turns with `ordered`: ORDERED, its blocks' tickets taken in the
-    emulation's sequential order), which attention_backward_dq_convert's arithmetic turns
-    into dq; with `dq_parts` (DQ_PARTS) into a slot per key block, which the convert kernel
-    itself sums."""
+    emulation's sequential order), or with `dq_parts` (DQ_PARTS) into a slot per key block,
+    which attention_backward_dq_convert[_strided] turns into dq."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -543,12 +542,10 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
         function.restype = None
         function(pointer(dq_sum), *converted, ctypes.c_int(n_q_heads), ctypes.c_int64(n_q),
                  ctypes.c_int(head_dim), pointer(strides))
-    elif single_pass and dq_parts:  # attention_backward_dq_convert sums the slots
+    elif single_pass:  # attention_backward_dq_convert itself (summing the slots)
         function = lib.run_dq_convert
         function.restype = None
         function(pointer(dq_sum), *converted)
-    elif single_pass:
-        dq[...] = (np.float32(options.scale) * dq_sum.reshape(dq.shape)).astype(q.dtype)
     return dq, dk, dv
 
 
