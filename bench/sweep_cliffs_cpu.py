@@ -75,6 +75,11 @@ def cases(quick: bool) -> list:
         Case("encoder ViT-H N 257 D 80", 4, 16, 16, 257, 257, 80),
         Case("encoder BERT N 512", 4, 12, 12, 512, 512, 64),
         Case("encoder Whisper N 1500", 1, 20, 20, 1500, 1500, 64),
+        # Stable Diffusion 1.5's cross-attention: latent pixels over 77 text tokens, 8 heads
+        # of 40 / 80 / 160 at the U-Net's three resolutions (one image).
+        Case("SD cross-attn D 40", 1, 8, 8, 4096, 77, 40),
+        Case("SD cross-attn D 80", 1, 8, 8, 1024, 77, 80),
+        Case("SD cross-attn D 160", 1, 8, 8, 256, 77, 160),
         # Head counts that are not powers of two: GQA groups of 7 (Qwen2-7B's 28/4), MQA
         # over 71 heads (Falcon-7B), and their decode steps.
         Case("odd heads GQA 28/4", 1, 28, 4, n // 2, n // 2, 128, causal),

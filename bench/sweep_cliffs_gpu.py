@@ -141,6 +141,10 @@ def cases(quick: bool, dtypes) -> list:
         add("ViT-H N 257 D 80", 64, 16, 16, 257, 257, 80, options={})
         add("BERT N 512", 64, 12, 12, 512, 512, 64, options={})
         add("Whisper N 1500", 8, 20, 20, 1500, 1500, 64, options={})
+        # Stable Diffusion 1.5's cross-attention: latent pixels over 77 text tokens, 8 heads of
+        # 40 / 80 / 160 at the U-Net's three resolutions (batch 2 x 4 images).
+        for d, pixels in ((40, 4096), (80, 1024), (160, 256)):
+            add(f"SD cross-attn D {d}", 8, 8, 8, pixels, 77, d, options={})
         # Head counts that are not powers of two: GQA groups of 7 (Qwen2-7B's 28/4), MQA over
         # 71 heads (Falcon-7B), prefill and decode.
         add("odd heads GQA 28/4", tokens // n, 28, 4, n, n, 128)
