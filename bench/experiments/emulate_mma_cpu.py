@@ -772,6 +772,13 @@ DECODE_CASES = [
     ("float16", (2, 8, 2, 3, 400, 64, 64),
      {"window": (100, 0), "alibi_slopes": np.linspace(0.3, 0.01, 16).reshape(2, 8)},
      DecodeMmaTiles(1, 4, 16, 3, 1)),
+    # 65-128 packed rows on eight row warps of one m16 tile (speculative rows of a GQA
+    # group): 68 rows leave three row warps without rows in use, 100 rows one; those skip
+    # the products and still copy their share of each stage.
+    ("float16", (1, 16, 4, 17, 300, 64, 64), {"causal": True}, DecodeMmaTiles(1, 1, 64, 2, 2, 8)),
+    ("bfloat16", (1, 8, 2, 25, 400, 64, 48),
+     {"causal": True, "window": (120, 0), "alibi_slopes": np.linspace(0.05, 0.4, 8)},
+     DecodeMmaTiles(1, 1, 64, 2, 1, 8)),
 ]
 
 

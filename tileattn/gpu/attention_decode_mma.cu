@@ -319,6 +319,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const int warp = threadIdx.x / 32 % kWarps, lane = threadIdx.x % 32;  // warp: key warp
     const int warp_row0 = threadIdx.x / 32 / kWarps * 16 * kRowTiles;  // its group's rows
     const int quad_row = lane / 4, quad_col = lane % 4;
+    // A row warp whose rows all lie past the packed rows in use (65-112 rows on 8 row warps
+    // of one m16 tile) skips the products, which would read every stage from shared memory
+    // for rows never stored; it still copies its share of each stage and meets the others
+    // at every barrier.
+    const bool rows_in_use = first_row + warp_row0 < rows;
     // The query row (for the masks and ALiBi) and the ALiBi slope (its query head's, in
     // logit units) of this thread's two rows of each row tile; rows past the packed rows in
     // use take row 0 and slope 0 (computed, never stored).
@@ -453,39 +458,44 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
 #pragma unroll
             for (int n = 0; n < kWarpKeys / 8; ++n)
                 s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+        if (rows_in_use) {
 #pragma unroll
-        for (int kk = 0; kk < kHeadWidth / 16; ++kk) {
-            u32 a[kRowTiles][4];
-#pragma unroll
-            for (int m = 0; m < kRowTiles; ++m) {
-                if (kQInRegisters) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        a[m][e] = q_fragments[kQInRegisters ? m : 0][kQInRegisters ? kk : 0][e];
-                } else {
-                    load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
-                }
-            }
-#pragma unroll
-            for (int nn = 0; nn < kWarpKeys / 16; ++nn) {
-                u32 b[4];
-                load_b_fragments<kHeadWidth>(k_warp, nn * 16, kk * 16, b);
+            for (int kk = 0; kk < kHeadWidth / 16; ++kk) {
+                u32 a[kRowTiles][4];
 #pragma unroll
                 for (int m = 0; m < kRowTiles; ++m) {
-                    mma_16x8x16(s[m][2 * nn], a[m], b[0], b[1]);
-                    mma_16x8x16(s[m][2 * nn + 1], a[m], b[2], b[3]);
+                    if (kQInRegisters) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            a[m][e] = q_fragments[kQInRegisters ? m : 0]
+                                                 [kQInRegisters ? kk : 0][e];
+                    } else {
+                        load_a_fragment<kHeadWidth>(q_tile, warp_row0 + m * 16, kk * 16, a[m]);
+                    }
+                }
+#pragma unroll
+                for (int nn = 0; nn < kWarpKeys / 16; ++nn) {
+                    u32 b[4];
+                    load_b_fragments<kHeadWidth>(k_warp, nn * 16, kk * 16, b);
+#pragma unroll
+                    for (int m = 0; m < kRowTiles; ++m) {
+                        mma_16x8x16(s[m][2 * nn], a[m], b[0], b[1]);
+                        mma_16x8x16(s[m][2 * nn + 1], a[m], b[2], b[3]);
+                    }
                 }
             }
         }
 
         // Masks: this warp's keys against query rows [0, seq_rows); the non-finite-V step
         // below needs a block-uniform test, so it asks of the whole stage.
-        const bool needs_mask = key_tile_needs_mask(scores, 0, static_cast<int>(seq_rows),
-                                                    col_start, kWarpKeys);
-        scores_to_logits(s, my_rows, col_start, needs_mask,
-                         tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start, seq_keys),
-                         scores, my_slopes);
-        online_softmax_step(s, row_max, row_sum, o_acc);
+        if (rows_in_use) {
+            const bool needs_mask = key_tile_needs_mask(scores, 0, static_cast<int>(seq_rows),
+                                                        col_start, kWarpKeys);
+            scores_to_logits(s, my_rows, col_start, needs_mask,
+                             tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start, seq_keys),
+                             scores, my_slopes);
+            online_softmax_step(s, row_max, row_sum, o_acc);
+        }
 
         // A stage the band cuts with a non-finite V: the kept pairs' products on CUDA cores,
         // then zeros in V's place for the tensor cores (kept_products.cuh). Keys past the
@@ -494,13 +504,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                                                   tile * kBlockK, kBlockK)) {
             if (__syncthreads_or(
                     tile_has_non_finite<kBlockK, kValueWidth, kVPitch, kThreads>(v_tile))) {
-                add_kept_non_finite_values<kWarpKeys / 8>(
-                    o_acc,
-                    KeptKeysOfRows<kRowTiles>{
-                        my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start,
-                                                                    seq_keys)},
-                    HeldFromScores<kRowTiles, kWarpKeys / 8>{s},
-                    [&](int key, int col) { return element_value(v_warp[key * kVPitch + col]); });
+                if (rows_in_use)
+                    add_kept_non_finite_values<kWarpKeys / 8>(
+                        o_acc,
+                        KeptKeysOfRows<kRowTiles>{
+                            my_rows, tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start,
+                                                                        seq_keys)},
+                        HeldFromScores<kRowTiles, kWarpKeys / 8>{s},
+                        [&](int key, int col) {
+                            return element_value(v_warp[key * kVPitch + col]);
+                        });
                 __syncthreads();
                 zero_non_finite<kBlockK, kValueWidth, kVPitch, kThreads>(v_tile);
                 __syncthreads();
@@ -508,20 +521,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         }
 
         // O += P V: the S accumulators of key fragments 2kk and 2kk+1 are the A fragment.
+        if (rows_in_use) {
 #pragma unroll
-        for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
-            u32 a[kRowTiles][4];
+            for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
+                u32 a[kRowTiles][4];
 #pragma unroll
-            for (int m = 0; m < kRowTiles; ++m)
-                pack_a_fragment(s[m][2 * kk], s[m][2 * kk + 1], a[m]);
+                for (int m = 0; m < kRowTiles; ++m)
+                    pack_a_fragment(s[m][2 * kk], s[m][2 * kk + 1], a[m]);
 #pragma unroll
-            for (int dn = 0; dn < kValueWidth / 16; ++dn) {
-                u32 b[4];
-                load_b_fragments_transposed<kValueWidth>(v_warp, kk * 16, dn * 16, b);
+                for (int dn = 0; dn < kValueWidth / 16; ++dn) {
+                    u32 b[4];
+                    load_b_fragments_transposed<kValueWidth>(v_warp, kk * 16, dn * 16, b);
 #pragma unroll
-                for (int m = 0; m < kRowTiles; ++m) {
-                    mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);
-                    mma_16x8x16(o_acc[m][2 * dn + 1], a[m], b[2], b[3]);
+                    for (int m = 0; m < kRowTiles; ++m) {
+                        mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);
+                        mma_16x8x16(o_acc[m][2 * dn + 1], a[m], b[2], b[3]);
+                    }
                 }
             }
         }
