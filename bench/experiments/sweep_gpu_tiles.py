@@ -12,8 +12,9 @@ pooling many keys), every candidate configuration of the family is first checked
 the float64 golden model on a small problem with every option on, then timed on the large
 one (calls back to back, bench_gpu.back_to_back_ms) beside the row the table chooses now,
 and by CUDA events around each of its launches ("kernels ms", the median call's sum: what a
-tiling changes where a short call's host time hides it back to back; a backward's counts
-only its own kernels, as the forward is the table's).
+tiling changes where a short call's host time hides it back to back; not for the mma.sync
+and 3xTF32 backward, whose launches bypass the timer). A backward is timed alone, after one
+forward of the table's (TFLOP/s: 2.5x the forward's count).
 Candidates that do not fit shared memory, or that the compiler refuses, are reported and
 skipped. The winners become rows of the family's table, each with a note naming this sweep.
 """
@@ -87,10 +88,12 @@ def _options(q, k, v, **options):
     return validate(q, k, v, **{**defaults, **options}).options
 
 
-def run(choice, direction, q, k, v, do, options):
-    o, lse = launch_forward.run(choice if direction == "forward" else
-                                tiles.choose_forward(problem_of(q, k, v, options)),
-                                q, k, v, options)
+def run(choice, direction, q, k, v, do, options, forward=None):
+    """The forward with `choice`, or the backward with it after the table's forward (or
+    after `forward`'s o and lse, as the timed backward calls take them)."""
+    o, lse = forward or launch_forward.run(choice if direction == "forward" else
+                                           tiles.choose_forward(problem_of(q, k, v, options)),
+                                           q, k, v, options)
     if direction == "forward":
         return o, lse
     if DQ_PARTS:
@@ -196,9 +199,8 @@ def main() -> None:
     DETERMINISTIC = not args.nondeterministic
     DQ_PARTS = args.dq_parts
     limit = shared_memory_limit(cupy.cuda.Device().id)
-    flops_factor = 1.0 if args.direction == "forward" else 3.5  # fwd+bwd for the backward
-    print("| D | Dv | causal | N | tiles | ms | kernels ms (backward: its own) | TFLOP/s | "
-          "table's row |")
+    flops_factor = 1.0 if args.direction == "forward" else 2.5  # the backward alone
+    print("| D | Dv | causal | N | tiles | ms | kernels ms | TFLOP/s | table's row |")
     print("| ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | --- |")
     for dim in args.dims.split(","):
         head_dim, value_dim = map(int, dim.split(":")) if ":" in dim else (int(dim),) * 2
@@ -225,6 +227,9 @@ def main() -> None:
             problem = problem_of(q, k, v, options)
             chosen = (tiles.choose_forward(problem) if args.direction == "forward"
                       else tiles.choose_backward(problem))
+            # A backward is timed alone, after one forward of the table's.
+            forward = (None if args.direction == "forward" else
+                       launch_forward.run(tiles.choose_forward(problem), q, k, v, options))
             results = []
             configs = []
             for config in candidates(args.family, args.direction):
@@ -250,13 +255,10 @@ def main() -> None:
                     continue
                 choice = tiles.Choice(args.family, config)
                 def call():
-                    run(choice, args.direction, q, k, v, do, options)
+                    run(choice, args.direction, q, k, v, do, options, forward)
 
                 ms = back_to_back_ms(call, args.repetitions)
                 kernels = profile(call, args.repetitions)[0]
-                if args.direction == "backward":  # the forward's kernels are the table's
-                    kernels = {key: time for key, time in kernels.items()
-                               if "forward" not in key[0]}
                 # launch_backward.backward_mma calls its kernels directly, not through the
                 # Launch that the timer wraps: only the delta kernel would count
                 kernels_ms = (f"{sum(kernels.values()):.3f}" if args.family == "wgmma"
@@ -270,7 +272,7 @@ def main() -> None:
                 best = max(results, key=lambda r: r[0])
                 print(f"best D={head_dim} Dv={value_dim} causal={causal} N={label}: "
                       f"{best[1]} {best[0]:.1f} TFLOP/s; table: {chosen.tiles}", flush=True)
-            del q, k, v, do
+            del q, k, v, do, forward
             cupy.get_default_memory_pool().free_all_blocks()
 
 
