@@ -134,6 +134,10 @@ def test_small_problems_run_on_one_thread_and_large_ones_on_every_allowed_thread
     from tileattn.cpu import threads
 
     assert threads.threads_for(1e6) == 1
+    assert threads.threads_for(threads.SECOND_THREAD_FLOPS - 1) == 1
+    assert threads.threads_for(threads.SECOND_THREAD_FLOPS) == min(2, numba.get_num_threads())
+    # beyond two, a thread per FLOPS_PER_THREAD: each one woken adds its start to the call
+    assert threads.threads_for(2.5 * threads.FLOPS_PER_THREAD) == min(2, numba.get_num_threads())
     assert threads.threads_for(1e12) == numba.get_num_threads()
     previous = numba.get_num_threads()
     numba.set_num_threads(1)

@@ -16,11 +16,11 @@ up to a scheduler time slice for a thread that had not started (N=256 forward 3.
 not started, so a busy machine costs at most the wake-up of the pool thread, and nothing
 spins. It also compiles faster: no parfor lowering (bench/NOTES-cpu.md, session 4).
 
-Small problems run on one thread: waking a pool thread and dispatching a kernel to it takes
-0.1-0.2 ms when the other core is busy, more than a call of 64 x 64 keys on 8 heads takes on
-one thread. `threads_for` gives a call one thread per `FLOPS_PER_THREAD`, at most
-``numba.get_num_threads()`` (so ``numba.set_num_threads`` still limits tileattn; `allowed`
-asks it).
+Small problems run on one thread: a pool thread starts 30-115 us after it is woken (more
+the longer the pool slept), more than a call of 64 x 64 keys on 8 heads takes on one
+thread. `threads_for` gives a call a second thread from `SECOND_THREAD_FLOPS` of work and
+one thread per `FLOPS_PER_THREAD` beyond, at most ``numba.get_num_threads()`` (so
+``numba.set_num_threads`` still limits tileattn; `allowed` asks it).
 """
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ import numpy as np
 
 FLOPS_PER_THREAD = 32e6
 """About 0.5 ms of one core's work at the kernels' ~65 GFLOP/s (bench/NOTES-cpu.md)."""
+
+SECOND_THREAD_FLOPS = 16e6
+"""A second thread pays from ~0.25 ms of one core's work, where its start is well under
+half the call: 2 cores, forwards of 17-52 MFLOP (B1 H8 N 96-160 D 64 and the like) took
+1.12-1.50x less time on two threads than on one, also with the other core busy; below
+16 MFLOP 0.89-1.00x (bench/NOTES-cpu.md, session 34). Further threads keep
+`FLOPS_PER_THREAD` each: each one woken adds its start to a short call."""
 
 
 def allowed() -> int:
@@ -58,8 +65,12 @@ def _count_getter():
 
 
 def threads_for(flops: float) -> int:
-    """One thread per `FLOPS_PER_THREAD` of work, at least one, at most `allowed`."""
-    return max(1, min(allowed(), int(flops // FLOPS_PER_THREAD)))
+    """One thread per `FLOPS_PER_THREAD` of work, two from `SECOND_THREAD_FLOPS`, at least
+    one, at most `allowed`."""
+    wanted = int(flops // FLOPS_PER_THREAD)
+    if wanted < 2 and flops >= SECOND_THREAD_FLOPS:
+        wanted = 2
+    return max(1, min(allowed(), wanted))
 
 
 @functools.cache
