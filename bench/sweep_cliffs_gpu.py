@@ -10,7 +10,8 @@ Each case is first checked against the golden model on a small problem of the sa
 calls queued back to back (FlashAttention's method: host time counts where it exceeds the
 kernels'). The anchor is the fastest torch SDPA backend (flash, efficient, cuDNN) that runs
 the case where torch is installed and has its options (causal bottom-right through torch's
-`causal_lower_right`, GQA, dropout); for softcap, ALiBi and windows, tileattn's own call of
+`causal_lower_right`, GQA, dropout), or torch's math backend where none of those does
+(float64: `--dtypes float64`); for softcap, ALiBi and windows, tileattn's own call of
 the same shape without the option, so the column says what the option costs. A row is
 marked CLIFF when tileattn is under 0.8x torch, or when an option costs over 1.5x the
 plain call (the CPU sweep's thresholds). On the H100 the fastest torch backend is mostly
@@ -209,8 +210,9 @@ def tileattn_calls(options: dict, arrays):
 
 
 def torch_calls(case: Case, arrays):
-    """(backend name, forward, forward + backward) for each torch SDPA backend that runs the
-    case, forward and backward."""
+    """(backend name, forward, forward + backward) for each fused torch SDPA backend that runs
+    the case, forward and backward; where none does (float64, say), torch's math backend,
+    what a torch user gets there (it holds the B x H x Nq x Nk scores in memory)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -236,7 +238,10 @@ def torch_calls(case: Case, arrays):
     found = []
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("math", SDPBackend.MATH)):
+        if name == "math" and found:
+            break
         try:
             attention(backend, True).backward(do)
         except RuntimeError:
