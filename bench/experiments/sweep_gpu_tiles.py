@@ -14,7 +14,9 @@ one (calls back to back, bench_gpu.back_to_back_ms) beside the row the table cho
 and by CUDA events around each of its launches ("kernels ms", the median call's sum: what a
 tiling changes where a short call's host time hides it back to back; not for the mma.sync
 and 3xTF32 backward, whose launches bypass the timer). A backward is timed alone, after one
-forward of the table's (TFLOP/s: 2.5x the forward's count).
+forward of the table's (TFLOP/s: 2.5x the forward's count). A forward candidate runs with
+the key shares a dense call of its tiles gets (`tiles.with_key_splits`: few query tiles
+over many keys).
 Candidates that do not fit shared memory, or that the compiler refuses, are reported and
 skipped. The winners become rows of the family's table, each with a note naming this sweep.
 """
@@ -31,6 +33,7 @@ import cupy
 import numpy as np
 
 from tileattn.gpu import launch_backward, launch_forward, tiles
+from tileattn.gpu.launch_decode import decode_shape
 from tileattn.gpu.operands import problem_of, shared_memory_limit
 from tileattn.testing import assert_attention_close
 from tileattn.validation import validate
@@ -254,6 +257,8 @@ def main() -> None:
                     print(f"  skipped {config}: {verdict}")
                     continue
                 choice = tiles.Choice(args.family, config)
+                if args.direction == "forward":  # the key shares a dense call adds (few rows)
+                    choice = tiles.with_key_splits(choice, decode_shape(q, k, options, n))
                 def call():
                     run(choice, args.direction, q, k, v, do, options, forward)
 
@@ -266,6 +271,8 @@ def main() -> None:
                 tflops = flops_factor * flops / ms / 1e9
                 results.append((tflops, config))
                 mark = "<- table" if config == chosen.tiles else ""
+                if choice.key_splits > 1:
+                    mark += f" ({choice.key_splits} key shares)"
                 print(f"| {head_dim} | {value_dim} | {causal} | {label} | {config} | "
                       f"{ms:.3f} | {kernels_ms} | {tflops:.1f} | {mark} |", flush=True)
             if results:
