@@ -128,6 +128,52 @@ def test_import_tileattn_does_not_import_numba():
     assert done.stdout.strip() == "False"
 
 
+_FORK_DURING_A_CALL = """
+import faulthandler, os, sys, threading
+sys.path.insert(0, {root!r})
+import numpy as np
+import tileattn
+from tileattn import cpu
+
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 8, 300, 64), dtype=np.float32) for _ in range(3))
+expected = tileattn.forward(q, k, v, causal=True, backend="cpu")  # threads and pool started
+decode_expected = tileattn.forward(q[:, :, :2], k, v, backend="cpu")
+inside, release = threading.Event(), threading.Event()
+
+
+def inside_a_call():  # what a thread inside a call holds at the fork
+    with cpu._kernel_lock:
+        inside.set()
+        release.wait()
+
+
+holder = threading.Thread(target=inside_a_call)
+holder.start()
+inside.wait()
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test, with its stack
+    same = (np.array_equal(tileattn.forward(q, k, v, causal=True, backend="cpu"), expected)
+            and np.array_equal(tileattn.forward(q[:, :, :2], k, v, backend="cpu"),
+                               decode_expected))
+    os._exit(0 if same else 3)
+release.set()
+holder.join()
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_thread_is_inside_a_call_can_call():
+    """A process forked while another of its threads is inside a CPU call (a fork-method
+    multiprocessing pool beside a server's threads): the child's own calls return, with the
+    parent's bits, instead of waiting forever on the lock the parent's thread held."""
+    done = subprocess.run([sys.executable, "-c", _FORK_DURING_A_CALL.format(root=str(ROOT))],
+                          capture_output=True, text=True, timeout=600, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "0", done.stderr[-2000:]
+
+
 def test_small_problems_run_on_one_thread_and_large_ones_on_every_allowed_thread():
     import numba
 

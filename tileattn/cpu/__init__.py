@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import threading
 from dataclasses import dataclass
 
@@ -39,6 +40,17 @@ VARLEN = True  # serves seqlens, cu_seqlens and block_table (`Sequences`)
 # Each call already spreads over every core it can use (`threads`), and the BLAS thread
 # limit around it is process-wide: serialising calls costs nothing.
 _kernel_lock = threading.Lock()
+
+
+def _new_kernel_lock() -> None:
+    """A forked child's lock: the parent's may have been held by a thread inside a call at
+    the fork, which the child does not have, so its first call would wait forever."""
+    global _kernel_lock
+    _kernel_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_kernel_lock)
 
 
 def availability() -> str | None:

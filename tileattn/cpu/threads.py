@@ -80,6 +80,12 @@ def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
                                                  initializer=_helpers.register)
 
 
+# A forked child starts a pool of its own: the parent's pool threads do not exist there, and
+# its queue's lock may have been held by a thread mid-submit at the fork.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 class _HelperPlaces:
     """Where the pool's threads may run: away from the caller's core while a call starts.
 
