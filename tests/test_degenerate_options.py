@@ -117,6 +117,27 @@ def test_values_the_compute_dtype_holds_are_accepted_on_every_backend(backend):
             assert_attention_close(grad, want, dtype, name=f"{name} with {options}")
 
 
+@pytest.mark.parametrize("n_q", [2, 9], ids=["decode", "prefill"])
+def test_block_sizes_far_beyond_the_sequence_change_nothing(backend, n_q):
+    """SPEC: any positive block size is valid, larger than the sequence included. Block
+    sizes near the int64 range, decode-shaped (two query rows) and prefill-shaped, agree
+    with the golden model in both directions (the CPU decode had sized its tile buffers by
+    block_k: MemoryError)."""
+    q, k, v, do = problem(np.float32)
+    q, do = q[:, :, :n_q], do[:, :, :n_q]
+    golden = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)), return_lse=True,
+                              backend="reference", causal=True)
+    golden_grads = tileattn.backward(*(a.astype(np.float64) for a in (do, q, k, v)),
+                                     golden[0], golden[1], backend="reference", causal=True)
+    for blocks in (dict(block_k=10**9), dict(block_q=2**40, block_k=2**62)):
+        o, lse = backend.forward(q, k, v, return_lse=True, causal=True, **blocks)
+        assert_attention_close(o, golden[0], np.float32, name=f"o with {blocks}")
+        grads = backend.backward(do, q, k, v, golden[0].astype(np.float32), lse, causal=True,
+                                 **blocks)
+        for name, grad, want in zip(("dq", "dk", "dv"), grads, golden_grads):
+            assert_attention_close(grad, want, np.float32, name=f"{name} with {blocks}")
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("softcap", [1e4, 1e9, 1e30])
 def test_a_softcap_far_above_the_scores_changes_nothing(backend, dtype, softcap):

@@ -115,6 +115,9 @@ def plan(q_c, k_c, v_c, options, shape, n_splits=None) -> DecodePlan:
         keys_read = float(len(descriptors) * longest)
     block_k = options.block_k or default_blocks("forward", head_dim, value_dim,
                                                 q_c.itemsize).block_k
+    # A named block_k may exceed the keys by far (SPEC: any positive int); the kernel's tile
+    # buffers hold block_k keys, and one tile of every key computes the same.
+    block_k = min(block_k, max(1, longest))
     packed_rows = n_q_heads // n_kv_heads * n_q
     flops = 2.0 * n_q_heads * row_keys * (head_dim + value_dim)
     if packed_rows <= MAX_LOOP_ROWS:
