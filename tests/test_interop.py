@@ -61,6 +61,37 @@ def test_torch_bfloat16_round_trips():
     assert o.dtype == torch.bfloat16 and o.shape == (2, 4, 12, 8)
 
 
+def test_torch_lazily_negated_or_conjugated_tensors_are_read_as_their_values():
+    """A float tensor with torch's negative bit (``z.conj().imag``) or a conjugated complex
+    one holds ordinary values that .numpy() and DLPack refuse to read as they lie: the API
+    and the adapter read them resolved, with the same results as plain copies."""
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    arrays = numpy_problem()
+    lazy = [torch.complex(torch.zeros_like(t), -t).conj().imag
+            for t in (torch.from_numpy(a) for a in arrays)]
+    assert all(t.is_neg() for t in lazy)
+    expected, _ = golden(*arrays, np.ones((2, 4, 12, 8), np.float32))
+    for function in (tileattn.forward, attention):
+        o = function(*lazy, **OPTIONS)
+        assert_attention_close(o.numpy(), expected, np.float32)
+
+
+def test_torch_dtypes_without_a_numpy_counterpart_are_refused_by_name():
+    torch = require("torch")
+    from tileattn.torch import attention
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8 dtypes")
+    q, k, v = (torch.from_numpy(a) for a in numpy_problem())
+    q8 = q.to(torch.float8_e4m3fn)
+    for function in (tileattn.forward, attention):
+        with pytest.raises(TypeError, match=r"^q: a torch tensor of dtype torch.float8_e4m3fn "
+                                            r"has no NumPy counterpart; tileattn takes float16"):
+            function(q8, k, v)
+
+
 def test_torch_autograd_matches_golden_gradients():
     torch = require("torch")
     from tileattn.torch import attention

@@ -57,6 +57,18 @@ def _from_dlpack(array, on_cuda: bool):
     return np.from_dlpack(array)
 
 
+@functools.cache
+def _convertible_torch_dtypes() -> frozenset:
+    """The torch dtypes whose tensors convert (bfloat16 through its bits; integers and
+    complex numbers for validation to refuse by name): the float8 kinds, say, do not, and
+    would fail inside torch without naming anything."""
+    import torch
+
+    return frozenset((torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                      torch.complex64, torch.complex128, torch.bool, torch.uint8, torch.int8,
+                      torch.int16, torch.int32, torch.int64))
+
+
 def _torch_to_native(tensor):
     import torch
 
@@ -64,6 +76,11 @@ def _torch_to_native(tensor):
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"torch tensors must be on the CPU or a CUDA device, got one on "
                          f"{tensor.device}")
+    if tensor.is_neg() or tensor.is_conj():  # lazy negation (x.conj().imag) or conjugation:
+        tensor = tensor.resolve_neg().resolve_conj()  # neither NumPy nor DLPack reads them
+    if tensor.dtype not in _convertible_torch_dtypes():
+        raise TypeError(f"a torch tensor of dtype {tensor.dtype} has no NumPy counterpart; "
+                        f"tileattn takes float16, bfloat16, float32 and float64")
     on_cuda = tensor.device.type == "cuda"
     bfloat16 = tensor.dtype == torch.bfloat16
     # DLPack consumers do not all know bfloat16: move the bits as int16 and relabel them.

@@ -76,7 +76,10 @@ def _natives(arrays_in: tuple) -> tuple | None:
         if kind is not np.ndarray and (cupy is None or kind is not cupy.ndarray):
             if arrays.library_of(array) != "torch" or array.device.type != "cpu":
                 return None
-            array = arrays.to_native(array)
+            try:
+                array = arrays.to_native(array)
+            except TypeError:  # validation refuses it, naming the argument
+                return None
         natives.append(array)
     return tuple(natives)
 

@@ -587,6 +587,15 @@ def check_output_addresses(outputs: dict, inputs: dict, memory: str) -> None:
                 raise ValueError(f"{name} must not share memory with {other_name}")
 
 
+def _native(name: str, array):
+    """`arrays.to_native(array)`, its refusal (a torch dtype with no NumPy counterpart)
+    naming the argument."""
+    try:
+        return arrays.to_native(array)
+    except TypeError as error:
+        raise TypeError(f"{name}: {error}") from None
+
+
 def _check_not_masked(name: str, array) -> None:
     """A NumPy masked array's mask would be dropped without a word (its data would be read
     as if nothing were masked, or a result written beside its mask): refused."""
@@ -654,7 +663,7 @@ def validate(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=None,
     slopes_given = option_kwargs.get("alibi_slopes")
     # The caller's memory, for the output buffers' overlap check: an input in another byte
     # order is read from a native copy, but a buffer over its bytes would still overwrite it.
-    natives = {name: arrays.to_native(a) for name, a in named.items()}
+    natives = {name: _native(name, a) for name, a in named.items()}
     named = {name: arrays.to_native_byte_order(a) for name, a in natives.items()}
     shapes = {name: tuple(a.shape) for name, a in named.items()}
     if sequence_first:
