@@ -991,6 +991,8 @@ def test_torch_varlen_takes_lists_and_numpy_and_gives_no_length_gradient():
     (dict(block_q=0), ValueError, "block_q must be >= 1"),
     (dict(backend="tpu"), ValueError, "backend must be one of"),
     (dict(check_lengths=1), TypeError, "check_lengths must be a bool"),
+    (dict(alibi_slopes=[[1.0, 2.0], [3.0]]), TypeError, "alibi_slopes must be an array of "
+                                                        "numbers: setting an array element"),
 ])
 def test_jax_adapter_rejects_bad_options_before_tracing(options, error, message):
     """tileattn.forward's own error, not JAX's runtime error around it from inside the
@@ -1002,6 +1004,25 @@ def test_jax_adapter_rejects_bad_options_before_tracing(options, error, message)
     attention(q, q, q)
     with pytest.raises(error, match=message):
         attention(q, q, q, **options)
+
+
+def test_jax_adapter_names_traced_slopes():
+    """Options are static: ALiBi slopes traced under jit or vmap get a TypeError naming
+    alibi_slopes (they reached NumPy's TracerArrayConversionError, naming nothing), and
+    concrete JAX slopes are served."""
+    jax = require("jax")
+    from tileattn.jax import attention
+
+    q = jax.numpy.asarray(numpy_problem((1, 2, 6, 8), (1, 2, 6, 8))[0])
+    with pytest.raises(TypeError, match="alibi_slopes must be concrete .* got a traced value"):
+        jax.jit(lambda q, s: attention(q, q, q, alibi_slopes=s))(q, jax.numpy.array([.1, .2]))
+    with pytest.raises(TypeError, match="alibi_slopes must be concrete .* got a traced value"):
+        jax.vmap(lambda s: attention(q, q, q, alibi_slopes=s))(jax.numpy.ones((3, 2)))
+    slopes = np.array([0.1, 0.2])
+    concrete = attention(q, q, q, alibi_slopes=jax.numpy.asarray(slopes))
+    expected = tileattn.forward(*(np.asarray(q, np.float64),) * 3, alibi_slopes=slopes,
+                                backend="reference")
+    assert_attention_close(np.asarray(concrete), expected, np.float32)
 
 
 def test_jax_adapter_rejects_bad_shapes_and_dtypes_before_tracing():

@@ -309,6 +309,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
         # caller wrapped in JAX's runtime error.
         backends.load(backend)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if alibi_slopes is not None:
+        alibi_slopes = _static_slopes(alibi_slopes)
     if all(value is None for value in (seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k,
                                        block_table)):
         _check_dense_call(q, k, v, dict(
@@ -323,8 +325,6 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
     for name, value in lengths.items():
         if not jnp.issubdtype(value.dtype, jnp.integer):
             raise TypeError(f"{name} must have an integer dtype, got dtype {value.dtype}")
-    if alibi_slopes is not None:
-        alibi_slopes = _freeze(np.asarray(alibi_slopes, dtype=np.float64).tolist())
     frozen = tuple(sorted(dict(
         causal=causal, window=None if window is None else tuple(window), scale=scale,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
@@ -342,11 +342,25 @@ def _check_dense_call(q, k, v, options: dict, backend, check_lengths) -> None:
     the arrays serve, and the problem cache remembers a signature that passed."""
     check_backend_name(backend)
     stand_ins = [np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in (q, k, v)]
-    if options["alibi_slopes"] is not None and not isinstance(options["alibi_slopes"],
-                                                              jax.core.Tracer):
+    if options["alibi_slopes"] is not None:
         options = dict(options, alibi_slopes=np.asarray(options["alibi_slopes"]))
     validate_call(*stand_ins, outputs={}, varlen=None, check_lengths=check_lengths,
                   **options)
+
+
+def _static_slopes(slopes) -> tuple:
+    """ALiBi's slopes as nested tuples of floats (options are static: hashable for
+    `nondiff_argnums`), or a TypeError naming alibi_slopes for a traced value (under jit or
+    vmap) or one that is not an array of numbers."""
+    if isinstance(slopes, jax.core.Tracer):
+        raise TypeError("alibi_slopes must be concrete (a list, a NumPy array, or a JAX array "
+                        "made outside jit and vmap): tileattn's options are static, got a "
+                        f"traced value {slopes}")
+    try:
+        array = np.asarray(slopes, dtype=np.float64)
+    except (TypeError, ValueError) as error:  # ragged lists, strings
+        raise TypeError(f"alibi_slopes must be an array of numbers: {error}") from None
+    return _freeze(array.tolist())
 
 
 def _freeze(value):
