@@ -72,7 +72,12 @@ BAD_ARGUMENTS = (
         f"argument --kv-heads: must be at most {MAX_HEADS}, got {MAX_HEADS + 1}"),
        # The hang: a GQA group of 2**31 - 1 heads walked for minutes.
        (["info", "--dtype", "float32", "--seq-len", "100", "--n-k", "100", "--heads",
-         "2147483647", "--kv-heads", "1"], f"argument --heads: must be at most {MAX_HEADS}")]
+         "2147483647", "--kv-heads", "1"], f"argument --heads: must be at most {MAX_HEADS}"),
+       # Each within its own bound, together 2**32 query heads: info's planning allocated
+       # a table of 32 GiB and died with a traceback.
+       (["info", "--heads", str(MAX_HEADS), "--batch", str(MAX_BATCH), "--seq-len", "16"],
+        "arguments --batch and --heads: their product at most 4194304 (info plans the call), "
+        f"got {MAX_BATCH} x {MAX_HEADS} = {MAX_BATCH * MAX_HEADS}")]
     + [(["bench", "--backend", value], f"argument --backend: invalid choice: '{value}'")
        for value in ("nope", "reference", "auto")]
     + [(["bench", "--backend"], "argument --backend: expected one argument"),

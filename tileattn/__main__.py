@@ -18,6 +18,9 @@ FAST_BACKENDS = ["cpu", "gpu"]
 
 # info's traffic model walks every query row in Python (about a second per million rows).
 INFO_MAX_SEQ_LEN = 2 ** 22
+# info plans the call on each backend, whose per-(batch, head) tables (ALiBi's slopes, even
+# zero ones) then take 8 bytes a query head: 32 MiB at this bound.
+INFO_MAX_QUERY_HEADS = 2 ** 22
 # Beyond these a shape describes no call anyone runs, and the reports' byte counts must
 # stay numbers a float holds (--batch 10**310 would overflow them). Lengths stay in the
 # int32 the kernels take for counts.
@@ -203,6 +206,10 @@ def _info(parser, args) -> int:
         parser.error(f"argument --n-k: at most {INFO_MAX_SEQ_LEN}, got {args.n_k}")
     if args.kv_heads is not None and args.heads % args.kv_heads:
         parser.error(f"argument --kv-heads: must divide --heads={args.heads}, got {args.kv_heads}")
+    if args.batch * args.heads > INFO_MAX_QUERY_HEADS:
+        parser.error(f"arguments --batch and --heads: their product at most "
+                     f"{INFO_MAX_QUERY_HEADS} (info plans the call), got "
+                     f"{args.batch} x {args.heads} = {args.batch * args.heads}")
     describe(seq_len=args.seq_len, n_k=args.n_k, head_dim=args.head_dim,
              value_dim=args.value_dim, heads=args.heads, kv_heads=args.kv_heads,
              batch=args.batch, dtype=_dtype(args.dtype), causal=args.causal)
