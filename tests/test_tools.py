@@ -17,6 +17,7 @@ from tileattn.__main__ import main
 from tileattn.benchmark import (BenchResult, MemoryPoint, attention_flops, markdown_report,
                                 memory_figure, naive_bytes, naive_skip_note, output_files,
                                 run_bench)
+from tileattn.testing import assert_attention_close
 
 
 def test_info_lists_backends_blocks_and_traffic():
@@ -74,6 +75,31 @@ def test_naive_skips_say_they_come_from_the_memory_model():
     assert naive_skip_note(modelled, 6_000_000_000) == (
         "not run: the memory model gives 6.4 GB (3 x 2.15 GB of N x N matrices), over the "
         "6.0 GB budget (a quarter of the memory); not measured")
+
+
+def test_naive_numpy_anchor_computes_float16_in_float32():
+    """NumPy's float16 matmul has no BLAS kernel (~0.5 GFLOP/s): bench's float16 memory sweep
+    ran the naive anchor at N = 16384 for half an hour. On the host it computes float16 in
+    float32 (and the memory model counts 4-byte N x N matrices), returning float16 arrays
+    as close to the golden model as before; bfloat16 and the other dtypes stay as given."""
+    import tileattn
+
+    assert anchors.naive_dtype(True, np.float16) == np.float32
+    assert anchors.naive_dtype(False, np.float16) == np.float16
+    assert anchors.naive_dtype(True, np.float64) == np.float64
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 2, 40, 16)).astype(np.float16) for _ in range(4))
+    o, probs = anchors.naive_forward(np, q, k, v, True)
+    assert o.dtype == np.float16 and probs.dtype == np.float32
+    results = anchors.naive_forward_backward(np, q, k, v, do, True)
+    assert all(r.dtype == np.float16 for r in results)
+    golden_o, lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)), causal=True,
+                                     backend="reference", return_lse=True)
+    golden = tileattn.backward(*(a.astype(np.float64) for a in (do, q, k, v, o)), lse,
+                               causal=True, backend="reference")
+    assert_attention_close(results[0], golden_o, np.float16, name="o")
+    for name, got, want in zip(("dq", "dk", "dv"), results[1:], golden):
+        assert_attention_close(got, want, np.float16, name=name)
 
 
 def test_memory_plot_keeps_zero_megabytes():

@@ -2,13 +2,24 @@
 
 The naive versions materialise the ``N x N`` score matrix in the benchmark's dtype, as a
 user without a fused kernel would write it, so they also show the O(N^2) memory that tileattn
-avoids. They are written once over an array module ``xp`` (NumPy or CuPy).
+avoids; but NumPy's float16 matmul has no BLAS kernel (~0.5 GFLOP/s on a core against ~150
+in float32: bench's float16 memory sweep at N = 16384 took half an hour), so float16 host
+arrays are computed in float32, as a NumPy user would (`naive_dtype`). They are written once
+over an array module ``xp`` (NumPy or CuPy).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+
+import numpy as np
+
+
+def naive_dtype(on_host: bool, dtype) -> np.dtype:
+    """The dtype the naive anchors compute and hold their N x N matrices in."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if on_host and dtype == np.float16 else dtype
 
 
 def _mask(xp, n_q, n_k, causal):
@@ -21,6 +32,10 @@ def _mask(xp, n_q, n_k, causal):
 
 def naive_forward(xp, q, k, v, causal):
     """Softmax attention with the full score matrix; returns ``o`` and ``P``."""
+    wide = naive_dtype(xp is np, q.dtype)
+    if wide != q.dtype:
+        o, probs = naive_forward(xp, *(a.astype(wide) for a in (q, k, v)), causal)
+        return o.astype(q.dtype), probs
     scores = (q @ xp.swapaxes(k, -1, -2)) * q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
     mask = _mask(xp, q.shape[-2], k.shape[-2], causal)
     if mask is not None:
@@ -33,6 +48,10 @@ def naive_forward(xp, q, k, v, causal):
 
 def naive_forward_backward(xp, q, k, v, do, causal):
     """Forward and the textbook backward through the stored ``P``."""
+    wide = naive_dtype(xp is np, q.dtype)
+    if wide != q.dtype:
+        results = naive_forward_backward(xp, *(a.astype(wide) for a in (q, k, v, do)), causal)
+        return tuple(r.astype(q.dtype) for r in results)
     o, probs = naive_forward(xp, q, k, v, causal)
     dv = xp.swapaxes(probs, -1, -2) @ do
     dp = do @ xp.swapaxes(v, -1, -2)

@@ -377,7 +377,8 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
                          batch=batch, heads=heads, head_dims=head_dims)
     ours = f"tileattn-{backend}"
     budget_bytes = _naive_budget(memory)
-    naive_skips = {n: naive_skip_note(naive_bytes(batch, heads, n, dtype.itemsize),
+    naive_itemsize = anchors.naive_dtype(memory == "host", dtype).itemsize
+    naive_skips = {n: naive_skip_note(naive_bytes(batch, heads, n, naive_itemsize),
                                       budget_bytes) for n in sizes}
     bar = Progress(len(head_dims) * len(sizes) * 4 + len(memory_sizes) * 2, progress)
     for head_dim, n in ((d, n) for d in head_dims for n in sizes):
@@ -399,7 +400,7 @@ def run_bench(*, backend="cpu", quick=False, out=None, dtype="float32", head_dim
                         _naive_name(memory), head_dim, n, causal, direction, None, None,
                         naive_skips[n]))
     for n in memory_sizes:
-        modelled = naive_bytes(1, 1, n, dtype.itemsize)
+        modelled = naive_bytes(1, 1, n, naive_itemsize)
         for name in (ours, _naive_name(memory)):
             bar.step(f"memory {name} N={n}")
             skip = naive_skip_note(modelled, budget_bytes)
