@@ -99,6 +99,9 @@ def _clear_plans() -> None:
     adapter = sys.modules.get("tileattn.torch")
     if adapter is not None:
         adapter._REPLAYS.clear()
+    adapter = sys.modules.get("tileattn.jax")
+    if adapter is not None:  # its passes' callbacks, made under the policies of their time
+        adapter._pass.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -426,6 +426,50 @@ def test_torch_second_derivative_is_refused_by_name():
         torch.autograd.grad(dq.sum(), q)
 
 
+def test_jax_eager_calls_of_one_signature_reuse_their_pass():
+    """Eager calls (no jit) made a new callback object each, whose primitive JAX then
+    compiled anew (~12-18 ms a call): calls of one signature now share the pass (and so
+    JAX's compiled computation); other key lengths get their own, and every result is the
+    golden model's."""
+    jax = require("jax")
+    from tileattn import jax as adapter
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)
+    adapter._pass.cache_clear()
+    for n_k in (100, 100, 200, 100):
+        k, v = (rng.standard_normal((1, 2, n_k, 16)).astype(np.float32) for _ in range(2))
+        o = adapter.attention(*(jax.numpy.asarray(a) for a in (q, k, v)), causal=True)
+        expected = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)), causal=True,
+                                    backend="reference")
+        assert_attention_close(np.asarray(o), expected, np.float32)
+    info = adapter._pass.cache_info()
+    assert (info.misses, info.hits) == (2, 2)
+
+
+def test_jax_second_derivative_is_refused_by_name():
+    """A gradient of a gradient or a Hessian differentiates the passes themselves: a
+    NotImplementedError naming tileattn.jax.attention (JAX's own message said only that
+    callbacks do not support JVP), while a first gradient, under jit and vmap too, is
+    unchanged."""
+    jax = require("jax")
+    from tileattn.jax import attention
+
+    q, k, v = (jax.numpy.asarray(a) for a in numpy_problem())
+
+    def loss(q):
+        return attention(q, k, v, causal=True).sum()
+
+    first = jax.jit(jax.grad(loss))(q)
+    assert first.shape == q.shape and bool(jax.numpy.isfinite(first).all())
+    message = "tileattn.jax.attention has no second derivative"
+    with pytest.raises(NotImplementedError, match=message):
+        jax.grad(lambda q: jax.grad(loss)(q).sum())(q)
+    small = [jax.numpy.asarray(a) for a in numpy_problem((1, 1, 3, 8), (1, 1, 3, 8))]
+    with pytest.raises(NotImplementedError, match=message):
+        jax.hessian(lambda q: attention(q, *small[1:]).sum())(small[0])
+
+
 def test_torch_func_vmap_equals_the_loop():
     """torch.func.vmap over `attention` (a batch axis torch adds) loops over that axis
     (the Function's vmap rule): the same bits as calls in a Python loop."""

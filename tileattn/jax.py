@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from functools import cache, partial
+from functools import cache, lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -223,14 +223,53 @@ def _use_buffers(backend: str) -> bool:
     return not (on_gpu and backend == "cpu")
 
 
-def _run_pass(function_name, options, base_ndim, result_shapes, *arrays):
+def _run_pass(function_name, frozen_options, length_names, base_ndim, result_shapes,
+              *arrays):
+    operand_types = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    return _pass(function_name, frozen_options, length_names, base_ndim, result_shapes,
+                 operand_types)(*arrays)
+
+
+@lru_cache(maxsize=256)
+def _pass(function_name, frozen_options, length_names, base_ndim, result_shapes,
+          operand_types):
+    """The pass as a function of its operands, one per call signature (the operands'
+    shapes and dtypes among it, as a jit trace's): an eager call (no jit) binds the
+    callback's primitive with the same callback object as the previous call of that
+    signature, so JAX finds its compiled computation instead of compiling anew (a new
+    object a call cost ~12-18 ms of XLA compilation each, against ~0.1 ms under jit, which
+    reuses the callback of its one trace as this does; `_BufferCallback` replays launches
+    for its signature on the GPU). The forward drops the backward's `deterministic`."""
+    options = _options_dict(frozen_options)
+    if function_name == "forward":
+        options.pop("deterministic", None)
+    options = dict(options, length_names=length_names,
+                   cu_seqlens="cu_seqlens_q" in length_names)
+
     if _use_buffers(options["backend"]):
-        run = _buffer_callback(_BufferCallback(function_name, options, base_ndim),
-                               result_shapes, vmap_method="broadcast_all")
-        return tuple(run(*arrays))
-    return jax.pure_callback(
-        partial(_host_callback, function_name, options, base_ndim, result_shapes),
-        result_shapes, *arrays, vmap_method="broadcast_all")
+        callback = _buffer_callback(_BufferCallback(function_name, options, base_ndim),
+                                    result_shapes, vmap_method="broadcast_all")
+    else:
+        callback = partial(jax.pure_callback, partial(
+            _host_callback, function_name, options, base_ndim, result_shapes), result_shapes,
+            vmap_method="broadcast_all")
+
+    @jax.custom_jvp
+    def run(*operands):
+        return tuple(callback(*operands))
+
+    run.defjvp(_no_second_derivative)
+    return run
+
+
+def _no_second_derivative(primals, tangents):
+    """A pass differentiated itself: a gradient of a gradient, or a Hessian (the first
+    gradient never differentiates the passes: the custom VJP below runs them on values).
+    Refused by name, where JAX would say only that callbacks do not support JVP."""
+    raise NotImplementedError(
+        "tileattn.jax.attention has no second derivative (its passes are not "
+        "differentiable): take one gradient, or differentiate the golden model, "
+        "tileattn.forward(..., backend='reference') on float64 NumPy arrays")
 
 
 def _options_dict(frozen):
@@ -240,33 +279,25 @@ def _options_dict(frozen):
     return options
 
 
-def _with_lengths(options: dict, lengths: dict) -> dict:
-    """The callbacks' options: which length operands follow the arrays (their names, in
-    order), and whether the call is packed (see `_call`)."""
-    return dict(options, length_names=tuple(lengths),
-                cu_seqlens="cu_seqlens_q" in lengths)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, lengths, frozen_options):
     return _forward_rule(q, k, v, lengths, frozen_options)[0]
 
 
 def _forward_rule(q, k, v, lengths, frozen_options):
-    forward_options = {key: value for key, value in _options_dict(frozen_options).items()
-                       if key != "deterministic"}
-    layout = forward_options["layout"]
-    o, lse = _run_pass("forward", _with_lengths(forward_options, lengths), q.ndim,
-                       _shapes(q, v, layout), q, k, v, *lengths.values())
+    # The callbacks' options also say which length operands follow the arrays (their names,
+    # in order) and whether the call is packed (see `_call`).
+    o, lse = _run_pass("forward", frozen_options, tuple(lengths), q.ndim,
+                       _shapes(q, v, dict(frozen_options)["layout"]), q, k, v,
+                       *lengths.values())
     return o, (q, k, v, o, lse, lengths)
 
 
 def _backward_rule(frozen_options, residuals, do):
     q, k, v, o, lse, lengths = residuals
     varlen_family(lengths, backward=True)  # paged K/V: tileattn.backward's ValueError
-    options = _options_dict(frozen_options)
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
-    dq, dk, dv = _run_pass("backward", _with_lengths(options, lengths), q.ndim, shapes,
+    dq, dk, dv = _run_pass("backward", frozen_options, tuple(lengths), q.ndim, shapes,
                            do.astype(o.dtype), q, k, v, o, lse, *lengths.values())
     # Integer lengths have no cotangent space: JAX takes None as their symbolic zero
     # (float0 zeros), under vmap as well.
