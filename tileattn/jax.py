@@ -173,7 +173,10 @@ class _BufferCallback:
             _call(self._function_name, self._options, self._base_ndim,
                   [np.asarray(b) for b in inputs], [_host_view(b) for b in outputs])
             return
-        if self._replay and self._replayed(context, inputs, outputs):
+        # Replayed only on the device it was recorded on: one signature's pass may serve
+        # arrays on another GPU (eager calls share it, and so do a jit trace's devices).
+        if (self._replay and int(inputs[0].__dlpack_device__()[1]) == self._device.id
+                and self._replayed(context, inputs, outputs)):
             return
         import cupy
 
