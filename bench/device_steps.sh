@@ -6,7 +6,7 @@
 #   save_kernel_cache
 #
 # `step NAME SECONDS COMMAND...` runs the command under a time limit with its output in
-# $OUT/NAME.txt and prints the exit status and the output's last line. A time limit kills
+# $OUT/NAME.txt, prints the exit status and the output's last line, and returns the status. A time limit kills
 # pytest but not its xdist workers, which then keep the GPU and the CPUs busy through the
 # next steps (bench/NOTES-gpu.md, v50): `step` kills them after every step.
 #
@@ -27,14 +27,15 @@ if [ -f "${cache_parts[0]}" ]; then
         && echo "kernel cache: $(find "$CUPY_CACHE_DIR" -type f | wc -l) files from .kcache_in"
 fi
 
-step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
+step() {  # step NAME SECONDS COMMAND...: the command's exit status
+    local name=$1 limit=$2 status
     shift 2
     echo "== $name"
     timeout -k 5 "$limit" "$@" >"$OUT/$name.txt" 2>&1
-    echo "rc=$? $(tail -n 1 "$OUT/$name.txt")"
+    status=$?
+    echo "rc=$status $(tail -n 1 "$OUT/$name.txt")"
     pkill -9 -f "sys.stdin.readline" 2>/dev/null  # pytest-xdist workers a time limit left
-    return 0
+    return $status
 }
 
 save_kernel_cache() {  # $OUT/k.tgz.partaa, ab, ...: 15 MiB each

@@ -15,13 +15,12 @@ source bench/device_steps.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, '| torch', torch.__version__)"
 status=0
-verify_step() {  # NAME TIMEOUT COMMAND...: run, append its output to verify.log, print its tail
-  local name=$1 limit=$2; shift 2
-  echo "== $name" | tee -a "$logs/verify.log"
-  timeout -k 5 "$limit" "$@" >"$logs/step.log" 2>&1 || { echo "!! $name failed ($?)"; status=1; }
-  pkill -9 -f "sys.stdin.readline" 2>/dev/null  # xdist workers a time limit left
-  cat "$logs/step.log" >>"$logs/verify.log"
-  tail -n "${TAIL:-4}" "$logs/step.log"
+verify_step() {  # NAME TIMEOUT COMMAND...: `step`, its output also appended to verify.log
+  local name=$1
+  echo "== $name" >>"$logs/verify.log"
+  step "$@" || { echo "!! $name failed"; status=1; }
+  cat "$logs/$name.txt" >>"$logs/verify.log"
+  tail -n "${TAIL:-4}" "$logs/$name.txt"
 }
 verify_step pytest 480 python3 -m pytest tests -q -n 12 -p no:cacheprovider -rs ${PYTEST_SELECT:-}
 verify_step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_gpu.py
@@ -29,6 +28,5 @@ verify_step racecheck 240 compute-sanitizer --tool racecheck --error-exitcode 1 
 TAIL=12 verify_step check 120 python3 -m tileattn check --dtype float16
 TAIL=14 verify_step info 60 python3 -m tileattn info --dtype float16
 TAIL=30 verify_step bench 240 python3 -m tileattn bench --backend gpu --quick --dtype float16 --out "$logs/bench"
-rm -f "$logs/step.log"
 save_kernel_cache
 exit $status
