@@ -362,7 +362,7 @@ def parse(argv=None):
     parser.add_argument("--only", nargs="+", default=[""],
                         help="cases whose name contains one of these")
     parser.add_argument("--dtypes", nargs="+", default=["float16"],
-                        choices=["float16", "bfloat16", "float32"])
+                        choices=["float16", "bfloat16", "float32", "float64"])
     parser.add_argument("--no-torch", action="store_true",
                         help="leave torch out even where installed")
     parser.add_argument("--workers", type=int, default=12,

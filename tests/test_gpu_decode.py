@@ -407,14 +407,18 @@ def test_non_finite_values_at_masked_keys_do_not_leak(splits, kernel):
 
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 @pytest.mark.parametrize("shape", [(8, 2, 17, 64, 64), (16, 2, 16, 96, 200),
-                                   (16, 1, 8, 256, 256), (12, 1, 9, 40, 40)],
-                         ids=["GQA4-Nq17", "GQA8-Nq16-Dv200", "MQA16-Nq8-D256", "MQA12-Nq9"])
+                                   (16, 1, 8, 256, 256), (12, 1, 9, 40, 40), (71, 1, 1, 64, 64),
+                                   (71, 1, 3, 64, 64)],
+                         ids=["GQA4-Nq17", "GQA8-Nq16-Dv200", "MQA16-Nq8-D256", "MQA12-Nq9",
+                              "MQA71-Nq1", "MQA71-Nq3-row-groups"])
 @pytest.mark.parametrize("options", [{"causal": True}, {"window": (300, 3), "softcap": 8.0}],
                          ids=OPTION_IDS)
 def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
-    """65-128 packed rows of at most 64 queries a head on a small grid (speculative
-    decoding, chunks with wide GQA groups) run the tensor-core decode in 8 row warps, with
-    key splits; rows of one block span query rows of several heads and positions."""
+    """More than 64 packed rows (speculative decoding, chunks with wide GQA groups, Falcon's
+    71 query heads over one K/V head) run the tensor-core decode in 8 row warps, with key
+    splits; rows of one block span query rows of several heads and positions, and beyond
+    128 rows the blocks of each K/V head take 128 rows each (213 rows: the second block's
+    85 leave two row warps without rows)."""
     n_q_heads, n_kv_heads, n_q, head_dim, value_dim = shape
     q, k, v = _inputs(1, n_q_heads, n_kv_heads, n_q, 1500, head_dim, value_dim, dtype,
                       seed=n_q)

@@ -280,21 +280,33 @@ def test_decode_leaves_prefill_shapes_alone():
         is not None
 
 
-def test_more_rows_decode_on_tensor_cores_only_where_prefill_leaves_sms_idle():
-    """65-128 packed rows of at most 64 queries a head take the tensor-core decode (in eight
-    row warps) where the prefill grid (a block per query head and 128 rows) is under one
-    block an SM; otherwise, in float32, above 128 rows and for MHA beyond 16 queries (32 in
-    float32), the prefill (whose keys split where its grid is small)."""
+def test_more_rows_decode_on_tensor_cores_where_the_prefill_pads_far_more():
+    """More than 64 packed rows take the tensor-core decode (eight row warps of one m16
+    tile, row groups of 128 rows beyond) where the prefill's padded rows (each query head's
+    Nq in tiles of 64) are at least DECODE_MMA_PREFILL_RATE times the decode's, whatever
+    the grid; otherwise, in float32, and for MHA beyond 16 queries (32 in float32), the
+    prefill (whose keys split where its grid is small)."""
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=8192, **H100)
     few = _decode_shape(n_q=16, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 128 rows
     chosen = tiles.choose_decode(problem, few)
     assert isinstance(chosen.tiles, tiles.DecodeMmaTiles)
     assert (chosen.tiles.row_warps, chosen.tiles.row_tiles) == (8, 1)
     assert chosen.tiles.rows * chosen.tiles.row_groups(128) >= 128
-    gqa = _decode_shape(n_q=17, n_q_heads=32, n_kv_heads=8, batch=4, n_k=8192)  # 68 rows
-    assert isinstance(tiles.choose_decode(problem, gqa).tiles, tiles.DecodeMmaTiles)
-    full = _decode_shape(n_q=17, n_q_heads=32, n_kv_heads=8, batch=8, n_k=8192)
-    assert tiles.choose_decode(problem, full) is None  # 256 prefill blocks fill 132 SMs
+    for batch in (4, 8):  # 68 rows: 80 padded against 4 x 64, with or without idle SMs
+        gqa = _decode_shape(n_q=17, n_q_heads=32, n_kv_heads=8, batch=batch, n_k=8192)
+        assert isinstance(tiles.choose_decode(problem, gqa).tiles, tiles.DecodeMmaTiles)
+    even = _decode_shape(n_q=32, n_q_heads=32, n_kv_heads=8, batch=4, n_k=8192)
+    assert tiles.choose_decode(problem, even) is None  # 128 rows against 4 x 64: 2x
+    falcon = _decode_shape(n_q=1, n_q_heads=71, n_kv_heads=1, batch=8, n_k=32768)
+    chosen = tiles.choose_decode(problem, falcon)  # 80 padded rows against 71 x 64
+    assert isinstance(chosen.tiles, tiles.DecodeMmaTiles) and chosen.tiles.row_groups(71) == 1
+    speculative = _decode_shape(n_q=4, n_q_heads=71, n_kv_heads=1, batch=8, n_k=32768)
+    chosen = tiles.choose_decode(problem, speculative)  # 284 rows: three blocks of 128
+    assert (chosen.tiles.rows, chosen.tiles.row_groups(284)) == (128, 3)
+    more = _decode_shape(n_q=20, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 160 rows
+    assert tiles.choose_decode(problem, more).tiles.row_groups(160) == 2  # 160 against 512
+    many = _decode_shape(n_q=40, n_q_heads=8, n_kv_heads=1, batch=1, n_k=8192)  # 320 rows
+    assert tiles.choose_decode(problem, many) is None  # against 8 x 64
     mha = _decode_shape(n_q=100, n_q_heads=16, n_kv_heads=16, batch=4, n_k=8192)
     assert tiles.choose_decode(problem, mha) is None  # over 64 queries a head
     for n_q in (17, 33, 64):  # MHA beyond 16 queries: no group shares the reads
@@ -307,10 +319,7 @@ def test_more_rows_decode_on_tensor_cores_only_where_prefill_leaves_sms_idle():
         mha = _decode_shape(n_q=n_q, n_q_heads=16, n_kv_heads=16, batch=1, n_k=8192)
         assert (tiles.choose_decode(wide, mha) is not None) == decodes, n_q
     assert tiles.choose_decode(wide, few) is None
-    more = _decode_shape(n_q=20, n_q_heads=16, n_kv_heads=2, batch=2, n_k=8192)  # 160 rows
-    assert tiles.choose_decode(problem, more) is None
-    many = _decode_shape(n_q=40, n_q_heads=8, n_kv_heads=1, batch=1, n_k=8192)  # 320 rows
-    assert tiles.choose_decode(problem, many) is None
+    assert tiles.choose_decode(wide, falcon) is None
 
 
 def test_gqa_group_splits_reach_two_waves():

@@ -779,6 +779,9 @@ DECODE_CASES = [
     ("bfloat16", (1, 8, 2, 25, 400, 64, 48),
      {"causal": True, "window": (120, 0), "alibi_slopes": np.linspace(0.05, 0.4, 8)},
      DecodeMmaTiles(1, 1, 64, 2, 1, 8)),
+    # 142 rows (71 query heads over one K/V head, Nq 2) in two row groups of 128: the second
+    # block's 14 rows leave seven of its row warps without rows in use.
+    ("float16", (1, 71, 1, 2, 300, 64, 64), {"causal": True}, DecodeMmaTiles(1, 1, 64, 2, 2, 8)),
 ]
 
 

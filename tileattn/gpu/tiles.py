@@ -1014,16 +1014,23 @@ DECODE_MMA_WARP_KEYS = 16  # one k16 step of P V a warp a stage
 DECODE_MMA_STAGES = 2
 DECODE_MMA_ROW_WARPS = 4
 # More packed rows than DECODE_ROWS serve (speculative decoding or chunks of up to 64
-# queries with wide GQA groups: 65-128 rows) still take the tensor-core decode where the
-# prefill grid would not fill the SMs once: the prefill reads K/V once per query head into
-# 128-row tiles mostly empty, the decode once per group and splits the keys. Such rows take
+# queries with wide GQA groups; one query row of Falcon's 71 heads over one K/V head) take
 # DECODE_MMA_MANY_ROW_WARPS groups of one m16 tile each (one key warp, 64 keys a stage),
-# not 4 groups of two tiles, whose O and S spill. bench/experiments/decode_rows_gpu.py
-# (H100, float16, causal, NOTES-gpu v26): B4 H32/8 Nk8k Nq17 0.174 -> 0.125 ms (FA2 0.117),
-# Nq32 0.221 -> 0.152 (split prefill 0.168); 256 rows (B1 H32/8 Nq64 over 32k) 0.224 on
-# 8 groups against the split prefill's 0.169, hence at most 128 rows.
+# not 4 groups of two tiles, whose O and S spill; beyond DECODE_MMA_MAX_ROWS, blocks of
+# that many rows (row groups, K/V read once per row group). The prefill reads K/V once per
+# query head into tiles of at least 64 rows, the decode once per row group into m16 tiles
+# of packed rows, but on mma.sync at one row tile a warp it runs each padded row
+# DECODE_MMA_PREFILL_RATE times slower than the wgmma prefill: the decode takes such rows
+# where the prefill's padded rows (group x Nq in 64-row tiles) are at least that many times
+# its own (`decode_outworks_prefill`). bench/experiments/decode_rows_gpu.py, float16 causal
+# D 128 over 8k keys, decode against the split prefill, ms: B4 H32/8 Nq17 (68 rows, 3.2x
+# fewer padded rows) 0.140 / 0.162, Nq32 (128 rows, 2x) 0.197 / 0.164 (H200, NOTES-gpu
+# v51); 256 rows (B1 H32/8 Nq64 over 32k, 1x) 0.224 / 0.169 (H100, v26). B8 H71/1 Nq1 over
+# 32k keys D 64 (57x) ran the prefill at 1.88 ms against cuDNN's 0.090 (v51).
 DECODE_MMA_MAX_ROWS = 128
 DECODE_MMA_MANY_ROW_WARPS = 8
+DECODE_MMA_PREFILL_RATE = 2.5
+PREFILL_MIN_ROWS = 64  # the prefill families' fewest rows a query tile
 # MHA beyond 16 queries (beyond 32 in float32) runs the tensor-core prefill, which splits
 # the keys as the decode does (forward_key_splits): no group shares the K/V reads, and the
 # prefill's products run on tensor cores. H100 causal, B4 H16 over 8k keys, D128, ms
@@ -1114,8 +1121,17 @@ DECODE_MMA_REGISTERS = {
 def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
     """Whether attention_decode_mma.cu serves this decode problem (else attention_decode.cu)."""
     return (problem.dtype in ("float16", "bfloat16") and not problem.dropout
-            and shape.rows <= DECODE_MMA_MAX_ROWS
             and max(problem.head_dim, problem.value_dim) <= MAX_TENSOR_CORE_DIM)
+
+
+def decode_outworks_prefill(shape: DecodeShape) -> bool:
+    """Whether the tensor-core decode's padded rows (m16 tiles of packed rows, in row groups
+    of DECODE_MMA_MAX_ROWS) are at most 1 / DECODE_MMA_PREFILL_RATE of the prefill's (each
+    query head's Nq rows in tiles of PREFILL_MIN_ROWS), per K/V head."""
+    full_groups, rest = divmod(shape.rows, DECODE_MMA_MAX_ROWS)
+    decode_rows = full_groups * DECODE_MMA_MAX_ROWS + padded(rest, 16)
+    prefill_rows = shape.group * padded(shape.n_q, PREFILL_MIN_ROWS)
+    return prefill_rows >= DECODE_MMA_PREFILL_RATE * decode_rows
 
 
 def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
@@ -1128,8 +1144,9 @@ def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = 
     if row_warps is None:
         row_warps = (min(row_tiles_needed, DECODE_MMA_ROW_WARPS)
                      if row_tiles_needed <= DECODE_MMA_ROW_WARPS else DECODE_MMA_MANY_ROW_WARPS)
-    if row_tiles is None:
-        row_tiles = min(-(-row_tiles_needed // row_warps), most)
+    if row_tiles is None:  # more rows than a block of DECODE_MMA_MAX_ROWS: row groups
+        row_tiles = min(-(-row_tiles_needed // row_warps), most,
+                        max(1, DECODE_MMA_MAX_ROWS // (16 * row_warps)))
     if warps is None:
         warps = max(1, DECODE_MMA_WARPS // row_warps)
     if warp_keys is None:  # a stage of DECODE_MMA_WARPS * DECODE_MMA_WARP_KEYS keys,
@@ -1269,9 +1286,9 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         return None  # MHA: the split tensor-core prefill (DECODE_MHA_FLOAT32_ROWS says why)
     row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
     prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
-    if row is None and (prefill_blocks >= shape.sm_count or shape.n_q > DECODE_ROWS[-1].max_rows
-                        or not decode_on_tensor_cores(problem, shape)):
-        return None  # more rows than DECODE_ROWS serve: the prefill, unless SMs stay idle
+    if row is None and not (decode_on_tensor_cores(problem, shape)
+                            and decode_outworks_prefill(shape)):
+        return None  # more rows than DECODE_ROWS serve: the prefill, unless it pads far more
     if (row is not DECODE_ROWS[0] and prefill_blocks >= shape.sm_count
             and not decode_on_tensor_cores(problem, shape)):
         # Many query heads fill the GPU on the tensor-core prefill already, whose wasted rows
