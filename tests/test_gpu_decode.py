@@ -37,7 +37,8 @@ if backends.availability("gpu") is None:
     from tileattn.gpu import tiles as gpu_tiles
     from tileattn.gpu.launch_decode import decode_shape, forward_decode
     from tileattn.gpu.operands import accumulation_dtype, problem_of
-    from tileattn.gpu.tiles import (DECODE_MMA_MANY_ROW_WARPS, DecodeTiles, decode_mma_tiles,
+    from tileattn.gpu.tiles import (DECODE_MMA_MANY_ROW_WARPS, DECODE_MMA_NARROW_WIDTH,
+                                    DECODE_MMA_ROW_WARPS, DecodeTiles, decode_mma_tiles,
                                     decode_tiles)
 
 
@@ -425,27 +426,32 @@ def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
     device = [cupy.asarray(a) for a in (q, k, v)]
     choice = launch_forward.choose(*device, _resolved(*device, options))
     assert choice.family == "decode" and n_q * n_q_heads // n_kv_heads > 64
-    assert choice.tiles.row_warps == DECODE_MMA_MANY_ROW_WARPS
+    narrow = max(head_dim, value_dim) <= DECODE_MMA_NARROW_WIDTH  # two m16 tiles a warp
+    assert (choice.tiles.row_warps, choice.tiles.row_tiles) == \
+        ((DECODE_MMA_ROW_WARPS, 2) if narrow else (DECODE_MMA_MANY_ROW_WARPS, 1))
     o, lse = tileattn.forward(*device, return_lse=True, **options)
     expected_o, expected_lse = _golden(q, k, v, **options)
     assert_attention_close(o.get(), expected_o, q.dtype, name="o")
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
 
 
+@pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
-def test_many_packed_rows_ignore_non_finite_keys_the_window_hides(dtype):
-    """68 packed rows (GQA 4, Nq 17) on eight row warps, three of them without rows in use:
-    NaN and inf in K and V at a key the window hides from every row, inside a key tile the
-    window cuts, reach no output (the row warps without rows skip their products but still
-    join the tile's non-finite step and its barriers)."""
-    q, k, v = _inputs(1, 8, 2, 17, 1500, 64, 64, dtype, seed=3)
+def test_many_packed_rows_ignore_non_finite_keys_the_window_hides(dtype, head_dim):
+    """68 packed rows (GQA 4, Nq 17) on eight row warps of one m16 tile (D 96), three of
+    them without rows in use, and on four of two tiles (D 64), one without: NaN and inf in
+    K and V at a key the window hides from every row, inside a key tile the window cuts,
+    reach no output (the row warps without rows skip their products but still join the
+    tile's non-finite step and its barriers)."""
+    q, k, v = _inputs(1, 8, 2, 17, 1500, head_dim, head_dim, dtype, seed=3)
     # Query row i sits at key 1483 + i; a left window of 300 keeps keys from 1183 + i.
     k[:, :, 1182] = np.nan
     v[:, 0, 1182], v[:, 1, 1182] = np.inf, np.nan
     options = {"window": (300, 3)}
     device = [cupy.asarray(a) for a in (q, k, v)]
     choice = launch_forward.choose(*device, _resolved(*device, options))
-    assert choice.family == "decode" and choice.tiles.row_warps == DECODE_MMA_MANY_ROW_WARPS
+    assert choice.family == "decode" and choice.tiles.row_warps == (
+        DECODE_MMA_ROW_WARPS if head_dim <= DECODE_MMA_NARROW_WIDTH else DECODE_MMA_MANY_ROW_WARPS)
     o, lse = tileattn.forward(*device, return_lse=True, **options)
     expected_o, expected_lse = _golden(q, k, v, **options)
     assert np.isfinite(o.get()).all() and np.isfinite(lse.get()).all()

@@ -300,6 +300,9 @@ def test_more_rows_decode_on_tensor_cores_where_the_prefill_pads_far_more():
     falcon = _decode_shape(n_q=1, n_q_heads=71, n_kv_heads=1, batch=8, n_k=32768)
     chosen = tiles.choose_decode(problem, falcon)  # 80 padded rows against 71 x 64
     assert isinstance(chosen.tiles, tiles.DecodeMmaTiles) and chosen.tiles.row_groups(71) == 1
+    narrow = Problem(dtype="float16", head_dim=64, value_dim=64, n_k=32768, **H100)
+    chosen = tiles.choose_decode(narrow, falcon)  # D 64: four row warps of two m16 tiles
+    assert (chosen.tiles.row_warps, chosen.tiles.row_tiles) == (4, 2)
     speculative = _decode_shape(n_q=4, n_q_heads=71, n_kv_heads=1, batch=8, n_k=32768)
     chosen = tiles.choose_decode(problem, speculative)  # 284 rows: three blocks of 128
     assert (chosen.tiles.rows, chosen.tiles.row_groups(284)) == (128, 3)

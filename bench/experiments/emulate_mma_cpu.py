@@ -782,6 +782,9 @@ DECODE_CASES = [
     # 142 rows (71 query heads over one K/V head, Nq 2) in two row groups of 128: the second
     # block's 14 rows leave seven of its row warps without rows in use.
     ("float16", (1, 71, 1, 2, 300, 64, 64), {"causal": True}, DecodeMmaTiles(1, 1, 64, 2, 2, 8)),
+    # 71 rows on four row warps of two m16 tiles (D <= 64): the last warp without rows,
+    # the third with its second tile's rows past the last.
+    ("bfloat16", (2, 71, 1, 1, 500, 64, 64), {"softcap": 5.0}, DecodeMmaTiles(2, 1, 64, 2, 3, 4)),
 ]
 
 

@@ -1029,6 +1029,12 @@ DECODE_MMA_ROW_WARPS = 4
 # 32k keys D 64 (57x) ran the prefill at 1.88 ms against cuDNN's 0.090 (v51).
 DECODE_MMA_MAX_ROWS = 128
 DECODE_MMA_MANY_ROW_WARPS = 8
+# Where D and Dv are at most DECODE_MMA_NARROW_WIDTH, O and S of two m16 tiles fit a warp's
+# registers: such rows take DECODE_MMA_ROW_WARPS groups of two tiles, each K/V fragment a
+# warp reads from shared memory feeding two products. decode_rows_gpu.py, H200, D 64,
+# causal, ms, 4 x 2 tiles against 8 x 1 (NOTES-gpu v51): B8 H71/1 Nq1 over 32k keys 0.056 /
+# 0.065, Nq4 0.149 / 0.193, B4 H32/8 Nq17 over 8k 0.076 / 0.086; D 128 0.193 / 0.141 (spills).
+DECODE_MMA_NARROW_WIDTH = 64
 DECODE_MMA_PREFILL_RATE = 2.5
 PREFILL_MIN_ROWS = 64  # the prefill families' fewest rows a query tile
 # MHA beyond 16 queries (beyond 32 in float32) runs the tensor-core prefill, which splits
@@ -1106,7 +1112,7 @@ class DecodeMmaTiles:
 # H32/8 Nk4k 275 -> 323 us).
 DECODE_MMA_REGISTERS = {
     (64, 64, 1, 1, 4, 16): 120, (64, 64, 1, 2, 2, 32): 144, (64, 64, 1, 4, 1, 64): 160,
-    (64, 64, 1, 8, 1, 64): 160,
+    (64, 64, 1, 8, 1, 64): 160, (64, 64, 2, 4, 1, 64): 256,
     (96, 96, 1, 1, 4, 16): 208, (96, 96, 1, 2, 2, 32): 216, (96, 96, 1, 4, 1, 64): 224,
     (96, 96, 1, 8, 1, 64): 200,
     (128, 128, 1, 1, 4, 16): 168, (128, 128, 1, 2, 2, 32): 200, (128, 128, 1, 4, 1, 64): 208,
@@ -1141,9 +1147,12 @@ def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = 
     """The tensor-core decode configuration (a test or sweep may force any field)."""
     most = max(1, DECODE_MMA_WIDTH // padded(problem.value_dim, 16))
     row_tiles_needed = -(-shape.rows // 16)
+    narrow = max(padded(problem.head_dim, 16), padded(problem.value_dim, 16)) \
+        <= DECODE_MMA_NARROW_WIDTH
     if row_warps is None:
         row_warps = (min(row_tiles_needed, DECODE_MMA_ROW_WARPS)
-                     if row_tiles_needed <= DECODE_MMA_ROW_WARPS else DECODE_MMA_MANY_ROW_WARPS)
+                     if row_tiles_needed <= DECODE_MMA_ROW_WARPS or narrow
+                     else DECODE_MMA_MANY_ROW_WARPS)
     if row_tiles is None:  # more rows than a block of DECODE_MMA_MAX_ROWS: row groups
         row_tiles = min(-(-row_tiles_needed // row_warps), most,
                         max(1, DECODE_MMA_MAX_ROWS // (16 * row_warps)))
