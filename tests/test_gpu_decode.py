@@ -435,6 +435,36 @@ def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_cuda_core_row_groups(dtype, splits):
+    """More packed rows than a CUDA-core decode block holds (16, forced) run as row groups,
+    a block each over the same keys; the last group is partial (30 rows: 16 and 14), and
+    its rows span two query heads and every query row."""
+    q, k, v = _inputs(2, 20, 2, 3, 400, 64, 48, dtype, seed=splits)
+    _check(q, k, v, {"causal": True, "softcap": 5.0, "alibi_slopes": np.linspace(0.1, 0.5, 20)},
+           splits, rows=16)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_wide_groups_decode_on_cuda_cores_in_row_groups_through_dispatch(dtype, layout):
+    """One query row of 71 heads over one K/V head (Falcon-7B) in float32 and float64: the
+    CUDA-core decode in two row groups of 64 rows, o written in either layout."""
+    q, k, v = _inputs(2, 71, 1, 1, 3000, 64, 64, dtype, seed=71)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    choice = launch_forward.choose(*device, _resolved(*device, {}))
+    assert choice.family == "decode" and isinstance(choice.tiles, DecodeTiles)
+    assert choice.tiles.row_groups(71) == 2
+    if layout == "bshd":
+        device = [cupy.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in device]
+    o, lse = tileattn.forward(*device, return_lse=True, layout=layout)
+    o = o.get() if layout == "bhsd" else o.get().transpose(0, 2, 1, 3)
+    expected_o, expected_lse = _golden(q, k, v)
+    assert_attention_close(o, expected_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
+
+
 @pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 def test_many_packed_rows_ignore_non_finite_keys_the_window_hides(dtype, head_dim):

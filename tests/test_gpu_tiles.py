@@ -321,8 +321,30 @@ def test_more_rows_decode_on_tensor_cores_where_the_prefill_pads_far_more():
     for n_q, decodes in ((17, True), (32, True), (33, False), (64, False)):  # float32 MHA
         mha = _decode_shape(n_q=n_q, n_q_heads=16, n_kv_heads=16, batch=1, n_k=8192)
         assert (tiles.choose_decode(wide, mha) is not None) == decodes, n_q
-    assert tiles.choose_decode(wide, few) is None
-    assert tiles.choose_decode(wide, falcon) is None
+    assert tiles.choose_decode(wide, few) is None  # 128 rows against 8 x 64: the prefill
+
+
+def test_more_rows_decode_on_cuda_cores_in_row_groups_where_the_prefill_pads_far_more():
+    """float32 (and float64, dropout, D above 256) decodes of more than 64 packed rows take
+    the CUDA-core decode in row groups of 64 (fewer where wide rows do not fit) where the
+    prefill's padded rows are DECODE_CUDA_CORE_PREFILL_RATE times theirs."""
+    falcon = _decode_shape(n_q=1, n_q_heads=71, n_kv_heads=1, batch=8, n_k=32768)
+    mla = _decode_shape(n_q=2, n_q_heads=128, n_kv_heads=1, batch=2, n_k=8192)
+    for dtype in ("float32", "float64"):
+        problem = Problem(dtype=dtype, head_dim=64, value_dim=64, n_k=32768, **H100)
+        chosen = tiles.choose_decode(problem, falcon)
+        assert isinstance(chosen.tiles, tiles.DecodeTiles) and chosen.tiles.rows == 64
+        assert chosen.tiles.row_groups(71) == 2 and "2 row groups" in chosen.note
+        assert chosen.tiles.shared_bytes(4 if dtype == "float32" else 8,
+                                         4 if dtype == "float32" else 8, 64, 64) \
+            <= problem.shared_limit
+        wide = Problem(dtype=dtype, head_dim=576, value_dim=512, n_k=8192, **H100)
+        chosen = tiles.choose_decode(wide, mla)  # 256 rows of 576 and 512 columns
+        assert chosen is not None and tiles.decode_fits(wide, chosen.tiles)
+        assert chosen.tiles.rows * chosen.tiles.row_groups(256) >= 256
+    gqa = _decode_shape(n_q=9, n_q_heads=32, n_kv_heads=4, batch=1, n_k=32768)  # 72 rows
+    problem = Problem(dtype="float32", head_dim=128, value_dim=128, n_k=32768, **H100)
+    assert tiles.choose_decode(problem, gqa) is None  # 8 x 64 against 8 x 128: the prefill
 
 
 def test_gqa_group_splits_reach_two_waves():

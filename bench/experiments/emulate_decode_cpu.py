@@ -339,10 +339,11 @@ def score_operands(options, n_q: int, n_k: int) -> tuple:
 
 
 def emulate(q, k, v, splits: int | None = None, options=None, sequence_first_o=False,
-            **kwargs):
+            rows: int | None = None, **kwargs):
     """o and lse of attention_decode.cu for host arrays (any strides, last axis contiguous),
     for the keyword options or an AttentionOptions; `sequence_first_o`: o written into a
-    (B, Nq, Hq, Dv) buffer (STRIDED_OUT), as a "bshd" call's."""
+    (B, Nq, Hq, Dv) buffer (STRIDED_OUT), as a "bshd" call's; `rows`: a block's packed-row
+    capacity (fewer than group x Nq: row groups)."""
     options = options if options is not None else resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -351,6 +352,8 @@ def emulate(q, k, v, splits: int | None = None, options=None, sequence_first_o=F
     problem = Problem(90, 227 * 1024, dtype, head_dim, value_dim, n_k)
     shape = DecodeShape(n_q, group, batch * n_kv_heads, batch * n_q_heads, n_k, 132)
     tiles = decode_tiles(problem, shape, splits=splits)
+    if rows is not None:
+        tiles = dataclasses.replace(tiles, rows=rows)
     assert decode_fits(problem, tiles)
     accum = np.float64 if dtype == "float64" else np.float32
     switches, band, reals, bits = score_operands(options, n_q, n_k)
@@ -376,7 +379,9 @@ def emulate(q, k, v, splits: int | None = None, options=None, sequence_first_o=F
         _pointer(partial_o), _pointer(partial_lse), _pointer(slopes), ctypes.c_int64(n_q),
         ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(group),
         ctypes.c_int(tiles.splits), _pointer(strides), _pointer(reals), _pointer(band),
-        _pointer(bits), ctypes.c_int(batch * n_kv_heads * tiles.splits), ctypes.c_int(shared),
+        _pointer(bits),
+        ctypes.c_int(batch * n_kv_heads * tiles.row_groups(group * n_q) * tiles.splits),
+        ctypes.c_int(shared),
         ctypes.c_int64(n_rows))
     return o, lse, tiles
 
@@ -405,6 +410,16 @@ CASES = [
     ("float16", (1, 8, 1, 4, 300, 128, 128), {"causal": True}, 2),  # 32 rows, 256 threads
     ("float16", (1, 6, 2, 5, 300, 64, 64), {"causal": True, "alibi_slopes":
                                            np.linspace(0.1, 0.6, 6)}, 3),  # group of 3
+]
+
+# More packed rows than a block holds: row groups of `rows` (the last partial), with and
+# without splits. (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, splits, rows)
+ROW_GROUP_CASES = [
+    ("float32", (2, 20, 2, 1, 300, 64, 64), {}, 1, 4),  # 10 rows: groups of 4, 4, 2
+    ("float32", (1, 12, 1, 3, 333, 40, 24), {"causal": True, "softcap": 3.0,
+                                             "alibi_slopes": np.linspace(0.1, 0.5, 12)}, 3, 16),
+    ("float64", (2, 6, 2, 5, 270, 32, 32), {"window": (60, 2), "dropout_p": 0.2, "seed": 4},
+     2, 4),
 ]
 
 
@@ -556,7 +571,9 @@ def launcher_mode() -> int:
             ((2, 32, 8, 2, 1000, 64, 64), {"causal": True}),  # GQA, 8 rows, a few splits
             ((1, 4, 4, 3, 700, 80, 48), {"window": (400, 0), "softcap": 3.0,
                                          "alibi_slopes": np.linspace(0.1, 0.4, 4)}),
-            ((4, 8, 2, 1, 600, 96, 96), {"dropout_p": 0.2, "seed": 3})]:
+            ((4, 8, 2, 1, 600, 96, 96), {"dropout_p": 0.2, "seed": 3}),
+            ((1, 71, 1, 1, 2000, 64, 64), {}),  # 71 rows: two row groups of 64
+            ((1, 128, 1, 2, 300, 576, 512), {"causal": True})]:  # MLA: wide rows, groups
         q, k, v = (rng.standard_normal(s).astype(np.float32)
                    for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
         resolved = validate(q, k, v, **{**dict(causal=False, window=None, scale=None,
@@ -602,6 +619,11 @@ def main() -> int:
             k = rng.standard_normal((batch, hkv, nk, d)).astype(dtype)
             v = rng.standard_normal((batch, hkv, nk, dv)).astype(dtype)
             failures += check(q, k, v, options, splits)
+        for dtype, (batch, hq, hkv, nq, nk, d, dv), options, splits, rows in \
+                ROW_GROUP_CASES[:1 if args.quick else None]:
+            q, k, v = (rng.standard_normal(s).astype(dtype)
+                       for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+            failures += check(q, k, v, options, splits, rows)
         for layout in ("unaligned", "reversed_keys", "bshd"):  # rows read in place, any strides
             q, k, v = strided_case(layout, rng)
             failures += check(q, k, v, {"causal": True}, 3)
@@ -637,14 +659,15 @@ def placed_case(rng) -> int:
     return 0
 
 
-def check(q, k, v, options, splits) -> int:
+def check(q, k, v, options, splits, rows=None) -> int:
     """The emulation against the golden model, o written contiguous (B, H, N, Dv) and, as a
-    "bshd" call's is, into a (B, N, H, Dv) buffer (STRIDED_OUT)."""
+    "bshd" call's is, into a (B, N, H, Dv) buffer (STRIDED_OUT); `rows` as emulate's."""
     golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                             backend="reference", return_lse=True, **options)
     failures = 0
     for sequence_first_o in (False, True):
-        o, lse, tiles = emulate(q, k, v, splits, sequence_first_o=sequence_first_o, **options)
+        o, lse, tiles = emulate(q, k, v, splits, sequence_first_o=sequence_first_o, rows=rows,
+                                **options)
         label = (f"{q.dtype.name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} {tiles}"
                  f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
         try:

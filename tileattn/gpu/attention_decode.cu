@@ -2,10 +2,12 @@
 //
 // Decoding is a few query rows (Nq = 1..16 new tokens per sequence) against a long K/V cache:
 // reading K and V once is the whole cost, so the kernel is built around the memory system:
-// * GQA packing: one block owns one (batch, kv head) and all ROWS = group * Nq query rows of
-//   the heads that share it (row r is query head kv_head * group + r / Nq, query row r % Nq),
-//   so each K/V byte is read once per group, not once per query head. Those rows are also
-//   contiguous in o and lse ((b * Hkv + kv_head) * group * Nq + r), which the stores use.
+// * GQA packing: one block owns one (batch, kv head) and its group * Nq query rows of the
+//   heads that share it (packed row r is query head kv_head * group + r / Nq, query row
+//   r % Nq), so each K/V byte is read once per group, not once per query head. Those rows
+//   are also contiguous in o and lse ((b * Hkv + kv_head) * group * Nq + r), which the
+//   stores use. More packed rows than ROWS take row groups: blocks of ROWS rows each
+//   (grid = B * Hkv * row groups * n_splits), each reading the K/V of its group.
 // * Split-KV: the key tiles of the band are cut into `n_splits` contiguous ranges, one
 //   block each (grid = B * Hkv * n_splits), so a single sequence with one kv head still
 //   fills the GPU. With one split the block writes o and lse directly; otherwise it writes
@@ -240,13 +242,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
         if (provided < kSharedBytes) __trap();
     }
 
-    const i64 bkv = blockIdx.x / n_splits;  // flat (batch, kv head)
+    const int all_rows = static_cast<int>(group_size * n_q);  // packed rows of a kv head
+    const int row_groups = (all_rows + ROWS - 1) / ROWS;
+    const i64 bkv = blockIdx.x / n_splits / row_groups;  // flat (batch, kv head)
     const int split = static_cast<int>(blockIdx.x % n_splits);
+    const int first_row = static_cast<int>(blockIdx.x / n_splits % row_groups) * ROWS;
     const int n_kv_heads = n_q_heads / group_size;
     const i64 batch = bkv / n_kv_heads;
     const int kv_head = static_cast<int>(bkv % n_kv_heads);
-    const int rows = static_cast<int>(group_size * n_q);  // packed rows in use (<= ROWS)
-    const i64 out_row0 = bkv * rows;  // flat (b, h, i) of packed row 0 in o and lse
+    // This block's packed rows first_row + [0, rows): row r below is packed row first_row + r.
+    const int rows = min(ROWS, all_rows - first_row);
+    const i64 out_row0 = bkv * all_rows + first_row;  // flat (b, h, i) of its row 0 in o, lse
+    // Rows of o and lse over the whole grid (B Hq Nq): the partials' split stride.
+    const i64 grid_rows = (gridDim.x / n_splits / row_groups) * static_cast<i64>(all_rows);
     // A padded or paged batch: batch element b is sequence b, whose rows past seq_rows are
     // padding (they keep no key: o = 0, lse = -inf) and whose keys number n_k there.
     const SequenceTables tables = SEQUENCE_TABLES;
@@ -263,9 +271,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
 
     // Per packed row: query row, ALiBi slope, dropout state; running max and sum.
     for (int r = threadIdx.x; r < ROWS; r += THREADS) {
-        const i64 head = static_cast<i64>(kv_head) * group_size + (r < rows ? r / n_q : 0);
+        const int packed = first_row + r;
+        const i64 head = static_cast<i64>(kv_head) * group_size + (r < rows ? packed / n_q : 0);
         const i64 bh = batch * n_q_heads + head;
-        const i64 query_row = r < rows ? r % n_q : 0;
+        const i64 query_row = r < rows ? packed % n_q : 0;
         row_query[r] = query_row;
         row_slope[r] = ALIBI ? static_cast<Acc>(alibi_slopes[bh]) : Acc(0);
         row_state[r] = DROPOUT ? dropout_row_state(dropout_key, static_cast<u32>(bh),
@@ -279,8 +288,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
         const int r = e / kHeadWidth, d = e % kHeadWidth;
         Acc value = 0;
         if (r < rows && d < HEAD_DIM) {
-            const i64 head = static_cast<i64>(kv_head) * group_size + r / n_q;
-            value = static_cast<Acc>(widen(q[batch * q_sb + head * q_sh + (r % n_q) * q_sn + d]));
+            const int packed = first_row + r;
+            const i64 head = static_cast<i64>(kv_head) * group_size + packed / n_q;
+            value = static_cast<Acc>(
+                widen(q[batch * q_sb + head * q_sh + (packed % n_q) * q_sn + d]));
         }
         q_tile[r * kQPitch + d] = value;
     }
@@ -459,7 +470,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
             const i64 out_row = out_row0 + r;
             const i64 o_offset = !STRIDED_OUT ? out_row * VALUE_DIM
                                  : direct     ? packed_row_offset(batch, kv_head, group_size,
-                                                                  static_cast<int>(n_q), r,
+                                                                  static_cast<int>(n_q),
+                                                                  first_row + r,
                                                                   {o_sb, o_sh, o_sn})
                                               : 0;
 #pragma unroll
@@ -470,8 +482,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
                 if (direct)
                     o[o_offset + d] = narrow<T>(value);
                 else
-                    partial_o[(split * (gridDim.x / n_splits) * static_cast<i64>(rows) + out_row) *
-                                  VALUE_DIM + d] = value;
+                    partial_o[(split * grid_rows + out_row) * VALUE_DIM + d] = value;
             }
         }
     }
@@ -481,8 +492,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode(
         if (direct)
             lse[out_row0 + r] = value;
         else
-            partial_lse[split * (gridDim.x / n_splits) * static_cast<i64>(rows) + out_row0 + r] =
-                value;
+            partial_lse[split * grid_rows + out_row0 + r] = value;
     }
 }
 

@@ -107,8 +107,8 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = n_q_heads // n_kv_heads
     on_tensor_cores = isinstance(tiles, DecodeMmaTiles)
-    # The tensor-core kernel cuts more packed rows than it holds into row groups.
-    row_groups = tiles.row_groups(group * n_q) if on_tensor_cores else 1
+    # More packed rows than a block holds run as row groups, a block each.
+    row_groups = tiles.row_groups(group * n_q)
     if group * n_q > tiles.rows * row_groups:
         raise ValueError(f"decode tiles hold rows={tiles.rows} packed rows, the problem has "
                          f"group * Nq = {group * n_q}")

@@ -964,6 +964,10 @@ class DecodeTiles:
     def chunk_elements(itemsize: int) -> int:
         return 16 // itemsize
 
+    def row_groups(self, rows: int) -> int:
+        """Blocks a (batch, kv head, key range) takes for `rows` packed rows."""
+        return -(-rows // self.rows)
+
     def shared_bytes(self, itemsize: int, accum_size: int, head_dim: int,
                      value_dim: int) -> int:
         """The kernel's dynamic shared memory (kSharedBytes): K and V stages with rows
@@ -1036,6 +1040,12 @@ DECODE_MMA_MANY_ROW_WARPS = 8
 # 0.065, Nq4 0.149 / 0.193, B4 H32/8 Nq17 over 8k 0.076 / 0.086; D 128 0.193 / 0.141 (spills).
 DECODE_MMA_NARROW_WIDTH = 64
 DECODE_MMA_PREFILL_RATE = 2.5
+# The CUDA-core decode (float32, float64, dropout, D above 256) beyond DECODE_ROWS' 64 rows
+# takes row groups of 64 where the prefill pads at least this many times its rows: one
+# query row of a 71-head MQA group (Falcon) or of MLA's 128 heads over one K/V head read
+# K/V once per query head on the prefill, in float32 9.9 ms over 32k keys (B8 D64, H200)
+# and 43 ms over 8k (B2 D576, 0.23x torch's math backend) (NOTES-gpu v51).
+DECODE_CUDA_CORE_PREFILL_RATE = 8
 PREFILL_MIN_ROWS = 64  # the prefill families' fewest rows a query tile
 # MHA beyond 16 queries (beyond 32 in float32) runs the tensor-core prefill, which splits
 # the keys as the decode does (forward_key_splits): no group shares the K/V reads, and the
@@ -1130,13 +1140,18 @@ def decode_on_tensor_cores(problem: Problem, shape: DecodeShape) -> bool:
             and max(problem.head_dim, problem.value_dim) <= MAX_TENSOR_CORE_DIM)
 
 
-def decode_outworks_prefill(shape: DecodeShape) -> bool:
-    """Whether the tensor-core decode's padded rows (m16 tiles of packed rows, in row groups
-    of DECODE_MMA_MAX_ROWS) are at most 1 / DECODE_MMA_PREFILL_RATE of the prefill's (each
-    query head's Nq rows in tiles of PREFILL_MIN_ROWS), per K/V head."""
+def decode_outworks_prefill(shape: DecodeShape, on_tensor_cores: bool = True) -> bool:
+    """Whether the decode's padded rows are at most 1 / its rate against the prefill
+    (DECODE_MMA_PREFILL_RATE, DECODE_CUDA_CORE_PREFILL_RATE) of the prefill's (each query
+    head's Nq rows in tiles of PREFILL_MIN_ROWS), per K/V head: on tensor cores, m16 tiles
+    of packed rows in row groups of DECODE_MMA_MAX_ROWS; on CUDA cores, row groups of
+    DECODE_ROWS' largest capacity, each run whole."""
+    prefill_rows = shape.group * padded(shape.n_q, PREFILL_MIN_ROWS)
+    if not on_tensor_cores:
+        return prefill_rows >= DECODE_CUDA_CORE_PREFILL_RATE * padded(
+            shape.rows, DECODE_ROWS[-1].max_rows)
     full_groups, rest = divmod(shape.rows, DECODE_MMA_MAX_ROWS)
     decode_rows = full_groups * DECODE_MMA_MAX_ROWS + padded(rest, 16)
-    prefill_rows = shape.group * padded(shape.n_q, PREFILL_MIN_ROWS)
     return prefill_rows >= DECODE_MMA_PREFILL_RATE * decode_rows
 
 
@@ -1246,18 +1261,26 @@ def decode_fits(problem: Problem, tiles) -> bool:
 
 
 def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None,
-                 threads: int | None = None) -> DecodeTiles:
-    """The configuration for a problem (a test may force `splits` and `threads`). Wide
-    float64 rows take fewer stages, then fewer keys a stage (down to 8), until they fit
-    (`decode_fits` says whether they did)."""
+                 threads: int | None = None, rows: int | None = None) -> DecodeTiles:
+    """The configuration for a problem (a test may force `splits`, `threads` and the packed
+    rows a block holds, `rows`). Wide float64 rows take fewer stages, then fewer keys a
+    stage (down to 8), then row groups of fewer rows, until they fit (`decode_fits` says
+    whether they did)."""
     block_k, stages = decode_key_tile(_sizes(problem)[0], problem.head_dim, problem.value_dim)
     if threads is None:
         threads = next((row.threads for row in DECODE_ROWS if shape.rows <= row.max_rows),
                        DECODE_ROWS[-1].threads)
-    tiles = DecodeTiles(_pow2_at_least(shape.rows), block_k, stages, threads, 1)
-    while not decode_fits(problem, tiles) and (tiles.stages > 2 or tiles.block_k > 8):
-        tiles = (replace(tiles, stages=2) if tiles.stages > 2
-                 else replace(tiles, block_k=tiles.block_k // 2))
+    # More packed rows than the largest capacity take row groups of it (fewer where wide
+    # rows do not fit shared memory otherwise).
+    capacity = rows or min(_pow2_at_least(shape.rows), DECODE_ROWS[-1].max_rows)
+    while True:
+        tiles = DecodeTiles(capacity, block_k, stages, threads, 1)
+        while not decode_fits(problem, tiles) and (tiles.stages > 2 or tiles.block_k > 8):
+            tiles = (replace(tiles, stages=2) if tiles.stages > 2
+                     else replace(tiles, block_k=tiles.block_k // 2))
+        if decode_fits(problem, tiles) or rows or capacity >= shape.rows or capacity <= 16:
+            break
+        capacity //= 2
     return replace(tiles, splits=_splits_of(problem, shape, tiles)[0] if splits is None
                    else splits)
 
@@ -1274,9 +1297,8 @@ def decode_residency(problem: Problem, tiles) -> int:
 
 
 def _splits_of(problem: Problem, shape: DecodeShape, tiles) -> tuple[int, str]:
-    if isinstance(tiles, DecodeMmaTiles):
-        # Row groups are blocks beside the (batch, kv head) ones.
-        shape = replace(shape, batch_kv_heads=shape.batch_kv_heads * tiles.row_groups(shape.rows))
+    # Row groups are blocks beside the (batch, kv head) ones.
+    shape = replace(shape, batch_kv_heads=shape.batch_kv_heads * tiles.row_groups(shape.rows))
     return decode_splits(shape, tiles.block_k, decode_residency(problem, tiles))
 
 
@@ -1295,10 +1317,14 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         return None  # MHA: the split tensor-core prefill (DECODE_MHA_FLOAT32_ROWS says why)
     row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
     prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
-    if row is None and not (decode_on_tensor_cores(problem, shape)
-                            and decode_outworks_prefill(shape)):
-        return None  # more rows than DECODE_ROWS serve: the prefill, unless it pads far more
-    if (row is not DECODE_ROWS[0] and prefill_blocks >= shape.sm_count
+    if row is None and not (
+            decode_on_tensor_cores(problem, shape) and decode_outworks_prefill(shape)
+            or problem.dtype in ("float32", "float64")
+            and decode_outworks_prefill(shape, on_tensor_cores=False)):
+        # More rows than DECODE_ROWS serve: the prefill, unless it pads far more (16-bit
+        # rows of heads above 256 fold into the tensor-core prefill instead: may_fold).
+        return None
+    if (row is DECODE_ROWS[1] and prefill_blocks >= shape.sm_count
             and not decode_on_tensor_cores(problem, shape)):
         # Many query heads fill the GPU on the tensor-core prefill already, whose wasted rows
         # (Nq of its 64-192) cost less than CUDA-core products; the tensor-core decode reads
@@ -1309,7 +1335,10 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         note = ("16-bit, no dropout: tensor cores (attention_decode_mma.cu), the "
                 "warps split each stage's keys")
     else:
-        tiles, note = decode_tiles(problem, shape), row.note
+        tiles = decode_tiles(problem, shape)
+        note = row.note if row is not None else (
+            f"group*Nq = {shape.rows} > {DECODE_ROWS[-1].max_rows}: "
+            f"{tiles.row_groups(shape.rows)} row groups of {tiles.rows} rows on CUDA cores")
     if not decode_fits(problem, tiles):
         return None  # Q alone (64 float64 rows of 256) outgrows shared memory
     note = f"{note}; {_splits_of(problem, shape, tiles)[1]}"
