@@ -670,11 +670,13 @@ def test_info_shows_the_decode_kernel():
                for line in lines), lines
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "n_q"), [(16, 1, 9), (4, 4, 17), (4, 4, 64)],
-                         ids=["MQA-129-rows", "MHA-Nq17", "MHA-Nq64"])
+@pytest.mark.parametrize(("heads", "kv_heads", "n_q"), [(8, 1, 33), (4, 4, 17), (4, 4, 64)],
+                         ids=["MQA-264-rows", "MHA-Nq17", "MHA-Nq64"])
 def test_many_rows_and_mha_chunks_take_the_split_prefill(heads, kv_heads, n_q):
-    """More than 128 packed rows, and MHA beyond 16 queries (no group shares K/V), run the
-    tensor-core prefill with its keys split over the idle SMs, not the decode kernel."""
+    """Packed rows the prefill pads less than DECODE_MMA_PREFILL_RATE times as many of
+    (8 heads of 33 queries: 512 against 272 in m16 tiles), and MHA beyond 16 queries (no
+    group shares K/V), run the tensor-core prefill with its keys split over the idle SMs,
+    not the decode kernel."""
     q = cupy.empty((1, heads, n_q, 64), dtype=np.float16)
     k = v = cupy.empty((1, kv_heads, 8192, 64), dtype=np.float16)
     choice = launch_forward.choose(q, k, v, _resolved(q, k, v, {"causal": True}))

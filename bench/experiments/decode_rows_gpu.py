@@ -2,7 +2,9 @@
 kernel: the table's row warps (4 groups of two m16 tiles) against 8 groups of one tile,
 and against the split-KV prefill forward, kernels and host alike, calls back to back.
 
-    PYTHONPATH=. python3 bench/experiments/decode_rows_gpu.py
+    PYTHONPATH=. python3 bench/experiments/decode_rows_gpu.py [B,Hq,Hkv,Nq,Nk,D ...]
+
+(shapes named on the command line replace the list below)
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def main() -> None:
     print("| B, Hq/Hkv, Nq, Nk, D | chosen | chosen ms | 4 x 2 tiles | 8 x 1 tile, 64 keys | "
           "8 x 1, 32 keys | split prefill |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for batch, heads, kv_heads, n_q, n_k, dim in SHAPES:
+    shapes = [tuple(int(x) for x in arg.split(",")) for arg in sys.argv[1:]] or SHAPES
+    for batch, heads, kv_heads, n_q, n_k, dim in shapes:
         rng = np.random.default_rng(0)
         q, k, v = (cupy.asarray(rng.standard_normal(s, dtype=np.float32).astype(np.float16))
                    for s in ((batch, heads, n_q, dim), (batch, kv_heads, n_k, dim),
