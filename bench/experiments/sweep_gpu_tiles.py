@@ -68,6 +68,9 @@ def candidates(family: str, direction: str):
     elif direction == "forward":
         for block_q, block_k, rows in itertools.product((64, 128), (16, 32, 64), (16, 32)):
             yield tiles.Tf32Tiles(block_q, block_k, rows)
+        if cupy.cuda.Device().compute_capability == "90":  # 3xTF32 on wgmma (sm_90a)
+            for block_q, block_k in itertools.product((64, 128), (32, 64)):
+                yield tiles.Tf32WgmmaTiles(block_q, block_k)
     else:
         sizes = ((128, 64), (64, 64), (128, 32), (64, 32), (32, 32), (128, 16), (64, 16))
         pairings = ((False, ()), (True, ()), (False, ("dkdv",)), (False, ("dq",)),
