@@ -471,6 +471,8 @@ MMA_BACKWARD = [
 
 # float32 on 3xTF32 (sm_80+): v9 (forward) and v13 (backward) sweeps at D = 64 and 128.
 TF32_FORWARD = [
+    Row(When(64, max_keys=128), Tf32Tiles(64, 32, 32),
+        "v51: D<=64 over <=128 keys (H200 B256 H32 N64 causal: 0.333 ms vs 0.570 for 128x64)"),
     Row(When(64), Tf32Tiles(128, 64, 32), "v9: D=64"),
     Row(When(128), Tf32Tiles(128, 64, 16), "v9: D=128"),
     Row(When(192), Tf32Tiles(128, 32, 16),
@@ -489,6 +491,9 @@ TF32_FORWARD = [
 # 176 only for 16-key steps, whose score products wait on shared memory: D 192 and 256 on
 # 64 x 16 tiles 0.85 / 1.02x the mma.sync rows, which keep them (NOTES-gpu v44).
 TF32_WGMMA_FORWARD = [
+    Row(When(64, max_keys=128), Tf32WgmmaTiles(64, 32),
+        "v51: D<=64 over <=128 keys, one warpgroup (H200 B256 H32 causal, N64 / N128: "
+        "0.350 / 0.407 ms vs 0.584 / 0.447 for 128x64)"),
     Row(When(64), Tf32WgmmaTiles(128, 64), "v44: D<=64, 64-key steps in 161 KiB (128x32: "
         "9.71/5.43 ms vs 8.05/4.40)"),
     Row(When(128), Tf32WgmmaTiles(128, 32), "v44: D<=128, 32-key steps in 225 KiB (128x16: "
@@ -500,6 +505,12 @@ TF32_WGMMA_FORWARD = [
 ]
 
 TF32_BACKWARD = [
+    Row(When(64, max_keys=128), MmaBackwardTiles((64, 32), (64, 32)),
+        "v51: D<=64 over <=128 keys (H200 B256 H32 causal, N64 / N128: 1.27 / 1.58 ms vs "
+        "2.37 / 2.29 for 128x64; 32x32 1.24 / 1.68)"),
+    Row(When(128, min_width=64, max_keys=128), MmaBackwardTiles((64, 16), (64, 16)),
+        "v51: D<=128 over <=128 keys (H200 B128 H16 N128 causal: 1.59 ms vs 2.59 for 128x32; "
+        "64x32 2.81)"),
     Row(When(64), MmaBackwardTiles((128, 64), (128, 64)), "v13: D=64, 8 warps"),
     Row(When(128), MmaBackwardTiles((128, 32), (128, 32)),
         "v13: D=128, 32 streamed rows fit 278 KB of tiles into 227 KiB"),
