@@ -1013,7 +1013,7 @@ def decode_key_tile(itemsize: int, head_dim: int, value_dim: int) -> tuple[int, 
 # each, with fewer key warps taking more keys, so that a block keeps DECODE_MMA_WARPS warps
 # and a stage of 64 keys (32 where Dv > 128: S's registers would spill beside O's); every
 # group reads the same stages, so K/V is read once per block. Row groups (a block each,
-# K/V read once per group) remain for tile shapes a test or sweep forces. ALiBi takes a
+# K/V read once per group) take more rows than a block holds (below). ALiBi takes a
 # slope per packed row (its query head's); dropout (no inference case) stays on CUDA cores.
 # Chosen by sweeps (sweep_gpu_decode.py --kernel tensor_cores, H100, kernels alone):
 # NOTES-gpu v20: 4 warps x 16 keys in 2 stages reach 0.86-0.99 of copy bandwidth on the
