@@ -682,6 +682,10 @@ PAGED_DECODE_CASES = [
     ("float16", (2, 8, 2, 2, 448, 64, 64), (448, 190), 16, False,
      {"causal": True, "alibi_slopes": np.linspace(0.02, 0.3, 16).reshape(2, 8)},
      DecodeMmaTiles(1, 4, 16, 2, 2)),
+    # 142 packed rows (71 heads over one K/V head, Nq 2) in two row groups of eight row
+    # warps, pages of 16.
+    ("float16", (2, 71, 1, 2, 320, 64, 64), (320, 150), 16, False, {"causal": True},
+     DecodeMmaTiles(1, 1, 64, 2, 2, 8)),
 ]
 
 
@@ -717,6 +721,10 @@ PADDED_DECODE_CASES = [
      DecodeMmaTiles(1, 4, 16, 2, 3)),
     ("float16", (3, 4, 1, 1, 300, 64, 64), (1, 1, 0), (300, 17, 256),
      {"alibi_slopes": np.linspace(0.05, 0.5, 4)}, DecodeMmaTiles(1, 4, 16, 2, 1)),
+    # 120 packed rows on four row warps of two m16 tiles; the second sequence's third query
+    # row is padding.
+    ("bfloat16", (2, 40, 1, 3, 300, 64, 64), (3, 2), (300, 120), {"causal": True},
+     DecodeMmaTiles(2, 1, 64, 2, 2, 4)),
 ]
 
 
