@@ -259,6 +259,34 @@ def test_decode_takes_every_head_dim_and_row_count_and_fits(device, dtype):
             assert shared <= problem.shared_limit
 
 
+@pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_decode_of_many_packed_rows_holds_them_in_row_groups_that_fit(device, dtype):
+    """Wherever the decode takes more than 64 packed rows (wide groups, speculative rows),
+    its blocks hold every row (row groups) and fit the device's shared memory."""
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype]
+    decoded = 0
+    for head_dim, value_dim in [(64, 64), (40, 40), (128, 128), (256, 256), (576, 512)]:
+        problem = Problem(dtype=dtype, head_dim=head_dim, value_dim=value_dim, n_k=32768,
+                          **device)
+        for n_q, group in [(1, 71), (1, 128), (2, 71), (4, 71), (9, 16), (3, 100), (1, 1024)]:
+            shape = _decode_shape(n_q=n_q, n_q_heads=group, n_kv_heads=1, batch=2, n_k=32768)
+            choice = tiles.choose_decode(problem, shape)
+            if choice is None:
+                continue
+            decoded += 1
+            config = choice.tiles
+            assert config.rows * config.row_groups(shape.rows) >= shape.rows
+            assert tiles.decode_fits(problem, config), (head_dim, n_q, group, config)
+            if isinstance(config, tiles.DecodeTiles):
+                shared = config.shared_bytes(itemsize, 8 if dtype == "float64" else 4,
+                                             head_dim, value_dim)
+            else:
+                shared = config.shared_bytes(head_dim, value_dim)
+            assert shared <= problem.shared_limit
+    assert decoded >= 10  # one query row of 71 or 128 heads decodes at every width served
+
+
 def test_decode_leaves_prefill_shapes_alone():
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, **H100)
     # Many rows per K/V head with a full prefill grid, too few keys, named tile sizes, sm_75.

@@ -1278,18 +1278,16 @@ def decode_tiles(problem: Problem, shape: DecodeShape, splits: int | None = None
     stage (down to 8), then row groups of fewer rows, until they fit (`decode_fits` says
     whether they did)."""
     block_k, stages = decode_key_tile(_sizes(problem)[0], problem.head_dim, problem.value_dim)
-    if threads is None:
-        threads = next((row.threads for row in DECODE_ROWS if shape.rows <= row.max_rows),
-                       DECODE_ROWS[-1].threads)
     # More packed rows than the largest capacity take row groups of it (fewer where wide
-    # rows do not fit shared memory otherwise).
+    # rows do not fit shared memory otherwise), on the threads of the capacity's row.
     capacity = rows or min(_pow2_at_least(shape.rows), DECODE_ROWS[-1].max_rows)
     while True:
-        tiles = DecodeTiles(capacity, block_k, stages, threads, 1)
+        tiles = DecodeTiles(capacity, block_k, stages, threads or next(
+            row.threads for row in DECODE_ROWS if min(capacity, shape.rows) <= row.max_rows), 1)
         while not decode_fits(problem, tiles) and (tiles.stages > 2 or tiles.block_k > 8):
             tiles = (replace(tiles, stages=2) if tiles.stages > 2
                      else replace(tiles, block_k=tiles.block_k // 2))
-        if decode_fits(problem, tiles) or rows or capacity >= shape.rows or capacity <= 16:
+        if decode_fits(problem, tiles) or rows or capacity >= shape.rows or capacity == 1:
             break
         capacity //= 2
     return replace(tiles, splits=_splits_of(problem, shape, tiles)[0] if splits is None
@@ -1343,6 +1341,10 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         return None
     if decode_on_tensor_cores(problem, shape):
         tiles = decode_mma_tiles(problem, shape)
+        if not decode_fits(problem, tiles) and tiles.row_warps > DECODE_MMA_ROW_WARPS:
+            # Wide rows past sm_80's shared memory in eight row warps: blocks of four.
+            tiles = decode_mma_tiles(problem, shape, row_warps=DECODE_MMA_ROW_WARPS,
+                                     row_tiles=1)
         note = ("16-bit, no dropout: tensor cores (attention_decode_mma.cu), the "
                 "warps split each stage's keys")
     else:
