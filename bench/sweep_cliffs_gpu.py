@@ -310,7 +310,12 @@ def torch_available() -> bool:
 
 
 def run(args) -> int:
-    import cupy
+    try:
+        import cupy
+    except ImportError:
+        print("sweep_cliffs_gpu.py: error: needs CuPy and a GPU: pip install 'tileattn[gpu]'",
+              file=sys.stderr)
+        return 2
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from attention_calls import NO_OPTION, is_cliff

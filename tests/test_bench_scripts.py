@@ -135,12 +135,23 @@ def test_gpu_cliff_sweep_cases_have_consistent_shapes_and_options():
         assert case.flops(True) == 3.5 * case.flops(False) > 0
 
 
-@pytest.mark.parametrize("argument", [["--workers", "0"], ["--dtypes", "float64"],
+@pytest.mark.parametrize("argument", [["--workers", "0"], ["--dtypes", "float8"],
                                       ["--bogus"]])
 def test_gpu_cliff_sweep_rejects_a_bad_argument_in_one_line(argument):
     result = bench(*argument, script="sweep_cliffs_gpu.py")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "error:" in result.stderr
+
+
+def test_gpu_cliff_sweep_without_cupy_says_so_in_one_line():
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed")
+    except ImportError:
+        pass
+    result = bench("--quick", "--dtypes", "float64", script="sweep_cliffs_gpu.py")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "needs CuPy" in result.stderr
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
