@@ -465,6 +465,24 @@ def test_wide_groups_decode_on_cuda_cores_in_row_groups_through_dispatch(dtype, 
     assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
+def test_wide_group_row_groups_ignore_non_finite_keys_the_window_hides(dtype):
+    """71 query heads over one K/V head, two query rows (142 packed rows: row groups on
+    either kernel): NaN and inf at keys the window hides from every row reach no output."""
+    q, k, v = _inputs(1, 71, 1, 2, 2000, 64, 64, dtype, seed=5)
+    k[:, :, 1000] = np.nan
+    v[:, :, 1001] = np.inf
+    options = {"window": (500, 0), "causal": True}  # rows keep keys from 1498 on
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    choice = launch_forward.choose(*device, _resolved(*device, options))
+    assert choice.family == "decode" and choice.tiles.row_groups(142) >= 2
+    o, lse = tileattn.forward(*device, return_lse=True, **options)
+    expected_o, expected_lse = _golden(q, k, v, **options)
+    assert np.isfinite(o.get()).all() and np.isfinite(lse.get()).all()
+    assert_attention_close(o.get(), expected_o, q.dtype, name="o")
+    assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
+
+
 @pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
 def test_many_packed_rows_ignore_non_finite_keys_the_window_hides(dtype, head_dim):

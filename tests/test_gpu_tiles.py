@@ -539,6 +539,9 @@ def test_describe_names_the_decode_row():
         "decode DecodeTiles(rows=4")
     assert "splits" in lines["forward"] and lines["backward"].startswith("wgmma")
     assert tiles.describe_with_decode(problem, None) == tiles.describe(problem)
+    falcon = _decode_shape(n_q=1, n_q_heads=71, n_kv_heads=1, batch=8, n_k=32768)
+    line = tiles.describe_with_decode(wide, falcon)["forward"]
+    assert line.startswith("decode DecodeTiles(rows=64") and "2 row groups of 64 rows" in line
 
 
 def test_dense_backwards_of_few_query_rows_take_smaller_tiles():
