@@ -630,6 +630,7 @@ def main() -> int:
         q, k, v = non_finite_case()
         for options in ({"causal": True}, {"causal": True, "window": (3, None)}):
             failures += check(q, k, v, options, 4)
+            failures += check(q, k, v, options, 4, rows=4)  # 8 rows in two row groups
         failures += placed_case(rng)
         if args.launcher:
             failures += launcher_mode()
