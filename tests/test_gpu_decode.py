@@ -416,10 +416,10 @@ def test_non_finite_values_at_masked_keys_do_not_leak(splits, kernel):
                          ids=OPTION_IDS)
 def test_more_than_64_packed_rows_through_dispatch(shape, options, dtype):
     """More than 64 packed rows (speculative decoding, chunks with wide GQA groups, Falcon's
-    71 query heads over one K/V head) run the tensor-core decode in 8 row warps, with key
-    splits; rows of one block span query rows of several heads and positions, and beyond
-    128 rows the blocks of each K/V head take 128 rows each (213 rows: the second block's
-    85 leave two row warps without rows)."""
+    71 query heads over one K/V head) run the tensor-core decode in eight row warps of one
+    m16 tile (four of two at D, Dv <= 64), with key splits; rows of one block span query
+    rows of several heads and positions, and beyond 128 rows the blocks of each K/V head
+    take 128 rows each (213 rows: the second block's 85 leave a row warp without rows)."""
     n_q_heads, n_kv_heads, n_q, head_dim, value_dim = shape
     q, k, v = _inputs(1, n_q_heads, n_kv_heads, n_q, 1500, head_dim, value_dim, dtype,
                       seed=n_q)
