@@ -694,3 +694,21 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows():
     assert tiles.fold_value_slices(320) == ((0, 160), (160, 320))
     assert tiles.fold_value_slices(264) == ((0, 144), (144, 264))
     assert tiles.fold_value_slices(64) == ((0, 64),)
+
+
+def test_float32_over_few_keys_takes_64_row_tiles():
+    """float32 over at most 128 keys (short sequences at large batches, windows of a few
+    dozen tokens): 64-row tiles, forward on wgmma (sm_90) or mma.sync (sm_80), and both
+    backward kernels; over more keys the wider rows as before."""
+    for device, family in ((H100, tiles.Tf32WgmmaTiles), (A100, tiles.Tf32Tiles)):
+        for head_dim, n_k in ((32, 49), (64, 64), (64, 128), (128, 128), (96, 100)):
+            problem = Problem(dtype="float32", head_dim=head_dim, value_dim=head_dim,
+                              n_k=n_k, **device)
+            backward = tiles.choose_backward(problem).tiles
+            assert backward.dq[0] == backward.dkdv[0] == 64, (head_dim, n_k, backward)
+            if head_dim <= 64:
+                forward = tiles.choose_forward(problem).tiles
+                assert isinstance(forward, family) and forward.block_q == 64
+        longer = Problem(dtype="float32", head_dim=64, value_dim=64, n_k=129, **device)
+        assert tiles.choose_forward(longer).tiles.block_q == 128
+        assert tiles.choose_backward(longer).tiles.dq[0] == 128
