@@ -836,6 +836,9 @@ BACKWARD_CASES = [
      {"q": [(0, 1, 30, 2)], "do": [(0, 0, 41, 20)]}),
     ("bfloat16", (1, 2, 1, 50, 70, 32, 64), {"causal": True, "softcap": 3.0},
      MmaBackwardTiles((32, 32), (32, 32), paired=("dq", "dkdv"))),
+    # float32's rows over <= 128 keys: 64 owned rows, 16 streamed at D 65-128.
+    ("float32", (1, 2, 1, 100, 120, 128, 128), {"causal": True},
+     MmaBackwardTiles((64, 16), (64, 16))),
 ]
 
 # The single pass (SINGLE_PASS: dQ added by the dK/dV kernel), as BACKWARD_CASES; NaN places
@@ -932,6 +935,10 @@ TF32_CASES = [
       "alibi_slopes": np.linspace(0.1, 0.4, 4)}, Tf32WgmmaTiles(128, 32)),
     ("float32", (2, 2, 2, 40, 70, 40, 72), {"window": (20, 3)}, Tf32WgmmaTiles(128, 32)),
     ("float32", (1, 2, 1, 70, 90, 160, 96), {}, Tf32WgmmaTiles(64, 32)),
+    # The rows over <= 128 keys: one warpgroup of 64 rows; mma.sync warps of 32 rows.
+    ("float32", (2, 4, 2, 64, 64, 64, 64), {"causal": True, "softcap": 3.0},
+     Tf32WgmmaTiles(64, 32)),
+    ("float32", (1, 2, 1, 100, 100, 40, 40), {"window": (30, 5)}, Tf32Tiles(64, 32, 32)),
 ]
 
 
