@@ -1347,6 +1347,9 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
                                      row_tiles=1)
         note = ("16-bit, no dropout: tensor cores (attention_decode_mma.cu), the "
                 "warps split each stage's keys")
+        if tiles.row_groups(shape.rows) > 1:
+            note += (f"; group*Nq = {shape.rows}: {tiles.row_groups(shape.rows)} row groups "
+                     f"of {tiles.rows} rows")
     else:
         tiles = decode_tiles(problem, shape)
         note = row.note if row is not None else (
