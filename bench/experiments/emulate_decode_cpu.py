@@ -573,7 +573,7 @@ def launcher_mode() -> int:
                                          "alibi_slopes": np.linspace(0.1, 0.4, 4)}),
             ((4, 8, 2, 1, 600, 96, 96), {"dropout_p": 0.2, "seed": 3}),
             ((1, 71, 1, 1, 2000, 64, 64), {}),  # 71 rows: two row groups of 64
-            ((1, 72, 1, 1, 100, 576, 512), {"causal": True})]:  # wide rows: 2 groups
+            ((1, 72, 1, 1, 300, 576, 512), {"causal": True})]:  # wide rows: 2 groups
         q, k, v = (rng.standard_normal(s).astype(np.float32)
                    for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
         resolved = validate(q, k, v, **{**dict(causal=False, window=None, scale=None,
