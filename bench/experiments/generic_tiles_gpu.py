@@ -1,23 +1,26 @@
-"""The CUDA-core generic kernels' tile capacity against its shared-memory target: what float64
-would gain from bigger tiles.
+"""The CUDA-core generic kernels' tile capacity in float64: what bigger tiles would gain.
 
     PYTHONPATH=. python3 bench/experiments/generic_tiles_gpu.py [--dims 64,128,256]
-        [--n 4096] [--targets 48,96,160,220]
+        [--n 4096] [--blocks 16x16,16x32,32x32,32x64,64x32,64x64]
 
-`launch_forward.GENERIC_SHARED_TARGET` (48 KiB) sizes the generic kernels' tiles: 64 x 64
-halved until every kernel's shared memory fits it, down to 16 x 16. In float64 at D = 128
-that is 16 x 16 (every block of 16 query rows reads all of K and V, one barrier per 16
-keys), where torch's math backend runs cuBLAS on the FP64 tensor cores (NOTES-gpu v51:
-0.26x / 0.15x it forward / forward + backward at B4 H16 N4k). For each target the sweep
-prints the capacity the rule gives, checks forward and gradients against the float64
-golden model on a small problem of that configuration, then times the forward and the
-forward + backward (calls back to back) at batch x N = 16k tokens, hidden about 2048,
-beside torch's math backend where torch is installed.
+`launch_forward.GenericConfig.for_problem` sizes one tile capacity for every generic
+kernel: 64 x 64 halved until the largest kernel's shared memory (the backward's dK/dV)
+fits `GENERIC_SHARED_TARGET` (48 KiB), down to 16 x 16. In float64 that is 16 x 16 at
+D = 128 (every 16 query rows read all of K and V, a barrier per 16 keys), where torch's
+math backend runs cuBLAS on the FP64 tensor cores (NOTES-gpu v51: 0.26x / 0.15x it
+forward / forward + backward at B4 H16 N4k). For each capacity forced here (forward and
+backward alike; one that a kernel's shared memory does not fit on this device is
+reported for that direction), the forward and the forward + backward are checked against
+the float64 golden model on a small problem, then timed (calls back to back) at batch x N
+= 16k tokens, hidden about 2048, causal and not, beside torch's math backend where torch
+is installed. The best forward and the best backward capacity per head dim are what a
+rule per direction would take.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
@@ -29,19 +32,29 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--n", type=int, default=4096)
-    parser.add_argument("--targets", default="48,96,160,220", help="KiB, comma-separated")
+    parser.add_argument("--blocks", default="16x16,16x32,32x32,32x64,64x32,64x64",
+                        help="block_q x block_k capacities, comma-separated")
     parser.add_argument("--repetitions", type=int, default=3)
     args = parser.parse_args(argv)
+    capacities = [tuple(map(int, b.split("x"))) for b in args.blocks.split(",")]
 
     import cupy
 
     import tileattn
     from gpu_timing import back_to_back_ms
-    from tileattn.gpu import launch_forward, operands
-    from tileattn.testing import assert_attention_close
-    from tileattn.validation import validate
+    from tileattn.gpu import clear_plans, launch_forward
+    from tileattn.options import Blocks
 
-    limit = operands.shared_memory_limit(cupy.cuda.Device().id)
+    original = launch_forward.GenericConfig.for_problem.__func__
+    forced = {"capacity": None}
+
+    def for_problem(cls, dtype, head_dim, value_dim, options):
+        config = original(cls, dtype, head_dim, value_dim, options)
+        if forced["capacity"] is None:
+            return config
+        return dataclasses.replace(config, capacity=Blocks(*forced["capacity"]))
+
+    launch_forward.GenericConfig.for_problem = classmethod(for_problem)
     try:
         import torch
         import torch.nn.functional as F
@@ -49,17 +62,14 @@ def main(argv=None) -> None:
         have_torch = torch.cuda.is_available()
     except ImportError:
         have_torch = False
-    dtype = np.dtype(np.float64)
-    print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, float64, "
-          f"generic kernels, ms back to back, shared memory limit {limit // 1024} KiB")
-    print("| D | causal | target KiB | capacity | forward | fwd+bwd | torch math fwd | "
-          "torch math fwd+bwd |")
-    print("|---:|---|---:|---|---:|---:|---:|---:|")
+    print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, float64, generic "
+          f"kernels, ms back to back, the table's capacity first")
+    print("| D | causal | capacity | forward | fwd+bwd | torch math fwd | torch math fwd+bwd |")
+    print("|---:|---|---|---:|---:|---:|---:|")
     for dim in map(int, args.dims.split(",")):
         heads, batch = max(1, round(2048 / dim)), max(1, 16384 // args.n)
         rng = np.random.default_rng(0)
-        host = [rng.standard_normal((batch, heads, args.n, dim)).astype(dtype)
-                for _ in range(4)]
+        host = [rng.standard_normal((batch, heads, args.n, dim)) for _ in range(4)]
         q, k, v, do = (cupy.asarray(a) for a in host)
         small = [a[:1, :2, :300].copy() for a in host]
         for causal in (False, True):
@@ -67,32 +77,19 @@ def main(argv=None) -> None:
             if have_torch:
                 tq, tk, tv, tdo = (torch.from_dlpack(a) for a in (q, k, v, do))
 
-                def math(grad, tq=tq, tk=tk, tv=tv, tdo=tdo, causal=causal):
-                    operands_ = [t.detach().requires_grad_(grad) for t in (tq, tk, tv)]
+                def math(grad, causal=causal):
+                    leaves = [t.detach().requires_grad_(grad) for t in (tq, tk, tv)]
                     with sdpa_kernel(SDPBackend.MATH):
-                        out = F.scaled_dot_product_attention(*operands_, is_causal=causal)
+                        out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                     if grad:
                         out.backward(tdo)
 
                 anchors = [f"{back_to_back_ms(lambda g=g: math(g), args.repetitions):.2f}"
                            for g in (False, True)]
-            for target in map(int, args.targets.split(",")):
-                if target * 1024 > limit:
-                    continue
-                launch_forward.GENERIC_SHARED_TARGET = target * 1024
-                operands._PLANS.clear()
-                operands._SEQUENCE_PLANS.clear()
-                options = validate(q, k, v, causal=causal, window=None, scale=None,
-                                   softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                                   block_q=None, block_k=None, deterministic=True).options
-                capacity = launch_forward.GenericConfig.for_problem(
-                    dtype, dim, dim, options).capacity
-                try:
-                    _check(tileattn, assert_attention_close, small, causal)
-                except Exception as error:  # a capacity the device or compiler refuses
-                    print(f"| {dim} | {causal} | {target} | {capacity} | "
-                          f"{type(error).__name__}: {str(error)[:80]} | | | |")
-                    continue
+            for capacity in [None] + capacities:
+                forced["capacity"] = capacity
+                clear_plans()
+                label = "table" if capacity is None else "{} x {}".format(*capacity)
 
                 def forward():
                     return tileattn.forward(q, k, v, causal=causal, return_lse=True,
@@ -102,28 +99,35 @@ def main(argv=None) -> None:
                     o, lse = forward()
                     tileattn.backward(do, q, k, v, o, lse, causal=causal, backend="gpu")
 
-                times = [back_to_back_ms(f, args.repetitions) for f in (forward,
-                                                                       forward_backward)]
-                print(f"| {dim} | {causal} | {target} | {capacity.block_q} x "
-                      f"{capacity.block_k} | {times[0]:.2f} | {times[1]:.2f} | "
+                cells = []
+                for direction, call in (("forward", forward), ("backward", forward_backward)):
+                    try:
+                        _check(tileattn, small, causal, direction)
+                        cells.append(f"{back_to_back_ms(call, args.repetitions):.2f}")
+                    except ValueError as error:  # the capacity's shared memory does not fit
+                        cells.append(f"does not fit ({str(error)[:40]})")
+                print(f"| {dim} | {causal} | {label} | {cells[0]} | {cells[1]} | "
                       f"{anchors[0]} | {anchors[1]} |", flush=True)
 
 
-def _check(tileattn, assert_attention_close, host, causal: bool) -> None:
-    """Forward and gradients of the generic kernels at the current target against the
+def _check(tileattn, host, causal: bool, direction: str) -> None:
+    """The forward (and for "backward" the gradients) at the forced capacity against the
     float64 golden model."""
     import cupy
 
+    from tileattn.testing import assert_attention_close
+
     q, k, v, do = (cupy.asarray(a) for a in host)
     o, lse = tileattn.forward(q, k, v, causal=causal, return_lse=True, backend="gpu")
-    grads = tileattn.backward(do, q, k, v, o, lse, causal=causal, backend="gpu")
-    wide = [a.astype(np.float64) for a in host]
-    o64, lse64 = tileattn.forward(*wide[:3], causal=causal, return_lse=True,
+    o64, lse64 = tileattn.forward(*host[:3], causal=causal, return_lse=True,
                                   backend="reference")
-    grads64 = tileattn.backward(wide[3], *wide[:3], o.get().astype(np.float64), lse64,
-                                causal=causal, backend="reference")
-    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
-        assert_attention_close(got.get(), want, host[0].dtype, name=name)
+    assert_attention_close(o.get(), o64, np.float64, name="o")
+    if direction == "backward":
+        grads = tileattn.backward(do, q, k, v, o, lse, causal=causal, backend="gpu")
+        grads64 = tileattn.backward(host[3], *host[:3], o.get(), lse64, causal=causal,
+                                    backend="reference")
+        for name, got, want in zip(("dq", "dk", "dv"), grads, grads64):
+            assert_attention_close(got.get(), want, np.float64, name=name)
 
 
 if __name__ == "__main__":
