@@ -1044,20 +1044,20 @@ DECODE_MMA_ROW_WARPS = 4
 # 32k keys D 64 (57x) ran the prefill at 1.88 ms against cuDNN's 0.090 (v51).
 DECODE_MMA_MAX_ROWS = 128
 DECODE_MMA_MANY_ROW_WARPS = 8
+DECODE_MMA_PREFILL_RATE = 2.5
+PREFILL_MIN_ROWS = 64  # the prefill families' fewest rows a query tile
 # Where D and Dv are at most DECODE_MMA_NARROW_WIDTH, O and S of two m16 tiles fit a warp's
 # registers: such rows take DECODE_MMA_ROW_WARPS groups of two tiles, each K/V fragment a
 # warp reads from shared memory feeding two products. decode_rows_gpu.py, H200, D 64,
 # causal, ms, 4 x 2 tiles against 8 x 1 (NOTES-gpu v51): B8 H71/1 Nq1 over 32k keys 0.056 /
 # 0.065, Nq4 0.149 / 0.193, B4 H32/8 Nq17 over 8k 0.076 / 0.086; D 128 0.193 / 0.141 (spills).
 DECODE_MMA_NARROW_WIDTH = 64
-DECODE_MMA_PREFILL_RATE = 2.5
-# The CUDA-core decode (float32, float64, dropout, D above 256) beyond DECODE_ROWS' 64 rows
-# takes row groups of 64 where the prefill pads at least this many times its rows: one
-# query row of a 71-head MQA group (Falcon) or of MLA's 128 heads over one K/V head read
-# K/V once per query head on the prefill, in float32 9.9 ms over 32k keys (B8 D64, H200)
-# and 43 ms over 8k (B2 D576, 0.23x torch's math backend) (NOTES-gpu v51).
+# float32 and float64 decodes beyond DECODE_ROWS' 64 rows take the CUDA-core decode in row
+# groups of 64 where the prefill pads at least this many times its rows: one query row of
+# a 71-head MQA group (Falcon) or of MLA's 128 heads over one K/V head read K/V once per
+# query head on the prefill, in float32 9.9 ms over 32k keys (B8 D64, H200) and 43 ms over
+# 8k (B2 D576, 0.23x torch's math backend); decoded 0.54 and 0.50 ms (NOTES-gpu v51).
 DECODE_CUDA_CORE_PREFILL_RATE = 8
-PREFILL_MIN_ROWS = 64  # the prefill families' fewest rows a query tile
 # MHA beyond 16 queries (beyond 32 in float32) runs the tensor-core prefill, which splits
 # the keys as the decode does (forward_key_splits): no group shares the K/V reads, and the
 # prefill's products run on tensor cores. H100 causal, B4 H16 over 8k keys, D128, ms
