@@ -130,6 +130,10 @@ def cases(quick: bool, dtypes) -> list:
         add("decode softcap", 8, 32, 8, 1, 4 * keys, 128, options={"softcap": 30.0})
         add("decode ALiBi", 8, 32, 8, 1, 4 * keys, 128, options={"alibi_slopes": "per head"})
         add("speculative Nq 8", 8, 32, 8, 8, 4 * keys, 128)
+        # The first steps of a generation: caches shorter than tiles.DECODE_MIN_KEYS (the
+        # prefill runs them, a 64-row tile and a K/V read per query head) at large batches.
+        add("decode short cache GQA 32/8", 256, 32, 8, 1, 200, 128, options={})
+        add("decode short cache MHA", 128, 32, 32, 1, 160, 128, options={})
         add("keys 100 under Nq", 4, 16, 16, n, 100, 128, options={})
         add("B 256 of N 64", 256, 16, 16, 64, 64, 64)
         add("B 1024 of N 128", 1024, 8, 8, 128, 128, 128)
