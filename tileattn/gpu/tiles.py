@@ -1326,20 +1326,21 @@ def choose_decode(problem: Problem, shape: DecodeShape) -> Choice | None:
         return None  # MHA: the split tensor-core prefill (DECODE_MHA_FLOAT32_ROWS says why)
     row = next((row for row in DECODE_ROWS if shape.rows <= row.max_rows), None)
     prefill_blocks = shape.batch_q_heads * -(-shape.n_q // 128)
+    on_tensor_cores = decode_on_tensor_cores(problem, shape)
     if row is None and not (
-            decode_on_tensor_cores(problem, shape) and decode_outworks_prefill(shape)
+            on_tensor_cores and decode_outworks_prefill(shape)
             or problem.dtype in ("float32", "float64")
             and decode_outworks_prefill(shape, on_tensor_cores=False)):
         # More rows than DECODE_ROWS serve: the prefill, unless it pads far more (16-bit
         # rows of heads above 256 fold into the tensor-core prefill instead: may_fold).
         return None
     if (row is DECODE_ROWS[1] and prefill_blocks >= shape.sm_count
-            and not decode_on_tensor_cores(problem, shape)):
+            and not on_tensor_cores):
         # Many query heads fill the GPU on the tensor-core prefill already, whose wasted rows
         # (Nq of its 64-192) cost less than CUDA-core products; the tensor-core decode reads
         # K/V once per group where the prefill reads it once per query head.
         return None
-    if decode_on_tensor_cores(problem, shape):
+    if on_tensor_cores:
         tiles = decode_mma_tiles(problem, shape)
         if not decode_fits(problem, tiles) and tiles.row_warps > DECODE_MMA_ROW_WARPS:
             # Wide rows past sm_80's shared memory in eight row warps: blocks of four.
