@@ -705,9 +705,25 @@ def test_prefill_shapes_keep_the_prefill_path():
     q, k, v = (cupy.empty(s, dtype=np.float16)
                for s in ((2, 8, 512, 64), (2, 8, 4096, 64), (2, 8, 4096, 64)))
     assert launch_forward.choose(q, k, v, _resolved(q, k, v, {})).family != "decode"
-    q = cupy.empty((2, 8, 1, 64), dtype=np.float16)
-    k = v = cupy.empty((2, 8, 100, 64), dtype=np.float16)  # too few keys to split
-    assert launch_forward.choose(q, k, v, _resolved(q, k, v, {})).family != "decode"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=str)
+@pytest.mark.parametrize("n_k", [1, 5, 33, 100, 200])
+@pytest.mark.parametrize(("heads", "kv_heads", "n_q"), [(8, 2, 1), (4, 4, 1), (8, 2, 3)],
+                         ids=["GQA4", "MHA", "GQA4-Nq3"])
+def test_short_caches_decode(heads, kv_heads, n_q, n_k, dtype):
+    """The first steps of a generation (caches of one key to a few tiles) take the decode
+    kernel too, whose last key tile is partial and whose splits may hold no key."""
+    q, k, v = _inputs(3, heads, kv_heads, n_q, n_k, 64, 64, dtype, seed=n_k)
+    device = [cupy.asarray(a) for a in (q, k, v)]
+    for options in ({}, {"causal": True}, {"window": (7, 0), "softcap": 4.0}):
+        assert launch_forward.choose(*device, _resolved(*device, options)).family == "decode"
+        o, lse = tileattn.forward(*device, return_lse=True, **options)
+        expected_o, expected_lse = _golden(q, k, v, **options)
+        assert_attention_close(o.get(), expected_o, q.dtype, name="o")
+        assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
+    for kernel in KERNELS:
+        _check(q, k, v, {"causal": True}, 3, kernel)
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 1, 1, 8192), (4, 32, 8, 4, 2048)],

@@ -259,6 +259,21 @@ def test_decode_takes_every_head_dim_and_row_count_and_fits(device, dtype):
             assert shared <= problem.shared_limit
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_short_caches_decode_with_one_split(dtype):
+    """A cache of one key to a few tiles decodes (the prefill would pad each row to a tile
+    and read K/V once per query head); batches that fill the GPU take one split, one K/V
+    head alone splits its few tiles two to a split at most."""
+    for n_k in (1, 17, 200):
+        problem = Problem(dtype=dtype, head_dim=128, value_dim=128, n_k=n_k, **H100)
+        for heads, kv_heads, batch in [(32, 8, 256), (32, 32, 128), (8, 1, 1)]:
+            choice = tiles.choose_decode(problem, _decode_shape(
+                n_q_heads=heads, n_kv_heads=kv_heads, batch=batch, n_k=n_k))
+            assert choice is not None, (n_k, heads, kv_heads)
+            most = 1 if batch > 1 else max(1, -(-n_k // choice.tiles.block_k) // 2)
+            assert choice.tiles.splits <= most, (n_k, heads, kv_heads, choice)
+
+
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_decode_of_many_packed_rows_holds_them_in_row_groups_that_fit(device, dtype):
@@ -289,7 +304,7 @@ def test_decode_of_many_packed_rows_holds_them_in_row_groups_that_fit(device, dt
 
 def test_decode_leaves_prefill_shapes_alone():
     problem = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, **H100)
-    # Many rows per K/V head with a full prefill grid, too few keys, named tile sizes, sm_75.
+    # Many rows per K/V head with a full prefill grid, no key kept, named tile sizes, sm_75.
     assert tiles.choose_decode(problem, _decode_shape(n_q=128, batch=8)) is None
     # 32 rows a kv head: prefill for float32 (CUDA-core decode products); 16-bit decodes on
     # tensor cores, reading K/V once per group instead of once per query head.
@@ -297,7 +312,7 @@ def test_decode_leaves_prefill_shapes_alone():
     assert tiles.choose_decode(wide, _decode_shape(n_q=8, batch=64)) is None
     assert isinstance(tiles.choose_decode(problem, _decode_shape(n_q=8, batch=64)).tiles,
                       tiles.DecodeMmaTiles)
-    assert tiles.choose_decode(problem, _decode_shape(n_k=100)) is None
+    assert tiles.choose_decode(problem, _decode_shape(n_k=0)) is None
     named = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, block_k=64, **H100)
     assert tiles.choose_decode(named, _decode_shape()) is None
     old = Problem(dtype="float16", head_dim=128, value_dim=128, n_k=4096, capability=75,

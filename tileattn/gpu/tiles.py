@@ -900,7 +900,11 @@ def takes_single_pass(key_blocks: int, group: int, sm_count: int) -> bool:
 # bytes in flight per SM), not yet by a sweep on the device: bench/bench_gpu_decode.py
 # measures them (bench/NOTES-gpu.md, decode v1).
 
-DECODE_MIN_KEYS = 256  # shorter: one or two key tiles, either path is one pass; prefill stays
+# Short caches decode too: the prefill pads one query row to a 64-row tile and reads K/V once
+# per query head, which a cache of a few tiles does not hide (B256 H32/8 Nq1 over 200 keys,
+# float16, H200: prefill 0.337 ms against cuDNN's 0.078; B128 MHA over 160 keys 0.141 against
+# 0.102, NOTES-gpu v52). Only calls where no row keeps a key are left to the prefill.
+DECODE_MIN_KEYS = 1
 DECODE_MAX_SPLITS = 512  # 4 x 132 SMs at B*Hkv = 1; the merge reads splits x rows x Dv floats
 DECODE_MIN_TILES_PER_SPLIT = 2  # a split's prologue (Q, STAGES - 1 tiles) amortised over >= 2
 # More blocks than half a wave are not split, except where their waves would run far from
