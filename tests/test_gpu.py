@@ -897,6 +897,28 @@ def test_generic_head_dims(dtype, head_dim, value_dim):
            dropout_p=0.2, seed=99)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_float64_generic_tiles_per_direction(head_dim):
+    """float64's CUDA-core kernels take a tile capacity per direction
+    (`GENERIC_CAPACITIES`: on 227 KiB a block, 64 x 32 forward tiles to D 128, 32 x 32 at
+    256; backward 32 x 32 two an SM at D 64, 32 x 64 at 128, 16 x 32 at 256); a call of
+    several tiles each way, causal and with every option, matches the golden model."""
+    q, k, v = _inputs((2, 4, 150, head_dim), (2, 2, 170, head_dim), (2, 2, 170, head_dim),
+                      np.float64, seed=head_dim)
+    do = np.random.default_rng(7).standard_normal(q.shape)
+    options = _resolved_options(q, k, v, {})
+    configs = [gpu_forward.GenericConfig.for_problem(np.float64, head_dim, head_dim, options,
+                                                     direction)
+               for direction in ("forward", "backward")]
+    capacities = [(c.capacity.block_q, c.capacity.block_k) for c in configs]
+    if shared_memory_limit(cupy.cuda.Device().id) >= 227 * 1024:
+        assert capacities == {64: [(64, 32), (32, 32)], 128: [(64, 32), (32, 64)],
+                              256: [(32, 32), (16, 32)]}[head_dim]
+    _check(q, k, v, do, causal=True)
+    _check(q, k, v, do, window=(40, 9), softcap=5.0, alibi_slopes=np.linspace(0.1, 0.4, 4),
+           dropout_p=0.1, seed=3)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("head_dim,value_dim", [(264, 264), (320, 64), (64, 300), (512, 512)])
 def test_head_dims_above_256(dtype, head_dim, value_dim):

@@ -3,12 +3,11 @@
     PYTHONPATH=. python3 bench/experiments/generic_tiles_gpu.py [--dims 64,128,256]
         [--n 4096] [--blocks 16x16,16x32,32x32,32x64,64x32,64x64]
 
-`launch_forward.GenericConfig.for_problem` sizes one tile capacity for every generic
-kernel: 64 x 64 halved until the largest kernel's shared memory (the backward's dK/dV)
-fits `GENERIC_SHARED_TARGET` (48 KiB), down to 16 x 16. In float64 that is 16 x 16 at
-D = 128 (every 16 query rows read all of K and V, a barrier per 16 keys), where torch's
-math backend runs cuBLAS on the FP64 tensor cores (NOTES-gpu v51: 0.26x / 0.15x it
-forward / forward + backward at B4 H16 N4k). For each capacity forced here (forward and
+`launch_forward.GenericConfig.for_problem` takes a tile capacity per direction from
+`GENERIC_CAPACITIES` (this sweep's results; before it, one capacity for every kernel sized
+to 48 KiB: 16 x 16 in float64 from D 64, 0.26x / 0.15x torch's math backend forward /
+forward + backward at B4 H16 N4k D 128, NOTES-gpu v51), where torch's math backend runs
+cuBLAS on the FP64 tensor cores. For each capacity forced here (forward and
 backward alike; one that a kernel's shared memory does not fit on this device is
 reported for that direction), the forward and the forward + backward are checked against
 the float64 golden model on a small problem, then timed (calls back to back) at batch x N
@@ -48,8 +47,8 @@ def main(argv=None) -> None:
     original = launch_forward.GenericConfig.for_problem.__func__
     forced = {"capacity": None}
 
-    def for_problem(cls, dtype, head_dim, value_dim, options):
-        config = original(cls, dtype, head_dim, value_dim, options)
+    def for_problem(cls, dtype, head_dim, value_dim, options, direction, shared_limit=None):
+        config = original(cls, dtype, head_dim, value_dim, options, direction, shared_limit)
         if forced["capacity"] is None:
             return config
         return dataclasses.replace(config, capacity=Blocks(*forced["capacity"]))

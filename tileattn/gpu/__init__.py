@@ -232,30 +232,26 @@ def _fold_line(folds: tuple, value_dim: int) -> str:
 
 
 def _generic_refusal(dtype, head_dim: int, value_dim: int, options: AttentionOptions,
-                     entries: tuple) -> str | None:
-    """Why the CUDA-core kernels `entries` refuse these head dims on the current device
+                     direction: str) -> str | None:
+    """Why the CUDA-core kernels of `direction` refuse these head dims on the current device
     (`GenericConfig.kernel` raises it as a ValueError), or None where they run."""
     import cupy
 
-    from .launch_forward import GenericConfig, _generic_shared_bytes
+    from .launch_forward import GENERIC_ENTRIES, GenericConfig, _generic_shared_bytes
     from .operands import accumulation_dtype, shared_memory_limit
 
-    config = GenericConfig.for_problem(dtype, head_dim, value_dim, options)
+    config = GenericConfig.for_problem(dtype, head_dim, value_dim, options, direction)
     shared = _generic_shared_bytes(accumulation_dtype(config.dtype).itemsize, config.head_pad,
                                    config.value_pad, config.capacity.block_q,
                                    config.capacity.block_k)
     limit = shared_memory_limit(cupy.cuda.Device().id)
-    for entry in entries:
+    for entry in GENERIC_ENTRIES[direction]:
         if shared[entry] > limit:
             return (f"not served on the GPU (backend='cpu'): head dims {config.head_pad}/"
                     f"{config.value_pad} (padded) in {config.dtype} need "
                     f"{shared[entry] // 1024} KiB of shared memory a block for {entry} on "
                     f"the CUDA-core kernels; this device offers {limit // 1024} KiB")
     return None
-
-
-_GENERIC_ENTRIES = {"forward": ("attention_forward",),
-                    "backward": ("attention_backward_dq", "attention_backward_dkdv")}
 
 
 def describe(n_k: int, head_dim: int, value_dim: int, dtype,
@@ -286,8 +282,7 @@ def describe(n_k: int, head_dim: int, value_dim: int, dtype,
         lines["forward"] = f"{choice.family}{tiles} ({choice.note})"
     for direction, family in (("forward", run.choice.family),
                               ("backward", choose_backward(problem).family)):
-        refusal = (_generic_refusal(dtype, head_dim, value_dim, options,
-                                    _GENERIC_ENTRIES[direction])
+        refusal = (_generic_refusal(dtype, head_dim, value_dim, options, direction)
                    if family == "generic" else None)
         if refusal is not None:
             lines[direction] = refusal
@@ -310,19 +305,23 @@ def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
     heads = max(1, query_heads // batch)
     kv_heads = heads if kv_heads is None else kv_heads
     q, k, v = _arrays(n_q, n_k, head_dim, value_dim, dtype, heads, kv_heads, batch)
-    generic = GenericConfig.for_problem(dtype, head_dim, value_dim, options).blocks(options)
+
+    def generic(direction):
+        if _generic_refusal(dtype, head_dim, value_dim, options, direction):
+            return None
+        return GenericConfig.for_problem(dtype, head_dim, value_dim, options,
+                                         direction).blocks(options)
+
     choice = _forward_run(q, k, v, options).choice
     if choice.family == "generic":
-        forward = (None if _generic_refusal(dtype, head_dim, value_dim, options,
-                                            _GENERIC_ENTRIES["forward"]) else generic)
+        forward = generic("forward")
     elif choice.family == "decode":
         forward = Blocks(n_q, choice.tiles.block_k)
     else:
         forward = Blocks(choice.tiles.block_q, choice.tiles.block_k)
     choice = choose_backward(_problem(n_k, head_dim, value_dim, dtype, options, n_q=n_q))
     if choice.family == "generic":
-        backward = (None if _generic_refusal(dtype, head_dim, value_dim, options,
-                                             _GENERIC_ENTRIES["backward"]) else generic)
+        backward = generic("backward")
     else:
         keys_owned, queries_streamed = choice.tiles.dkdv
         backward = Blocks(block_q=queries_streamed, block_k=keys_owned)

@@ -171,7 +171,7 @@ def _key_redo(q, k, v, do, lse, dk, dv, options: AttentionOptions, owned: int,
     flags)`` with the arrays the tensor-core kernels read."""
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options, "backward")
     blocks = config.blocks(options)
     function, shared = config.kernel("attention_backward_dkdv_redo",
                                      sequences.defines() if sequences is not None else ())
@@ -550,7 +550,7 @@ def backward_generic(do, q, k, v, o, lse, options: AttentionOptions, given=(None
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     accum = accumulation_dtype(q.dtype)
-    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options, "backward")
     blocks = config.blocks(options)
     delta = row_deltas(do, o)[0]
     if lse.dtype != accum:

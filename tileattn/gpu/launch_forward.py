@@ -33,10 +33,24 @@ SPLIT_MERGE_SOURCE = "split_keys_merge.cu"
 SPLIT_MERGE_THREADS = 256  # split_keys_merge's __launch_bounds__
 SPLIT_MERGE_COLUMNS = 4  # columns of a row a merge thread takes (kColumns)
 GENERIC_THREADS = 256
-# Dynamic shared memory a generic block may use before tiles shrink: 48 KiB keeps two or
-# more blocks per SM on every CUDA GPU and needs no opt-in; tiles stop shrinking at 16x16
-# (the smallest that splits evenly over 256 threads), which for D = 256 needs the opt-in.
-GENERIC_SHARED_TARGET = 48 * 1024
+# The generic kernels' tile capacities, a list per direction, the first whose kernels fit
+# the device's shared memory (the count beside it: blocks an SM that must fit) taken. Their
+# products read both operands from shared memory for one multiply-add each, so bigger tiles
+# cut the loads per FMA; float64, B x N = 16k, H200 (bench/experiments/generic_tiles_gpu.py,
+# NOTES-gpu v52), ms forward / backward against one capacity for all sized to 48 KiB (16 x
+# 16 in float64 from D 64): D 64 114.6 / 301.6 -> 71.9 (64 x 32) / 197.0 (32 x 32, two an
+# SM; 32 x 64, one, 220.4); D 128 106.5 / 316.9 -> 77.2 / 240.3 (32 x 64); D 256 116.8 /
+# 636.9 -> 92.0 (32 x 32) / 326.1 (16 x 32). 16 x 16 is the smallest that splits evenly
+# over 256 threads; where even it does not fit, `GenericConfig.kernel` refuses the shape.
+GENERIC_CAPACITIES = {
+    "forward": ((Blocks(64, 32), 1), (Blocks(32, 32), 1), (Blocks(16, 32), 1),
+                (Blocks(16, 16), 1)),
+    "backward": ((Blocks(32, 32), 2), (Blocks(32, 64), 1), (Blocks(32, 32), 1),
+                 (Blocks(16, 32), 1), (Blocks(16, 16), 1)),
+}
+GENERIC_ENTRIES = {"forward": ("attention_forward",),
+                   "backward": ("attention_backward_dq", "attention_backward_dkdv",
+                                "attention_backward_dkdv_redo")}
 
 
 def _dims_defines(q, v, copy_bytes: int) -> tuple:
@@ -188,8 +202,9 @@ def _generic_shared_bytes(accum_size: int, head_pad: int, value_pad: int,
 
 @dataclass(frozen=True)
 class GenericConfig:
-    """One compiled configuration of attention_generic.cu: its tile *capacity* fits the
-    shared-memory target; the caller's tile sizes run up to it as run-time values."""
+    """One compiled configuration of attention_generic.cu for one direction: its tile
+    *capacity* is the first of `GENERIC_CAPACITIES` that fits; the caller's tile sizes run
+    up to it as run-time values."""
 
     dtype: str
     head_pad: int
@@ -198,20 +213,22 @@ class GenericConfig:
     switches: Switches
 
     @classmethod
-    def for_problem(cls, dtype, head_dim: int, value_dim: int,
-                    options: AttentionOptions) -> "GenericConfig":
+    def for_problem(cls, dtype, head_dim: int, value_dim: int, options: AttentionOptions,
+                    direction: str, shared_limit: int | None = None) -> "GenericConfig":
+        """The configuration of one direction's kernels ("forward" or "backward") on a
+        device offering `shared_limit` bytes a block (the current device's by default)."""
         head_pad, value_pad = padded_dim(head_dim), padded_dim(value_dim)
         accum_size = accumulation_dtype(dtype).itemsize
-        block_q = block_k = 64
-        while (max(_generic_shared_bytes(accum_size, head_pad, value_pad, block_q,
-                                         block_k).values()) > GENERIC_SHARED_TARGET
-               and max(block_q, block_k) > 16):
-            if block_q >= block_k:
-                block_q //= 2
-            else:
-                block_k //= 2
-        return cls(np.dtype(dtype).name, head_pad, value_pad, Blocks(block_q, block_k),
-                   Switches.of(options))
+        if shared_limit is None:
+            shared_limit = shared_memory_limit(cupy.cuda.Device().id)
+        capacities = GENERIC_CAPACITIES[direction]
+        for capacity, per_sm in capacities:
+            shared = _generic_shared_bytes(accum_size, head_pad, value_pad, capacity.block_q,
+                                          capacity.block_k)
+            if max(shared[entry] for entry in GENERIC_ENTRIES[direction]) * per_sm \
+                    <= shared_limit:
+                break
+        return cls(np.dtype(dtype).name, head_pad, value_pad, capacity, Switches.of(options))
 
     def blocks(self, options: AttentionOptions) -> Blocks:
         """The caller's tile sizes, clipped to this configuration's capacity."""
@@ -242,7 +259,7 @@ def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None,
                     sequences: Sequences | None = None) -> tuple:
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options)
+    config = GenericConfig.for_problem(q.dtype, head_dim, value_dim, options, "forward")
     blocks = config.blocks(options)
     function, shared = config.kernel(
         "attention_forward", sequences.defines() if sequences is not None else ())
