@@ -58,3 +58,17 @@ def test_float32_forwards_under_emulation():
     assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
     assert "all passed" in result.stdout
     assert result.stdout.count("Tf32WgmmaTiles") == 10, result.stdout
+
+
+def test_float64_forward_under_emulation():
+    """float64's forward on FP64 tensor cores (bench/experiments/emulate_mma_cpu.py --f64:
+    attention_tf32_forward.cu with IS_FLOAT64), every score option, odd and unequal head
+    dims, GQA, o contiguous and in (B, N, H, Dv), at float64's tolerance."""
+    if _gxx_major() < 12:
+        pytest.skip("the emulation needs g++ 12 or later")
+    pytest.importorskip("ml_dtypes")
+    result = subprocess.run([sys.executable, SCRIPT, "--f64"], capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
+    assert "all passed" in result.stdout
+    assert result.stdout.count("ok f64 float64") == 10, result.stdout

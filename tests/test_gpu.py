@@ -897,6 +897,28 @@ def test_generic_head_dims(dtype, head_dim, value_dim):
            dropout_p=0.2, seed=99)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (40, 72), (3, 5), (128, 24)],
+                         ids=DIM_IDS)
+def test_float64_forward_on_fp64_tensor_cores(dims):
+    """sm_90 runs float64's forward on its FP64 tensor cores at D, Dv <= 128 (the generic
+    kernels elsewhere); several query and key tiles, GQA, a key tail, every option, "bshd"
+    inputs, at float64's tolerance."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 150, head_dim), (2, 2, 170, head_dim), (2, 2, 170, value_dim),
+                      np.float64, seed=head_dim)
+    do = np.random.default_rng(5).standard_normal((2, 4, 150, value_dim))
+    forward, backward = _choices(q, k, v, {"causal": True})
+    assert forward.family == ("f64" if _is_hopper() else "generic") and \
+        backward.family == "generic"
+    _check(q, k, v, do, causal=True)
+    _check(q, k, v, do, window=(40, 9), softcap=5.0, alibi_slopes=np.linspace(0.1, 0.4, 4),
+           dropout_p=0.1, seed=3)
+    bshd = [cupy.asarray(np.ascontiguousarray(a.swapaxes(1, 2))) for a in (q, k, v)]
+    o = tileattn.forward(*bshd, layout="bshd", backend="gpu", scale=3.0)
+    expected = tileattn.forward(q, k, v, backend="reference", scale=3.0)
+    assert_attention_close(o.get().swapaxes(1, 2), expected, np.float64, name="o")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_float64_generic_tiles_per_direction(head_dim):
     """float64's CUDA-core kernels take a tile capacity per direction

@@ -56,7 +56,7 @@ def test_every_head_dim_up_to_256_gets_tensor_cores_that_fit(device, dtype):
 @pytest.mark.parametrize("problem, reason", [
     (Problem(dtype="float16", head_dim=600, value_dim=64, n_k=100, **H100), "above 576"),
     (Problem(dtype="float32", head_dim=64, value_dim=580, n_k=100, **H100), "above 576"),
-    (Problem(dtype="float64", head_dim=64, value_dim=64, n_k=100, **H100), "CUDA cores"),
+    (Problem(dtype="float64", head_dim=64, value_dim=64, n_k=100, **A100), "CUDA cores"),
     (Problem(75, 64 * 1024, "float16", 64, 64, 100), "sm_80"),
     (Problem(75, 64 * 1024, "float32", 64, 64, 100), "sm_80"),
 ])
@@ -65,6 +65,26 @@ def test_what_runs_on_cuda_cores_and_why(problem, reason):
         choice = choose(problem)
         assert choice.family == "generic" and choice.tiles is None
         assert reason in choice.note
+
+
+def test_float64_forward_on_fp64_tensor_cores_to_128():
+    """sm_90 runs float64's forward on FP64 tensor cores at D and Dv up to 128, in its
+    shared memory; wider rows, named tile sizes, sm_80 (no m16n8k8.f64) and every backward
+    run the generic kernels."""
+    for head_dim, value_dim in ((1, 1), (8, 8), (33, 17), (64, 64), (72, 128), (128, 128),
+                                (128, 40)):
+        problem = Problem(dtype="float64", head_dim=head_dim, value_dim=value_dim, n_k=4096,
+                          **H100)
+        choice = tiles.choose_forward(problem)
+        assert choice.family == "f64" and isinstance(choice.tiles, tiles.F64Tiles), choice
+        widths = tiles.Widths.of(problem, 8)
+        assert choice.tiles.shared_bytes(widths) <= problem.shared_limit
+        assert tiles.choose_backward(problem).family == "generic"
+    for fields, reason in [(dict(head_dim=136, value_dim=136), "above 128"),
+                           (dict(head_dim=64, value_dim=256), "above 128"),
+                           (dict(head_dim=64, value_dim=64, block_q=64), "named")]:
+        choice = tiles.choose_forward(Problem(dtype="float64", n_k=4096, **fields, **H100))
+        assert choice.family == "generic" and reason in choice.note, (fields, choice)
 
 
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
@@ -183,7 +203,8 @@ def test_describe_names_the_family_row_and_reason():
     assert lines["forward"].startswith("wgmma WgmmaTiles(") and "(" in lines["forward"]
     generic = tiles.describe(Problem(dtype="float64", head_dim=80, value_dim=80, n_k=4096,
                                      **H100))
-    assert generic["forward"] == "generic (float64 runs on CUDA cores)"
+    assert generic["forward"].startswith("f64 F64Tiles(")
+    assert generic["backward"] == "generic (float64 runs on CUDA cores)"
 
 
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])

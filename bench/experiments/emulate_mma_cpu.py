@@ -1,16 +1,17 @@
 """Run the mma.sync forward (attention_mma_forward.cu), backward (attention_mma_backward.cu:
 the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, o direct or its
 splits merged in the kernel; dense, padded and paged K/V; ALiBi among the options) and the
-3xTF32 forward (attention_tf32_forward.cu) on the CPU, no GPU: the kernels' own source under
+3xTF32 forward (attention_tf32_forward.cu; with IS_FLOAT64 the float64 forward) on the CPU,
+no GPU: the kernels' own source under
 emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they add
-(ldmatrix, mma.sync m16n8k16 and m16n8k8.tf32, cp.async of 4 to 16 bytes) computed by
+(ldmatrix, mma.sync m16n8k16, m16n8k8.tf32 and .f64, cp.async of 4 to 16 bytes) computed by
 meaning, checked against the float64 golden model. The backward's single pass runs in
 arrival order, in turns (ORDERED) and into a slot per key block (DQ_PARTS); the
 non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass [--quick] | --launcher |
-                                                  --tf32]
+                                                  --tf32 | --f64]
 
 `--launcher` runs only the wide decode's fold through the Python launch path
 (`launch_forward.forward` on a CuPy stand-in) with the mma.sync forward and
@@ -47,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
 from tileattn.gpu.tiles import (  # noqa: E402
-    DecodeMmaTiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Tf32WgmmaTiles, Widths)
+    DecodeMmaTiles, F64Tiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Tf32WgmmaTiles, Widths)
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 WARP_PTX = r"""
@@ -124,6 +125,31 @@ inline void mma_tf32_emulated(float* c, const u32* a, u32 b0, u32 b1) {
             const u32* b_lane = g_words[warp0 + col * 4 + kk % 4];
             sum += tf32_of(a_lane[(row >= 8 ? 1 : 0) + (kk >= 4 ? 2 : 0)]) *
                    tf32_of(b_lane[4 + (kk >= 4 ? 1 : 0)]);
+        }
+        result[i] = sum;
+    }
+    __syncwarp();
+    for (int i = 0; i < 4; ++i) c[i] = result[i];
+}
+// c += A (16 x 8, row) B (8 x 8, col) in doubles (m16n8k8.f64: the TF32 layout), each
+// element's products summed in k order with fused multiply-adds.
+double g_doubles[1024][6];  // a thread's published A and B doubles
+inline void mma_f64_emulated(double (&c)[4], const double (&a)[4], double b0, double b1) {
+    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    for (int i = 0; i < 4; ++i) g_doubles[threadIdx.x][i] = a[i];
+    g_doubles[threadIdx.x][4] = b0;
+    g_doubles[threadIdx.x][5] = b1;
+    __syncwarp();
+    const int g = lane / 4, t = lane % 4;
+    double result[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+        double sum = c[i];
+        for (int kk = 0; kk < 8; ++kk) {
+            const double* a_lane = g_doubles[warp0 + (row % 8) * 4 + kk % 4];
+            const double* b_lane = g_doubles[warp0 + col * 4 + kk % 4];
+            sum = std::fma(a_lane[(row >= 8 ? 1 : 0) + (kk >= 4 ? 2 : 0)],
+                           b_lane[4 + (kk >= 4 ? 1 : 0)], sum);
         }
         result[i] = sum;
     }
@@ -239,6 +265,14 @@ FUNCTIONS = [
      "u32 b1) {", "{ mma_tf32_emulated(c, a, b0, b1); }"),
     ("__device__ __forceinline__ void load_shared_pair(const float* pointer, float& low, "
      "float& high) {", "{ low = pointer[0]; high = pointer[1]; }"),
+    ("__device__ __forceinline__ void mma_16x8x8_f64(double (&c)[4], const double (&a)[4], "
+     "double b0,\n                                               double b1) {",
+     "{ mma_f64_emulated(c, a, b0, b1); }"),
+    ("__device__ __forceinline__ void load_shared_pair(const double* pointer, double& low,\n"
+     "                                                 double& high) {",
+     "{ low = pointer[0]; high = pointer[1]; }"),
+    ("__device__ __forceinline__ void store_pair(double* out, double low, double high) {",
+     "{ out[0] = low; out[1] = high; }"),
     ("__device__ __forceinline__ bits16 load_shared_bits16(u32 address) {",
      "{ return shared_half(address); }"),
     ("__device__ __forceinline__ float load_shared_float(u32 address) {",
@@ -264,6 +298,8 @@ MORE_PATCHES = [
      r"\1* shared_tiles = reinterpret_cast<\1*>(g_shared);"),
     (r"extern __shared__ __align__\(\d+\) float shared_floats\[\];",
      "float* shared_floats = reinterpret_cast<float*>(g_shared);"),
+    (r"extern __shared__ __align__\(\d+\) real shared_reals\[\];",
+     "real* shared_reals = reinterpret_cast<real*>(g_shared);"),
     (r'asm volatile\("ld\.shared\.v4\.u32 \{%0, %1, %2, %3\}, \[%4\];\\n"\s*'
      r': "=r"\(chunk\.x\), "=r"\(chunk\.y\), "=r"\(chunk\.z\), "=r"\(chunk\.w\)\s*'
      r': "r"\(tile \+ offset\)\s*: "memory"\);',
@@ -886,8 +922,11 @@ extern "C" void run(const float* q, const float* k, const float* v, float* o, fl
 """
 
 
-# The Hopper float32 forward takes the same arguments.
+# The Hopper float32 forward takes the same arguments; the float64 one (IS_FLOAT64) the
+# same in doubles.
 TF32_WGMMA_RUNNER = TF32_RUNNER.replace("attention_forward_tf32(", "attention_forward_tf32_wgmma(")
+F64_RUNNER = (TF32_RUNNER.replace("attention_forward_tf32(", "attention_forward_f64(")
+              .replace("float*", "double*"))
 
 
 def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: bool, **kwargs):
@@ -922,6 +961,49 @@ def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: b
             ctypes.c_int(tiles.shared_bytes(Widths.padded(head_dim, value_dim, 8))))
     return o, lse
 
+
+def emulate_f64(q, k, v, tiles: F64Tiles, sequence_first_o: bool, **kwargs):
+    """o and lse of attention_forward_f64 (attention_tf32_forward.cu with IS_FLOAT64: m16n8k8
+    products in doubles) for host float64 arrays."""
+    options = resolved(q, k, v, **kwargs)
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    switches, band, reals, bits = score_operands(options, n_q, n_k)
+    defines = dict(STORAGE="double", ACCUM="double", HEAD_DIM=head_dim, VALUE_DIM=value_dim,
+                   COPY_BYTES=16 if head_dim % 2 == 0 else 8, BLOCK_Q=tiles.block_q,
+                   BLOCK_K=tiles.block_k, IS_BFLOAT16=0, IS_FLOAT64=1,
+                   WARP_ROWS=tiles.warp_rows, DEFERRED_COPIES=1,
+                   STRIDED_OUT=int(sequence_first_o), **switches)
+    lib = library(defines, "attention_tf32_forward.cu", F64_RUNNER)
+    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan).swapaxes(1, 2)
+         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan))
+    lse = np.full((batch, n_q_heads, n_q), np.nan)
+    slopes = (np.zeros(1) if options.alibi_slopes is None
+              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    strides = np.array([s // 8 for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    lib.run.restype = None
+    lib.run(*(pointer(a) for a in (q, k, v, o, lse, slopes)), ctypes.c_int64(n_q),
+            ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(n_q_heads // n_kv_heads),
+            pointer(strides), pointer(reals.astype(np.float64)), pointer(band), pointer(bits),
+            ctypes.c_int(batch * n_q_heads * -(-n_q // tiles.block_q)),
+            ctypes.c_int(tiles.shared_bytes(Widths.padded(head_dim, value_dim, 8))))
+    return o, lse
+
+
+# float64's forward on FP64 tensor cores: its table's rows (smaller ones too, for more
+# tiles per problem), head dims padded to 8 and to 16 in the pitch, Dv != D, every option,
+# a window, keys past a tile, GQA, and non-finite values at keys the band hides.
+F64_CASES = [
+    ("float64", (1, 2, 1, 70, 90, 64, 64), {"causal": True}, F64Tiles(64, 32)),
+    ("float64", (2, 2, 2, 40, 70, 24, 40), {"window": (20, 3), "softcap": 3.0},
+     F64Tiles(32, 16)),
+    ("float64", (1, 4, 2, 150, 100, 128, 128),
+     {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5,
+      "alibi_slopes": np.linspace(0.1, 0.4, 4)}, F64Tiles(128, 16)),
+    ("float64", (1, 2, 1, 70, 130, 72, 8), {}, F64Tiles(128, 32)),
+    ("float64", (1, 2, 2, 33, 50, 3, 5), {"causal": True}, F64Tiles(32, 16)),
+]
 
 TF32_CASES = [
     ("float32", (1, 2, 1, 70, 90, 64, 64), {"causal": True}, Tf32Tiles(64, 32, 16)),
@@ -1074,6 +1156,8 @@ def main() -> int:
     parser.add_argument("--decode", action="store_true", help="the decode cases only")
     parser.add_argument("--tf32", action="store_true",
                         help="the 3xTF32 forwards only (mma.sync and wgmma)")
+    parser.add_argument("--f64", action="store_true",
+                        help="the float64 forward on FP64 tensor cores only")
     parser.add_argument("--backward", action="store_true", help="the backward cases only")
     parser.add_argument("--single-pass", action="store_true",
                         help="the single pass's backward cases only")
@@ -1086,6 +1170,10 @@ def main() -> int:
         print("all passed" if not failures else f"{failures} failed")
         return failures
     rng = np.random.default_rng(0)
+    if args.f64:
+        failures = check_forwards(emulate_f64, F64_CASES, rng, "f64 ")
+        print("all passed" if not failures else f"{failures} failed")
+        return int(failures > 0)
     if args.tf32:
         failures = check_forwards(emulate_tf32, TF32_CASES, rng, "3xTF32 ")
         print("all passed" if not failures else f"{failures} failed")

@@ -53,7 +53,8 @@ def signature(source_name: str, entry: str, defines: tuple) -> tuple:
     match = re.search(r'extern\s+"C"\s+void\s+' + re.escape(entry) + r"\s*\(([^)]*)\)", text)
     assert match, f"{entry} not found in {source_name}"
     accum = "double" if dict(defines).get("ACCUM") == "double" else "float"
-    aliases = {"ACCUM": accum, "Acc": accum}
+    real = "double" if str(dict(defines).get("IS_FLOAT64")) == "1" else "float"
+    aliases = {"ACCUM": accum, "Acc": accum, "real": real}
     kinds = []
     for parameter in match.group(1).split(","):
         words = parameter.replace("const", " ").split()
@@ -128,7 +129,11 @@ def main() -> int:
          ("tf32",)),
         ("float32", (2, 3, 3, 40, 70, 128, 96), {"window": (20, 3)}, ("tf32",)),
         ("float16", (2, 2, 2, 40, 70, 64, 64), {"deterministic": False}, ("mma",)),
-        ("float64", (1, 3, 3, 20, 33, 16, 8), {"causal": True}, ("generic",)),
+        ("float64", (1, 3, 3, 20, 33, 16, 8), {"causal": True}, ("f64",)),
+        ("float64", (2, 4, 2, 20, 33, 128, 96),
+         {"window": (9, 2), "alibi_slopes": np.linspace(0.1, 0.4, 4), "dropout_p": 0.1,
+          "seed": 3}, ("f64",)),
+        ("float64", (1, 3, 3, 20, 33, 200, 8), {"causal": True}, ("generic",)),
         ("float16", (1, 8, 1, 1, 3000, 128, 128), {}, ("decode",)),
         ("float32", (2, 4, 4, 2, 3000, 64, 64), {"causal": True}, ("decode",)),
     ]
@@ -163,7 +168,7 @@ def main() -> int:
                             launch_forward.launch(forward_choice, q, k, v, out, lse, resolved)
                         backward_choice = tile_tables.choose_backward(problem)
                         choice = (backward_choice if backward_choice.family == family or
-                                  family in ("generic", "tf32")
+                                  family in ("generic", "tf32", "f64")
                                   else tile_tables.Choice(family, _mma_rows(dim, value_dim)))
                         launch_backward.run(choice, do, q, k, v, out, lse, resolved,
                                             given=(buffer(q), buffer(k), buffer(v)))

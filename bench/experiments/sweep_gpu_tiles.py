@@ -61,6 +61,9 @@ def candidates(family: str, direction: str):
                 ((128, 64), (192, 64), (128, 32), (64, 64)),
                 ((128, 64), (192, 64), (128, 32), (64, 64)), (2, 3), (False, True)):
             yield tiles.WgmmaBackwardTiles(dq, dkdv, stages, split)
+    elif family == "f64":  # float64's forward on FP64 tensor cores
+        for block_q, block_k in itertools.product((32, 64, 128), (16, 32, 64)):
+            yield tiles.F64Tiles(block_q, block_k)
     elif direction == "forward" and family == "mma":
         for block_q, block_k, rows, in_registers in itertools.product(
                 (64, 128), (32, 64, 128), (16, 32), (True, False)):
@@ -169,7 +172,7 @@ def _named(config, only: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("wgmma", "mma", "tf32"), default="wgmma")
+    parser.add_argument("--family", choices=("wgmma", "mma", "tf32", "f64"), default="wgmma")
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
     parser.add_argument("--dims", default="80,96,160", help="D or D:Dv, comma-separated")
     parser.add_argument("--dtype", default="float16")
@@ -201,6 +204,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.dq_parts and (args.family == "wgmma" or args.direction != "backward"):
         parser.error("--dq-parts is the mma / tf32 backward's")
+    if args.family == "f64" and args.direction != "forward":
+        parser.error("f64 is a forward family (float64's backward runs the generic kernels)")
     global DETERMINISTIC, DQ_PARTS
     DETERMINISTIC = not args.nondeterministic
     DQ_PARTS = args.dq_parts
@@ -210,7 +215,7 @@ def main() -> None:
     print("| ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | --- |")
     for dim in args.dims.split(","):
         head_dim, value_dim = map(int, dim.split(":")) if ":" in dim else (int(dim),) * 2
-        step = 8 if args.family == "tf32" else 16
+        step = 8 if args.family in ("tf32", "f64") else 16
         widths = tiles.Widths.padded(head_dim, value_dim, step)
         masks = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
         queries = [None] if args.queries is None else [int(x) for x in args.queries.split(",")]

@@ -1,5 +1,8 @@
 // Tensor-core forward for float32, any D and Dv up to 256 (sm_80 and later), at float32
-// accuracy through 3xTF32 (tf32.cuh): three TF32 products per float32 product.
+// accuracy through 3xTF32 (tf32.cuh): three TF32 products per float32 product; and, built
+// with IS_FLOAT64, for float64 on sm_90's FP64 tensor cores (mma.sync.m16n8k8.f64: one
+// IEEE double product per product, the same fragment layouts as m16n8k8.tf32), D and Dv up
+// to 128 (O in doubles: kValueWidth / 2 registers a row tile).
 //
 // The layout of attention_mma_forward.cu (FlashAttention-2, Algorithm 1) on
 // mma.sync.m16n8k8.tf32:
@@ -17,38 +20,134 @@
 //   rows 2t, 2t + 1 of the same keys;
 // * row pitches against bank conflicts: Q and K rows are D + 8 floats (the 64-bit loads of
 //   a half-warp, rows g = 0..3 at columns 2t, land 8 banks apart), V rows D + 4 floats
-//   (the 32-bit loads of rows 2t at column g land 8 banks apart);
+//   (the 32-bit loads of rows 2t at column g land 8 banks apart); in float64, Q and K rows
+//   of a multiple of 16 plus 8 doubles (the 16-byte loads of a quarter-warp, rows g, g + 1
+//   at columns 2t, fill the 32 banks once), V rows of Dv + 2 doubles (the 8-byte loads of
+//   a half-warp, rows 2t at columns g, land in 16 different bank pairs);
 // * key tiles outside the band are never visited; the per-score mask runs only on tiles
 //   that straddle the band edge or the end of the keys;
 // * head dims that are not a multiple of 8 are zero-padded to one in shared memory.
 //
-// Compile-time configuration (NVRTC -D options): HEAD_DIM, VALUE_DIM, COPY_BYTES, BLOCK_Q,
-// BLOCK_K, WARP_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, PAGED
-// (sequences.cuh).
+// Compile-time configuration (NVRTC -D options): IS_FLOAT64, HEAD_DIM, VALUE_DIM,
+// COPY_BYTES, BLOCK_Q, BLOCK_K, WARP_ROWS, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+// VARLEN, PAGED (sequences.cuh).
+#ifndef IS_FLOAT64
+#define IS_FLOAT64 0
+#endif
+#if !IS_FLOAT64
 #define IS_FLOAT32 1  // this kernel is the float32 forward: natural-unit logits (mma.cuh)
+#endif
 #include "forward_softmax.cuh"
 #include "tf32.cuh"
 
+#if IS_FLOAT64
+typedef double real;  // inputs, outputs, shared tiles and accumulators
+#else
+typedef float real;
+#endif
 constexpr int kRowTiles = WARP_ROWS / 16;  // m16 tiles per warp
 constexpr int kWarps = BLOCK_Q / WARP_ROWS;
 constexpr int kThreads = kWarps * 32;
 constexpr int kHeadWidth = padded_width(HEAD_DIM, 8);    // Q and K tile columns
 constexpr int kValueWidth = padded_width(VALUE_DIM, 8);  // V tile and O columns
-constexpr int kQkPitch = kHeadWidth + 8;  // floats per Q and K row in shared memory
-constexpr int kVPitch = kValueWidth + 4;  // floats per V row
+// Elements per Q and K row, and per V row, in shared memory.
+constexpr int kQkPitch = IS_FLOAT64 ? padded_width(kHeadWidth, 16) + 8 : kHeadWidth + 8;
+constexpr int kVPitch = IS_FLOAT64 ? kValueWidth + 2 : kValueWidth + 4;
 static_assert(BLOCK_K % 8 == 0 && BLOCK_Q % WARP_ROWS == 0 && WARP_ROWS % 16 == 0,
               "mma tiles");
+static_assert(!(IS_FLOAT64 && SPLIT_KEYS), "key shares merge float32 partials");
 
 // Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
-__device__ __forceinline__ void load_key_tiles(float* k_tile, float* v_tile,
-                                               const KeyRows<float>& n_k_total,
-                                               const KeyRows<float>& v_rows, i64 row, i64 n_k) {
+__device__ __forceinline__ void load_key_tiles(real* k_tile, real* v_tile,
+                                               const KeyRows<real>& n_k_total,
+                                               const KeyRows<real>& v_rows, i64 row, i64 n_k) {
     load_rows_async<BLOCK_K, HEAD_DIM, kHeadWidth, kThreads, kQkPitch, COPY_BYTES>(
         k_tile, n_k_total, row, n_k);
     load_rows_async<BLOCK_K, VALUE_DIM, kValueWidth, kThreads, kVPitch, COPY_BYTES>(
         v_tile, v_rows, row, n_k);
 }
 
+#if IS_FLOAT64
+// c += a b for one m16n8k8 tile of doubles: each element one chain of IEEE fp64 fused
+// multiply-adds, as a dot product on CUDA cores would be (to the order of its terms).
+__device__ __forceinline__ void mma_16x8x8_f64(double (&c)[4], const double (&a)[4], double b0,
+                                               double b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b0), "d"(b1));
+}
+
+// Two adjacent doubles of shared memory (16-byte aligned) in one load.
+__device__ __forceinline__ void load_shared_pair(const double* pointer, double& low,
+                                                 double& high) {
+    asm volatile("ld.shared.v2.f64 {%0, %1}, [%2];\n"
+                 : "=d"(low), "=d"(high)
+                 : "r"(shared_address(pointer)));
+}
+
+// s = Q K^T for this warp's kRowTiles x 16 rows (from warp_row0) of the Q tile against the
+// K tile's BLOCK_K keys. Logical k = t, t + 4 of a k8 step are columns 2t, 2t + 1 (as in
+// tf32.cuh): A's a0, a2 are one 16-byte load of row g, a1, a3 of row g + 8; B's b0, b1 are
+// dims 2t, 2t + 1 of key g.
+__device__ __forceinline__ void score_tile(double (&s)[kRowTiles][BLOCK_K / 8][4],
+                                           const double* q_tile, const double* k_tile,
+                                           int warp_row0) {
+    const int lane = threadIdx.x % 32, group = lane / 4, thread_in_group = lane % 4;
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int n = 0; n < BLOCK_K / 8; ++n)
+            s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0;
+#pragma unroll
+    for (int k0 = 0; k0 < kHeadWidth; k0 += 8) {
+        double a[kRowTiles][4];
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m) {
+            const double* top =
+                q_tile + (warp_row0 + m * 16 + group) * kQkPitch + k0 + 2 * thread_in_group;
+            load_shared_pair(top, a[m][0], a[m][2]);
+            load_shared_pair(top + 8 * kQkPitch, a[m][1], a[m][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < BLOCK_K / 8; ++n) {
+            double b0, b1;
+            load_shared_pair(k_tile + (n * 8 + group) * kQkPitch + k0 + 2 * thread_in_group, b0,
+                             b1);
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) mma_16x8x8_f64(s[m][n], a[m], b0, b1);
+        }
+    }
+}
+
+// o_acc += P V for this warp's rows: the P fragment of keys 8c..8c + 7 is s[m][c] in the
+// A order (a0 = s[0], a1 = s[2], a2 = s[1], a3 = s[3]: keys 2t, 2t + 1 of rows g, g + 8),
+// V's b0, b1 rows 2t, 2t + 1 at column g of each 8-column output tile.
+__device__ __forceinline__ void value_product(double (&o_acc)[kRowTiles][kValueWidth / 8][4],
+                                              const double (&s)[kRowTiles][BLOCK_K / 8][4],
+                                              const double* v_tile) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int c = 0; c < BLOCK_K / 8; ++c) {
+        double a[kRowTiles][4];
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m) {
+            a[m][0] = s[m][c][0];
+            a[m][1] = s[m][c][2];
+            a[m][2] = s[m][c][1];
+            a[m][3] = s[m][c][3];
+        }
+        const double* v_rows = v_tile + (c * 8 + 2 * (lane % 4)) * kVPitch + lane / 4;
+#pragma unroll
+        for (int dn = 0; dn < kValueWidth / 8; ++dn) {
+            const double b0 = v_rows[dn * 8], b1 = v_rows[kVPitch + dn * 8];
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) mma_16x8x8_f64(o_acc[m][dn], a[m], b0, b1);
+        }
+    }
+}
+#else
 // out[m][n] += A B for this warp's row tiles m and the output tiles n < Columns, over the
 // k8 steps c < steps of one chunk: A's split fragments a_big/a_small[c][m], and B's split
 // pair of step c and output tile n from b_pair(c, n, split0, split1). kChunkChains output
@@ -159,19 +258,26 @@ __device__ __forceinline__ void value_product(float (&o_acc)[kRowTiles][kValueWi
                            });
     }
 }
+#endif
 
-extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
-    const float* q, const float* k, const float* v, float* o, float* lse,
+#if IS_FLOAT64
+#define FORWARD_ENTRY attention_forward_f64
+#else
+#define FORWARD_ENTRY attention_forward_tf32
+#endif
+
+extern "C" __global__ void __launch_bounds__(kThreads) FORWARD_ENTRY(
+    const real* q, const real* k, const real* v, real* o, real* lse,
     const double* alibi_slopes, i64 n_q_total, i64 n_k_total, int n_q_heads, int group_size, i64 q_sb,
     i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
     i64 o_sb, i64 o_sh, i64 o_sn,
-    float scale, float softcap, i64 band_shift, i64 window_left, i64 window_right,
-    u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,
+    real scale, real softcap, i64 band_shift, i64 window_left, i64 window_right,
+    u32 dropout_key, u32 dropout_threshold, real dropout_scale, u32 dropout_row0,
     u32 dropout_col0, SEQUENCE_PARAMETERS) {
-    extern __shared__ __align__(16) float shared_floats[];
-    float* q_tile = shared_floats;                      // [BLOCK_Q][kQkPitch]
-    float* k_tiles = q_tile + BLOCK_Q * kQkPitch;       // [2][BLOCK_K][kQkPitch]
-    float* v_tiles = k_tiles + 2 * BLOCK_K * kQkPitch;  // [2][BLOCK_K][kVPitch]
+    extern __shared__ __align__(16) real shared_reals[];
+    real* q_tile = shared_reals;                       // [BLOCK_Q][kQkPitch]
+    real* k_tiles = q_tile + BLOCK_Q * kQkPitch;       // [2][BLOCK_K][kQkPitch]
+    real* v_tiles = k_tiles + 2 * BLOCK_K * kQkPitch;  // [2][BLOCK_K][kVPitch]
 
     const SequenceTables tables = SEQUENCE_TABLES;
     const QueryBlock owned =
@@ -179,11 +285,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     if (tile_past_rows(owned)) return;
     const i64 bh = owned.bh, n_q = owned.n_q, n_k = owned.n_k;
     const Band band{owned.band_offset, window_left, window_right};
-    const float* q_head = q + owned.batch * q_sb + owned.head * q_sh + owned.row_base * q_sn;
-    const KeyRows<float> k_head = key_rows(k, owned.batch, owned.kv_head, k_sb, k_sh, k_sn,
-                                           owned.key_base, tables);
-    const KeyRows<float> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
-                                           owned.key_base, tables);
+    const real* q_head = q + owned.batch * q_sb + owned.head * q_sh + owned.row_base * q_sn;
+    const KeyRows<real> k_head = key_rows(k, owned.batch, owned.kv_head, k_sb, k_sh, k_sn,
+                                          owned.key_base, tables);
+    const KeyRows<real> v_head = key_rows(v, owned.batch, owned.kv_head, v_sb, v_sh, v_sn,
+                                          owned.key_base, tables);
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + BLOCK_Q, n_q);
 
@@ -214,9 +320,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
     commit_copies();
 
     // O, the running max (natural units) and this thread's share of the running sum, per row.
-    float o_acc[kRowTiles][kValueWidth / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
+    real o_acc[kRowTiles][kValueWidth / 8][4], row_max[kRowTiles][2], row_sum[kRowTiles][2];
     start_online_softmax(o_acc, row_max, row_sum);
-    const ForwardScores scores =
+    const ForwardScoresOf<real> scores =
         make_forward_scores(scale, softcap, alibi_slopes, bh, band, n_k);
     u32 row_states[kRowTiles][2];
     dropout_row_states(row_states, dropout_key, bh, my_rows, dropout_row0);
@@ -236,16 +342,18 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_forward_tf32(
             wait_copies<0>();
         }
         __syncthreads();
-        const float* k_tile = k_tiles + stage * BLOCK_K * kQkPitch;
-        float* v_tile = v_tiles + stage * BLOCK_K * kVPitch;
+        const real* k_tile = k_tiles + stage * BLOCK_K * kQkPitch;
+        real* v_tile = v_tiles + stage * BLOCK_K * kVPitch;
 
-        // S = Q K^T, split to nearest; NaN scores again on CUDA cores (an infinite input:
-        // tf32.cuh).
-        float s[kRowTiles][BLOCK_K / 8][4];
+        // S = Q K^T (3xTF32: split to nearest; NaN scores again on CUDA cores, an infinite
+        // input: tf32.cuh; float64's products are IEEE's already).
+        real s[kRowTiles][BLOCK_K / 8][4];
         score_tile(s, q_tile, k_tile, warp_row0);
+#if !IS_FLOAT64
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m)
             redo_nan_scores<kQkPitch, kHeadWidth>(s[m], q_tile, k_tile, warp_row0 + m * 16);
+#endif
 
         const i64 col_start = key_tile * BLOCK_K;
         const bool needs_mask = key_tile_needs_mask(scores, row_start, BLOCK_Q, col_start,

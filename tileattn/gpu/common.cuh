@@ -69,6 +69,10 @@ __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+__device__ __forceinline__ float abs_acc(float x) { return fabsf(x); }
+__device__ __forceinline__ double abs_acc(double x) { return fabs(x); }
+__device__ __forceinline__ float max_acc(float x, float y) { return fmaxf(x, y); }
+__device__ __forceinline__ double max_acc(double x, double y) { return fmax(x, y); }
 
 // ------------------------------------------------------------------ dropout hash
 // Bit-identical to tileattn/dropout.py (its docstring is the specification): MurmurHash3's

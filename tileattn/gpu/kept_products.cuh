@@ -44,6 +44,10 @@ __device__ __forceinline__ bool bits_non_finite(bits16 x) {
 __device__ __forceinline__ bool bits_non_finite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
 }
+__device__ __forceinline__ bool bits_non_finite(double x) {
+    constexpr unsigned long long exponent = 0x7ff0000000000000ull;
+    return (static_cast<unsigned long long>(__double_as_longlong(x)) & exponent) == exponent;
+}
 
 __device__ __forceinline__ float element_value(bits16 x) {
 #if IS_BFLOAT16
@@ -53,8 +57,9 @@ __device__ __forceinline__ float element_value(bits16 x) {
 #endif
 }
 __device__ __forceinline__ float element_value(float x) { return x; }
+__device__ __forceinline__ double element_value(double x) { return x; }
 
-// 16 bytes of a tile: two 16-bit exponents per word, or one float's.
+// 16 bytes of a tile: two 16-bit exponents per word, one float's, or half a double's.
 template <typename T> __device__ __forceinline__ bool chunk_non_finite(uint4 chunk);
 template <> __device__ __forceinline__ bool chunk_non_finite<bits16>(uint4 chunk) {
 #if IS_BFLOAT16
@@ -76,6 +81,11 @@ template <> __device__ __forceinline__ bool chunk_non_finite<float>(uint4 chunk)
     constexpr u32 exponent = 0x7f800000u;
     return (chunk.x & exponent) == exponent || (chunk.y & exponent) == exponent ||
            (chunk.z & exponent) == exponent || (chunk.w & exponent) == exponent;
+}
+// Two doubles: their exponents are in the high words (little-endian), y and w.
+template <> __device__ __forceinline__ bool chunk_non_finite<double>(uint4 chunk) {
+    constexpr u32 exponent = 0x7ff00000u;
+    return (chunk.y & exponent) == exponent || (chunk.w & exponent) == exponent;
 }
 
 // This thread's share of the scan of columns [0, Width) of tile[Rows][Pitch] (the pitch's
@@ -148,25 +158,25 @@ __device__ __forceinline__ void zero_non_finite_shared_tile(u32 tile) {
 // The non-finite terms p_rj v[j][col + f] (f = 0, 1) of row half `half` of row tile m over
 // the keys j that `kept` keeps, summed (the layout and shuffles of
 // add_kept_non_finite_values, below).
-template <int KeyFrags, class HeldOf, class ValueAt>
-__device__ __forceinline__ void sum_kept_non_finite_terms(float (&sum)[2], const Window& kept,
+template <int KeyFrags, typename Real, class HeldOf, class ValueAt>
+__device__ __forceinline__ void sum_kept_non_finite_terms(Real (&sum)[2], const Window& kept,
                                                           HeldOf held_of, ValueAt value_at,
                                                           int m, int half, int col) {
     const int quad_lane0 = (threadIdx.x % 32) & ~3;
-    sum[0] = sum[1] = 0.0f;
+    sum[0] = sum[1] = Real(0);
 #pragma unroll
     for (int n = 0; n < KeyFrags; ++n) {
-        const float held_even = held_of(m, n, half, 0);
-        const float held_odd = held_of(m, n, half, 1);
+        const Real held_even = held_of(m, n, half, 0);
+        const Real held_odd = held_of(m, n, half, 1);
 #pragma unroll 1
         for (int j = 0; j < 8; ++j) {
             // Key n * 8 + j: the holder's element j % 2 of fragment n.
-            const float weight =
+            const Real weight =
                 __shfl_sync(0xffffffffu, (j & 1) ? held_odd : held_even, quad_lane0 | (j / 2));
             if (!kept.keeps(n * 8 + j)) continue;
 #pragma unroll
             for (int f = 0; f < 2; ++f) {
-                const float value = value_at(n * 8 + j, col + f);
+                const Real value = value_at(n * 8 + j, col + f);
                 if (bits_non_finite(value)) sum[f] += weight * value;
             }
         }
@@ -185,8 +195,9 @@ __device__ __forceinline__ void sum_kept_non_finite_terms(float (&sum)[2], const
 // accumulators cost spills in the hot path (ptxas). Off the hot path (non-finite V on a
 // cut tile only), so the loop over a fragment's 8 keys stays rolled; the fragment index
 // stays compile-time (a run-time one puts P in local memory).
-template <int KeyFrags, int RowTiles, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
-__device__ __forceinline__ void add_kept_non_finite_values(float (&o_acc)[RowTiles][OutFrags][4],
+template <int KeyFrags, typename Real, int RowTiles, int OutFrags, class WindowOf,
+          class HeldOf, class ValueAt>
+__device__ __forceinline__ void add_kept_non_finite_values(Real (&o_acc)[RowTiles][OutFrags][4],
                                                            WindowOf window_of, HeldOf held_of,
                                                            ValueAt value_at) {
     const int quad_col = threadIdx.x % 4;
@@ -197,7 +208,7 @@ __device__ __forceinline__ void add_kept_non_finite_values(float (&o_acc)[RowTil
             const Window kept = window_of(m, half);
 #pragma unroll
             for (int dn = 0; dn < OutFrags; ++dn) {
-                float non_finite_sum[2];
+                Real non_finite_sum[2];
                 sum_kept_non_finite_terms<KeyFrags>(non_finite_sum, kept, held_of, value_at, m,
                                                     half, dn * 8 + 2 * quad_col);
                 o_acc[m][dn][2 * half] += non_finite_sum[0];
@@ -206,11 +217,11 @@ __device__ __forceinline__ void add_kept_non_finite_values(float (&o_acc)[RowTil
         }
 }
 
-// held_of for P as floats in the accumulator layout.
-template <int RowTiles, int KeyFrags>
+// held_of for P in the accumulator layout (floats, or doubles in the float64 forward).
+template <int RowTiles, int KeyFrags, typename Real = float>
 struct HeldFromScores {
-    const float (&p)[RowTiles][KeyFrags][4];
-    __device__ __forceinline__ float operator()(int m, int n, int half, int odd) const {
+    const Real (&p)[RowTiles][KeyFrags][4];
+    __device__ __forceinline__ Real operator()(int m, int n, int half, int odd) const {
         return p[m][n][2 * half + odd];
     }
 };
@@ -231,14 +242,15 @@ struct KeptKeysOfRows {
 // calls it (the scan's result is block-uniform; the barriers order every warp's reads
 // before the zeroing and the zeroing before every warp's P V). `mask_of()` makes the tile's
 // mask only when needed, rather than keeping it live across the softmax (registers).
-template <int BlockK, int Width, int Pitch, int Threads, int RowTiles, int OutFrags,
-          typename T, typename MaskOf>
+template <int BlockK, int Width, int Pitch, int Threads, typename Real, int RowTiles,
+          int OutFrags, typename T, typename MaskOf>
 __device__ __forceinline__ void add_and_zero_non_finite_values(
-    float (&o_acc)[RowTiles][OutFrags][4], const i64 (&rows)[RowTiles][2],
-    const float (&p)[RowTiles][BlockK / 8][4], T* v_tile, MaskOf mask_of) {
+    Real (&o_acc)[RowTiles][OutFrags][4], const i64 (&rows)[RowTiles][2],
+    const Real (&p)[RowTiles][BlockK / 8][4], T* v_tile, MaskOf mask_of) {
     if (!__syncthreads_or(tile_has_non_finite<BlockK, Width, Pitch, Threads>(v_tile))) return;
     add_kept_non_finite_values<BlockK / 8>(
-        o_acc, KeptKeysOfRows<RowTiles>{rows, mask_of()}, HeldFromScores<RowTiles, BlockK / 8>{p},
+        o_acc, KeptKeysOfRows<RowTiles>{rows, mask_of()},
+        HeldFromScores<RowTiles, BlockK / 8, Real>{p},
         [&](int key, int col) { return element_value(v_tile[key * Pitch + col]); });
     __syncthreads();
     zero_non_finite<BlockK, Width, Pitch, Threads>(v_tile);

@@ -17,8 +17,8 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        element_strides, forward_plan_key, output_strides, problem_for, remember,
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
-from .tiles import (FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, Choice, MmaTiles, Tf32Tiles,
-                    Tf32WgmmaTiles, WgmmaTiles, Widths, choose_decode, choose_forward,
+from .tiles import (FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, Choice, F64Tiles, MmaTiles,
+                    Tf32Tiles, Tf32WgmmaTiles, WgmmaTiles, Widths, choose_decode, choose_forward,
                     fold_value_slices, folded_choice, folds_group_rows, forward_resident_blocks,
                     key_shares, with_key_splits, within_pages)
 from .varlen import Sequences, tile_grid
@@ -105,7 +105,8 @@ def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k,
                     (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
                      np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
                      *v_strides[:3], *output_strides(o),
-                     *score_arguments(options, n_q, n_k, np.float32), *tables))
+                     *score_arguments(options, n_q, n_k, accumulation_dtype(q.dtype)),
+                     *tables))
     if splits > 1:
         n_rows = batch * n_q_heads * n_q
         launch = SplitKeysLaunch(launch, _merge_launch(o, n_q, splits),
@@ -168,6 +169,16 @@ def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles | 
                ("WARP_ROWS", tiles.warp_rows))
     return _forward_on_tensor_cores(TF32_SOURCE, "attention_forward_tf32", defines, 8, None,
                                     q, k, v, o, lse, options, tiles, sequences, splits)
+
+
+def forward_f64(q, k, v, o, lse, options: AttentionOptions, tiles: F64Tiles,
+                sequences: Sequences | None = None) -> tuple:
+    """float64 on sm_90's FP64 tensor cores: the 3xTF32 forward's source with one double
+    product in place of three (IS_FLOAT64); no key shares (their partials are float32)."""
+    defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("IS_FLOAT64", 1),
+               ("WARP_ROWS", tiles.warp_rows))
+    return _forward_on_tensor_cores(TF32_SOURCE, "attention_forward_f64", defines, 8, None,
+                                    q, k, v, o, lse, options, tiles, sequences, 1)
 
 
 # --------------------------------------------------------------------------- generic
@@ -280,7 +291,7 @@ def forward_generic(q, k, v, o, lse, options: AttentionOptions, tiles=None,
 # Each launcher returns ``(launch, alignment)``: the launch, to be cached, and the address
 # alignment (bytes) its copies assume.
 _LAUNCHERS = {"wgmma": forward_wgmma, "mma": forward_mma, "tf32": forward_tf32,
-              "generic": forward_generic, "decode": forward_decode}
+              "f64": forward_f64, "generic": forward_generic, "decode": forward_decode}
 
 
 def choose(q, k, v, options: AttentionOptions, sequences: Sequences | None = None) -> Choice:

@@ -87,6 +87,9 @@ __device__ __forceinline__ void store_pair(bits16* out, float low, float high) {
 __device__ __forceinline__ void store_pair(float* out, float low, float high) {
     asm volatile("st.v2.f32 [%0], {%1, %2};\n" ::"l"(out), "f"(low), "f"(high) : "memory");
 }
+__device__ __forceinline__ void store_pair(double* out, double low, double high) {
+    asm volatile("st.v2.f64 [%0], {%1, %2};\n" ::"l"(out), "d"(low), "d"(high) : "memory");
+}
 
 // Columns [col, col + 2) of an output row of ValueDim columns (rows of a padded tile have
 // columns past ValueDim, which are dropped): one 32- or 64-bit store where the pair lies
@@ -101,8 +104,8 @@ __device__ __forceinline__ void store_row_pair(bits16* row, int col, float low, 
         if (col + 1 < ValueDim) row[col + 1] = static_cast<bits16>(packed >> 16);
     }
 }
-template <int ValueDim>
-__device__ __forceinline__ void store_row_pair(float* row, int col, float low, float high) {
+template <int ValueDim, typename Real>
+__device__ __forceinline__ void store_row_pair(Real* row, int col, Real low, Real high) {
     if constexpr (ValueDim % 2 == 0) {
         if (col < ValueDim) store_pair(row + col, low, high);
     } else {
@@ -121,7 +124,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // CPU backend, with P = exp2((logit - max or lse) * log2(e)), the subtraction first. At
 // |logit| ~ 1e4 the base-2 round trip of lse left the dominant key's P ~1e-3 off, 1.35x the
 // float32 tolerance in dV (tests/test_backend_suite.py's large-score test, NOTES-gpu.md).
-#if defined(IS_FLOAT32) && IS_FLOAT32
+#if (defined(IS_FLOAT32) && IS_FLOAT32) || (defined(IS_FLOAT64) && IS_FLOAT64)
 constexpr bool kNaturalLogits = true;
 #else
 constexpr bool kNaturalLogits = false;
@@ -142,6 +145,11 @@ __device__ __forceinline__ float exp2_approx(float x) {
 __device__ __forceinline__ float exp_of_logit_difference(float difference) {
     if constexpr (kNaturalLogits) return exp2_approx(__fmul_rn(difference, kLog2e));
     return exp2_approx(difference);
+}
+// float64 (IS_FLOAT64, natural units): the correctly rounded library exponential, as the
+// golden model's.
+__device__ __forceinline__ double exp_of_logit_difference(double difference) {
+    return exp(difference);
 }
 
 // ------------------------------------------------------------------ tiles and fragments

@@ -9,10 +9,12 @@ Families (the ``.cu`` files' headers say how each works):
 * ``tf32``: float32 at float32 accuracy on TF32 tensor cores, sm_80 and later
   (attention_tf32_forward.cu, attention_mma_backward.cu with IS_FLOAT32; on Hopper the
   forward's `Tf32WgmmaTiles` rows run attention_tf32_wgmma_forward.cu);
-* ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64, head
-  dims beyond the tensor-core rows (above 576 for the 16-bit forward, 384 for the rest),
-  GPUs before sm_80, and tile sizes the caller names that no tensor-core configuration is
-  built for;
+* ``f64`` (forward only): float64 on sm_90's FP64 tensor cores, D and Dv up to 128
+  (attention_tf32_forward.cu with IS_FLOAT64);
+* ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64's
+  backward and its forward elsewhere, head dims beyond the tensor-core rows (above 576 for
+  the 16-bit forward, 384 for the rest), GPUs before sm_80, and tile sizes the caller
+  names that no tensor-core configuration is built for;
 * ``decode`` (forward only): a few query rows per K/V head against many keys:
   split-KV with GQA packing, on tensor cores for 16-bit inputs (attention_decode_mma.cu,
   `DecodeMmaTiles`) and on CUDA cores for every dtype and option (attention_decode.cu,
@@ -227,6 +229,27 @@ class Tf32Tiles:
         floats, V rows by 4 (attention_tf32_forward.cu says why)."""
         return 4 * ((self.block_q + 2 * self.block_k) * (widths.head + 8)
                     + 2 * self.block_k * (widths.value + 4))
+
+
+@dataclass(frozen=True)
+class F64Tiles:
+    """The float64 forward on sm_90's FP64 tensor cores (attention_tf32_forward.cu built
+    with IS_FLOAT64): `block_q` query rows in warps of `warp_rows` rows each, `block_k` keys
+    per step."""
+
+    block_q: int
+    block_k: int
+    warp_rows: int = 16
+
+    @property
+    def threads(self) -> int:
+        return self.block_q // self.warp_rows * 32
+
+    def shared_bytes(self, widths: Widths) -> int:
+        """The Q tile and two stages of K and V tiles, float64; Q and K rows padded to a
+        multiple of 16 doubles plus 8, V rows by 2 (attention_tf32_forward.cu says why)."""
+        return 8 * ((self.block_q + 2 * self.block_k) * (padded(widths.head, 16) + 8)
+                    + 2 * self.block_k * (widths.value + 2))
 
 
 @dataclass(frozen=True)
@@ -485,6 +508,16 @@ TF32_FORWARD = [
         Tf32Tiles(32, 16, 16), "v25: widths 257-384 (ptxas at 320/320: 32 bytes of spills)"),
 ]
 
+# float64 on sm_90's FP64 tensor cores (mma.sync.m16n8k8.f64), D and Dv up to 128: O in
+# doubles takes Dv / 2 registers a row tile (ptxas, every option: 240 registers at D 64, 246
+# at D 128, no spill). Eight warps of 16 rows share each K/V tile; at D 128 only 16-key
+# steps leave two stages room beside the Q tile (207 KiB). Written without a device: the
+# sweep (bench/sweep_gpu_tiles.py) has not measured them yet.
+F64_FORWARD = [
+    Row(When(64), F64Tiles(128, 32), "D<=64: 8 warps, 32-key steps in 144 KiB"),
+    Row(When(128), F64Tiles(128, 16), "D<=128: 8 warps, 16-key steps in 207 KiB"),
+]
+
 # float32 on Hopper: 3xTF32 on wgmma up to D = Dv = 160 (H200, B4 N4k hidden 2048, ms
 # against the mma.sync rows, full / causal: D 64 8.00 / 4.40 vs 10.60 / 5.77, D 128 8.43 /
 # 4.51 vs 13.53 / 6.67). Wider, the split Q tiles leave room for one warpgroup, and above
@@ -723,6 +756,17 @@ def choose_forward(problem: Problem) -> Choice:
             return _generic(_no_row_note("3xTF32", TF32_FORWARD, widths))
         return _with_named_blocks("tf32", row, problem, widths, TF32_BLOCK_Q, TF32_BLOCK_K,
                                   Tf32Tiles)
+    if problem.dtype == "float64" and problem.capability >= 90 and not problem.named_blocks:
+        widths = Widths.of(problem, 8)
+        row = _first_fitting(F64_FORWARD, problem, widths,
+                             lambda t: t.shared_bytes(widths) <= problem.shared_limit)
+        if row is not None:
+            return Choice("f64", row.tiles, row.note)
+        return _generic(_no_row_note("float64 tensor-core", F64_FORWARD, widths))
+    if problem.dtype == "float64" and problem.capability >= 80:
+        return _generic("float64 on CUDA cores: FP64 tensor cores' m16n8k8 needs sm_90"
+                        if not problem.named_blocks else
+                        "tile sizes named by the caller (the generic kernels honour any)")
     return _generic(f"{problem.dtype} runs on CUDA cores")
 
 
