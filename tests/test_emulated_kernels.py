@@ -71,4 +71,4 @@ def test_float64_forward_under_emulation():
                             timeout=900)
     assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
     assert "all passed" in result.stdout
-    assert result.stdout.count("ok f64 float64") == 10, result.stdout
+    assert result.stdout.count("ok f64 float64") == 12, result.stdout

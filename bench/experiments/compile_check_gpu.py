@@ -51,8 +51,11 @@ JOBS = [
       "VALUE_DIM=64"]),
     # float64 on sm_90's FP64 tensor cores (tiles.F64_FORWARD's rows).
     ("attention_tf32_forward.cu", "90",
-     ["IS_FLOAT64=1", "BLOCK_K=32", "BLOCK_Q=128", "WARP_ROWS=16", "COPY_BYTES=16",
+     ["IS_FLOAT64=1", "BLOCK_K=64", "BLOCK_Q=128", "WARP_ROWS=16", "COPY_BYTES=16",
       "HEAD_DIM=64", "VALUE_DIM=64"]),
+    ("attention_tf32_forward.cu", "90",
+     ["IS_FLOAT64=1", "BLOCK_K=32", "BLOCK_Q=128", "WARP_ROWS=16", "COPY_BYTES=16",
+      "HEAD_DIM=96", "VALUE_DIM=96"]),
     ("attention_tf32_forward.cu", "90",
      ["IS_FLOAT64=1", "BLOCK_K=16", "BLOCK_Q=128", "WARP_ROWS=16", "COPY_BYTES=16",
       "HEAD_DIM=128", "VALUE_DIM=128"]),

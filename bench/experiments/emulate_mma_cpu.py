@@ -1002,6 +1002,8 @@ F64_CASES = [
      {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5,
       "alibi_slopes": np.linspace(0.1, 0.4, 4)}, F64Tiles(128, 16)),
     ("float64", (1, 2, 1, 70, 130, 72, 8), {}, F64Tiles(128, 32)),
+    ("float64", (1, 2, 2, 150, 200, 64, 64), {"causal": True, "window": (90, None)},
+     F64Tiles(128, 64)),
     ("float64", (1, 2, 2, 33, 50, 3, 5), {"causal": True}, F64Tiles(32, 16)),
 ]
 

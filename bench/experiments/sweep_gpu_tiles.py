@@ -204,8 +204,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.dq_parts and (args.family == "wgmma" or args.direction != "backward"):
         parser.error("--dq-parts is the mma / tf32 backward's")
-    if args.family == "f64" and args.direction != "forward":
-        parser.error("f64 is a forward family (float64's backward runs the generic kernels)")
+    if args.family == "f64" and (args.direction != "forward" or args.dtype != "float64"):
+        parser.error("f64 is float64's forward (--dtype float64; its backward runs the "
+                     "generic kernels)")
     global DETERMINISTIC, DQ_PARTS
     DETERMINISTIC = not args.nondeterministic
     DQ_PARTS = args.dq_parts

@@ -509,13 +509,20 @@ TF32_FORWARD = [
 ]
 
 # float64 on sm_90's FP64 tensor cores (mma.sync.m16n8k8.f64), D and Dv up to 128: O in
-# doubles takes Dv / 2 registers a row tile (ptxas, every option: 240 registers at D 64, 246
-# at D 128, no spill). Eight warps of 16 rows share each K/V tile; at D 128 only 16-key
-# steps leave two stages room beside the Q tile (207 KiB). Written without a device: the
-# sweep (bench/sweep_gpu_tiles.py) has not measured them yet.
+# doubles takes Dv / 2 registers a row tile. Eight warps of 16 rows share each K/V tile, in
+# the longest key steps whose two stages fit beside the Q tile: H200, B4 N4k hidden 2048
+# (bench/experiments/sweep_gpu_tiles.py --family f64, NOTES-gpu v52), TFLOP/s full /
+# causal against torch's math backend (cuBLAS on the same tensor cores) at ~20.
 F64_FORWARD = [
-    Row(When(64), F64Tiles(128, 32), "D<=64: 8 warps, 32-key steps in 144 KiB"),
-    Row(When(128), F64Tiles(128, 16), "D<=128: 8 warps, 16-key steps in 207 KiB"),
+    Row(When(64), F64Tiles(128, 64),
+        "v52: D<=64, 64-key steps in 215 KiB (D=64: 32.8/32.4 vs 30.0/29.3 for 128x32, "
+        "26.6/24.8 for 128x16; D=32: 24.4/23.8 vs 22.3/21.4)"),
+    Row(When(128), F64Tiles(128, 32),
+        "v52: D<=128 where 32-key steps fit (D=96, Dv=64: 31.6/31.9 vs 28.3/28.3 for "
+        "128x16)"),
+    Row(When(128), F64Tiles(128, 16),
+        "v52: D<=128, 16-key steps in 207 KiB at D=128 (33.2/32.9 vs 24.2/23.1 for 64x32, "
+        "20.0/20.0 for 32x16)"),
 ]
 
 # float32 on Hopper: 3xTF32 on wgmma up to D = Dv = 160 (H200, B4 N4k hidden 2048, ms
