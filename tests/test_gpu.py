@@ -460,10 +460,11 @@ def test_float32_tensor_core_forward_selection():
     named = _choices(q, k, v, {"block_q": 64, "block_k": 32})[0]
     warp_rows = tile_tables.TF32_FORWARD[0].tiles.warp_rows
     assert named == Choice("tf32", Tf32Tiles(64, 32, warp_rows), named.note)
-    # Tile sizes it is not built for, float64, widths above 384: the CUDA-core kernel.
+    # Tile sizes it is not built for, widths above 384: the CUDA-core kernel; float64 the
+    # FP64 tensor cores on sm_90 (the CUDA-core kernel elsewhere).
     assert _choices(q, k, v, {"block_k": 16})[0].family == "generic"
     q64 = q.astype(np.float64)
-    assert _choices(q64, q64, q64, {})[0].family == "generic"
+    assert _choices(q64, q64, q64, {})[0].family == ("f64" if _is_hopper() else "generic")
     wide = np.zeros((1, 1, 8, 400), np.float32)
     assert _choices(wide, wide, wide, {})[0].family == "generic"
 

@@ -722,7 +722,7 @@ def test_short_caches_decode(heads, kv_heads, n_q, n_k, dtype):
         expected_o, expected_lse = _golden(q, k, v, **options)
         assert_attention_close(o.get(), expected_o, q.dtype, name="o")
         assert_attention_close(lse.get(), expected_lse, q.dtype, name="lse")
-    for kernel in KERNELS:
+    for kernel in KERNELS if q.dtype == np.float16 else ["cuda_cores"]:
         _check(q, k, v, {"causal": True}, 3, kernel)
 
 
