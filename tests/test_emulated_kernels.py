@@ -60,10 +60,12 @@ def test_float32_forwards_under_emulation():
     assert result.stdout.count("Tf32WgmmaTiles") == 10, result.stdout
 
 
-def test_float64_forward_under_emulation():
-    """float64's forward on FP64 tensor cores (bench/experiments/emulate_mma_cpu.py --f64:
-    attention_tf32_forward.cu with IS_FLOAT64), every score option, odd and unequal head
-    dims, GQA, o contiguous and in (B, N, H, Dv), at float64's tolerance."""
+def test_float64_kernels_under_emulation():
+    """float64 on FP64 tensor cores (bench/experiments/emulate_mma_cpu.py --f64): the forward
+    (attention_tf32_forward.cu with IS_FLOAT64) and the backward's two kernels
+    (attention_mma_backward.cu with IS_FLOAT64), every score option, odd and unequal head
+    dims, GQA, NaN at places a band hides, outputs contiguous and in (B, N, H, D), at
+    float64's tolerance."""
     if _gxx_major() < 12:
         pytest.skip("the emulation needs g++ 12 or later")
     pytest.importorskip("ml_dtypes")
@@ -72,3 +74,4 @@ def test_float64_forward_under_emulation():
     assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
     assert "all passed" in result.stdout
     assert result.stdout.count("ok f64 float64") == 12, result.stdout
+    assert result.stdout.count("ok backward float64") == 10, result.stdout

@@ -118,7 +118,7 @@ def _backward_with(choice, q, k, v, do, options):
     golden_o, golden_lse = _golden(q, k, v, **options)
     given_o = golden_o.astype(q.dtype)
     grads = gpu_backward.run(choice, *map(cupy.asarray, (do, q, k, v, given_o)),
-                             cupy.asarray(golden_lse.astype(np.float32)),
+                             cupy.asarray(golden_lse.astype(accumulation_dtype(q.dtype))),
                              _resolved_options(q, k, v, options))
     expected = _golden_grads(do, q, k, v, given_o, golden_lse, **options)
     for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
@@ -918,6 +918,26 @@ def test_float64_forward_on_fp64_tensor_cores(dims):
     o = tileattn.forward(*bshd, layout="bshd", backend="gpu", scale=3.0)
     expected = tileattn.forward(q, k, v, backend="reference", scale=3.0)
     assert_attention_close(o.get().swapaxes(1, 2), expected, np.float64, name="o")
+
+
+@hopper_only
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (40, 72), (3, 5), (128, 24)],
+                         ids=DIM_IDS)
+@pytest.mark.parametrize("options", [
+    {"causal": True},
+    {"window": (40, 9), "softcap": 5.0, "alibi_slopes": np.linspace(0.1, 0.4, 4),
+     "dropout_p": 0.1, "seed": 3}], ids=["causal", "every-option"])
+def test_float64_backward_on_fp64_tensor_cores(dims, options):
+    """float64's backward on sm_90's FP64 tensor cores (`tiles.F64_BACKWARD`:
+    attention_mma_backward.cu with IS_FLOAT64), its table's row run directly: several query
+    and key tiles, GQA, a query tail, keys past a tile, at float64's tolerance. Dispatch
+    takes it once this has passed on a device (`tiles.F64_BACKWARD_ENABLED`)."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((2, 4, 150, head_dim), (2, 2, 170, head_dim), (2, 2, 170, value_dim),
+                      np.float64, seed=head_dim + value_dim)
+    do = np.random.default_rng(6).standard_normal((2, 4, 150, value_dim))
+    row = tile_tables.F64_BACKWARD[0 if max(dims) <= 64 else 1]
+    _backward_with(Choice("f64", row.tiles), q, k, v, do, options)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

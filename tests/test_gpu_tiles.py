@@ -87,6 +87,32 @@ def test_float64_forward_on_fp64_tensor_cores_to_128():
         assert choice.family == "generic" and reason in choice.note, (fields, choice)
 
 
+def test_float64_backward_rows_fit_and_wait_for_their_device_run(monkeypatch):
+    """float64's tensor-core backward (`F64_BACKWARD`) serves D, Dv <= 128 in an H100's
+    shared memory, dK and dV apart above 64; dispatch keeps the generic kernels until
+    `F64_BACKWARD_ENABLED` (a device run of its tests), then takes the rows."""
+    dims = [(1, 1), (8, 8), (33, 17), (64, 64), (72, 128), (128, 128), (128, 40)]
+    problems = [Problem(dtype="float64", head_dim=d, value_dim=dv, n_k=4096, **H100)
+                for d, dv in dims]
+    assert tiles.F64_BACKWARD_ENABLED is False
+    assert all(tiles.choose_backward(p).family == "generic" for p in problems)
+    monkeypatch.setattr(tiles, "F64_BACKWARD_ENABLED", True)
+    tiles.choose_backward.cache_clear()
+    try:
+        for problem in problems:
+            choice = tiles.choose_backward(problem)
+            assert choice.family == "f64", (problem, choice)
+            widths = tiles.Widths.of(problem, 8)
+            assert tiles.backward_fits(choice.tiles, widths, problem.shared_limit, 8)
+            assert choice.tiles.split == (widths.widest > 64) and not choice.tiles.paired
+        wide = Problem(dtype="float64", head_dim=136, value_dim=136, n_k=4096, **H100)
+        assert tiles.choose_backward(wide).family == "generic"
+        old = Problem(dtype="float64", head_dim=64, value_dim=64, n_k=4096, **A100)
+        assert tiles.choose_backward(old).family == "generic"
+    finally:
+        tiles.choose_backward.cache_clear()
+
+
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
 def test_widths_above_256_on_mma_sync_and_tf32(device):
     """Above 256 the mma.sync forward serves 16-bit widths to 576, its backward and the

@@ -75,6 +75,19 @@ JOBS = [
     ("attention_mma_backward.cu", "90",
      BACKWARD + ["IS_FLOAT32=1", "ORDERED=0", "OWNED_ROWS=64", "STREAMED_ROWS=32",
                  "GROUP_SPLITS=2"]),
+    # float64 on sm_90's FP64 tensor cores: the two kernels (tiles.F64_BACKWARD's rows).
+    ("attention_mma_backward.cu", "90",
+     [b for b in BACKWARD if not b.startswith("DKDV_PART")]
+     + ["DKDV_PART=1", "IS_FLOAT32=0", "IS_FLOAT64=1", "ORDERED=0", "OWNED_ROWS=64",
+        "STREAMED_ROWS=32"]),
+    ("attention_mma_backward.cu", "90",
+     [b for b in BACKWARD if not b.startswith("DKDV_PART")]
+     + ["DKDV_PART=2", "IS_FLOAT32=0", "IS_FLOAT64=1", "ORDERED=0", "OWNED_ROWS=64",
+        "STREAMED_ROWS=32"]),
+    ("attention_mma_backward.cu", "90",
+     [b for b in BACKWARD if not b.startswith(("HEAD_DIM", "VALUE_DIM"))]
+     + ["HEAD_DIM=64", "VALUE_DIM=64", "IS_FLOAT32=0", "IS_FLOAT64=1", "ORDERED=0",
+        "OWNED_ROWS=64", "STREAMED_ROWS=32"]),
     ("group_sum.cu", "90", ["STORAGE=bfloat16_storage", "ACCUM=float"]),
     ("attention_generic.cu", "90",
      ["ACCUM=float", "BLOCK_K=32", "BLOCK_Q=32", "HEAD_DIM_PAD=64", "STORAGE=float",

@@ -363,9 +363,9 @@ extern "C" void launch_split_keys_merge(unsigned grid, unsigned grid_y, unsigned
 BACKWARD_RUNNER = RUN_BLOCKS + r"""
 // strides: q, k, v, do, then dq, dk, dv (3 each: batch, head, row).
 extern "C" void run_dq(const element* q, const element* k, const element* v,
-                       const element* d_out, const float* lse, const float* delta, element* dq,
+                       const element* d_out, const accum* lse, const accum* delta, element* dq,
                        const double* slopes, i64 n_q, i64 n_k, int n_q_heads, int group,
-                       const i64* s, const float* reals, const i64* band, const unsigned* bits,
+                       const i64* s, const accum* reals, const i64* band, const unsigned* bits,
                        int blocks, int threads, int shared) {
     run_blocks([&] {
         attention_backward_dq_mma(q, k, v, d_out, lse, delta, dq, slopes, n_q, n_k, n_q_heads,
@@ -378,10 +378,10 @@ extern "C" void run_dq(const element* q, const element* k, const element* v,
 
 // dq_sum: the single pass's float32 sums of dQ (SINGLE_PASS; unused otherwise).
 extern "C" void run_dkdv(const element* q, const element* k, const element* v,
-                         const element* d_out, const float* lse, const float* delta,
+                         const element* d_out, const accum* lse, const accum* delta,
                          element* dk, element* dv, float* dq_sum, const double* slopes,
                          i64 n_q, i64 n_k, int n_q_heads, int group, const i64* s,
-                         const float* reals, const i64* band, const unsigned* bits, int blocks,
+                         const accum* reals, const i64* band, const unsigned* bits, int blocks,
                          int threads, int shared) {
     // ORDERED: the ticket, then the turns (zeroed, as the launcher's).
     std::vector<int> turns(1 << 16, 0);
@@ -523,9 +523,12 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     switches, band, reals, bits = score_operands(options, n_q, n_k)
-    reals = reals.astype(np.float32)
-    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1).astype(np.float32)
-    lse = np.ascontiguousarray(lse, np.float32)
+    is_float32 = q.dtype == np.float32  # 3xTF32 on the same kernels (IS_FLOAT32)
+    is_float64 = q.dtype == np.float64  # FP64 tensor cores (IS_FLOAT64)
+    accum = np.float64 if is_float64 else np.float32
+    reals = reals.astype(accum)
+    delta = (do.astype(accum) * o.astype(accum)).sum(-1).astype(accum)
+    lse = np.ascontiguousarray(lse, accum)
     slopes = (np.zeros(1) if options.alibi_slopes is None
               else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
     if sequence_first:
@@ -535,13 +538,13 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
         dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
     strides = np.array([s // a.itemsize for a in (q, k, v, do, dq, dk, dv)
                         for s in a.strides[:3]], np.int64)
-    is_float32 = q.dtype == np.float32  # 3xTF32 on the same kernels (IS_FLOAT32)
-    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
+    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 or is_float64 else 16)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
-    common = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
-                  VALUE_DIM=value_dim,
+    common = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="double" if is_float64 else "float",
+                  HEAD_DIM=head_dim, VALUE_DIM=value_dim,
                   COPY_BYTES=16 if head_dim * q.itemsize % 16 == 0 else q.itemsize,
                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), IS_FLOAT32=int(is_float32),
+                  IS_FLOAT64=int(is_float64),
                   ORDERED=int(single_pass and ordered), SINGLE_PASS=int(single_pass),
                   DQ_PARTS=int(single_pass and dq_parts),
                   DEFERRED_COPIES=1,
@@ -554,7 +557,7 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
         owned, streamed = getattr(tiles, entry)
         # float32 zeroes the probabilities of a last query tile's rows past Nq (QUERY_TAIL),
         # as the launcher compiles it.
-        tail = int(entry == "dkdv" and is_float32 and n_q % streamed != 0)
+        tail = int(entry == "dkdv" and (is_float32 or is_float64) and n_q % streamed != 0)
         lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed, QUERY_TAIL=tail,
                            DKDV_PART=part,
                            PAIRED_WARPS=int(entry in tiles.paired)),
@@ -1007,6 +1010,23 @@ F64_CASES = [
     ("float64", (1, 2, 2, 33, 50, 3, 5), {"causal": True}, F64Tiles(32, 16)),
 ]
 
+# float64's backward on FP64 tensor cores: its table's rows (dK and dV apart at D 65-128),
+# every option, GQA, a query tail, keys past a tile, Dv != D, NaN at places a band hides.
+F64_BACKWARD_CASES = [
+    ("float64", (1, 4, 2, 45, 70, 32, 24), {"causal": True}, MmaBackwardTiles((64, 32),
+                                                                             (64, 32))),
+    ("float64", (2, 2, 1, 70, 90, 64, 64), {"window": (20, 10), "dropout_p": 0.2, "seed": 3,
+                                            "softcap": 4.0,
+                                            "alibi_slopes": np.array([0.3, 0.1])},
+     MmaBackwardTiles((64, 32), (64, 32))),
+    ("float64", (1, 2, 1, 100, 120, 128, 128), {"causal": True},
+     MmaBackwardTiles((64, 16), (64, 16), split=True)),
+    ("float64", (1, 2, 2, 33, 50, 72, 40), {"causal": True, "softcap": 3.0},
+     MmaBackwardTiles((64, 16), (64, 16), split=True)),
+    ("float64", (1, 2, 1, 70, 90, 40, 40), {"causal": True},
+     MmaBackwardTiles((64, 32), (64, 32)), {"q": [(0, 1, 37, 5)], "do": [(0, 0, 50, 7)]}),
+]
+
 TF32_CASES = [
     ("float32", (1, 2, 1, 70, 90, 64, 64), {"causal": True}, Tf32Tiles(64, 32, 16)),
     ("float32", (2, 2, 2, 40, 70, 32, 24), {"window": (20, 3), "softcap": 3.0},
@@ -1058,6 +1078,45 @@ def check_forwards(emulate_forward, cases, rng, kind: str) -> int:
                 o, lse, golden_o, golden_lse, dtype,
                 f"{kind}{name} q{q.shape} k{k.shape} v{v.shape} {sorted(options)} "
                 f"{tiles}{' o (B, N, H, Dv)' if sequence_first_o else ''}")
+    return failures
+
+
+def check_backwards(cases, rng) -> int:
+    """`emulate_backward` on each ``(case, single_pass)`` against the golden model, the
+    gradients contiguous and in (B, N, H, D); the single pass also in turns and in parts:
+    the failures' count."""
+    failures = 0
+    for (name, (batch, hq, hkv, nq, nk, d, dv), options, tiles, *poison), single_pass in cases:
+        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+        q, k, v, do = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+                       for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv),
+                                 (batch, hq, nq, dv)))
+        for array_name, places in (poison[0] if poison else {}).items():
+            for place in places:
+                {"q": q, "k": k, "do": do}[array_name][place] = np.nan
+        wide = [a.astype(np.float64) for a in (q, k, v, do)]
+        o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
+        golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
+        # The single pass runs in arrival order, in turns (ORDERED) and into a slot per key
+        # block (DQ_PARTS), the last two also into (B, N, H, D) gradients.
+        for sequence_first, ordered, dq_parts in (
+                ((False, False, False), (False, True, False), (True, True, False),
+                 (False, False, True), (True, False, True))
+                if single_pass else ((False, False, False), (True, False, False))):
+            grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
+                                     single_pass, ordered, dq_parts, **options)
+            mode = " in turns" if ordered else " in parts" if dq_parts else ""
+            label = (f"backward{' single pass' if single_pass else ''}{mode} {name} q{q.shape} "
+                     f"k{k.shape} v{v.shape} {sorted(options)} "
+                     f"{tiles}{' gradients (B, N, H, D)' if sequence_first else ''}")
+            try:
+                for grad_name, ours, want in zip(("dq", "dk", "dv"), grads, golden):
+                    assert_attention_close(ours, want, dtype, name=grad_name)
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
+                continue
+            print(f"ok {label}", flush=True)
     return failures
 
 
@@ -1174,6 +1233,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     if args.f64:
         failures = check_forwards(emulate_f64, F64_CASES, rng, "f64 ")
+        failures += check_backwards([(case, False) for case in F64_BACKWARD_CASES], rng)
         print("all passed" if not failures else f"{failures} failed")
         return int(failures > 0)
     if args.tf32:
@@ -1203,38 +1263,7 @@ def main() -> int:
         backward_cases = backward_cases[len(BACKWARD_CASES):]
         if args.quick:
             backward_cases = [backward_cases[0], backward_cases[-2]]
-    for (name, (batch, hq, hkv, nq, nk, d, dv), options, tiles, *poison), single_pass in \
-            itertools.islice(backward_cases, 1 if quick else others):
-        dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
-        q, k, v, do = (rng.standard_normal(s).astype(np.float32).astype(dtype)
-                       for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv),
-                                 (batch, hq, nq, dv)))
-        for array_name, places in (poison[0] if poison else {}).items():
-            for place in places:
-                {"q": q, "k": k, "do": do}[array_name][place] = np.nan
-        wide = [a.astype(np.float64) for a in (q, k, v, do)]
-        o, lse = tileattn.forward(*wide[:3], backend="reference", return_lse=True, **options)
-        golden = tileattn.backward(wide[3], *wide[:3], o, lse, backend="reference", **options)
-        # The single pass runs in arrival order, in turns (ORDERED) and into a slot per key
-        # block (DQ_PARTS), the last two also into (B, N, H, D) gradients.
-        for sequence_first, ordered, dq_parts in (
-                ((False, False, False), (False, True, False), (True, True, False),
-                 (False, False, True), (True, False, True))
-                if single_pass else ((False, False, False), (True, False, False))):
-            grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
-                                     single_pass, ordered, dq_parts, **options)
-            mode = " in turns" if ordered else " in parts" if dq_parts else ""
-            label = (f"backward{' single pass' if single_pass else ''}{mode} {name} q{q.shape} "
-                     f"k{k.shape} v{v.shape} {sorted(options)} "
-                     f"{tiles}{' gradients (B, N, H, D)' if sequence_first else ''}")
-            try:
-                for grad_name, ours, want in zip(("dq", "dk", "dv"), grads, golden):
-                    assert_attention_close(ours, want, dtype, name=grad_name)
-            except AssertionError as error:
-                print(f"FAILED {label}: {error}")
-                failures += 1
-                continue
-            print(f"ok {label}", flush=True)
+    failures += check_backwards(itertools.islice(backward_cases, 1 if quick else others), rng)
     print("all passed" if not failures else f"{failures} failed")
     return int(failures > 0)
 

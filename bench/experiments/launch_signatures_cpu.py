@@ -54,7 +54,7 @@ def signature(source_name: str, entry: str, defines: tuple) -> tuple:
     assert match, f"{entry} not found in {source_name}"
     accum = "double" if dict(defines).get("ACCUM") == "double" else "float"
     real = "double" if str(dict(defines).get("IS_FLOAT64")) == "1" else "float"
-    aliases = {"ACCUM": accum, "Acc": accum, "real": real}
+    aliases = {"ACCUM": accum, "Acc": accum, "real": real, "score_real": real}
     kinds = []
     for parameter in match.group(1).split(","):
         words = parameter.replace("const", " ").split()
@@ -113,6 +113,8 @@ def main() -> int:
 
     _compile.kernel = lambda source_name, entry, defines, shared=0, arch=None: (
         SignatureKernel(source_name, entry, defines))
+    # float64's tensor-core backward, whatever dispatch takes by default.
+    tile_tables.F64_BACKWARD_ENABLED = True
     operands._PLANS.clear()
     rng = np.random.default_rng(0)
     failures = 0

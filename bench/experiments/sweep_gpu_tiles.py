@@ -61,9 +61,13 @@ def candidates(family: str, direction: str):
                 ((128, 64), (192, 64), (128, 32), (64, 64)),
                 ((128, 64), (192, 64), (128, 32), (64, 64)), (2, 3), (False, True)):
             yield tiles.WgmmaBackwardTiles(dq, dkdv, stages, split)
-    elif family == "f64":  # float64's forward on FP64 tensor cores
+    elif family == "f64" and direction == "forward":  # float64 on FP64 tensor cores
         for block_q, block_k in itertools.product((32, 64, 128), (16, 32, 64)):
             yield tiles.F64Tiles(block_q, block_k)
+    elif family == "f64":  # its backward: the two kernels, dK and dV together or apart
+        sizes = ((64, 32), (64, 16), (32, 32), (32, 16), (128, 16))
+        for dq, dkdv, split in itertools.product(sizes, sizes, (False, True)):
+            yield tiles.MmaBackwardTiles(dq, dkdv, split)
     elif direction == "forward" and family == "mma":
         for block_q, block_k, rows, in_registers in itertools.product(
                 (64, 128), (32, 64, 128), (16, 32), (True, False)):
@@ -204,9 +208,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.dq_parts and (args.family == "wgmma" or args.direction != "backward"):
         parser.error("--dq-parts is the mma / tf32 backward's")
-    if args.family == "f64" and (args.direction != "forward" or args.dtype != "float64"):
-        parser.error("f64 is float64's forward (--dtype float64; its backward runs the "
-                     "generic kernels)")
+    if args.family == "f64" and args.dtype != "float64":
+        parser.error("f64 is float64's family (--dtype float64)")
     global DETERMINISTIC, DQ_PARTS
     DETERMINISTIC = not args.nondeterministic
     DQ_PARTS = args.dq_parts
@@ -251,7 +254,7 @@ def main() -> None:
                     fits = config.shared_bytes(widths) <= limit
                 else:
                     fits = tiles.backward_fits(config, widths, limit,
-                                               4 if args.family == "tf32" else 2)
+                                               {"tf32": 4, "f64": 8}.get(args.family, 2))
                 if fits:
                     configs.append(config)
             # Checked (and compiled) in parallel first, then timed one by one.

@@ -37,6 +37,11 @@
 // IS_FLOAT32: the same kernels for float32 on TF32 tensor cores at float32 accuracy
 // (3xTF32, tf32.cuh). Its single pass keeps dS in shared memory as float32 with queries as
 // rows (store_scores_by_query), so that the dQ share loads it as split A fragments.
+// IS_FLOAT64: the two kernels for float64 on sm_90's FP64 tensor cores (f64.cuh), doubles
+// throughout (lse and D included), rows of the width + 4 doubles (the score products' 16-byte
+// loads of rows g, g + 1 and the other products' 8-byte loads of rows 2t, 2t + 1 each meet
+// at most two to a bank); not the single pass, warp pairs, cut groups or dQ key shares,
+// whose buffers are float32.
 //
 // DKDV_PART (as in attention_wgmma_backward.cu): 1 runs only the dV half of the dK/dV
 // kernel, 2 only the dK half, 0 both; wide head dims split so that each half's accumulators
@@ -49,7 +54,7 @@
 // product. dQ: the first computes S, the second dP, turns S into dS and hands it back;
 // each adds dS K over its half of dQ's columns (kDqColumns).
 //
-// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, HEAD_DIM,
+// Compile-time configuration (NVRTC -D options): IS_BFLOAT16, IS_FLOAT32, IS_FLOAT64, HEAD_DIM,
 // VALUE_DIM, COPY_BYTES, OWNED_ROWS, STREAMED_ROWS, SINGLE_PASS, ORDERED, DQ_PARTS, DKDV_PART,
 // PAIRED_WARPS (default 0) and
 // QUERY_TAIL (dK/dV kernel; QUERY_TAIL, default 0: a streamed query tile may end past n_q,
@@ -78,17 +83,32 @@
 #define DQ_PARTS 0
 #endif
 static_assert(!DQ_PARTS || (SINGLE_PASS && !ORDERED), "parts are the single pass's, no turns");
+#ifndef IS_FLOAT64
+#define IS_FLOAT64 0
+#endif
 static_assert(!(FLAG_NON_FINITE_KEYS && IS_FLOAT32), "float32 zeroes its tail (QUERY_TAIL)");
-#if IS_FLOAT32
+static_assert(!(IS_FLOAT64 && (SINGLE_PASS || PAIRED_WARPS || GROUP_SPLITS > 1 || SPLIT_KEYS ||
+                               FLAG_NON_FINITE_KEYS)),
+              "float64 runs the two kernels alone (the others' buffers are float32)");
+#if IS_FLOAT64
+#include "f64.cuh"
+typedef double element;
+typedef double accum;  // accumulators, lse, D and the score options
+constexpr int kHeadWidth = padded_width(HEAD_DIM, 8);
+constexpr int kValueWidth = padded_width(VALUE_DIM, 8);
+template <int Width> constexpr int kPitchOf = Width + 4;
+#elif IS_FLOAT32
 #include "tf32.cuh"
 // float32 on TF32 tensor cores at float32 accuracy (tf32.cuh): rows of the width + 8 floats,
 // so that the 64-bit fragment loads of the score products are conflict-free.
 typedef float element;
+typedef float accum;
 constexpr int kHeadWidth = padded_width(HEAD_DIM, 8);
 constexpr int kValueWidth = padded_width(VALUE_DIM, 8);
 template <int Width> constexpr int kPitchOf = Width + 8;
 #else
 typedef bits16 element;
+typedef float accum;
 constexpr int kHeadWidth = padded_width(HEAD_DIM, 16);
 constexpr int kValueWidth = padded_width(VALUE_DIM, 16);
 template <int Width> constexpr int kPitchOf = kTilePitch<Width>;
@@ -115,7 +135,7 @@ constexpr int kDkHeld = PAIRED_WARPS && kValueWidth > kHeadWidth ? kValueWidth :
 constexpr int kDvHeld = PAIRED_WARPS && kHeadWidth > kValueWidth ? kHeadWidth : kValueWidth;
 // The dQ kernel's columns of dQ a warp (PAIRED_WARPS: the first of a pair's, the second
 // holds the rest), whole tensor-core steps of the product dS K.
-constexpr int kDqStep = IS_FLOAT32 ? 8 : 16;
+constexpr int kDqStep = IS_FLOAT32 || IS_FLOAT64 ? 8 : 16;
 constexpr int kDqColumns =
     PAIRED_WARPS ? (kHeadWidth / 2 + kDqStep - 1) / kDqStep * kDqStep : kHeadWidth;
 // What the block computes (each of its warps, without PAIRED_WARPS).
@@ -125,17 +145,74 @@ constexpr bool kComputesDk = DKDV_PART != 1;
 // ------------------------------------------------------------------ products
 
 template <int Columns> struct Accumulators {
-    float tile[Columns / 8][4];
+    accum tile[Columns / 8][4];
     __device__ __forceinline__ void clear() {
 #pragma unroll
-        for (int n = 0; n < Columns / 8; ++n) tile[n][0] = tile[n][1] = tile[n][2] = tile[n][3] = 0.0f;
+        for (int n = 0; n < Columns / 8; ++n)
+            tile[n][0] = tile[n][1] = tile[n][2] = tile[n][3] = accum(0);
     }
 };
 
 // first += A1 B1^T and second += A2 B2^T for this warp's 16 rows [row0, row0 + 16) of the
 // row-major tiles a1, a2 (HEAD_DIM wide) against the Columns rows of b1, b2: S and dP (or
 // their transposes) in one sweep over the head dim.
-#if IS_FLOAT32
+#if IS_FLOAT64
+// out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b
+// (Transposed changes nothing: one IEEE product a step).
+template <bool Transposed, int Width, int Columns>
+__device__ __forceinline__ void score_product(const double* a, const double* b, int row0,
+                                              Accumulators<Columns>& out) {
+    const int lane = threadIdx.x % 32;
+    constexpr int kPitch = kPitchOf<Width>;
+#pragma unroll
+    for (int kk = 0; kk < Width / 8; ++kk) {
+        double a_fragment[4];
+        const double* top = a + (row0 + lane / 4) * kPitch + kk * 8 + 2 * (lane % 4);
+        load_shared_pair(top, a_fragment[0], a_fragment[2]);
+        load_shared_pair(top + 8 * kPitch, a_fragment[1], a_fragment[3]);
+#pragma unroll
+        for (int n = 0; n < Columns / 8; ++n) {
+            double b0, b1;
+            load_shared_pair(b + (n * 8 + lane / 4) * kPitch + kk * 8 + 2 * (lane % 4), b0, b1);
+            mma_16x8x8_f64(out.tile[n], a_fragment, b0, b1);
+        }
+    }
+}
+
+template <bool Transposed = false, int Columns>
+__device__ __forceinline__ void one_score_product(const double* a1, const double* b1, int row0,
+                                                  Accumulators<Columns>& first) {
+    first.clear();
+    score_product<Transposed, kHeadWidth>(a1, b1, row0, first);
+}
+
+template <bool Transposed = false, int Columns>
+__device__ __forceinline__ void value_score_product(const double* a2, const double* b2,
+                                                    int row0, Accumulators<Columns>& second) {
+    second.clear();
+    score_product<Transposed, kValueWidth>(a2, b2, row0, second);
+}
+
+// out[:, 0:Columns) += X B[:, column0:column0 + Columns), X this warp's 16 x Inner
+// accumulators (fragment `step` of X is the A fragment of k8 step `step`, its elements
+// reordered) and B the row-major Inner x Width tile `b`: B's b0, b1 are rows 2t, 2t + 1.
+template <int Columns, int Width, int Inner, int Held>
+__device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x, const double* b,
+                                                   int column0, Accumulators<Held>& out) {
+    static_assert(Columns <= Held && Columns % 8 == 0, "whole n8 tiles of out");
+    constexpr int kPitch = kPitchOf<Width>;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int step = 0; step < Inner / 8; ++step) {
+        const double a[4] = {x.tile[step][0], x.tile[step][2], x.tile[step][1],
+                             x.tile[step][3]};
+        const double* rows = b + (step * 8 + 2 * (lane % 4)) * kPitch + lane / 4 + column0;
+#pragma unroll
+        for (int dn = 0; dn < Columns / 8; ++dn)
+            mma_16x8x8_f64(out.tile[dn], a, rows[dn * 8], rows[kPitch + dn * 8]);
+    }
+}
+#elif IS_FLOAT32
 // out += A B^T over Width columns for this warp's 16 rows of a and the Columns rows of b,
 // truncated splits (dP = dO V^T); Transposed: the dK/dV kernel's dP^T = V dO^T, whose
 // elements then round as the dQ kernel's (mma_16x8x8_3xtf32, tf32.cuh).
@@ -225,15 +302,6 @@ __device__ __forceinline__ void value_score_product(const float* a2, const float
                                                     Accumulators<Columns>& second) {
     second.clear();
     score_product<Transposed, kValueWidth>(a2, b2, row0, second);
-}
-
-template <bool Transposed = false, int Columns>
-__device__ __forceinline__ void two_score_products(const float* a1, const float* b1,
-                                                   const float* a2, const float* b2, int row0,
-                                                   Accumulators<Columns>& first,
-                                                   Accumulators<Columns>& second) {
-    scores_product<Transposed>(a1, b1, row0, first);
-    value_score_product<Transposed>(a2, b2, row0, second);
 }
 
 // out[:, 0:Columns) += A B[:, column0:column0 + Columns) for this warp's 16 rows of A over
@@ -331,15 +399,6 @@ __device__ __forceinline__ void value_score_product(const bits16* a2, const bits
     score_product<kValueWidth>(a2, b2, row0, second);
 }
 
-template <bool Transposed = false, int Columns>
-__device__ __forceinline__ void two_score_products(const bits16* a1, const bits16* b1,
-                                                   const bits16* a2, const bits16* b2,
-                                                   int row0, Accumulators<Columns>& first,
-                                                   Accumulators<Columns>& second) {
-    one_score_product(a1, b1, row0, first);
-    value_score_product(a2, b2, row0, second);
-}
-
 // out[:, 0:Columns) += X B[:, column0:column0 + Columns) for X = this warp's 16 x Inner
 // accumulators (rounded to the input type) and B = the row-major Inner x Width tile `b`.
 template <int Columns, int Width, int Inner, int Held>
@@ -362,11 +421,21 @@ __device__ __forceinline__ void accumulate_columns(const Accumulators<Inner>& x,
 }
 #endif
 
+// first = A1 B1^T (S or S^T) and second = A2 B2^T (dP or dP^T).
+template <bool Transposed = false, int Columns>
+__device__ __forceinline__ void two_score_products(const element* a1, const element* b1,
+                                                   const element* a2, const element* b2,
+                                                   int row0, Accumulators<Columns>& first,
+                                                   Accumulators<Columns>& second) {
+    one_score_product<Transposed>(a1, b1, row0, first);
+    value_score_product<Transposed>(a2, b2, row0, second);
+}
+
 // Rows [row0, row0 + 16) of this warp's accumulators, times `factor`, into the output rows
 // `out` (row indices relative to its row 0) at columns from `column0`; rows at or past
 // `row_limit` and columns at or past Dim are not written.
 template <int Dim, int Width, typename Out>
-__device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, float factor,
+__device__ __forceinline__ void store_rows(const Accumulators<Width>& acc, accum factor,
                                            OutputRows<Out> out, i64 row0, i64 row_limit,
                                            int column0 = 0) {
     const int lane = threadIdx.x % 32;
@@ -435,8 +504,8 @@ __device__ __forceinline__ void take_scores(Accumulators<STREAMED_ROWS>& st,
 // ------------------------------------------------------------------ dQ
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma(
-    const element* q, const element* k, const element* v, const element* d_out, const float* lse,
-    const float* delta, element* dq, const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
+    const element* q, const element* k, const element* v, const element* d_out, const accum* lse,
+    const accum* delta, element* dq, const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
     i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, SCORE_OPTION_PARAMS,
     SEQUENCE_PARAMETERS, i64 dq_sb, i64 dq_sh, i64 dq_sn) {
@@ -461,9 +530,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     static_assert(!(SPLIT_KEYS && VARLEN), "dQ's shares run dense grids only");
     const i64 row_start = owned.row_start;
     const i64 row_stop = min(row_start + OWNED_ROWS, n_q);
-    const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
-                                      dropout_threshold, dropout_scale,
-                                      dropout_row0, dropout_col0);
+    const ScoresOf<accum> scores = make_scores(scale, softcap, alibi_slopes, bh, band,
+                                               dropout_key, dropout_threshold, dropout_scale,
+                                               dropout_row0, dropout_col0);
 
     i64 tile_begin, tile_end;
     key_tile_range<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, row_stop, n_k, STREAMED_ROWS,
@@ -485,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
     const int dq_column0 = first_of_pair ? 0 : kDqColumns;
     const i64 my_rows[2] = {row_start + slab * 16 + quad_row,
                             row_start + slab * 16 + quad_row + 8};
-    float row_lse[2], row_delta[2];
+    accum row_lse[2], row_delta[2];
     u32 row_states[2];
     load_query_row_terms(scores, lse + head_row0, delta + head_row0, 0, n_q, my_rows, row_lse,
                          row_delta, row_states);
@@ -558,7 +627,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
                 [&](int, int half) {
                     return mask.row_window(static_cast<int>(my_rows[half] - mask.row0), 0);
                 },
-                HeldFromTile<STREAMED_ROWS / 8>{s.tile}, [&](int key, int col) {
+                HeldFromTile<STREAMED_ROWS / 8, accum>{s.tile}, [&](int key, int col) {
                     return dq_column0 + col < kHeadWidth
                                ? element_value(k_tile[key * kQkPitch + dq_column0 + col])
                                : 0.0f;
@@ -581,8 +650,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dq_mma
 // ------------------------------------------------------------------ dK, dV
 
 extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_mma(
-    const element* q, const element* k, const element* v, const element* d_out, const float* lse,
-    const float* delta, element* dk, element* dv, float* dq_sum, int* dq_turns, int* key_flags,
+    const element* q, const element* k, const element* v, const element* d_out, const accum* lse,
+    const accum* delta, element* dk, element* dv, float* dq_sum, int* dq_turns, int* key_flags,
     const double* alibi_slopes, i64 n_q_total, i64 n_k_total,
     int n_q_heads, int group_size, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh,
     i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,
@@ -595,10 +664,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
     // [2][STREAMED_ROWS][kQkPitch]; the dV-only part holds no V tile.
     element* q_tiles = v_tile + (kComputesDk ? OWNED_ROWS * kVPitch : 0);
     element* do_tiles = q_tiles + 2 * STREAMED_ROWS * kQkPitch;   // [2][STREAMED_ROWS][kVPitch]
-    float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * STREAMED_ROWS * kVPitch);
-    float* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
+    accum* lse_tiles = reinterpret_cast<accum*>(do_tiles + 2 * STREAMED_ROWS * kVPitch);
+    accum* delta_tiles = lse_tiles + 2 * STREAMED_ROWS;         // [2][STREAMED_ROWS] each
     // PAIRED_WARPS: the slabs' S^T, [kSlabs][kPairedScores][32].
-    float* exchange = delta_tiles + 2 * STREAMED_ROWS;
+    float* exchange = reinterpret_cast<float*>(delta_tiles + 2 * STREAMED_ROWS);
 #if SINGLE_PASS
     // The current query tile's dS (see kDsPitch).
     ds_element* ds_tile = reinterpret_cast<ds_element*>(
@@ -672,9 +741,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
         const int head = kv_head * group_size + member;
         const i64 bh = owned.index * n_q_heads + head;  // dropout and ALiBi
         const i64 array_head = batch * n_q_heads + head;  // q, dO, lse, D
-        const Scores scores = make_scores(scale, softcap, alibi_slopes, bh, band, dropout_key,
-                                          dropout_threshold, dropout_scale,
-                                      dropout_row0, dropout_col0);
+        const ScoresOf<accum> scores = make_scores(scale, softcap, alibi_slopes, bh, band,
+                                                   dropout_key, dropout_threshold, dropout_scale,
+                                                   dropout_row0, dropout_col0);
         const element* q_head = q + batch * q_sb + head * q_sh + owned.row_base * q_sn;
         const element* do_head = d_out + batch * do_sb + head * do_sh + owned.row_base * do_sn;
         const i64 head_row0 = array_head * n_q_total + owned.row_base;  // in lse and D
@@ -696,11 +765,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             for (int i = threadIdx.x; i < 2 * STREAMED_ROWS; i += kThreads) {
                 const int r = i % STREAMED_ROWS;
                 const bool valid = start + r < n_q;
-                const float* source = (i < STREAMED_ROWS ? lse : delta) + head_row0 +
+                const accum* source = (i < STREAMED_ROWS ? lse : delta) + head_row0 +
                                       (valid ? start + r : 0);
-                float* destination = (i < STREAMED_ROWS ? lse_tiles : delta_tiles) +
+                accum* destination = (i < STREAMED_ROWS ? lse_tiles : delta_tiles) +
                                      stage * STREAMED_ROWS + r;
+#if IS_FLOAT64
+                copy_chunk_async<8>(shared_address(destination), source, valid);
+#else
                 copy_4_async(shared_address(destination), source, valid);
+#endif
             }
         };
         const auto load_queries_in_turn = [&](int stage, i64 step) {
@@ -712,8 +785,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
             const i64 query_tile = visited_tile(step);
             element* q_tile = q_tiles + stage * STREAMED_ROWS * kQkPitch;
             element* do_tile = do_tiles + stage * STREAMED_ROWS * kVPitch;
-            const float* lse_tile = lse_tiles + stage * STREAMED_ROWS;
-            const float* delta_tile = delta_tiles + stage * STREAMED_ROWS;
+            const accum* lse_tile = lse_tiles + stage * STREAMED_ROWS;
+            const accum* delta_tile = delta_tiles + stage * STREAMED_ROWS;
             const i64 query_start = query_tile * STREAMED_ROWS;
             // S^T and dP^T: rows are this warp's keys, columns the tile's queries.
             Accumulators<STREAMED_ROWS> st, dpt;
@@ -759,7 +832,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                                        STREAMED_ROWS, kHeadWidth, kQkPitch, kThreads>(q_tile));
                 if (computes_dv && do_non_finite)
                     add_kept_non_finite_values<STREAMED_ROWS / 8>(
-                        dv_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{st.tile},
+                        dv_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8, accum>{st.tile},
                         [&](int query, int col) {
                             return kDvHeld == kValueWidth || col < kValueWidth
                                        ? element_value(do_tile[query * kVPitch + col])
@@ -767,7 +840,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_m
                         });
                 if (computes_dk && q_non_finite)
                     add_kept_non_finite_values<STREAMED_ROWS / 8>(
-                        dk_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8>{dpt.tile},
+                        dk_acc.tile, kept_queries, HeldFromTile<STREAMED_ROWS / 8, accum>{dpt.tile},
                         [&](int query, int col) {
                             return kDkHeld == kHeadWidth || col < kHeadWidth
                                        ? element_value(q_tile[query * kQkPitch + col])

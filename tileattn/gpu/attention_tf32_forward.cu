@@ -39,6 +39,9 @@
 #endif
 #include "forward_softmax.cuh"
 #include "tf32.cuh"
+#if IS_FLOAT64
+#include "f64.cuh"
+#endif
 
 #if IS_FLOAT64
 typedef double real;  // inputs, outputs, shared tiles and accumulators
@@ -68,25 +71,6 @@ __device__ __forceinline__ void load_key_tiles(real* k_tile, real* v_tile,
 }
 
 #if IS_FLOAT64
-// c += a b for one m16n8k8 tile of doubles: each element one chain of IEEE fp64 fused
-// multiply-adds, as a dot product on CUDA cores would be (to the order of its terms).
-__device__ __forceinline__ void mma_16x8x8_f64(double (&c)[4], const double (&a)[4], double b0,
-                                               double b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
-        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b0), "d"(b1));
-}
-
-// Two adjacent doubles of shared memory (16-byte aligned) in one load.
-__device__ __forceinline__ void load_shared_pair(const double* pointer, double& low,
-                                                 double& high) {
-    asm volatile("ld.shared.v2.f64 {%0, %1}, [%2];\n"
-                 : "=d"(low), "=d"(high)
-                 : "r"(shared_address(pointer)));
-}
-
 // s = Q K^T for this warp's kRowTiles x 16 rows (from warp_row0) of the Q tile against the
 // K tile's BLOCK_K keys. Logical k = t, t + 4 of a k8 step are columns 2t, 2t + 1 (as in
 // tf32.cuh): A's a0, a2 are one 16-byte load of row g, a1, a3 of row g + 8; B's b0, b1 are

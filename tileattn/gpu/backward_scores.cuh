@@ -5,30 +5,36 @@
 #pragma once
 #include "mma.cuh"
 
-// The run-time score options, pre-multiplied into logit units where they scale a score.
-struct Scores {
-    float logit_scale;         // scale * kLogitUnit
-    float scale_over_softcap;  // scale / softcap
-    float logit_softcap;       // softcap * kLogitUnit
-    float logit_slope;         // this head's ALiBi slope * kLogitUnit
+// The run-time score options, pre-multiplied into logit units where they scale a score, in
+// the accumulators' type Real (float; double for the float64 backward: every function
+// below takes either).
+template <typename Real> struct ScoresOf {
+    Real logit_scale;         // scale * kLogitUnit
+    Real scale_over_softcap;  // scale / softcap
+    Real logit_softcap;       // softcap * kLogitUnit
+    Real logit_slope;         // this head's ALiBi slope * kLogitUnit
     Band band;
     u32 dropout_key;
     u32 dropout_threshold;
-    float dropout_scale;
+    Real dropout_scale;
     u32 dropout_row0;  // global position of row 0 and key 0 (a block of a longer sequence)
     u32 dropout_col0;
     u32 bh;  // b * Hq + h of the query head: ALiBi slope and dropout stream
 };
+using Scores = ScoresOf<float>;
 
-__device__ __forceinline__ Scores make_scores(float scale, float softcap, const double* slopes,
-                                              i64 bh, Band band, u32 dropout_key,
-                                              u32 dropout_threshold, float dropout_scale,
-                                              u32 dropout_row0, u32 dropout_col0) {
-    Scores scores;
-    scores.logit_scale = scale * kLogitUnit;
-    scores.scale_over_softcap = SOFTCAP ? scale / softcap : 0.0f;
-    scores.logit_softcap = softcap * kLogitUnit;
-    scores.logit_slope = ALIBI ? static_cast<float>(slopes[bh]) * kLogitUnit : 0.0f;
+template <typename Real>
+__device__ __forceinline__ ScoresOf<Real> make_scores(Real scale, Real softcap,
+                                                      const double* slopes, i64 bh, Band band,
+                                                      u32 dropout_key, u32 dropout_threshold,
+                                                      Real dropout_scale, u32 dropout_row0,
+                                                      u32 dropout_col0) {
+    ScoresOf<Real> scores;
+    scores.logit_scale = scale * static_cast<Real>(kLogitUnit);
+    scores.scale_over_softcap = SOFTCAP ? scale / softcap : Real(0);
+    scores.logit_softcap = softcap * static_cast<Real>(kLogitUnit);
+    scores.logit_slope =
+        ALIBI ? static_cast<Real>(slopes[bh]) * static_cast<Real>(kLogitUnit) : Real(0);
     scores.band = band;
     scores.dropout_key = dropout_key;
     scores.dropout_threshold = dropout_threshold;
@@ -41,8 +47,9 @@ __device__ __forceinline__ Scores make_scores(float scale, float softcap, const 
 
 // lse in logit units, with -inf (a row that kept nothing) turned into +inf so that every P
 // of the row comes out e^(logit - inf) = 0.
-__device__ __forceinline__ float lse_in_logit_units(float lse) {
-    return lse == negative_infinity<float>() ? -negative_infinity<float>() : lse * kLogitUnit;
+template <typename Real> __device__ __forceinline__ Real lse_in_logit_units(Real lse) {
+    return lse == negative_infinity<Real>() ? -negative_infinity<Real>()
+                                            : lse * static_cast<Real>(kLogitUnit);
 }
 
 // Whether the tile of queries [row_start, row_start + rows) x keys [col_start,
@@ -58,36 +65,39 @@ __device__ __forceinline__ bool tile_straddles_band(const Band& band, i64 row_st
 // P_ij = e^(logit - lse), both in logit units, for the raw q.k `dot`, and d(score)/d(scaled dot)
 // (the softcap's 1 - tanh^2, else 1) in *capped_grad; 0 unless `kept` (the band and the key
 // range, from a TileMask).
-__device__ __forceinline__ float probability(const Scores& scores, float dot, float row_lse,
-                                             i64 query, i64 key, bool kept,
-                                             float* capped_grad) {
-    float score;
+template <typename Real>
+__device__ __forceinline__ Real probability(const ScoresOf<Real>& scores, Real dot, Real row_lse,
+                                            i64 query, i64 key, bool kept, Real* capped_grad) {
+    Real score;
     if (SOFTCAP) {
-        const float capped = tanhf(dot * scores.scale_over_softcap);
+        const Real capped = tanh_acc(dot * scores.scale_over_softcap);
         score = scores.logit_softcap * capped;
-        *capped_grad = 1.0f - capped * capped;
+        *capped_grad = Real(1) - capped * capped;
     } else {
         score = dot * scores.logit_scale;
-        *capped_grad = 1.0f;
+        *capped_grad = Real(1);
     }
     if (ALIBI) {
         const i64 distance = query + scores.band.offset - key;
-        score -= scores.logit_slope * static_cast<float>(distance < 0 ? -distance : distance);
+        score -= scores.logit_slope * static_cast<Real>(distance < 0 ? -distance : distance);
     }
-    if (!kept) score = negative_infinity<float>();
+    if (!kept) score = negative_infinity<Real>();
     return exp_of_logit_difference(score - row_lse);
 }
 
 // keep / (1 - dropout_p) for (query, key), the factor the forward applied to P_ij.
-__device__ __forceinline__ float dropout_factor(const Scores& scores, u32 row_state, i64 key) {
-    if (!DROPOUT) return 1.0f;
+template <typename Real>
+__device__ __forceinline__ Real dropout_factor(const ScoresOf<Real>& scores, u32 row_state,
+                                               i64 key) {
+    if (!DROPOUT) return Real(1);
     return dropout_keeps(row_state, static_cast<u32>(key) + scores.dropout_col0,
                          scores.dropout_threshold)
                ? scores.dropout_scale
-               : 0.0f;
+               : Real(0);
 }
 
-__device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
+template <typename Real>
+__device__ __forceinline__ u32 dropout_state(const ScoresOf<Real>& scores, i64 query) {
     return DROPOUT ? dropout_row_state(scores.dropout_key, scores.bh,
                                        static_cast<u32>(query) + scores.dropout_row0)
                    : 0u;
@@ -95,17 +105,18 @@ __device__ __forceinline__ u32 dropout_state(const Scores& scores, i64 query) {
 
 // A dQ kernel's terms for the two query rows `rows` a thread holds: lse in logit units, D and the
 // dropout state. Rows past n_q get lse = -inf, hence P = 0: they need no mask.
-__device__ __forceinline__ void load_query_row_terms(const Scores& scores, const float* lse,
-                                                     const float* delta, i64 bh, i64 n_q,
-                                                     const i64 (&rows)[2], float (&row_lse)[2],
-                                                     float (&row_delta)[2],
+template <typename Real>
+__device__ __forceinline__ void load_query_row_terms(const ScoresOf<Real>& scores,
+                                                     const Real* lse, const Real* delta, i64 bh,
+                                                     i64 n_q, const i64 (&rows)[2],
+                                                     Real (&row_lse)[2], Real (&row_delta)[2],
                                                      u32 (&row_states)[2]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const bool valid = rows[half] < n_q;
         row_lse[half] = lse_in_logit_units(valid ? lse[bh * n_q + rows[half]]
-                                                 : negative_infinity<float>());
-        row_delta[half] = valid ? delta[bh * n_q + rows[half]] : 0.0f;
+                                                 : negative_infinity<Real>());
+        row_delta[half] = valid ? delta[bh * n_q + rows[half]] : Real(0);
         row_states[half] = dropout_state(scores, rows[half]);
     }
 }
@@ -180,10 +191,16 @@ extern "C" __global__ void attention_backward_dq_convert_strided(
     }
 }
 
+// The score options' real parameters come in the accumulators' type.
+#if defined(IS_FLOAT64) && IS_FLOAT64
+typedef double score_real;
+#else
+typedef float score_real;
+#endif
 #define SCORE_OPTION_PARAMS                                                                  \
-    float scale, float softcap, i64 band_offset, i64 window_left, i64 window_right,          \
-        u32 dropout_key, u32 dropout_threshold, float dropout_scale, u32 dropout_row0,       \
-        u32 dropout_col0
+    score_real scale, score_real softcap, i64 band_offset, i64 window_left,                  \
+        i64 window_right, u32 dropout_key, u32 dropout_threshold, score_real dropout_scale,  \
+        u32 dropout_row0, u32 dropout_col0
 
 
 // ------------------------------------------------------------------ per-tile element loops
@@ -193,26 +210,26 @@ extern "C" __global__ void attention_backward_dq_convert_strided(
 
 // keep / (1 - dropout_p) of the rows `row_states` (r and r + 8) at `key`; RowPairs: they are
 // one row pair, so one hash serves both.
-template <bool RowPairs>
-__device__ __forceinline__ void dropout_factors_of_rows(const Scores& scores,
+template <bool RowPairs, typename Real>
+__device__ __forceinline__ void dropout_factors_of_rows(const ScoresOf<Real>& scores,
                                                         const u32 (&row_states)[2], i64 key,
-                                                        float (&factors)[2]) {
-    factors[0] = factors[1] = 1.0f;
+                                                        Real (&factors)[2]) {
+    factors[0] = factors[1] = Real(1);
     if (!DROPOUT) return;
     bool lower, upper;
     dropout_keeps_rows<RowPairs>(row_states[0], row_states[1],
                                  static_cast<u32>(key) + scores.dropout_col0,
                                  scores.dropout_threshold, lower, upper);
-    factors[0] = lower ? scores.dropout_scale : 0.0f;
-    factors[1] = upper ? scores.dropout_scale : 0.0f;
+    factors[0] = lower ? scores.dropout_scale : Real(0);
+    factors[1] = upper ? scores.dropout_scale : Real(0);
 }
 
-template <bool RowPairs, int Frags>
-__device__ __forceinline__ void scores_to_ds_rows(const Scores& scores, float (&s)[Frags][4],
-                                                  const float (&dp)[Frags][4],
-                                                  const float (&row_lse)[2], const i64 (&rows)[2],
+template <bool RowPairs, typename Real, int Frags>
+__device__ __forceinline__ void scores_to_ds_rows(const ScoresOf<Real>& scores,
+                                                  Real (&s)[Frags][4], const Real (&dp)[Frags][4],
+                                                  const Real (&row_lse)[2], const i64 (&rows)[2],
                                                   const u32 (&row_states)[2],
-                                                  const float (&row_delta)[2], i64 key_start,
+                                                  const Real (&row_delta)[2], i64 key_start,
                                                   bool masked, const TileMask& mask) {
     const int quad_col = threadIdx.x % 4;
     // This thread's keys are n * 8 + column past 2 * quad_col.
@@ -223,31 +240,31 @@ __device__ __forceinline__ void scores_to_ds_rows(const Scores& scores, float (&
 #pragma unroll
         for (int column = 0; column < 2; ++column) {
             const i64 key = key_start + n * 8 + 2 * quad_col + column;
-            float factors[2];
+            Real factors[2];
             dropout_factors_of_rows<RowPairs>(scores, row_states, key, factors);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int e = 2 * half + column;
                 const bool kept_pair = !masked || kept[half].keeps(n * 8 + column);
-                float capped_grad;
-                const float p = probability(scores, s[n][e], row_lse[half], rows[half], key,
-                                            kept_pair, &capped_grad);
+                Real capped_grad;
+                const Real p = probability(scores, s[n][e], row_lse[half], rows[half], key,
+                                           kept_pair, &capped_grad);
                 // A masked dS is 0 by this select, not P = 0 times a dP that may be NaN
                 // there (a non-finite V or dO), nor a P that is NaN on a row whose lse is.
                 s[n][e] = kept_pair
                               ? p * capped_grad * (dp[n][e] * factors[half] - row_delta[half])
-                              : 0.0f;
+                              : Real(0);
             }
         }
 }
 
 // dQ kernel: S -> dS = P * (dP * dropout - D) * softcap', in place.
-template <int Frags>
-__device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Frags][4],
-                                             const float (&dp)[Frags][4],
-                                             const float (&row_lse)[2], const i64 (&rows)[2],
+template <typename Real, int Frags>
+__device__ __forceinline__ void scores_to_ds(const ScoresOf<Real>& scores, Real (&s)[Frags][4],
+                                             const Real (&dp)[Frags][4],
+                                             const Real (&row_lse)[2], const i64 (&rows)[2],
                                              const u32 (&row_states)[2],
-                                             const float (&row_delta)[2], i64 key_start,
+                                             const Real (&row_delta)[2], i64 key_start,
                                              bool masked, const TileMask& mask) {
     if (!DROPOUT || dropout_row_pair(row_states[0], row_states[1]))
         scores_to_ds_rows<true>(scores, s, dp, row_lse, rows, row_states, row_delta, key_start,
@@ -271,11 +288,11 @@ __device__ __forceinline__ void scores_to_ds(const Scores& scores, float (&s)[Fr
 // `masked`.
 // RowPairs: the queries n * 8 + ... of even n and the same of n + 1 (8 apart) are one row pair
 // for the dropout hash, so one hash a key serves both.
-template <bool RowPairs, int Frags, bool ZeroKeysPastEnd, bool QueryTail>
+template <bool RowPairs, int Frags, bool ZeroKeysPastEnd, bool QueryTail, typename Real>
 __device__ __forceinline__ void transposed_probabilities_rows(
-    const Scores& scores, float (&st)[Frags][4], float (&dpt)[Frags][4], const float* lse_tile,
-    const float* delta_tile, i64 query_start, const i64 (&keys)[2], i64 col0, i64 n_q, i64 n_k,
-    bool masked, const TileMask& mask) {
+    const ScoresOf<Real>& scores, Real (&st)[Frags][4], Real (&dpt)[Frags][4],
+    const Real* lse_tile, const Real* delta_tile, i64 query_start, const i64 (&keys)[2],
+    i64 col0, i64 n_q, i64 n_k, bool masked, const TileMask& mask) {
     const int quad_col = threadIdx.x % 4;
     // This thread's queries are n * 8 + column past 2 * quad_col.
     const Window kept[2] = {mask.column_window(static_cast<int>(keys[0] - col0), 2 * quad_col),
@@ -299,9 +316,9 @@ __device__ __forceinline__ void transposed_probabilities_rows(
                 if (n >= Frags) break;
                 const int r = n * 8 + 2 * quad_col + column;
                 const i64 query = query_start + r;
-                const float query_lse =
-                    lse_in_logit_units(query < n_q ? lse_tile[r] : negative_infinity<float>());
-                const float query_delta = delta_tile[r];
+                const Real query_lse =
+                    lse_in_logit_units(query < n_q ? lse_tile[r] : negative_infinity<Real>());
+                const Real query_delta = delta_tile[r];
                 const u32 row_state = RowPairs ? 0u : dropout_state(scores, query);
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
@@ -309,33 +326,33 @@ __device__ __forceinline__ void transposed_probabilities_rows(
                     const i64 key = keys[half];
                     const bool kept_pair = (!masked || kept[half].keeps(n * 8 + column)) &&
                                            (!QueryTail || query < n_q);
-                    float capped_grad;
-                    float p = probability(scores, st[n][e], query_lse, query, key, kept_pair,
-                                          &capped_grad);
-                    if (ZeroKeysPastEnd && key >= n_k) p = 0.0f;
-                    float factor = 1.0f;
+                    Real capped_grad;
+                    Real p = probability(scores, st[n][e], query_lse, query, key, kept_pair,
+                                         &capped_grad);
+                    if (ZeroKeysPastEnd && key >= n_k) p = Real(0);
+                    Real factor = Real(1);
                     if (DROPOUT && RowPairs)
                         factor = (upper ? dropout_upper_keeps(bits[half], scores.dropout_threshold)
                                         : dropout_lower_keeps(bits[half], scores.dropout_threshold))
                                      ? scores.dropout_scale
-                                     : 0.0f;
+                                     : Real(0);
                     else if (DROPOUT)
                         factor = dropout_factor(scores, row_state, key);
                     // Masked P^T and dS^T are 0 by select (as in scores_to_ds).
-                    st[n][e] = kept_pair ? p * factor : 0.0f;
+                    st[n][e] = kept_pair ? p * factor : Real(0);
                     dpt[n][e] = kept_pair ? p * capped_grad * (dpt[n][e] * factor - query_delta)
-                                          : 0.0f;
+                                          : Real(0);
                 }
             }
         }
 }
 
-template <int Frags, bool ZeroKeysPastEnd, bool QueryTail>
-__device__ __forceinline__ void transposed_probabilities(const Scores& scores,
-                                                         float (&st)[Frags][4],
-                                                         float (&dpt)[Frags][4],
-                                                         const float* lse_tile,
-                                                         const float* delta_tile,
+template <int Frags, bool ZeroKeysPastEnd, bool QueryTail, typename Real>
+__device__ __forceinline__ void transposed_probabilities(const ScoresOf<Real>& scores,
+                                                         Real (&st)[Frags][4],
+                                                         Real (&dpt)[Frags][4],
+                                                         const Real* lse_tile,
+                                                         const Real* delta_tile,
                                                          i64 query_start, const i64 (&keys)[2],
                                                          i64 col0, i64 n_q, i64 n_k,
                                                          bool masked, const TileMask& mask) {

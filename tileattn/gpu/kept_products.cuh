@@ -257,7 +257,9 @@ __device__ __forceinline__ void add_and_zero_non_finite_values(
     __syncthreads();
 }
 
-// The same for one row tile's accumulators, float[OutFrags][4] (the backwards' layout).
+// The same for one row tile's accumulators, float[OutFrags][4] or double[OutFrags][4] (the
+// backwards' layout). Two overloads, not one on a deduced element type: that would also
+// match the row tiles' float[RowTiles][4][4] as an array of float[4].
 template <int KeyFrags, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
 __device__ __forceinline__ void add_kept_non_finite_values(float (&acc)[OutFrags][4],
                                                            WindowOf window_of, HeldOf held_of,
@@ -265,12 +267,19 @@ __device__ __forceinline__ void add_kept_non_finite_values(float (&acc)[OutFrags
     add_kept_non_finite_values<KeyFrags>(reinterpret_cast<float (&)[1][OutFrags][4]>(acc),
                                          window_of, held_of, value_at);
 }
+template <int KeyFrags, int OutFrags, class WindowOf, class HeldOf, class ValueAt>
+__device__ __forceinline__ void add_kept_non_finite_values(double (&acc)[OutFrags][4],
+                                                           WindowOf window_of, HeldOf held_of,
+                                                           ValueAt value_at) {
+    add_kept_non_finite_values<KeyFrags>(reinterpret_cast<double (&)[1][OutFrags][4]>(acc),
+                                         window_of, held_of, value_at);
+}
 
-// held_of for one row tile's weights, float[KeyFrags][4].
-template <int KeyFrags>
+// held_of for one row tile's weights, Real[KeyFrags][4].
+template <int KeyFrags, typename Real = float>
 struct HeldFromTile {
-    const float (&p)[KeyFrags][4];
-    __device__ __forceinline__ float operator()(int, int n, int half, int odd) const {
+    const Real (&p)[KeyFrags][4];
+    __device__ __forceinline__ Real operator()(int, int n, int half, int odd) const {
         return p[n][2 * half + odd];
     }
 };

@@ -114,18 +114,20 @@ def row_deltas(do, o) -> tuple:
 
 def _operands(do, q, k, v, lse, options: AttentionOptions, given=(None, None, None),
               sequences: Sequences | None = None):
-    """What the tensor-core backwards launch with: the inputs read in place, lse as float32,
-    the outputs (dq, dk, dv; zeroed for a variable-length call), the arguments after the
-    arrays but for the tables, and the copy width."""
+    """What the tensor-core backwards launch with: the inputs read in place, lse in the
+    accumulation dtype (float32; float64 for float64), the outputs (dq, dk, dv; zeroed for a
+    variable-length call), the arguments after the arrays but for the tables, and the copy
+    width."""
     n_q_heads, n_q = q.shape[1], q.shape[2]
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     (q, k, v, do), (q_strides, k_strides, v_strides, do_strides), copy_bytes = (
         tensor_core_operands(q, k, v, do))
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    accum = accumulation_dtype(q.dtype)
+    lse = cupy.ascontiguousarray(lse, dtype=accum)
     outputs = _outputs(q, k, v, given, zeroed=leaves_padding(options.varlen))
     common = (alibi_slopes(options), np.int64(n_q), np.int64(n_k), np.int32(n_q_heads),
               np.int32(n_q_heads // n_kv_heads), *q_strides[:3], *k_strides[:3],
-              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, np.float32))
+              *v_strides[:3], *do_strides[:3], *score_arguments(options, n_q, n_k, accum))
     return (do, q, k, v, lse), outputs, common, copy_bytes
 
 
@@ -435,7 +437,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                  single_pass: bool | None = None, given=(None, None, None),
                  sequences: Sequences | None = None, dq_splits: int | None = None,
                  dq_parts: bool = False):
-    """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32).
+    """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32; float64
+    on sm_90's FP64 tensor cores, IS_FLOAT64: the two kernels alone, uncut, unshared).
 
     `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
     a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in turns when
@@ -456,7 +459,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     is_float32 = dtype_name(q.dtype) == "float32"
-    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 else 16)
+    is_float64 = dtype_name(q.dtype) == "float64"
+    widths = Widths.padded(head_dim, value_dim, 8 if is_float32 or is_float64 else 16)
     can_single = tiles.single_pass_fits(head_dim, value_dim, q.dtype.itemsize,
                                         shared_memory_limit(q.device.id))
     if single_pass is None:
@@ -466,7 +470,7 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
         key_blocks = batch * n_kv_heads * -(-n_k // tiles.dkdv[0])
         single_pass = runs_single_pass(dtype_name(q.dtype), options.deterministic) and \
             takes_single_pass(key_blocks, n_q_heads // n_kv_heads, sm_count(q.device.id))
-    single_pass = single_pass and can_single and sequences is None
+    single_pass = single_pass and can_single and sequences is None and not is_float64
     dq_parts = dq_parts and single_pass
     ordered = single_pass and options.deterministic and not dq_parts
     delta = row_deltas(do, o)[0]
@@ -480,15 +484,17 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     dq_turns = cupy.zeros(1 + batch * n_q_heads * n_q_tiles if ordered else 0,
                           dtype=cupy.int32)
     # float32 zeroes the tail's probabilities instead (QUERY_TAIL below), at no cost there.
-    flagging = not is_float32 and _has_query_tail(n_q, tiles.dkdv[1], sequences)
+    flagging = (not (is_float32 or is_float64)
+                and _has_query_tail(n_q, tiles.dkdv[1], sequences))
     key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, dk, dv, options,
                                                   tiles.dkdv[0], flagging,
                                                   Switches.of(options).banded or ordered,
                                                   sequences)
     group, sums, parts, key_grid, key_tables = _group_split(
         q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],
-        not (flagging or single_pass or sequences))
-    dq_splits = _dq_splits(q, k, options, tiles, sequences, single_pass, dq_splits)
+        not (flagging or single_pass or sequences or is_float64))
+    dq_splits = (1 if is_float64 else
+                 _dq_splits(q, k, options, tiles, sequences, single_pass, dq_splits))
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, dq_turns, flags),
@@ -497,7 +503,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
         owned, streamed = getattr(tiles, entry)
         defines = (("COPY_BYTES", copy_bytes), ("DKDV_PART", part), ("HEAD_DIM", head_dim),
                    ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")),
-                   ("IS_FLOAT32", int(is_float32)), ("ORDERED", int(ordered)),
+                   ("IS_FLOAT32", int(is_float32)), ("IS_FLOAT64", int(is_float64)),
+                   ("ORDERED", int(ordered)),
                    ("OWNED_ROWS", owned), ("SINGLE_PASS", int(single_pass)),
                    ("STREAMED_ROWS", streamed), ("VALUE_DIM", value_dim)
                    ) + Switches.of(options).defines()
@@ -505,7 +512,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
             defines += (("VARLEN", 1),)
         if dq_parts:
             defines += (("DQ_PARTS", 1),)
-        if entry == "dkdv" and is_float32 and _has_query_tail(n_q, streamed, sequences):
+        if (entry == "dkdv" and (is_float32 or is_float64)
+                and _has_query_tail(n_q, streamed, sequences)):
             defines += (("QUERY_TAIL", 1),)  # backward_scores.cuh: transposed_probabilities
         if entry == "dkdv" and flagging:
             defines += (("FLAG_NON_FINITE_KEYS", 1),)
@@ -592,7 +600,7 @@ def run(choice: Choice, do, q, k, v, o, lse, options: AttentionOptions,
     if choice.family == "wgmma":
         return backward_wgmma(do, q, k, v, o, lse, options, choice.tiles, given=given,
                               sequences=sequences, dq_splits=forced, planned=planned)
-    if choice.family in ("mma", "tf32"):
+    if choice.family in ("mma", "tf32", "f64"):
         return backward_mma(do, q, k, v, o, lse, options, choice.tiles, given=given,
                             sequences=sequences, dq_splits=forced)
     return backward_generic(do, q, k, v, o, lse, options, given, sequences)

@@ -293,12 +293,14 @@ class MmaBackwardTiles:
 
     def shared_bytes(self, entry: str, widths: Widths, element_size: int,
                      single_pass: bool = False, part: int = 0) -> int:
-        """Owned tiles plus two stages of streamed ones, rows padded by 8 elements; the
-        dK/dV kernel also stages lse and D per streamed row (no V tile in its dV-only
-        part), in the single pass the dS tile (owned x streamed, padded); a kernel of warp
-        pairs also the score tile they hand over (owned x streamed floats)."""
+        """Owned tiles plus two stages of streamed ones, rows padded by 8 elements (4 in
+        float64); the dK/dV kernel also stages lse and D per streamed row (floats, doubles
+        in float64; no V tile in its dV-only part), in the single pass the dS tile (owned x
+        streamed, padded); a kernel of warp pairs also the score tile they hand over (owned
+        x streamed floats)."""
         owned, streamed = getattr(self, entry)
-        head_pitch, value_pitch = widths.head + 8, widths.value + 8
+        pad = 4 if element_size == 8 else 8
+        head_pitch, value_pitch = widths.head + pad, widths.value + pad
         stream = 2 * streamed * (head_pitch + value_pitch)
         handed = 4 * owned * streamed if entry in self.paired else 0
         if entry != "dkdv":
@@ -306,8 +308,8 @@ class MmaBackwardTiles:
         owned_elements = owned * (head_pitch + (value_pitch if part != 1 else 0))
         ds_tile = (0 if not single_pass else 4 * streamed * (owned + 8) if element_size == 4
                    else 2 * owned * (streamed + 8))
-        return (element_size * (owned_elements + stream) + 2 * 2 * 4 * streamed + ds_tile
-                + handed)
+        row_terms = 2 * 2 * max(4, element_size) * streamed
+        return element_size * (owned_elements + stream) + row_terms + ds_tile + handed
 
     @property
     def serves_single_pass(self) -> bool:
@@ -523,6 +525,18 @@ F64_FORWARD = [
     Row(When(128), F64Tiles(128, 16),
         "v52: D<=128, 16-key steps in 207 KiB at D=128 (33.2/32.9 vs 24.2/23.1 for 64x32, "
         "20.0/20.0 for 32x16)"),
+]
+
+# float64's backward on sm_90's FP64 tensor cores (attention_mma_backward.cu with IS_FLOAT64):
+# its two kernels only. Rows by shared memory and ptxas (every option: 60-100 bytes of
+# spills), not yet swept. Written after the device time ran out, CPU-emulated only: off
+# until a device run passes its tests (F64_BACKWARD_ENABLED).
+F64_BACKWARD_ENABLED = False
+F64_BACKWARD = [
+    Row(When(64), MmaBackwardTiles((64, 32), (64, 32)),
+        "D<=64: dQ and dK/dV of 64 rows over 32-row tiles (140 KiB)"),
+    Row(When(128), MmaBackwardTiles((64, 16), (64, 16), split=True),
+        "D<=128: 16-row tiles, dK and dV apart (their double accumulators, 203 KiB)"),
 ]
 
 # float32 on Hopper: 3xTF32 on wgmma up to D = Dv = 160 (H200, B4 N4k hidden 2048, ms
@@ -816,6 +830,9 @@ def choose_backward(problem: Problem) -> Choice:
             return _generic("TF32 tensor cores need sm_80 or later")
         widths = Widths.of(problem, 8)
         table, element_size, family = TF32_BACKWARD, 4, "tf32"
+    elif problem.dtype == "float64" and problem.capability >= 90 and F64_BACKWARD_ENABLED:
+        widths = Widths.of(problem, 8)
+        table, element_size, family = F64_BACKWARD, 8, "f64"
     else:
         return _generic(f"{problem.dtype} runs on CUDA cores")
     row = _first_fitting(table, problem, widths, lambda t: backward_fits(
