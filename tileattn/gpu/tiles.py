@@ -9,8 +9,9 @@ Families (the ``.cu`` files' headers say how each works):
 * ``tf32``: float32 at float32 accuracy on TF32 tensor cores, sm_80 and later
   (attention_tf32_forward.cu, attention_mma_backward.cu with IS_FLOAT32; on Hopper the
   forward's `Tf32WgmmaTiles` rows run attention_tf32_wgmma_forward.cu);
-* ``f64`` (forward only): float64 on sm_90's FP64 tensor cores, D and Dv up to 128
-  (attention_tf32_forward.cu with IS_FLOAT64);
+* ``f64``: float64 on sm_90's FP64 tensor cores, D and Dv up to 128 (the forward:
+  attention_tf32_forward.cu with IS_FLOAT64; the backward, attention_mma_backward.cu with
+  IS_FLOAT64, where `F64_BACKWARD_ENABLED`);
 * ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64's
   backward and its forward elsewhere, head dims beyond the tensor-core rows (above 576 for
   the 16-bit forward, 384 for the rest), GPUs before sm_80, and tile sizes the caller
@@ -529,8 +530,9 @@ F64_FORWARD = [
 
 # float64's backward on sm_90's FP64 tensor cores (attention_mma_backward.cu with IS_FLOAT64):
 # its two kernels only. Rows by shared memory and ptxas (every option: 60-100 bytes of
-# spills), not yet swept. Written after the device time ran out, CPU-emulated only: off
-# until a device run passes its tests (F64_BACKWARD_ENABLED).
+# spills), not yet swept. Dispatch takes them once a device run has passed their tests
+# (tests/test_gpu.py: test_float64_backward_on_fp64_tensor_cores); until then the generic
+# kernels run float64's backward.
 F64_BACKWARD_ENABLED = False
 F64_BACKWARD = [
     Row(When(64), MmaBackwardTiles((64, 32), (64, 32)),
