@@ -167,9 +167,7 @@ __device__ __forceinline__ void score_product(const double* a, const double* b, 
 #pragma unroll
     for (int kk = 0; kk < Width / 8; ++kk) {
         double a_fragment[4];
-        const double* top = a + (row0 + lane / 4) * kPitch + kk * 8 + 2 * (lane % 4);
-        load_shared_pair(top, a_fragment[0], a_fragment[2]);
-        load_shared_pair(top + 8 * kPitch, a_fragment[1], a_fragment[3]);
+        load_a_fragment_f64<kPitch>(a, row0, kk * 8, a_fragment);
 #pragma unroll
         for (int n = 0; n < Columns / 8; ++n) {
             double b0, b1;

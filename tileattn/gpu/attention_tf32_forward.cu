@@ -38,9 +38,10 @@
 #define IS_FLOAT32 1  // this kernel is the float32 forward: natural-unit logits (mma.cuh)
 #endif
 #include "forward_softmax.cuh"
-#include "tf32.cuh"
 #if IS_FLOAT64
 #include "f64.cuh"
+#else
+#include "tf32.cuh"
 #endif
 
 #if IS_FLOAT64
@@ -72,9 +73,7 @@ __device__ __forceinline__ void load_key_tiles(real* k_tile, real* v_tile,
 
 #if IS_FLOAT64
 // s = Q K^T for this warp's kRowTiles x 16 rows (from warp_row0) of the Q tile against the
-// K tile's BLOCK_K keys. Logical k = t, t + 4 of a k8 step are columns 2t, 2t + 1 (as in
-// tf32.cuh): A's a0, a2 are one 16-byte load of row g, a1, a3 of row g + 8; B's b0, b1 are
-// dims 2t, 2t + 1 of key g.
+// K tile's BLOCK_K keys (f64.cuh's fragments): B's b0, b1 are dims 2t, 2t + 1 of key g.
 __device__ __forceinline__ void score_tile(double (&s)[kRowTiles][BLOCK_K / 8][4],
                                            const double* q_tile, const double* k_tile,
                                            int warp_row0) {
@@ -88,12 +87,8 @@ __device__ __forceinline__ void score_tile(double (&s)[kRowTiles][BLOCK_K / 8][4
     for (int k0 = 0; k0 < kHeadWidth; k0 += 8) {
         double a[kRowTiles][4];
 #pragma unroll
-        for (int m = 0; m < kRowTiles; ++m) {
-            const double* top =
-                q_tile + (warp_row0 + m * 16 + group) * kQkPitch + k0 + 2 * thread_in_group;
-            load_shared_pair(top, a[m][0], a[m][2]);
-            load_shared_pair(top + 8 * kQkPitch, a[m][1], a[m][3]);
-        }
+        for (int m = 0; m < kRowTiles; ++m)
+            load_a_fragment_f64<kQkPitch>(q_tile, warp_row0 + m * 16, k0, a[m]);
 #pragma unroll
         for (int n = 0; n < BLOCK_K / 8; ++n) {
             double b0, b1;

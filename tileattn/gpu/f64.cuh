@@ -25,3 +25,15 @@ __device__ __forceinline__ void load_shared_pair(const double* pointer, double& 
                  : "=d"(low), "=d"(high)
                  : "r"(shared_address(pointer)));
 }
+
+// The A fragment of rows [row0, row0 + 16) at the k8 step whose logical k = t, t + 4 are
+// columns col0 + 2t, col0 + 2t + 1 of a row-major double tile of pitch `Pitch`: a0, a2 one
+// 16-byte load of row g, a1, a3 one of row g + 8.
+template <int Pitch>
+__device__ __forceinline__ void load_a_fragment_f64(const double* tile, int row0, int col0,
+                                                    double (&a)[4]) {
+    const int lane = threadIdx.x % 32;
+    const double* top = tile + (row0 + lane / 4) * Pitch + col0 + 2 * (lane % 4);
+    load_shared_pair(top, a[0], a[2]);
+    load_shared_pair(top + 8 * Pitch, a[1], a[3]);
+}
