@@ -75,3 +75,17 @@ def test_float64_kernels_under_emulation():
     assert "all passed" in result.stdout
     assert result.stdout.count("ok f64 float64") == 12, result.stdout
     assert result.stdout.count("ok backward float64") == 10, result.stdout
+
+
+def test_float64_key_shares_through_the_launcher_under_emulation():
+    """float64's forward over few query tiles through `launch_forward.forward` (dispatch's
+    key shares, double partials, split_keys_merge.cu in double) on a CuPy stand-in whose
+    kernels are the emulation (bench/experiments/emulate_mma_cpu.py --f64-shares)."""
+    if _gxx_major() < 12:
+        pytest.skip("the emulation needs g++ 12 or later")
+    pytest.importorskip("ml_dtypes")
+    result = subprocess.run([sys.executable, SCRIPT, "--f64-shares"], capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
+    assert "all passed" in result.stdout
+    assert result.stdout.count("ok launcher key shares") == 4, result.stdout

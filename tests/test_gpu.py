@@ -940,6 +940,25 @@ def test_float64_backward_on_fp64_tensor_cores(dims, options):
     _backward_with(Choice("f64", row.tiles), q, k, v, do, options)
 
 
+@hopper_only
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize(("dims", "options"), [
+    ((64, 64), {"causal": True}),
+    ((128, 96), {"causal": True, "softcap": 8.0, "alibi_slopes": np.array([0.02, 0.05]),
+                 "dropout_p": 0.1, "seed": 4}),
+    ((40, 40), {"window": (300, 20)})], ids=["D64-causal", "D128-Dv96-options", "D40-window"])
+def test_float64_key_shares(dims, options, splits):
+    """float64's forward over few query tiles with its keys cut into shares (SPLIT_KEYS:
+    double partials merged by split_keys_merge.cu in double), run directly: shares of
+    uneven sizes, some past every row's band. Dispatch cuts keys so once this has passed on
+    a device (`tiles.F64_KEY_SHARES_ENABLED`)."""
+    head_dim, value_dim = dims
+    q, k, v = _inputs((1, 2, 100, head_dim), (1, 2, 1600, head_dim), (1, 2, 1600, value_dim),
+                      np.float64, seed=splits)
+    row = tile_tables.F64_FORWARD[0 if max(dims) <= 64 else -1]
+    _forward_with(Choice("f64", row.tiles, "forced", key_splits=splits), q, k, v, options)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_float64_generic_tiles_per_direction(head_dim):
     """float64's CUDA-core kernels take a tile capacity per direction

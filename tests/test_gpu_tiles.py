@@ -113,6 +113,18 @@ def test_float64_backward_rows_fit_and_wait_for_their_device_run(monkeypatch):
         tiles.choose_backward.cache_clear()
 
 
+def test_float64_key_shares_wait_for_their_device_run(monkeypatch):
+    """float64's forward cuts the keys of few query tiles into shares, as the other
+    tensor-core forwards do, once `F64_KEY_SHARES_ENABLED` (a device run of its tests)."""
+    choice = tiles.Choice("f64", tiles.F64Tiles(128, 16))
+    shape = tiles.DecodeShape(n_q=100, group=1, batch_kv_heads=2, batch_q_heads=2,
+                              band_keys=8192, sm_count=132)
+    assert tiles.forward_key_splits(choice, shape)[0] == 1
+    monkeypatch.setattr(tiles, "F64_KEY_SHARES_ENABLED", True)
+    splits, why = tiles.forward_key_splits(choice, shape)
+    assert splits > 1 and why
+
+
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
 def test_widths_above_256_on_mma_sync_and_tf32(device):
     """Above 256 the mma.sync forward serves 16-bit widths to 576, its backward and the

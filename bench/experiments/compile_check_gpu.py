@@ -56,6 +56,10 @@ JOBS = [
     ("attention_tf32_forward.cu", "90",
      ["IS_FLOAT64=1", "BLOCK_K=32", "BLOCK_Q=128", "WARP_ROWS=16", "COPY_BYTES=16",
       "HEAD_DIM=96", "VALUE_DIM=96"]),
+    ("attention_tf32_forward.cu", "90",  # key shares into double partials
+     ["IS_FLOAT64=1", "BLOCK_K=16", "BLOCK_Q=128", "WARP_ROWS=16", "COPY_BYTES=16",
+      "HEAD_DIM=128", "VALUE_DIM=128", "SPLIT_KEYS=1"]),
+    ("split_keys_merge.cu", "90", ["PARTIAL=double", "STORAGE=double", "VALUE_DIM=128"]),
     ("attention_tf32_forward.cu", "90",
      ["IS_FLOAT64=1", "BLOCK_K=16", "BLOCK_Q=128", "WARP_ROWS=16", "COPY_BYTES=16",
       "HEAD_DIM=128", "VALUE_DIM=128"]),

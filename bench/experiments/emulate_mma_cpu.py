@@ -11,11 +11,12 @@ non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass [--quick] | --launcher |
-                                                  --tf32 | --f64]
+                                                  --f64-shares | --tf32 | --f64]
 
-`--launcher` runs only the wide decode's fold through the Python launch path
-(`launch_forward.forward` on a CuPy stand-in) with the mma.sync forward and
-split_keys_merge.cu emulated, called with the launcher's own arguments.
+`--launcher` runs only the wide decode's fold, and float64's forward with key shares, through
+the Python launch path (`launch_forward.forward` on a CuPy stand-in) with the mma.sync or
+float64 forward and split_keys_merge.cu emulated, called with the launcher's own arguments;
+`--f64-shares` only the latter.
 
 Needs g++ 12+. Each block runs as its threads (std::threads meeting at barriers); a warp's
 ldmatrix and mma.sync exchange the lanes' addresses and fragments through a per-thread
@@ -348,10 +349,18 @@ extern "C" void launch_attention_forward_mma(
     }, grid, threads, shared, grid_y);
 }
 """
+# float64's forward (attention_tf32_forward.cu with IS_FLOAT64) takes the same parameters in
+# doubles.
+F64_FORWARD_LAUNCHER = (
+    FORWARD_LAUNCHER.replace("attention_forward_mma", "attention_forward_f64")
+    .replace("const bits16*", "const double*").replace("bits16* o", "double* o")
+    .replace("float* lse", "double* lse").replace("float scale, float softcap",
+                                                   "double scale, double softcap")
+    .replace("float dropout_scale", "double dropout_scale"))
 MERGE_LAUNCHER = RUN_BLOCKS + r"""
 extern "C" void launch_split_keys_merge(unsigned grid, unsigned grid_y, unsigned threads,
-                                        unsigned shared, const float* partial_o,
-                                        const float* partial_lse, STORAGE* o, float* lse,
+                                        unsigned shared, const partial* partial_o,
+                                        const partial* partial_lse, STORAGE* o, partial* lse,
                                         i64 n_rows, i64 n_q, int n_splits, int n_q_heads,
                                         i64 o_sb, i64 o_sh, i64 o_sn) {
     run_blocks([&] { split_keys_merge(partial_o, partial_lse, o, lse, n_rows, n_q, n_splits,
@@ -1131,6 +1140,9 @@ class _EmulatedKernel:
             given.update(STORAGE=STORAGE["bfloat16" if given.get("IS_BFLOAT16") else "float16"],
                          ACCUM="float", DEFERRED_COPIES=1)
             runner = FORWARD_LAUNCHER
+        elif source_name == "attention_tf32_forward.cu":  # float64's, IS_FLOAT64
+            given.update(STORAGE="double", ACCUM="double", DEFERRED_COPIES=1, IS_BFLOAT16=0)
+            runner = F64_FORWARD_LAUNCHER
         else:
             given.update(ACCUM="float", DEFERRED_COPIES=1,
                          IS_BFLOAT16=int(given["STORAGE"] == STORAGE["bfloat16"]))
@@ -1152,7 +1164,17 @@ FOLD_CASES = [
 ]
 
 
-def launcher_mode() -> int:
+# float64's forward over few query tiles (launch_forward.forward: the f64 family with key
+# shares into double partials, merged by split_keys_merge.cu in double): (B, Hq, Hkv, Nq,
+# Nk, D, Dv), options.
+F64_SHARE_CASES = [
+    ((1, 2, 2, 100, 1600, 64, 64), {"causal": True}),
+    ((1, 2, 1, 70, 1100, 128, 96), {"causal": True, "softcap": 8.0,
+                                     "alibi_slopes": np.array([0.02, 0.05])}),
+]
+
+
+def launcher_mode(folds: bool = True) -> int:
     """The wide decode's fold through the Python launch path (`launch_forward.forward`:
     dispatch, the fold's views, value slices, key shares and their merge, the launch cache)
     on a CuPy stand-in whose kernels are this emulation of attention_mma_forward.cu and
@@ -1166,9 +1188,11 @@ def launcher_mode() -> int:
 
     operands._PLANS.clear()
     tiles.FOLD_MIN_WAVE = 0.0
+    tiles.F64_KEY_SHARES_ENABLED = True  # what F64_SHARE_CASES check
 
     def kernel(source_name, entry, defines, shared_bytes=0, arch=None):
-        assert source_name in ("attention_mma_forward.cu", "split_keys_merge.cu"), source_name
+        assert source_name in ("attention_mma_forward.cu", "attention_tf32_forward.cu",
+                               "split_keys_merge.cu"), source_name
         return _EmulatedKernel(source_name, entry, defines)
 
     _compile.kernel = kernel
@@ -1176,7 +1200,7 @@ def launcher_mode() -> int:
     failures = 0
     defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
                     dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
-    for (batch, hq, hkv, nq, nk, d, dv), options in FOLD_CASES:
+    for (batch, hq, hkv, nq, nk, d, dv), options in FOLD_CASES if folds else ():
         q, k, v = (rng.standard_normal(s).astype(np.float32).astype(np.float16)
                    for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
         poisoned = nq > 1 and options.get("window", (0, 0))[1] == 0
@@ -1206,6 +1230,29 @@ def launcher_mode() -> int:
             except AssertionError as error:
                 print(f"FAILED {label}: {error}")
                 failures += 1
+    for (batch, hq, hkv, nq, nk, d, dv), options in F64_SHARE_CASES:
+        q, k, v = (rng.standard_normal(s) for s in ((batch, hq, nq, d), (batch, hkv, nk, d),
+                                                    (batch, hkv, nk, dv)))
+        golden_o, golden_lse = tileattn.forward(q, k, v, backend="reference", return_lse=True,
+                                                **options)
+        for layout in ("bhsd", "bshd"):
+            arrays = [standin.asarray(a) for a in (q, k, v)]
+            out = None
+            if layout == "bshd":
+                out = standin.empty((batch, nq, hq, dv), np.float64).swapaxes(1, 2)
+            resolved = validate(*arrays, **{**defaults, **options}).options
+            label = (f"launcher key shares {layout} float64 q{q.shape} k{k.shape} v{v.shape} "
+                     f"{options}")
+            try:
+                choice = launch_forward.choose(*arrays, resolved)
+                assert choice.family == "f64" and choice.key_splits > 1, choice
+                o, lse = launch_forward.forward(*arrays, resolved, out=out)
+                assert_attention_close(np.asarray(o), golden_o, np.float64, name="o")
+                assert_attention_close(np.asarray(lse), golden_lse, np.float64, name="lse")
+                print(f"ok {label} ({choice.key_splits} shares)", flush=True)
+            except AssertionError as error:
+                print(f"FAILED {label}: {error}")
+                failures += 1
     return failures
 
 
@@ -1219,6 +1266,8 @@ def main() -> int:
                         help="the 3xTF32 forwards only (mma.sync and wgmma)")
     parser.add_argument("--f64", action="store_true",
                         help="the float64 forward on FP64 tensor cores only")
+    parser.add_argument("--f64-shares", action="store_true",
+                        help="the launcher mode's float64 key shares only")
     parser.add_argument("--backward", action="store_true", help="the backward cases only")
     parser.add_argument("--single-pass", action="store_true",
                         help="the single pass's backward cases only")
@@ -1226,8 +1275,8 @@ def main() -> int:
                         help="only the wide decode's fold through tileattn/gpu/launch_forward "
                              "on a CuPy stand-in")
     args = parser.parse_args()
-    if args.launcher:
-        failures = launcher_mode()
+    if args.launcher or args.f64_shares:
+        failures = launcher_mode(folds=not args.f64_shares)
         print("all passed" if not failures else f"{failures} failed")
         return failures
     rng = np.random.default_rng(0)

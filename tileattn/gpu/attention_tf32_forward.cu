@@ -59,7 +59,6 @@ constexpr int kQkPitch = IS_FLOAT64 ? padded_width(kHeadWidth, 16) + 8 : kHeadWi
 constexpr int kVPitch = IS_FLOAT64 ? kValueWidth + 2 : kValueWidth + 4;
 static_assert(BLOCK_K % 8 == 0 && BLOCK_Q % WARP_ROWS == 0 && WARP_ROWS % 16 == 0,
               "mma tiles");
-static_assert(!(IS_FLOAT64 && SPLIT_KEYS), "key shares merge float32 partials");
 
 // Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
 __device__ __forceinline__ void load_key_tiles(real* k_tile, real* v_tile,

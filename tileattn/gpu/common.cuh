@@ -355,9 +355,11 @@ template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc x) {
 #define SPLIT_KEYS 0
 #endif
 
-// The type of a split kernel's output rows: float32 partials under SPLIT_KEYS, else T.
+// The type of a split kernel's output rows: float32 partials under SPLIT_KEYS (float64's
+// forward: doubles), else T.
 template <bool kSplit, typename T> struct SplitOutput { using type = T; };
 template <typename T> struct SplitOutput<true, T> { using type = float; };
+template <> struct SplitOutput<true, double> { using type = double; };
 
 // This block's share of the key tiles [*begin, *end).
 __device__ __forceinline__ void split_key_tiles(i64* begin, i64* end) {

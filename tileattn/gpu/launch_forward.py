@@ -19,8 +19,8 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        tensor_core_operands)
 from .tiles import (FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, Choice, F64Tiles, MmaTiles,
                     Tf32Tiles, Tf32WgmmaTiles, WgmmaTiles, Widths, choose_decode, choose_forward,
-                    fold_value_slices, folded_choice, folds_group_rows, forward_resident_blocks,
-                    key_shares, with_key_splits, within_pages)
+                    cuts_key_shares, fold_value_slices, folded_choice, folds_group_rows,
+                    forward_resident_blocks, key_shares, with_key_splits, within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -60,7 +60,8 @@ def _dims_defines(q, v, copy_bytes: int) -> tuple:
 @dataclass(frozen=True)
 class SplitKeysLaunch:
     """A split-KV forward (`tiles.forward_key_splits`): the kernel over (query tiles, key
-    shares) into the workspace's float32 partials, then split_keys_merge.cu into o and lse.
+    shares) into the workspace's partials (float32; float64 for float64), then
+    split_keys_merge.cu into o and lse.
     `unwritten_rows`: a variable-length call, whose kernels skip rows of no sequence; their
     lse partials start as -inf, so the merge writes o = 0 and lse = -inf there."""
 
@@ -69,9 +70,10 @@ class SplitKeysLaunch:
     partial_size: int  # shares x rows x Dv
     lse_size: int  # shares x rows
     unwritten_rows: bool = False
+    partial_dtype: type = np.float32
 
     def __call__(self, q, k, v, o, lse):
-        partial_o, partial_lse = partials(self.partial_size, self.lse_size, np.float32)
+        partial_o, partial_lse = partials(self.partial_size, self.lse_size, self.partial_dtype)
         if self.unwritten_rows:
             partial_lse.fill(-np.inf)
         self.forward(q, k, v, partial_o, partial_lse)
@@ -83,7 +85,8 @@ def _merge_launch(o, n_q: int, splits: int) -> Launch:
     SPLIT_MERGE_COLUMNS columns."""
     batch, n_q_heads, _, value_dim = o.shape
     n_rows = batch * n_q_heads * n_q
-    defines = (("STORAGE", STORAGE[dtype_name(o.dtype)]), ("VALUE_DIM", value_dim))
+    defines = (("PARTIAL", "double" if accumulation_dtype(o.dtype) == np.float64 else "float"),
+               ("STORAGE", STORAGE[dtype_name(o.dtype)]), ("VALUE_DIM", value_dim))
     function = _compile.kernel(SPLIT_MERGE_SOURCE, "split_keys_merge", defines)
     threads = n_rows * -(-value_dim // SPLIT_MERGE_COLUMNS)
     return Launch(function, (-(-threads // SPLIT_MERGE_THREADS),), (SPLIT_MERGE_THREADS,), 0,
@@ -111,7 +114,8 @@ def _launch_tensor_core(function, shared: int, block_q: int, threads: int, q, k,
         n_rows = batch * n_q_heads * n_q
         launch = SplitKeysLaunch(launch, _merge_launch(o, n_q, splits),
                                  splits * n_rows * value_dim, splits * n_rows,
-                                 unwritten_rows=sequences is not None)
+                                 unwritten_rows=sequences is not None,
+                                 partial_dtype=accumulation_dtype(q.dtype).type)
     launch(q, k, v, o, lse)
     return launch
 
@@ -172,13 +176,13 @@ def forward_tf32(q, k, v, o, lse, options: AttentionOptions, tiles: Tf32Tiles | 
 
 
 def forward_f64(q, k, v, o, lse, options: AttentionOptions, tiles: F64Tiles,
-                sequences: Sequences | None = None) -> tuple:
+                sequences: Sequences | None = None, splits: int = 1) -> tuple:
     """float64 on sm_90's FP64 tensor cores: the 3xTF32 forward's source with one double
-    product in place of three (IS_FLOAT64); no key shares (their partials are float32)."""
+    product in place of three (IS_FLOAT64); key shares merge double partials."""
     defines = (("BLOCK_K", tiles.block_k), ("BLOCK_Q", tiles.block_q), ("IS_FLOAT64", 1),
                ("WARP_ROWS", tiles.warp_rows))
     return _forward_on_tensor_cores(TF32_SOURCE, "attention_forward_f64", defines, 8, None,
-                                    q, k, v, o, lse, options, tiles, sequences, 1)
+                                    q, k, v, o, lse, options, tiles, sequences, splits)
 
 
 # --------------------------------------------------------------------------- generic
@@ -327,7 +331,7 @@ def _varlen_shares(choice: Choice, q, options: AttentionOptions, sequences: Sequ
     """The key shares of a variable-length forward, as a rule of its tile table's blocks
     (`tiles.key_shares`, as for a dense grid, the longest sequence's keys and window
     bounding a share's), or 1 where the family does not split or tile sizes are named."""
-    if (choice.family not in ("wgmma", "mma", "tf32") or options.block_q is not None
+    if (not cuts_key_shares(choice.family) or options.block_q is not None
             or options.block_k is not None):
         return 1
     keys = sequences.max_keys

@@ -534,6 +534,9 @@ F64_FORWARD = [
 # (tests/test_gpu.py: test_float64_backward_on_fp64_tensor_cores); until then the generic
 # kernels run float64's backward.
 F64_BACKWARD_ENABLED = False
+# Its forward's key shares (double partials, split_keys_merge.cu with PARTIAL=double), the
+# same way: dispatch takes them once tests/test_gpu.py's test_float64_key_shares has passed.
+F64_KEY_SHARES_ENABLED = False
 F64_BACKWARD = [
     Row(When(64), MmaBackwardTiles((64, 32), (64, 32)),
         "D<=64: dQ and dK/dV of 64 rows over 32-row tiles (140 KiB)"),
@@ -1478,6 +1481,11 @@ def key_shares(blocks: int, resident: int, band_keys: int, block_k: int,
     return next(s for s in range(1, most + 1) if fullness(s) >= FORWARD_SPLIT_EFFICIENCY * best)
 
 
+def cuts_key_shares(family: str) -> bool:
+    """Whether a forward of `family` cuts its keys into shares on small grids."""
+    return family in ("wgmma", "mma", "tf32") or family == "f64" and F64_KEY_SHARES_ENABLED
+
+
 def forward_resident_blocks(tiles, sm_count: int) -> int:
     """The blocks of a tensor-core forward's tiles that the GPU holds at once."""
     return sm_count * getattr(tiles, "blocks_per_sm", 1)
@@ -1487,7 +1495,7 @@ def forward_key_splits(choice: Choice, shape: DecodeShape,
                        most_splits: int = FORWARD_MAX_SPLITS) -> tuple[int, str | None]:
     """Into how many key shares a dense tensor-core forward cuts each query tile, and why
     (None where it does not). Not for tile sizes a caller named (the callers check)."""
-    if choice.family not in ("wgmma", "mma", "tf32"):
+    if not cuts_key_shares(choice.family):
         return 1, None
     tiles = choice.tiles
     blocks = shape.batch_q_heads * -(-shape.n_q // tiles.block_q)
