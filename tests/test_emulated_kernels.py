@@ -1,11 +1,6 @@
-"""Tensor-core kernels run on the CPU under emulation of the CUDA built-ins, no GPU needed.
-
-The backward's single pass (bench/experiments/emulate_mma_cpu.py --single-pass --quick):
-a banded float16 GQA case and an unbanded float32 one, each in arrival order, in turns (ORDERED:
-the float32 default's protocol), into a slot per key block (DQ_PARTS), and the last two
-into (B, N, H, D) gradients too, against the float64 golden model. The emulation runs its blocks one after another, taking their
-tickets in that order, so a turn ranked out of order hangs here: the subprocess's
-timeout turns that into a failure."""
+"""Tensor-core kernels run on the CPU under emulation of the CUDA built-ins, no GPU needed
+(bench/experiments/emulate_mma_cpu.py: the kernels' own source, warp-wide PTX computed by
+meaning), against the float64 golden model."""
 
 from __future__ import annotations
 
@@ -31,33 +26,39 @@ def _gxx_major() -> int:
     return int(match.group(1)) if match else 0
 
 
-def test_single_pass_in_turns_under_emulation():
+def _emulation(*arguments: str) -> str:
+    """emulate_mma_cpu.py's output for `arguments`, which must end "all passed"; skips where
+    g++ 12 or ml_dtypes (the emulation's 16-bit inputs) is missing."""
     if _gxx_major() < 12:
         pytest.skip("the emulation needs g++ 12 or later")
-    pytest.importorskip("ml_dtypes")  # the emulation's 16-bit inputs
-    result = subprocess.run([sys.executable, SCRIPT, "--single-pass", "--quick"],
-                            capture_output=True, text=True, timeout=900)
+    pytest.importorskip("ml_dtypes")
+    result = subprocess.run([sys.executable, SCRIPT, *arguments], capture_output=True,
+                            text=True, timeout=900)
     assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
     assert "all passed" in result.stdout
+    return result.stdout
+
+
+def test_single_pass_in_turns_under_emulation():
+    """The backward's single pass (--single-pass --quick): a banded float16 GQA case and an
+    unbanded float32 one, each in arrival order, in turns (ORDERED: the float32 default's
+    protocol), into a slot per key block (DQ_PARTS), and the last two into (B, N, H, D)
+    gradients too. The emulation runs its blocks one after another, taking their tickets in
+    that order, so a turn ranked out of order hangs here: the subprocess's timeout turns
+    that into a failure."""
+    output = _emulation("--single-pass", "--quick")
     # in turns and in a slot per key block: each case into (B, H, N, D) and into
     # (B, N, H, D) gradients
-    assert result.stdout.count("\nok backward single pass in turns") == 4, result.stdout
-    assert result.stdout.count("\nok backward single pass in parts") == 4, result.stdout
-    assert result.stdout.count("gradients (B, N, H, D)") == 4, result.stdout
+    assert output.count("\nok backward single pass in turns") == 4, output
+    assert output.count("\nok backward single pass in parts") == 4, output
+    assert output.count("gradients (B, N, H, D)") == 4, output
 
 
 def test_float32_forwards_under_emulation():
     """The 3xTF32 forwards (bench/experiments/emulate_mma_cpu.py --tf32): mma.sync, and the
     Hopper kernel on wgmma, whose descriptors, swizzle and operand orders the emulation
     reads as the hardware does, each with o contiguous and in (B, N, H, Dv)."""
-    if _gxx_major() < 12:
-        pytest.skip("the emulation needs g++ 12 or later")
-    pytest.importorskip("ml_dtypes")
-    result = subprocess.run([sys.executable, SCRIPT, "--tf32"], capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
-    assert "all passed" in result.stdout
-    assert result.stdout.count("Tf32WgmmaTiles") == 10, result.stdout
+    assert _emulation("--tf32").count("Tf32WgmmaTiles") == 10
 
 
 def test_float64_kernels_under_emulation():
@@ -66,26 +67,13 @@ def test_float64_kernels_under_emulation():
     (attention_mma_backward.cu with IS_FLOAT64), every score option, odd and unequal head
     dims, GQA, NaN at places a band hides, outputs contiguous and in (B, N, H, D), at
     float64's tolerance."""
-    if _gxx_major() < 12:
-        pytest.skip("the emulation needs g++ 12 or later")
-    pytest.importorskip("ml_dtypes")
-    result = subprocess.run([sys.executable, SCRIPT, "--f64"], capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
-    assert "all passed" in result.stdout
-    assert result.stdout.count("ok f64 float64") == 12, result.stdout
-    assert result.stdout.count("ok backward float64") == 10, result.stdout
+    output = _emulation("--f64")
+    assert output.count("ok f64 float64") == 12, output
+    assert output.count("ok backward float64") == 10, output
 
 
 def test_float64_key_shares_through_the_launcher_under_emulation():
     """float64's forward over few query tiles through `launch_forward.forward` (dispatch's
     key shares, double partials, split_keys_merge.cu in double) on a CuPy stand-in whose
     kernels are the emulation (bench/experiments/emulate_mma_cpu.py --f64-shares)."""
-    if _gxx_major() < 12:
-        pytest.skip("the emulation needs g++ 12 or later")
-    pytest.importorskip("ml_dtypes")
-    result = subprocess.run([sys.executable, SCRIPT, "--f64-shares"], capture_output=True,
-                            text=True, timeout=900)
-    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
-    assert "all passed" in result.stdout
-    assert result.stdout.count("ok launcher key shares") == 4, result.stdout
+    assert _emulation("--f64-shares").count("ok launcher key shares") == 4
