@@ -483,7 +483,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
     # ORDERED: the blocks' ticket, then a turn counter per (batch x head, query tile).
     dq_turns = cupy.zeros(1 + batch * n_q_heads * n_q_tiles if ordered else 0,
                           dtype=cupy.int32)
-    # float32 zeroes the tail's probabilities instead (QUERY_TAIL below), at no cost there.
+    # float32 and float64 zero the tail's probabilities instead (QUERY_TAIL below), at no
+    # cost there.
     flagging = (not (is_float32 or is_float64)
                 and _has_query_tail(n_q, tiles.dkdv[1], sequences))
     key_grid, key_tables, redo, flags = _key_grid(q, k, v, do, lse, dk, dv, options,

@@ -146,8 +146,8 @@ __device__ __forceinline__ float exp_of_logit_difference(float difference) {
     if constexpr (kNaturalLogits) return exp2_approx(__fmul_rn(difference, kLog2e));
     return exp2_approx(difference);
 }
-// float64 (IS_FLOAT64, natural units): the correctly rounded library exponential, as the
-// golden model's.
+// float64 (IS_FLOAT64, natural units): the library's double exponential (within an ulp),
+// the precision of the golden model's.
 __device__ __forceinline__ double exp_of_logit_difference(double difference) {
     return exp(difference);
 }
