@@ -30,11 +30,7 @@ __device__ __forceinline__ ScoresOf<Real> make_scores(Real scale, Real softcap,
                                                       Real dropout_scale, u32 dropout_row0,
                                                       u32 dropout_col0) {
     ScoresOf<Real> scores;
-    scores.logit_scale = scale * static_cast<Real>(kLogitUnit);
-    scores.scale_over_softcap = SOFTCAP ? scale / softcap : Real(0);
-    scores.logit_softcap = softcap * static_cast<Real>(kLogitUnit);
-    scores.logit_slope =
-        ALIBI ? static_cast<Real>(slopes[bh]) * static_cast<Real>(kLogitUnit) : Real(0);
+    set_logit_factors(scores, scale, softcap, slopes, bh);
     scores.band = band;
     scores.dropout_key = dropout_key;
     scores.dropout_threshold = dropout_threshold;

@@ -35,11 +35,7 @@ __device__ __forceinline__ ForwardScoresOf<Real> make_forward_scores(Real scale,
                                                                      i64 bh, Band band,
                                                                      i64 n_k) {
     ForwardScoresOf<Real> scores;
-    scores.logit_scale = scale * static_cast<Real>(kLogitUnit);
-    scores.scale_over_softcap = SOFTCAP ? scale / softcap : Real(0);
-    scores.logit_softcap = softcap * static_cast<Real>(kLogitUnit);
-    scores.logit_slope =
-        ALIBI ? static_cast<Real>(slopes[bh]) * static_cast<Real>(kLogitUnit) : Real(0);
+    set_logit_factors(scores, scale, softcap, slopes, bh);
     scores.band = band;
     scores.n_k = n_k;
     return scores;

@@ -132,6 +132,19 @@ constexpr bool kNaturalLogits = false;
 // The factor from scaled scores to logits in those units.
 constexpr float kLogitUnit = kNaturalLogits ? 1.0f : kLog2e;
 
+// The score options' factors in logit units, in the accumulators' type Real, for the
+// forward's score records and the backward's alike (forward_softmax.cuh, backward_scores.cuh):
+// scale, scale / softcap, softcap and this head's ALiBi slope.
+template <typename Real, class Record>
+__device__ __forceinline__ void set_logit_factors(Record& scores, Real scale, Real softcap,
+                                                  const double* slopes, i64 bh) {
+    scores.logit_scale = scale * static_cast<Real>(kLogitUnit);
+    scores.scale_over_softcap = SOFTCAP ? scale / softcap : Real(0);
+    scores.logit_softcap = softcap * static_cast<Real>(kLogitUnit);
+    scores.logit_slope =
+        ALIBI ? static_cast<Real>(slopes[bh]) * static_cast<Real>(kLogitUnit) : Real(0);
+}
+
 // 2^x; -inf gives +0 and NaN stays NaN, which the masking and the NaN semantics rely on.
 __device__ __forceinline__ float exp2_approx(float x) {
     float result;
