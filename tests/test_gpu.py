@@ -901,16 +901,16 @@ def test_generic_head_dims(dtype, head_dim, value_dim):
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (40, 72), (3, 5), (128, 24)],
                          ids=DIM_IDS)
 def test_float64_forward_on_fp64_tensor_cores(dims):
-    """sm_90 runs float64's forward on its FP64 tensor cores at D, Dv <= 128 (the generic
-    kernels elsewhere); several query and key tiles, GQA, a key tail, every option, "bshd"
-    inputs, at float64's tolerance."""
+    """sm_90 runs float64's forward and backward on its FP64 tensor cores at D, Dv <= 128
+    (the generic kernels elsewhere); several query and key tiles, GQA, a key tail, every
+    option, "bshd" inputs, at float64's tolerance."""
     head_dim, value_dim = dims
     q, k, v = _inputs((2, 4, 150, head_dim), (2, 2, 170, head_dim), (2, 2, 170, value_dim),
                       np.float64, seed=head_dim)
     do = np.random.default_rng(5).standard_normal((2, 4, 150, value_dim))
     forward, backward = _choices(q, k, v, {"causal": True})
-    assert forward.family == ("f64" if _is_hopper() else "generic") and \
-        backward.family == "generic"
+    expected_family = "f64" if _is_hopper() else "generic"
+    assert forward.family == expected_family and backward.family == expected_family
     _check(q, k, v, do, causal=True)
     _check(q, k, v, do, window=(40, 9), softcap=5.0, alibi_slopes=np.linspace(0.1, 0.4, 4),
            dropout_p=0.1, seed=3)
@@ -930,8 +930,7 @@ def test_float64_forward_on_fp64_tensor_cores(dims):
 def test_float64_backward_on_fp64_tensor_cores(dims, options):
     """float64's backward on sm_90's FP64 tensor cores (`tiles.F64_BACKWARD`:
     attention_mma_backward.cu with IS_FLOAT64), its table's row run directly: several query
-    and key tiles, GQA, a query tail, keys past a tile, at float64's tolerance. Dispatch
-    takes it once this has passed on a device (`tiles.F64_BACKWARD_ENABLED`)."""
+    and key tiles, GQA, a query tail, keys past a tile, at float64's tolerance."""
     head_dim, value_dim = dims
     q, k, v = _inputs((2, 4, 150, head_dim), (2, 2, 170, head_dim), (2, 2, 170, value_dim),
                       np.float64, seed=head_dim + value_dim)
@@ -950,8 +949,7 @@ def test_float64_backward_on_fp64_tensor_cores(dims, options):
 def test_float64_key_shares(dims, options, splits):
     """float64's forward over few query tiles with its keys cut into shares (SPLIT_KEYS:
     double partials merged by split_keys_merge.cu in double), run directly: shares of
-    uneven sizes, some past every row's band. Dispatch cuts keys so once this has passed on
-    a device (`tiles.F64_KEY_SHARES_ENABLED`)."""
+    uneven sizes, some past every row's band."""
     head_dim, value_dim = dims
     q, k, v = _inputs((1, 2, 100, head_dim), (1, 2, 1600, head_dim), (1, 2, 1600, value_dim),
                       np.float64, seed=splits)

@@ -67,60 +67,39 @@ def test_what_runs_on_cuda_cores_and_why(problem, reason):
         assert reason in choice.note
 
 
-def test_float64_forward_on_fp64_tensor_cores_to_128():
-    """sm_90 runs float64's forward on FP64 tensor cores at D and Dv up to 128, in its
-    shared memory; wider rows, named tile sizes, sm_80 (no m16n8k8.f64) and every backward
-    run the generic kernels."""
+def test_float64_on_fp64_tensor_cores_to_128():
+    """sm_90 runs float64's forward and backward on FP64 tensor cores at D and Dv up to 128,
+    in its shared memory (the backward's dK and dV apart above 64); wider rows, named tile
+    sizes and sm_80 (no m16n8k8.f64) run the generic kernels."""
     for head_dim, value_dim in ((1, 1), (8, 8), (33, 17), (64, 64), (72, 128), (128, 128),
                                 (128, 40)):
         problem = Problem(dtype="float64", head_dim=head_dim, value_dim=value_dim, n_k=4096,
                           **H100)
+        widths = tiles.Widths.of(problem, 8)
         choice = tiles.choose_forward(problem)
         assert choice.family == "f64" and isinstance(choice.tiles, tiles.F64Tiles), choice
-        widths = tiles.Widths.of(problem, 8)
         assert choice.tiles.shared_bytes(widths) <= problem.shared_limit
-        assert tiles.choose_backward(problem).family == "generic"
+        choice = tiles.choose_backward(problem)
+        assert choice.family == "f64", (problem, choice)
+        assert tiles.backward_fits(choice.tiles, widths, problem.shared_limit, 8)
+        assert choice.tiles.split == (widths.widest > 64) and not choice.tiles.paired
     for fields, reason in [(dict(head_dim=136, value_dim=136), "above 128"),
                            (dict(head_dim=64, value_dim=256), "above 128"),
                            (dict(head_dim=64, value_dim=64, block_q=64), "named")]:
         choice = tiles.choose_forward(Problem(dtype="float64", n_k=4096, **fields, **H100))
         assert choice.family == "generic" and reason in choice.note, (fields, choice)
+    for problem in (Problem(dtype="float64", head_dim=136, value_dim=136, n_k=4096, **H100),
+                    Problem(dtype="float64", head_dim=64, value_dim=64, n_k=4096, **A100)):
+        assert tiles.choose_backward(problem).family == "generic"
+        assert tiles.choose_forward(problem).family == "generic"
 
 
-def test_float64_backward_rows_fit_and_wait_for_their_device_run(monkeypatch):
-    """float64's tensor-core backward (`F64_BACKWARD`) serves D, Dv <= 128 in an H100's
-    shared memory, dK and dV apart above 64; dispatch keeps the generic kernels until
-    `F64_BACKWARD_ENABLED` (a device run of its tests), then takes the rows."""
-    dims = [(1, 1), (8, 8), (33, 17), (64, 64), (72, 128), (128, 128), (128, 40)]
-    problems = [Problem(dtype="float64", head_dim=d, value_dim=dv, n_k=4096, **H100)
-                for d, dv in dims]
-    assert tiles.F64_BACKWARD_ENABLED is False
-    assert all(tiles.choose_backward(p).family == "generic" for p in problems)
-    monkeypatch.setattr(tiles, "F64_BACKWARD_ENABLED", True)
-    tiles.choose_backward.cache_clear()
-    try:
-        for problem in problems:
-            choice = tiles.choose_backward(problem)
-            assert choice.family == "f64", (problem, choice)
-            widths = tiles.Widths.of(problem, 8)
-            assert tiles.backward_fits(choice.tiles, widths, problem.shared_limit, 8)
-            assert choice.tiles.split == (widths.widest > 64) and not choice.tiles.paired
-        wide = Problem(dtype="float64", head_dim=136, value_dim=136, n_k=4096, **H100)
-        assert tiles.choose_backward(wide).family == "generic"
-        old = Problem(dtype="float64", head_dim=64, value_dim=64, n_k=4096, **A100)
-        assert tiles.choose_backward(old).family == "generic"
-    finally:
-        tiles.choose_backward.cache_clear()
-
-
-def test_float64_key_shares_wait_for_their_device_run(monkeypatch):
-    """float64's forward cuts the keys of few query tiles into shares, as the other
-    tensor-core forwards do, once `F64_KEY_SHARES_ENABLED` (a device run of its tests)."""
+def test_float64_forward_cuts_key_shares():
+    """float64's forward cuts the keys of few query tiles into shares (double partials), as
+    the other tensor-core forwards do."""
     choice = tiles.Choice("f64", tiles.F64Tiles(128, 16))
     shape = tiles.DecodeShape(n_q=100, group=1, batch_kv_heads=2, batch_q_heads=2,
                               band_keys=8192, sm_count=132)
-    assert tiles.forward_key_splits(choice, shape)[0] == 1
-    monkeypatch.setattr(tiles, "F64_KEY_SHARES_ENABLED", True)
     splits, why = tiles.forward_key_splits(choice, shape)
     assert splits > 1 and why
 
@@ -239,10 +218,15 @@ def test_describe_names_the_family_row_and_reason():
                                    **H100))
     assert set(lines) == {"forward", "backward"}
     assert lines["forward"].startswith("wgmma WgmmaTiles(") and "(" in lines["forward"]
-    generic = tiles.describe(Problem(dtype="float64", head_dim=80, value_dim=80, n_k=4096,
-                                     **H100))
-    assert generic["forward"].startswith("f64 F64Tiles(")
-    assert generic["backward"] == "generic (float64 runs on CUDA cores)"
+    hopper = tiles.describe(Problem(dtype="float64", head_dim=80, value_dim=80, n_k=4096,
+                                    **H100))
+    assert hopper["forward"].startswith("f64 F64Tiles(")
+    assert hopper["backward"].startswith("f64 MmaBackwardTiles(")
+    ampere = tiles.describe(Problem(dtype="float64", head_dim=80, value_dim=80, n_k=4096,
+                                    **A100))
+    for direction in ("forward", "backward"):
+        assert ampere[direction] == ("generic (float64 on CUDA cores: FP64 tensor cores' "
+                                     "m16n8k8 needs sm_90)")
 
 
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])

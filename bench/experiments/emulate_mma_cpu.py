@@ -1188,7 +1188,6 @@ def launcher_mode(folds: bool = True) -> int:
 
     operands._PLANS.clear()
     tiles.FOLD_MIN_WAVE = 0.0
-    tiles.F64_KEY_SHARES_ENABLED = True  # what F64_SHARE_CASES check
 
     def kernel(source_name, entry, defines, shared_bytes=0, arch=None):
         assert source_name in ("attention_mma_forward.cu", "attention_tf32_forward.cu",

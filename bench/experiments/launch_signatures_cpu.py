@@ -113,8 +113,6 @@ def main() -> int:
 
     _compile.kernel = lambda source_name, entry, defines, shared=0, arch=None: (
         SignatureKernel(source_name, entry, defines))
-    # float64's tensor-core backward, whatever dispatch takes by default.
-    tile_tables.F64_BACKWARD_ENABLED = True
     operands._PLANS.clear()
     rng = np.random.default_rng(0)
     failures = 0

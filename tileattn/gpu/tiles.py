@@ -11,9 +11,9 @@ Families (the ``.cu`` files' headers say how each works):
   forward's `Tf32WgmmaTiles` rows run attention_tf32_wgmma_forward.cu);
 * ``f64``: float64 on sm_90's FP64 tensor cores, D and Dv up to 128 (the forward:
   attention_tf32_forward.cu with IS_FLOAT64; the backward, attention_mma_backward.cu with
-  IS_FLOAT64, where `F64_BACKWARD_ENABLED`);
-* ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64's
-  backward and its forward elsewhere, head dims beyond the tensor-core rows (above 576 for
+  IS_FLOAT64);
+* ``generic``: CUDA cores, every dtype and head dim (attention_generic.cu): float64
+  above 128 and before sm_90, head dims beyond the tensor-core rows (above 576 for
   the 16-bit forward, 384 for the rest), GPUs before sm_80, and tile sizes the caller
   names that no tensor-core configuration is built for;
 * ``decode`` (forward only): a few query rows per K/V head against many keys:
@@ -530,13 +530,7 @@ F64_FORWARD = [
 
 # float64's backward on sm_90's FP64 tensor cores (attention_mma_backward.cu with IS_FLOAT64):
 # its two kernels only. Rows by shared memory and ptxas (every option: 60-100 bytes of
-# spills), not yet swept. Dispatch takes them once a device run has passed their tests
-# (tests/test_gpu.py: test_float64_backward_on_fp64_tensor_cores); until then the generic
-# kernels run float64's backward.
-F64_BACKWARD_ENABLED = False
-# Its forward's key shares (double partials, split_keys_merge.cu with PARTIAL=double), the
-# same way: dispatch takes them once tests/test_gpu.py's test_float64_key_shares has passed.
-F64_KEY_SHARES_ENABLED = False
+# spills).
 F64_BACKWARD = [
     Row(When(64), MmaBackwardTiles((64, 32), (64, 32)),
         "D<=64: dQ and dK/dV of 64 rows over 32-row tiles (140 KiB)"),
@@ -835,7 +829,9 @@ def choose_backward(problem: Problem) -> Choice:
             return _generic("TF32 tensor cores need sm_80 or later")
         widths = Widths.of(problem, 8)
         table, element_size, family = TF32_BACKWARD, 4, "tf32"
-    elif problem.dtype == "float64" and problem.capability >= 90 and F64_BACKWARD_ENABLED:
+    elif problem.dtype == "float64" and problem.capability >= 80:
+        if problem.capability < 90:
+            return _generic("float64 on CUDA cores: FP64 tensor cores' m16n8k8 needs sm_90")
         widths = Widths.of(problem, 8)
         table, element_size, family = F64_BACKWARD, 8, "f64"
     else:
@@ -1483,7 +1479,7 @@ def key_shares(blocks: int, resident: int, band_keys: int, block_k: int,
 
 def cuts_key_shares(family: str) -> bool:
     """Whether a forward of `family` cuts its keys into shares on small grids."""
-    return family in ("wgmma", "mma", "tf32") or family == "f64" and F64_KEY_SHARES_ENABLED
+    return family in ("wgmma", "mma", "tf32", "f64")
 
 
 def forward_resident_blocks(tiles, sm_count: int) -> int:
