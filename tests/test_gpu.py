@@ -798,17 +798,22 @@ def test_float32_turns_over_more_key_blocks_than_the_device_holds(causal):
     assert_attention_close(runs[0][0].get(), arrival[0].get(), np.float32, name="dq")
 
 
-@pytest.mark.parametrize("family", ["default", "mma", "mma-apart", "float32"])
+@pytest.mark.parametrize("family", ["default", "mma", "mma-apart", "float32", "float64",
+                                    "float64-apart"])
 @pytest.mark.parametrize("heads", [(8, 1), (12, 3), (6, 2)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[1], TENSOR_CORE_OPTIONS[-1]],
                          ids=["causal", "every-option"])
 def test_gqa_backward_cut_over_blocks(family, heads, options):
     """A small grid of few K/V heads cuts each GQA group's query heads over blocks
     (GROUP_SPLITS), whose partial dK and dV are added up: the sums are the golden model's,
-    in the caller's buffers, from the first call and from the cached launches."""
+    in the caller's buffers, from the first call and from the cached launches (float64: on
+    sm_90's FP64 tensor cores, the parts in doubles)."""
     n_q_heads, n_kv_heads = heads
-    dtype = np.float32 if family == "float32" else np.float16
-    head_dim = 64 if family != "mma-apart" else 192
+    dtype = {"float32": np.float32, "float64": np.float64,
+             "float64-apart": np.float64}.get(family, np.float16)
+    if dtype == np.float64 and not _is_hopper():
+        pytest.skip("float64's tensor-core backward needs an sm_90 GPU")
+    head_dim = {"mma-apart": 192, "float64-apart": 128}.get(family, 64)
     q, k, v = _inputs((2, n_q_heads, 256, head_dim), (2, n_kv_heads, 320, head_dim),
                       (2, n_kv_heads, 320, head_dim), dtype, seed=n_q_heads)
     do = np.random.default_rng(3).standard_normal(q.shape).astype(dtype)
@@ -816,7 +821,9 @@ def test_gqa_backward_cut_over_blocks(family, heads, options):
         options = {**options, "alibi_slopes": np.linspace(0.1, 0.4, n_q_heads)}
     group = n_q_heads // n_kv_heads
     assert tile_tables.backward_group_splits(2 * n_kv_heads * 3, group, 132) == group
-    if family == "default":
+    if family in ("default", "float64", "float64-apart"):
+        if dtype == np.float64:
+            assert _choices(q, k, v, options)[1].family == "f64"
         _check(q, k, v, do, **options)
         _check(q, k, v, do, **options)  # the cached launches
         return

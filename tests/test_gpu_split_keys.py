@@ -123,17 +123,19 @@ def _golden(q, k, v, **options):
 def _dtypes_of(family):
     if family == "tf32":
         return [np.dtype(np.float32)]
+    if family == "f64":
+        return [np.dtype(np.float64)]
     return [np.dtype(np.float16)] + ([bfloat16()] if bfloat16() is not None else [])
 
 
 def _table_choice(family, q, k, v, options, backward=False):
     """The family's table row for this problem (forward, or with `backward` the backward),
-    the grid unknown (no splits): wgmma's on an sm_90 GPU, the mma.sync and 3xTF32 rows
-    whatever the device."""
+    the grid unknown (no splits): wgmma's and float64's (FP64 tensor cores) on an sm_90
+    GPU, the mma.sync and 3xTF32 rows whatever the device."""
     problem = problem_of(*map(cupy.asarray, (q, k, v)), _resolved(q, k, v, options))
-    if family == "wgmma":
+    if family in ("wgmma", "f64"):
         if cupy.cuda.Device().compute_capability != "90":
-            pytest.skip("the wgmma kernels need an sm_90 GPU")
+            pytest.skip(f"the {family} kernels need an sm_90 GPU")
         choice = (tiles.choose_backward if backward else tiles.choose_forward)(problem)
     else:
         table = {("mma", False): tiles.MMA_FORWARD, ("tf32", False): tiles.TF32_FORWARD,
@@ -168,7 +170,7 @@ def forced_cases(test):
                  pytest.mark.parametrize("splits", [2, 5]),
                  pytest.mark.parametrize("options", OPTIONS,
                                          ids=lambda o: "-".join(sorted(o)) or "plain"),
-                 pytest.mark.parametrize("family", ["wgmma", "mma", "tf32"]),
+                 pytest.mark.parametrize("family", ["wgmma", "mma", "tf32", "f64"]),
                  pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING)),
                  pytest.mark.gpu):
         test = mark(test)
@@ -187,7 +189,11 @@ def test_forced_shares_match_the_golden_model(family, options, splits, n_q, n_k,
                                     _resolved(q, k, v, options))
         golden_o, golden_lse = _golden(q, k, v, **options)
         assert_attention_close(o.get(), golden_o, dtype, name="o")
-        assert_attention_close(lse.get(), golden_lse, np.float32, name="lse")
+        assert_attention_close(lse.get(), golden_lse, _lse_dtype(dtype), name="lse")
+
+
+def _lse_dtype(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 @pytest.mark.gpu
@@ -243,7 +249,7 @@ def test_forced_dq_shares_match_the_golden_model(family, options, splits, n_q, n
         choice = _table_choice(family, q, k, v, options, backward=True)
         forced = Choice(family, choice.tiles, choice.note, key_splits=splits)
         grads = launch_backward.run(forced, *map(cupy.asarray, (do, q, k, v, given_o)),
-                                    cupy.asarray(golden_lse.astype(np.float32)),
+                                    cupy.asarray(golden_lse.astype(_lse_dtype(dtype))),
                                     _resolved(q, k, v, options))
         expected = _golden_grads(do, q, k, v, given_o, golden_lse, **options)
         for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
@@ -252,12 +258,14 @@ def test_forced_dq_shares_match_the_golden_model(family, options, splits, n_q, n
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_the_public_backward_splits_a_small_dq_grid_deterministically(dtype):
     """Two heads of 96 queries over 4096 keys: the dQ kernel's keys are cut into shares
-    (info says so; float32 runs the single pass there, which has no dQ kernel), the
-    gradients match the golden model, and a repeated call (the cached plan) gives the same
-    bits."""
+    (info says so; float32 runs the single pass there, which has no dQ kernel; float64's,
+    on sm_90's FP64 tensor cores, into double parts), the gradients match the golden
+    model, and a repeated call (the cached plan) gives the same bits."""
+    if np.dtype(dtype) == np.float64 and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("float64's tensor-core backward needs an sm_90 GPU")
     q, k, v = _inputs((1, 2, 96, 64), (1, 2, 4096, 64), (1, 2, 4096, 64), dtype, seed=4)
     do = np.random.default_rng(2).standard_normal((1, 2, 96, 64)).astype(dtype)
     options = {"causal": True}

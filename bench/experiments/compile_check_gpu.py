@@ -31,6 +31,8 @@ from tileattn.gpu._compile import source  # noqa: E402
 EVERY_OPTION = ["ALIBI=1", "DROPOUT=1", "LIMIT_LEFT=1", "LIMIT_RIGHT=1", "SOFTCAP=1"]
 BACKWARD = ["COPY_BYTES=16", "DKDV_PART=0", "IS_BFLOAT16=0", "SINGLE_PASS=0", "VALUE_DIM=128",
             "HEAD_DIM=128"]
+# dQ added in turns (ORDERED) by the single pass, the only kernel that takes them.
+SINGLE_PASS = [b for b in BACKWARD if b != "SINGLE_PASS=0"] + ["SINGLE_PASS=1"]
 DECODE = ["COPY_BYTES=16"]
 JOBS = [
     ("attention_wgmma_forward.cu", "90a",
@@ -68,12 +70,12 @@ JOBS = [
     ("attention_wgmma_backward.cu", "90a",
      BACKWARD + ["OWNED_ROWS=128", "STAGES=2", "STREAMED_ROWS=64", "FLAG_NON_FINITE_KEYS=1"]),
     ("attention_mma_backward.cu", "90",
-     BACKWARD + ["IS_FLOAT32=0", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=64"]),
+     SINGLE_PASS + ["IS_FLOAT32=0", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=64"]),
     ("attention_mma_backward.cu", "90",
      BACKWARD + ["IS_FLOAT32=0", "ORDERED=0", "OWNED_ROWS=64", "STREAMED_ROWS=64",
                  "FLAG_NON_FINITE_KEYS=1"]),
     ("attention_mma_backward.cu", "90",
-     BACKWARD + ["IS_FLOAT32=1", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=32"]),
+     SINGLE_PASS + ["IS_FLOAT32=1", "ORDERED=1", "OWNED_ROWS=64", "STREAMED_ROWS=32"]),
     ("attention_wgmma_backward.cu", "90a",  # a GQA group cut over four blocks
      BACKWARD + ["OWNED_ROWS=128", "STAGES=2", "STREAMED_ROWS=64", "GROUP_SPLITS=4"]),
     ("attention_mma_backward.cu", "90",
@@ -92,7 +94,12 @@ JOBS = [
      [b for b in BACKWARD if not b.startswith(("HEAD_DIM", "VALUE_DIM"))]
      + ["HEAD_DIM=64", "VALUE_DIM=64", "IS_FLOAT32=0", "IS_FLOAT64=1", "ORDERED=0",
         "OWNED_ROWS=64", "STREAMED_ROWS=32"]),
+    ("attention_mma_backward.cu", "90",  # dQ's key shares in doubles, a cut GQA group
+     [b for b in BACKWARD if not b.startswith(("HEAD_DIM", "VALUE_DIM"))]
+     + ["HEAD_DIM=64", "VALUE_DIM=64", "IS_FLOAT32=0", "IS_FLOAT64=1", "ORDERED=0",
+        "OWNED_ROWS=64", "STREAMED_ROWS=32", "SPLIT_KEYS=1", "GROUP_SPLITS=2"]),
     ("group_sum.cu", "90", ["STORAGE=bfloat16_storage", "ACCUM=float"]),
+    ("group_sum.cu", "90", ["STORAGE=double", "ACCUM=double", "PART=double"]),
     ("attention_generic.cu", "90",
      ["ACCUM=float", "BLOCK_K=32", "BLOCK_Q=32", "HEAD_DIM_PAD=64", "STORAGE=float",
       "THREADS=256", "VALUE_DIM_PAD=64"]),
@@ -144,10 +151,13 @@ JOBS += [("attention_decode_mma.cu", "90", [f"COPY_BYTES={copy}", f"Q_COPY_BYTES
 # Variable-length calls (sequences.cuh): each family once more with the tile tables, the
 # forwards also with the block table (paged K/V); the backwards have no single pass there.
 VARLEN = ["VARLEN=1", "PAGED=1"]
-JOBS += [(name, arch, [{"ORDERED=1": "ORDERED=0"}.get(d, d) for d in defines]
+# Nor the cut GQA groups or dQ key shares, which run dense grids only.
+JOBS += [(name, arch, [{"ORDERED=1": "ORDERED=0", "SINGLE_PASS=1": "SINGLE_PASS=0"}.get(d, d)
+                       for d in defines]
           + (["VARLEN=1"] if "backward" in name else VARLEN), *options)
          for name, arch, defines, *options in JOBS
-         if name != "attention_decode.cu" or "ROWS=16" in defines]
+         if (name != "attention_decode.cu" or "ROWS=16" in defines)
+         and not any(d.startswith(("SPLIT_KEYS", "GROUP_SPLITS")) for d in defines)]
 # The Hopper forward once more with pages that hold whole key tiles (PAGES_HOLD_TILES).
 JOBS += [(name, arch, defines + ["PAGES_HOLD_TILES=1"], *options)
          for name, arch, defines, *options in JOBS

@@ -40,8 +40,8 @@
 // IS_FLOAT64: the two kernels for float64 on sm_90's FP64 tensor cores (f64.cuh), doubles
 // throughout (lse and D included), rows of the width + 4 doubles (the score products' 16-byte
 // loads of rows g, g + 1 and the other products' 8-byte loads of rows 2t, 2t + 1 each meet
-// at most two to a bank); not the single pass, warp pairs, cut groups or dQ key shares,
-// whose buffers are float32.
+// at most two to a bank); its dQ key shares in double parts, its cut groups' in doubles as
+// any dtype's; not the single pass (its dQ sum is float32) or warp pairs.
 //
 // DKDV_PART (as in attention_wgmma_backward.cu): 1 runs only the dV half of the dK/dV
 // kernel, 2 only the dK half, 0 both; wide head dims split so that each half's accumulators
@@ -87,9 +87,8 @@ static_assert(!DQ_PARTS || (SINGLE_PASS && !ORDERED), "parts are the single pass
 #define IS_FLOAT64 0
 #endif
 static_assert(!(FLAG_NON_FINITE_KEYS && IS_FLOAT32), "float32 zeroes its tail (QUERY_TAIL)");
-static_assert(!(IS_FLOAT64 && (SINGLE_PASS || PAIRED_WARPS || GROUP_SPLITS > 1 || SPLIT_KEYS ||
-                               FLAG_NON_FINITE_KEYS)),
-              "float64 runs the two kernels alone (the others' buffers are float32)");
+static_assert(!(IS_FLOAT64 && (SINGLE_PASS || PAIRED_WARPS || FLAG_NON_FINITE_KEYS)),
+              "float64 runs the two kernels (the single pass's dQ sum is float32)");
 #if IS_FLOAT64
 #include "f64.cuh"
 typedef double element;

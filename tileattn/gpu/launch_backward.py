@@ -249,15 +249,16 @@ def _group_split(q, k, v, dk, dv, key_grid: int, key_tables: tuple, owned: int,
 @dataclass(frozen=True)
 class SplitDq:
     """A dQ kernel over (query tiles, key shares) (SPLIT_KEYS, `tiles.dq_key_splits`): each
-    share's float32 part into the split workspace, then group_sum.cu adds the parts into dq
-    in a fixed order. Called as the dQ kernel's launch is."""
+    share's part (float32; float64's in doubles) into the split workspace, then group_sum.cu
+    adds the parts into dq in a fixed order. Called as the dQ kernel's launch is."""
 
     kernel: Launch
     add: Launch
     size: int  # shares x dq's elements
+    part: np.dtype = np.dtype(np.float32)
 
     def __call__(self, q, k, v, do, lse, delta, dq):
-        parts = workspace(self.size, np.float32)
+        parts = workspace(self.size, self.part)
         self.kernel(q, k, v, do, lse, delta, parts)
         self.add(parts, dq)
 
@@ -277,9 +278,11 @@ def _dq_launch(function, grid: int, threads: int, shared: int, arguments: tuple,
     strides) where > 1."""
     if splits == 1:
         return Launch(function, (grid,), (threads,), shared, arguments)
-    # parts [head][share][n][d], float32
+    # parts [head][share][n][d], float32 (common.cuh: SplitOutput; float64's in doubles)
+    part = accumulation_dtype(dq.dtype)
     return SplitDq(Launch(function, (grid, splits), (threads,), shared, arguments),
-                   _group_sum_launch(dq, splits, part="float"), splits * dq.size)
+                   _group_sum_launch(dq, splits, part=STORAGE[dtype_name(part)]),
+                   splits * dq.size, part)
 
 
 @dataclass(frozen=True)
@@ -438,7 +441,7 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                  sequences: Sequences | None = None, dq_splits: int | None = None,
                  dq_parts: bool = False):
     """The mma.sync backward (float32 on 3xTF32 with the same kernels, IS_FLOAT32; float64
-    on sm_90's FP64 tensor cores, IS_FLOAT64: the two kernels alone, uncut, unshared).
+    on sm_90's FP64 tensor cores, IS_FLOAT64: the two kernels, never the single pass).
 
     `single_pass` (attention_mma_backward.cu): no dQ kernel; the dK/dV kernel adds dQ into
     a float32 buffer (B * Hq * Nq * D * 4 bytes more memory), in turns when
@@ -493,9 +496,8 @@ def backward_mma(do, q, k, v, o, lse, options: AttentionOptions, tiles: MmaBackw
                                                   sequences)
     group, sums, parts, key_grid, key_tables = _group_split(
         q, k, v, dk, dv, key_grid, key_tables, tiles.dkdv[0],
-        not (flagging or single_pass or sequences or is_float64))
-    dq_splits = (1 if is_float64 else
-                 _dq_splits(q, k, options, tiles, sequences, single_pass, dq_splits))
+        not (flagging or single_pass or sequences))
+    dq_splits = _dq_splits(q, k, options, tiles, sequences, single_pass, dq_splits)
     kernels = ([] if single_pass else [("dq", 0, (q, k, v, do, lse, delta, dq), n_q,
                                         n_q_heads)])
     kernels += [("dkdv", part, (q, k, v, do, lse, delta, *parts, dq_sum, dq_turns, flags),

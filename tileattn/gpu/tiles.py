@@ -860,12 +860,13 @@ def _choice_line(choice: Choice) -> str:
 
 
 def _single_pass_fits(problem: Problem) -> bool:
-    """Whether the backward's tiles serve the single pass (`MmaBackwardTiles`), as
-    launch_backward.backward_mma asks."""
+    """Whether the backward's tiles serve the single pass (`MmaBackwardTiles`; never
+    float64's, whose dQ sum would be float32), as launch_backward.backward_mma asks."""
     tiles = choose_backward(problem).tiles
-    return isinstance(tiles, MmaBackwardTiles) and tiles.single_pass_fits(
-        problem.head_dim, problem.value_dim, 4 if problem.dtype == "float32" else 2,
-        problem.shared_limit)
+    return (problem.dtype != "float64" and isinstance(tiles, MmaBackwardTiles)
+            and tiles.single_pass_fits(problem.head_dim, problem.value_dim,
+                                       4 if problem.dtype == "float32" else 2,
+                                       problem.shared_limit))
 
 
 def _single_pass_clause(dtype: str) -> str:
