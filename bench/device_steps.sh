@@ -20,11 +20,15 @@ export PYTHONPATH=${PYTHONPATH:-$PWD} CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.kca
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-device-logs}
 mkdir -p "$OUT" "$CUPY_CACHE_DIR"
+# Kernels this call compiles are newer than the marker; those it loads from the carried
+# cache, whose access times are set back on extraction, are read after it.
+touch -d "@$(( $(date +%s) - 1 ))" /tmp/kernel_cache_marker
 cache_parts=(.kcache_in/k.tgz.part*)
 [ -f .kcache_in/k.tgz ] && cache_parts=(.kcache_in/k.tgz)
 if [ -f "${cache_parts[0]}" ]; then
-    cat "${cache_parts[@]}" | tar xzf - -C "$(dirname "$CUPY_CACHE_DIR")" \
-        && echo "kernel cache: $(find "$CUPY_CACHE_DIR" -type f | wc -l) files from .kcache_in"
+    cat "${cache_parts[@]}" | tar xzf - -C "$(dirname "$CUPY_CACHE_DIR")"
+    find "$CUPY_CACHE_DIR" -type f -exec touch -a -d 2000-01-01 {} +
+    echo "kernel cache: $(find "$CUPY_CACHE_DIR" -type f | wc -l) files from .kcache_in"
 fi
 
 step() {  # step NAME SECONDS COMMAND...: the command's exit status
@@ -39,7 +43,18 @@ step() {  # step NAME SECONDS COMMAND...: the command's exit status
 }
 
 save_kernel_cache() {  # $OUT/k.tgz.partaa, ab, ...: 15 MiB each
-    tar czf /tmp/kernel_cache.tgz -C "$(dirname "$CUPY_CACHE_DIR")" "$(basename "$CUPY_CACHE_DIR")" \
+    # Only the kernels this call compiled or loaded (see the marker above), so that the
+    # cache stays within what a call carries (64 MiB) as sources change.
+    (cd "$(dirname "$CUPY_CACHE_DIR")" && find "$(basename "$CUPY_CACHE_DIR")" -type f \
+        \( -newer /tmp/kernel_cache_marker -o -anewer /tmp/kernel_cache_marker \) \
+        > /tmp/kernel_cache_files)
+    # A file system that keeps no access times (noatime) shows no loads: keep them all.
+    if [ -f "${cache_parts[0]}" ] && ! find "$CUPY_CACHE_DIR" -type f -anewer /tmp/kernel_cache_marker \
+        ! -newer /tmp/kernel_cache_marker | grep -q .; then
+        (cd "$(dirname "$CUPY_CACHE_DIR")" && find "$(basename "$CUPY_CACHE_DIR")" -type f \
+            > /tmp/kernel_cache_files)
+    fi
+    tar czf /tmp/kernel_cache.tgz -C "$(dirname "$CUPY_CACHE_DIR")" -T /tmp/kernel_cache_files \
         && split -b 15m /tmp/kernel_cache.tgz "$OUT/k.tgz.part" \
         && echo "kernel cache: $(du -h /tmp/kernel_cache.tgz | cut -f1) in $OUT/k.tgz.part*"
 }
