@@ -1,5 +1,6 @@
-"""The CPU backend's threaded widening of float16 and bfloat16 inputs (tileattn/cpu/widen.py):
-NumPy's values bit for bit, and the same attention as inputs NumPy converted."""
+"""The CPU backend's threaded widening of float16 and bfloat16 inputs and narrowing of float16
+results (tileattn/cpu/widen.py): NumPy's values bit for bit, and the same attention as inputs
+NumPy converted."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ pytest.importorskip("numba")
 
 import tileattn  # noqa: E402
 from tileattn.arrays import bfloat16_dtype  # noqa: E402
-from tileattn.cpu.widen import MIN_ELEMENTS, widened  # noqa: E402
+from tileattn.cpu.widen import MIN_ELEMENTS, narrowed, widened  # noqa: E402
 
 
 def _half_dtypes():
@@ -34,6 +35,51 @@ def test_every_bit_pattern_widens_as_numpy_converts(dtype):
         np.testing.assert_array_equal(wide.view(np.uint32),
                                       array.astype(np.float32).view(np.uint32))
         assert wide.shape == array.shape
+
+
+def _quiet_nan_free_of_signals(bits):
+    """`bits` with every signalling float32 NaN made quiet: NumPy builds may narrow those
+    in hardware (which quiets them) or in software (which does not)."""
+    nan = (bits & 0x7F800000 == 0x7F800000) & (bits & 0x7FFFFF != 0)
+    return np.where(nan, bits | np.uint32(0x400000), bits)
+
+
+def test_float32_narrows_to_float16_as_numpy_rounds():
+    """Random float32 bit patterns, every float16 value and the midpoints between them (ties
+    to even, subnormal ones included), their neighbours, overflow and underflow edges,
+    infinities and NaN payloads: NumPy's float16 bit for bit, through the threaded path."""
+    rng = np.random.default_rng(11)
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    halves = halves.view(np.uint32)
+    edges = np.array([0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x38800000, 0x387FFFFF,
+                      0x38000000, 0x33000000, 0x32FFFFFF, 0x33000001, 0x337FFFFF, 0x7F800000,
+                      0x7FC00000, 0x7F802000, 0x7FC00001, 0x7F800000 | 0x400000 | 0x1FFF],
+                     np.uint32)
+    bits = np.concatenate([rng.integers(0, 2**32, 2 * MIN_ELEMENTS, dtype=np.uint64)
+                           .astype(np.uint32), edges, edges | np.uint32(0x80000000), halves,
+                           halves + np.uint32(1 << 12), halves + np.uint32(1),
+                           halves - np.uint32(1)])
+    values = _quiet_nan_free_of_signals(bits).view(np.float32).reshape(-1, 8)
+    half = narrowed(values, np.dtype(np.float16))
+    assert half.dtype == np.float16 and half.shape == values.shape
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(half.view(np.uint16),
+                                      values.astype(np.float16).view(np.uint16))
+
+
+def test_what_numpy_narrows_instead():
+    """Small or strided arrays, bfloat16 (ml_dtypes' vectorised cast) and float32 targets
+    are left to NumPy's conversion, with its values."""
+    small = np.linspace(-3, 3, MIN_ELEMENTS - 1, dtype=np.float32)
+    np.testing.assert_array_equal(narrowed(small, np.dtype(np.float16)),
+                                  small.astype(np.float16))
+    strided = np.linspace(-3, 3, 2 * MIN_ELEMENTS, dtype=np.float32).reshape(-1, 2).T
+    np.testing.assert_array_equal(narrowed(strided, np.dtype(np.float16)),
+                                  strided.astype(np.float16))
+    same = np.ones(MIN_ELEMENTS, np.float32)
+    assert narrowed(same, np.dtype(np.float32)) is same
+    for dtype in _half_dtypes()[1:]:
+        np.testing.assert_array_equal(narrowed(same, dtype), same.astype(dtype))
 
 
 def test_what_numpy_converts_instead():

@@ -5,7 +5,7 @@ and cached on disk (``cache=True``), so later processes load it instead of compi
 keep that to one compilation, the launchers always pass the same argument types: inputs as
 read-only C-contiguous arrays of the compute dtype, options as plain Python scalars.
 float16 and bfloat16 inputs are converted to float32 (SPEC: they accumulate in float32), on
-every thread (`widen`).
+every thread, and float16 results back (`widen`).
 
 The first use of a dtype compiles for seconds: `compile_notice` says so on stderr, and
 `warmup` compiles every kernel ahead of time.
@@ -32,7 +32,7 @@ from . import (blas, compile_notice, decode,  # noqa: F401 (compile_notice liste
                threads)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
 from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
-from .widen import widened
+from .widen import narrowed, widened
 
 MEMORY = "host"
 VARLEN = True  # serves seqlens, cu_seqlens and block_table (`Sequences`)
@@ -330,7 +330,7 @@ def forward(q, k, v, options: AttentionOptions):
             _FORWARD_PLANS[key] = plan
     out, lse = _forward(q_c, k_c, v_c, options, plan, widen)
     # lse's dtype (SPEC) is the compute dtype: only o may need converting.
-    return out.astype(q.dtype, copy=False), lse
+    return narrowed(out, q.dtype), lse
 
 
 def _decode_widening(q, k, v, shape: Sequences, plan: _ForwardPlan | None) -> int:
@@ -472,8 +472,7 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
                         *plan.tiling, kernel_schedule, tiles)
         if len(dq_parts):
             threads.run(kernels.sum_key_parts, plan.n_threads, dq_parts, dq)
-    return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
-            dv.astype(v.dtype, copy=False))
+    return narrowed(dq, q.dtype), narrowed(dk, k.dtype), narrowed(dv, v.dtype)
 
 
 # --------------------------------------------------------------------------- info

@@ -53,7 +53,7 @@ def warmup(dtypes=None, progress=None) -> None:
     Each step runs its kernel once on a tiny problem, which compiles exactly what a real
     call needs (the same argument types) and caches it for later processes: the forward on
     more query rows than the decode path takes (and, for float32, the widening of 16-bit
-    inputs), the decode path on one row (and the merge of its key splits), the backward
+    inputs and the narrowing of float16 results), the decode path on one row (and the merge of its key splits), the backward
     (and the sum of its dQ parts, `backward_kernel.KEY_PARTS`); for float16 or bfloat16 one
     more step, the decode path reading 16-bit K and V (`decode_kernel`'s widening).
     """
@@ -61,7 +61,7 @@ def warmup(dtypes=None, progress=None) -> None:
     from .backward_kernel import sum_key_parts
     from .compile_notice import NOTICE
     from .decode_kernel import merge_kernel
-    from .widen import _widen_kernel
+    from .widen import _narrow_kernel, _widen_kernel
 
     rows = {"forward": decode.MAX_QUERY_ROWS + 1, "decode": 1,
             "backward": decode.MAX_QUERY_ROWS + 1}
@@ -84,6 +84,8 @@ def warmup(dtypes=None, progress=None) -> None:
                 # The widening of 16-bit inputs, which tiny arrays leave to NumPy.
                 _widen_kernel(np.zeros(1, np.uint16), np.empty(1, np.float32), False, 1,
                               np.zeros(1, np.int64))
+                _narrow_kernel(np.zeros(1, np.uint32), np.empty(1, np.uint16), 1,
+                               np.zeros(1, np.int64))
             if kind == "backward":
                 backward(o, q, q, q, o, lse, options)
                 # The sum of dQ's parts, which a tiny call on one thread never reaches.
