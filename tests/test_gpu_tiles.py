@@ -770,3 +770,26 @@ def test_float32_over_few_keys_takes_64_row_tiles():
         longer = Problem(dtype="float32", head_dim=64, value_dim=64, n_k=129, **device)
         assert tiles.choose_forward(longer).tiles.block_q == 128
         assert tiles.choose_backward(longer).tiles.dq[0] == 128
+
+
+def test_float64_query_tails_cut_gqa_groups_as_float32s_do():
+    """float64's dK/dV kernels zero a query tail's probabilities as float32's do (16-bit
+    ones flag keys for a redo, which keeps GQA groups whole): the backward line says the
+    groups are cut, as launch_backward cuts them."""
+    shape = tiles.DecodeShape(n_q=100, group=2, batch_kv_heads=8, batch_q_heads=16,
+                              band_keys=256, sm_count=132)
+    for dtype, says in (("float64", "cut over 2 blocks"), ("float32", "cut over 2 blocks"),
+                        ("float16", "stays whole")):
+        problem = Problem(dtype=dtype, head_dim=64, value_dim=64, n_k=256, n_q=100, **H100)
+        assert says in tiles.describe_with_decode(problem, shape)["backward"], dtype
+
+
+def test_a_decode_of_too_few_key_tiles_to_split_says_so():
+    """One key tile (40 keys) is one split, and the note says why, not that each of the
+    splits has two tiles."""
+    problem = Problem(dtype="float16", head_dim=64, value_dim=64, n_k=40, **H100)
+    shape = tiles.DecodeShape(n_q=1, group=8, batch_kv_heads=4, batch_q_heads=32,
+                              band_keys=40, sm_count=132)
+    choice = tiles.choose_decode(problem, shape)
+    assert choice.tiles.splits == 1
+    assert "no split: 1 key tile, under 2 for each of two splits" in choice.note

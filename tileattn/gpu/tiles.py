@@ -884,9 +884,10 @@ def _dense_key_blocks(problem: Problem, shape: DecodeShape) -> int:
 
 def _flags_query_tail(problem: Problem, shape: DecodeShape) -> bool:
     """Whether the 16-bit dK/dV kernels meet a query tail and flag non-finite keys for a
-    redo (FLAG_NON_FINITE_KEYS), which keeps GQA groups whole; float32 zeroes the tail."""
+    redo (FLAG_NON_FINITE_KEYS), which keeps GQA groups whole; float32 and float64 zero
+    the tail (launch_backward.backward_mma)."""
     streamed = choose_backward(problem).tiles.dkdv[1]
-    return problem.dtype != "float32" and shape.n_q % streamed != 0
+    return problem.dtype in ("float16", "bfloat16") and shape.n_q % streamed != 0
 
 
 # --------------------------------------------------------------------------- GQA backward
@@ -1323,6 +1324,9 @@ def decode_splits(shape: DecodeShape, block_k: int, blocks_per_sm: int) -> tuple
                         f"waves of {resident} resident blocks, {splits}x fill {fills[splits]:.2f}")
     splits = max(1, min(resident // blocks, tiles // DECODE_MIN_TILES_PER_SPLIT,
                         DECODE_MAX_SPLITS))
+    if splits == 1:
+        return 1, (f"no split: {tiles} key tile{'s' if tiles > 1 else ''}, under "
+                   f"{DECODE_MIN_TILES_PER_SPLIT} for each of two splits")
     return splits, (f"{splits} splits: B*Hkv={blocks} blocks in one wave of {resident} "
                     f"({blocks_per_sm} an SM), >= {DECODE_MIN_TILES_PER_SPLIT} of {tiles} key "
                     f"tiles each, <= {DECODE_MAX_SPLITS}")
