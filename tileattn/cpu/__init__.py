@@ -28,7 +28,7 @@ from ..dropout import dropout_key, dropout_threshold
 from ..options import BAND, KEYS, ROWS, AttentionOptions, Blocks, dense_descriptors
 from .. import tile_order
 from ..arrays import dtype_name
-from . import (blas, compile_notice, decode,  # noqa: F401 (compile_notice listens)
+from . import (bf16_products, blas, compile_notice, decode,  # noqa: F401 (compile_notice listens)
                threads)
 from .blocks import BOUNDARY_SLICE_ROWS, cache_sizes, default_blocks, spread_over_threads
 from .warmup import warmup  # noqa: F401 (``python -m tileattn warmup``)
@@ -438,8 +438,14 @@ def _backward_plan(q_c, k_c, v_c, do_c, options: AttentionOptions,
                          dq_zeroed)
 
 
+# bfloat16's backward multiplies on AVX512-BF16 where the CPU has it (`bf16_products`:
+# P and dS rounded to bfloat16 as the GPU kernels round them), else on float32 BLAS.
+BF16_PAIR_PRODUCTS = bf16_products.HAS_PAIR_DOT
+
+
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     kernels = _kernels("backward_kernel")
+    pairs = 1 if BF16_PAIR_PRODUCTS and dtype_name(q.dtype) == "bfloat16" else None
     dtype = _compute_dtype(q.dtype)
     do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
     key = ((options, q.shape, k.shape, v.shape, dtype, threads.allowed())
@@ -469,7 +475,7 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions):
         for kernel_schedule, n_workers, tiles in plan.runs:
             threads.run(kernels.backward_kernel, n_workers, q_c, k_c, v_c, do_c, safe_lse,
                         delta, dq, dq_parts, dk, dv, shape.descriptors, *plan.scalars,
-                        *plan.tiling, kernel_schedule, tiles)
+                        *plan.tiling, kernel_schedule, tiles, pairs)
         if len(dq_parts):
             threads.run(kernels.sum_key_parts, plan.n_threads, dq_parts, dq)
     return narrowed(dq, q.dtype), narrowed(dk, k.dtype), narrowed(dv, v.dtype)

@@ -25,6 +25,11 @@ summed by one thread in a fixed order):
 * `KEY_TILES` then `QUERY_TILES`: one task per key tile (summing ``dK``, ``dV``) and then
   one per query tile (summing ``dQ``). Both passes recompute ``S`` and ``dP``, seven
   products per tile instead of five, where the parts would not fit their memory budget.
+
+The products run on BLAS (``np.dot``), or for bfloat16 inputs on `bf16_products`' pair
+products (`backward_kernel`'s `pairs`: P and dS rounded to bfloat16, as the GPU kernels
+round them; S from the unscaled Q, scaled after, as Q times the scale is no bfloat16
+value).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 from numba import njit
 
 from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
-from . import dropout
+from . import bf16_products, dropout
 from .denormals import flush_subnormals, restore_subnormals
 from .kept_products import redo_non_finite_columns, redo_non_finite_rows
 from .kernel_cache import flush_if_stale
@@ -65,19 +70,23 @@ def row_terms_kernel(do, out, lse, delta, safe_lse):
 
 
 @njit(fastmath=FASTMATH)
-def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, safe_lse, delta, bh, row_start,
-                          col_start, band_offset, row_offset, col_offset, scale, softcap,
-                          slope, window_left, window_right, dropout_key, dropout_threshold,
-                          inv_keep, probs, score_grads, softcap_grad):
+def _tile_score_gradients(q_scaled, q_tile, k_tile, v_tile, do_tile, safe_lse, delta, bh,
+                          row_start, col_start, band_offset, row_offset, col_offset, scale,
+                          softcap, slope, window_left, window_right, dropout_key,
+                          dropout_threshold, inv_keep, probs, score_grads, softcap_grad,
+                          products):
     """Recompute one tile: `probs` gets ``P~`` (for dV), `score_grads` ``scale * dS``.
 
     ``P = exp(S - lse)`` with the caller's lse, never renormalised over this call's keys:
     a placed block (`AttentionOptions.row_offset`) holds only some of each row's keys."""
     n_rows, n_cols = probs.shape
     dtype = probs.dtype.type
-    _recompute_scores(q_scaled, k_tile, probs, softcap_grad, row_start, col_start, band_offset,
-                      softcap, slope, window_left, window_right)
-    np.dot(do_tile, v_tile.T, score_grads)
+    _recompute_scores(q_scaled, q_tile, k_tile, probs, softcap_grad, row_start, col_start,
+                      band_offset, scale, softcap, slope, window_left, window_right, products)
+    if products is not None:
+        bf16_products.dot_nt(do_tile, v_tile, score_grads, *products)
+    else:
+        np.dot(do_tile, v_tile.T, score_grads)
     if dropout_threshold > 0 or softcap > 0:
         _general_score_gradients(probs, score_grads, softcap_grad, safe_lse, delta, bh,
                                  row_offset + row_start, col_offset + col_start, scale,
@@ -93,12 +102,20 @@ def _tile_score_gradients(q_scaled, k_tile, v_tile, do_tile, safe_lse, delta, bh
 
 
 @njit(fastmath=FASTMATH)
-def _recompute_scores(q_scaled, k_tile, scores, softcap_grad, row_start, col_start,
-                      band_offset, softcap, slope, window_left, window_right):
+def _recompute_scores(q_scaled, q_tile, k_tile, scores, softcap_grad, row_start, col_start,
+                      band_offset, scale, softcap, slope, window_left, window_right,
+                      products):
     """``S`` of one tile in natural units, SPEC steps 2-4 applied (`softcap_grad` gets
     ``1 - tanh^2`` when there is a softcap)."""
     n_rows, n_cols = scores.shape
-    np.dot(q_scaled, k_tile.T, scores)
+    if products is not None:
+        bf16_products.dot_nt(q_tile, k_tile, scores, *products)
+        factor = scores.dtype.type(scale)
+        for r in range(n_rows):
+            for j in range(n_cols):
+                scores[r, j] *= factor
+    else:
+        np.dot(q_scaled, k_tile.T, scores)
     if softcap > 0 or slope != 0:
         transform_tile(scores, softcap_grad, row_start, col_start, band_offset, softcap,
                        slope, window_left, window_right)
@@ -181,38 +198,48 @@ def _copy_into(target, source):
 def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_cols, dv_cols,
           dq_rows, want_key_grads, want_query_grads, bh, row_start, col_start, band_offset,
           row_offset, col_offset, scale, softcap, slope, window_left, window_right, dropout_key,
-          dropout_threshold, inv_keep, scratch):
-    """One tile: recompute it, then add its share into the requested accumulators."""
+          dropout_threshold, inv_keep, scratch, products):
+    """One tile: recompute it, then add its share into the requested accumulators
+    (`products`: `pair_buffers` for bfloat16's pair products, or None for BLAS)."""
     _, probs_buffer, grads_buffer, softcap_buffer, product_buffer, _, _ = scratch
     n_rows, n_cols = q_rows.shape[0], k_cols.shape[0]
     head_dim, value_dim = q_rows.shape[1], v_cols.shape[1]
     probs = tile_view(probs_buffer, n_rows, n_cols)
     grads = tile_view(grads_buffer, n_rows, n_cols)
     softcap_grad = tile_view(softcap_buffer, n_rows, n_cols) if softcap > 0 else grads
-    _tile_score_gradients(q_scaled, k_cols, v_cols, do_rows, lse_rows, delta_rows, bh,
+    _tile_score_gradients(q_scaled, q_rows, k_cols, v_cols, do_rows, lse_rows, delta_rows, bh,
                           row_start, col_start, band_offset, row_offset, col_offset, scale,
                           softcap, slope, window_left, window_right, dropout_key,
-                          dropout_threshold, inv_keep, probs, grads, softcap_grad)
+                          dropout_threshold, inv_keep, probs, grads, softcap_grad, products)
     # A tile the mask cuts multiplies masked entries (0, or NaN on a NaN row) too; see
     # `kept_products` for why redoing the non-finite rows of each product is exact.
     fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
                                     col_start + n_cols, band_offset, window_left, window_right)
     if want_key_grads:
         product = tile_view(product_buffer, n_cols, value_dim)
-        np.dot(probs.T, do_rows, product)
+        if products is not None:
+            bf16_products.dot_tn(probs, do_rows, product, *products)
+        else:
+            np.dot(probs.T, do_rows, product)
         if not fully_kept:
             redo_non_finite_columns(probs, do_rows, product, row_start, col_start,
                                     band_offset, window_left, window_right)
         _add_into(dv_cols, product)
         product = tile_view(product_buffer, n_cols, head_dim)
-        np.dot(grads.T, q_rows, product)
+        if products is not None:
+            bf16_products.dot_tn(grads, q_rows, product, *products)
+        else:
+            np.dot(grads.T, q_rows, product)
         if not fully_kept:
             redo_non_finite_columns(grads, q_rows, product, row_start, col_start,
                                     band_offset, window_left, window_right)
         _add_into(dk_cols, product)
     if want_query_grads:
         product = tile_view(product_buffer, n_rows, head_dim)
-        np.dot(grads, k_cols, product)
+        if products is not None:
+            bf16_products.dot_nn(grads, k_cols, product, *products)
+        else:
+            np.dot(grads, k_cols, product)
         if not fully_kept:
             redo_non_finite_rows(grads, k_cols, product, row_start, col_start, band_offset,
                                  window_left, window_right)
@@ -224,7 +251,7 @@ def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_base, key_b
                     bh, row_start, row_stop, col_start, col_stop, q_scaled, dk_tile, dv_tile,
                     dq_tile, want_key_grads, want_query_grads, scale, softcap, slope,
                     window_left, window_right, band_offset, row_offset, col_offset,
-                    dropout_key, dropout_threshold, inv_keep, slice_rows, scratch):
+                    dropout_key, dropout_threshold, inv_keep, slice_rows, scratch, products):
     """Tile rows ``[row_start, row_stop)`` x keys ``[col_start, col_stop)`` of one sequence
     (positions within it; its rows start at `row_base` and its `n_keys` keys at `key_base`
     of batch element `b`); `dk_tile`, `dv_tile` start at `col_start`, `dq_tile` and
@@ -253,14 +280,14 @@ def _tile_or_slices(q, k, v, do, safe_lse, delta, b, h, kv_head, row_base, key_b
               dv_tile[cols_lo - col_start:cols_hi - col_start], dq_tile[first:last],
               want_key_grads, want_query_grads, bh, slice_start, cols_lo, band_offset,
               row_offset, col_offset, scale, softcap, slope, window_left, window_right,
-              dropout_key, dropout_threshold, inv_keep, scratch)
+              dropout_key, dropout_threshold, inv_keep, scratch, products)
 
 
 @njit(fastmath=FASTMATH)
 def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, sequence, kv_head,
               col_start, want_key_grads, want_query_grads, scale, softcap, alibi_slopes,
               window_left, window_right, row_offset, col_offset, dropout_key,
-              dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch):
+              dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch, products):
     """All tiles of key tile `col_start` of one sequence (a row of `sequences`, see
     `forward_kernel.forward_kernel`) over the query heads sharing `kv_head`.
 
@@ -293,7 +320,8 @@ def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, sequence, kv_
                             dq[b, h, row_base + row_start:row_base + row_stop],
                             want_key_grads, want_query_grads, scale, softcap, slope,
                             window_left, window_right, band_offset, row_offset, col_offset,
-                            dropout_key, dropout_threshold, inv_keep, slice_rows, scratch)
+                            dropout_key, dropout_threshold, inv_keep, slice_rows, scratch,
+                            products)
     _copy_into(dk[b, kv_head, key_base + col_start:key_base + col_stop], dk_tile)
     _copy_into(dv[b, kv_head, key_base + col_start:key_base + col_stop], dv_tile)
 
@@ -302,7 +330,7 @@ def _key_tile(q, k, v, do, safe_lse, delta, dq, dk, dv, sequences, sequence, kv_
 def _query_tile(q, k, v, do, safe_lse, delta, dq, sequences, sequence, h, row_start,
                 want_key_grads, want_query_grads, scale, softcap, alibi_slopes, window_left,
                 window_right, row_offset, col_offset, dropout_key, dropout_threshold,
-                inv_keep, block_q, block_k, slice_rows, scratch):
+                inv_keep, block_q, block_k, slice_rows, scratch, products):
     """``dQ`` of one query tile of one sequence, summed over its key tiles
     (`want_query_grads` is true and `want_key_grads` false here)."""
     q_scaled, dq_acc, unused_key_grads = scratch[0], scratch[5], scratch[6]
@@ -326,8 +354,19 @@ def _query_tile(q, k, v, do, safe_lse, delta, dq, sequences, sequence, h, row_st
                         col_stop, q_scaled, unused_key_grads, unused_key_grads, dq_tile,
                         want_key_grads, want_query_grads, scale, softcap, slope, window_left,
                         window_right, band_offset, row_offset, col_offset, dropout_key,
-                        dropout_threshold, inv_keep, slice_rows, scratch)
+                        dropout_threshold, inv_keep, slice_rows, scratch, products)
     _copy_into(dq[b, h, row_base + row_start:row_base + row_stop], dq_tile)
+
+
+@njit(fastmath=FASTMATH)
+def pair_buffers(block_q, block_k, head_dim, value_dim):
+    """One thread's buffers of `bf16_products`' pair products, sized for the largest of a
+    tile's products (`bf16_products.workspace_sizes`)."""
+    a_words, b_words, block = bf16_products.workspace_sizes(
+        max(block_q, block_k), max(block_q, block_k, head_dim, value_dim),
+        max(block_k, head_dim, value_dim))
+    return (np.empty(a_words, np.uint32), np.empty(b_words, np.uint32),
+            np.empty(block, np.float32))
 
 
 @njit(fastmath=FASTMATH)
@@ -351,7 +390,7 @@ HEADS, KEY_TILES, QUERY_TILES, KEY_PARTS = 0, 1, 2, 3
 def backward_kernel(q, k, v, do, safe_lse, delta, dq, dq_parts, dk, dv, sequences, scale,
                     softcap, alibi_slopes, window_left, window_right, row_offset, col_offset,
                     dropout_key, dropout_threshold, inv_keep, block_q, block_k, slice_rows,
-                    schedule, tiles, next_task):
+                    schedule, tiles, pairs, next_task):
     """One thread's share of one schedule, run on every thread by `threads.run`; each
     thread claims the next task from `next_task` when it is free (`schedule` module).
 
@@ -381,6 +420,10 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dq_parts, dk, dv, sequence
     if task >= n_tasks:
         return
     scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
+    # `pairs` None: BLAS's products; else bfloat16's pair products. Numba prunes the
+    # branches on an argument's None, so the BLAS kernels compile no pair products.
+    products = None if pairs is None else pair_buffers(block_q, block_k, q.shape[3],
+                                                       v.shape[3])
     previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         sequence, start = tiles[task // heads, 0], tiles[task // heads, 1]
@@ -389,7 +432,8 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dq_parts, dk, dv, sequence
             _query_tile(q, k, v, do, safe_lse, delta, dq, sequences, sequence, head, start,
                         want_key_grads, want_query_grads, scale, softcap, alibi_slopes,
                         window_left, window_right, row_offset, col_offset, dropout_key,
-                        dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch)
+                        dropout_threshold, inv_keep, block_q, block_k, slice_rows, scratch,
+                        products)
         else:
             if schedule == HEADS:
                 first_tile = 0
@@ -403,7 +447,7 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dq_parts, dk, dv, sequence
                           head, tile * block_k, want_key_grads, want_query_grads, scale,
                           softcap, alibi_slopes, window_left, window_right, row_offset,
                           col_offset, dropout_key, dropout_threshold, inv_keep, block_q,
-                          block_k, slice_rows, scratch)
+                          block_k, slice_rows, scratch, products)
         task = claim_next(next_task)
     restore_subnormals(previous)
 

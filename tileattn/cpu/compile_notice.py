@@ -13,7 +13,7 @@ import contextlib
 import sys
 import threading
 
-from numba.core import event
+from numba.core import event, types
 
 LONG_COMPILES = {"forward_kernel": "forward", "backward_kernel": "backward"}
 """The kernels whose compile takes seconds (the row-terms kernel takes a fraction of one)."""
@@ -32,7 +32,10 @@ class _Notice(event.Listener):
         if depth or self._silenced or name not in LONG_COMPILES \
                 or not dispatcher.py_func.__module__.startswith("tileattn.cpu"):
             return
-        dtype = ev.data["args"][0].dtype
+        args = ev.data["args"]
+        dtype = args[0].dtype
+        if name == "backward_kernel" and args[-2] != types.none:
+            dtype = "bfloat16 (its products in bfloat16)"  # `backward_kernel`'s `pairs`
         # Numba keeps the cache object private; its path is public on it.
         cache = getattr(dispatcher, "_cache", None)
         where = getattr(cache, "cache_path", None) or "Numba's cache directory"

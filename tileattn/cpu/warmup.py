@@ -28,13 +28,26 @@ def _compute_dtypes(dtypes) -> list[np.dtype]:
     return compute
 
 
-def _takes_16_bit(dtypes) -> bool:
+def _takes_16_bit(dtypes, names=("float16", "bfloat16")) -> bool:
     if dtypes is None:
         return True
     if isinstance(dtypes, (str, np.dtype, type)):
         dtypes = [dtypes]
-    return any((d if isinstance(d, str) else np.dtype(d).name) in ("float16", "bfloat16")
-               for d in dtypes)
+    return any((d if isinstance(d, str) else np.dtype(d).name) in names for d in dtypes)
+
+
+def _bfloat16_with_pair_products():
+    """bfloat16's dtype where its backward multiplies in bfloat16 on this CPU (a kernel of
+    its own), else None."""
+    from . import BF16_PAIR_PRODUCTS
+    from ..arrays import bfloat16_dtype
+
+    if not BF16_PAIR_PRODUCTS:
+        return None
+    try:
+        return bfloat16_dtype()
+    except ImportError:  # no ml_dtypes: no bfloat16 arrays to multiply
+        return None
 
 
 def warmup(dtypes=None, progress=None) -> None:
@@ -45,7 +58,8 @@ def warmup(dtypes=None, progress=None) -> None:
     dtypes : iterable of dtypes or dtype names, optional
         Among ``float16``, ``bfloat16``, ``float32``, ``float64`` (default: all four). The
         16-bit types share the float32 kernels, and add one step together: the decode path
-        over 16-bit K and V.
+        over 16-bit K and V; bfloat16 one more where the CPU multiplies its backward in
+        bfloat16 (`bf16_products`).
     progress : callable ``progress(done, total, label)``, optional
         Called after each step (``label`` like ``"forward float32"``). While it is given, the
         one-line compile notice on stderr stays silent: the caller shows progress instead.
@@ -69,6 +83,9 @@ def warmup(dtypes=None, progress=None) -> None:
              for kind in ("forward", "decode", "backward")]
     if _takes_16_bit(dtypes):
         steps.append(("decode", np.dtype(np.float16)))
+    bfloat16 = _bfloat16_with_pair_products()
+    if bfloat16 is not None and _takes_16_bit(dtypes, ("bfloat16",)):
+        steps.append(("backward", bfloat16))
     options = AttentionOptions()
     with NOTICE.silenced() if progress is not None else contextlib.nullcontext():
         for done, (kind, dtype) in enumerate(steps, start=1):
@@ -88,6 +105,7 @@ def warmup(dtypes=None, progress=None) -> None:
                                np.zeros(1, np.int64))
             if kind == "backward":
                 backward(o, q, q, q, o, lse, options)
+            if kind == "backward" and dtype != bfloat16:
                 # The sum of dQ's parts, which a tiny call on one thread never reaches.
                 sum_key_parts(np.zeros((1,) + q.shape, dtype), np.empty(q.shape, dtype),
                               np.zeros(1, np.int64))
