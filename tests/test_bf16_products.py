@@ -154,10 +154,10 @@ def test_without_avx512_bf16_the_sums_are_the_same(monkeypatch):
     {}, {"causal": True}, {"window": (40, 7), "softcap": 4.0},
     {"causal": True, "dropout_p": 0.2, "seed": 5, "alibi_slopes": np.array([0.2, 0.5])}],
     ids=["plain", "causal", "window-softcap", "dropout-alibi"])
-def test_the_bfloat16_backward_on_pair_products(options):
-    """bfloat16's CPU backward on the pair products (where the CPU has them) against the
-    golden model, GQA and Dv != D, several tiles each way; no worse than a third of the
-    tolerance, where the float32 products of the same call are within a tenth."""
+def test_the_bfloat16_forward_and_backward_on_pair_products(options):
+    """bfloat16's tiled CPU forward and backward on the pair products (where the CPU has
+    them) against the golden model, GQA and Dv != D, several tiles each way: no worse than
+    a third of the tolerance (the float32 products of the same calls are within a tenth)."""
     import tileattn.cpu
 
     dtype = bfloat16()
@@ -172,6 +172,10 @@ def test_the_bfloat16_backward_on_pair_products(options):
     do = rng.standard_normal((1, 2, 300, 40)).astype(dtype)
     o, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True, block_q=128,
                               block_k=256, **options)
+    golden_o, golden_lse = tileattn.forward(*(x.astype(np.float64) for x in (q, k, v)),
+                                            backend="reference", return_lse=True, **options)
+    assert attention_error(o, golden_o, dtype) < 1 / 3
+    assert_attention_close(lse, golden_lse, dtype, name="lse")
     wide = [x.astype(np.float64) for x in (do, q, k, v, o)]
     golden = tileattn.backward(*wide, lse, backend="reference", **options)
     grads = tileattn.backward(do, q, k, v, o, lse, backend="cpu", block_q=128, block_k=256,

@@ -293,9 +293,23 @@ def _kernels(module: str):
     return importlib.import_module(f"{__name__}.{module}")
 
 
-def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan, widen: int = 0):
+# bfloat16's tiled forward and backward multiply on AVX512-BF16 where the CPU has it
+# (`bf16_products`: P and dS rounded to bfloat16 as the GPU kernels round them), else on
+# float32 BLAS, as every other dtype does.
+BF16_PAIR_PRODUCTS = bf16_products.HAS_PAIR_DOT
+
+
+def _pair_products(dtype):
+    """The tiled kernels' `pairs` argument for inputs of `dtype`: 1 for bfloat16's pair
+    products, None for BLAS (a kernel specialisation each)."""
+    return 1 if BF16_PAIR_PRODUCTS and dtype_name(dtype) == "bfloat16" else None
+
+
+def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan, widen: int = 0,
+             pairs=None):
     """Forward over prepared (compute-dtype, read-only, contiguous) arrays; for a decode
-    with `widen`, k and v are 16-bit bits (`_decode_widening`)."""
+    with `widen`, k and v are 16-bit bits (`_decode_widening`); `pairs` as
+    `_pair_products` says for the tiled kernel."""
     shape = plan.shape
     if plan.decode is not None:
         return decode.forward(q_c, k_c, v_c, options, plan.scalars, _kernel_lock, shape,
@@ -309,7 +323,7 @@ def _forward(q_c, k_c, v_c, options: AttentionOptions, plan: _ForwardPlan, widen
     with _kernel_lock, blas.single_threaded():
         threads.run(_kernels("forward_kernel").forward_kernel, plan.n_workers, q_c, k_c, v_c,
                     out, lse, shape.descriptors, plan.tiles, *_paging(shape), *plan.scalars,
-                    plan.blocks.block_q, plan.blocks.block_k, BOUNDARY_SLICE_ROWS)
+                    plan.blocks.block_q, plan.blocks.block_k, BOUNDARY_SLICE_ROWS, pairs)
     return out, lse
 
 
@@ -328,7 +342,7 @@ def forward(q, k, v, options: AttentionOptions):
             if len(_FORWARD_PLANS) >= _PLAN_LIMIT:
                 _FORWARD_PLANS.clear()
             _FORWARD_PLANS[key] = plan
-    out, lse = _forward(q_c, k_c, v_c, options, plan, widen)
+    out, lse = _forward(q_c, k_c, v_c, options, plan, widen, _pair_products(q.dtype))
     # lse's dtype (SPEC) is the compute dtype: only o may need converting.
     return narrowed(out, q.dtype), lse
 
@@ -438,14 +452,9 @@ def _backward_plan(q_c, k_c, v_c, do_c, options: AttentionOptions,
                          dq_zeroed)
 
 
-# bfloat16's backward multiplies on AVX512-BF16 where the CPU has it (`bf16_products`:
-# P and dS rounded to bfloat16 as the GPU kernels round them), else on float32 BLAS.
-BF16_PAIR_PRODUCTS = bf16_products.HAS_PAIR_DOT
-
-
 def backward(do, q, k, v, o, lse, options: AttentionOptions):
     kernels = _kernels("backward_kernel")
-    pairs = 1 if BF16_PAIR_PRODUCTS and dtype_name(q.dtype) == "bfloat16" else None
+    pairs = _pair_products(q.dtype)
     dtype = _compute_dtype(q.dtype)
     do_c, q_c, k_c, v_c, o_c, lse_c = (_read_only(x, dtype) for x in (do, q, k, v, o, lse))
     key = ((options, q.shape, k.shape, v.shape, dtype, threads.allowed())

@@ -200,7 +200,8 @@ def _tile(q_scaled, q_rows, do_rows, k_cols, v_cols, lse_rows, delta_rows, dk_co
           row_offset, col_offset, scale, softcap, slope, window_left, window_right, dropout_key,
           dropout_threshold, inv_keep, scratch, products):
     """One tile: recompute it, then add its share into the requested accumulators
-    (`products`: `pair_buffers` for bfloat16's pair products, or None for BLAS)."""
+    (`products`: `bf16_products.tile_buffers` for bfloat16's pair products, or None for
+    BLAS)."""
     _, probs_buffer, grads_buffer, softcap_buffer, product_buffer, _, _ = scratch
     n_rows, n_cols = q_rows.shape[0], k_cols.shape[0]
     head_dim, value_dim = q_rows.shape[1], v_cols.shape[1]
@@ -359,17 +360,6 @@ def _query_tile(q, k, v, do, safe_lse, delta, dq, sequences, sequence, h, row_st
 
 
 @njit(fastmath=FASTMATH)
-def pair_buffers(block_q, block_k, head_dim, value_dim):
-    """One thread's buffers of `bf16_products`' pair products, sized for the largest of a
-    tile's products (`bf16_products.workspace_sizes`)."""
-    a_words, b_words, block = bf16_products.workspace_sizes(
-        max(block_q, block_k), max(block_q, block_k, head_dim, value_dim),
-        max(block_k, head_dim, value_dim))
-    return (np.empty(a_words, np.uint32), np.empty(b_words, np.uint32),
-            np.empty(block, np.float32))
-
-
-@njit(fastmath=FASTMATH)
 def _scratch(block_q, block_k, head_dim, value_dim, softcap, dtype):
     """One thread's tile buffers (flat where `tile_view` cuts ragged tiles from them)."""
     accumulator_rows = max(block_q, block_k)
@@ -422,8 +412,8 @@ def backward_kernel(q, k, v, do, safe_lse, delta, dq, dq_parts, dk, dv, sequence
     scratch = _scratch(block_q, block_k, q.shape[3], v.shape[3], softcap, q.dtype)
     # `pairs` None: BLAS's products; else bfloat16's pair products. Numba prunes the
     # branches on an argument's None, so the BLAS kernels compile no pair products.
-    products = None if pairs is None else pair_buffers(block_q, block_k, q.shape[3],
-                                                       v.shape[3])
+    products = None if pairs is None else bf16_products.tile_buffers(block_q, block_k,
+                                                                     q.shape[3], v.shape[3])
     previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         sequence, start = tiles[task // heads, 0], tiles[task // heads, 1]

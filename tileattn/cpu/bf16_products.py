@@ -228,6 +228,17 @@ def workspace_sizes(rows, inner, columns):
 
 
 @njit
+def tile_buffers(block_q, block_k, head_dim, value_dim):
+    """One thread's buffers for the products of an attention tile of block_q x block_k
+    (the forward's two, the backward's five): `workspace_sizes` of the largest."""
+    a_words, b_words, block = workspace_sizes(
+        max(block_q, block_k), max(block_q, block_k, head_dim, value_dim),
+        max(block_k, head_dim, value_dim))
+    return (np.empty(a_words, np.uint32), np.empty(b_words, np.uint32),
+            np.empty(block, np.float32))
+
+
+@njit
 def _blocks(out, a_words, a_row_stride, a_pair_stride, b_words, b_pair_stride, pairs, block):
     """``out`` from the packed words, block by block: whole blocks straight into it where
     its rows are contiguous, edge blocks through `block`."""

@@ -34,8 +34,8 @@ class _Notice(event.Listener):
             return
         args = ev.data["args"]
         dtype = args[0].dtype
-        if name == "backward_kernel" and args[-2] != types.none:
-            dtype = "bfloat16 (its products in bfloat16)"  # `backward_kernel`'s `pairs`
+        if len(args) > 2 and args[-2] != types.none:  # the tiled kernels' `pairs`
+            dtype = "bfloat16 (its products in bfloat16)"
         # Numba keeps the cache object private; its path is public on it.
         cache = getattr(dispatcher, "_cache", None)
         where = getattr(cache, "cache_path", None) or "Numba's cache directory"

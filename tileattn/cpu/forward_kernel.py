@@ -3,7 +3,9 @@
 `tileattn.reference.tiled_forward` is the executable documentation; this is the same loop
 with the batch, head and query-tile loops flattened into one task list spread over threads.
 Each task owns one query tile of one head: its output rows are written by that task alone,
-so there are no races and no reductions across threads.
+so there are no races and no reductions across threads. The products run on BLAS, or for
+bfloat16 inputs on `bf16_products`' pair products (`forward_kernel`'s `pairs`; P rounded to
+bfloat16, as the GPU kernels round it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from ..options import BAND, BATCH, INDEX, KEY_BASE, KEYS, ROW_BASE, ROWS
-from . import dropout
+from . import bf16_products, dropout
 from .denormals import flush_subnormals, restore_subnormals
 from .kept_products import redo_non_finite_rows
 from .kernel_cache import flush_if_stale
@@ -74,13 +76,22 @@ def _apply_dropout(probs, bh, row_start, col_start, key, threshold, inv_keep):
 
 
 @njit(fastmath=FASTMATH)
-def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_start, col_start,
-          band_offset, row_offset, col_offset, softcap, slope, window_left, window_right,
-          dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer):
-    """One step of Algorithm 1: the rows of `q_scaled` against one key tile."""
+def _tile(q_scaled, q_tile, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_start,
+          col_start, band_offset, row_offset, col_offset, scale, softcap, slope, window_left,
+          window_right, dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer,
+          products):
+    """One step of Algorithm 1: the rows of `q_scaled` (`q_tile` unscaled) against one key
+    tile; with `products` (`bf16_products.tile_buffers`) on bfloat16's pair products."""
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
     scores = tile_view(scores_buffer, n_rows, n_cols)
-    np.dot(q_scaled, k_tile.T, scores)
+    if products is not None:
+        bf16_products.dot_nt(q_tile, k_tile, scores, *products)
+        factor = scores.dtype.type(scale)
+        for r in range(n_rows):
+            for j in range(n_cols):
+                scores[r, j] *= factor
+    else:
+        np.dot(q_scaled, k_tile.T, scores)
     fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
                                     col_start + n_cols, band_offset, window_left, window_right)
     if softcap > 0 or slope != 0:
@@ -93,7 +104,10 @@ def _tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, row_star
         _apply_dropout(scores, bh, row_offset + row_start, col_offset + col_start, dropout_key,
                        dropout_threshold, inv_keep)
     pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
-    np.dot(scores, v_tile, pv)
+    if products is not None:
+        bf16_products.dot_nn(scores, v_tile, pv, *products)
+    else:
+        np.dot(scores, v_tile, pv)
     if not fully_kept:
         redo_non_finite_rows(scores, v_tile, pv, row_start, col_start, band_offset,
                              window_left, window_right)
@@ -107,7 +121,7 @@ def _query_tile(q_tile, k, v, out_rows, lse_rows, b, kv_head, key_base, n_keys, 
                 bh, scale, softcap, slope, window_left, window_right, band_offset, row_offset,
                 col_offset, dropout_key, dropout_threshold, inv_keep, block_table, page_size,
                 slots_outer, block_k, slice_rows, q_scaled, scores_buffer, pv_buffer, acc,
-                row_max, row_sum, rescale, key_buffer, value_buffer):
+                row_max, row_sum, rescale, key_buffer, value_buffer, products):
     """One query tile of one sequence: rows `row_start` on (sequence positions) against its
     `n_keys` keys, which start at `key_base` of batch element `b` (`tiles.key_value_rows`: or are
     read through the block table). Key tiles past the sequence's keys or outside the mask
@@ -133,10 +147,10 @@ def _query_tile(q_tile, k, v, out_rows, lse_rows, b, kv_head, key_base, n_keys, 
                                         slots_outer, key_buffer, value_buffer)
         if tile_is_fully_kept(row_start, row_stop, col_start, col_stop, band_offset,
                               window_left, window_right):
-            _tile(q_scaled[:n_rows], k_tile, v_tile, acc, row_max, row_sum, rescale, bh,
-                  row_start, col_start, band_offset, row_offset, col_offset, softcap, slope,
-                  window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                  scores_buffer, pv_buffer)
+            _tile(q_scaled[:n_rows], q_tile, k_tile, v_tile, acc, row_max, row_sum, rescale,
+                  bh, row_start, col_start, band_offset, row_offset, col_offset, scale,
+                  softcap, slope, window_left, window_right, dropout_key, dropout_threshold,
+                  inv_keep, scores_buffer, pv_buffer, products)
             continue
         # A tile the mask cuts (the causal diagonal, a window edge) runs in slices of
         # `slice_rows` rows, each against only the keys its rows keep: with 256-row tiles
@@ -149,12 +163,13 @@ def _query_tile(q_tile, k, v, out_rows, lse_rows, b, kv_head, key_base, n_keys, 
             if cols_lo >= cols_hi:
                 continue
             first, last = slice_start - row_start, slice_stop - row_start
-            _tile(q_scaled[first:last], k_tile[cols_lo - col_start:cols_hi - col_start],
+            _tile(q_scaled[first:last], q_tile[first:last],
+                  k_tile[cols_lo - col_start:cols_hi - col_start],
                   v_tile[cols_lo - col_start:cols_hi - col_start], acc[first:last],
                   row_max[first:last], row_sum[first:last], rescale[first:last], bh,
-                  slice_start, cols_lo, band_offset, row_offset, col_offset, softcap, slope,
-                  window_left, window_right, dropout_key, dropout_threshold, inv_keep,
-                  scores_buffer, pv_buffer)
+                  slice_start, cols_lo, band_offset, row_offset, col_offset, scale, softcap,
+                  slope, window_left, window_right, dropout_key, dropout_threshold, inv_keep,
+                  scores_buffer, pv_buffer, products)
     for r in range(n_rows):
         total = row_sum[r]
         if total > 0:
@@ -177,7 +192,7 @@ def _query_tile(q_tile, k, v, out_rows, lse_rows, b, kv_head, key_base, n_keys, 
 def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, slots_outer,
                    scale, softcap, alibi_slopes, window_left, window_right, row_offset,
                    col_offset, dropout_key, dropout_threshold, inv_keep, block_q, block_k,
-                   slice_rows, next_task):
+                   slice_rows, pairs, next_task):
     """Fill `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq) from C-contiguous q, k, v: one
     thread's share, run on every thread by `threads.run`.
 
@@ -213,6 +228,10 @@ def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, 
     paged = block_table.shape[0] > 0
     key_buffer = np.empty(block_k * head_dim if paged else 0, dtype)
     value_buffer = np.empty(block_k * value_dim if paged else 0, dtype)
+    # `pairs` None: BLAS's products; else bfloat16's pair products (`bf16_products`),
+    # whose branches Numba prunes from the BLAS kernels.
+    products = None if pairs is None else bf16_products.tile_buffers(block_q, block_k,
+                                                                     head_dim, value_dim)
     previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         h = task % n_q_heads
@@ -228,7 +247,8 @@ def forward_kernel(q, k, v, out, lse, sequences, tiles, block_table, page_size, 
                     window_left, window_right, sequences[sequence, BAND], row_offset,
                     col_offset, dropout_key, dropout_threshold, inv_keep, block_table,
                     page_size, slots_outer, block_k, slice_rows, q_scaled, scores_buffer,
-                    pv_buffer, acc, row_max, row_sum, rescale, key_buffer, value_buffer)
+                    pv_buffer, acc, row_max, row_sum, rescale, key_buffer, value_buffer,
+                    products)
         task = claim_next(next_task)
     restore_subnormals(previous)
 

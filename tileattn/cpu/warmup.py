@@ -37,8 +37,8 @@ def _takes_16_bit(dtypes, names=("float16", "bfloat16")) -> bool:
 
 
 def _bfloat16_with_pair_products():
-    """bfloat16's dtype where its backward multiplies in bfloat16 on this CPU (a kernel of
-    its own), else None."""
+    """bfloat16's dtype where its tiled forward and backward multiply in bfloat16 on this
+    CPU (kernels of their own), else None."""
     from . import BF16_PAIR_PRODUCTS
     from ..arrays import bfloat16_dtype
 
@@ -58,8 +58,8 @@ def warmup(dtypes=None, progress=None) -> None:
     dtypes : iterable of dtypes or dtype names, optional
         Among ``float16``, ``bfloat16``, ``float32``, ``float64`` (default: all four). The
         16-bit types share the float32 kernels, and add one step together: the decode path
-        over 16-bit K and V; bfloat16 one more where the CPU multiplies its backward in
-        bfloat16 (`bf16_products`).
+        over 16-bit K and V; bfloat16 one more where the CPU multiplies its tiled forward
+        and backward in bfloat16 (`bf16_products`).
     progress : callable ``progress(done, total, label)``, optional
         Called after each step (``label`` like ``"forward float32"``). While it is given, the
         one-line compile notice on stderr stays silent: the caller shows progress instead.
