@@ -184,3 +184,19 @@ def test_the_bfloat16_forward_and_backward_on_pair_products(options):
         assert grad.dtype == dtype
         assert_attention_close(grad, want, dtype, name=name)
         assert attention_error(grad, want, dtype) < 1 / 3, name
+
+
+def test_a_fixed_numba_target_decides_the_instruction(monkeypatch):
+    """``NUMBA_CPU_NAME`` (e.g. "generic", for caches shared between machines) keeps
+    `vdpbf16ps` out unless ``NUMBA_CPU_FEATURES`` names it; without it the host decides."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", "generic")
+    monkeypatch.setattr(config, "CPU_FEATURES", "")
+    assert bf16_products._targets_pair_dot() is False
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx512f,+avx512bf16")
+    assert bf16_products._targets_pair_dot() is True
+    monkeypatch.setattr(config, "CPU_NAME", None)
+    assert bf16_products._targets_pair_dot() == bool(
+        llvm.get_host_cpu_features().get("avx512bf16", False))

@@ -31,8 +31,19 @@ from numba.extending import intrinsic
 ROWS, COLUMNS = 8, 32
 """The micro-kernel's block of ``out``: 8 rows by two 16-lane vectors."""
 
-HAS_PAIR_DOT = bool(llvm.get_host_cpu_features().get("avx512bf16", False))
-"""Whether this CPU has `vdpbf16ps` (which Numba's host target then compiles to)."""
+def _targets_pair_dot() -> bool:
+    """Whether Numba compiles for a CPU with `vdpbf16ps`: this one (its default), or the
+    one ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name (e.g. "generic" for caches that
+    move between machines, which must not contain the instruction)."""
+    from numba.core import config
+
+    if config.CPU_NAME:
+        return "+avx512bf16" in (config.CPU_FEATURES or "")
+    return bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+
+
+HAS_PAIR_DOT = _targets_pair_dot()
+"""Whether the kernels may use `vdpbf16ps` (`_targets_pair_dot`)."""
 
 
 class _BFloat(ir.Type):
