@@ -200,3 +200,24 @@ def test_a_fixed_numba_target_decides_the_instruction(monkeypatch):
     monkeypatch.setattr(config, "CPU_NAME", None)
     assert bf16_products._targets_pair_dot() == bool(
         llvm.get_host_cpu_features().get("avx512bf16", False))
+
+
+def test_info_names_the_bfloat16_products(monkeypatch):
+    """`describe` (``python -m tileattn info``) says where bfloat16's tiled kernels multiply
+    in bfloat16, and says nothing of it for other dtypes, for the decode path or where the
+    CPU has no AVX512-BF16."""
+    import tileattn.cpu
+
+    if bfloat16() is None:
+        pytest.skip("ml_dtypes is not installed")
+    clause = "products in bfloat16 on AVX512-BF16"
+    monkeypatch.setattr(tileattn.cpu, "BF16_PAIR_PRODUCTS", True)
+    lines = tileattn.cpu.describe(2048, 64, 64, bfloat16(), heads=8)
+    assert clause in lines["forward"] and clause in lines["backward"]
+    decode = tileattn.cpu.describe(8192, 64, 64, bfloat16(), n_q=1, heads=8)
+    assert clause not in decode["forward"] and clause in decode["backward"]
+    assert all(clause not in line for line in
+               tileattn.cpu.describe(2048, 64, 64, np.float32, heads=8).values())
+    monkeypatch.setattr(tileattn.cpu, "BF16_PAIR_PRODUCTS", False)
+    assert all(clause not in line for line in
+               tileattn.cpu.describe(2048, 64, 64, bfloat16(), heads=8).values())

@@ -502,8 +502,14 @@ def describe(n_k: int, head_dim: int, value_dim: int, dtype,
     n_q = n_k if n_q is None else n_q
     forward_plan, backward_plan = _plans(n_q, n_k, head_dim, value_dim, dtype, options,
                                          heads, kv_heads, batch)
-    return {"forward": _forward_line(forward_plan, n_q, heads, kv_heads or heads),
-            "backward": _backward_line(backward_plan)}
+    lines = {"forward": _forward_line(forward_plan, n_q, heads, kv_heads or heads),
+             "backward": _backward_line(backward_plan)}
+    if _pair_products(np.dtype(dtype)) is not None:
+        products = "; products in bfloat16 on AVX512-BF16 (cpu/bf16_products.py)"
+        lines["backward"] += products
+        if forward_plan.decode is None:
+            lines["forward"] += products
+    return lines
 
 
 def tile_sizes(n_q: int, n_k: int, head_dim: int, value_dim: int, dtype,
