@@ -67,9 +67,30 @@ def test_float32_narrows_to_float16_as_numpy_rounds():
                                       values.astype(np.float16).view(np.uint16))
 
 
+def test_float32_narrows_to_bfloat16_as_ml_dtypes_rounds():
+    """Random float32 bit patterns (NaNs of every payload and sign among them), the ties
+    between bfloat16 values and their neighbours, the largest finite values, infinities and
+    subnormals: ml_dtypes' bfloat16 bit for bit, through the threaded path."""
+    dtype = bfloat16_dtype() if len(_half_dtypes()) > 1 else pytest.skip("no ml_dtypes")
+    rng = np.random.default_rng(12)
+    steps = np.arange(0, 2**32, 2**15, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0x7F7FFFFF, 0x7F7F8000, 0x7F800000, 0xFF800000, 0x80000000, 0x00008000,
+                      0x00018000, 0x7FC00000, 0x7F800001, 0xFF800001, 0x00000001, 0x807FFFFF],
+                     np.uint32)
+    bits = np.concatenate([rng.integers(0, 2**32, 2 * MIN_ELEMENTS, dtype=np.uint64)
+                           .astype(np.uint32), steps, steps + np.uint32(1),
+                           steps - np.uint32(1), edges])
+    values = bits.view(np.float32).reshape(-1, 4)
+    narrow = narrowed(values, dtype)
+    assert narrow.dtype == dtype and narrow.shape == values.shape
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(narrow.view(np.uint16),
+                                      values.astype(dtype).view(np.uint16))
+
+
 def test_what_numpy_narrows_instead():
-    """Small or strided arrays, bfloat16 (ml_dtypes' vectorised cast) and float32 targets
-    are left to NumPy's conversion, with its values."""
+    """Small or strided arrays and float32 targets are left to NumPy's (or ml_dtypes')
+    conversion, with its values."""
     small = np.linspace(-3, 3, MIN_ELEMENTS - 1, dtype=np.float32)
     np.testing.assert_array_equal(narrowed(small, np.dtype(np.float16)),
                                   small.astype(np.float16))

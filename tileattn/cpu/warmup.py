@@ -101,7 +101,7 @@ def warmup(dtypes=None, progress=None) -> None:
                 # The widening of 16-bit inputs, which tiny arrays leave to NumPy.
                 _widen_kernel(np.zeros(1, np.uint16), np.empty(1, np.float32), False, 1,
                               np.zeros(1, np.int64))
-                _narrow_kernel(np.zeros(1, np.uint32), np.empty(1, np.uint16), 1,
+                _narrow_kernel(np.zeros(1, np.uint32), np.empty(1, np.uint16), False, 1,
                                np.zeros(1, np.int64))
             if kind == "backward":
                 backward(o, q, q, q, o, lse, options)
