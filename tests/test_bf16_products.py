@@ -221,3 +221,17 @@ def test_info_names_the_bfloat16_products(monkeypatch):
     monkeypatch.setattr(tileattn.cpu, "BF16_PAIR_PRODUCTS", False)
     assert all(clause not in line for line in
                tileattn.cpu.describe(2048, 64, 64, bfloat16(), heads=8).values())
+
+
+def test_a_host_whose_features_llvm_cannot_read_takes_float32_products(monkeypatch):
+    """Where LLVM cannot read the host's features (some platforms raise), the instruction
+    counts as absent."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    def unreadable():
+        raise RuntimeError("failed to get host cpu features")
+
+    monkeypatch.setattr(config, "CPU_NAME", None)
+    monkeypatch.setattr(llvm, "get_host_cpu_features", unreadable)
+    assert bf16_products._targets_pair_dot() is False

@@ -39,7 +39,10 @@ def _targets_pair_dot() -> bool:
 
     if config.CPU_NAME:
         return "+avx512bf16" in (config.CPU_FEATURES or "")
-    return bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+    try:
+        return bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+    except RuntimeError:  # LLVM reads no features on some hosts: assume none
+        return False
 
 
 HAS_PAIR_DOT = _targets_pair_dot()
