@@ -109,11 +109,7 @@ def _recompute_scores(q_scaled, q_tile, k_tile, scores, softcap_grad, row_start,
     ``1 - tanh^2`` when there is a softcap)."""
     n_rows, n_cols = scores.shape
     if products is not None:
-        bf16_products.dot_nt(q_tile, k_tile, scores, *products)
-        factor = scores.dtype.type(scale)
-        for r in range(n_rows):
-            for j in range(n_cols):
-                scores[r, j] *= factor
+        bf16_products.scaled_scores(q_tile, k_tile, scores, scale, *products)
     else:
         np.dot(q_scaled, k_tile.T, scores)
     if softcap > 0 or slope != 0:

@@ -287,6 +287,17 @@ def dot_nt(a, b, out, a_words, b_words, block):
 
 
 @njit
+def scaled_scores(q, k, out, scale, a_words, b_words, block):
+    """``out = scale * q @ k.T``, a tile's scores in natural units: the product first, as Q
+    times the scale is no bfloat16 value."""
+    dot_nt(q, k, out, a_words, b_words, block)
+    factor = out.dtype.type(scale)
+    for r in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[r, j] *= factor
+
+
+@njit
 def dot_tn(a, b, out, a_words, b_words, block):
     """``out = a.T @ b`` (dV = P^T dO, dK = dS^T Q) from bfloat16-rounded operands."""
     pairs = (a.shape[0] + 1) // 2

@@ -85,11 +85,7 @@ def _tile(q_scaled, q_tile, k_tile, v_tile, acc, row_max, row_sum, rescale, bh, 
     n_rows, n_cols = q_scaled.shape[0], k_tile.shape[0]
     scores = tile_view(scores_buffer, n_rows, n_cols)
     if products is not None:
-        bf16_products.dot_nt(q_tile, k_tile, scores, *products)
-        factor = scores.dtype.type(scale)
-        for r in range(n_rows):
-            for j in range(n_cols):
-                scores[r, j] *= factor
+        bf16_products.scaled_scores(q_tile, k_tile, scores, scale, *products)
     else:
         np.dot(q_scaled, k_tile.T, scores)
     fully_kept = tile_is_fully_kept(row_start, row_start + n_rows, col_start,
