@@ -529,6 +529,20 @@ def test_tensor_core_decode_splits_fill_the_device():
     assert some.splits == 6  # 64 x 6 = 384 blocks in one wave of 396
 
 
+@pytest.mark.parametrize("head_dim, stages", [(64, 2), (96, 2), (128, 2), (256, 3)])
+def test_tensor_core_decode_takes_a_third_stage_where_a_block_has_its_sm_alone(head_dim,
+                                                                               stages):
+    """A block alone on its SM (D = 256) streams through three stages, so that two tiles are
+    in flight while it computes; where 2-4 blocks share an SM, their copies overlap each
+    other's products and a third stage would only cost shared memory (two stages)."""
+    problem = Problem(dtype="float16", head_dim=head_dim, value_dim=head_dim, n_k=32768,
+                      **H100)
+    chosen = tiles.decode_mma_tiles(problem, _decode_shape(n_k=32768))
+    assert chosen.stages == stages
+    assert (tiles.decode_residency(problem, chosen) == 1) == (stages == 3)
+    assert tiles.decode_mma_tiles(problem, _decode_shape(n_k=32768), stages=2).stages == 2
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("n_q_heads, n_q", [(8, 1), (32, 1), (32, 8), (32, 16), (64, 16)])
 def test_tensor_core_decode_rows_have_measured_registers(head_dim, n_q_heads, n_q):

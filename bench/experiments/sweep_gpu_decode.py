@@ -3,7 +3,7 @@ keys and stages) on bench_gpu_decode's quick shapes, kernels alone (a cached lau
 under the L2 flush), to set tiles.decode_splits and the decode tables.
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_decode.py [--threads 128 256]
-        [--grid 256 --only 'Nq1 ' float16] [--stage-bytes B --stage-target T --splits ...]
+        [--grid 256 [--grid-max 512] --only 'Nq1 ' float16] [--stage-bytes B --stage-target T --splits ...]
         [--kernel tensor_cores --mma 4x16x3 4x16x2 1x64x2x4 table ...]
 
 Each line: shape, then per split count the kernels' microseconds and share of the measured
@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=None, metavar="MIB",
                         help="bench_gpu_decode's whole grid, shapes of >= MIB MiB of K/V "
                              "that fit a third of free memory, instead of its quick list")
+    parser.add_argument("--grid-max", type=int, default=None, metavar="MIB",
+                        help="with --grid, only shapes of <= MIB MiB of K/V")
     args = parser.parse_args()
     if args.stage_bytes:
         tiles.DECODE_STAGE_BYTES = args.stage_bytes
@@ -106,7 +108,8 @@ def main() -> None:
     shapes = QUICK
     if args.grid is not None:
         free = cupy.cuda.Device().mem_info[0]
-        shapes = [s for s in grid() if args.grid * 2**20 <= s.kv_bytes <= free / 3]
+        most = min(free / 3, (args.grid_max or float("inf")) * 2**20)
+        shapes = [s for s in grid() if args.grid * 2**20 <= s.kv_bytes <= most]
     for shape in shapes:
         if all(part in shape.name + " " for part in args.only):
             sweep_shape(shape, bandwidth, args.repetitions, rng, args.splits, args.kernel,

@@ -31,6 +31,11 @@ DECODE_SOURCE = "attention_decode.cu"
 DECODE_MMA_SOURCE = "attention_decode_mma.cu"
 MERGE_WARPS = 16  # attention_decode_merge's warps, each taking every MERGE_WARPS-th split
 MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
+# cp.async's L2 prefetch size (bytes, 0: none) in the tensor-core decode's K/V copies
+# (mma.cuh's L2_PREFETCH): 128 bytes read K/V ~2.5 % faster at D 128 (H200, kernels alone,
+# bench/experiments/decode_roofline_gpu.py, NOTES-gpu v54: 4 GiB 1013 -> 987 us, 1 GiB 267
+# -> 260), where 64 changed nothing and 256 was up to 3 % slower.
+DECODE_L2_PREFETCH = 128
 
 
 # Bounded: options hash by identity, and a call whose options are validated anew (a new
@@ -142,6 +147,8 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                    ("ROW_WARPS", tiles.row_warps),
                    ("STAGES", tiles.stages), ("VALUE_DIM", value_dim),
                    ("WARP_KEYS", tiles.warp_keys), ("WARPS", tiles.warps)) + switches
+        if DECODE_L2_PREFETCH:
+            defines += (("L2_PREFETCH", DECODE_L2_PREFETCH),)
     defines += strided_out_defines(o)
     if sequences is not None:
         defines += sequences.defines()

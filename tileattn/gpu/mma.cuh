@@ -22,12 +22,24 @@ __device__ __forceinline__ u32 shared_address(const void* pointer) {
     return address;
 }
 
+// A kernel built with L2_PREFETCH (64, 128 or 256) asks L2 to fetch that many bytes around
+// each 16-byte asynchronous copy (cp.async's prefetch-size qualifier): kernels that stream
+// long contiguous rows (the decode) read DRAM in larger requests.
+#if defined(L2_PREFETCH) && L2_PREFETCH == 256
+#define CP_ASYNC_CG_16 "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+#elif defined(L2_PREFETCH) && L2_PREFETCH == 128
+#define CP_ASYNC_CG_16 "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+#elif defined(L2_PREFETCH) && L2_PREFETCH == 64
+#define CP_ASYNC_CG_16 "cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n"
+#else
+#define CP_ASYNC_CG_16 "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+#endif
+
 // 16 bytes global -> shared, asynchronously; `valid == false` writes 16 zero bytes instead
 // (rows past the end of the sequence must be 0, not stale data: 0 * NaN would be NaN).
 __device__ __forceinline__ void copy_16_async(u32 destination, const void* source, bool valid) {
     const int source_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination),
-                 "l"(source), "r"(source_bytes));
+    asm volatile(CP_ASYNC_CG_16 ::"r"(destination), "l"(source), "r"(source_bytes));
 }
 // 4 bytes global -> shared (a float of per-row statistics); zeros when `valid == false`.
 __device__ __forceinline__ void copy_4_async(u32 destination, const void* source, bool valid) {
@@ -184,8 +196,7 @@ __device__ __forceinline__ void copy_chunk_async(u32 destination, const void* so
         const unsigned short value = valid ? *static_cast<const unsigned short*>(source) : 0;
         asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(destination), "h"(value) : "memory");
     } else if constexpr (ChunkBytes == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination),
-                     "l"(source), "r"(source_bytes));
+        asm volatile(CP_ASYNC_CG_16 ::"r"(destination), "l"(source), "r"(source_bytes));
     else
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(destination),
                      "l"(source), "n"(ChunkBytes), "r"(source_bytes));

@@ -1102,6 +1102,12 @@ DECODE_MMA_WIDTH = 256
 DECODE_MMA_WARPS = 4
 DECODE_MMA_WARP_KEYS = 16  # one k16 step of P V a warp a stage
 DECODE_MMA_STAGES = 2
+# A third stage where a block has its SM alone with either (D 256; 128 rows at D > 64): its
+# own copies are the SM's only ones in flight. H200, kernels alone, with the copies' L2
+# prefetch (NOTES-gpu v54): D 256 B8 H32/8 Nk4k (256 MiB) 78.9 -> 75.3 us, B1 H8/1 Nk256k
+# 79.5 -> 76.1, B64 H32/8 Nk32k bf16 (16 GiB) 4346 -> 3935; where 2-4 blocks share an SM it
+# cost 1-9 % (D 40-96 Nq 1, 32 rows at D 64 and 128).
+DECODE_MMA_MOST_STAGES = 3
 DECODE_MMA_ROW_WARPS = 4
 # More packed rows than DECODE_ROWS serve (speculative decoding or chunks of up to 64
 # queries with wide GQA groups; one query row of Falcon's 71 heads over one K/V head) take
@@ -1267,6 +1273,11 @@ def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = 
             warp_keys = min(warp_keys, 2 * DECODE_MMA_WARP_KEYS)
     tiles = DecodeMmaTiles(row_tiles, warps, warp_keys, stages or DECODE_MMA_STAGES, 1,
                            row_warps)
+    if stages is None:
+        deeper = replace(tiles, stages=DECODE_MMA_MOST_STAGES)
+        if (decode_fits(problem, deeper) and decode_residency(problem, tiles) == 1
+                and decode_residency(problem, deeper) == 1):
+            tiles = deeper
     return replace(tiles, splits=_splits_of(problem, shape, tiles)[0] if splits is None
                    else splits)
 
