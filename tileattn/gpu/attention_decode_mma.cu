@@ -16,8 +16,8 @@
 // * after the last tile the key warps' (max, sum, O) meet in shared memory and are
 //   combined by log-sum-exp, once per block;
 // * K/V stream through STAGES shared buffers of BLOCK_K = WARPS * WARP_KEYS keys with
-//   cp.async (rows padded by 16 bytes for conflict-free ldmatrix, zeros past the keys and
-//   in the padding columns); the score options, masks and the online softmax are
+//   cp.async (rows swizzled or padded by 16 bytes for conflict-free ldmatrix, zeros past
+//   the keys and in the padding columns); the score options, masks and the online softmax are
 //   forward_softmax.cuh's, the same code as the prefill mma.sync forward.
 // Packed row r is query head kv_head * group + r / Nq, query row r % Nq; the masks and
 // ALiBi see the query row, so causal speculative rows (Nq > 1) keep their own keys, and
@@ -52,10 +52,22 @@ static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole k16 steps of P V");
 static_assert(STAGES >= 2, "one tile in flight while one is used");
 static_assert(!DROPOUT, "dropout decodes on CUDA cores (tiles.decode_on_tensor_cores)");
 
+// K and V stages take swizzled rows (mma.cuh's tile_offset: whole 128-byte lines, which
+// the copies fill faster) where both widths are whole groups of 8 chunks and every copy is
+// a 16-byte chunk; other widths pad their rows by 16 bytes. A stage is as large either way:
+// swizzled, its last kBlockK x 16 elements hold the rows' offsets of a paged cache (K's and
+// V's, an i64 each a row), which padded stages keep in each row's padding.
+constexpr bool kSwizzledStages = COPY_BYTES == 16 && HEAD_DIM % 8 == 0 && VALUE_DIM % 8 == 0
+                                 && kHeadWidth % 64 == 0 && kValueWidth % 64 == 0;
+constexpr int kKRowStride = kSwizzledStages ? kHeadWidth : kQkPitch;  // K rows in a stage
+constexpr int kVRowStride = kSwizzledStages ? kValueWidth : kVPitch;
+constexpr int kVTileOffset = kBlockK * kKRowStride;  // V's tile in a stage
+
 // Shared memory (launch_decode.py mirrors it): STAGES x (K tile, V tile), then Q. After
 // the key loop the stages hold the key warps' partial results: O [kWarps][kRows][kOPitch]
 // floats, then max and sum [kWarps][kRows] each.
 constexpr int kStageElements = kBlockK * (kQkPitch + kVPitch);
+constexpr int kRowOffsetsAt = kBlockK * (kKRowStride + kVRowStride);  // swizzled stages
 constexpr int kStagesBytes = STAGES * kStageElements * 2;
 constexpr int kOPitch = kValueWidth + 4;  // 16 bytes of padding: rows in different banks
 constexpr int kCombineBytes = kWarps * kRows * (kOPitch + 2) * 4;
@@ -78,7 +90,7 @@ static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_byte
 // most of the kernel's issue slots (NOTES-gpu v33: 62 instructions a copy, 2 of them mma;
 // paged 101) and held paged calls to 0.62 of the dense ones on an H200. Unaligned rows
 // (COPY_BYTES < 16) and head dims that are not whole chunks take the general loop.
-template <int Columns, int Width, int Pitch>
+template <int Columns, int Width, int Pitch, bool Swizzled>
 struct TileChunks {
     static constexpr int kChunksPerRow = Width / 8;
     static constexpr int kChunks = kBlockK * kChunksPerRow;
@@ -107,7 +119,15 @@ struct TileChunks {
     // Rows [0, rows_kept) of a tile into `tile`, row r from `row_at(r)`; zeros after them.
     template <class RowAt>
     __device__ __forceinline__ void copy(bits16* tile, int rows_kept, RowAt row_at) const {
-        if constexpr (kEvenSplit) {
+        if constexpr (kEvenSplit && Swizzled) {  // the chunk's column depends on row % 8
+            const u32 target = shared_address(tile);
+#pragma unroll
+            for (int i = 0; i < kPerThread; ++i) {
+                const int r = first_row + i * kRowStep;
+                copy_chunk_async<16>(target + 2 * tile_offset<Width, true>(r, column),
+                                     row_at(r) + column, column_kept && r < rows_kept);
+            }
+        } else if constexpr (kEvenSplit) {
             const u32 target = shared_address(tile + first_row * Pitch + column);
 #pragma unroll
             for (int i = 0; i < kPerThread; ++i) {
@@ -121,8 +141,8 @@ struct TileChunks {
             for (int i = 0; i < kPerThread; ++i) {
                 int r, c;
                 if (!place(i, &r, &c)) break;
-                copy_chunk_async<16>(target + (r * Pitch + c) * 2, row_at(r) + c,
-                                     c < Columns && r < rows_kept);
+                copy_chunk_async<16>(target + 2 * tile_offset<Width, Swizzled>(r, c),
+                                     row_at(r) + c, c < Columns && r < rows_kept);
             }
         }
     }
@@ -134,22 +154,33 @@ struct TileChunks {
         copy(tile, rows_kept, [&](int r) { return first + (r - first_row) * stride; });
     }
 #if PAGED
-    // The same through the rows' offsets in `pool`, which `PageOffsets::store` left in the
-    // padding after each of the tile's rows (8 of its 16 bytes; no ldmatrix reads them).
-    __device__ __forceinline__ void paged(bits16* tile, const bits16* pool, int rows_kept) const {
-        copy(tile, rows_kept, [&](int r) {
-            return pool + *reinterpret_cast<const i64*>(tile + r * Pitch + Width);
-        });
+    // The same through the rows' offsets in `pool`, which `PageOffsets::store` left at
+    // `offsets`, `stride` i64 apart (in the stage, where no ldmatrix reads).
+    __device__ __forceinline__ void paged(bits16* tile, const bits16* pool, int rows_kept,
+                                          const i64* offsets, int stride) const {
+        copy(tile, rows_kept, [&](int r) { return pool + offsets[r * stride]; });
     }
 #endif
 };
-using KeyChunks = TileChunks<HEAD_DIM, kHeadWidth, kQkPitch>;
-using ValueChunks = TileChunks<VALUE_DIM, kValueWidth, kVPitch>;
+using KeyChunks = TileChunks<HEAD_DIM, kHeadWidth, kQkPitch, kSwizzledStages>;
+using ValueChunks = TileChunks<VALUE_DIM, kValueWidth, kVPitch, kSwizzledStages>;
 constexpr bool kChunkCopies = KeyChunks::kCovered && ValueChunks::kCovered;
+static_assert(!kSwizzledStages || kChunkCopies, "swizzled stages are filled by chunk copies");
 
 #if PAGED
-static_assert(kQkPitch - kHeadWidth >= 4 && kVPitch - kValueWidth >= 4,
+static_assert(kSwizzledStages || (kQkPitch - kHeadWidth >= 4 && kVPitch - kValueWidth >= 4),
               "a row offset (8 bytes) fits a row's padding");
+// Where a stage's K and V row offsets lie (row r's at [r * stride]): after the swizzled
+// tiles, K's and V's side by side, or in each padded row's padding.
+constexpr int kKOffsetStride = kSwizzledStages ? 2 : kQkPitch / 4;
+constexpr int kVOffsetStride = kSwizzledStages ? 2 : kVPitch / 4;
+__device__ __forceinline__ i64* key_row_offsets(bits16* stage) {
+    return reinterpret_cast<i64*>(stage + (kSwizzledStages ? kRowOffsetsAt : kHeadWidth));
+}
+__device__ __forceinline__ i64* value_row_offsets(bits16* stage) {
+    return kSwizzledStages ? reinterpret_cast<i64*>(stage + kRowOffsetsAt) + 1
+                           : reinterpret_cast<i64*>(stage + kVTileOffset + kValueWidth);
+}
 
 // The offsets in the pools of one tile's K and V rows (page * page stride + slot * slot
 // stride), thread r holding row r's: `fetch` reads the block table a tile before `store`
@@ -181,9 +212,9 @@ struct PageOffsets {
             const i64 row = tile_index * kBlockK + r;
             const i64 page = min(max(ids[j], i64(0)), k_rows.last_page);
             const i64 slot = row - k_rows.page_of(row) * k_rows.page_size;
-            *reinterpret_cast<i64*>(stage + r * kQkPitch + kHeadWidth) =
+            key_row_offsets(stage)[r * kKOffsetStride] =
                 page * k_rows.page_stride + slot * k_rows.slot_stride;
-            *reinterpret_cast<i64*>(stage + kBlockK * kQkPitch + r * kVPitch + kValueWidth) =
+            value_row_offsets(stage)[r * kVOffsetStride] =
                 page * v_rows.page_stride + slot * v_rows.slot_stride;
         }
     }
@@ -352,13 +383,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const ValueChunks v_chunks = ValueChunks::of_thread();
     const auto load_tile = [&](i64 tile_index) {
         bits16* stage = stage_of(tile_index);
-        bits16* v_stage = stage + kBlockK * kQkPitch;
+        bits16* v_stage = stage + kVTileOffset;
         const i64 row = tile_index * kBlockK;
         if constexpr (kChunkCopies) {
             const int rows_kept = static_cast<int>(min(seq_keys - row, i64(kBlockK)));
 #if PAGED
-            k_chunks.paged(stage, k_rows.pool, rows_kept);
-            v_chunks.paged(v_stage, v_rows.pool, rows_kept);
+            k_chunks.paged(stage, k_rows.pool, rows_kept, key_row_offsets(stage),
+                           kKOffsetStride);
+            v_chunks.paged(v_stage, v_rows.pool, rows_kept, value_row_offsets(stage),
+                           kVOffsetStride);
 #else
             k_chunks.strided(stage, k_rows.base + row * k_rows.stride, k_rows.stride, rows_kept);
             v_chunks.strided(v_stage, v_rows.base + row * v_rows.stride, v_rows.stride,
@@ -430,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     for (i64 tile = my_begin; tile < my_end; ++tile) {
         const int slot = static_cast<int>((tile - my_begin) % STAGES);
         bits16* k_tile = stages + slot * kStageElements;
-        bits16* v_tile = k_tile + kBlockK * kQkPitch;
+        bits16* v_tile = k_tile + kVTileOffset;
         wait_copies<STAGES - 2>();
         __syncthreads();  // this tile landed for all; the stage refilled below was last
                           // read in the previous tile, which every warp has finished
@@ -447,8 +480,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                 pending_offsets.fetch(k_rows, tile + STAGES + 1, seq_keys);
         }
 #endif
-        const bits16* k_warp = k_tile + warp * kWarpKeys * kQkPitch;
-        const bits16* v_warp = v_tile + warp * kWarpKeys * kVPitch;
+        // A warp's keys start at a multiple of 16 rows: its rows' swizzle is the tile's.
+        const bits16* k_warp = k_tile + warp * kWarpKeys * kKRowStride;
+        const bits16* v_warp = v_tile + warp * kWarpKeys * kVRowStride;
         const i64 col_start = tile * kBlockK + warp * kWarpKeys;
 
         // S = Q K^T over this warp's keys.
@@ -476,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
 #pragma unroll
                 for (int nn = 0; nn < kWarpKeys / 16; ++nn) {
                     u32 b[4];
-                    load_b_fragments<kHeadWidth>(k_warp, nn * 16, kk * 16, b);
+                    load_b_fragments<kHeadWidth, kSwizzledStages>(k_warp, nn * 16, kk * 16, b);
 #pragma unroll
                     for (int m = 0; m < kRowTiles; ++m) {
                         mma_16x8x16(s[m][2 * nn], a[m], b[0], b[1]);
@@ -503,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         if (kBandMasksKeys && key_tile_needs_mask(scores, 0, static_cast<int>(seq_rows),
                                                   tile * kBlockK, kBlockK)) {
             if (__syncthreads_or(
-                    tile_has_non_finite<kBlockK, kValueWidth, kVPitch, kThreads>(v_tile))) {
+                    tile_has_non_finite<kBlockK, kValueWidth, kVRowStride, kThreads>(v_tile))) {
                 if (rows_in_use)
                     add_kept_non_finite_values<kWarpKeys / 8>(
                         o_acc,
@@ -512,10 +546,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                                                                         seq_keys)},
                         HeldFromScores<kRowTiles, kWarpKeys / 8>{s},
                         [&](int key, int col) {
-                            return element_value(v_warp[key * kVPitch + col]);
+                            return element_value(
+                                v_warp[tile_offset<kValueWidth, kSwizzledStages>(key, col)]);
                         });
                 __syncthreads();
-                zero_non_finite<kBlockK, kValueWidth, kVPitch, kThreads>(v_tile);
+                zero_non_finite<kBlockK, kValueWidth, kVRowStride, kThreads>(v_tile);
                 __syncthreads();
             }
         }
@@ -531,7 +566,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
 #pragma unroll
                 for (int dn = 0; dn < kValueWidth / 16; ++dn) {
                     u32 b[4];
-                    load_b_fragments_transposed<kValueWidth>(v_warp, kk * 16, dn * 16, b);
+                    load_b_fragments_transposed<kValueWidth, kSwizzledStages>(v_warp, kk * 16,
+                                                                              dn * 16, b);
 #pragma unroll
                     for (int m = 0; m < kRowTiles; ++m) {
                         mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);

@@ -183,6 +183,20 @@ __device__ __forceinline__ double exp_of_logit_difference(double difference) {
 
 template <int Cols> constexpr int kTilePitch = Cols + 8;
 
+// A tile's element (row, col): rows kTilePitch<Cols> apart (padded) or, Swizzled, Cols apart
+// with 16-byte chunk c of row r stored at chunk c ^ (r & 7) (Cols a multiple of 64). Both
+// put the 8 rows of an ldmatrix phase in 8 different bank groups; the swizzled rows are
+// whole 128-byte lines, which 16-byte cp.async copies fill ~5 % faster than lines that
+// padding shifts by 16 bytes a row (bench/NOTES-gpu.md v54, a copy-only kernel at 4 GiB).
+template <int Cols, bool Swizzled>
+__device__ __forceinline__ int tile_offset(int row, int col) {
+    static_assert(!Swizzled || Cols % 64 == 0, "swizzled rows are whole 8-chunk groups");
+    if constexpr (Swizzled)
+        return row * Cols + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
+    else
+        return row * kTilePitch<Cols> + col;
+}
+
 // The shared-memory bytes [address, address + ChunkBytes) from `source`, asynchronously,
 // zeros when `valid == false`. 16-byte copies bypass L1; narrower ones (head dims that are
 // not a multiple of 8, rows that are not 16-byte aligned) need the L1 path.
@@ -277,24 +291,24 @@ __device__ __forceinline__ void load_a_fragment_transposed(const bits16* tile, i
 // B fragments of two n8 tiles when B[k][n] = tile[n][k] (the tile's rows are B's
 // columns, e.g. K in S = Q K^T): rows [n0, n0 + 16) at columns [k0, k0 + 16);
 // b[0], b[1] serve columns n0..n0+7, b[2], b[3] columns n0+8..n0+15.
-template <int Cols>
+template <int Cols, bool Swizzled = false>
 __device__ __forceinline__ void load_b_fragments(const bits16* tile, int n0, int k0, u32* b) {
     const int lane = threadIdx.x % 32;
-    load_matrix_x4(shared_address(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) *
-                                             kTilePitch<Cols> +
-                                  k0 + ((lane >> 3) & 1) * 8),
+    load_matrix_x4(shared_address(tile + tile_offset<Cols, Swizzled>(
+                                             n0 + (lane & 7) + ((lane >> 4) << 3),
+                                             k0 + ((lane >> 3) & 1) * 8)),
                    b);
 }
 
 // B fragments of two n8 tiles when B[k][n] = tile[k][n] (e.g. V in O = P V), through the
 // transposing ldmatrix: rows [k0, k0 + 16), columns [n0, n0 + 16).
-template <int Cols>
+template <int Cols, bool Swizzled = false>
 __device__ __forceinline__ void load_b_fragments_transposed(const bits16* tile, int k0, int n0,
                                                             u32* b) {
     const int lane = threadIdx.x % 32;
     load_matrix_x4_transposed(
-        shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kTilePitch<Cols> +
-                       n0 + (lane >> 4) * 8),
+        shared_address(tile + tile_offset<Cols, Swizzled>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                          n0 + (lane >> 4) * 8)),
         b);
 }
 
