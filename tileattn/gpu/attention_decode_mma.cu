@@ -53,12 +53,12 @@ static_assert(STAGES >= 2, "one tile in flight while one is used");
 static_assert(!DROPOUT, "dropout decodes on CUDA cores (tiles.decode_on_tensor_cores)");
 
 // K and V stages take swizzled rows (mma.cuh's tile_offset: whole 128-byte lines, which
-// the copies fill faster) where both widths are whole groups of 8 chunks and every copy is
-// a 16-byte chunk; other widths pad their rows by 16 bytes. A stage is as large either way:
-// swizzled, its last kBlockK x 16 elements hold the rows' offsets of a paged cache (K's and
-// V's, an i64 each a row), which padded stages keep in each row's padding.
-constexpr bool kSwizzledStages = COPY_BYTES == 16 && HEAD_DIM % 8 == 0 && VALUE_DIM % 8 == 0
-                                 && kHeadWidth % 64 == 0 && kValueWidth % 64 == 0;
+// the copies fill faster) where every copy is a 16-byte chunk; rows that are not 16-byte
+// aligned, or head dims that are not whole chunks, take the general copies into rows padded
+// by 16 bytes. A stage is as large either way: swizzled, its last kBlockK x 16 elements
+// hold the rows' offsets of a paged cache (K's and V's, an i64 each a row), which padded
+// stages keep in each row's padding.
+constexpr bool kSwizzledStages = COPY_BYTES == 16 && HEAD_DIM % 8 == 0 && VALUE_DIM % 8 == 0;
 constexpr int kKRowStride = kSwizzledStages ? kHeadWidth : kQkPitch;  // K rows in a stage
 constexpr int kVRowStride = kSwizzledStages ? kValueWidth : kVPitch;
 constexpr int kVTileOffset = kBlockK * kKRowStride;  // V's tile in a stage

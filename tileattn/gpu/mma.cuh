@@ -184,17 +184,25 @@ __device__ __forceinline__ double exp_of_logit_difference(double difference) {
 template <int Cols> constexpr int kTilePitch = Cols + 8;
 
 // A tile's element (row, col): rows kTilePitch<Cols> apart (padded) or, Swizzled, Cols apart
-// with 16-byte chunk c of row r stored at chunk c ^ (r & 7) (Cols a multiple of 64). Both
-// put the 8 rows of an ldmatrix phase in 8 different bank groups; the swizzled rows are
-// whole 128-byte lines, which 16-byte cp.async copies fill ~5 % faster than lines that
+// (Cols a multiple of 16) with each row's 16-byte chunks permuted. Both put the 8 rows of
+// an ldmatrix phase (same column) in 8 different 16-byte bank groups; unpadded rows fill
+// whole 128-byte lines, which 16-byte cp.async copies write ~5 % faster than lines that
 // padding shifts by 16 bytes a row (bench/NOTES-gpu.md v54, a copy-only kernel at 4 GiB).
+// 8 consecutive rows start at kRowBases different offsets within a 128-byte line (1, 2 or
+// 4); chunk c of row r goes to c ^ ((r / kRowBases) % kGroup) within its aligned group of
+// kGroup = 8 / kRowBases chunks, so the rows that share an offset take different chunks.
+template <int Cols>
+constexpr int kRowBases = (2 * Cols) % 128 == 0 ? 1 : (2 * Cols) % 64 == 0 ? 2 : 4;
 template <int Cols, bool Swizzled>
 __device__ __forceinline__ int tile_offset(int row, int col) {
-    static_assert(!Swizzled || Cols % 64 == 0, "swizzled rows are whole 8-chunk groups");
-    if constexpr (Swizzled)
-        return row * Cols + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
-    else
+    if constexpr (Swizzled) {
+        static_assert(Cols % 16 == 0, "swizzled rows are whole 32-byte groups");
+        constexpr int kGroup = 8 / kRowBases<Cols>;
+        const int chunk = (col >> 3) ^ ((row / kRowBases<Cols>) & (kGroup - 1));
+        return row * Cols + ((chunk << 3) | (col & 7));
+    } else {
         return row * kTilePitch<Cols> + col;
+    }
 }
 
 // The shared-memory bytes [address, address + ChunkBytes) from `source`, asynchronously,
