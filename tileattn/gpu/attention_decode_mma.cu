@@ -56,7 +56,7 @@ static_assert(!DROPOUT, "dropout decodes on CUDA cores (tiles.decode_on_tensor_c
 // the copies fill faster) where every copy is a 16-byte chunk; rows that are not 16-byte
 // aligned, or head dims that are not whole chunks, take the general copies into rows padded
 // by 16 bytes. A stage is as large either way: swizzled, its last kBlockK x 16 elements
-// hold the rows' offsets of a paged cache (K's and V's, an i64 each a row), which padded
+// hold the rows' addresses in a paged cache (K's and V's, 8 bytes each a row), which padded
 // stages keep in each row's padding.
 constexpr bool kSwizzledStages = COPY_BYTES == 16 && HEAD_DIM % 8 == 0 && VALUE_DIM % 8 == 0;
 constexpr int kKRowStride = kSwizzledStages ? kHeadWidth : kQkPitch;  // K rows in a stage
@@ -67,7 +67,6 @@ constexpr int kVTileOffset = kBlockK * kKRowStride;  // V's tile in a stage
 // the key loop the stages hold the key warps' partial results: O [kWarps][kRows][kOPitch]
 // floats, then max and sum [kWarps][kRows] each.
 constexpr int kStageElements = kBlockK * (kQkPitch + kVPitch);
-constexpr int kRowOffsetsAt = kBlockK * (kKRowStride + kVRowStride);  // swizzled stages
 constexpr int kStagesBytes = STAGES * kStageElements * 2;
 constexpr int kOPitch = kValueWidth + 4;  // 16 bytes of padding: rows in different banks
 constexpr int kCombineBytes = kWarps * kRows * (kOPitch + 2) * 4;
@@ -154,11 +153,12 @@ struct TileChunks {
         copy(tile, rows_kept, [&](int r) { return first + (r - first_row) * stride; });
     }
 #if PAGED
-    // The same through the rows' offsets in `pool`, which `PageOffsets::store` left at
-    // `offsets`, `stride` i64 apart (in the stage, where no ldmatrix reads).
-    __device__ __forceinline__ void paged(bits16* tile, const bits16* pool, int rows_kept,
-                                          const i64* offsets, int stride) const {
-        copy(tile, rows_kept, [&](int r) { return pool + offsets[r * stride]; });
+    // The same through the rows' addresses, which `PageRows::store` left at `rows`,
+    // `stride` pointers apart (in the stage, where no ldmatrix reads): a load and the
+    // column's add a copy.
+    __device__ __forceinline__ void paged(bits16* tile, const bits16* const* rows, int stride,
+                                          int rows_kept) const {
+        copy(tile, rows_kept, [&](int r) { return rows[r * stride]; });
     }
 #endif
 };
@@ -169,26 +169,29 @@ static_assert(!kSwizzledStages || kChunkCopies, "swizzled stages are filled by c
 
 #if PAGED
 static_assert(kSwizzledStages || (kQkPitch - kHeadWidth >= 4 && kVPitch - kValueWidth >= 4),
-              "a row offset (8 bytes) fits a row's padding");
-// Where a stage's K and V row offsets lie (row r's at [r * stride]): after the swizzled
+              "a row's address (8 bytes) fits its padding");
+// Where a stage's K and V row addresses lie (row r's at [r * stride]): after the swizzled
 // tiles, K's and V's side by side, or in each padded row's padding.
-constexpr int kKOffsetStride = kSwizzledStages ? 2 : kQkPitch / 4;
-constexpr int kVOffsetStride = kSwizzledStages ? 2 : kVPitch / 4;
-__device__ __forceinline__ i64* key_row_offsets(bits16* stage) {
-    return reinterpret_cast<i64*>(stage + (kSwizzledStages ? kRowOffsetsAt : kHeadWidth));
+constexpr int kRowAddressesAt = kBlockK * (kKRowStride + kVRowStride);  // swizzled stages
+constexpr int kKAddressStride = kSwizzledStages ? 2 : kQkPitch / 4;
+constexpr int kVAddressStride = kSwizzledStages ? 2 : kVPitch / 4;
+__device__ __forceinline__ const bits16** key_row_addresses(bits16* stage) {
+    return reinterpret_cast<const bits16**>(stage + (kSwizzledStages ? kRowAddressesAt
+                                                                      : kHeadWidth));
 }
-__device__ __forceinline__ i64* value_row_offsets(bits16* stage) {
-    return kSwizzledStages ? reinterpret_cast<i64*>(stage + kRowOffsetsAt) + 1
-                           : reinterpret_cast<i64*>(stage + kVTileOffset + kValueWidth);
+__device__ __forceinline__ const bits16** value_row_addresses(bits16* stage) {
+    return kSwizzledStages
+               ? reinterpret_cast<const bits16**>(stage + kRowAddressesAt) + 1
+               : reinterpret_cast<const bits16**>(stage + kVTileOffset + kValueWidth);
 }
 
-// The offsets in the pools of one tile's K and V rows (page * page stride + slot * slot
-// stride), thread r holding row r's: `fetch` reads the block table a tile before `store`
-// writes the offsets into the stage's row padding, so the table read's latency hides under
-// a tile's products instead of delaying the tile's copies. A thread's copies then read
-// their rows' offsets from shared memory; the barrier at the top of each tile orders the
-// store before them.
-struct PageOffsets {
+// The addresses in the pools of one tile's K and V rows (pool + page * page stride + slot *
+// slot stride), thread r holding row r's: `fetch` reads the block table a tile before
+// `store` writes the addresses into the stage, so the table read's latency hides under a
+// tile's products instead of delaying the tile's copies. A thread's copies then read their
+// rows' addresses from shared memory; the barrier at the top of each tile orders the store
+// before them.
+struct PageRows {
     static constexpr int kPerThread = (kBlockK + kThreads - 1) / kThreads;
     i64 ids[kPerThread];
 
@@ -212,10 +215,10 @@ struct PageOffsets {
             const i64 row = tile_index * kBlockK + r;
             const i64 page = min(max(ids[j], i64(0)), k_rows.last_page);
             const i64 slot = row - k_rows.page_of(row) * k_rows.page_size;
-            key_row_offsets(stage)[r * kKOffsetStride] =
-                page * k_rows.page_stride + slot * k_rows.slot_stride;
-            value_row_offsets(stage)[r * kVOffsetStride] =
-                page * v_rows.page_stride + slot * v_rows.slot_stride;
+            key_row_addresses(stage)[r * kKAddressStride] =
+                k_rows.pool + page * k_rows.page_stride + slot * k_rows.slot_stride;
+            value_row_addresses(stage)[r * kVAddressStride] =
+                v_rows.pool + page * v_rows.page_stride + slot * v_rows.slot_stride;
         }
     }
 };
@@ -377,10 +380,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     const auto stage_of = [&](i64 tile_index) {
         return stages + static_cast<int>((tile_index - my_begin) % STAGES) * kStageElements;
     };
-    // A tile's K and V rows into its stage (PAGED: through the row offsets its padding holds
+    // A tile's K and V rows into its stage (PAGED: through the row addresses its stage holds
     // where the chunk copies serve, else through the block table).
     const KeyChunks k_chunks = KeyChunks::of_thread();
     const ValueChunks v_chunks = ValueChunks::of_thread();
+#if PAGED
+    // Pages of a multiple of the stage's keys (64, 256: what servers use beside 16) hold
+    // whole tiles, whose copies then step from row 0's address as the dense ones do.
+    const bool pages_hold_tiles = k_rows.page_size % kBlockK == 0;
+#endif
     const auto load_tile = [&](i64 tile_index) {
         bits16* stage = stage_of(tile_index);
         bits16* v_stage = stage + kVTileOffset;
@@ -388,10 +396,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         if constexpr (kChunkCopies) {
             const int rows_kept = static_cast<int>(min(seq_keys - row, i64(kBlockK)));
 #if PAGED
-            k_chunks.paged(stage, k_rows.pool, rows_kept, key_row_offsets(stage),
-                           kKOffsetStride);
-            v_chunks.paged(v_stage, v_rows.pool, rows_kept, value_row_offsets(stage),
-                           kVOffsetStride);
+            if (pages_hold_tiles) {  // the tile's rows are contiguous slots of one page
+                k_chunks.strided(stage, key_row_addresses(stage)[0], k_rows.slot_stride,
+                                 rows_kept);
+                v_chunks.strided(v_stage, value_row_addresses(stage)[0], v_rows.slot_stride,
+                                 rows_kept);
+            } else {
+                k_chunks.paged(stage, key_row_addresses(stage), kKAddressStride, rows_kept);
+                v_chunks.paged(v_stage, value_row_addresses(stage), kVAddressStride,
+                               rows_kept);
+            }
 #else
             k_chunks.strided(stage, k_rows.base + row * k_rows.stride, k_rows.stride, rows_kept);
             v_chunks.strided(v_stage, v_rows.base + row * v_rows.stride, v_rows.stride,
@@ -405,21 +419,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         }
     };
 #if PAGED
-    // The row offsets of the first STAGES tiles are stored before any copy (one wait on the
+    // The row addresses of the first STAGES tiles are stored before any copy (one wait on the
     // table a block); the loop then stores tile t + STAGES's during tile t, into t's stage,
     // from table entries fetched during tile t - 1.
-    PageOffsets pending_offsets;
+    PageRows pending_rows;
     if constexpr (kChunkCopies) {
-        PageOffsets first_offsets[STAGES];
+        PageRows first_rows[STAGES];
 #pragma unroll
         for (int s = 0; s < STAGES; ++s)
-            if (my_begin + s < my_end) first_offsets[s].fetch(k_rows, my_begin + s, seq_keys);
+            if (my_begin + s < my_end) first_rows[s].fetch(k_rows, my_begin + s, seq_keys);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s)
             if (my_begin + s < my_end)
-                first_offsets[s].store(stage_of(my_begin + s), k_rows, v_rows, my_begin + s);
+                first_rows[s].store(stage_of(my_begin + s), k_rows, v_rows, my_begin + s);
         if (my_begin + STAGES < my_end)
-            pending_offsets.fetch(k_rows, my_begin + STAGES, seq_keys);
+            pending_rows.fetch(k_rows, my_begin + STAGES, seq_keys);
         __syncthreads();
     }
 #endif
@@ -473,11 +487,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
             commit_copies();
         }
 #if PAGED
-        if constexpr (kChunkCopies) {  // tile + STAGES's offsets into this tile's stage
+        if constexpr (kChunkCopies) {  // tile + STAGES's addresses into this tile's stage
             if (tile + STAGES < my_end)
-                pending_offsets.store(stage_of(tile + STAGES), k_rows, v_rows, tile + STAGES);
+                pending_rows.store(stage_of(tile + STAGES), k_rows, v_rows, tile + STAGES);
             if (tile + STAGES + 1 < my_end)
-                pending_offsets.fetch(k_rows, tile + STAGES + 1, seq_keys);
+                pending_rows.fetch(k_rows, tile + STAGES + 1, seq_keys);
         }
 #endif
         // A warp's keys start at a multiple of 16 rows: its rows' swizzle is the tile's.
