@@ -473,6 +473,34 @@ def test_pool_threads_start_away_from_the_caller_and_get_its_core_back():
         assert later == allowed
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux thread affinity and two cores")
+def test_calls_wider_than_the_placed_ones_leave_pool_threads_on_every_core(monkeypatch):
+    """Above PLACED_MAX_THREADS a call does not move its pool threads off the caller's
+    core, and a pool thread that a narrower call had moved may use every core again."""
+    from tileattn.cpu import threads
+
+    cores = set(os.sched_getaffinity(0))
+    seen = []
+    main = threading.get_ident()
+
+    def kernel(next_task):
+        if threading.get_ident() != main:
+            seen.append(os.sched_getaffinity(0))
+            return
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:  # the pool thread's copy ran
+            time.sleep(0.001)
+
+    threads.run(kernel, 2)  # placed: the pool thread starts away from the caller's core
+    assert seen and seen[-1] < cores
+    assert threads._helpers.away() == cores  # as a narrow call leaves them when it ends first
+    seen.clear()
+    monkeypatch.setattr(threads, "PLACED_MAX_THREADS", 1)
+    threads.run(kernel, 2)
+    assert seen == [cores]
+
+
 def test_run_gives_every_task_once_over_many_calls_and_callers():
     """Compiled kernels back to back, and from four Python threads at once."""
     import numba

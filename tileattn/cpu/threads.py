@@ -128,6 +128,16 @@ class _HelperPlaces:
     def back(self, cores: frozenset) -> None:
         self._allow(cores)
 
+    def everywhere(self) -> None:
+        """Pool threads that a narrower call placed allowed every core of the caller's
+        again (a wide call does not place them)."""
+        if self._current_core is None or not any(self._threads.values()):
+            return
+        try:
+            self._allow(frozenset(os.sched_getaffinity(0)))
+        except OSError:
+            return
+
     def _allow(self, cores: frozenset) -> None:
         for thread, allowed in list(self._threads.items()):
             if allowed != cores:
@@ -136,6 +146,18 @@ class _HelperPlaces:
                 except OSError:  # a thread that has exited, or cores taken away meanwhile
                     continue
                 self._threads[thread] = cores
+
+
+PLACED_MAX_THREADS = 4
+"""Calls of up to this many threads place their pool threads (`_HelperPlaces`); wider ones
+leave them where Linux puts them. The 16-core Intel host of the H200 machines, B1 Hq 32
+Hkv 32 Nq 1 over 8k keys, D 128, float32, medians of 7 (us, placement on / off): 4
+threads 9891 / 10708 after a 0.2 s pause, 10297 / 11068 back to back; 8 threads 6452 /
+5643 and 5402 / 5049; 16 threads 4567 / 4456 and 3769 / 3356; Nq 8 at 16 threads 7156 /
+6438 and 6435 / 6002 (bench/experiments/decode_threads_cpu.py, bench/NOTES-cpu.md
+session 37). Moving every pool thread off the caller's core pays where threads are few
+against the cores (a woken thread queued behind the caller: session 31's two cores), and
+costs where they fill the host, whose caller then has no core to move to."""
 
 
 def _current_core_function():
@@ -164,7 +186,11 @@ def run(kernel, n_threads: int, *args) -> None:
         kernel(*args, next_task)
         return
     pool = _pool(numba.config.NUMBA_NUM_THREADS)
-    cores = _helpers.away()
+    if n_threads <= PLACED_MAX_THREADS:
+        cores = _helpers.away()
+    else:
+        _helpers.everywhere()
+        cores = None
     helpers = [pool.submit(kernel, *args, next_task) for _ in range(n_threads - 1)]
     try:
         kernel(*args, next_task)
