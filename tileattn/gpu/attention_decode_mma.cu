@@ -31,7 +31,7 @@
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES (K and V rows), Q_COPY_BYTES (Q rows), ROW_TILES, ROW_WARPS, WARPS, WARP_KEYS,
 // STAGES, MIN_BLOCKS, FUSED_MERGE, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED
-// (DROPOUT is 0).
+// (DROPOUT is 0), and L2_PREFETCH (mma.cuh: the copies' L2 prefetch size).
 #include "forward_softmax.cuh"
 
 constexpr int kRowTiles = ROW_TILES;  // a warp's m16 tiles of packed rows
