@@ -598,7 +598,7 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
 
 
 def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, padded=None,
-                   **kwargs):
+                   paired_page_rows=False, **kwargs):
     """o and lse of attention_decode_mma.cu for host 16-bit arrays (one split: o written
     directly; more: merged by each group's last block), o in a (B, Nq, Hq, Dv) buffer with
     `sequence_first_o`; the split counters must end at zero. With `paged` (a
@@ -628,7 +628,7 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, padded=No
     defines["FUSED_MERGE"] = int(tiles.splits > 1)  # the last block of a group merges
     tables = (None, None, 0, 0, 0)
     if paged is not None:
-        defines.update(VARLEN=1, PAGED=1)
+        defines.update(VARLEN=1, PAGED=1, PAIRED_PAGE_ROWS=int(paired_page_rows))
         layout = options.varlen  # as varlen.Sequences builds the launch's tables
         table = np.ascontiguousarray(layout.block_table, dtype=np.int64)
         tables = (layout.descriptors(batch, n_q, n_k), table, table.shape[1],
@@ -734,6 +734,15 @@ PAGED_DECODE_CASES = [
     # warps, pages of 16.
     ("float16", (2, 71, 1, 2, 320, 64, 64), (320, 150), 16, False, {"causal": True},
      DecodeMmaTiles(1, 1, 64, 2, 2, 8)),
+    # A thread's row pairs in one page (pages of 2 x its row step): D 128 over pages of 16,
+    # D 64 over pages of 32, D 256 over pages of 8 beside Dv 128 (whose row step is 8:
+    # each V row's address loaded); last pages partly filled.
+    ("float16", (2, 8, 2, 1, 640, 128, 128), (640, 333), 16, True, {},
+     DecodeMmaTiles(1, 4, 16, 2, 3)),
+    ("bfloat16", (1, 8, 2, 2, 512, 64, 64), (500,), 32, False, {"causal": True},
+     DecodeMmaTiles(1, 4, 16, 3, 2)),
+    ("float16", (2, 4, 1, 1, 320, 256, 128), (300, 77), 8, True, {},
+     DecodeMmaTiles(1, 4, 16, 2, 2)),
 ]
 
 
@@ -749,14 +758,15 @@ def check_paged_decodes(rng) -> int:
         golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                                 backend="reference", return_lse=True,
                                                 seqlens_k=np.asarray(lengths), **options)
-        for sequence_first_o in (False, True):
+        for sequence_first_o, paired in ((False, False), (True, False), (False, True)):
             o, lse = emulate_decode(q, *paged.pools, tiles, sequence_first_o, paged=paged,
-                                    **options)
+                                    paired_page_rows=paired, **options)
             failures += not _matches(
                 o, lse, golden_o, golden_lse, dtype,
                 f"paged decode {name} q{q.shape} keys {lengths} pages of {page} "
                 f"{'page' if page_major else 'heads'}-major {sorted(options)} {tiles}"
-                f"{' o (B, N, H, Dv)' if sequence_first_o else ''}")
+                f"{' o (B, N, H, Dv)' if sequence_first_o else ''}"
+                f"{' paired page rows' if paired else ''}")
     return failures
 
 

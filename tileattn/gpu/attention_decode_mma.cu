@@ -31,8 +31,13 @@
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM, VALUE_DIM,
 // COPY_BYTES (K and V rows), Q_COPY_BYTES (Q rows), ROW_TILES, ROW_WARPS, WARPS, WARP_KEYS,
 // STAGES, MIN_BLOCKS, FUSED_MERGE, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI, VARLEN, PAGED
-// (DROPOUT is 0), and L2_PREFETCH (mma.cuh: the copies' L2 prefetch size).
+// (DROPOUT is 0), L2_PREFETCH (mma.cuh: the copies' L2 prefetch size) and PAIRED_PAGE_ROWS
+// (TileChunks::paged; off unless defined to 1).
 #include "forward_softmax.cuh"
+
+#ifndef PAIRED_PAGE_ROWS
+#define PAIRED_PAGE_ROWS 0
+#endif
 
 constexpr int kRowTiles = ROW_TILES;  // a warp's m16 tiles of packed rows
 constexpr int kRowWarps = ROW_WARPS;  // warp groups holding different rows
@@ -155,9 +160,26 @@ struct TileChunks {
 #if PAGED
     // The same through the rows' addresses, which `PageRows::store` left at `rows`,
     // `stride` pointers apart (in the stage, where no ldmatrix reads): a load and the
-    // column's add a copy.
+    // column's add a copy. A thread's rows are kRowStep apart from a first row under
+    // kRowStep, so where pages are powers of two of at least 2 x kRowStep rows (16 at
+    // D 128), its rows 2m and 2m + 1 share a page: with PAIRED_PAGE_ROWS the second's
+    // address is the first's plus kRowStep slots, with no load.
     __device__ __forceinline__ void paged(bits16* tile, const bits16* const* rows, int stride,
-                                          int rows_kept) const {
+                                          int rows_kept, const PagedRows<bits16>& pool) const {
+        if constexpr (PAIRED_PAGE_ROWS && kEvenSplit && kPerThread % 2 == 0) {
+            if (pool.page_shift >= 0 && pool.page_size % (2 * kRowStep) == 0) {
+                const i64 step = kRowStep * pool.slot_stride;
+                const bits16* pair_first = nullptr;
+                int i = 0;  // the copy's index: copy() asks for the rows in order
+                copy(tile, rows_kept, [&](int r) {
+                    const bits16* address =
+                        i % 2 == 0 ? (pair_first = rows[r * stride]) : pair_first + step;
+                    ++i;
+                    return address;
+                });
+                return;
+            }
+        }
         copy(tile, rows_kept, [&](int r) { return rows[r * stride]; });
     }
 #endif
@@ -402,9 +424,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                 v_chunks.strided(v_stage, value_row_addresses(stage)[0], v_rows.slot_stride,
                                  rows_kept);
             } else {
-                k_chunks.paged(stage, key_row_addresses(stage), kKAddressStride, rows_kept);
+                k_chunks.paged(stage, key_row_addresses(stage), kKAddressStride, rows_kept,
+                               k_rows);
                 v_chunks.paged(v_stage, value_row_addresses(stage), kVAddressStride,
-                               rows_kept);
+                               rows_kept, v_rows);
             }
 #else
             k_chunks.strided(stage, k_rows.base + row * k_rows.stride, k_rows.stride, rows_kept);

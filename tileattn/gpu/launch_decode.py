@@ -36,6 +36,12 @@ MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 # bench/experiments/decode_roofline_gpu.py, NOTES-gpu v54: 4 GiB 1013 -> 987 us, 1 GiB 267
 # -> 260), where 64 changed nothing and 256 was up to 3 % slower.
 DECODE_L2_PREFETCH = 128
+# Paged copies that step to a row's address from the one before it in the same page
+# (attention_decode_mma.cu PAIRED_PAGE_ROWS: one shared-memory load a pair of rows at pages
+# of 2 x a thread's row step, e.g. 16 at D 128). Emulated (emulate_mma_cpu.py --decode), not
+# yet run or timed on a GPU: off until a device run passes the paged tests
+# (bench/NOTES-gpu.md v54).
+DECODE_PAIRED_PAGE_ROWS = False
 
 
 # Bounded: options hash by identity, and a call whose options are validated anew (a new
@@ -149,6 +155,8 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                    ("WARP_KEYS", tiles.warp_keys), ("WARPS", tiles.warps)) + switches
         if DECODE_L2_PREFETCH:
             defines += (("L2_PREFETCH", DECODE_L2_PREFETCH),)
+        if DECODE_PAIRED_PAGE_ROWS and sequences is not None:
+            defines += (("PAIRED_PAGE_ROWS", 1),)
     defines += strided_out_defines(o)
     if sequences is not None:
         defines += sequences.defines()

@@ -299,13 +299,21 @@ __device__ __forceinline__ void load_a_fragment_transposed(const bits16* tile, i
 // B fragments of two n8 tiles when B[k][n] = tile[n][k] (the tile's rows are B's
 // columns, e.g. K in S = Q K^T): rows [n0, n0 + 16) at columns [k0, k0 + 16);
 // b[0], b[1] serve columns n0..n0+7, b[2], b[3] columns n0+8..n0+15.
+// (The padded form keeps its own pointer arithmetic, which the backward kernels' register
+// allocation was tuned with.)
 template <int Cols, bool Swizzled = false>
 __device__ __forceinline__ void load_b_fragments(const bits16* tile, int n0, int k0, u32* b) {
     const int lane = threadIdx.x % 32;
-    load_matrix_x4(shared_address(tile + tile_offset<Cols, Swizzled>(
-                                             n0 + (lane & 7) + ((lane >> 4) << 3),
-                                             k0 + ((lane >> 3) & 1) * 8)),
-                   b);
+    if constexpr (Swizzled)
+        load_matrix_x4(shared_address(tile + tile_offset<Cols, true>(
+                                                 n0 + (lane & 7) + ((lane >> 4) << 3),
+                                                 k0 + ((lane >> 3) & 1) * 8)),
+                       b);
+    else
+        load_matrix_x4(shared_address(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) *
+                                                 kTilePitch<Cols> +
+                                      k0 + ((lane >> 3) & 1) * 8),
+                       b);
 }
 
 // B fragments of two n8 tiles when B[k][n] = tile[k][n] (e.g. V in O = P V), through the
@@ -314,10 +322,16 @@ template <int Cols, bool Swizzled = false>
 __device__ __forceinline__ void load_b_fragments_transposed(const bits16* tile, int k0, int n0,
                                                             u32* b) {
     const int lane = threadIdx.x % 32;
-    load_matrix_x4_transposed(
-        shared_address(tile + tile_offset<Cols, Swizzled>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8,
+    if constexpr (Swizzled)
+        load_matrix_x4_transposed(
+            shared_address(tile + tile_offset<Cols, true>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                           n0 + (lane >> 4) * 8)),
-        b);
+            b);
+    else
+        load_matrix_x4_transposed(
+            shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kTilePitch<Cols> +
+                           n0 + (lane >> 4) * 8),
+            b);
 }
 
 // The A fragment of a 16 x 16 block of a product whose fp32 accumulators are the n8 tiles
