@@ -54,6 +54,16 @@ def test_single_pass_in_turns_under_emulation():
     assert output.count("gradients (B, N, H, D)") == 4, output
 
 
+def test_paged_decode_under_emulation():
+    """The tensor-core decode over paged K/V (--paged-decode): pages of 1 to 256 keys in
+    either pool order, stages swizzled, whole-tile pages copied as dense ones, and each
+    case again with paired page rows (a row's address from its pair's), whose three cases
+    take that path at D 64, 128 and 256."""
+    lines = _emulation("--paged-decode").splitlines()
+    assert sum(line.startswith("ok paged decode") for line in lines) == 30, lines
+    assert sum(line.endswith("paired page rows") for line in lines) == 10, lines
+
+
 def test_float32_forwards_under_emulation():
     """The 3xTF32 forwards (bench/experiments/emulate_mma_cpu.py --tf32): mma.sync, and the
     Hopper kernel on wgmma, whose descriptors, swizzle and operand orders the emulation

@@ -1271,6 +1271,9 @@ def main() -> int:
                         help="the first two cases only (with --single-pass: a banded float16 "
                              "GQA case and an unbanded float32 one, no forwards)")
     parser.add_argument("--decode", action="store_true", help="the decode cases only")
+    parser.add_argument("--paged-decode", action="store_true",
+                        help="the paged decode cases only (each with paired page rows on "
+                             "and off)")
     parser.add_argument("--tf32", action="store_true",
                         help="the 3xTF32 forwards only (mma.sync and wgmma)")
     parser.add_argument("--f64", action="store_true",
@@ -1289,6 +1292,10 @@ def main() -> int:
         print("all passed" if not failures else f"{failures} failed")
         return failures
     rng = np.random.default_rng(0)
+    if args.paged_decode:
+        failures = check_paged_decodes(rng)
+        print("all passed" if not failures else f"{failures} failed")
+        return int(failures > 0)
     if args.f64:
         failures = check_forwards(emulate_f64, F64_CASES, rng, "f64 ")
         failures += check_backwards([(case, False) for case in F64_BACKWARD_CASES], rng)
