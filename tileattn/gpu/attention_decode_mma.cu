@@ -58,11 +58,10 @@ static_assert(STAGES >= 2, "one tile in flight while one is used");
 static_assert(!DROPOUT, "dropout decodes on CUDA cores (tiles.decode_on_tensor_cores)");
 
 // K and V stages take swizzled rows (mma.cuh's tile_offset: whole 128-byte lines, which
-// the copies fill faster) where every copy is a 16-byte chunk; rows that are not 16-byte
-// aligned, or head dims that are not whole chunks, take the general copies into rows padded
-// by 16 bytes. A stage is as large either way: swizzled, its last kBlockK x 16 elements
-// hold the rows' addresses in a paged cache (K's and V's, 8 bytes each a row), which padded
-// stages keep in each row's padding.
+// the copies fill faster) where every copy is a 16-byte chunk (TileChunks); rows that are
+// not 16-byte aligned, or head dims that are not whole chunks, take the general copies into
+// rows padded by 16 bytes. A stage is as large either way: swizzled, its last kBlockK x 16
+// elements hold the rows' addresses in a paged cache (K's and V's, 8 bytes each a row).
 constexpr bool kSwizzledStages = COPY_BYTES == 16 && HEAD_DIM % 8 == 0 && VALUE_DIM % 8 == 0;
 constexpr int kKRowStride = kSwizzledStages ? kHeadWidth : kQkPitch;  // K rows in a stage
 constexpr int kVRowStride = kSwizzledStages ? kValueWidth : kVPitch;
@@ -94,7 +93,7 @@ static_assert(kSharedBytes == EXPECTED_SHARED_BYTES, "DecodeMmaTiles.shared_byte
 // most of the kernel's issue slots (NOTES-gpu v33: 62 instructions a copy, 2 of them mma;
 // paged 101) and held paged calls to 0.62 of the dense ones on an H200. Unaligned rows
 // (COPY_BYTES < 16) and head dims that are not whole chunks take the general loop.
-template <int Columns, int Width, int Pitch, bool Swizzled>
+template <int Columns, int Width>
 struct TileChunks {
     static constexpr int kChunksPerRow = Width / 8;
     static constexpr int kChunks = kBlockK * kChunksPerRow;
@@ -120,32 +119,24 @@ struct TileChunks {
         *col = chunk % kChunksPerRow * 8;
         return kChunks % kThreads == 0 || chunk < kChunks;
     }
-    // Rows [0, rows_kept) of a tile into `tile`, row r from `row_at(r)`; zeros after them.
+    // Rows [0, rows_kept) of a tile into `tile` (swizzled rows), row r from `row_at(r)`;
+    // zeros after them. With an even split a chunk's column depends on its row % 8.
     template <class RowAt>
     __device__ __forceinline__ void copy(bits16* tile, int rows_kept, RowAt row_at) const {
-        if constexpr (kEvenSplit && Swizzled) {  // the chunk's column depends on row % 8
-            const u32 target = shared_address(tile);
+        const u32 target = shared_address(tile);
+        if constexpr (kEvenSplit) {
 #pragma unroll
             for (int i = 0; i < kPerThread; ++i) {
                 const int r = first_row + i * kRowStep;
                 copy_chunk_async<16>(target + 2 * tile_offset<Width, true>(r, column),
                                      row_at(r) + column, column_kept && r < rows_kept);
             }
-        } else if constexpr (kEvenSplit) {
-            const u32 target = shared_address(tile + first_row * Pitch + column);
-#pragma unroll
-            for (int i = 0; i < kPerThread; ++i) {
-                const int r = first_row + i * kRowStep;
-                copy_chunk_async<16>(target + i * kRowStep * Pitch * 2, row_at(r) + column,
-                                     column_kept && r < rows_kept);
-            }
         } else {
-            const u32 target = shared_address(tile);
 #pragma unroll
             for (int i = 0; i < kPerThread; ++i) {
                 int r, c;
                 if (!place(i, &r, &c)) break;
-                copy_chunk_async<16>(target + 2 * tile_offset<Width, Swizzled>(r, c),
+                copy_chunk_async<16>(target + 2 * tile_offset<Width, true>(r, c),
                                      row_at(r) + c, c < Columns && r < rows_kept);
             }
         }
@@ -159,8 +150,8 @@ struct TileChunks {
     }
 #if PAGED
     // The same through the rows' addresses, which `PageRows::store` left at `rows`,
-    // `stride` pointers apart (in the stage, where no ldmatrix reads): a load and the
-    // column's add a copy. A thread's rows are kRowStep apart from a first row under
+    // `stride` pointers apart (after the stage's tiles): a load and the column's add a
+    // copy. A thread's rows are kRowStep apart from a first row under
     // kRowStep, so where pages are powers of two of at least 2 x kRowStep rows (16 at
     // D 128), its rows 2m and 2m + 1 share a page: with PAIRED_PAGE_ROWS the second's
     // address is the first's plus kRowStep slots, with no load.
@@ -184,27 +175,21 @@ struct TileChunks {
     }
 #endif
 };
-using KeyChunks = TileChunks<HEAD_DIM, kHeadWidth, kQkPitch, kSwizzledStages>;
-using ValueChunks = TileChunks<VALUE_DIM, kValueWidth, kVPitch, kSwizzledStages>;
+using KeyChunks = TileChunks<HEAD_DIM, kHeadWidth>;
+using ValueChunks = TileChunks<VALUE_DIM, kValueWidth>;
 constexpr bool kChunkCopies = KeyChunks::kCovered && ValueChunks::kCovered;
-static_assert(!kSwizzledStages || kChunkCopies, "swizzled stages are filled by chunk copies");
+static_assert(kSwizzledStages == kChunkCopies, "the chunk copies fill the swizzled stages");
 
 #if PAGED
-static_assert(kSwizzledStages || (kQkPitch - kHeadWidth >= 4 && kVPitch - kValueWidth >= 4),
-              "a row's address (8 bytes) fits its padding");
-// Where a stage's K and V row addresses lie (row r's at [r * stride]): after the swizzled
-// tiles, K's and V's side by side, or in each padded row's padding.
-constexpr int kRowAddressesAt = kBlockK * (kKRowStride + kVRowStride);  // swizzled stages
-constexpr int kKAddressStride = kSwizzledStages ? 2 : kQkPitch / 4;
-constexpr int kVAddressStride = kSwizzledStages ? 2 : kVPitch / 4;
+// A stage's K and V row addresses (the chunk copies' paged rows), row r's at [r *
+// kAddressStride]: after the swizzled tiles, K's and V's side by side.
+constexpr int kRowAddressesAt = kBlockK * (kHeadWidth + kValueWidth);
+constexpr int kAddressStride = 2;
 __device__ __forceinline__ const bits16** key_row_addresses(bits16* stage) {
-    return reinterpret_cast<const bits16**>(stage + (kSwizzledStages ? kRowAddressesAt
-                                                                      : kHeadWidth));
+    return reinterpret_cast<const bits16**>(stage + kRowAddressesAt);
 }
 __device__ __forceinline__ const bits16** value_row_addresses(bits16* stage) {
-    return kSwizzledStages
-               ? reinterpret_cast<const bits16**>(stage + kRowAddressesAt) + 1
-               : reinterpret_cast<const bits16**>(stage + kVTileOffset + kValueWidth);
+    return key_row_addresses(stage) + 1;
 }
 
 // The addresses in the pools of one tile's K and V rows (pool + page * page stride + slot *
@@ -237,9 +222,9 @@ struct PageRows {
             const i64 row = tile_index * kBlockK + r;
             const i64 page = min(max(ids[j], i64(0)), k_rows.last_page);
             const i64 slot = row - k_rows.page_of(row) * k_rows.page_size;
-            key_row_addresses(stage)[r * kKAddressStride] =
+            key_row_addresses(stage)[r * kAddressStride] =
                 k_rows.pool + page * k_rows.page_stride + slot * k_rows.slot_stride;
-            value_row_addresses(stage)[r * kVAddressStride] =
+            value_row_addresses(stage)[r * kAddressStride] =
                 v_rows.pool + page * v_rows.page_stride + slot * v_rows.slot_stride;
         }
     }
@@ -424,9 +409,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                 v_chunks.strided(v_stage, value_row_addresses(stage)[0], v_rows.slot_stride,
                                  rows_kept);
             } else {
-                k_chunks.paged(stage, key_row_addresses(stage), kKAddressStride, rows_kept,
+                k_chunks.paged(stage, key_row_addresses(stage), kAddressStride, rows_kept,
                                k_rows);
-                v_chunks.paged(v_stage, value_row_addresses(stage), kVAddressStride,
+                v_chunks.paged(v_stage, value_row_addresses(stage), kAddressStride,
                                rows_kept, v_rows);
             }
 #else
