@@ -4,10 +4,12 @@ backend at several thread counts, after a pause (the benchmark's 0.2 s, pool thr
 asleep) and back to back, with the pool threads' placement (`threads._helpers`: moved off
 the caller's core before each call and back after) on and off; torch SDPA beside; then
 the pieces of a call's thread start alone: os.sched_setaffinity of one pool thread, a
-ThreadPoolExecutor submit, and an empty kernel run on every thread.
+ThreadPoolExecutor submit, and an empty kernel run on every thread. `--tasks-per-thread`
+times the decode again at each count of (batch, kv head, key split) tasks a thread
+(`decode.TASKS_PER_THREAD`, the split count's target), placement as the backend does it.
 
     python bench/experiments/decode_threads_cpu.py [--threads 4 8 16] [--nk 8192]
-        [--heads 32 32] [--nq 1] [--repetitions 9]
+        [--heads 32 32] [--nq 1] [--repetitions 9] [--tasks-per-thread 4 8 16]
 
 Medians in microseconds; K and V's bytes over the time as GB/s.
 """
@@ -24,6 +26,8 @@ import numba
 import numpy as np
 
 import tileattn
+import tileattn.cpu
+from tileattn.cpu import decode as cpu_decode
 from tileattn.cpu import threads as cpu_threads
 
 try:
@@ -57,6 +61,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 32])
     parser.add_argument("--nq", type=int, default=1)
     parser.add_argument("--repetitions", type=int, default=9)
+    parser.add_argument("--tasks-per-thread", type=int, nargs="*", default=[])
     args = parser.parse_args()
     hq, hkv = args.heads
     rng = np.random.default_rng(0)
@@ -90,6 +95,15 @@ def main() -> None:
                 cells.append(f"{'paused' if pause else 'back to back'} torch {us:8.0f} "
                              f"({gigabytes / (us * 1e-6):.0f} GB/s)")
         cpu_threads._helpers._current_core = current_core
+        default_tasks = cpu_decode.TASKS_PER_THREAD
+        for tasks in args.tasks_per_thread:
+            cpu_decode.TASKS_PER_THREAD = tasks
+            tileattn.cpu._FORWARD_PLANS.clear()  # plans keep their split count
+            paused, hot = (median_us(call, args.repetitions, pause) for pause in (0.2, 0.0))
+            cells.append(f"{tasks} tasks a thread: paused {paused:8.0f} back to back {hot:8.0f} "
+                         f"({gigabytes / (hot * 1e-6):.0f} GB/s)")
+        cpu_decode.TASKS_PER_THREAD = default_tasks
+        tileattn.cpu._FORWARD_PLANS.clear()
         empty = median_us(lambda: cpu_threads.run(_nothing, n), args.repetitions, 0.2)
         empty_hot = median_us(lambda: cpu_threads.run(_nothing, n), args.repetitions, 0.0)
         print(f"threads {n}: " + "; ".join(cells)

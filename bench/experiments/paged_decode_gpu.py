@@ -5,7 +5,10 @@ over the dense cache (the decode also with seqlens_k: a padded call), over pools
 time drops out; shapes of >= 1 GiB, where L2 holds little of K and V).
 
     PYTHONPATH=. python3 bench/experiments/paged_decode_gpu.py [--shapes 'B8 H32/8 Nq1 Nk128k D128 float16' ...]
-        [--pages 16 256] [--repetitions 10] [--profile]
+        [--pages 16 256] [--repetitions 10] [--profile] [--paired-page-rows off on]
+
+--paired-page-rows times the paged decode with launch_decode.DECODE_PAIRED_PAGE_ROWS at each
+setting given (plans cleared between them), a row each.
 
 --profile runs each call twice, untimed, for `ncu --kernel-name regex:attention_decode`.
 """
@@ -21,10 +24,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_gpu_decode import Shape, _as_float64, copy_bandwidth, reference_group, shape_arrays
+from decode_costs_gpu import parse_shape
 
 import tileattn
+import tileattn.gpu
 from gpu_timing import back_to_back_ms as timed_back_to_back
 from paged_pools import page_pool
+from tileattn.gpu import launch_decode
 from tileattn.testing import assert_attention_close
 
 SHAPES = [
@@ -71,7 +77,7 @@ def twice_untimed(function, _repetitions) -> float:
 
 
 def run_shape(shape: Shape, page_sizes, bandwidth: float, repetitions: int,
-              profile: bool = False) -> None:
+              profile: bool = False, paired_settings=("default",)) -> None:
     rng = cupy.random.default_rng(0)
     q, k, v = shape_arrays(shape, rng)
     expected = reference_group(q, k, v).get()
@@ -103,14 +109,20 @@ def run_shape(shape: Shape, page_sizes, bandwidth: float, repetitions: int,
             def paged():
                 return tileattn.forward(q, k_pool, v_pool, backend="gpu", block_table=table,
                                         seqlens_k=seqlens_k, check_lengths=False)
-            assert_attention_close(_as_float64(paged()[0, :group]).get(), expected, q.dtype,
-                                   name=f"paged o, {shape.name}, pages of {page_size}")
             read_ms = back_to_back_ms(paged_read(k_pool, v_pool, table, page_size, shape),
                                       repetitions)
-            decode_ms = back_to_back_ms(paged, repetitions)
-            print(f"| {shape.name} | {order_name} | {page_size} | {share(read_ms):.2f} | "
-                  f"{1e3 * decode_ms:,.1f} | {share(decode_ms):.2f} | "
-                  f"{decode_dense / decode_ms:.2f} |", flush=True)
+            for paired in paired_settings:
+                label = order_name
+                if paired != "default":
+                    launch_decode.DECODE_PAIRED_PAGE_ROWS = paired == "on"
+                    tileattn.gpu.clear_plans()
+                    label = f"{order_name}, paired rows {paired}"
+                assert_attention_close(_as_float64(paged()[0, :group]).get(), expected, q.dtype,
+                                       name=f"paged o, {shape.name}, pages of {page_size}")
+                decode_ms = back_to_back_ms(paged, repetitions)
+                print(f"| {shape.name} | {label} | {page_size} | {share(read_ms):.2f} | "
+                      f"{1e3 * decode_ms:,.1f} | {share(decode_ms):.2f} | "
+                      f"{decode_dense / decode_ms:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -119,15 +131,18 @@ def main() -> None:
     parser.add_argument("--pages", nargs="*", type=int, default=[16, 256])
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--paired-page-rows", nargs="*", choices=["off", "on"],
+                        default=["default"])
     args = parser.parse_args()
-    shapes = SHAPES if not args.shapes else [s for s in SHAPES if s.name in args.shapes]
+    shapes = SHAPES if not args.shapes else [parse_shape(text) for text in args.shapes]
     bandwidth = copy_bandwidth()
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; copy "
           f"{bandwidth / 1e12:.2f} TB/s; back to back, median of 3 runs of "
           f"{args.repetitions}\n\n| shape | pool | page | read's share of copy bw | decode us | "
           "decode's share | dense / paged decode |\n|---|---|---|---|---|---|---|")
     for shape in shapes:
-        run_shape(shape, args.pages, bandwidth, args.repetitions, args.profile)
+        run_shape(shape, args.pages, bandwidth, args.repetitions, args.profile,
+                  args.paired_page_rows)
 
 
 if __name__ == "__main__":

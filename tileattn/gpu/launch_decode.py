@@ -38,10 +38,11 @@ MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
 DECODE_L2_PREFETCH = 128
 # Paged copies that step to a row's address from the one before it in the same page
 # (attention_decode_mma.cu PAIRED_PAGE_ROWS: one shared-memory load a pair of rows at pages
-# of 2 x a thread's row step, e.g. 16 at D 128). Emulated (emulate_mma_cpu.py --decode), not
-# yet run or timed on a GPU: off until a device run passes the paged tests
-# (bench/NOTES-gpu.md v54).
-DECODE_PAIRED_PAGE_ROWS = False
+# of 2 x a thread's row step, e.g. 16 at D 128). H200, back to back, dense / paged at page 16
+# (bench/experiments/paged_decode_gpu.py --paired-page-rows off on, NOTES-gpu v55): B64
+# H32/8 Nk32k D256 bf16 0.83-0.84 -> 0.97-0.98, B8 H32/8 Nq8 Nk32k D128 0.87-0.88 -> 0.90;
+# pages of 64 (whole tiles) unchanged.
+DECODE_PAIRED_PAGE_ROWS = True
 
 
 # Bounded: options hash by identity, and a call whose options are validated anew (a new
