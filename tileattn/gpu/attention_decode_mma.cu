@@ -176,6 +176,8 @@ struct TileChunks {
 #endif
 };
 using KeyChunks = TileChunks<HEAD_DIM, kHeadWidth>;
+using KeyFragments = SwizzledFragments<kHeadWidth>;
+using ValueFragments = SwizzledFragments<kValueWidth>;
 using ValueChunks = TileChunks<VALUE_DIM, kValueWidth>;
 constexpr bool kChunkCopies = KeyChunks::kCovered && ValueChunks::kCovered;
 static_assert(kSwizzledStages == kChunkCopies, "the chunk copies fill the swizzled stages");
@@ -317,7 +319,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
     i64 band_offset, i64 window_left,
     i64 window_right, u32 /*dropout_key*/, u32 /*dropout_threshold*/, float /*dropout_scale*/,
     u32 /*dropout_row0*/, u32 /*dropout_col0*/, SEQUENCE_PARAMETERS) {
-    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    // 128-byte aligned: the swizzled fragments' XOR addressing (mma.cuh SwizzledFragments)
+    extern __shared__ __align__(128) unsigned char shared_bytes[];
     bits16* stages = reinterpret_cast<bits16*>(shared_bytes);
     bits16* q_tile = reinterpret_cast<bits16*>(shared_bytes + kQOffset);  // [kRows][kQkPitch]
     {  // the launcher's shared-memory size must cover this layout
@@ -385,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         }
 
     const auto stage_of = [&](i64 tile_index) {
-        return stages + static_cast<int>((tile_index - my_begin) % STAGES) * kStageElements;
+        return stages + static_cast<int>(tile_index - my_begin) % STAGES * kStageElements;
     };
     // A tile's K and V rows into its stage (PAGED: through the row addresses its stage holds
     // where the chunk copies serve, else through the block table).
@@ -482,8 +485,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
                             batch * n_q_heads + static_cast<i64>(kv_head) * group_size, band,
                             seq_keys);
 
+    // The warp's fragment addresses in stage 0 (swizzled stages; a stage's are these plus
+    // its offset).
+    const u32 stages_address = shared_address(stages);
+    const u32 k_lane0 = stages_address + 2 * (warp * kWarpKeys * kKRowStride) +
+                        (kSwizzledStages ? KeyFragments::lane_offset(false) : 0u);
+    const u32 v_lane0 = stages_address + 2 * (kVTileOffset + warp * kWarpKeys * kVRowStride) +
+                        (kSwizzledStages ? ValueFragments::lane_offset(true) : 0u);
     for (i64 tile = my_begin; tile < my_end; ++tile) {
-        const int slot = static_cast<int>((tile - my_begin) % STAGES);
+        const int slot = static_cast<int>(tile - my_begin) % STAGES;
         bits16* k_tile = stages + slot * kStageElements;
         bits16* v_tile = k_tile + kVTileOffset;
         wait_copies<STAGES - 2>();
@@ -505,6 +515,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         // A warp's keys start at a multiple of 16 rows: its rows' swizzle is the tile's.
         const bits16* k_warp = k_tile + warp * kWarpKeys * kKRowStride;
         const bits16* v_warp = v_tile + warp * kWarpKeys * kVRowStride;
+        const u32 stage_bytes = static_cast<u32>(slot) * (kStageElements * 2);
+        const u32 k_lane = k_lane0 + stage_bytes, v_lane = v_lane0 + stage_bytes;
         const i64 col_start = tile * kBlockK + warp * kWarpKeys;
 
         // S = Q K^T over this warp's keys.
@@ -532,7 +544,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
 #pragma unroll
                 for (int nn = 0; nn < kWarpKeys / 16; ++nn) {
                     u32 b[4];
-                    load_b_fragments<kHeadWidth, kSwizzledStages>(k_warp, nn * 16, kk * 16, b);
+                    if constexpr (kSwizzledStages)
+                        KeyFragments::load_b(k_lane, nn * 16, kk * 16, b);
+                    else
+                        load_b_fragments<kHeadWidth>(k_warp, nn * 16, kk * 16, b);
 #pragma unroll
                     for (int m = 0; m < kRowTiles; ++m) {
                         mma_16x8x16(s[m][2 * nn], a[m], b[0], b[1]);
@@ -545,12 +560,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
         // Masks: this warp's keys against query rows [0, seq_rows); the non-finite-V step
         // below needs a block-uniform test, so it asks of the whole stage.
         if (rows_in_use) {
-            const bool needs_mask = key_tile_needs_mask(scores, 0, static_cast<int>(seq_rows),
-                                                        col_start, kWarpKeys);
-            scores_to_logits(s, my_rows, col_start, needs_mask,
-                             tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start, seq_keys),
-                             scores, my_slopes);
-            online_softmax_step(s, row_max, row_sum, o_acc);
+            // Two calls, so that the tiles inside (all but a split's last, without a band)
+            // carry no mask arithmetic: with one call taking the flag, the compiler
+            // evaluated every score's mask and selected (~90 instructions a tile).
+            if (key_tile_needs_mask(scores, 0, static_cast<int>(seq_rows), col_start,
+                                    kWarpKeys))
+                scores_to_logits(s, my_rows, col_start, true,
+                                 tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, 0, col_start, seq_keys),
+                                 scores, my_slopes);
+            else
+                scores_to_logits(s, my_rows, col_start, false, TileMask{}, scores, my_slopes);
+            // O takes the factor e^(old max - new max) only where a row's max moved (a warp-wide
+            // test): over a long cache it rarely does after the first tiles, and a factor of
+            // 1 changes nothing (Dv / 2 multiplies a thread a tile).
+            float rescale[kRowTiles][2];
+            softmax_probabilities(s, row_max, row_sum, rescale);
+            bool max_moved = false;
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m)
+                max_moved = max_moved || rescale[m][0] != 1.0f || rescale[m][1] != 1.0f;
+            if (__any_sync(0xffffffffu, max_moved)) rescale_output(o_acc, rescale);
         }
 
         // A stage the band cuts with a non-finite V: the kept pairs' products on CUDA cores,
@@ -588,8 +617,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) attention_dec
 #pragma unroll
                 for (int dn = 0; dn < kValueWidth / 16; ++dn) {
                     u32 b[4];
-                    load_b_fragments_transposed<kValueWidth, kSwizzledStages>(v_warp, kk * 16,
-                                                                              dn * 16, b);
+                    if constexpr (kSwizzledStages)
+                        ValueFragments::load_b_transposed(v_lane, kk * 16, dn * 16, b);
+                    else
+                        load_b_fragments_transposed<kValueWidth>(v_warp, kk * 16, dn * 16, b);
 #pragma unroll
                     for (int m = 0; m < kRowTiles; ++m) {
                         mma_16x8x16(o_acc[m][2 * dn], a[m], b[0], b[1]);

@@ -301,38 +301,67 @@ __device__ __forceinline__ void load_a_fragment_transposed(const bits16* tile, i
 // b[0], b[1] serve columns n0..n0+7, b[2], b[3] columns n0+8..n0+15.
 // (The padded form keeps its own pointer arithmetic, which the backward kernels' register
 // allocation was tuned with.)
-template <int Cols, bool Swizzled = false>
+template <int Cols>
 __device__ __forceinline__ void load_b_fragments(const bits16* tile, int n0, int k0, u32* b) {
     const int lane = threadIdx.x % 32;
-    if constexpr (Swizzled)
-        load_matrix_x4(shared_address(tile + tile_offset<Cols, true>(
-                                                 n0 + (lane & 7) + ((lane >> 4) << 3),
-                                                 k0 + ((lane >> 3) & 1) * 8)),
-                       b);
-    else
-        load_matrix_x4(shared_address(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) *
-                                                 kTilePitch<Cols> +
-                                      k0 + ((lane >> 3) & 1) * 8),
-                       b);
+    load_matrix_x4(shared_address(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) *
+                                             kTilePitch<Cols> +
+                                  k0 + ((lane >> 3) & 1) * 8),
+                   b);
 }
 
 // B fragments of two n8 tiles when B[k][n] = tile[k][n] (e.g. V in O = P V), through the
 // transposing ldmatrix: rows [k0, k0 + 16), columns [n0, n0 + 16).
-template <int Cols, bool Swizzled = false>
+template <int Cols>
 __device__ __forceinline__ void load_b_fragments_transposed(const bits16* tile, int k0, int n0,
                                                             u32* b) {
     const int lane = threadIdx.x % 32;
-    if constexpr (Swizzled)
-        load_matrix_x4_transposed(
-            shared_address(tile + tile_offset<Cols, true>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                          n0 + (lane >> 4) * 8)),
-            b);
-    else
-        load_matrix_x4_transposed(
-            shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kTilePitch<Cols> +
-                           n0 + (lane >> 4) * 8),
-            b);
+    load_matrix_x4_transposed(
+        shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kTilePitch<Cols> +
+                       n0 + (lane >> 4) * 8),
+        b);
 }
+
+// The same two loads from swizzled tiles, through a lane address formed once: the tile's
+// shared address (128-byte aligned) plus `swizzled_lane` (the lane's offset at fragment
+// (0, 0)). A fragment's rows start at a multiple of 16, whole periods of the swizzle
+// (kRowBases x kGroup = 8 rows), so its rows permute their chunks as rows 0-15 do; and the
+// lane's chunk (0 or 1 past an even one) sits in the address bits that chunk XORs, which
+// the aligned tile and whole-line row groups leave clear. So fragment (r0, c0) is the
+// lane's address XOR c0's low chunk bits, plus a constant: an XOR and an immediate a load,
+// where the offset formed anew took ~7 integer instructions (64-bit sums, a shared-window
+// conversion) of a decode tile's ~800 (bench/NOTES-gpu.md v55).
+template <int Cols>
+struct SwizzledFragments {
+    static constexpr int kLowChunks = 8 / kRowBases<Cols> - 1;  // the chunk bits a row XORs
+
+    // The lane's byte offset in the tile: load_b_fragments's row and chunk (`transposed`
+    // false: rows (lane & 7) + (lane >> 4) * 8, chunk (lane >> 3) & 1) or the transposing
+    // load's (rows (lane & 7) + ((lane >> 3) & 1) * 8, chunk lane >> 4).
+    __device__ __forceinline__ static u32 lane_offset(bool transposed) {
+        const int lane = threadIdx.x % 32;
+        const int row = transposed ? (lane & 7) + ((lane >> 3) & 1) * 8
+                                   : (lane & 7) + ((lane >> 4) << 3);
+        const int col = transposed ? (lane >> 4) * 8 : ((lane >> 3) & 1) * 8;
+        return 2 * tile_offset<Cols, true>(row, col);
+    }
+    // Fragment rows [row0, row0 + 16), chunks [chunk0, chunk0 + 2) (row0 a multiple of 16,
+    // chunk0 even) from the lane's address.
+    __device__ __forceinline__ static u32 at(u32 lane_address, int row0, int chunk0) {
+        return (lane_address ^ ((chunk0 & kLowChunks) << 4)) +
+               2 * (row0 * Cols + (chunk0 & ~kLowChunks) * 8);
+    }
+    // load_b_fragments(tile, n0, k0, b) of the tile whose lane address (lane_offset(false)
+    // added) is `lane_address`.
+    __device__ __forceinline__ static void load_b(u32 lane_address, int n0, int k0, u32* b) {
+        load_matrix_x4(at(lane_address, n0, k0 / 8), b);
+    }
+    // load_b_fragments_transposed(tile, k0, n0, b), lane_offset(true) added.
+    __device__ __forceinline__ static void load_b_transposed(u32 lane_address, int k0, int n0,
+                                                             u32* b) {
+        load_matrix_x4_transposed(at(lane_address, k0, n0 / 8), b);
+    }
+};
 
 // The A fragment of a 16 x 16 block of a product whose fp32 accumulators are the n8 tiles
 // `left` and `right` (columns 0-7 and 8-15): the accumulator layout of two m16n8 tiles is
