@@ -229,6 +229,21 @@ extern "C" void launch_attention_decode_merge(unsigned grid, unsigned grid_y, un
                grid, threads, shared, grid_y);
 }
 
+extern "C" void launch_attention_decode_merge_rows(unsigned grid, unsigned grid_y,
+                                                   unsigned threads, unsigned shared,
+                                                   const Acc* partial_o, const Acc* partial_lse,
+                                                   T* o, Acc* lse, i64 n_rows, int n_splits,
+                                                   int n_q_heads, i64 n_q, i64 o_sb, i64 o_sh,
+                                                   i64 o_sn) {
+    if (threads != 32 * kMergeRowsPerBlock) {
+        std::fprintf(stderr, "row merge block %u\n", threads);
+        std::abort();
+    }
+    run_blocks([&] { attention_decode_merge_rows(partial_o, partial_lse, o, lse, n_rows,
+                                                 n_splits, n_q_heads, n_q, o_sb, o_sh, o_sn); },
+               grid, threads, shared, grid_y);
+}
+
 extern "C" void run(const T* q, const T* k, const T* v, T* o, Acc* lse, Acc* partial_o,
                     Acc* partial_lse, const double* slopes, i64 n_q, i64 n_k, int n_q_heads,
                     int group, int splits, const i64* strides, const double* reals,
@@ -242,7 +257,13 @@ extern "C" void run(const T* q, const T* k, const T* v, T* o, Acc* lse, Acc* par
                          band[0], band[1], band[2], bits[0], bits[1], (Acc)reals[2], bits[2],
                          bits[3], nullptr, nullptr, nullptr, 0, 0, 0);
     }, blocks, THREADS, shared);
-    if (splits > 1)
+    if (splits > 1 && (splits <= 32 || n_rows >= 8 * splits))  // as launch_decode chooses
+        run_blocks([&] { attention_decode_merge_rows(partial_o, partial_lse, o, lse, n_rows,
+                                                     splits, n_q_heads, n_q, strides[9],
+                                                     strides[10], strides[11]); },
+                   (n_rows + kMergeRowsPerBlock - 1) / kMergeRowsPerBlock,
+                   32 * kMergeRowsPerBlock, 0);
+    else if (splits > 1)
         run_blocks([&] { attention_decode_merge(partial_o, partial_lse, o, lse, n_rows, splits,
                                                 n_q_heads, n_q, strides[9], strides[10],
                                                 strides[11]); },
@@ -410,6 +431,8 @@ CASES = [
     ("float16", (1, 8, 1, 4, 300, 128, 128), {"causal": True}, 2),  # 32 rows, 256 threads
     ("float16", (1, 6, 2, 5, 300, 64, 64), {"causal": True, "alibi_slopes":
                                            np.linspace(0.1, 0.6, 6)}, 3),  # group of 3
+    # the row merge past 32 splits (rows >= 8 x splits) and past a block's 8 rows
+    ("float16", (2, 16, 4, 9, 1500, 64, 40), {"causal": True}, 33),
 ]
 
 # More packed rows than a block holds: row groups of `rows` (the last partial), with and

@@ -31,6 +31,15 @@ DECODE_SOURCE = "attention_decode.cu"
 DECODE_MMA_SOURCE = "attention_decode_mma.cu"
 MERGE_WARPS = 16  # attention_decode_merge's warps, each taking every MERGE_WARPS-th split
 MERGE_COLUMNS = 32  # output columns of one merge block (a lane each)
+# Merges of at most MERGE_ROW_SPLITS splits, or of at least MERGE_ROWS_PER_SPLIT rows a split,
+# take attention_decode_merge_rows (a warp a row, 8 rows a block), whose blocks are few where
+# the rows are many; fewer rows over more splits (one sequence's few rows over hundreds of
+# splits) take attention_decode_merge's 16 warps per (row, 32 columns). H200 (NOTES-gpu v55):
+# B8 H32/8 Nq8 Nk4k D256 (2048 rows, 2 splits) 183 -> 80 us a step, B64 H8/1 Nq8 Nk32k
+# D128 363 -> 262.
+MERGE_ROW_SPLITS = 32
+MERGE_ROWS_PER_SPLIT = 8
+MERGE_ROWS_PER_BLOCK = 8
 # cp.async's L2 prefetch size (bytes, 0: none) in the tensor-core decode's K/V copies
 # (mma.cuh's L2_PREFETCH): 128 bytes read K/V ~2.5 % faster at D 128 (H200, kernels alone,
 # bench/experiments/decode_roofline_gpu.py, NOTES-gpu v54: 4 GiB 1013 -> 987 us, 1 GiB 267
@@ -181,10 +190,14 @@ def forward_decode(q, k, v, o, lse, options: AttentionOptions,
                      *tables))
     merge = None
     if splits > 1 and not fused_merge:
-        merge_function = _compile.kernel(DECODE_SOURCE, "attention_decode_merge",
-                                         tuple(sorted(merge_defines)))
-        merge = Launch(merge_function, (n_rows, -(-value_dim // MERGE_COLUMNS)),
-                       (32 * MERGE_WARPS,), 0,
+        by_rows = splits <= MERGE_ROW_SPLITS or n_rows >= MERGE_ROWS_PER_SPLIT * splits
+        merge_function = _compile.kernel(
+            DECODE_SOURCE, "attention_decode_merge_rows" if by_rows else "attention_decode_merge",
+            tuple(sorted(merge_defines)))
+        grid = ((-(-n_rows // MERGE_ROWS_PER_BLOCK),) if by_rows
+                else (n_rows, -(-value_dim // MERGE_COLUMNS)))
+        merge = Launch(merge_function, grid,
+                       (32 * (MERGE_ROWS_PER_BLOCK if by_rows else MERGE_WARPS),), 0,
                        (np.int64(n_rows), np.int32(splits), np.int32(n_q_heads),
                         np.int64(n_q), *output_strides(o)))
     split_groups = (batch * n_kv_heads * row_groups if fused_merge else 0) if on_tensor_cores \
