@@ -486,10 +486,14 @@ def test_decode_splits_even_out_a_mostly_empty_last_wave():
     assert splits(512, 4) == 1 and splits(256, 2) == 1 and splits(2048, 4) == 1
     assert splits(512, 3, n_k=256) == 2  # four key tiles: two a split at most
     assert splits(512, 3, n_k=128) == 1
+    # 32 packed rows at D 64 (B64 H32/8 Nq8) take stages of 16 keys a warp, 4 blocks an SM:
+    # their 512 blocks fill one wave, no split (DECODE_MMA_NARROW_PAIR_KEYS)
     problem = Problem(dtype="float16", head_dim=64, value_dim=64, n_k=131072, **H100)
     choice = tiles.choose_decode(problem, _decode_shape(batch=64, n_q_heads=32, n_kv_heads=8,
                                                         n_q=8, n_k=131072))
-    assert choice.tiles.rows == 32 and choice.tiles.splits == 3, choice
+    assert (choice.tiles.rows, choice.tiles.block_k, choice.tiles.stages,
+            choice.tiles.splits) == (32, 32, 3, 1), choice
+    assert tiles.decode_residency(problem, choice.tiles) == 4
 
 
 def test_tensor_core_decode_merges_few_partials_in_the_kernel():

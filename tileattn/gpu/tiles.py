@@ -1133,6 +1133,13 @@ PREFILL_MIN_ROWS = 64  # the prefill families' fewest rows a query tile
 # causal, ms, 4 x 2 tiles against 8 x 1 (NOTES-gpu v51): B8 H71/1 Nq1 over 32k keys 0.056 /
 # 0.065, Nq4 0.149 / 0.193, B4 H32/8 Nq17 over 8k 0.076 / 0.086; D 128 0.193 / 0.141 (spills).
 DECODE_MMA_NARROW_WIDTH = 64
+# Narrow rows in two row warps (17-32 packed rows at D, Dv <= 64) take stages of 16 keys a
+# warp, three of them: blocks small enough for four an SM, so B*Hkv = 512 runs in one wave
+# where three an SM needed three splits and their merge. H200 kernels alone (NOTES-gpu v55):
+# B64 H32/8 Nq8 Nk4k D64 169.7 -> 131.4 us, Nk32k 1008 -> 965, the other 32-row D 64 rows
+# within 3 % (B8 H8/1 Nq4 Nk128k 78.5 -> 78.3, B64 H8/1 Nq4 Nk4k 28.9 -> 29.8).
+DECODE_MMA_NARROW_PAIR_KEYS = 16
+DECODE_MMA_NARROW_PAIR_STAGES = 3
 # float32 and float64 decodes beyond DECODE_ROWS' 64 rows take the CUDA-core decode in row
 # groups of 64 where the prefill pads at least this many times its rows: one query row of
 # a 71-head MQA group (Falcon) or of MLA's 128 heads over one K/V head read K/V once per
@@ -1214,6 +1221,7 @@ class DecodeMmaTiles:
 # H32/8 Nk4k 275 -> 323 us).
 DECODE_MMA_REGISTERS = {
     (64, 64, 1, 1, 4, 16): 120, (64, 64, 1, 2, 2, 32): 144, (64, 64, 1, 4, 1, 64): 160,
+    (64, 64, 1, 2, 2, 16): 128,  # ptxas 131 unbounded, 119 (paged 128) at 4 blocks, no spill
     (64, 64, 1, 8, 1, 64): 160, (64, 64, 2, 4, 1, 64): 256,
     (96, 96, 1, 1, 4, 16): 208, (96, 96, 1, 2, 2, 32): 216, (96, 96, 1, 4, 1, 64): 224,
     (96, 96, 1, 8, 1, 64): 200,
@@ -1265,12 +1273,16 @@ def decode_mma_tiles(problem: Problem, shape: DecodeShape, splits: int | None = 
                         max(1, DECODE_MMA_MAX_ROWS // (16 * row_warps)))
     if warps is None:
         warps = max(1, DECODE_MMA_WARPS // row_warps)
+    narrow_pair = narrow and row_warps == 2 and row_tiles == 1
     if warp_keys is None:  # a stage of DECODE_MMA_WARPS * DECODE_MMA_WARP_KEYS keys,
         warp_keys = max(DECODE_MMA_WARP_KEYS,
                         DECODE_MMA_WARPS * DECODE_MMA_WARP_KEYS // warps)
         if padded(problem.value_dim, 16) > DECODE_MMA_WIDTH // 2:
             # or of half that where O's registers are many: S's registers spill otherwise
             warp_keys = min(warp_keys, 2 * DECODE_MMA_WARP_KEYS)
+        if narrow_pair:
+            warp_keys = DECODE_MMA_NARROW_PAIR_KEYS
+            stages = stages or DECODE_MMA_NARROW_PAIR_STAGES
     tiles = DecodeMmaTiles(row_tiles, warps, warp_keys, stages or DECODE_MMA_STAGES, 1,
                            row_warps)
     if stages is None:
