@@ -64,6 +64,22 @@ def test_paged_decode_under_emulation():
     assert sum(line.endswith("paired page rows") for line in lines) == 10, lines
 
 
+def test_decode_merges_under_emulation():
+    """The split-KV decode's two merge kernels (bench/experiments/emulate_decode_cpu.py
+    --merges): a block per (row, 32 columns) over 140 splits of two rows, and a warp per row
+    over 3 and 33 splits of up to 288 rows, a NaN-and-Inf case among them, each with o
+    contiguous and in (B, N, H, Dv)."""
+    if _gxx_major() < 12:
+        pytest.skip("the emulation needs g++ 12 or later")
+    pytest.importorskip("ml_dtypes")
+    script = os.path.join(os.path.dirname(SCRIPT), "emulate_decode_cpu.py")
+    result = subprocess.run([sys.executable, script, "--merges"], capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
+    assert "all passed" in result.stdout
+    assert result.stdout.count("\nok ") + result.stdout.startswith("ok ") == 10, result.stdout
+
+
 def test_float32_forwards_under_emulation():
     """The 3xTF32 forwards (bench/experiments/emulate_mma_cpu.py --tf32): mma.sync, and the
     Hopper kernel on wgmma, whose descriptors, swizzle and operand orders the emulation

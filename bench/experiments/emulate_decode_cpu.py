@@ -435,6 +435,17 @@ CASES = [
     ("float16", (2, 16, 4, 9, 1500, 64, 40), {"causal": True}, 33),
 ]
 
+# The merges (launch_decode picks as `run` does): attention_decode_merge over many splits of
+# few rows (past its early loads and its kept lse), attention_decode_merge_rows over few
+# splits (weights in lanes; rows not a multiple of its 8 a block, Dv not of 32) and over 33
+# splits of >= 8 rows each (weights re-formed per split). (dtype, shape, options, splits)
+MERGE_CASES = [
+    ("float16", (1, 2, 1, 1, 4200, 32, 32), {}, 140),
+    ("float16", (1, 6, 2, 5, 300, 64, 40), {"causal": True}, 3),
+    ("float16", (2, 16, 4, 9, 1500, 64, 40), {"causal": True}, 33),
+    ("float32", (1, 8, 2, 3, 450, 80, 24), {"window": (100, None)}, 4),
+]
+
 # More packed rows than a block holds: row groups of `rows` (the last partial), with and
 # without splits. (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, splits, rows)
 ROW_GROUP_CASES = [
@@ -629,8 +640,22 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the first few cases only")
     parser.add_argument("--launcher", action="store_true",
                         help="also run tileattn/gpu/launch_forward.forward on a CuPy stand-in")
+    parser.add_argument("--merges", action="store_true",
+                        help="only the cases of MERGE_CASES (both merge kernels), copies landing "
+                             "at their wait")
     args = parser.parse_args()
     failures = 0
+    if args.merges:
+        DEFERRED["value"] = 1
+        rng = np.random.default_rng(0)
+        for dtype, (batch, hq, hkv, nq, nk, d, dv), options, splits in MERGE_CASES:
+            q, k, v = (rng.standard_normal(s).astype(dtype)
+                       for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
+            failures += check(q, k, v, options, splits)
+        q, k, v = non_finite_case()
+        failures += check(q, k, v, {"causal": True}, 4)
+        print("all passed" if not failures else f"{failures} failed")
+        return int(failures > 0)
     for deferred in (0, 1):
         DEFERRED["value"] = deferred
         print(f"-- cp.async copies land {'at their wait' if deferred else 'at once'}")
