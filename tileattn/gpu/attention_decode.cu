@@ -601,13 +601,14 @@ attention_decode_merge_rows(const Acc* partial_o, const Acc* partial_lse, T* o, 
     const i64 row = static_cast<i64>(blockIdx.x) * kMergeRowsPerBlock + threadIdx.x / 32;
     if (row >= n_rows) return;  // whole warps leave: the shuffles below see every lane
     const auto lse_of = [&](int s) { return partial_lse[s * n_rows + row]; };
-    Acc largest = negative_infinity<Acc>();
-    for (int s = lane; s < n_splits; s += 32) largest = fmax(largest, lse_of(s));
+    const Acc my_lse = lane < n_splits ? lse_of(lane) : negative_infinity<Acc>();
+    Acc largest = my_lse;
+    for (int s = lane + 32; s < n_splits; s += 32) largest = fmax(largest, lse_of(s));
     largest = warp_max(largest);
     const Acc safe_max = largest == negative_infinity<Acc>() ? Acc(0) : largest;
-    Acc total = 0;
-    for (int s = lane; s < n_splits; s += 32) total += exp_acc(lse_of(s) - safe_max);
-    const Acc my_weight = lane < n_splits ? exp_acc(lse_of(lane) - safe_max) : Acc(0);
+    const Acc my_weight = lane < n_splits ? exp_acc(my_lse - safe_max) : Acc(0);
+    Acc total = my_weight;
+    for (int s = lane + 32; s < n_splits; s += 32) total += exp_acc(lse_of(s) - safe_max);
     total = warp_sum(total);
     const bool weights_in_lanes = n_splits <= 32;
     Acc sum[kMergeLaneColumns];
