@@ -4,7 +4,7 @@ under the L2 flush), to set tiles.decode_splits and the decode tables.
 
     PYTHONPATH=. python3 bench/experiments/sweep_gpu_decode.py [--threads 128 256]
         [--grid 256 [--grid-max 512] --only 'Nq1 ' float16] [--stage-bytes B --stage-target T --splits ...]
-        [--kernel tensor_cores --mma 4x16x3 4x16x2 1x64x2x4 table ...]
+        [--kernel tensor_cores --mma 4x16x3 4x16x2 1x64x2x4 table ...] [--splits auto]
 
 Each line: shape, then per split count the kernels' microseconds and share of the measured
 copy bandwidth; the split count tiles.decode_splits chose is marked with *.
@@ -61,9 +61,10 @@ def sweep_shape(shape, bandwidth: float, repetitions: int, rng, splits_list=SPLI
     for label, make in _variants(problem, dshape, kernel, threads_list, mma_shapes):
         cells = []
         for splits in splits_list:
-            config = make(splits)
+            config = make(None if splits == "auto" else splits)
             if not tiles.decode_fits(problem, config):
                 continue
+            splits = config.splits
             launch, _ = forward_decode(q, k, v, o, lse, options, config)
             us = median_us(functools.partial(launch, q, k, v, o, lse), repetitions)
             share = shape.kv_bytes / (us * 1e-6) / bandwidth
@@ -89,7 +90,10 @@ def main() -> None:
                         help="override tiles.DECODE_STAGE_BYTES (K+V bytes of one stage)")
     parser.add_argument("--stage-target", type=int, default=None,
                         help="override tiles.DECODE_STAGE_TARGET (bytes of all stages)")
-    parser.add_argument("--splits", type=int, nargs="*", default=list(SPLITS))
+    parser.add_argument("--splits", type=lambda text: text if text == "auto" else int(text),
+                        nargs="*", default=list(SPLITS),
+                        help="split counts to time, or 'auto': each configuration's own "
+                             "(tiles.decode_splits at its residency)")
     parser.add_argument("--only", nargs="*", default=[],
                         help="shapes whose name contains each of these")
     parser.add_argument("--grid", type=int, default=None, metavar="MIB",
