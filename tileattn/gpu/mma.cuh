@@ -299,8 +299,8 @@ __device__ __forceinline__ void load_a_fragment_transposed(const bits16* tile, i
 // B fragments of two n8 tiles when B[k][n] = tile[n][k] (the tile's rows are B's
 // columns, e.g. K in S = Q K^T): rows [n0, n0 + 16) at columns [k0, k0 + 16);
 // b[0], b[1] serve columns n0..n0+7, b[2], b[3] columns n0+8..n0+15.
-// (The padded form keeps its own pointer arithmetic, which the backward kernels' register
-// allocation was tuned with.)
+// (Swizzled tiles load through SwizzledFragments below; this pointer arithmetic is what the
+// backward kernels' register allocation was tuned with.)
 template <int Cols>
 __device__ __forceinline__ void load_b_fragments(const bits16* tile, int n0, int k0, u32* b) {
     const int lane = threadIdx.x % 32;
@@ -323,7 +323,7 @@ __device__ __forceinline__ void load_b_fragments_transposed(const bits16* tile, 
 }
 
 // The same two loads from swizzled tiles, through a lane address formed once: the tile's
-// shared address (128-byte aligned) plus `swizzled_lane` (the lane's offset at fragment
+// shared address (128-byte aligned) plus `lane_offset` (the lane's offset at fragment
 // (0, 0)). A fragment's rows start at a multiple of 16, whole periods of the swizzle
 // (kRowBases x kGroup = 8 rows), so its rows permute their chunks as rows 0-15 do; and the
 // lane's chunk (0 or 1 past an even one) sits in the address bits that chunk XORs, which
