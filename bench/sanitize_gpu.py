@@ -408,7 +408,8 @@ def decode_cases(rng) -> int:
 # the tensor-core kernel (attention_decode_mma.cu, a fifth field): a cut stage with a
 # non-finite V (its scan and zeroing), two row tiles, odd dims, D = 256, splits merged by
 # the last block of each group (3 and 16 splits) and by the merge kernel (4 and 100: past
-# its early loads), ALiBi's slope per packed row.
+# its early loads), ALiBi's slope per packed row, 24 narrow rows in two row warps (16 keys
+# a warp, 3 stages) and 64 rows in four.
 _NON_FINITE_V = dict(causal=True, window=(40, None))
 DECODE_CASES = [
     ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, softcap=2.0), 3, "tensor_cores"),
@@ -416,6 +417,8 @@ DECODE_CASES = [
     ("float16", (2, 4, 1, 2, 70, 33, 40), dict(window=(20, 3)), 16, "tensor_cores"),
     ("float16", (1, 8, 1, 1, 900, 256, 256), {}, 1, "tensor_cores"),
     ("float16", (1, 8, 1, 1, 9000, 64, 64), dict(causal=True), 100, "tensor_cores"),
+    ("float16", (1, 16, 2, 3, 400, 64, 64), dict(causal=True), 3, "tensor_cores"),
+    ("bfloat16", (1, 8, 1, 8, 600, 128, 128), {}, 2, "tensor_cores"),
     ("bfloat16", (2, 16, 2, 2, 500, 128, 128),
      dict(causal=True, alibi_slopes=np.linspace(0.05, 0.5, 16)), 3, "tensor_cores"),
     ("float16", (1, 8, 2, 3, 300, 64, 64), dict(causal=True, dropout_p=0.2, seed=4), 3),
