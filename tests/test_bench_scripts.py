@@ -166,3 +166,30 @@ def test_cpu_decode_bench_takes_a_16_bit_cache(dtype):
     assert result.returncode == 0, result.stderr
     assert f"threads 1, {dtype}, D = 128" in result.stdout
     assert sum(line.startswith("| 1 |") for line in result.stdout.splitlines()) == 3
+
+
+def test_the_ab_tool_runs_a_revision_beside_the_working_tree(tmp_path):
+    """bench/experiments/ab_trees_gpu.py: the base revision's package imports as
+    tileattn_base beside tileattn, and its backends are its own modules."""
+    if subprocess.run(["git", "-C", str(BENCH.parent), "rev-parse", "HEAD"],
+                      capture_output=True, check=False).returncode != 0:
+        pytest.skip("not a git checkout")
+    code = f"""
+import sys
+sys.path.insert(0, {str(BENCH / 'experiments')!r})
+import ab_trees_gpu
+sys.path.insert(0, ab_trees_gpu.base_package("HEAD", {str(tmp_path)!r}))
+import numpy as np, tileattn, tileattn_base
+q = np.random.default_rng(0).standard_normal((1, 2, 40, 16)).astype(np.float32)
+new = tileattn.forward(q, q, q, causal=True, backend="cpu")
+base = tileattn_base.forward(q, q, q, causal=True, backend="cpu")
+assert tileattn_base.__file__.startswith({str(tmp_path)!r}), tileattn_base.__file__
+assert "tileattn_base.cpu" in sys.modules, "the base ran the working tree's backend"
+from tileattn.testing import assert_attention_close
+assert_attention_close(base, new, np.float32)
+print(ab_trees_gpu.parse_shape("B4 H8/1 Nq8 Nk4096 D128 float16 causal"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=600, check=False, cwd=BENCH.parent)
+    assert result.returncode == 0, result.stderr
+    assert "(4, 8, 1, 8, 4096, 128, 'float16', True)" in result.stdout
