@@ -87,6 +87,15 @@ def test_float32_forwards_under_emulation():
     assert _emulation("--tf32").count("Tf32WgmmaTiles") == 10
 
 
+def test_16_bit_hopper_forward_under_emulation():
+    """The 16-bit forward on wgmma (bench/experiments/emulate_mma_cpu.py --wgmma): one to three
+    warpgroups, two and three stages, 32-, 64- and 128-byte swizzles, Dv != D, every score
+    option, GQA, a band, o contiguous and in (B, N, H, Dv); the emulation reads the
+    descriptors (K-major Q and K, MN-major V) and the register A operand as the hardware
+    does."""
+    assert _emulation("--wgmma").count("ok wgmma ") == 10
+
+
 def test_float64_kernels_under_emulation():
     """float64 on FP64 tensor cores (bench/experiments/emulate_mma_cpu.py --f64): the forward
     (attention_tf32_forward.cu with IS_FLOAT64) and the backward's two kernels

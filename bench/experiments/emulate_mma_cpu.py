@@ -1,17 +1,18 @@
 """Run the mma.sync forward (attention_mma_forward.cu), backward (attention_mma_backward.cu:
 the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, o direct or its
-splits merged in the kernel; dense, padded and paged K/V; ALiBi among the options) and the
-3xTF32 forward (attention_tf32_forward.cu; with IS_FLOAT64 the float64 forward) on the CPU,
-no GPU: the kernels' own source under
-emulate_decode_cpu.py's C++ emulation of the CUDA built-ins, with the warp-wide PTX they add
-(ldmatrix, mma.sync m16n8k16, m16n8k8.tf32 and .f64, cp.async of 4 to 16 bytes) computed by
-meaning, checked against the float64 golden model. The backward's single pass runs in
-arrival order, in turns (ORDERED) and into a slot per key block (DQ_PARTS); the
-non-finite-key redo is not run.
+splits merged in the kernel; dense, padded and paged K/V; ALiBi among the options), the
+3xTF32 forwards (attention_tf32_forward.cu, with IS_FLOAT64 the float64 forward, and
+attention_tf32_wgmma_forward.cu) and the 16-bit Hopper forward (attention_wgmma_forward.cu)
+on the CPU, no GPU: the kernels' own source under emulate_decode_cpu.py's C++ emulation of
+the CUDA built-ins, with the warp-wide PTX they add (ldmatrix, mma.sync m16n8k16,
+m16n8k8.tf32 and .f64, wgmma's 16-bit and TF32 forms read through their shared-memory
+descriptors, cp.async of 4 to 16 bytes) computed by meaning, checked against the float64
+golden model. The backward's single pass runs in arrival order, in turns (ORDERED) and into
+a slot per key block (DQ_PARTS); the non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass [--quick] | --launcher |
-                                                  --f64-shares | --tf32 | --f64]
+                                                  --f64-shares | --tf32 | --f64 | --wgmma]
 
 `--launcher` runs only the wide decode's fold, and float64's forward with key shares, through
 the Python launch path (`launch_forward.forward` on a CuPy stand-in) with the mma.sync or
@@ -49,7 +50,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
 from tileattn.gpu.tiles import (  # noqa: E402
-    DecodeMmaTiles, F64Tiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Tf32WgmmaTiles, Widths)
+    DecodeMmaTiles, F64Tiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Tf32WgmmaTiles, WgmmaTiles,
+    Widths)
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 WARP_PTX = r"""
@@ -206,6 +208,63 @@ inline void wgmma_rs_tf32_emulated(float (&d)[Frags][4], const u32 (&a)[4], u64 
     }, b, accumulate);
     __syncwarp();
 }
+// wgmma on 16-bit operands (wgmma.cuh), computed at issue like the TF32 ones: element
+// (row, k) of a K-major operand (a 16-element K slice contiguous in each row), and element
+// (k, n) of an MN-major one (rows are k; column blocks of row_bytes / 2 elements lie the
+// descriptor's leading offset apart, 8-row groups of k one stride apart).
+inline float shared_half(u32 logical, u32 row_bytes) {
+    const u32 physical = logical ^ (((logical >> 7) & (row_bytes / 16 - 1)) << 4);
+    return half_of(shared_word(physical & ~3u), (physical & 2u) != 0);
+}
+inline u32 descriptor_row_bytes(u64 descriptor) {
+    const int mode = static_cast<int>(descriptor >> 62);
+    return mode == 1 ? 128 : mode == 2 ? 64 : 32;
+}
+inline float wgmma_operand16(u64 descriptor, int row, int k) {
+    const u32 start = static_cast<u32>(descriptor & 0x3FFF) << 4;
+    const u32 stride = static_cast<u32>((descriptor >> 32) & 0x3FFF) << 4;
+    const u32 row_bytes = descriptor_row_bytes(descriptor);
+    return shared_half(start + (row / 8) * stride + (row % 8) * row_bytes + k * 2, row_bytes);
+}
+inline float wgmma_operand16_mn(u64 descriptor, int k, int n) {
+    const u32 start = static_cast<u32>(descriptor & 0x3FFF) << 4;
+    const u32 leading = static_cast<u32>((descriptor >> 16) & 0x3FFF) << 4;
+    const u32 stride = static_cast<u32>((descriptor >> 32) & 0x3FFF) << 4;
+    const u32 row_bytes = descriptor_row_bytes(descriptor);
+    const u32 columns = row_bytes / 2;
+    return shared_half(start + (n / columns) * leading + (k / 8) * stride + (k % 8) * row_bytes +
+                           (n % columns) * 2, row_bytes);
+}
+// d (64 x N per warpgroup, each warp's 16 rows in the m16n8 accumulator layout) = A B
+// (+ d when `accumulate`) over K = 16; A(row, k) from a(row, k), B(k, n) from b(k, n).
+template <int Frags, class AOf, class BOf>
+inline void wgmma16_emulated(float (&d)[Frags][4], AOf a, BOf b, int accumulate) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row0 = ((threadIdx.x % 128) / 32) * 16 + g;
+    for (int j = 0; j < Frags; ++j)
+        for (int e = 0; e < 4; ++e) {
+            const int row = row0 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e % 2);
+            float sum = accumulate ? d[j][e] : 0.0f;
+            for (int k = 0; k < 16; ++k) sum += a(row, k) * b(k, col);
+            d[j][e] = sum;
+        }
+}
+// A from registers: lane 4 g + t holds rows g, g + 8 at k = 2t, 2t + 1 and 2t + 8, 2t + 9
+// (the warp's 16 rows, mma.sync's m16n8k16 A layout).
+template <class BOf, int Frags>
+inline void wgmma16_rs_emulated(float (&d)[Frags][4], const u32 (&a)[4], BOf b,
+                                int accumulate) {
+    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
+    for (int i = 0; i < 4; ++i) g_words[threadIdx.x][i] = a[i];
+    __syncwarp();
+    const int warp_row0 = ((threadIdx.x % 128) / 32) * 16;
+    wgmma16_emulated(d, [&](int row, int k) {
+        const int r = row - warp_row0;
+        const u32* words = g_words[warp0 + (r % 8) * 4 + (k % 8) / 2];
+        return half_of(words[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2);
+    }, b, accumulate);
+    __syncwarp();
+}
 // c += A (16 x 16, row) B (16 x 8, col); lane l = 4 g + t holds A rows g, g + 8 at columns
 // 2t, 2t + 1 (+ 8), B columns g at rows 2t, 2t + 1 (+ 8), C rows g, g + 8 at columns 2t, 2t + 1.
 inline void mma_emulated(float* c, const u32* a, u32 b0, u32 b1) {
@@ -295,6 +354,24 @@ MORE_PATCHES = [
      "template <int N> inline void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], "
      "u64 b, int accumulate) { wgmma_rs_tf32_emulated(d, a, b, accumulate); }"),
     (r"WGMMA_FOR_EACH_N\(WGMMA_TF32_SHAPE\)", ""),
+    # wgmma.cuh's 16-bit instructions by meaning (their specialisations are dropped).
+    (r"template <int N>\s*__device__ __forceinline__ void wgmma_ss\(float \(&d\)\[N / 8\]\[4\], "
+     r"u64 a, u64 b, int accumulate\);",
+     "template <int N> inline void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) "
+     "{ wgmma16_emulated(d, [&](int row, int k) { return wgmma_operand16(a, row, k); }, "
+     "[&](int k, int n) { return wgmma_operand16(b, n, k); }, accumulate); }"),
+    (r"template <int N>\s*__device__ __forceinline__ void wgmma_ss_transposed\(float \(&d\)"
+     r"\[N / 8\]\[4\], u64 a, u64 b,\s*int accumulate\);",
+     "template <int N> inline void wgmma_ss_transposed(float (&d)[N / 8][4], u64 a, u64 b, "
+     "int accumulate) { wgmma16_emulated(d, [&](int row, int k) { return "
+     "wgmma_operand16_mn(a, k, row); }, [&](int k, int n) { return wgmma_operand16_mn(b, k, n); "
+     "}, accumulate); }"),
+    (r"template <int N>\s*__device__ __forceinline__ void wgmma_rs_transposed_b\(float \(&d\)"
+     r"\[N / 8\]\[4\], const u32 \(&a\)\[4\],\s*u64 b, int accumulate\);",
+     "template <int N> inline void wgmma_rs_transposed_b(float (&d)[N / 8][4], "
+     "const u32 (&a)[4], u64 b, int accumulate) { wgmma16_rs_emulated(d, a, [&](int k, int n) "
+     "{ return wgmma_operand16_mn(b, k, n); }, accumulate); }"),
+    (r"WGMMA_FOR_EACH_N\(WGMMA_SHAPE\)", ""),
     (r"extern __shared__ __align__\(\d+\) (bits16|element) shared_tiles\[\];",
      r"\1* shared_tiles = reinterpret_cast<\1*>(g_shared);"),
     (r"extern __shared__ __align__\(\d+\) float shared_floats\[\];",
@@ -984,6 +1061,39 @@ def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: b
     return o, lse
 
 
+# The Hopper 16-bit forward takes the mma.sync forward's arguments.
+WGMMA_RUNNER = RUNNER.replace("attention_forward_mma(", "attention_forward_wgmma(")
+
+
+def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool, **kwargs):
+    """o and lse of attention_forward_wgmma (float16 / bfloat16 on wgmma) for host arrays."""
+    options = resolved(q, k, v, **kwargs)
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    switches, band, reals, bits = score_operands(options, n_q, n_k)
+    defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
+                   VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
+                   BLOCK_Q=tiles.block_q, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
+                   BLOCKS_PER_SM=tiles.blocks_per_sm,
+                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), DEFERRED_COPIES=1,
+                   STRIDED_OUT=int(sequence_first_o), **switches)
+    lib = library(defines, "attention_wgmma_forward.cu", WGMMA_RUNNER)
+    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
+         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
+    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
+    slopes = (np.zeros(1) if options.alibi_slopes is None
+              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    lib.run.restype = None
+    lib.run(*(pointer(a) for a in (q, k, v, o, lse, slopes)), ctypes.c_int64(n_q),
+            ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(n_q_heads // n_kv_heads),
+            pointer(strides), pointer(reals.astype(np.float32)), pointer(band), pointer(bits),
+            ctypes.c_int(batch * n_q_heads * -(-n_q // tiles.block_q)),
+            ctypes.c_int(tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16))))
+    return o, lse
+
+
 def emulate_f64(q, k, v, tiles: F64Tiles, sequence_first_o: bool, **kwargs):
     """o and lse of attention_forward_f64 (attention_tf32_forward.cu with IS_FLOAT64: m16n8k8
     products in doubles) for host float64 arrays."""
@@ -1062,6 +1172,20 @@ TF32_CASES = [
     ("float32", (2, 4, 2, 64, 64, 64, 64), {"causal": True, "softcap": 3.0},
      Tf32WgmmaTiles(64, 32)),
     ("float32", (1, 2, 1, 100, 100, 40, 40), {"window": (30, 5)}, Tf32Tiles(64, 32, 32)),
+]
+
+
+# The Hopper 16-bit forward (attention_wgmma_forward.cu): one and two warpgroups, a third
+# stage, 32-, 64- and 128-byte swizzles (D 48 and Dv 40, D 80 and 32), every score option,
+# keys past a tile and a band, a causal diagonal that the first warpgroup's rows end before.
+WGMMA_CASES = [
+    ("float16", (1, 2, 1, 70, 150, 64, 64), {"causal": True}, WgmmaTiles(128, 64, 2)),
+    ("bfloat16", (1, 4, 2, 150, 100, 128, 128),
+     {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5,
+      "alibi_slopes": np.linspace(0.1, 0.4, 4)}, WgmmaTiles(64, 64, 3)),
+    ("float16", (2, 2, 2, 40, 70, 48, 40), {"window": (20, 3)}, WgmmaTiles(64, 32, 2)),
+    ("float16", (1, 2, 1, 70, 90, 80, 80), {}, WgmmaTiles(192, 64, 2)),
+    ("float16", (1, 2, 2, 130, 130, 32, 32), {"causal": True}, WgmmaTiles(128, 128, 2, 2)),
 ]
 
 
@@ -1276,6 +1400,8 @@ def main() -> int:
                              "and off)")
     parser.add_argument("--tf32", action="store_true",
                         help="the 3xTF32 forwards only (mma.sync and wgmma)")
+    parser.add_argument("--wgmma", action="store_true",
+                        help="the 16-bit Hopper forward (wgmma) only")
     parser.add_argument("--f64", action="store_true",
                         help="the float64 forward on FP64 tensor cores only")
     parser.add_argument("--f64-shares", action="store_true",
@@ -1299,6 +1425,10 @@ def main() -> int:
     if args.f64:
         failures = check_forwards(emulate_f64, F64_CASES, rng, "f64 ")
         failures += check_backwards([(case, False) for case in F64_BACKWARD_CASES], rng)
+        print("all passed" if not failures else f"{failures} failed")
+        return int(failures > 0)
+    if args.wgmma:
+        failures = check_forwards(emulate_wgmma, WGMMA_CASES, rng, "wgmma ")
         print("all passed" if not failures else f"{failures} failed")
         return int(failures > 0)
     if args.tf32:
