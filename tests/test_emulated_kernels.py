@@ -87,13 +87,15 @@ def test_float32_forwards_under_emulation():
     assert _emulation("--tf32").count("Tf32WgmmaTiles") == 10
 
 
-def test_16_bit_hopper_forward_under_emulation():
-    """The 16-bit forward on wgmma (bench/experiments/emulate_mma_cpu.py --wgmma): one to three
-    warpgroups, two and three stages, 32-, 64- and 128-byte swizzles, Dv != D, every score
-    option, GQA, a band, o contiguous and in (B, N, H, Dv); the emulation reads the
-    descriptors (K-major Q and K, MN-major V) and the register A operand as the hardware
-    does."""
-    assert _emulation("--wgmma").count("ok wgmma ") == 10
+def test_16_bit_hopper_kernels_under_emulation():
+    """The 16-bit forward and backward on wgmma (bench/experiments/emulate_mma_cpu.py
+    --wgmma): one to three warpgroups, two and three stages, 32-, 64- and 128-byte swizzles,
+    Dv != D, every score option, GQA, a band, dK and dV in one launch and in two, outputs
+    contiguous and in (B, N, H, D); the emulation reads the descriptors (K-major and
+    MN-major operands) and the register A operand as the hardware does."""
+    output = _emulation("--wgmma")
+    assert output.count("ok wgmma ") == 10, output
+    assert output.count("ok backward ") == 6, output
 
 
 def test_float64_kernels_under_emulation():

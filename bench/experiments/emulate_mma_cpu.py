@@ -2,13 +2,14 @@
 the dQ and dK/dV kernels), the tensor-core decode (attention_decode_mma.cu, o direct or its
 splits merged in the kernel; dense, padded and paged K/V; ALiBi among the options), the
 3xTF32 forwards (attention_tf32_forward.cu, with IS_FLOAT64 the float64 forward, and
-attention_tf32_wgmma_forward.cu) and the 16-bit Hopper forward (attention_wgmma_forward.cu)
-on the CPU, no GPU: the kernels' own source under emulate_decode_cpu.py's C++ emulation of
-the CUDA built-ins, with the warp-wide PTX they add (ldmatrix, mma.sync m16n8k16,
-m16n8k8.tf32 and .f64, wgmma's 16-bit and TF32 forms read through their shared-memory
-descriptors, cp.async of 4 to 16 bytes) computed by meaning, checked against the float64
-golden model. The backward's single pass runs in arrival order, in turns (ORDERED) and into
-a slot per key block (DQ_PARTS); the non-finite-key redo is not run.
+attention_tf32_wgmma_forward.cu) and the 16-bit Hopper forward and backward
+(attention_wgmma_forward.cu, attention_wgmma_backward.cu's two kernels) on the CPU, no GPU:
+the kernels' own source under emulate_decode_cpu.py's C++ emulation of the CUDA built-ins,
+with the warp-wide PTX they add (ldmatrix, mma.sync m16n8k16, m16n8k8.tf32 and .f64,
+wgmma's 16-bit and TF32 forms read through their shared-memory descriptors, cp.async of 4
+to 16 bytes) computed by meaning, checked against the float64 golden model. The backward's
+single pass runs in arrival order, in turns (ORDERED) and into a slot per key block
+(DQ_PARTS); the non-finite-key redo is not run.
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass [--quick] | --launcher |
@@ -50,8 +51,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tileattn  # noqa: E402
 from tileattn.gpu._compile import source  # noqa: E402
 from tileattn.gpu.tiles import (  # noqa: E402
-    DecodeMmaTiles, F64Tiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Tf32WgmmaTiles, WgmmaTiles,
-    Widths)
+    DecodeMmaTiles, F64Tiles, MmaBackwardTiles, MmaTiles, Tf32Tiles, Tf32WgmmaTiles,
+    WgmmaBackwardTiles, WgmmaTiles, Widths)
 from tileattn.testing import assert_attention_close, bfloat16  # noqa: E402
 
 WARP_PTX = r"""
@@ -78,6 +79,7 @@ inline int atomicAdd(int* x, int y) { return __atomic_fetch_add(x, y, __ATOMIC_S
 inline u32 atomicAdd(u32* x, u32 y) { return __atomic_fetch_add(x, y, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline float atomicAdd(float* x, float y) {
     return std::atomic_ref<float>(*x).fetch_add(y);
@@ -674,6 +676,89 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     return dq, dk, dv
 
 
+WGMMA_BACKWARD_RUNNER = RUN_BLOCKS + r"""
+// strides: q, k, v, do, then dq, dk, dv (3 each: batch, head, row).
+extern "C" void run_dq(const bits16* q, const bits16* k, const bits16* v, const bits16* d_out,
+                       const float* lse, const float* delta, bits16* dq, const double* slopes,
+                       i64 n_q, i64 n_k, int n_q_heads, int group, const i64* s,
+                       const float* reals, const i64* band, const unsigned* bits, int blocks,
+                       int threads, int shared) {
+    run_blocks([&] {
+        attention_backward_dq_wgmma(q, k, v, d_out, lse, delta, dq, slopes, n_q, n_k, n_q_heads,
+                                    group, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+                                    s[9], s[10], s[11], reals[0], reals[1], band[0], band[1],
+                                    band[2], bits[0], bits[1], reals[2], bits[2], bits[3],
+                                    nullptr, nullptr, nullptr, 0, 0, 0, s[12], s[13], s[14]);
+    }, blocks, threads, shared);
+}
+
+extern "C" void run_dkdv(const bits16* q, const bits16* k, const bits16* v,
+                         const bits16* d_out, const float* lse, const float* delta, bits16* dk,
+                         bits16* dv, const double* slopes, i64 n_q, i64 n_k, int n_q_heads,
+                         int group, const i64* s, const float* reals, const i64* band,
+                         const unsigned* bits, int blocks, int threads, int shared) {
+    int flags[4096] = {};
+    run_blocks([&] {
+        attention_backward_dkdv_wgmma(q, k, v, d_out, lse, delta, dk, dv, nullptr, flags, slopes,
+                                      n_q, n_k, n_q_heads, group, s[0], s[1], s[2], s[3], s[4],
+                                      s[5], s[6], s[7], s[8], s[9], s[10], s[11], reals[0],
+                                      reals[1], band[0], band[1], band[2], bits[0], bits[1],
+                                      reals[2], bits[2], bits[3], nullptr, nullptr, nullptr, 0,
+                                      0, 0, s[15], s[16], s[17], s[18], s[19], s[20]);
+    }, blocks, threads, shared);
+}
+"""
+
+
+def emulate_wgmma_backward(do, q, k, v, o, lse, tiles: WgmmaBackwardTiles,
+                           sequence_first: bool, **kwargs):
+    """dq, dk, dv of attention_backward_dq_wgmma and attention_backward_dkdv_wgmma (the
+    16-bit Hopper backward's two kernels; dK and dV in two launches where `tiles.split`)
+    for host arrays; D = rowsum(do * o) and lse as the launcher passes them (float32,
+    contiguous). With `sequence_first` the gradients go into (B, N, H, D) buffers
+    (STRIDED_OUT), as a "bshd" call's do."""
+    options = resolved(q, k, v, **kwargs)
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    switches, band, reals, bits = score_operands(options, n_q, n_k)
+    reals = reals.astype(np.float32)
+    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1).astype(np.float32)
+    lse = np.ascontiguousarray(lse, np.float32)
+    slopes = (np.zeros(1) if options.alibi_slopes is None
+              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    if sequence_first:
+        dq, dk, dv = (np.full(a.swapaxes(1, 2).shape, np.nan, q.dtype).swapaxes(1, 2)
+                      for a in (q, k, v))
+    else:
+        dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
+    strides = np.array([s // a.itemsize for a in (q, k, v, do, dq, dk, dv)
+                        for s in a.strides[:3]], np.int64)
+    widths = Widths.padded(head_dim, value_dim, 16)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    common = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
+                  VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
+                  IS_BFLOAT16=int(q.dtype.name == "bfloat16"), SINGLE_PASS=0,
+                  STAGES=tiles.stages, DEFERRED_COPIES=1, STRIDED_OUT=int(sequence_first),
+                  **switches)
+    for entry, part in [("dq", 0)] + [("dkdv", part) for part in ((1, 2) if tiles.split
+                                                                  else (0,))]:
+        owned, streamed = getattr(tiles, entry)
+        lib = library(dict(common, OWNED_ROWS=owned, STREAMED_ROWS=streamed, DKDV_PART=part),
+                      "attention_wgmma_backward.cu", WGMMA_BACKWARD_RUNNER)
+        heads, rows = (n_q_heads, n_q) if entry == "dq" else (n_kv_heads, n_k)
+        function = getattr(lib, f"run_{entry}")
+        function.restype = None
+        function(*(pointer(a) for a in (q, k, v, do, lse, delta)),
+                 *(pointer(a) for a in ((dq,) if entry == "dq" else (dk, dv))), pointer(slopes),
+                 ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
+                 ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals),
+                 pointer(band), pointer(bits),
+                 ctypes.c_int(batch * heads * -(-rows // owned)),
+                 ctypes.c_int(owned // 64 * 128),
+                 ctypes.c_int(tiles.shared_bytes(entry, widths, False, part)))
+    return dq, dk, dv
+
+
 def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, padded=None,
                    paired_page_rows=False, **kwargs):
     """o and lse of attention_decode_mma.cu for host 16-bit arrays (one split: o written
@@ -1189,6 +1274,20 @@ WGMMA_CASES = [
 ]
 
 
+# Its backward's two kernels: GQA, a band, every score option, dK and dV in two launches,
+# three stages, a head dim padded to 16 and Dv != D, rows and keys past a tile.
+WGMMA_BACKWARD_CASES = [
+    ("float16", (1, 4, 2, 70, 150, 64, 64), {"causal": True},
+     WgmmaBackwardTiles((128, 64), (128, 64), 2)),
+    ("bfloat16", (1, 2, 1, 100, 90, 128, 128),
+     {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5,
+      "alibi_slopes": np.array([0.1, 0.3])}, WgmmaBackwardTiles((64, 64), (64, 64), 3,
+                                                                 split=True)),
+    ("float16", (2, 2, 2, 40, 70, 40, 72), {"window": (20, 3)},
+     WgmmaBackwardTiles((64, 32), (64, 32), 2)),
+]
+
+
 CASES = [
     # (dtype, (B, Hq, Hkv, Nq, Nk, D, Dv), options, MmaTiles)
     ("float16", (1, 2, 1, 70, 90, 64, 64), {}, MmaTiles(64, 32, 16, True)),
@@ -1224,10 +1323,11 @@ def check_forwards(emulate_forward, cases, rng, kind: str) -> int:
     return failures
 
 
-def check_backwards(cases, rng) -> int:
+def check_backwards(cases, rng, emulate_two_kernels=None) -> int:
     """`emulate_backward` on each ``(case, single_pass)`` against the golden model, the
     gradients contiguous and in (B, N, H, D); the single pass also in turns and in parts:
-    the failures' count."""
+    the failures' count. `emulate_two_kernels`, where given, runs the cases (no single
+    pass) in its place: the Hopper backward's (`emulate_wgmma_backward`)."""
     failures = 0
     for (name, (batch, hq, hkv, nq, nk, d, dv), options, tiles, *poison), single_pass in cases:
         dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
@@ -1246,8 +1346,13 @@ def check_backwards(cases, rng) -> int:
                 ((False, False, False), (False, True, False), (True, True, False),
                  (False, False, True), (True, False, True))
                 if single_pass else ((False, False, False), (True, False, False))):
-            grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles, sequence_first,
-                                     single_pass, ordered, dq_parts, **options)
+            if emulate_two_kernels is not None:
+                grads = emulate_two_kernels(do, q, k, v, o.astype(dtype), lse, tiles,
+                                            sequence_first, **options)
+            else:
+                grads = emulate_backward(do, q, k, v, o.astype(dtype), lse, tiles,
+                                         sequence_first, single_pass, ordered, dq_parts,
+                                         **options)
             mode = " in turns" if ordered else " in parts" if dq_parts else ""
             label = (f"backward{' single pass' if single_pass else ''}{mode} {name} q{q.shape} "
                      f"k{k.shape} v{v.shape} {sorted(options)} "
@@ -1401,7 +1506,7 @@ def main() -> int:
     parser.add_argument("--tf32", action="store_true",
                         help="the 3xTF32 forwards only (mma.sync and wgmma)")
     parser.add_argument("--wgmma", action="store_true",
-                        help="the 16-bit Hopper forward (wgmma) only")
+                        help="the 16-bit Hopper forward and backward (wgmma) only")
     parser.add_argument("--f64", action="store_true",
                         help="the float64 forward on FP64 tensor cores only")
     parser.add_argument("--f64-shares", action="store_true",
@@ -1429,6 +1534,8 @@ def main() -> int:
         return int(failures > 0)
     if args.wgmma:
         failures = check_forwards(emulate_wgmma, WGMMA_CASES, rng, "wgmma ")
+        failures += check_backwards([(case, False) for case in WGMMA_BACKWARD_CASES], rng,
+                                    emulate_wgmma_backward)
         print("all passed" if not failures else f"{failures} failed")
         return int(failures > 0)
     if args.tf32:
