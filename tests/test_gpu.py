@@ -487,8 +487,11 @@ def test_float32_tensor_core_non_finite_rows():
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (80, 80), (40, 40), (256, 256)],
                          ids=DIM_IDS)
 @pytest.mark.parametrize("tiles", [(128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 3), (64, 64, 2, 4),
-                                   (128, 64, 4), (192, 64, 3), (192, 128, 2), (256, 64, 2)],
-                         ids=lambda t: "x".join(map(str, t)))
+                                   (128, 64, 4), (192, 64, 3), (192, 128, 2), (256, 64, 2),
+                                   # the overlapped schedule (OVERLAP)
+                                   (64, 64, 3, 2, True), (128, 64, 3, 1, True),
+                                   (64, 128, 3, 1, True), (64, 16, 4, 1, True)],
+                         ids=lambda t: "x".join(map(str, t[:4])) + ("-overlap" if t[4:] else ""))
 @pytest.mark.parametrize("options", [TENSOR_CORE_OPTIONS[0], TENSOR_CORE_OPTIONS[1],
                                      TENSOR_CORE_OPTIONS[2], TENSOR_CORE_OPTIONS[-1]],
                          ids=["plain", "causal", "window", "every-option"])

@@ -1159,7 +1159,7 @@ def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool, **kwargs):
     defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
                    BLOCK_Q=tiles.block_q, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
-                   BLOCKS_PER_SM=tiles.blocks_per_sm,
+                   BLOCKS_PER_SM=tiles.blocks_per_sm, OVERLAP=int(tiles.overlap),
                    IS_BFLOAT16=int(q.dtype.name == "bfloat16"), DEFERRED_COPIES=1,
                    STRIDED_OUT=int(sequence_first_o), **switches)
     lib = library(defines, "attention_wgmma_forward.cu", WGMMA_RUNNER)
@@ -1260,7 +1260,7 @@ TF32_CASES = [
 ]
 
 
-# The Hopper 16-bit forward (attention_wgmma_forward.cu): one and two warpgroups, a third
+# The Hopper 16-bit forward (attention_wgmma_forward.cu): one to three warpgroups, a third
 # stage, 32-, 64- and 128-byte swizzles (D 48 and Dv 40, D 80 and 32), every score option,
 # keys past a tile and a band, a causal diagonal that the first warpgroup's rows end before.
 WGMMA_CASES = [
@@ -1271,6 +1271,14 @@ WGMMA_CASES = [
     ("float16", (2, 2, 2, 40, 70, 48, 40), {"window": (20, 3)}, WgmmaTiles(64, 32, 2)),
     ("float16", (1, 2, 1, 70, 90, 80, 80), {}, WgmmaTiles(192, 64, 2)),
     ("float16", (1, 2, 2, 130, 130, 32, 32), {"causal": True}, WgmmaTiles(128, 128, 2, 2)),
+    # The overlapped schedule (OVERLAP): one tile, a band, every option, two warpgroups.
+    ("float16", (1, 2, 1, 64, 40, 64, 64), {}, WgmmaTiles(64, 64, 3, overlap=True)),
+    ("bfloat16", (1, 4, 2, 150, 300, 128, 128),
+     {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5,
+      "alibi_slopes": np.linspace(0.1, 0.4, 4)}, WgmmaTiles(64, 64, 3, overlap=True)),
+    ("float16", (2, 2, 2, 100, 170, 48, 40), {"window": (20, 3)},
+     WgmmaTiles(128, 32, 4, overlap=True)),
+    ("float16", (1, 8, 1, 8, 500, 256, 256), {}, WgmmaTiles(64, 32, 4, 2, overlap=True)),
 ]
 
 

@@ -5,13 +5,13 @@ tiles. At 32-64 packed rows the decode is bound by its products (NOTES-gpu v55);
 prefill runs them on wgmma with K and V read once per K/V head too.
 
     PYTHONPATH=. python3 bench/experiments/folded_decode_gpu.py \\
-        [--shapes 'B8 H8/1 Nq8 Nk32k D128 float16' ...] [--tiles table 64x64x2/4 64x128x2/2] \\
+        [--shapes 'B8 H8/1 Nq8 Nk32k D128 float16' ...] [--tiles table 64x64x2/4 64x64x3/2o] \\
         [--splits auto 16 32 64] [--rounds 3] [--repetitions 7]
 
 Per shape, interleaved rounds of kernels alone after a clean L2 flush: a grid-wide read of
 K and V, the decode's table configuration, the folded prefill at each tile shape (`table`:
 the prefill table's choice for the folded problem; or block_q x block_k x stages / blocks
-an SM) and key-split count (`auto`: `tiles.with_key_splits`), and torch SDPA's flash
+an SM, with a trailing "o" for the overlapped schedule, WgmmaTiles.overlap) and key-split count (`auto`: `tiles.with_key_splits`), and torch SDPA's flash
 backend (whole call). Each line: microseconds min / median, share of copy bandwidth.
 """
 
@@ -59,10 +59,11 @@ def prefill_variant(q, k, v, text: str, splits: str, expected, group):
     if text == "table":
         choice = tiles.choose_forward(problem)
     else:
-        sizes, _, per_sm = text.partition("/")
+        overlap = text.endswith("o")
+        sizes, _, per_sm = text.rstrip("o").partition("/")
         block_q, block_k, stages = map(int, sizes.split("x"))
         choice = tiles.Choice("wgmma", tiles.WgmmaTiles(block_q, block_k, stages,
-                                                       int(per_sm or 1)), "forced")
+                                                       int(per_sm or 1), overlap), "forced")
     if splits == "auto":
         choice = tiles.with_key_splits(choice, shape, tiles.FOLD_MAX_SPLITS)
     else:
@@ -80,7 +81,7 @@ def prefill_variant(q, k, v, text: str, splits: str, expected, group):
                            name=text)
     tiles_text = choice.tiles
     label = (f"fold {tiles_text.block_q}x{tiles_text.block_k}x{tiles_text.stages}/"
-             f"{tiles_text.blocks_per_sm}@{choice.key_splits}"
+             f"{tiles_text.blocks_per_sm}{'o' if tiles_text.overlap else ''}@{choice.key_splits}"
              f"{' (table)' if text == 'table' else ''}{' auto' if splits == 'auto' else ''}")
     return label, lambda: launch(qf, k, v, o, lse)
 

@@ -55,6 +55,8 @@ def candidates(family: str, direction: str):
             # 3-4 resident blocks only of one warpgroup (128-170 registers a thread)
             if per_sm == 1 or (block_q <= 128 and per_sm == 2) or block_q == 64:
                 yield tiles.WgmmaTiles(block_q, block_k, stages, per_sm)
+                if stages == 3:  # the overlapped schedule needs a third stage
+                    yield tiles.WgmmaTiles(block_q, block_k, stages, per_sm, overlap=True)
         yield tiles.WgmmaTiles(256, 64, 2)  # four warpgroups: 128 registers, D <= 128
     elif family == "wgmma":
         for dq, dkdv, stages, split in itertools.product(
@@ -155,7 +157,8 @@ def _checked(job) -> str | None:
 
 def _named(config, only: str) -> bool:
     """Whether `config` is one of `only`'s comma-separated names: a wgmma forward's
-    block_q x block_k x stages [/ blocks per SM], an mma / 3xTF32 backward's
+    block_q x block_k x stages [/ blocks per SM] [o: the overlapped schedule], an mma /
+    3xTF32 backward's
     owned x streamed [p] - owned x streamed [p] [-split] (dQ, then dK/dV; p: on warp
     pairs); other families are always timed."""
     names = only.split(",")
@@ -170,8 +173,9 @@ def _named(config, only: str) -> bool:
     if not isinstance(config, tiles.WgmmaTiles):
         return True
     name = f"{config.block_q}x{config.block_k}x{config.stages}"
-    return (f"{name}/{config.blocks_per_sm}" in names
-            or (config.blocks_per_sm == 1 and name in names))
+    suffix = "o" if config.overlap else ""
+    return (f"{name}/{config.blocks_per_sm}{suffix}" in names
+            or (config.blocks_per_sm == 1 and f"{name}{suffix}" in names))
 
 
 def main() -> None:
@@ -192,7 +196,8 @@ def main() -> None:
                         help="time with ALiBi, a slope per head (the score-option rows)")
     parser.add_argument("--only", default=None,
                         help="candidates to time, e.g. 192x128x2,128x64x2/2 (wgmma forward: "
-                             "block_q x block_k x stages [/ blocks per SM]) or "
+                             "block_q x block_k x stages [/ blocks per SM] [o: overlapped "
+                             "schedule, e.g. 128x64x3/2o]) or "
                              "64x16p-64x16p (mma / tf32 backward: dQ's owned x streamed "
                              "rows, dK/dV's, p on warp pairs, -split: dK and dV apart) or "
                              "192x64-128x64x3 (wgmma backward: dQ's, dK/dV's, stages, "

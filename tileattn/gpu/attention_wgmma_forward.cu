@@ -19,15 +19,19 @@
 //   caller's arrays are read in place, in copies of COPY_BYTES where rows are not 16-byte
 //   aligned): the padding adds nothing to Q K^T, and O's padding columns are not stored;
 // * key tiles outside the band are never visited, the per-score mask runs only on tiles
-//   that straddle the band edge or the end of the keys.
+//   that straddle the band edge or the end of the keys;
+// * OVERLAP=1 (tiles.WgmmaTiles.overlap; no table row takes it yet) runs
+//   FlashAttention-3's intra-warpgroup overlap: tile t's S and tile t - 1's P V are issued
+//   together and tile t's softmax runs while P V does, which needs a third stage.
 //
 // Compile-time configuration (NVRTC -D options): IS_BFLOAT16, HEAD_DIM and VALUE_DIM (D and
 // Dv, up to 256), COPY_BYTES (16, 8 or 4), BLOCK_Q (a multiple of 64), BLOCK_K (a multiple
 // of 16 up to 256), STAGES (>= 2), BLOCKS_PER_SM (the residency the registers
 // are capped for: 2 lets a second block's main loop cover one block's prologue and
-// epilogue, which short sequences pay per block), LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, ALIBI,
-// DROPOUT, VARLEN and PAGED (sequences.cuh: variable-length and paged calls). Needs
-// -arch=sm_90a.
+// epilogue, which short sequences pay per block), OVERLAP (0/1, above; a tile must not
+// spill there: its accumulators are written while other code runs), LIMIT_LEFT,
+// LIMIT_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN and PAGED (sequences.cuh: variable-length and
+// paged calls). Needs -arch=sm_90a.
 #include "wgmma.cuh"
 #include "forward_softmax.cuh"
 
@@ -44,10 +48,18 @@ constexpr int kKTileBytes = kSwizzledTileBytes<BLOCK_K, kHeadWidth>;
 constexpr int kVTileBytes = kSwizzledTileBytes<BLOCK_K, kValueWidth>;
 static_assert(BLOCK_Q % 64 == 0 && STAGES >= 2 && BLOCK_K % 16 == 0 && BLOCK_K <= 256,
               "wgmma tiles");
+#ifndef OVERLAP
+#define OVERLAP 0
+#endif
 // Whether a warpgroup skips the key tiles its own rows do not reach: under a band, and not
-// under the 128-register cap of 512 threads per multiprocessor (see the kernel).
-constexpr bool kWarpgroupSkips =
-    kWarpgroups > 1 && kWarpgroups * BLOCKS_PER_SM < 4 && (LIMIT_LEFT || LIMIT_RIGHT);
+// under the 128-register cap of 512 threads per multiprocessor (see the kernel); not in the
+// overlapped schedule, whose steps each warpgroup runs in the same order.
+constexpr bool kWarpgroupSkips = !OVERLAP && kWarpgroups > 1 && kWarpgroups * BLOCKS_PER_SM < 4 &&
+                                 (LIMIT_LEFT || LIMIT_RIGHT);
+// Key tiles in flight ahead of the one computed: the overlapped schedule reads two tiles at
+// once, so it keeps one buffer more than the plain one for them.
+constexpr int kAhead = OVERLAP ? STAGES - 2 : STAGES - 1;
+static_assert(kAhead >= 1, "the overlapped schedule needs three stages");
 
 // Keys [row, row + BLOCK_K) of K and V into one stage's tiles (zeros past n_k).
 template <class KSource, class VSource>
@@ -182,12 +194,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
         return;
     }
 
-    // Prologue: Q with key tile 0 in one copy group, then tiles 1 .. STAGES - 2, one group
+    // Prologue: Q with key tile 0 in one copy group, then tiles 1 .. kAhead - 1, one group
     // each (empty groups past the end keep the group count uniform for wait_copies).
     load_swizzled_tile_async<BLOCK_Q, HEAD_DIM, kHeadWidth, kThreads, COPY_BYTES>(
         q_tile, q_head, q_sn, row_start, n_q);
 #pragma unroll
-    for (int stage = 0; stage < STAGES - 1; ++stage) {
+    for (int stage = 0; stage < kAhead; ++stage) {
         const i64 key_tile = tile_begin + stage;
         if (key_tile < tile_end) {
 #if PAGED
@@ -205,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
 #if PAGED
     // The pages of the first tile the loop issues; each issue reads the next tile's.
     KeyTilePages ahead_pages{k_head, v_head, {}, {}};
-    ahead_pages.fetch((tile_begin + STAGES - 1) * BLOCK_K, n_k);
+    ahead_pages.fetch((tile_begin + kAhead) * BLOCK_K, n_k);
 #endif
 
     // Under a band, the steps [wg_first, wg_stop) of the block's key tiles that this
@@ -241,51 +253,48 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
     // Q's rows of this warpgroup: 64 rows into every column block.
     const u32 q_rows = q_tile + warpgroup * 64 * QkSwizzle::kRowBytes;
 
-    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
-        const int step = static_cast<int>(key_tile - tile_begin);
-        // Tile t landed (this thread's copies), is visible to the tensor cores, and every
-        // warpgroup is done with tile t - 1, whose buffer the prefetch below refills.
-        wait_copies<STAGES - 2>();
+    // The steps of a key tile, which both schedules below run in their own order.
+    // Tile t has landed (this thread's copies), is visible to the tensor cores, and every
+    // warpgroup is done with the tile whose buffer the next issue refills.
+    auto wait_for_tile = [&]() {
+        wait_copies<kAhead - 1>();
         fence_shared_for_async_proxy();
         __syncthreads();
-        {
-            const i64 ahead = key_tile + STAGES - 1;
-            const int ahead_stage = (step + STAGES - 1) % STAGES;
-            if (ahead < tile_end) {
+    };
+    // Tile `key_tile + kAhead` into the buffer its step comes to.
+    auto issue_ahead = [&](i64 key_tile, int step) {
+        const i64 ahead = key_tile + kAhead;
+        const int ahead_stage = (step + kAhead) % STAGES;
+        if (ahead < tile_end) {
 #if PAGED
-                ahead_pages.load(k_tiles + ahead_stage * kKTileBytes,
-                                 v_tiles + ahead_stage * kVTileBytes, ahead * BLOCK_K, n_k);
-                ahead_pages.fetch((ahead + 1) * BLOCK_K, n_k);
+            ahead_pages.load(k_tiles + ahead_stage * kKTileBytes,
+                             v_tiles + ahead_stage * kVTileBytes, ahead * BLOCK_K, n_k);
+            ahead_pages.fetch((ahead + 1) * BLOCK_K, n_k);
 #else
-                load_key_tiles(k_tiles + ahead_stage * kKTileBytes,
-                               v_tiles + ahead_stage * kVTileBytes, k_head, v_head,
-                               ahead * BLOCK_K, n_k);
+            load_key_tiles(k_tiles + ahead_stage * kKTileBytes,
+                           v_tiles + ahead_stage * kVTileBytes, k_head, v_head,
+                           ahead * BLOCK_K, n_k);
 #endif
-            }
-            commit_copies();
         }
-        const int stage = step % STAGES;
-        const u32 k_tile = k_tiles + stage * kKTileBytes;
-        const u32 v_tile = v_tiles + stage * kVTileBytes;
-        // A cut tile (key_tile_needs_mask is block-uniform) is scanned for a non-finite V by
-        // every warpgroup, skipping ones included, since the barriers below count all
-        // threads (kept_products.cuh).
-        const bool v_non_finite =
-            kBandMasksKeys && key_tile_needs_mask(scores, row_start, BLOCK_Q, key_tile * BLOCK_K, BLOCK_K) &&
-            __syncthreads_or(shared_tile_has_non_finite<kVTileBytes, kThreads>(v_tile));
-        if (kWarpgroupSkips && (step < wg_first || step >= wg_stop)) {  // per warpgroup
-            if (v_non_finite) {  // the zeroing's barriers, below
-                __syncthreads();
-                zero_non_finite_shared_tile<kVTileBytes, kThreads>(v_tile);
-                fence_shared_for_async_proxy();
-                __syncthreads();
-            }
-            continue;
-        }
-
-        // S = Q K^T over the 16-column slices of Q and K.
-        float s[1][kKeyFrags][4];
-        wgmma_fence();
+        commit_copies();
+    };
+    // A cut tile (key_tile_needs_mask is block-uniform) is scanned for a non-finite V by
+    // every warpgroup, skipping ones included, since the barriers count all threads
+    // (kept_products.cuh).
+    auto has_non_finite_values = [&](i64 key_tile, u32 v_tile) {
+        return kBandMasksKeys &&
+               key_tile_needs_mask(scores, row_start, BLOCK_Q, key_tile * BLOCK_K, BLOCK_K) &&
+               __syncthreads_or(shared_tile_has_non_finite<kVTileBytes, kThreads>(v_tile));
+    };
+    // The zeroing's barriers, which a warpgroup that skips the tile keeps too.
+    auto zero_non_finite_values = [&](u32 v_tile) {
+        __syncthreads();
+        zero_non_finite_shared_tile<kVTileBytes, kThreads>(v_tile);
+        fence_shared_for_async_proxy();
+        __syncthreads();
+    };
+    // S = Q K^T over the 16-column slices of Q and K, issued and committed (not waited for).
+    auto issue_scores = [&](float (&s)[1][kKeyFrags][4], u32 k_tile) {
 #pragma unroll
         for (int kk = 0; kk < kHeadWidth / 16; ++kk)
             wgmma_ss<BLOCK_K>(s[0],
@@ -293,22 +302,28 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                               k_major_descriptor<kHeadWidth>(k_tile + QkSwizzle::slice(kk, BLOCK_K)),
                               kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(s[0]);
-
+    };
+    // Scores -> logits (the mask where the tile needs one) -> unnormalised probabilities,
+    // the running max and sums updated; `rescale` the factor O still has to take.
+    auto probabilities = [&](float (&s)[1][kKeyFrags][4], i64 key_tile,
+                             float (&rescale)[1][2]) {
         const i64 col_start = key_tile * BLOCK_K;
         const bool needs_mask = key_tile_needs_mask(scores, row_start, BLOCK_Q, col_start,
                                                     BLOCK_K);
         scores_to_logits(s, my_rows, col_start, needs_mask,
                          tile_mask<LIMIT_LEFT, LIMIT_RIGHT>(band, row_start, col_start, n_k),
                          scores);
-        online_softmax_step(s, row_max, row_sum, o_acc);
+        softmax_probabilities(s, row_max, row_sum, rescale);
+    };
+    // After O took the factor: dropout, and where V holds inf or NaN on a cut tile the kept
+    // pairs' products with it on CUDA cores, then zeros in its place, made visible to the
+    // tensor cores' (async proxy) reads. The barriers order every warpgroup's reads before
+    // the zeroing and the zeroing before every warpgroup's P V (no wgmma reads V between
+    // them: each waited for its last).
+    auto finish_probabilities = [&](float (&s)[1][kKeyFrags][4], i64 key_tile, u32 v_tile,
+                                    bool v_non_finite) {
+        const i64 col_start = key_tile * BLOCK_K;
         if (DROPOUT) drop_probabilities(s, row_states, col_start + dropout_col0, dropout_threshold);
-
-        // A non-finite V on a cut tile: the kept pairs' products with it on CUDA cores, then
-        // zeros in its place, made visible to the tensor cores' (async proxy) reads. The
-        // barriers order every warpgroup's reads before the zeroing and the zeroing before
-        // every warpgroup's P V (no wgmma reads V between them: each waited for its last).
         if (v_non_finite) {
             // The mask again rather than kept live across the softmax (registers).
             add_kept_non_finite_values<kKeyFrags>(
@@ -319,19 +334,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                     return element_value(
                         load_shared_bits16(v_tile + VSwizzle::element(key, col, BLOCK_K)));
                 });
-            __syncthreads();
-            zero_non_finite_shared_tile<kVTileBytes, kThreads>(v_tile);
-            fence_shared_for_async_proxy();
-            __syncthreads();
+            zero_non_finite_values(v_tile);
         }
-
-        // O += P V: keys 16 kk .. 16 kk + 15 are rows 16 kk .. of the V tile; V's next
-        // column block is BLOCK_K rows further.
-        u32 p[BLOCK_K / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_K / 16; ++kk)
-            pack_a_fragment(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
-        wgmma_fence();
+    };
+    // O += P V, issued and committed: keys 16 kk .. 16 kk + 15 are rows 16 kk .. of the V
+    // tile; V's next column block is BLOCK_K rows further.
+    auto issue_values = [&](const u32 (&p)[BLOCK_K / 16][4], u32 v_tile) {
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk)
             wgmma_rs_transposed_b<kValueWidth>(
@@ -340,9 +348,92 @@ extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM) attention_
                                                  BLOCK_K * VSwizzle::kRowBytes),
                 1);
         wgmma_commit();
+    };
+    auto pack_probabilities = [&](const float (&s)[1][kKeyFrags][4], u32 (&p)[BLOCK_K / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_K / 16; ++kk)
+            pack_a_fragment(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
+    };
+
+#if OVERLAP
+    // One tile's products overlap the next tile's softmax (FlashAttention-3's intra-
+    // warpgroup overlap): step t issues S of tile t and P V of tile t - 1 back to back, waits
+    // for S alone, turns it into probabilities while P V runs, then waits for P V and
+    // rescales O. Tiles t - 1 and t are read at once, so the copies run kAhead = STAGES - 2
+    // tiles ahead into the buffer of tile t - 2.
+    float s[1][kKeyFrags][4];
+    u32 p[BLOCK_K / 16][4];
+    {
+        wait_for_tile();
+        issue_ahead(tile_begin, 0);
+        const u32 k_tile = k_tiles, v_tile = v_tiles;
+        const bool v_non_finite = has_non_finite_values(tile_begin, v_tile);
+        wgmma_fence();
+        issue_scores(s, k_tile);
+        wgmma_wait<0>();
+        wgmma_pin(s[0]);
+        float rescale[1][2];
+        probabilities(s, tile_begin, rescale);  // O is 0: no factor to take
+        finish_probabilities(s, tile_begin, v_tile, v_non_finite);
+    }
+    for (i64 key_tile = tile_begin + 1; key_tile < tile_end; ++key_tile) {
+        const int step = static_cast<int>(key_tile - tile_begin);
+        wait_for_tile();
+        issue_ahead(key_tile, step);
+        const u32 k_tile = k_tiles + (step % STAGES) * kKTileBytes;
+        const u32 v_tile = v_tiles + (step % STAGES) * kVTileBytes;
+        const u32 previous_v = v_tiles + ((step - 1) % STAGES) * kVTileBytes;
+        const bool v_non_finite = has_non_finite_values(key_tile, v_tile);
+        pack_probabilities(s, p);
+        wgmma_fence();
+        issue_scores(s, k_tile);
+        issue_values(p, previous_v);
+        wgmma_wait<1>();  // S (groups complete in order)
+        wgmma_pin(s[0]);
+        float rescale[1][2];
+        probabilities(s, key_tile, rescale);
+        wgmma_wait<0>();  // P V of the previous tile
+        wgmma_pin(o_acc[0]);
+        rescale_output(o_acc, rescale);
+        finish_probabilities(s, key_tile, v_tile, v_non_finite);
+    }
+    pack_probabilities(s, p);
+    wgmma_fence();
+    issue_values(p, v_tiles + ((tile_end - 1 - tile_begin) % STAGES) * kVTileBytes);
+    wgmma_wait<0>();
+    wgmma_pin(o_acc[0]);
+#else
+    for (i64 key_tile = tile_begin; key_tile < tile_end; ++key_tile) {
+        const int step = static_cast<int>(key_tile - tile_begin);
+        wait_for_tile();
+        issue_ahead(key_tile, step);
+        const int stage = step % STAGES;
+        const u32 k_tile = k_tiles + stage * kKTileBytes;
+        const u32 v_tile = v_tiles + stage * kVTileBytes;
+        const bool v_non_finite = has_non_finite_values(key_tile, v_tile);
+        if (kWarpgroupSkips && (step < wg_first || step >= wg_stop)) {  // per warpgroup
+            if (v_non_finite) zero_non_finite_values(v_tile);
+            continue;
+        }
+
+        float s[1][kKeyFrags][4];
+        wgmma_fence();
+        issue_scores(s, k_tile);
+        wgmma_wait<0>();
+        wgmma_pin(s[0]);
+        float rescale[1][2];
+        probabilities(s, key_tile, rescale);
+        rescale_output(o_acc, rescale);
+        finish_probabilities(s, key_tile, v_tile, v_non_finite);
+
+        u32 p[BLOCK_K / 16][4];
+        pack_probabilities(s, p);
+        wgmma_fence();
+        issue_values(p, v_tile);
         wgmma_wait<0>();
         wgmma_pin(o_acc[0]);
     }
+#endif
 
     store_output_rows<VALUE_DIM>(o_acc, row_max, row_sum, my_rows,
                                  output_rows<VALUE_DIM>(o, owned, n_q_total, {o_sb, o_sh, o_sn}),

@@ -149,6 +149,8 @@ def forward_wgmma(q, k, v, o, lse, options: AttentionOptions, tiles: WgmmaTiles,
                ("IS_BFLOAT16", int(dtype_name(q.dtype) == "bfloat16")), ("STAGES", tiles.stages))
     if sequences is not None and sequences.pages_hold_tiles(tiles.block_k):
         defines += (("PAGES_HOLD_TILES", 1),)  # a key tile's copies from one table entry
+    if tiles.overlap:
+        defines += (("OVERLAP", 1),)
     return _forward_on_tensor_cores(WGMMA_SOURCE, "attention_forward_wgmma", defines, 16, "90a",
                                     q, k, v, o, lse, options, tiles, sequences, splits)
 

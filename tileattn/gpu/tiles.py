@@ -148,12 +148,15 @@ class When:
 @dataclass(frozen=True)
 class WgmmaTiles:
     """The Hopper forward: `block_q` query rows (64 per warpgroup), `block_k` keys per step,
-    `stages` K/V buffers in flight, registers capped for `blocks_per_sm` resident blocks."""
+    `stages` K/V buffers in flight, registers capped for `blocks_per_sm` resident blocks;
+    `overlap`: each tile's softmax runs while the previous tile's P V does (OVERLAP in
+    attention_wgmma_forward.cu; three stages at least)."""
 
     block_q: int
     block_k: int
     stages: int
     blocks_per_sm: int = 1
+    overlap: bool = False
 
     @property
     def threads(self) -> int:
