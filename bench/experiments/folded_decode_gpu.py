@@ -79,9 +79,9 @@ def prefill_variant(q, k, v, text: str, splits: str, expected, group):
     o_heads = o.reshape(q.shape[:3] + (v.shape[3],))
     assert_attention_close(_as_float64(o_heads[0, :group]).get(), expected, q.dtype,
                            name=text)
-    tiles_text = choice.tiles
-    label = (f"fold {tiles_text.block_q}x{tiles_text.block_k}x{tiles_text.stages}/"
-             f"{tiles_text.blocks_per_sm}{'o' if tiles_text.overlap else ''}@{choice.key_splits}"
+    config = choice.tiles
+    label = (f"fold {config.block_q}x{config.block_k}x{config.stages}/"
+             f"{config.blocks_per_sm}{'o' if config.overlap else ''}@{choice.key_splits}"
              f"{' (table)' if text == 'table' else ''}{' auto' if splits == 'auto' else ''}")
     return label, lambda: launch(qf, k, v, o, lse)
 
