@@ -112,6 +112,17 @@ def test_float64_kernels_under_emulation():
     assert output.count("ok backward float64") == 10, output
 
 
+def test_folded_gqa_decodes_through_the_launcher_under_emulation():
+    """GQA decodes of 64 packed rows at D <= 256 folded onto the wgmma forward
+    (bench/experiments/emulate_mma_cpu.py --fold-decode, tiles.FOLD_DECODE_ENABLED forced
+    on): one causal query row over the keys it keeps, several unmasked rows at once, first
+    and cached calls, the kernels emulated; "bshd" arrays with several rows decline the
+    fold (their heads' rows are not consecutive)."""
+    output = _emulation("--fold-decode")
+    assert output.count("ok launcher") == 12, output
+    assert output.count("declines the fold") == 4, output
+
+
 def test_float64_key_shares_through_the_launcher_under_emulation():
     """float64's forward over few query tiles through `launch_forward.forward` (dispatch's
     key shares, double partials, split_keys_merge.cu in double) on a CuPy stand-in whose

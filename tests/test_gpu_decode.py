@@ -614,6 +614,47 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows(dims, dtype, group, opt
         assert len(folded) == 1 and _PLANS[folded.pop()].launches[0] is not None
 
 
+FOLD_DECODE_CASES = [((128, 128), "float16", 64, 1, {"causal": True}),
+                     ((64, 64), "bfloat16", 8, 8, {}),
+                     ((256, 256), "float16", 8, 8, {"softcap": 20.0}),
+                     ((96, 80), "float16", 16, 4, {})]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize(("dims", "dtype", "group", "n_q", "options"), FOLD_DECODE_CASES,
+                         ids=lambda c: str(c).replace(" ", ""))
+def test_many_packed_rows_fold_onto_the_wgmma_prefill(dims, dtype, group, n_q, options,
+                                                       layout, monkeypatch):
+    """A GQA decode of 64 packed rows at D <= 256 (tiles.FOLD_DECODE_ENABLED and the fold
+    threshold forced here) runs the wgmma prefill on its group x Nq rows as rows of one head:
+    one causal row over the keys it keeps (NaN and inf past them), several unmasked rows in
+    one fold ("bshd" arrays decline it and decode), into the caller's NaN-filled buffers,
+    first call and cached."""
+    from tileattn.gpu.operands import _PLANS
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the fold runs the wgmma prefill (sm_90)")
+    monkeypatch.setattr(gpu_tiles, "FOLD_MIN_WAVE", 0.0)
+    monkeypatch.setattr(gpu_tiles, "FOLD_DECODE_ENABLED", True)
+    dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    if dtype is None:
+        pytest.skip("no bfloat16 type")
+    head_dim, value_dim = dims
+    batch, n_kv_heads, n_k = 2, 2, 1500
+    q, k, v = _inputs(batch, n_kv_heads * group, n_kv_heads, n_q, n_k, head_dim, value_dim,
+                      dtype, seed=head_dim + group)
+    expected_o, expected_lse = _golden(q, k, v, **options)
+    planned = {key for key in _PLANS if key[0] == "folded group"}
+    for call, o, lse in _calls_into_nan_buffers((q, k, v), dtype, layout, options):
+        assert_attention_close(o, expected_o, dtype, name=f"o ({call} call)")
+        assert_attention_close(lse, expected_lse, dtype, name=f"lse ({call} call)")
+    folded = {key for key in _PLANS if key[0] == "folded group"} - planned
+    if layout == "bshd" and n_q > 1:
+        assert not folded, folded
+    else:
+        assert len(folded) == 1 and _PLANS[folded.pop()].launches[0] is not None
+
+
 def test_small_wide_gqa_decodes_stay_on_the_decode_kernel():
     """One sequence's wide decode fills a tenth of the device folded: its fold is declined
     (and the decision cached), the CUDA-core decode kernel runs it, and describe agrees."""

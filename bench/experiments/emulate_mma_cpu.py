@@ -13,12 +13,14 @@ single pass runs in arrival order, in turns (ORDERED) and into a slot per key bl
 
     python3 bench/experiments/emulate_mma_cpu.py [--quick | --decode | --backward |
                                                   --single-pass [--quick] | --launcher |
-                                                  --f64-shares | --tf32 | --f64 | --wgmma]
+                                                  --f64-shares | --fold-decode | --tf32 |
+                                                  --f64 | --wgmma]
 
-`--launcher` runs only the wide decode's fold, and float64's forward with key shares, through
-the Python launch path (`launch_forward.forward` on a CuPy stand-in) with the mma.sync or
-float64 forward and split_keys_merge.cu emulated, called with the launcher's own arguments;
-`--f64-shares` only the latter.
+`--launcher` runs only the GQA decodes that fold (wide ones on the mma.sync forward, many
+packed rows at D <= 256 on the wgmma forward) and float64's forward with key shares, through
+the Python launch path (`launch_forward.forward` on a CuPy stand-in) with those forwards
+and split_keys_merge.cu emulated, called with the launcher's own arguments; `--f64-shares`
+only the last, `--fold-decode` only the folds at D <= 256.
 
 Needs g++ 12+. Each block runs as its threads (std::threads meeting at barriers); a warp's
 ldmatrix and mma.sync exchange the lanes' addresses and fragments through a per-thread
@@ -1383,10 +1385,12 @@ class _EmulatedKernel:
 
     def __init__(self, source_name: str, entry: str, defines: tuple):
         given = dict(defines)
-        if source_name == "attention_mma_forward.cu":
+        if source_name in ("attention_mma_forward.cu", "attention_wgmma_forward.cu"):
             given.update(STORAGE=STORAGE["bfloat16" if given.get("IS_BFLOAT16") else "float16"],
                          ACCUM="float", DEFERRED_COPIES=1)
-            runner = FORWARD_LAUNCHER
+            runner = (FORWARD_LAUNCHER if source_name == "attention_mma_forward.cu"
+                      else FORWARD_LAUNCHER.replace("attention_forward_mma",
+                                                    "attention_forward_wgmma"))
         elif source_name == "attention_tf32_forward.cu":  # float64's, IS_FLOAT64
             given.update(STORAGE="double", ACCUM="double", DEFERRED_COPIES=1, IS_BFLOAT16=0)
             runner = F64_FORWARD_LAUNCHER
@@ -1411,6 +1415,16 @@ FOLD_CASES = [
 ]
 
 
+# GQA decodes of many packed rows at the tensor-core head dims that fold onto the wgmma
+# prefill (tiles.FOLD_DECODE_ENABLED, forced on here): one causal query row, and several
+# unmasked ones folded at once; (B, Hq, Hkv, Nq, Nk, D, Dv), options.
+FOLD_DECODE_CASES = [
+    ((2, 64, 1, 1, 300, 64, 64), {"causal": True}),
+    ((1, 16, 2, 8, 200, 128, 128), {"softcap": 20.0}),
+    ((1, 8, 1, 8, 150, 48, 40), {}),
+]
+
+
 # float64's forward over few query tiles (launch_forward.forward: the f64 family with key
 # shares into double partials, merged by split_keys_merge.cu in double): (B, Hq, Hkv, Nq,
 # Nk, D, Dv), options.
@@ -1421,14 +1435,16 @@ F64_SHARE_CASES = [
 ]
 
 
-def launcher_mode(folds: bool = True) -> int:
-    """The wide decode's fold through the Python launch path (`launch_forward.forward`:
+def launcher_mode(fold_cases=(), f64_shares: bool = True) -> int:
+    """`fold_cases`' folds through the Python launch path (`launch_forward.forward`:
     dispatch, the fold's views, value slices, key shares and their merge, the launch cache)
-    on a CuPy stand-in whose kernels are this emulation of attention_mma_forward.cu and
-    split_keys_merge.cu, called with the launcher's own argument tuples; its fold threshold
-    forced to 0 (small grids), "bhsd" and "bshd", first and cached calls, against the golden
-    model. Several causal query rows put a NaN key and an infinite value at the last key,
-    which only the last row keeps and no other row may see."""
+    on a CuPy stand-in whose kernels are this emulation of attention_mma_forward.cu,
+    attention_wgmma_forward.cu and split_keys_merge.cu, called with the launcher's own
+    argument tuples; the fold threshold forced to 0 (small grids) and the folds at D <= 256
+    on (tiles.FOLD_DECODE_ENABLED), "bhsd" and "bshd", first and cached calls, against the
+    golden model; then, with `f64_shares`, float64's key shares. Several causal query rows
+    put a NaN key and an infinite value at the last key, which only the last row keeps and
+    no other row may see."""
     standin = _install_cupy_standin()
     from tileattn.gpu import _compile, launch_forward, operands, tiles
     from tileattn.validation import validate
@@ -1437,8 +1453,8 @@ def launcher_mode(folds: bool = True) -> int:
     tiles.FOLD_MIN_WAVE = 0.0
 
     def kernel(source_name, entry, defines, shared_bytes=0, arch=None):
-        assert source_name in ("attention_mma_forward.cu", "attention_tf32_forward.cu",
-                               "split_keys_merge.cu"), source_name
+        assert source_name in ("attention_mma_forward.cu", "attention_wgmma_forward.cu",
+                               "attention_tf32_forward.cu", "split_keys_merge.cu"), source_name
         return _EmulatedKernel(source_name, entry, defines)
 
     _compile.kernel = kernel
@@ -1446,10 +1462,12 @@ def launcher_mode(folds: bool = True) -> int:
     failures = 0
     defaults = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
                     dropout_p=0.0, seed=None, block_q=None, block_k=None, deterministic=True)
-    for (batch, hq, hkv, nq, nk, d, dv), options in FOLD_CASES if folds else ():
+    tiles.FOLD_DECODE_ENABLED = True
+    for (batch, hq, hkv, nq, nk, d, dv), options in fold_cases:
         q, k, v = (rng.standard_normal(s).astype(np.float32).astype(np.float16)
                    for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
-        poisoned = nq > 1 and options.get("window", (0, 0))[1] == 0
+        poisoned = nq > 1 and (options.get("causal", False)
+                               or options.get("window", (None, None))[1] == 0)
         if poisoned:
             k[:, :, -1] = np.nan
             v[:, :, -1] = np.inf
@@ -1466,6 +1484,15 @@ def launcher_mode(folds: bool = True) -> int:
                 out = standin.empty((batch, nq, hq, dv), np.float16).swapaxes(1, 2)
             resolved = validate(*arrays, **{**defaults, **options}).options
             label = f"launcher {call} {layout} q{q.shape} k{k.shape} v{v.shape} {options}"
+            if layout == "bshd" and nq > 1 and max(d, dv) <= tiles.MAX_TENSOR_CORE_DIM:
+                # Several rows fold only where each head's rows follow one another: a
+                # "bshd" call declines the fold (and decodes, not emulated here).
+                declined = launch_forward._fold_every_row(*arrays, out, standin.empty(
+                    (batch, hq, nq), np.float32), resolved) is None
+                print(f"{'ok' if declined else 'FAILED'} {label}: declines the fold",
+                      flush=True)
+                failures += not declined
+                continue
             try:
                 o, lse = launch_forward.forward(*arrays, resolved, out=out)
                 assert_attention_close(np.asarray(o)[:, :, kept], golden_o[:, :, kept],
@@ -1476,7 +1503,7 @@ def launcher_mode(folds: bool = True) -> int:
             except AssertionError as error:
                 print(f"FAILED {label}: {error}")
                 failures += 1
-    for (batch, hq, hkv, nq, nk, d, dv), options in F64_SHARE_CASES:
+    for (batch, hq, hkv, nq, nk, d, dv), options in F64_SHARE_CASES if f64_shares else ():
         q, k, v = (rng.standard_normal(s) for s in ((batch, hq, nq, d), (batch, hkv, nk, d),
                                                     (batch, hkv, nk, dv)))
         golden_o, golden_lse = tileattn.forward(q, k, v, backend="reference", return_lse=True,
@@ -1522,12 +1549,18 @@ def main() -> int:
     parser.add_argument("--backward", action="store_true", help="the backward cases only")
     parser.add_argument("--single-pass", action="store_true",
                         help="the single pass's backward cases only")
+    parser.add_argument("--fold-decode", action="store_true",
+                        help="the launcher mode's folded GQA decodes at D <= 256 only (on "
+                             "the wgmma forward)")
     parser.add_argument("--launcher", action="store_true",
                         help="only the wide decode's fold through tileattn/gpu/launch_forward "
                              "on a CuPy stand-in")
     args = parser.parse_args()
-    if args.launcher or args.f64_shares:
-        failures = launcher_mode(folds=not args.f64_shares)
+    if args.launcher or args.f64_shares or args.fold_decode:
+        failures = launcher_mode(
+            FOLD_CASES + FOLD_DECODE_CASES if args.launcher
+            else FOLD_DECODE_CASES if args.fold_decode else (),
+            f64_shares=not args.fold_decode)
         print("all passed" if not failures else f"{failures} failed")
         return failures
     rng = np.random.default_rng(0)

@@ -1,5 +1,6 @@
-"""The wide GQA decode's fold (tileattn/gpu/launch_forward.py: `_forward_folded_rows`) on a
-stand-in for CuPy, no GPU: dispatch, the views of q, o and lse as rows of one head, each
+"""The GQA decodes' folds (tileattn/gpu/launch_forward.py: `_forward_folded_rows`; wide heads,
+and many packed rows at D <= 256 with tiles.FOLD_DECODE_ENABLED forced on) on a stand-in for
+CuPy, no GPU: dispatch, the views of q, o and lse as rows of one head, each
 query row's keys, the value slices and the launch cache run as on a GPU; the launches of the
 folded problems run the float64 golden model instead of a kernel, and check the contract
 the kernels have with their launcher on the way: no mask left (the keys are cut), rows of
@@ -37,6 +38,10 @@ CASES = [
     ((1, 64, 1, 3, 200, 288, 320), {"window": (50, 0)}),
     ((1, 128, 1, 4, 100, 576, 512), {"window": (20, 1)}),
     ((1, 64, 1, 2, 150, 264, 64), {"causal": True, "window": (1000, 0)}),
+    # many packed rows at D <= 256 (tiles.FOLD_DECODE_ENABLED, forced on): one causal row,
+    # several unmasked rows at once ("bshd" declines the fold and decodes)
+    ((2, 64, 1, 1, 300, 128, 128), {"causal": True}),
+    ((1, 16, 2, 8, 200, 64, 80), {"softcap": 20.0}),
 ]
 
 DEFAULTS = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
@@ -68,12 +73,14 @@ def main() -> int:
 
     launch_forward._run = golden_launch
     tiles.FOLD_MIN_WAVE = 0.0  # small grids fold too (every launch here must be a fold)
+    tiles.FOLD_DECODE_ENABLED = True
     rng = np.random.default_rng(0)
     failures = 0
     for (batch, hq, hkv, nq, nk, d, dv), options in CASES:
         q, k, v = (rng.standard_normal(s).astype(np.float16)
                    for s in ((batch, hq, nq, d), (batch, hkv, nk, d), (batch, hkv, nk, dv)))
-        poisoned = nq > 1 and options.get("window", (0, 0))[1] == 0
+        poisoned = nq > 1 and (options.get("causal", False)
+                               or options.get("window", (None, None))[1] == 0)
         if poisoned:  # the last key: the last row's alone
             k[:, :, -1] = np.nan
             v[:, :, -1] = np.inf

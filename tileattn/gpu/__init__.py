@@ -192,16 +192,24 @@ def _forward_run(q, k, v, options: AttentionOptions) -> _ForwardRun:
 
 
 def _folds(q, k, v, options: AttentionOptions):
-    """Each query row's ``(kept keys, choice)`` where `launch_forward.forward` folds a wide
-    GQA decode (`_forward_folded_rows`: one fold a row, over the keys that row keeps, or none
-    at all where a row keeps no key or declines its fold), else None."""
+    """Each query row's ``(kept keys, choice)`` where `launch_forward.forward` folds a GQA
+    decode (`_forward_folded_rows`: one fold a row, over the keys that row keeps, or none
+    at all where a row keeps no key or declines its fold; unmasked rows at the tensor-core
+    head dims in one fold), else None."""
     from .launch_forward import choose, fold_choice, fold_rows, may_fold, unmasked
+    from .tiles import MAX_TENSOR_CORE_DIM
 
     if not may_fold(q, k, v, options):
         return None
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     decodes = choose(q, k, v, options).family == "decode"
+    if n_q > 1 and max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM:
+        # Unmasked rows at the tensor-core head dims fold at once (a "bhsd" call's).
+        folded_q = _Shaped((batch, kv_heads, heads // kv_heads * n_q, head_dim), q.dtype,
+                           q.device.id)
+        choice = fold_choice(folded_q, k, value_dim, unmasked(options), decodes)
+        return None if choice is None else ((n_k, choice),)
     folded_q = _Shaped((batch, kv_heads, heads // kv_heads, head_dim), q.dtype, q.device.id)
     folds = []
     for alone, low, high in fold_rows(options, n_q, n_k):

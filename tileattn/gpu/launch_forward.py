@@ -17,10 +17,12 @@ from .operands import (STORAGE, Launch, Switches, accumulation_dtype, alibi_slop
                        element_strides, forward_plan_key, output_strides, problem_for, remember,
                        score_arguments, shared_memory_limit, sm_count, strided_out_defines,
                        tensor_core_operands)
+from . import tiles as tile_tables
 from .tiles import (FOLD_MAX_QUERY_ROWS, MAX_TENSOR_CORE_DIM, Choice, F64Tiles, MmaTiles,
                     Tf32Tiles, Tf32WgmmaTiles, WgmmaTiles, Widths, choose_decode, choose_forward,
-                    cuts_key_shares, fold_value_slices, folded_choice, folds_group_rows,
-                    forward_resident_blocks, key_shares, with_key_splits, within_pages)
+                    cuts_key_shares, fold_value_slices, folded_choice, folds_decode_rows,
+                    folds_group_rows, forward_resident_blocks, key_shares, with_key_splits,
+                    within_pages)
 from .varlen import Sequences, tile_grid
 from .workspace import partials
 
@@ -393,13 +395,26 @@ def folds_group(dtype, head_dim: int, value_dim: int, n_q: int, group: int,
 
 
 def may_fold(q, k, v, options: AttentionOptions) -> bool:
-    """Whether a dense forward of these shapes is a wide GQA decode that folds its group
-    into query rows (`tiles.folds_group_rows`), where each row's fold still has to take it
+    """Whether a dense forward of these shapes is a GQA decode that folds its group into
+    query rows: a wide one (`tiles.folds_group_rows`) or one of many packed rows at the
+    tensor-core head dims (`folds_decode`), where the fold still has to take it
     (`fold_choice`)."""
     n_q, head_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
-    return (n_q <= FOLD_MAX_QUERY_ROWS and max(head_dim, value_dim) > MAX_TENSOR_CORE_DIM
+    if max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM:
+        return tile_tables.FOLD_DECODE_ENABLED and folds_decode(q, k, v, options)
+    return (n_q <= FOLD_MAX_QUERY_ROWS
             and folds_group(q.dtype, head_dim, value_dim, n_q, q.shape[1] // k.shape[1],
                             options))
+
+
+def folds_decode(q, k, v, options: AttentionOptions) -> bool:
+    """`tiles.folds_decode_rows` for a forward with these arrays and options."""
+    masked = options.causal or options.window_left != UNLIMITED \
+        or options.window_right != UNLIMITED
+    return folds_decode_rows(dtype_name(q.dtype), q.shape[3], v.shape[3], q.shape[2],
+                             q.shape[1] // k.shape[1], masked,
+                             options.alibi_slopes is not None or options.dropout_p > 0,
+                             options.block_q is not None or options.block_k is not None)
 
 
 def fold_rows(options: AttentionOptions, n_q: int, n_k: int) -> list:
@@ -439,6 +454,10 @@ def _forward_folded_rows(q, k, v, o, lse, options: AttentionOptions) -> bool:
     every row."""
     n_q, n_k = q.shape[2], k.shape[2]
     unfolded = (q, k, v, options)
+    if n_q > 1 and max(q.shape[3], v.shape[3]) <= MAX_TENSOR_CORE_DIM:
+        # Every row keeps every key (`folds_decode_rows`): all of them in one fold.
+        folded = _fold_every_row(q, k, v, o, lse, options)
+        return folded is not None and _forward_folded(*folded, unfolded=unfolded)
     rows = fold_rows(options, n_q, n_k)
     if n_q == 1:
         folded = _fold_group(q, k, v, o, lse, *rows[0])
@@ -481,6 +500,29 @@ def _fold_group(q, k, v, o, lse, options: AttentionOptions, low: int, high: int)
     return (rows_of_heads(q, (batch, n_kv_heads, group, head_dim)), k[:, :, low:high],
             v[:, :, low:high], rows_of_heads(o, (batch, n_kv_heads, group, value_dim)),
             rows_of_heads(lse, (batch, n_kv_heads, group)), unmasked(options))
+
+
+def _fold_every_row(q, k, v, o, lse, options: AttentionOptions):
+    """``(q, k, v, o, lse, options)`` of an unmasked GQA decode folded into query rows: each
+    K/V head's group x Nq rows as the rows of one head, (B, Hkv, group * Nq, ...) views of
+    the same memory; None where an array's heads do not hold their rows one after another
+    (a "bshd" call's), which such a view needs."""
+    batch, n_q_heads, n_q, head_dim = q.shape
+    n_kv_heads, value_dim = k.shape[1], v.shape[3]
+    group = n_q_heads // n_kv_heads
+    if any(array.strides[1] != n_q * array.strides[2] for array in (q, o, lse)):
+        return None
+
+    from cupy.lib.stride_tricks import as_strided
+
+    def rows_of_heads(array, shape):  # (B, Hq, Nq, ...) -> (B, Hkv, group * Nq, ...)
+        strides = array.strides
+        return as_strided(array, shape, (strides[0], group * strides[1], strides[2])
+                          + strides[3:])
+
+    return (rows_of_heads(q, (batch, n_kv_heads, group * n_q, head_dim)), k, v,
+            rows_of_heads(o, (batch, n_kv_heads, group * n_q, value_dim)),
+            rows_of_heads(lse, (batch, n_kv_heads, group * n_q)), unmasked(options))
 
 
 def _forward_folded(q, k, v, o, lse, options: AttentionOptions, unfolded: tuple) -> bool:

@@ -1610,12 +1610,53 @@ def folds_group_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group:
             and MAX_TENSOR_CORE_DIM < max(head_dim, value_dim) <= MAX_WIDE_DIM)
 
 
+# GQA decodes of many packed rows at the tensor-core head dims fold too: 64 packed rows
+# (MQA with Nq 8, a group of 64 query heads) decode on mma.sync m16 tiles at 0.60-0.83 of
+# copy bandwidth, bound by their products (bench/NOTES-gpu.md v55). Folded into the rows of
+# one head they run on the wgmma prefill's 64-row tiles, K and V still read once per K/V
+# head: a query row alone over the keys it keeps (any mask, as above), or every query row at
+# once where no mask cuts the keys (the view needs each head's rows to follow one another,
+# as a "bhsd" array's do). H200, kernels alone, no overlap (NOTES-gpu v56): 8-17 % faster
+# at B 8 over 32k-128k keys at D 64 and 256, slower where the folded grid fills less of a
+# wave than the decode's (B 1 over 256k keys) and at D 128 over 128k. Off until the
+# overlapped schedule's tiles are measured on the device (FOLD_DECODE_TILES: the v56
+# sweep's best plain tiles).
+FOLD_DECODE_ENABLED = False
+FOLD_DECODE_MIN_ROWS = 64
+FOLD_DECODE_MAX_QUERY_ROWS = 16
+FOLD_DECODE_TILES = ((64, WgmmaTiles(64, 128, 2, 2)), (128, WgmmaTiles(64, 128, 2, 1)),
+                     (256, WgmmaTiles(64, 32, 2, 2)))  # (widest padded head dim, tiles)
+
+
+def folds_decode_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group: int,
+                      masked: bool, per_row_options: bool, named_blocks: bool) -> bool:
+    """Whether a forward of this shape is a GQA decode at the tensor-core head dims whose
+    packed rows fold into the rows of one head (FOLD_DECODE_ENABLED); several query rows
+    fold only where no mask cuts their keys (`masked`: causal or a window)."""
+    return (FOLD_DECODE_ENABLED and group > 1 and dtype in ("float16", "bfloat16")
+            and FOLD_DECODE_MIN_ROWS <= group * n_q and n_q <= FOLD_DECODE_MAX_QUERY_ROWS
+            and (n_q == 1 or not masked) and not per_row_options and not named_blocks
+            and max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM)
+
+
+def _fold_decode_tiles(problem: Problem) -> WgmmaTiles:
+    widest = max(padded(problem.head_dim, 16), padded(problem.value_dim, 16))
+    return next(tiles for width, tiles in FOLD_DECODE_TILES if widest <= width)
+
+
 def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice | None:
     """The tensor-core prefill's choice for a folded decode (`problem` and `shape` those of
     the folded problem: `group` rows in each of B x Hkv heads, no mask), or None where it
     is no tensor-core family, or where the unfolded problem `decodes` (takes the decode
-    kernel) and the folded grid, key shares included, fills under FOLD_MIN_WAVE of a wave."""
-    choice = with_key_splits(choose_forward(problem), shape, FOLD_MAX_SPLITS)
+    kernel) and the folded grid, key shares included, fills under FOLD_MIN_WAVE of a wave.
+    Head dims the tensor-core decode serves take FOLD_DECODE_TILES on sm_90."""
+    if max(problem.head_dim, problem.value_dim) <= MAX_TENSOR_CORE_DIM:
+        if problem.capability < 90:
+            return None
+        choice = with_key_splits(Choice("wgmma", _fold_decode_tiles(problem),
+                                        "FOLD_DECODE_TILES"), shape, FOLD_MAX_SPLITS)
+    else:
+        choice = with_key_splits(choose_forward(problem), shape, FOLD_MAX_SPLITS)
     if choice.family not in ("wgmma", "mma"):
         return None
     tiles = choice.tiles
