@@ -90,14 +90,16 @@ def test_float32_forwards_under_emulation():
 def test_16_bit_hopper_kernels_under_emulation():
     """The 16-bit forward and backward on wgmma (bench/experiments/emulate_mma_cpu.py
     --wgmma): one to three warpgroups, two and three stages, 32-, 64- and 128-byte swizzles,
-    Dv != D, every score option, GQA, a band, the forward's overlapped schedule (OVERLAP:
-    its tile order and buffers; the emulation computes each wgmma at issue, so only the
-    GPU tests its asynchrony), dK and dV in one launch and in two, outputs contiguous and in
-    (B, N, H, D); the emulation reads the descriptors (K-major and MN-major operands) and
-    the register A operand as the hardware does."""
+    Dv != D, every score option, GQA, a band, the forward's overlapped schedule (OVERLAP),
+    dK and dV in one launch and in two, outputs contiguous and in (B, N, H, D). The
+    emulation reads the descriptors (K-major and MN-major operands) and the register A
+    operand as the hardware does, and runs each wgmma group only at its wait (an
+    accumulator touched or an operand overwritten before it shows), the forward with
+    cp.async copies landing at their wait and again at issue (a buffer refilled under a
+    pending product shows)."""
     output = _emulation("--wgmma")
-    assert output.count("ok wgmma ") == 18, output
-    assert output.count("overlap=True") == 8, output
+    assert output.count("ok wgmma ") == 40, output  # copies landing at the wait and at issue
+    assert output.count("overlap=True") == 20, output
     assert output.count("ok backward ") == 6, output
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import itertools
 import os
 import re
@@ -239,6 +240,27 @@ inline float wgmma_operand16_mn(u64 descriptor, int k, int n) {
     return shared_half(start + (n / columns) * leading + (k / 8) * stride + (k % 8) * row_bytes +
                            (n % columns) * 2, row_bytes);
 }
+// The 16-bit wgmma runs asynchronously here as on the GPU: an issue queues its product
+// (`wgmma_deferred`), a commit closes the thread's group, and wgmma_wait<N> computes every
+// group but the newest N, reading the operands (shared memory, A registers) and writing the
+// accumulators only then. A kernel that touches an accumulator, or overwrites an operand,
+// between an issue and its wait therefore computes something else than the golden model.
+#include <functional>
+thread_local std::vector<std::function<void()>> g_wgmma_open;
+thread_local std::vector<std::vector<std::function<void()>>> g_wgmma_groups;
+inline void wgmma_deferred(std::function<void()> product) {
+    g_wgmma_open.push_back(std::move(product));
+}
+inline void wgmma_commit_emulated() {
+    g_wgmma_groups.push_back(std::move(g_wgmma_open));
+    g_wgmma_open.clear();
+}
+inline void wgmma_wait_emulated(int pending) {
+    while (static_cast<int>(g_wgmma_groups.size()) > pending) {
+        for (auto& product : g_wgmma_groups.front()) product();
+        g_wgmma_groups.erase(g_wgmma_groups.begin());
+    }
+}
 // d (64 x N per warpgroup, each warp's 16 rows in the m16n8 accumulator layout) = A B
 // (+ d when `accumulate`) over K = 16; A(row, k) from a(row, k), B(k, n) from b(k, n).
 template <int Frags, class AOf, class BOf>
@@ -299,6 +321,9 @@ inline void mma_emulated(float* c, const u32* a, u32 b0, u32 b1) {
 # Whole helper functions of the shared headers replaced by their meaning: (the start of the
 # definition, the new body). The definition's braces are matched to find its end.
 FUNCTIONS = [
+    ("__device__ __forceinline__ void wgmma_commit() {", "{ wgmma_commit_emulated(); }"),
+    ("template <int Pending> __device__ __forceinline__ void wgmma_wait() {",
+     "{ wgmma_wait_emulated(Pending); }"),
     ("__device__ __forceinline__ void wait_for_turn(const int* turn, int rank) {",
      "{ if (threadIdx.x == 0)\n"
      "      while (__atomic_load_n(turn, __ATOMIC_ACQUIRE) != rank) std::this_thread::yield();\n"
@@ -362,19 +387,21 @@ MORE_PATCHES = [
     (r"template <int N>\s*__device__ __forceinline__ void wgmma_ss\(float \(&d\)\[N / 8\]\[4\], "
      r"u64 a, u64 b, int accumulate\);",
      "template <int N> inline void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) "
-     "{ wgmma16_emulated(d, [&](int row, int k) { return wgmma_operand16(a, row, k); }, "
-     "[&](int k, int n) { return wgmma_operand16(b, n, k); }, accumulate); }"),
+     "{ wgmma_deferred([&d, a, b, accumulate] { wgmma16_emulated(d, [&](int row, int k) { "
+     "return wgmma_operand16(a, row, k); }, [&](int k, int n) { return wgmma_operand16(b, n, k); "
+     "}, accumulate); }); }"),
     (r"template <int N>\s*__device__ __forceinline__ void wgmma_ss_transposed\(float \(&d\)"
      r"\[N / 8\]\[4\], u64 a, u64 b,\s*int accumulate\);",
      "template <int N> inline void wgmma_ss_transposed(float (&d)[N / 8][4], u64 a, u64 b, "
-     "int accumulate) { wgmma16_emulated(d, [&](int row, int k) { return "
-     "wgmma_operand16_mn(a, k, row); }, [&](int k, int n) { return wgmma_operand16_mn(b, k, n); "
-     "}, accumulate); }"),
+     "int accumulate) { wgmma_deferred([&d, a, b, accumulate] { wgmma16_emulated(d, "
+     "[&](int row, int k) { return wgmma_operand16_mn(a, k, row); }, [&](int k, int n) { "
+     "return wgmma_operand16_mn(b, k, n); }, accumulate); }); }"),
     (r"template <int N>\s*__device__ __forceinline__ void wgmma_rs_transposed_b\(float \(&d\)"
      r"\[N / 8\]\[4\], const u32 \(&a\)\[4\],\s*u64 b, int accumulate\);",
      "template <int N> inline void wgmma_rs_transposed_b(float (&d)[N / 8][4], "
-     "const u32 (&a)[4], u64 b, int accumulate) { wgmma16_rs_emulated(d, a, [&](int k, int n) "
-     "{ return wgmma_operand16_mn(b, k, n); }, accumulate); }"),
+     "const u32 (&a)[4], u64 b, int accumulate) { wgmma_deferred([&d, &a, b, accumulate] { "
+     "wgmma16_rs_emulated(d, a, [&](int k, int n) { return wgmma_operand16_mn(b, k, n); }, "
+     "accumulate); }); }"),
     (r"WGMMA_FOR_EACH_N\(WGMMA_SHAPE\)", ""),
     (r"extern __shared__ __align__\(\d+\) (bits16|element) shared_tiles\[\];",
      r"\1* shared_tiles = reinterpret_cast<\1*>(g_shared);"),
@@ -1152,8 +1179,12 @@ def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: b
 WGMMA_RUNNER = RUNNER.replace("attention_forward_mma(", "attention_forward_wgmma(")
 
 
-def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool, **kwargs):
-    """o and lse of attention_forward_wgmma (float16 / bfloat16 on wgmma) for host arrays."""
+def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool,
+                  copies_at_issue: bool = False, **kwargs):
+    """o and lse of attention_forward_wgmma (float16 / bfloat16 on wgmma) for host arrays;
+    cp.async copies land when their wait retires them, or with `copies_at_issue` at once
+    (the latest and the earliest a GPU may land them: a tile read before its wait, or a
+    buffer refilled while a deferred wgmma still has to read it, then gives NaN)."""
     options = resolved(q, k, v, **kwargs)
     batch, n_q_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -1162,7 +1193,8 @@ def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool, **kwargs):
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
                    BLOCK_Q=tiles.block_q, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
                    BLOCKS_PER_SM=tiles.blocks_per_sm, OVERLAP=int(tiles.overlap),
-                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"), DEFERRED_COPIES=1,
+                   IS_BFLOAT16=int(q.dtype.name == "bfloat16"),
+                   DEFERRED_COPIES=int(not copies_at_issue),
                    STRIDED_OUT=int(sequence_first_o), **switches)
     lib = library(defines, "attention_wgmma_forward.cu", WGMMA_RUNNER)
     o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
@@ -1273,8 +1305,10 @@ WGMMA_CASES = [
     ("float16", (2, 2, 2, 40, 70, 48, 40), {"window": (20, 3)}, WgmmaTiles(64, 32, 2)),
     ("float16", (1, 2, 1, 70, 90, 80, 80), {}, WgmmaTiles(192, 64, 2)),
     ("float16", (1, 2, 2, 130, 130, 32, 32), {"causal": True}, WgmmaTiles(128, 128, 2, 2)),
-    # The overlapped schedule (OVERLAP): one tile, a band, every option, two warpgroups.
+    # The overlapped schedule (OVERLAP): one tile, many, a band, every option, two
+    # warpgroups; copies landing at issue catch a buffer refilled under a pending P V.
     ("float16", (1, 2, 1, 64, 40, 64, 64), {}, WgmmaTiles(64, 64, 3, overlap=True)),
+    ("float16", (1, 2, 1, 64, 300, 64, 64), {}, WgmmaTiles(64, 64, 3, overlap=True)),
     ("bfloat16", (1, 4, 2, 150, 300, 128, 128),
      {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5,
       "alibi_slopes": np.linspace(0.1, 0.4, 4)}, WgmmaTiles(64, 64, 3, overlap=True)),
@@ -1575,6 +1609,8 @@ def main() -> int:
         return int(failures > 0)
     if args.wgmma:
         failures = check_forwards(emulate_wgmma, WGMMA_CASES, rng, "wgmma ")
+        failures += check_forwards(functools.partial(emulate_wgmma, copies_at_issue=True),
+                                   WGMMA_CASES, rng, "wgmma copies at issue ")
         failures += check_backwards([(case, False) for case in WGMMA_BACKWARD_CASES], rng,
                                     emulate_wgmma_backward)
         print("all passed" if not failures else f"{failures} failed")
