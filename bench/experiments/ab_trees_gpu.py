@@ -2,9 +2,14 @@
 tree beside the package at `--base` (default HEAD), each call timed back to back in
 interleaved rounds, and their outputs compared bit for bit.
 
-    PYTHONPATH=. python3 bench/experiments/ab_trees_gpu.py [--base HEAD~1] \\
+    PYTHONPATH=. python3 bench/experiments/ab_trees_gpu.py [--base HEAD~1 | --base-dir DIR] \\
         [--shapes 'B4 H16/16 Nq4096 Nk4096 D128 float16 causal' ...] [--backward] \\
         [--rounds 4] [--calls 20]
+
+The device machine's copy of the working tree has no git history: there, pass
+`--base-dir DIR`, a folder holding the base revision's `tileattn/` that travels with the
+tree as an untracked folder (made beforehand by ``mkdir DIR && git archive REV tileattn |
+tar -x -C DIR``).
 
 Why one process: two processes of the same tree timed the same D 256 forward 5-8 % apart on
 the H200 (bench/NOTES-gpu.md, v56), more than most kernel changes move it. The base is
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,12 +44,16 @@ SHAPES = ["B4 H16/16 Nq4096 Nk4096 D128 float16", "B4 H16/16 Nq4096 Nk4096 D128 
           "B8 H8/1 Nq8 Nk131072 D128 float16"]
 
 
-def base_package(revision: str, folder: str) -> str:
-    """Unpacks `revision`'s tileattn into `folder` as tileattn_base; returns the folder."""
-    archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "tileattn"], check=True,
-                             capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(folder)
+def base_package(revision: str, folder: str, base_dir: str | None = None) -> str:
+    """Unpacks `revision`'s tileattn (or copies `base_dir`'s) into `folder` as
+    tileattn_base; returns the folder."""
+    if base_dir is not None:
+        shutil.copytree(os.path.join(base_dir, "tileattn"), os.path.join(folder, "tileattn"))
+    else:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "tileattn"],
+                                 check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(folder)
     os.rename(os.path.join(folder, "tileattn"), os.path.join(folder, "tileattn_base"))
     backends = os.path.join(folder, "tileattn_base", "backends.py")
     text = open(backends).read()
@@ -64,6 +74,8 @@ def parse_shape(text: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="the git revision to compare against")
+    parser.add_argument("--base-dir", default=None,
+                        help="a folder holding the base's tileattn/ (where there is no git)")
     parser.add_argument("--shapes", nargs="*", default=SHAPES)
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--rounds", type=int, default=4)
@@ -74,14 +86,14 @@ def main() -> None:
 
     from gpu_timing import back_to_back_ms
 
-    folder = base_package(args.base, tempfile.mkdtemp(prefix="ab_trees_"))
+    folder = base_package(args.base, tempfile.mkdtemp(prefix="ab_trees_"), args.base_dir)
     sys.path.insert(0, folder)
     sys.path.insert(0, ROOT)
     import tileattn
     import tileattn_base
 
     print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: new "
-          f"{os.path.dirname(tileattn.__file__)} against {args.base} "
+          f"{os.path.dirname(tileattn.__file__)} against {args.base_dir or args.base} "
           f"({'forward + backward' if args.backward else 'forward'}, back to back, min of "
           f"{args.rounds} interleaved rounds)", flush=True)
     rng = cupy.random.default_rng(0)
