@@ -594,24 +594,42 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows(dims, dtype, group, opt
     from tileattn.gpu.operands import _PLANS
 
     monkeypatch.setattr(gpu_tiles, "FOLD_MIN_WAVE", 0.0)
-    dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
-    if dtype is None:
-        pytest.skip("no bfloat16 type")
-    head_dim, value_dim = dims
-    batch, n_kv_heads, n_k = 2, 2, 1500
-    q, k, v = _inputs(batch, n_kv_heads * group, n_kv_heads, 1, n_k, head_dim, value_dim,
-                      dtype, seed=head_dim + group)
-    left = options.get("window", (None, None))[0]
-    if left is not None and left < n_k - 1:  # keys the row does not keep hold NaN and inf
-        k[:, :, : n_k - 1 - left] = np.nan
-        v[:, :, : n_k - 1 - left] = np.inf
+    dtype = _half_dtype(dtype)
+    q, k, v = _fold_inputs(dims, dtype, group, 1, options)
     expected_o, expected_lse = _golden(q, k, v, **options)
-    planned = {key for key in _PLANS if key[0] == "folded group"}
+    planned = _folded_plans()
     for call, o, lse in _calls_into_nan_buffers((q, k, v), dtype, layout, options):
         assert_attention_close(o, expected_o, dtype, name=f"o ({call} call)")
         assert_attention_close(lse, expected_lse, dtype, name=f"lse ({call} call)")
-        folded = {key for key in _PLANS if key[0] == "folded group"} - planned
+        folded = _folded_plans() - planned
         assert len(folded) == 1 and _PLANS[folded.pop()].launches[0] is not None
+
+
+def _half_dtype(name: str):
+    dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
+    if dtype is None:
+        pytest.skip("no bfloat16 type")
+    return dtype
+
+
+def _folded_plans() -> set:
+    """The plan cache's keys of folded decodes (`launch_forward._forward_folded`)."""
+    from tileattn.gpu.operands import _PLANS
+
+    return {key for key in _PLANS if key[0] == "folded group"}
+
+
+def _fold_inputs(dims, dtype, group: int, n_q: int, options: dict):
+    """q, k, v of a GQA decode of two batch elements over two K/V heads of 1500 keys, the
+    keys left of a window (which no row keeps) NaN in K and inf in V."""
+    (head_dim, value_dim), n_k = dims, 1500
+    q, k, v = _inputs(2, 2 * group, 2, n_q, n_k, head_dim, value_dim, dtype,
+                      seed=head_dim + group)
+    left = options.get("window", (None, None))[0]
+    if left is not None and left < n_k - n_q:
+        k[:, :, : n_k - n_q - left] = np.nan
+        v[:, :, : n_k - n_q - left] = np.inf
+    return q, k, v
 
 
 FOLD_DECODE_CASES = [((128, 128), "float16", 64, 1, {"causal": True}),
@@ -636,19 +654,14 @@ def test_many_packed_rows_fold_onto_the_wgmma_prefill(dims, dtype, group, n_q, o
         pytest.skip("the fold runs the wgmma prefill (sm_90)")
     monkeypatch.setattr(gpu_tiles, "FOLD_MIN_WAVE", 0.0)
     monkeypatch.setattr(gpu_tiles, "FOLD_DECODE_ENABLED", True)
-    dtype = bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
-    if dtype is None:
-        pytest.skip("no bfloat16 type")
-    head_dim, value_dim = dims
-    batch, n_kv_heads, n_k = 2, 2, 1500
-    q, k, v = _inputs(batch, n_kv_heads * group, n_kv_heads, n_q, n_k, head_dim, value_dim,
-                      dtype, seed=head_dim + group)
+    dtype = _half_dtype(dtype)
+    q, k, v = _fold_inputs(dims, dtype, group, n_q, options)
     expected_o, expected_lse = _golden(q, k, v, **options)
-    planned = {key for key in _PLANS if key[0] == "folded group"}
+    planned = _folded_plans()
     for call, o, lse in _calls_into_nan_buffers((q, k, v), dtype, layout, options):
         assert_attention_close(o, expected_o, dtype, name=f"o ({call} call)")
         assert_attention_close(lse, expected_lse, dtype, name=f"lse ({call} call)")
-    folded = {key for key in _PLANS if key[0] == "folded group"} - planned
+    folded = _folded_plans() - planned
     if layout == "bshd" and n_q > 1:
         assert not folded, folded
     else:

@@ -98,10 +98,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repetitions", type=int, default=7)
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
-    print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s; us after a clean flush, min / median of "
-          f"{args.rounds} rounds", flush=True)
+    bandwidth = bandwidth_header(args.rounds)
     rng = cupy.random.default_rng(0)
     for text in args.shapes:
         shape = parse_shape(text)
@@ -118,20 +115,40 @@ def main() -> None:
                                          group)
                 if variant is not None:
                     variants.append(variant)
-        flash = torch_flash(q, k, v)
-        if flash:
-            variants.append(("torch flash", flash))
-        times = {label: [] for label, _ in variants}
-        for _ in range(args.rounds):
-            for label, function in variants:
-                times[label].append(timed_us(function, "clean", args.repetitions))
-        print(f"## {shape.name} ({shape.kv_bytes / 2**20:,.0f} MiB)")
-        for label, samples in times.items():
-            best = min(samples)
-            print(f"  {label:40s} {best:9.1f} {statistics.median(samples):9.1f}  "
-                  f"{shape.kv_bytes / (best * 1e-6) / bandwidth:.3f}", flush=True)
+        report_rounds(shape, variants + flash_variant(q, k, v), args.rounds, args.repetitions,
+                      bandwidth, 40)
         del q, k, v
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def bandwidth_header(rounds: int) -> float:
+    """The measured copy bandwidth (bytes a second), printed with the device's name."""
+    bandwidth = copy_bandwidth()
+    print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s; us after a clean flush, min / median of "
+          f"{rounds} rounds", flush=True)
+    return bandwidth
+
+
+def flash_variant(q, k, v) -> list:
+    """``[("torch flash", call)]`` where torch's flash backend takes the shape, else []."""
+    flash = torch_flash(q, k, v)
+    return [("torch flash", flash)] if flash else []
+
+
+def report_rounds(shape, variants, rounds: int, repetitions: int, bandwidth: float,
+                  width: int) -> None:
+    """Times `variants` (``(label, call)``) in `rounds` interleaved rounds after a clean
+    flush and prints each one's min and median microseconds and its share of `bandwidth`."""
+    times = {label: [] for label, _ in variants}
+    for _ in range(rounds):
+        for label, function in variants:
+            times[label].append(timed_us(function, "clean", repetitions))
+    print(f"## {shape.name} ({shape.kv_bytes / 2**20:,.0f} MiB)")
+    for label, samples in times.items():
+        best = min(samples)
+        print(f"  {label:{width}s} {best:9.1f} {statistics.median(samples):9.1f}  "
+              f"{shape.kv_bytes / (best * 1e-6) / bandwidth:.3f}", flush=True)
 
 
 if __name__ == "__main__":

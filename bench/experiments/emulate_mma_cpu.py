@@ -572,6 +572,35 @@ def _replace_function(text: str, start: str, body: str) -> str:
     return text[:open_brace] + body + text[end + 1:]
 
 
+def _slopes(options) -> np.ndarray:
+    """ALiBi slopes as the kernels read them (one unread slope where there are none)."""
+    return (np.zeros(1) if options.alibi_slopes is None
+            else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+
+
+def _nan_buffer(shape: tuple, dtype, sequence_first: bool) -> np.ndarray:
+    """A NaN-filled (B, H, N, D) array, stored (B, N, H, D) with `sequence_first` (a
+    "bshd" call's layout): whatever a kernel leaves unwritten shows."""
+    if not sequence_first:
+        return np.full(shape, np.nan, dtype)
+    batch, heads, rows, width = shape
+    return np.full((batch, rows, heads, width), np.nan, dtype).swapaxes(1, 2)
+
+
+def _row_deltas(do, o, lse, accum) -> tuple:
+    """D = rowsum(do * o) and lse as a backward's launcher hands them to its kernels:
+    contiguous, in the accumulation dtype."""
+    return ((do.astype(accum) * o.astype(accum)).sum(-1).astype(accum),
+            np.ascontiguousarray(lse, accum))
+
+
+def _forward_outputs(q, value_dim: int, sequence_first_o: bool, dtype, lse_dtype) -> tuple:
+    """NaN-filled o (in `_nan_buffer`'s layout) and contiguous lse for a forward of `q`."""
+    batch, n_q_heads, n_q = q.shape[:3]
+    return (_nan_buffer((batch, n_q_heads, n_q, value_dim), dtype, sequence_first_o),
+            np.full((batch, n_q_heads, n_q), np.nan, lse_dtype))
+
+
 def library(defines: dict, source_name: str = "attention_mma_forward.cu",
             runner: str = RUNNER) -> ctypes.CDLL:
     key = tuple(sorted(defines.items())) + (source_name,)
@@ -608,11 +637,8 @@ def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
                    DEFERRED_COPIES=1, STRIDED_OUT=int(sequence_first_o), **switches)
     run = library(defines).run
     run.restype = None
-    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
-         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
-    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
-    slopes = (np.zeros(1) if options.alibi_slopes is None
-              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    o, lse = _forward_outputs(q, value_dim, sequence_first_o, q.dtype, np.float32)
+    slopes = _slopes(options)
     strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
     shared = tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16))
     blocks = batch * n_q_heads * -(-n_q // tiles.block_q)
@@ -644,15 +670,9 @@ def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_firs
     is_float64 = q.dtype == np.float64  # FP64 tensor cores (IS_FLOAT64)
     accum = np.float64 if is_float64 else np.float32
     reals = reals.astype(accum)
-    delta = (do.astype(accum) * o.astype(accum)).sum(-1).astype(accum)
-    lse = np.ascontiguousarray(lse, accum)
-    slopes = (np.zeros(1) if options.alibi_slopes is None
-              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
-    if sequence_first:
-        dq, dk, dv = (np.full(a.swapaxes(1, 2).shape, np.nan, q.dtype).swapaxes(1, 2)
-                      for a in (q, k, v))
-    else:
-        dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
+    delta, lse = _row_deltas(do, o, lse, accum)
+    slopes = _slopes(options)
+    dq, dk, dv = (_nan_buffer(a.shape, q.dtype, sequence_first) for a in (q, k, v))
     strides = np.array([s // a.itemsize for a in (q, k, v, do, dq, dk, dv)
                         for s in a.strides[:3]], np.int64)
     widths = Widths.padded(head_dim, value_dim, 8 if is_float32 or is_float64 else 16)
@@ -751,15 +771,9 @@ def emulate_wgmma_backward(do, q, k, v, o, lse, tiles: WgmmaBackwardTiles,
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     switches, band, reals, bits = score_operands(options, n_q, n_k)
     reals = reals.astype(np.float32)
-    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1).astype(np.float32)
-    lse = np.ascontiguousarray(lse, np.float32)
-    slopes = (np.zeros(1) if options.alibi_slopes is None
-              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
-    if sequence_first:
-        dq, dk, dv = (np.full(a.swapaxes(1, 2).shape, np.nan, q.dtype).swapaxes(1, 2)
-                      for a in (q, k, v))
-    else:
-        dq, dk, dv = (np.full(a.shape, np.nan, q.dtype) for a in (q, k, v))
+    delta, lse = _row_deltas(do, o, lse, np.float32)
+    slopes = _slopes(options)
+    dq, dk, dv = (_nan_buffer(a.shape, q.dtype, sequence_first) for a in (q, k, v))
     strides = np.array([s // a.itemsize for a in (q, k, v, do, dq, dk, dv)
                         for s in a.strides[:3]], np.int64)
     widths = Widths.padded(head_dim, value_dim, 16)
@@ -828,12 +842,9 @@ def emulate_decode(q, k, v, tiles, sequence_first_o: bool, paged=None, padded=No
         defines.update(VARLEN=1, PAGED=0)
         tables = (options.varlen.descriptors(batch, n_q, n_k), None, 0, 0, 0)
     # The launcher's operand: the (B, Hq) slopes, or a stand-in where ALiBi is off.
-    slopes = (np.zeros(1) if options.alibi_slopes is None
-              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    slopes = _slopes(options)
     lib = library(defines, "attention_decode_mma.cu", DECODE_RUNNER)
-    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
-         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
-    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
+    o, lse = _forward_outputs(q, value_dim, sequence_first_o, q.dtype, np.float32)
     n_rows = batch * n_q_heads * n_q
     partial_o = np.full(tiles.splits * n_rows * value_dim + 1, np.nan, np.float32)
     partial_lse = np.full(tiles.splits * n_rows + 1, np.nan, np.float32)
@@ -1158,12 +1169,8 @@ def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: b
     else:
         lib = library(dict(defines, WARP_ROWS=tiles.warp_rows), "attention_tf32_forward.cu",
                       TF32_RUNNER)
-    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, np.float32).swapaxes(1, 2)
-         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan,
-                                          np.float32))
-    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
-    slopes = (np.zeros(1) if options.alibi_slopes is None
-              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    o, lse = _forward_outputs(q, value_dim, sequence_first_o, np.float32, np.float32)
+    slopes = _slopes(options)
     strides = np.array([s // 4 for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     lib.run.restype = None
@@ -1197,11 +1204,8 @@ def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool,
                    DEFERRED_COPIES=int(not copies_at_issue),
                    STRIDED_OUT=int(sequence_first_o), **switches)
     lib = library(defines, "attention_wgmma_forward.cu", WGMMA_RUNNER)
-    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan, q.dtype).swapaxes(1, 2)
-         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan, q.dtype))
-    lse = np.full((batch, n_q_heads, n_q), np.nan, np.float32)
-    slopes = (np.zeros(1) if options.alibi_slopes is None
-              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    o, lse = _forward_outputs(q, value_dim, sequence_first_o, q.dtype, np.float32)
+    slopes = _slopes(options)
     strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     lib.run.restype = None
@@ -1226,11 +1230,8 @@ def emulate_f64(q, k, v, tiles: F64Tiles, sequence_first_o: bool, **kwargs):
                    WARP_ROWS=tiles.warp_rows, DEFERRED_COPIES=1,
                    STRIDED_OUT=int(sequence_first_o), **switches)
     lib = library(defines, "attention_tf32_forward.cu", F64_RUNNER)
-    o = (np.full((batch, n_q, n_q_heads, value_dim), np.nan).swapaxes(1, 2)
-         if sequence_first_o else np.full((batch, n_q_heads, n_q, value_dim), np.nan))
-    lse = np.full((batch, n_q_heads, n_q), np.nan)
-    slopes = (np.zeros(1) if options.alibi_slopes is None
-              else np.ascontiguousarray(options.alibi_slopes, dtype=np.float64))
+    o, lse = _forward_outputs(q, value_dim, sequence_first_o, np.float64, np.float64)
+    slopes = _slopes(options)
     strides = np.array([s // 8 for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
     pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     lib.run.restype = None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from dataclasses import replace
 
@@ -27,9 +26,9 @@ import cupy
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_gpu_decode import (_as_float64, _options, copy_bandwidth, reference_group,
-                              shape_arrays, torch_flash)
-from decode_costs_gpu import parse_shape, stream_read, timed_us
+from bench_gpu_decode import _as_float64, _options, reference_group, shape_arrays
+from decode_costs_gpu import parse_shape, stream_read
+from decode_roofline_gpu import bandwidth_header, flash_variant, report_rounds
 
 from tileattn.gpu import launch_forward, tiles
 from tileattn.gpu.launch_decode import decode_shape, forward_decode
@@ -113,10 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repetitions", type=int, default=7)
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
-    print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s; us after a clean flush, min / median of "
-          f"{args.rounds} rounds", flush=True)
+    bandwidth = bandwidth_header(args.rounds)
     rng = cupy.random.default_rng(0)
     for text in args.shapes:
         shape = parse_shape(text)
@@ -129,18 +125,8 @@ def main() -> None:
                 variant = prefill_variant(q, k, v, tile_text, splits, expected, group)
                 if variant is not None:
                     variants.append(variant)
-        flash = torch_flash(q, k, v)
-        if flash:
-            variants.append(("torch flash", flash))
-        times = {label: [] for label, _ in variants}
-        for _ in range(args.rounds):
-            for label, function in variants:
-                times[label].append(timed_us(function, "clean", args.repetitions))
-        print(f"## {shape.name} ({shape.kv_bytes / 2**20:,.0f} MiB)")
-        for label, samples in times.items():
-            best = min(samples)
-            print(f"  {label:44s} {best:9.1f} {statistics.median(samples):9.1f}  "
-                  f"{shape.kv_bytes / (best * 1e-6) / bandwidth:.3f}", flush=True)
+        report_rounds(shape, variants + flash_variant(q, k, v), args.rounds, args.repetitions,
+                      bandwidth, 44)
         del q, k, v
         cupy.get_default_memory_pool().free_all_blocks()
 

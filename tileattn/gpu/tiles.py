@@ -1631,9 +1631,10 @@ FOLD_DECODE_TILES = ((64, WgmmaTiles(64, 128, 2, 2)), (128, WgmmaTiles(64, 128, 
 def folds_decode_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group: int,
                       masked: bool, per_row_options: bool, named_blocks: bool) -> bool:
     """Whether a forward of this shape is a GQA decode at the tensor-core head dims whose
-    packed rows fold into the rows of one head (FOLD_DECODE_ENABLED); several query rows
-    fold only where no mask cuts their keys (`masked`: causal or a window)."""
-    return (FOLD_DECODE_ENABLED and group > 1 and dtype in ("float16", "bfloat16")
+    packed rows fold into the rows of one head, where FOLD_DECODE_ENABLED (the caller's
+    test, ahead of the work of asking); several query rows fold only where no mask cuts
+    their keys (`masked`: causal or a window)."""
+    return (group > 1 and dtype in ("float16", "bfloat16")
             and FOLD_DECODE_MIN_ROWS <= group * n_q and n_q <= FOLD_DECODE_MAX_QUERY_ROWS
             and (n_q == 1 or not masked) and not per_row_options and not named_blocks
             and max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM)
