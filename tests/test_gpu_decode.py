@@ -633,6 +633,7 @@ def _fold_inputs(dims, dtype, group: int, n_q: int, options: dict):
 
 
 FOLD_DECODE_CASES = [((128, 128), "float16", 64, 1, {"causal": True}),
+                     ((128, 128), "bfloat16", 64, 1, {"window": (300, 0)}),
                      ((64, 64), "bfloat16", 8, 8, {}),
                      ((256, 256), "float16", 8, 8, {"softcap": 20.0}),
                      ((96, 80), "float16", 16, 4, {})]
@@ -645,9 +646,9 @@ def test_many_packed_rows_fold_onto_the_wgmma_prefill(dims, dtype, group, n_q, o
                                                        layout, monkeypatch):
     """A GQA decode of 64 packed rows at D <= 256 (tiles.FOLD_DECODE_ENABLED and the fold
     threshold forced here) runs the wgmma prefill on its group x Nq rows as rows of one head:
-    one causal row over the keys it keeps (NaN and inf past them), several unmasked rows in
-    one fold ("bshd" arrays decline it and decode), into the caller's NaN-filled buffers,
-    first call and cached."""
+    one causal row, one under a window (NaN and inf in the keys left of it), several
+    unmasked rows in one fold ("bshd" arrays decline it and decode), into the caller's
+    NaN-filled buffers, first call and cached."""
     from tileattn.gpu.operands import _PLANS
 
     if cupy.cuda.Device().compute_capability != "90":

@@ -1451,10 +1451,12 @@ FOLD_CASES = [
 
 
 # GQA decodes of many packed rows at the tensor-core head dims that fold onto the wgmma
-# prefill (tiles.FOLD_DECODE_ENABLED, forced on here): one causal query row, and several
-# unmasked ones folded at once; (B, Hq, Hkv, Nq, Nk, D, Dv), options.
+# prefill (tiles.FOLD_DECODE_ENABLED, forced on here): one causal query row, one under a
+# window (NaN and inf in the keys left of it, which its fold cuts off), and several unmasked
+# ones folded at once; (B, Hq, Hkv, Nq, Nk, D, Dv), options.
 FOLD_DECODE_CASES = [
     ((2, 64, 1, 1, 300, 64, 64), {"causal": True}),
+    ((1, 64, 1, 1, 300, 128, 128), {"window": (100, 0)}),
     ((1, 16, 2, 8, 200, 128, 128), {"softcap": 20.0}),
     ((1, 8, 1, 8, 150, 48, 40), {}),
 ]
@@ -1506,6 +1508,10 @@ def launcher_mode(fold_cases=(), f64_shares: bool = True) -> int:
         if poisoned:
             k[:, :, -1] = np.nan
             v[:, :, -1] = np.inf
+        left = options.get("window", (None, None))[0]
+        if nq == 1 and left is not None and left < nk - 1:  # keys the row does not keep
+            k[:, :, : nk - 1 - left] = np.nan
+            v[:, :, : nk - 1 - left] = np.inf
         golden_o, golden_lse = tileattn.forward(*(a.astype(np.float64) for a in (q, k, v)),
                                                 backend="reference", return_lse=True,
                                                 **options)
