@@ -24,7 +24,8 @@ whose host time hides under the flush), torch flash's time (enable_gqa where Hq 
 torch / tileattn (> 1: tileattn faster), and the kernel tileattn chose; with --compare (on
 in --quick) also the time of the kernel it did not choose (the CUDA-core decode beside the
 tensor-core one, the prefill family beside the CUDA-core decode, the decode kernel beside
-prefill up to 64 packed rows), which checks the dispatch thresholds.
+prefill up to 64 packed rows, the unfolded call's kernel where a GQA decode folds onto the
+prefill), which checks the dispatch thresholds.
 Each row is printed as soon as it is measured. Last, the host time per call of a tiny
 decode shape (calls back to back, wall time / calls), tileattn and torch.
 
@@ -46,7 +47,7 @@ import cupy
 import numpy as np
 
 import tileattn
-from tileattn.gpu import launch_forward, tiles
+from tileattn.gpu import _forward_run, launch_forward, tiles
 from tileattn.gpu.launch_decode import decode_shape, forward_decode
 from tileattn.gpu.operands import problem_of
 from tileattn.testing import assert_attention_close, bfloat16
@@ -236,7 +237,11 @@ def _describe(choice) -> str:
 
 
 def choice_of(q, k, v) -> str:
-    return _describe(launch_forward.choose(q, k, v, _options(q, k, v)))
+    run = _forward_run(q, k, v, _options(q, k, v))
+    if run.folds:
+        choice = run.choice
+        return f"folded {choice.family} {choice.tiles} splits={choice.key_splits}"
+    return _describe(run.choice)
 
 
 def chosen_kernels(q, k, v):
@@ -247,6 +252,13 @@ def chosen_kernels(q, k, v):
     options = _options(q, k, v)
     o = cupy.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
+    if _forward_run(q, k, v, options).folds:
+        # A folded decode's launches take views made per call: the dispatch's own
+        # forward, its plan cached (its few microseconds of host time hide under the flush).
+        def run_folded():
+            launch_forward.forward(q, k, v, options, o, lse)
+            return o
+        return run_folded
     launch = launch_forward.launch(launch_forward.choose(q, k, v, options), q, k, v, o, lse,
                                    options)
 
@@ -260,13 +272,17 @@ def alternative(q, k, v):
     """The kernel the dispatch did not choose, built once: the CUDA-core decode kernel where
     the tensor-core one runs, the prefill family's where the CUDA-core decode runs, the
     decode kernel where a prefill family runs (up to 64 packed rows); so that the table shows
-    what the thresholds in tiles.choose_decode trade. ``(name, function)`` or None."""
+    what the thresholds in tiles.choose_decode trade; where the call folds onto the prefill,
+    the unfolded call's kernel. ``(name, function)`` or None."""
     options = _options(q, k, v)
     problem = problem_of(q, k, v, options)
     o = cupy.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     lse = cupy.empty(q.shape[:3], dtype=cupy.float32)
     chosen = launch_forward.choose(q, k, v, options)
-    if chosen.family == "decode" and isinstance(chosen.tiles, tiles.DecodeMmaTiles):
+    if _forward_run(q, k, v, options).folds:
+        launch = launch_forward.launch(chosen, q, k, v, o, lse, options)
+        name = f"unfolded ({_describe(chosen)})"
+    elif chosen.family == "decode" and isinstance(chosen.tiles, tiles.DecodeMmaTiles):
         config = tiles.decode_tiles(problem, decode_shape(q, k, options))
         launch, _ = forward_decode(q, k, v, o, lse, options, config)
         name = "decode (CUDA cores)"
@@ -407,7 +423,12 @@ def main() -> None:
                         help="flush L2 by a write (dirty lines), not by a read")
     parser.add_argument("--paged", action="store_true",
                         help="the shapes with K/V in pools of pages of 16, 64 and 256 instead")
+    parser.add_argument("--fold-decode", choices=("table", "on", "off"), default="table",
+                        help="fold GQA decodes of many packed rows onto the prefill "
+                             "(tiles.FOLD_DECODE_ENABLED) or not; table: as it is set")
     args = parser.parse_args()
+    if args.fold_decode != "table":
+        tiles.FOLD_DECODE_ENABLED = args.fold_decode == "on"
     FLUSH["clean"] = not args.dirty_flush
     repetitions = args.repetitions or (10 if args.quick else 20)
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)

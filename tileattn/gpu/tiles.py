@@ -1616,16 +1616,24 @@ def folds_group_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group:
 # one head they run on the wgmma prefill's 64-row tiles, K and V still read once per K/V
 # head: a query row alone over the keys it keeps (any mask, as above), or every query row at
 # once where no mask cuts the keys (the view needs each head's rows to follow one another,
-# as a "bhsd" array's do). H200, kernels alone, no overlap (NOTES-gpu v56): 8-17 % faster
-# at B 8 over 32k-128k keys at D 64 and 256, slower where the folded grid fills less of a
-# wave than the decode's (B 1 over 256k keys) and at D 128 over 128k. Off until the
-# overlapped schedule's tiles are measured on the device (FOLD_DECODE_TILES: the v56
-# sweep's best plain tiles).
-FOLD_DECODE_ENABLED = False
+# as a "bhsd" array's do). H200, whole calls at >= 256 MiB (NOTES-gpu v57): 1.04-1.22x the
+# decode at D 64 and D 256, level at D 128 from 512 MiB up; kernels alone over 128 MiB at
+# D 128, 1.13-1.29x. Grids that fill less of a wave than the decode's stay on it
+# (FOLD_MIN_WAVE: B 1 over 256k keys).
+FOLD_DECODE_ENABLED = True
 FOLD_DECODE_MIN_ROWS = 64
 FOLD_DECODE_MAX_QUERY_ROWS = 16
-FOLD_DECODE_TILES = ((64, WgmmaTiles(64, 128, 2, 2)), (128, WgmmaTiles(64, 128, 2, 1)),
-                     (256, WgmmaTiles(64, 32, 2, 2)))  # (widest padded head dim, tiles)
+# Key shares of such a fold: each writes 64 rows of float32 partials that one merge reads
+# back, and a single long sequence in 122 shares ran 1.7x the decode's time (B1 H8/1 Nq8
+# Nk256k D128); at most 32 shares, such grids fill under FOLD_MIN_WAVE and stay unfolded.
+FOLD_DECODE_MAX_SPLITS = 32
+# (widest padded head dim, most folded rows, tiles), the first that holds the problem; at
+# D 128 the overlapped schedule (one block an SM, 128 keys a tile) wins at 64 rows, two
+# blocks of 64 keys at 128 rows (twice the row tiles fill the SMs with fewer key shares).
+FOLD_DECODE_TILES = ((64, None, WgmmaTiles(64, 128, 2, 2)),
+                     (128, 64, WgmmaTiles(64, 128, 3, 1, overlap=True)),
+                     (128, None, WgmmaTiles(64, 64, 3, 2)),
+                     (256, None, WgmmaTiles(64, 32, 2, 2)))
 
 
 def folds_decode_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group: int,
@@ -1640,9 +1648,10 @@ def folds_decode_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group
             and max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM)
 
 
-def _fold_decode_tiles(problem: Problem) -> WgmmaTiles:
+def _fold_decode_tiles(problem: Problem, rows: int) -> WgmmaTiles:
     widest = max(padded(problem.head_dim, 16), padded(problem.value_dim, 16))
-    return next(tiles for width, tiles in FOLD_DECODE_TILES if widest <= width)
+    return next(tiles for width, most_rows, tiles in FOLD_DECODE_TILES
+                if widest <= width and (most_rows is None or rows <= most_rows))
 
 
 def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice | None:
@@ -1654,8 +1663,8 @@ def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice
     if max(problem.head_dim, problem.value_dim) <= MAX_TENSOR_CORE_DIM:
         if problem.capability < 90:
             return None
-        choice = with_key_splits(Choice("wgmma", _fold_decode_tiles(problem),
-                                        "FOLD_DECODE_TILES"), shape, FOLD_MAX_SPLITS)
+        choice = with_key_splits(Choice("wgmma", _fold_decode_tiles(problem, shape.n_q),
+                                        "FOLD_DECODE_TILES"), shape, FOLD_DECODE_MAX_SPLITS)
     else:
         choice = with_key_splits(choose_forward(problem), shape, FOLD_MAX_SPLITS)
     if choice.family not in ("wgmma", "mma"):
