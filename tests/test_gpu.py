@@ -17,7 +17,6 @@ from tileattn.dropout import keep_mask
 from tileattn.gpu import tiles as tile_tables
 from tileattn.gpu.tiles import (Choice, MmaBackwardTiles, MmaTiles, Problem, Tf32Tiles,
                                 Tf32WgmmaTiles, WgmmaBackwardTiles, WgmmaTiles)
-from tileattn.options import AttentionOptions
 from tileattn.testing import assert_attention_close, bfloat16, tolerance_for
 from tileattn.validation import validate
 
@@ -508,6 +507,10 @@ def test_every_wgmma_tile_shape(dtype, dims, tiles, options):
     if tiles.overlap and widths.widest > 128 and tiles.block_k > 16:
         pytest.skip("overlapped tiles above D 128 spill beside more than 16 keys (ptxas), "
                     "which the overlap must not")
+    if tiles.overlap and tiles.block_k >= 128 and widths.widest > 64 and options:
+        pytest.skip("overlapped 128-key tiles above D 64 spill under masks (ptxas: 12-76 "
+                    "bytes at D 80) and take minutes to compile; the tables run them "
+                    "unmasked only")
     if not _fits(tiles, widths):
         pytest.skip(f"{tiles} needs more shared memory than this GPU has")
     q, k, v = _inputs((2, 4, 200, head_dim), (2, 2, 263, head_dim), (2, 2, 263, value_dim),

@@ -636,6 +636,7 @@ FOLD_DECODE_CASES = [((128, 128), "float16", 64, 1, {"causal": True}),
                      ((128, 128), "bfloat16", 64, 1, {"window": (300, 0)}),
                      ((64, 64), "bfloat16", 8, 8, {}),
                      ((256, 256), "float16", 8, 8, {"softcap": 20.0}),
+                     ((128, 128), "bfloat16", 16, 4, {"softcap": 20.0}),
                      ((96, 80), "float16", 16, 4, {})]
 
 
@@ -667,6 +668,28 @@ def test_many_packed_rows_fold_onto_the_wgmma_prefill(dims, dtype, group, n_q, o
         assert not folded, folded
     else:
         assert len(folded) == 1 and _PLANS[folded.pop()].launches[0] is not None
+
+
+def test_folded_decode_rows_copied_in_narrow_pieces_run_the_plain_schedule(monkeypatch):
+    """64 packed rows at D 128 fold onto the overlapped 64x128 tiles; arrays whose rows
+    allow only 8-byte copies (views of 132-wide buffers) would make those spill, so the
+    launcher builds the same tiles without OVERLAP, and the result is exact."""
+    from tileattn.gpu import _compile
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the fold runs the wgmma prefill (sm_90)")
+    monkeypatch.setattr(gpu_tiles, "FOLD_MIN_WAVE", 0.0)
+    q, k, v = _fold_inputs((132, 132), np.float16, 8, 8, {})
+    expected_o, expected_lse = _golden(q[..., :128], k[..., :128], v[..., :128])
+    before = set(_compile._modules)
+    o, lse = tileattn.forward(*(cupy.asarray(a)[..., :128] for a in (q, k, v)),
+                              return_lse=True)
+    assert_attention_close(o.get(), expected_o, np.float16, name="o")
+    assert_attention_close(lse.get(), expected_lse, np.float16, name="lse")
+    built = [dict(key[2]) for key in set(_compile._modules) - before
+             if key[1] == "attention_wgmma_forward.cu"]
+    assert built and all(defines["COPY_BYTES"] < 16 and "OVERLAP" not in defines
+                         for defines in built), built
 
 
 def test_small_wide_gqa_decodes_stay_on_the_decode_kernel():

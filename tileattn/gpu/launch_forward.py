@@ -132,6 +132,12 @@ def _forward_on_tensor_cores(source: str, entry: str, family_defines: tuple, ste
     grid = tile_grid(q.shape[1], q.shape[2], tiles.block_q, q.shape[0], sequences)
     if callable(splits):
         splits = splits(grid[0])
+    if copy_bytes < 16 and ("OVERLAP", 1) in family_defines:
+        # Rows copied in narrower pieces (misaligned or odd-strided inputs) take more
+        # registers, and the overlapped 64x128 tiles then spill (ptxas, D 128: 4-40 bytes),
+        # which a kernel whose accumulators wgmma writes in flight must not: the same tiles
+        # run on the plain schedule.
+        family_defines = tuple(define for define in family_defines if define[0] != "OVERLAP")
     defines = (family_defines + _dims_defines(q, v, copy_bytes) + Switches.of(options).defines()
                + strided_out_defines(o))
     if sequences is not None:

@@ -1630,6 +1630,9 @@ FOLD_DECODE_MAX_SPLITS = 32
 # (widest padded head dim, most folded rows, tiles), the first that holds the problem; at
 # D 128 the overlapped schedule (one block an SM, 128 keys a tile) wins at 64 rows, two
 # blocks of 64 keys at 128 rows (twice the row tiles fill the SMs with fewer key shares).
+# An overlapped row serves only head dims and value dims both padded to its width: ptxas
+# spills 4-144 bytes of its registers at 96 or 112 wide dims (beside 128 too), and an
+# overlapped kernel must not spill, its accumulators being written by wgmma in flight.
 FOLD_DECODE_TILES = ((64, None, WgmmaTiles(64, 128, 2, 2)),
                      (128, 64, WgmmaTiles(64, 128, 3, 1, overlap=True)),
                      (128, None, WgmmaTiles(64, 64, 3, 2)),
@@ -1649,9 +1652,10 @@ def folds_decode_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group
 
 
 def _fold_decode_tiles(problem: Problem, rows: int) -> WgmmaTiles:
-    widest = max(padded(problem.head_dim, 16), padded(problem.value_dim, 16))
+    dims = (padded(problem.head_dim, 16), padded(problem.value_dim, 16))
     return next(tiles for width, most_rows, tiles in FOLD_DECODE_TILES
-                if widest <= width and (most_rows is None or rows <= most_rows))
+                if max(dims) <= width and (most_rows is None or rows <= most_rows)
+                and (not tiles.overlap or dims == (width, width)))
 
 
 def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice | None:
