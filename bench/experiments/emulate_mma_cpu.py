@@ -1489,9 +1489,13 @@ def launcher_mode(fold_cases=(), f64_shares: bool = True) -> int:
     operands._PLANS.clear()
     tiles.FOLD_MIN_WAVE = 0.0
 
+    built = []  # the defines of each wgmma forward built, for the overlap checks below
+
     def kernel(source_name, entry, defines, shared_bytes=0, arch=None):
         assert source_name in ("attention_mma_forward.cu", "attention_wgmma_forward.cu",
                                "attention_tf32_forward.cu", "split_keys_merge.cu"), source_name
+        if source_name == "attention_wgmma_forward.cu":
+            built.append(dict(defines))
         return _EmulatedKernel(source_name, entry, defines)
 
     _compile.kernel = kernel
@@ -1516,9 +1520,14 @@ def launcher_mode(fold_cases=(), f64_shares: bool = True) -> int:
                                                 backend="reference", return_lse=True,
                                                 **options)
         kept = slice(0, nq - 1 if poisoned else nq)
-        for layout, call in itertools.product(("bhsd", "bshd"), ("first", "cached")):
+        for layout, call in itertools.product(("bhsd", "bshd", "narrow"), ("first", "cached")):
             arrays = [standin.asarray(a) for a in (q, k, v)]
             out = None
+            if layout == "narrow":
+                # Rows 8 bytes wider than the head dim (views of wider buffers): copies of
+                # 8 bytes, under which overlapped tiles would spill and must not be built.
+                arrays = [standin.asarray(np.pad(a, ((0, 0),) * 3 + ((0, 4),)))[..., :-4]
+                          for a in (q, k, v)]
             if layout == "bshd":
                 arrays = [standin.asarray(np.ascontiguousarray(a.swapaxes(1, 2))).swapaxes(1, 2)
                           for a in (q, k, v)]
@@ -1535,11 +1544,18 @@ def launcher_mode(fold_cases=(), f64_shares: bool = True) -> int:
                 failures += not declined
                 continue
             try:
+                built.clear()
                 o, lse = launch_forward.forward(*arrays, resolved, out=out)
                 assert_attention_close(np.asarray(o)[:, :, kept], golden_o[:, :, kept],
                                        np.float16, name="o")
                 assert_attention_close(np.asarray(lse)[:, :, kept], golden_lse[:, :, kept],
                                        np.float16, name="lse")
+                overlapped = [defines.get("OVERLAP", 0) for defines in built]
+                if layout == "narrow":
+                    assert not any(overlapped), "overlapped tiles built for narrow copies"
+                elif (layout, call) == ("bhsd", "first") and (d, dv) == (128, 128) \
+                        and hq // hkv * nq <= 64:
+                    assert overlapped and all(overlapped), "the overlapped fold tiles not used"
                 print(f"ok {label}", flush=True)
             except AssertionError as error:
                 print(f"FAILED {label}: {error}")
