@@ -804,11 +804,14 @@ def test_short_caches_decode(heads, kv_heads, n_q, n_k, dtype):
         _check(q, k, v, {"causal": True}, 3, kernel)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1, 1, 8192), (4, 32, 8, 4, 2048)],
-                         ids=["MQA-split", "GQA-Nq4"])
+@pytest.mark.parametrize("shape", [(1, 8, 1, 1, 8192), (4, 32, 8, 4, 2048),
+                                   (8, 64, 1, 1, 16384)],
+                         ids=["MQA-split", "GQA-Nq4", "MQA-64-rows-folded"])
 def test_cuda_graph_capture_replays_like_eager_calls(shape):
     """Capture tileattn.forward (preallocated out/lse_out, on a stream) in a CUDA graph;
-    replaying it after new values are written into q, k, v equals an eager call on them."""
+    replaying it after new values are written into q, k, v equals an eager call on them;
+    64 packed rows fold onto the wgmma prefill on sm_90 (its views, key shares and merge
+    captured too)."""
     batch, n_q_heads, n_kv_heads, n_q, n_k = shape
     first = _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, 128, 128, np.float16, seed=12)
     second = _inputs(batch, n_q_heads, n_kv_heads, n_q, n_k, 128, 128, np.float16, seed=13)
@@ -819,6 +822,9 @@ def test_cuda_graph_capture_replays_like_eager_calls(shape):
         lse_out = cupy.empty((batch, n_q_heads, n_q), dtype=np.float32)
         options = {"causal": True}
         assert launch_forward.choose(q, k, v, _resolved(q, k, v, options)).family == "decode"
+        folds = gpu_backend._forward_run(q, k, v, _resolved(q, k, v, options)).folds
+        assert bool(folds) == (n_q_heads == 64
+                               and cupy.cuda.Device().compute_capability == "90"), folds
         tileattn.forward(q, k, v, out=out, lse_out=lse_out, return_lse=True, **options)  # warm
         stream.begin_capture()
         tileattn.forward(q, k, v, out=out, lse_out=lse_out, return_lse=True, **options)
