@@ -29,6 +29,7 @@ from .denormals import flush_subnormals, restore_subnormals
 from .forward_kernel import _apply_dropout, _softmax_update
 from .kept_products import redo_non_finite_rows
 from .kernel_cache import flush_if_stale
+from .row_products import weights_times_values
 from .schedule import claim_next
 from .tiles import (gathered_rows, key_span, key_value_rows, mask_tile, tile_is_fully_kept,
                     tile_view, transform_tile)
@@ -126,6 +127,27 @@ def _weights_times_values(weights, values, out):
                 out[r, d] += weight * values[j, d]
 
 
+def _group_weights_times_values(weights, values, out):
+    """``out = weights @ values`` for a group's few rows (at most MAX_LOOP_ROWS): float32
+    tiles whose rows are contiguous in `row_products`' register blocks, others as the
+    plain loops of `_weights_times_values`."""
+
+
+@overload(_group_weights_times_values, jit_options={"nogil": True, "fastmath": FASTMATH})
+def _group_weights_times_values_typed(weights, values, out):
+    if not (weights.dtype == values.dtype == out.dtype == types.float32):
+        def loops(weights, values, out):
+            _weights_times_values(weights, values, out)
+        return loops
+
+    def blocks(weights, values, out):
+        if weights.strides[1] == values.strides[1] == out.strides[1] == 4:
+            weights_times_values(weights, values, out)
+        else:
+            _weights_times_values(weights, values, out)
+    return blocks
+
+
 @njit(fastmath=FASTMATH)
 def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index, first_head,
                 n_q_heads, col_start, n_q, softcap, alibi_slopes, window_left, window_right,
@@ -159,7 +181,7 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index,
                            inv_keep)
     pv = tile_view(pv_buffer, n_rows, v_tile.shape[1])
     if n_rows <= MAX_LOOP_ROWS:
-        _weights_times_values(scores, v_tile, pv)
+        _group_weights_times_values(scores, v_tile, pv)
     else:
         np.dot(scores, v_tile, pv)
     if not fully_kept:
