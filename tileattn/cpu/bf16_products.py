@@ -28,6 +28,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .llvm_loops import carried_loop
+
 ROWS, COLUMNS = 8, 32
 """The micro-kernel's block of ``out``: 8 rows by two 16-lane vectors."""
 
@@ -123,49 +125,26 @@ def _pair_products(typingctx, out, out_start, out_row_stride, a_words, a_start, 
             return accumulator
 
         vectors = COLUMNS // 16
-        entry = builder.basic_block
-        loop = builder.append_basic_block("pairs.loop")
-        done = builder.append_basic_block("pairs.done")
-        builder.cbranch(builder.icmp_signed("<=", n_pairs, ir.Constant(i64, 0)), done, loop)
 
-        builder.position_at_end(loop)
-        pair = builder.phi(i64)
-        pair.add_incoming(ir.Constant(i64, 0), entry)
-        accumulators = [[builder.phi(_F32X16) for _ in range(vectors)] for _ in range(ROWS)]
-        for row in accumulators:
-            for accumulator in row:
-                accumulator.add_incoming(zero, entry)
-        b_base = builder.add(b_start, builder.mul(pair, b_pair_stride))
-        b_vectors = [builder.load(builder.bitcast(
-            builder.gep(b_data, [builder.add(b_base, ir.Constant(i64, 16 * j))]),
-            _I32X16.as_pointer()), align=4) for j in range(vectors)]
-        a_base = builder.add(a_start, builder.mul(pair, a_pair_stride))
-        updated = []
-        for i in range(ROWS):
-            address = builder.add(a_base, builder.mul(a_row_stride, ir.Constant(i64, i)))
-            word = builder.bitcast(builder.load(builder.gep(a_data, [address])), i32)
-            lanes = builder.insert_element(ir.Constant(_I32X16, None), word,
-                                           ir.Constant(i32, 0))
-            broadcast = builder.shuffle_vector(lanes, ir.Constant(_I32X16, None),
-                                               ir.Constant(_I32X16, None))
-            updated.append([add_pair_products(accumulators[i][j], broadcast, b_vectors[j])
-                            for j in range(vectors)])
-        next_pair = builder.add(pair, ir.Constant(i64, 1))
-        last = builder.basic_block
-        pair.add_incoming(next_pair, last)
-        for row, new_row in zip(accumulators, updated):
-            for accumulator, new in zip(row, new_row):
-                accumulator.add_incoming(new, last)
-        builder.cbranch(builder.icmp_signed("<", next_pair, n_pairs), loop, done)
+        def step(pair, sums):  # sums: ROWS x vectors, row-major
+            b_base = builder.add(b_start, builder.mul(pair, b_pair_stride))
+            b_vectors = [builder.load(builder.bitcast(
+                builder.gep(b_data, [builder.add(b_base, ir.Constant(i64, 16 * j))]),
+                _I32X16.as_pointer()), align=4) for j in range(vectors)]
+            a_base = builder.add(a_start, builder.mul(pair, a_pair_stride))
+            updated = []
+            for i in range(ROWS):
+                address = builder.add(a_base, builder.mul(a_row_stride, ir.Constant(i64, i)))
+                word = builder.bitcast(builder.load(builder.gep(a_data, [address])), i32)
+                lanes = builder.insert_element(ir.Constant(_I32X16, None), word,
+                                               ir.Constant(i32, 0))
+                broadcast = builder.shuffle_vector(lanes, ir.Constant(_I32X16, None),
+                                                   ir.Constant(_I32X16, None))
+                updated += [add_pair_products(sums[i * vectors + j], broadcast, b_vectors[j])
+                            for j in range(vectors)]
+            return updated
 
-        builder.position_at_end(done)
-        results = []
-        for i in range(ROWS):
-            for j in range(vectors):
-                result = builder.phi(_F32X16)
-                result.add_incoming(zero, entry)
-                result.add_incoming(updated[i][j], last)
-                results.append(result)
+        results = carried_loop(builder, n_pairs, [zero] * (ROWS * vectors), step)
         for index, result in enumerate(results):
             i, j = divmod(index, vectors)
             address = builder.add(out_start, builder.add(

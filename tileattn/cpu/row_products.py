@@ -18,6 +18,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .llvm_loops import carried_loop
+
 LANES = 16
 """float32 lanes of one vector (a zmm register; two ymm where the CPU has no AVX-512)."""
 
@@ -57,46 +59,25 @@ def _block_products(rows: int, vectors: int):
             def address(data, index):
                 return builder.bitcast(builder.gep(data, [index]), _F32X16.as_pointer())
 
-            entry = builder.basic_block
-            loop = builder.append_basic_block("keys.loop")
-            done = builder.append_basic_block("keys.done")
-            builder.cbranch(builder.icmp_signed("<=", n_keys, ir.Constant(i64, 0)), done, loop)
+            def step(key, sums):  # sums: rows x vectors, row-major
+                value_base = builder.add(v_start, builder.mul(key, v_row_stride))
+                value_vectors = [builder.load(address(v_data, builder.add(
+                    value_base, ir.Constant(i64, LANES * v))), align=4)
+                    for v in range(vectors)]
+                updated = []
+                for i in range(rows):
+                    weight_index = builder.add(builder.add(
+                        w_start, builder.mul(w_row_stride, ir.Constant(i64, i))), key)
+                    weight = builder.load(builder.gep(w_data, [weight_index]))
+                    lanes = builder.insert_element(undefined, weight,
+                                                   ir.Constant(ir.IntType(32), 0))
+                    broadcast = builder.shuffle_vector(lanes, undefined, splat)
+                    updated += [builder.call(fma, [broadcast, value_vectors[v],
+                                                   sums[i * vectors + v]])
+                                for v in range(vectors)]
+                return updated
 
-            builder.position_at_end(loop)
-            key = builder.phi(i64)
-            key.add_incoming(ir.Constant(i64, 0), entry)
-            sums = [[builder.phi(_F32X16) for _ in range(vectors)] for _ in range(rows)]
-            for row in sums:
-                for vector in row:
-                    vector.add_incoming(zero, entry)
-            value_base = builder.add(v_start, builder.mul(key, v_row_stride))
-            value_vectors = [builder.load(address(v_data, builder.add(
-                value_base, ir.Constant(i64, LANES * v))), align=4) for v in range(vectors)]
-            updated = []
-            for i in range(rows):
-                weight_index = builder.add(builder.add(
-                    w_start, builder.mul(w_row_stride, ir.Constant(i64, i))), key)
-                weight = builder.load(builder.gep(w_data, [weight_index]))
-                lanes = builder.insert_element(undefined, weight, ir.Constant(ir.IntType(32), 0))
-                broadcast = builder.shuffle_vector(lanes, undefined, splat)
-                updated.append([builder.call(fma, [broadcast, value_vectors[v], sums[i][v]])
-                                for v in range(vectors)])
-            next_key = builder.add(key, ir.Constant(i64, 1))
-            last = builder.basic_block
-            key.add_incoming(next_key, last)
-            for row, new_row in zip(sums, updated):
-                for vector, new in zip(row, new_row):
-                    vector.add_incoming(new, last)
-            builder.cbranch(builder.icmp_signed("<", next_key, n_keys), loop, done)
-
-            builder.position_at_end(done)
-            results = []  # every phi first: LLVM wants them at the top of the block
-            for i in range(rows):
-                for v in range(vectors):
-                    result = builder.phi(_F32X16)
-                    result.add_incoming(zero, entry)
-                    result.add_incoming(updated[i][v], last)
-                    results.append(result)
+            results = carried_loop(builder, n_keys, [zero] * (rows * vectors), step)
             for index, result in enumerate(results):
                 i, v = divmod(index, vectors)
                 row_start = builder.add(out_start, builder.mul(out_row_stride,
@@ -124,6 +105,20 @@ def _element_stride(array, axis):
 
 
 @njit
+def _row_block(pair, wide, *arguments):
+    """The block of two rows or one, of 64 columns or 16, at `arguments`' place."""
+    if pair:
+        if wide:
+            _two_rows_64(*arguments)
+        else:
+            _two_rows_16(*arguments)
+    elif wide:
+        _one_row_64(*arguments)
+    else:
+        _one_row_16(*arguments)
+
+
+@njit
 def weights_times_values(weights, values, out):
     """``out = weights @ values`` for float32 arrays whose last axes are contiguous: blocks
     of rows x 64 and x 16 columns in registers, the last columns (under 16) as plain loops."""
@@ -132,21 +127,12 @@ def weights_times_values(weights, values, out):
     out_stride = _element_stride(out, 0)
     wide = width // 64 * 64
     narrow = width // LANES * LANES
-    n_pairs = n_rows // 2 * 2
-    for r in range(0, n_pairs, 2):
-        for c in range(0, wide, 64):
-            _two_rows_64(out, r * out_stride + c, out_stride, weights, r * w_stride, w_stride,
-                         values, c, v_stride, n_keys)
-        for c in range(wide, narrow, LANES):
-            _two_rows_16(out, r * out_stride + c, out_stride, weights, r * w_stride, w_stride,
-                         values, c, v_stride, n_keys)
-    for r in range(n_pairs, n_rows):
-        for c in range(0, wide, 64):
-            _one_row_64(out, r * out_stride + c, out_stride, weights, r * w_stride, w_stride,
-                        values, c, v_stride, n_keys)
-        for c in range(wide, narrow, LANES):
-            _one_row_16(out, r * out_stride + c, out_stride, weights, r * w_stride, w_stride,
-                        values, c, v_stride, n_keys)
+    for r in range(0, n_rows, 2):
+        for c in range(0, narrow, LANES):
+            if c < wide and c % 64 != 0:
+                continue  # inside a block of 64 columns
+            _row_block(r + 1 < n_rows, c < wide, out, r * out_stride + c, out_stride,
+                       weights, r * w_stride, w_stride, values, c, v_stride, n_keys)
     for r in range(n_rows):
         for c in range(narrow, width):
             total = out.dtype.type(0.0)
