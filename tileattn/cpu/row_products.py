@@ -120,22 +120,16 @@ def _row_block(pair, wide, *arguments):
 
 @njit
 def weights_times_values(weights, values, out):
-    """``out = weights @ values`` for float32 arrays whose last axes are contiguous: blocks
-    of rows x 64 and x 16 columns in registers, the last columns (under 16) as plain loops."""
+    """``out = weights @ values`` for float32 arrays whose last axes are contiguous, in
+    blocks of rows x 64 and x 16 columns in registers: the first ``width // LANES * LANES``
+    columns (the caller computes any others)."""
     n_rows, n_keys, width = weights.shape[0], values.shape[0], values.shape[1]
     w_stride, v_stride = _element_stride(weights, 0), _element_stride(values, 0)
     out_stride = _element_stride(out, 0)
     wide = width // 64 * 64
-    narrow = width // LANES * LANES
     for r in range(0, n_rows, 2):
-        for c in range(0, narrow, LANES):
+        for c in range(0, width // LANES * LANES, LANES):
             if c < wide and c % 64 != 0:
                 continue  # inside a block of 64 columns
             _row_block(r + 1 < n_rows, c < wide, out, r * out_stride + c, out_stride,
                        weights, r * w_stride, w_stride, values, c, v_stride, n_keys)
-    for r in range(n_rows):
-        for c in range(narrow, width):
-            total = out.dtype.type(0.0)
-            for j in range(n_keys):
-                total += weights[r, j] * values[j, c]
-            out[r, c] = total
