@@ -5,10 +5,11 @@ rows. Written as Numba loops, each pass over an output row loads and stores that
 (LLVM cannot keep a row's sums in registers across the key loop: it does not vectorise
 chains of scalar sums carried by a loop, and it cannot prove that the output and the values
 never overlap), so one row ran at ~30 GFLOP/s on a Zen 4 core, a third of its multiply-add
-rate. Here a micro-kernel written as LLVM IR (as `bf16_products`' is) keeps a block of
-ROWS x 64 sums in 16-lane vectors for the whole key loop: each key loads 64 values once for
-the block's rows, broadcasts each row's weight, and adds with fused multiply-adds; the sums
-are stored once at the end. Each output element is the sum over the keys in key order.
+rate. Here a micro-kernel written as LLVM IR (as `bf16_products`' is) keeps a block of two
+rows x 64 columns of sums in 16-lane vectors for the whole key loop: each key loads 64
+values once for both rows, broadcasts each row's weight, and adds with fused multiply-adds;
+the sums are stored once at the end. Each output element is the sum over the keys in key
+order. `decode_kernel` chooses where these blocks or its loops run.
 """
 
 from __future__ import annotations
