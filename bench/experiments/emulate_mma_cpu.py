@@ -199,19 +199,30 @@ inline void wgmma_ss_tf32_emulated(float (&d)[Frags][4], u64 a, u64 b, int accum
     wgmma_tf32_emulated(d, [&](int row, int k) { return wgmma_operand(a, row, k); }, b,
                         accumulate);
 }
-// A from registers: lane 4 g + t holds rows g, g + 8 at k = t, t + 4 (the warp's 16 rows).
-template <int Frags>
-inline void wgmma_rs_tf32_emulated(float (&d)[Frags][4], const u32 (&a)[4], u64 b,
-                                   int accumulate) {
+// A wgmma's A operand from registers: each lane of the warp publishes its four words, and
+// `product(words_of)` runs with words_of(r, column) the words of the lane holding row r
+// (of the warp's 16) in that column group of four lanes.
+template <class Product>
+inline void with_register_a(const u32 (&a)[4], Product product) {
     const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
     for (int i = 0; i < 4; ++i) g_words[threadIdx.x][i] = a[i];
     __syncwarp();
     const int warp_row0 = ((threadIdx.x % 128) / 32) * 16;
-    wgmma_tf32_emulated(d, [&](int row, int k) {
-        const int r = row - warp_row0;
-        return tf32_of(g_words[warp0 + (r % 8) * 4 + k % 4][(r >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
-    }, b, accumulate);
+    product([&](int row, int column) -> const u32* {
+        return g_words[warp0 + ((row - warp_row0) % 8) * 4 + column];
+    }, warp_row0);
     __syncwarp();
+}
+// A from registers: lane 4 g + t holds rows g, g + 8 at k = t, t + 4 (the warp's 16 rows).
+template <int Frags>
+inline void wgmma_rs_tf32_emulated(float (&d)[Frags][4], const u32 (&a)[4], u64 b,
+                                   int accumulate) {
+    with_register_a(a, [&](auto words_of, int warp_row0) {
+        wgmma_tf32_emulated(d, [&](int row, int k) {
+            const int r = row - warp_row0;
+            return tf32_of(words_of(row, k % 4)[(r >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
+        }, b, accumulate);
+    });
 }
 // wgmma on 16-bit operands (wgmma.cuh), computed at issue like the TF32 ones: element
 // (row, k) of a K-major operand (a 16-element K slice contiguous in each row), and element
@@ -280,16 +291,13 @@ inline void wgmma16_emulated(float (&d)[Frags][4], AOf a, BOf b, int accumulate)
 template <class BOf, int Frags>
 inline void wgmma16_rs_emulated(float (&d)[Frags][4], const u32 (&a)[4], BOf b,
                                 int accumulate) {
-    const unsigned lane = threadIdx.x % 32, warp0 = threadIdx.x - lane;
-    for (int i = 0; i < 4; ++i) g_words[threadIdx.x][i] = a[i];
-    __syncwarp();
-    const int warp_row0 = ((threadIdx.x % 128) / 32) * 16;
-    wgmma16_emulated(d, [&](int row, int k) {
-        const int r = row - warp_row0;
-        const u32* words = g_words[warp0 + (r % 8) * 4 + (k % 8) / 2];
-        return half_of(words[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2);
-    }, b, accumulate);
-    __syncwarp();
+    with_register_a(a, [&](auto words_of, int warp_row0) {
+        wgmma16_emulated(d, [&](int row, int k) {
+            const int r = row - warp_row0;
+            return half_of(words_of(row, (k % 8) / 2)[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)],
+                           k % 2);
+        }, b, accumulate);
+    });
 }
 // c += A (16 x 16, row) B (16 x 8, col); lane l = 4 g + t holds A rows g, g + 8 at columns
 // 2t, 2t + 1 (+ 8), B columns g at rows 2t, 2t + 1 (+ 8), C rows g, g + 8 at columns 2t, 2t + 1.
