@@ -595,13 +595,8 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows(dims, dtype, group, opt
 
     monkeypatch.setattr(gpu_tiles, "FOLD_MIN_WAVE", 0.0)
     dtype = _half_dtype(dtype)
-    q, k, v = _fold_inputs(dims, dtype, group, 1, options)
-    expected_o, expected_lse = _golden(q, k, v, **options)
-    planned = _folded_plans()
-    for call, o, lse in _calls_into_nan_buffers((q, k, v), dtype, layout, options):
-        assert_attention_close(o, expected_o, dtype, name=f"o ({call} call)")
-        assert_attention_close(lse, expected_lse, dtype, name=f"lse ({call} call)")
-        folded = _folded_plans() - planned
+    arrays = _fold_inputs(dims, dtype, group, 1, options)
+    for folded in _checked_calls(arrays, dtype, layout, options):
         assert len(folded) == 1 and _PLANS[folded.pop()].launches[0] is not None
 
 
@@ -610,6 +605,17 @@ def _half_dtype(name: str):
     if dtype is None:
         pytest.skip("no bfloat16 type")
     return dtype
+
+
+def _checked_calls(arrays, dtype, layout: str, options: dict):
+    """`_calls_into_nan_buffers`, each call's o and lse against the golden model: yields,
+    after each call, the folded plans made since the first call began."""
+    expected_o, expected_lse = _golden(*arrays, **options)
+    planned = _folded_plans()
+    for call, o, lse in _calls_into_nan_buffers(arrays, dtype, layout, options):
+        assert_attention_close(o, expected_o, dtype, name=f"o ({call} call)")
+        assert_attention_close(lse, expected_lse, dtype, name=f"lse ({call} call)")
+        yield _folded_plans() - planned
 
 
 def _folded_plans() -> set:
@@ -657,13 +663,8 @@ def test_many_packed_rows_fold_onto_the_wgmma_prefill(dims, dtype, group, n_q, o
     monkeypatch.setattr(gpu_tiles, "FOLD_MIN_WAVE", 0.0)
     monkeypatch.setattr(gpu_tiles, "FOLD_DECODE_ENABLED", True)
     dtype = _half_dtype(dtype)
-    q, k, v = _fold_inputs(dims, dtype, group, n_q, options)
-    expected_o, expected_lse = _golden(q, k, v, **options)
-    planned = _folded_plans()
-    for call, o, lse in _calls_into_nan_buffers((q, k, v), dtype, layout, options):
-        assert_attention_close(o, expected_o, dtype, name=f"o ({call} call)")
-        assert_attention_close(lse, expected_lse, dtype, name=f"lse ({call} call)")
-    folded = _folded_plans() - planned
+    arrays = _fold_inputs(dims, dtype, group, n_q, options)
+    folded = list(_checked_calls(arrays, dtype, layout, options))[-1]
     if layout == "bshd" and n_q > 1:
         assert not folded, folded
     else:
