@@ -609,6 +609,28 @@ def _forward_outputs(q, value_dim: int, sequence_first_o: bool, dtype, lse_dtype
             np.full((batch, n_q_heads, n_q), np.nan, lse_dtype))
 
 
+def _run_forward(lib, q, k, v, options, operands: tuple, block_q: int, shared: int,
+                 sequence_first_o: bool) -> tuple:
+    """o and lse of a forward built with RUNNER's entry (`lib`) on host arrays: outputs as
+    `_forward_outputs` makes them (o in q's dtype, lse and the score reals in float64 for
+    float64, else float32), `operands` the band, reals and bits of `score_operands`, one
+    block per query tile of each head, `shared` bytes of shared memory."""
+    batch, n_q_heads, n_q = q.shape[:3]
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    band, reals, bits = operands
+    accum = np.float64 if q.dtype == np.float64 else np.float32
+    o, lse = _forward_outputs(q, value_dim, sequence_first_o, q.dtype, accum)
+    slopes = _slopes(options)
+    strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
+    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    lib.run.restype = None
+    lib.run(*(pointer(a) for a in (q, k, v, o, lse, slopes)), ctypes.c_int64(n_q),
+            ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(n_q_heads // n_kv_heads),
+            pointer(strides), pointer(reals.astype(accum)), pointer(band), pointer(bits),
+            ctypes.c_int(batch * n_q_heads * -(-n_q // block_q)), ctypes.c_int(shared))
+    return o, lse
+
+
 def library(defines: dict, source_name: str = "attention_mma_forward.cu",
             runner: str = RUNNER) -> ctypes.CDLL:
     key = tuple(sorted(defines.items())) + (source_name,)
@@ -633,29 +655,18 @@ def library(defines: dict, source_name: str = "attention_mma_forward.cu",
 def emulate(q, k, v, tiles: MmaTiles, sequence_first_o: bool, **kwargs):
     """o and lse of attention_forward_mma for host 16-bit arrays (rows contiguous)."""
     options = resolved(q, k, v, **kwargs)
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    n_q, head_dim = q.shape[2:]
+    n_k, value_dim = k.shape[2], v.shape[3]
     switches, band, reals, bits = score_operands(options, n_q, n_k)
-    reals = reals.astype(np.float32)
     is_bfloat16 = q.dtype.name == "bfloat16"
     defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
                    BLOCK_Q=tiles.block_q, BLOCK_K=tiles.block_k, WARP_ROWS=tiles.warp_rows,
                    Q_IN_REGISTERS=int(tiles.q_in_registers), IS_BFLOAT16=int(is_bfloat16),
                    DEFERRED_COPIES=1, STRIDED_OUT=int(sequence_first_o), **switches)
-    run = library(defines).run
-    run.restype = None
-    o, lse = _forward_outputs(q, value_dim, sequence_first_o, q.dtype, np.float32)
-    slopes = _slopes(options)
-    strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
-    shared = tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16))
-    blocks = batch * n_q_heads * -(-n_q // tiles.block_q)
-    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
-    run(pointer(q), pointer(k), pointer(v), pointer(o), pointer(lse), pointer(slopes),
-        ctypes.c_int64(n_q), ctypes.c_int64(n_k), ctypes.c_int(n_q_heads),
-        ctypes.c_int(n_q_heads // n_kv_heads), pointer(strides), pointer(reals), pointer(band),
-        pointer(bits), ctypes.c_int(blocks), ctypes.c_int(shared))
-    return o, lse
+    return _run_forward(library(defines), q, k, v, options, (band, reals, bits), tiles.block_q,
+                        tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16)),
+                        sequence_first_o)
 
 
 def emulate_backward(do, q, k, v, o, lse, tiles: MmaBackwardTiles, sequence_first: bool,
@@ -1165,8 +1176,8 @@ def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: b
     """o and lse of attention_forward_tf32 (3xTF32, float32), or of
     attention_forward_tf32_wgmma for `Tf32WgmmaTiles`, for host float32 arrays."""
     options = resolved(q, k, v, **kwargs)
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    n_q, head_dim = q.shape[2:]
+    n_k, value_dim = k.shape[2], v.shape[3]
     switches, band, reals, bits = score_operands(options, n_q, n_k)
     defines = dict(STORAGE="float", ACCUM="float", HEAD_DIM=head_dim, VALUE_DIM=value_dim,
                    COPY_BYTES=16 if head_dim % 4 == 0 else 4, BLOCK_Q=tiles.block_q,
@@ -1177,17 +1188,9 @@ def emulate_tf32(q, k, v, tiles: Tf32Tiles | Tf32WgmmaTiles, sequence_first_o: b
     else:
         lib = library(dict(defines, WARP_ROWS=tiles.warp_rows), "attention_tf32_forward.cu",
                       TF32_RUNNER)
-    o, lse = _forward_outputs(q, value_dim, sequence_first_o, np.float32, np.float32)
-    slopes = _slopes(options)
-    strides = np.array([s // 4 for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
-    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
-    lib.run.restype = None
-    lib.run(*(pointer(a) for a in (q, k, v, o, lse, slopes)), ctypes.c_int64(n_q),
-            ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(n_q_heads // n_kv_heads),
-            pointer(strides), pointer(reals.astype(np.float32)), pointer(band), pointer(bits),
-            ctypes.c_int(batch * n_q_heads * -(-n_q // tiles.block_q)),
-            ctypes.c_int(tiles.shared_bytes(Widths.padded(head_dim, value_dim, 8))))
-    return o, lse
+    return _run_forward(lib, q, k, v, options, (band, reals, bits), tiles.block_q,
+                        tiles.shared_bytes(Widths.padded(head_dim, value_dim, 8)),
+                        sequence_first_o)
 
 
 # The Hopper 16-bit forward takes the mma.sync forward's arguments.
@@ -1201,8 +1204,8 @@ def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool,
     (the latest and the earliest a GPU may land them: a tile read before its wait, or a
     buffer refilled while a deferred wgmma still has to read it, then gives NaN)."""
     options = resolved(q, k, v, **kwargs)
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    n_q, head_dim = q.shape[2:]
+    n_k, value_dim = k.shape[2], v.shape[3]
     switches, band, reals, bits = score_operands(options, n_q, n_k)
     defines = dict(STORAGE=STORAGE[q.dtype.name], ACCUM="float", HEAD_DIM=head_dim,
                    VALUE_DIM=value_dim, COPY_BYTES=16 if head_dim % 8 == 0 else 2,
@@ -1212,25 +1215,17 @@ def emulate_wgmma(q, k, v, tiles: WgmmaTiles, sequence_first_o: bool,
                    DEFERRED_COPIES=int(not copies_at_issue),
                    STRIDED_OUT=int(sequence_first_o), **switches)
     lib = library(defines, "attention_wgmma_forward.cu", WGMMA_RUNNER)
-    o, lse = _forward_outputs(q, value_dim, sequence_first_o, q.dtype, np.float32)
-    slopes = _slopes(options)
-    strides = np.array([s // a.itemsize for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
-    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
-    lib.run.restype = None
-    lib.run(*(pointer(a) for a in (q, k, v, o, lse, slopes)), ctypes.c_int64(n_q),
-            ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(n_q_heads // n_kv_heads),
-            pointer(strides), pointer(reals.astype(np.float32)), pointer(band), pointer(bits),
-            ctypes.c_int(batch * n_q_heads * -(-n_q // tiles.block_q)),
-            ctypes.c_int(tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16))))
-    return o, lse
+    return _run_forward(lib, q, k, v, options, (band, reals, bits), tiles.block_q,
+                        tiles.shared_bytes(Widths.padded(head_dim, value_dim, 16)),
+                        sequence_first_o)
 
 
 def emulate_f64(q, k, v, tiles: F64Tiles, sequence_first_o: bool, **kwargs):
     """o and lse of attention_forward_f64 (attention_tf32_forward.cu with IS_FLOAT64: m16n8k8
     products in doubles) for host float64 arrays."""
     options = resolved(q, k, v, **kwargs)
-    batch, n_q_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    n_q, head_dim = q.shape[2:]
+    n_k, value_dim = k.shape[2], v.shape[3]
     switches, band, reals, bits = score_operands(options, n_q, n_k)
     defines = dict(STORAGE="double", ACCUM="double", HEAD_DIM=head_dim, VALUE_DIM=value_dim,
                    COPY_BYTES=16 if head_dim % 2 == 0 else 8, BLOCK_Q=tiles.block_q,
@@ -1238,17 +1233,9 @@ def emulate_f64(q, k, v, tiles: F64Tiles, sequence_first_o: bool, **kwargs):
                    WARP_ROWS=tiles.warp_rows, DEFERRED_COPIES=1,
                    STRIDED_OUT=int(sequence_first_o), **switches)
     lib = library(defines, "attention_tf32_forward.cu", F64_RUNNER)
-    o, lse = _forward_outputs(q, value_dim, sequence_first_o, np.float64, np.float64)
-    slopes = _slopes(options)
-    strides = np.array([s // 8 for a in (q, k, v, o) for s in a.strides[:3]], np.int64)
-    pointer = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
-    lib.run.restype = None
-    lib.run(*(pointer(a) for a in (q, k, v, o, lse, slopes)), ctypes.c_int64(n_q),
-            ctypes.c_int64(n_k), ctypes.c_int(n_q_heads), ctypes.c_int(n_q_heads // n_kv_heads),
-            pointer(strides), pointer(reals.astype(np.float64)), pointer(band), pointer(bits),
-            ctypes.c_int(batch * n_q_heads * -(-n_q // tiles.block_q)),
-            ctypes.c_int(tiles.shared_bytes(Widths.padded(head_dim, value_dim, 8))))
-    return o, lse
+    return _run_forward(lib, q, k, v, options, (band, reals, bits), tiles.block_q,
+                        tiles.shared_bytes(Widths.padded(head_dim, value_dim, 8)),
+                        sequence_first_o)
 
 
 # float64's forward on FP64 tensor cores: its table's rows (smaller ones too, for more
