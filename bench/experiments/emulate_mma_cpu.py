@@ -180,19 +180,23 @@ inline float wgmma_operand(u64 descriptor, int row, int k) {
     return tf32_of(shared_word(physical));
 }
 // d (64 x N per warpgroup, each warp's 16 rows in the m16n8 accumulator layout) = A B
-// (+ d when `accumulate`) over K = 8; A(row, k) from a(row, k), B(k, n) from B's K-major
-// descriptor.
-template <int Frags, class AOf>
-inline void wgmma_tf32_emulated(float (&d)[Frags][4], AOf a, u64 b, int accumulate) {
+// (+ d when `accumulate`) over K = Depth; A(row, k) from a(row, k), B(k, n) from b(k, n).
+template <int Depth, int Frags, class AOf, class BOf>
+inline void wgmma_emulated(float (&d)[Frags][4], AOf a, BOf b, int accumulate) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int row0 = ((threadIdx.x % 128) / 32) * 16 + g;
     for (int j = 0; j < Frags; ++j)
         for (int e = 0; e < 4; ++e) {
             const int row = row0 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e % 2);
             float sum = accumulate ? d[j][e] : 0.0f;
-            for (int k = 0; k < 8; ++k) sum += a(row, k) * wgmma_operand(b, col, k);
+            for (int k = 0; k < Depth; ++k) sum += a(row, k) * b(k, col);
             d[j][e] = sum;
         }
+}
+// The tf32 product over K = 8, B from its K-major descriptor.
+template <int Frags, class AOf>
+inline void wgmma_tf32_emulated(float (&d)[Frags][4], AOf a, u64 b, int accumulate) {
+    wgmma_emulated<8>(d, a, [&](int k, int n) { return wgmma_operand(b, n, k); }, accumulate);
 }
 template <int Frags>
 inline void wgmma_ss_tf32_emulated(float (&d)[Frags][4], u64 a, u64 b, int accumulate) {
@@ -272,27 +276,13 @@ inline void wgmma_wait_emulated(int pending) {
         g_wgmma_groups.erase(g_wgmma_groups.begin());
     }
 }
-// d (64 x N per warpgroup, each warp's 16 rows in the m16n8 accumulator layout) = A B
-// (+ d when `accumulate`) over K = 16; A(row, k) from a(row, k), B(k, n) from b(k, n).
-template <int Frags, class AOf, class BOf>
-inline void wgmma16_emulated(float (&d)[Frags][4], AOf a, BOf b, int accumulate) {
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int row0 = ((threadIdx.x % 128) / 32) * 16 + g;
-    for (int j = 0; j < Frags; ++j)
-        for (int e = 0; e < 4; ++e) {
-            const int row = row0 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e % 2);
-            float sum = accumulate ? d[j][e] : 0.0f;
-            for (int k = 0; k < 16; ++k) sum += a(row, k) * b(k, col);
-            d[j][e] = sum;
-        }
-}
 // A from registers: lane 4 g + t holds rows g, g + 8 at k = 2t, 2t + 1 and 2t + 8, 2t + 9
 // (the warp's 16 rows, mma.sync's m16n8k16 A layout).
 template <class BOf, int Frags>
 inline void wgmma16_rs_emulated(float (&d)[Frags][4], const u32 (&a)[4], BOf b,
                                 int accumulate) {
     with_register_a(a, [&](auto words_of, int warp_row0) {
-        wgmma16_emulated(d, [&](int row, int k) {
+        wgmma_emulated<16>(d, [&](int row, int k) {
             const int r = row - warp_row0;
             return half_of(words_of(row, (k % 8) / 2)[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)],
                            k % 2);
@@ -395,13 +385,13 @@ MORE_PATCHES = [
     (r"template <int N>\s*__device__ __forceinline__ void wgmma_ss\(float \(&d\)\[N / 8\]\[4\], "
      r"u64 a, u64 b, int accumulate\);",
      "template <int N> inline void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) "
-     "{ wgmma_deferred([&d, a, b, accumulate] { wgmma16_emulated(d, [&](int row, int k) { "
+     "{ wgmma_deferred([&d, a, b, accumulate] { wgmma_emulated<16>(d, [&](int row, int k) { "
      "return wgmma_operand16(a, row, k); }, [&](int k, int n) { return wgmma_operand16(b, n, k); "
      "}, accumulate); }); }"),
     (r"template <int N>\s*__device__ __forceinline__ void wgmma_ss_transposed\(float \(&d\)"
      r"\[N / 8\]\[4\], u64 a, u64 b,\s*int accumulate\);",
      "template <int N> inline void wgmma_ss_transposed(float (&d)[N / 8][4], u64 a, u64 b, "
-     "int accumulate) { wgmma_deferred([&d, a, b, accumulate] { wgmma16_emulated(d, "
+     "int accumulate) { wgmma_deferred([&d, a, b, accumulate] { wgmma_emulated<16>(d, "
      "[&](int row, int k) { return wgmma_operand16_mn(a, k, row); }, [&](int k, int n) { "
      "return wgmma_operand16_mn(b, k, n); }, accumulate); }); }"),
     (r"template <int N>\s*__device__ __forceinline__ void wgmma_rs_transposed_b\(float \(&d\)"
