@@ -643,7 +643,7 @@ FOLD_DECODE_CASES = [((128, 128), "float16", 64, 1, {"causal": True}),
                      ((64, 64), "bfloat16", 8, 8, {}),
                      ((256, 256), "float16", 8, 8, {"softcap": 20.0}),
                      ((128, 128), "bfloat16", 16, 4, {"softcap": 20.0}),
-                     ((96, 80), "float16", 16, 4, {})]
+                     ((128, 80), "float16", 16, 4, {})]
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

@@ -772,6 +772,36 @@ def test_wide_gqa_decode_folds_its_group_into_query_rows():
     assert tiles.fold_value_slices(64) == ((0, 64),)
 
 
+def test_many_packed_decode_rows_fold_only_at_the_widths_that_win():
+    """A GQA decode of 64 packed rows (B 8, 8 query heads over one K/V head, Nq 8) folds
+    onto the wgmma prefill at head dims padded to 64, 128 or 256 (FOLD_DECODE_TILES); dims
+    padded to 80-112 stay on the decode kernel, which read their K and V faster; sm_80 has
+    no wgmma to fold onto."""
+    def folded(head_dim, value_dim, rows=64, **device):
+        problem = Problem(dtype="float16", head_dim=head_dim, value_dim=value_dim,
+                          n_k=131072, query_heads=8, n_q=rows, multiprocessors=132,
+                          **(device or H100))
+        shape = tiles.DecodeShape(n_q=rows, group=1, batch_kv_heads=8, batch_q_heads=8,
+                                  band_keys=131072, sm_count=132)
+        return tiles.folded_choice(problem, shape, True)
+
+    for dims in ((72, 72), (80, 80), (96, 96), (112, 112), (96, 64), (64, 112)):
+        assert folded(*dims) is None, dims
+    expected = {(64, 64): (64, 128, False), (48, 40): (64, 128, False),
+                (128, 128): (64, 128, True), (128, 96): (64, 64, False),
+                (120, 128): (64, 128, True), (256, 256): (64, 32, False),
+                (192, 128): (64, 32, False)}
+    for dims, (block_q, block_k, overlap) in expected.items():
+        choice = folded(*dims)
+        assert choice.family == "wgmma" and "folded" in choice.note, (dims, choice)
+        assert (choice.tiles.block_q, choice.tiles.block_k, choice.tiles.overlap) == \
+            (block_q, block_k, overlap), (dims, choice)
+        assert 1 < choice.key_splits <= tiles.FOLD_DECODE_MAX_SPLITS, (dims, choice)
+    # Above 64 rows D 128 leaves the overlapped tiles for two blocks of 64 keys an SM.
+    assert folded(128, 128, rows=128).tiles.block_k == 64
+    assert folded(128, 128, **A100) is None
+
+
 def test_float32_over_few_keys_takes_64_row_tiles():
     """float32 over at most 128 keys (short sequences at large batches, windows of a few
     dozen tokens): 64-row tiles, forward on wgmma (sm_90) or mma.sync (sm_80), and both

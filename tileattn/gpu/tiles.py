@@ -1630,10 +1630,13 @@ FOLD_DECODE_MAX_SPLITS = 32
 # (widest padded head dim, most folded rows, tiles), the first that holds the problem; at
 # D 128 the overlapped schedule (one block an SM, 128 keys a tile) wins at 64 rows, two
 # blocks of 64 keys at 128 rows (twice the row tiles fill the SMs with fewer key shares).
+# Dims padded to 80-112 stay on the decode (no tiles): at 320-448 MiB (B8 H8/1 Nq8 Nk128k)
+# the decode ran 110 / 122 / 135 us at D 80 / 96 / 112, the best fold 123 / 120 / 161.
 # An overlapped row serves only head dims and value dims both padded to its width: ptxas
 # spills 4-144 bytes of its registers at 96 or 112 wide dims (beside 128 too), and an
 # overlapped kernel must not spill, its accumulators being written by wgmma in flight.
 FOLD_DECODE_TILES = ((64, None, WgmmaTiles(64, 128, 2, 2)),
+                     (112, None, None),
                      (128, 64, WgmmaTiles(64, 128, 3, 1, overlap=True)),
                      (128, None, WgmmaTiles(64, 64, 3, 2)),
                      (256, None, WgmmaTiles(64, 32, 2, 2)))
@@ -1651,11 +1654,11 @@ def folds_decode_rows(dtype: str, head_dim: int, value_dim: int, n_q: int, group
             and max(head_dim, value_dim) <= MAX_TENSOR_CORE_DIM)
 
 
-def _fold_decode_tiles(problem: Problem, rows: int) -> WgmmaTiles:
+def _fold_decode_tiles(problem: Problem, rows: int) -> WgmmaTiles | None:
     dims = (padded(problem.head_dim, 16), padded(problem.value_dim, 16))
     return next(tiles for width, most_rows, tiles in FOLD_DECODE_TILES
                 if max(dims) <= width and (most_rows is None or rows <= most_rows)
-                and (not tiles.overlap or dims == (width, width)))
+                and (tiles is None or not tiles.overlap or dims == (width, width)))
 
 
 def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice | None:
@@ -1665,10 +1668,11 @@ def folded_choice(problem: Problem, shape: DecodeShape, decodes: bool) -> Choice
     kernel) and the folded grid, key shares included, fills under FOLD_MIN_WAVE of a wave.
     Head dims the tensor-core decode serves take FOLD_DECODE_TILES on sm_90."""
     if max(problem.head_dim, problem.value_dim) <= MAX_TENSOR_CORE_DIM:
-        if problem.capability < 90:
+        fold_tiles = _fold_decode_tiles(problem, shape.n_q) if problem.capability >= 90 else None
+        if fold_tiles is None:
             return None
-        choice = with_key_splits(Choice("wgmma", _fold_decode_tiles(problem, shape.n_q),
-                                        "FOLD_DECODE_TILES"), shape, FOLD_DECODE_MAX_SPLITS)
+        choice = with_key_splits(Choice("wgmma", fold_tiles, "FOLD_DECODE_TILES"), shape,
+                                 FOLD_DECODE_MAX_SPLITS)
     else:
         choice = with_key_splits(choose_forward(problem), shape, FOLD_MAX_SPLITS)
     if choice.family not in ("wgmma", "mma"):
