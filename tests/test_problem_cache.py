@@ -217,6 +217,60 @@ def test_calls_it_does_not_remember_are_validated_each_time(validations):
     assert len(calls) == 8
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_repeated_dense_forwards_go_straight_to_the_backend(backend, monkeypatch):
+    """A repeated forward of 4-D "bhsd" NumPy arrays without buffers or lengths hands its
+    arrays and the remembered options to the backend (`problem_cache.dense_call`), past
+    `api.run_forward`: the same o and lse as a fresh call, the inputs untouched, and the
+    backend's errors still raised. Calls with buffers, other layouts and empty problems
+    keep the way through `run_forward`."""
+    from tileattn import api
+
+    through = []
+    run_forward = api.run_forward
+    monkeypatch.setattr(api, "run_forward",
+                        lambda problem, name: through.append(1) or run_forward(problem, name))
+    q, k, v = _arrays((2, 4, 3, 16), (2, 2, 9, 16), seed=3)
+    problem_cache._PROBLEMS.clear()
+    tileattn.forward(q, k, v, causal=True, backend=backend)
+    assert len(through) == 1
+    for seed in (4, 5):
+        q2, k2, v2 = _arrays((2, 4, 3, 16), (2, 2, 9, 16), seed=seed)
+        kept = [a.copy() for a in (q2, k2, v2)]
+        o, lse = tileattn.forward(q2, k2, v2, causal=True, backend=backend, return_lse=True)
+        assert len(through) == 1
+        for array, copy in zip((q2, k2, v2), kept):
+            np.testing.assert_array_equal(array, copy)
+        problem_cache._PROBLEMS.clear()
+        fresh_o, fresh_lse = tileattn.forward(q2, k2, v2, causal=True, backend=backend,
+                                              return_lse=True)
+        assert len(through) == 2
+        through.clear()
+        through.append(1)
+        np.testing.assert_array_equal(o, fresh_o)
+        np.testing.assert_array_equal(lse, fresh_lse)
+        assert o.shape == (2, 4, 3, 16) and lse.shape == (2, 4, 3)
+    for other in ("gpu", "tpu"):  # the errors of a fresh call: GPU memory, or no CuPy
+        raised = []
+        for remembered in (True, False):
+            if not remembered:
+                problem_cache._PROBLEMS.clear()
+            with pytest.raises((ValueError, tileattn.BackendUnavailableError)) as error:
+                tileattn.forward(q, k, v, causal=True, backend=other)
+            raised.append((error.type, str(error.value)))
+        assert raised[0] == raised[1]
+    through.clear()
+    others = [((q, k, v), {"out": np.empty_like(q)}),
+              ((q, k, v), {"lse_out": np.empty(q.shape[:3], np.float32)}),
+              (tuple(a.swapaxes(1, 2) for a in (q, k, v)), {"layout": "bshd"}),
+              ((q[0, 0], k[0, 0], v[0, 0]), {}),
+              ((q[:, :, :0], k, v), {})]
+    for arrays, keywords in others:
+        for _ in range(2):
+            tileattn.forward(*arrays, causal=True, backend=backend, **keywords)
+    assert len(through) == 2 * len(others)
+
+
 def test_host_torch_tensors_are_remembered_and_get_tensors_back(validations):
     torch = pytest.importorskip("torch")
     calls = validations.calls

@@ -124,24 +124,55 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
                               varlen, check_lengths)
 
 
+def dense_call(arrays_in: tuple, options: tuple, layout="bhsd", check_lengths=True):
+    """For a call without lengths or output buffers (what `tileattn.forward` makes of most
+    calls): ``(natives, key, as_given)``, where `as_given` is the problem remembered under
+    `key` when the backends read the caller's arrays themselves and it is not empty, so
+    that the caller may pass `natives` and ``as_given.options`` to its backend directly,
+    skipping what `remembered_problem` and `api.run_forward` add on the way (~3 us of a
+    small call's ~15 on the 2-core development host, bench/NOTES-cpu.md, session 41);
+    else None, and ``(natives, key)`` go to `remembered_problem` as `dense`, which then
+    need not make them again. `key` is None where such calls are not remembered."""
+    natives = _natives(arrays_in)
+    if natives is None or options[_ALIBI] is not None:
+        return natives, None, None
+    key = _signature(arrays_in, natives, len(arrays_in), layout, check_lengths, options,
+                     _DENSE_EXTRA)
+    try:
+        remembered = _PROBLEMS.get(key)
+    except TypeError:  # an option value that is not hashable, e.g. window given as a list
+        return natives, None, None
+    if remembered is None or not remembered[3]:
+        return natives, key, None
+    return natives, key, remembered[2]
+
+
+_DENSE_EXTRA = ((), None)  # `_signature`'s `extra` of a call without buffers or lengths
+
+
 def remembered_problem(arrays_in: tuple, options: tuple, layout="bhsd", outputs=None,
-                       varlen=None, check_lengths=True) -> Problem:
+                       varlen=None, check_lengths=True, dense=None) -> Problem:
     """`validate_call` of `arrays_in`, ``(q, k, v)`` or ``(q, k, v, do, o, lse)``, and the
     option values in `OPTION_NAMES` order: what `tileattn.forward` and `backward` call,
     since sixteen keywords, ten of them gathered into a dict, cost ~3 us a call on the
-    2-core development host (bench/NOTES-cpu.md, session 26)."""
-    lengths = None
-    if varlen is not None:
-        lengths = _lengths_signature(varlen)
-        if lengths is None:
-            return _validate(arrays_in, options, layout, outputs, varlen, check_lengths)
-    given = {name: b for name, b in outputs.items() if b is not None} if outputs else {}
-    every_array = arrays_in + tuple(given.values()) if given else arrays_in
-    natives = _natives(every_array)
-    key = None
-    if natives is not None and options[_ALIBI] is None:
-        key = _signature(every_array, natives, len(arrays_in), layout, check_lengths, options,
-                         (tuple(given), lengths))
+    2-core development host (bench/NOTES-cpu.md, session 26). `dense`: `dense_call`'s
+    ``(natives, key)`` of these arguments, where the caller asked it (no lengths or
+    buffers)."""
+    if dense is not None:
+        (natives, key), given = dense, {}
+    else:
+        lengths = None
+        if varlen is not None:
+            lengths = _lengths_signature(varlen)
+            if lengths is None:
+                return _validate(arrays_in, options, layout, outputs, varlen, check_lengths)
+        given = {name: b for name, b in outputs.items() if b is not None} if outputs else {}
+        every_array = arrays_in + tuple(given.values()) if given else arrays_in
+        natives = _natives(every_array)
+        key = None
+        if natives is not None and options[_ALIBI] is None:
+            key = _signature(every_array, natives, len(arrays_in), layout, check_lengths,
+                             options, (tuple(given), lengths))
     try:
         remembered = _PROBLEMS.get(key)
     except TypeError:  # an option value that is not hashable, e.g. window given as a list
@@ -152,7 +183,7 @@ def remembered_problem(arrays_in: tuple, options: tuple, layout="bhsd", outputs=
         if key is not None:
             _remember(key, problem, names, natives, tuple(given), varlen is None)
         return problem
-    batch, as_given, template = remembered
+    batch, as_given, template, _ = remembered
     named = dict(zip(names, natives))
     given = dict(zip(given, natives[len(named):]))
     layout_of = template.layout
@@ -200,8 +231,11 @@ def _remember(key, problem: Problem, names: tuple, natives: tuple, output_names:
                              for name, array in zip(names, natives)) and all(
         problem.outputs.get(name) is array
         for name, array in zip(output_names, natives[len(names):]))
+    # Last, whether `dense_call` may hand the template to the caller: its arrays read as
+    # they are, and the problem not empty (which `api.run_forward` answers itself).
     _PROBLEMS[key] = (problem.tensors["q"].shape[0], as_given,
-                      replace(problem, tensors={}, outputs={}))
+                      replace(problem, tensors={}, outputs={}),
+                      as_given and not output_names and not problem.is_empty)
 
 
 def _lengths_signature(varlen: dict) -> tuple | None:
