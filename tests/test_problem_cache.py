@@ -271,6 +271,36 @@ def test_repeated_dense_forwards_go_straight_to_the_backend(backend, monkeypatch
     assert len(through) == 2 * len(others)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_repeated_dense_backwards_go_straight_to_the_backend(backend, monkeypatch):
+    """As forwards do: a repeated backward of 4-D "bhsd" arrays without buffers skips
+    `api.run_backward`, with the gradients of a fresh call; with buffers it does not."""
+    from tileattn import api
+
+    through = []
+    run_backward = api.run_backward
+    monkeypatch.setattr(api, "run_backward",
+                        lambda problem, name: through.append(1) or run_backward(problem, name))
+    problem_cache._PROBLEMS.clear()
+    for seed in (6, 7, 8):
+        q, k, v = _arrays((1, 4, 5, 8), (1, 2, 7, 8), seed=seed)
+        o, lse = tileattn.forward(q, k, v, causal=True, backend=backend, return_lse=True)
+        do = np.random.default_rng(seed).standard_normal(o.shape).astype(np.float32)
+        grads = tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend)
+        assert len(through) == 1
+        problem_cache._PROBLEMS.clear()
+        fresh = tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend)
+        assert len(through) == 2
+        through.pop()
+        for got, expected in zip(grads, fresh):
+            np.testing.assert_array_equal(got, expected)
+    buffers = {"dk_out": np.empty_like(k)}
+    for _ in range(2):
+        tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend, **buffers)
+    assert len(through) == 3
+    np.testing.assert_array_equal(buffers["dk_out"], fresh[1])
+
+
 def test_host_torch_tensors_are_remembered_and_get_tensors_back(validations):
     torch = pytest.importorskip("torch")
     calls = validations.calls

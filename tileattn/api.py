@@ -123,6 +123,28 @@ def _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_tab
             "cu_seqlens_k": cu_seqlens_k, "block_table": block_table}
 
 
+def _straight_to_backend(function_name: str, arrays_in: tuple, options: tuple, layout,
+                         check_lengths, backend: str):
+    """A call without lengths or output buffers: ``(results, None)`` where the problem
+    cache remembers its signature with arrays the backend reads as they are
+    (`problem_cache.dense_call`), having run `function_name` on the backend as
+    `run_forward` or `run_backward` would, past their steps; else ``(None, dense)``, the
+    cache's ``(natives, key)`` for `remembered_problem`."""
+    natives, key, as_given = dense_call(arrays_in, options, layout, check_lengths)
+    if as_given is not None:
+        memory = as_given.layout.memory
+        module = _resolve_backend(backend, memory)
+        if module.MEMORY == memory:  # (not the golden model's host copies of CuPy arrays)
+            if function_name == "forward":
+                results = module.forward(*natives, as_given.options)
+            else:
+                q, k, v, do, o, lse = natives
+                results = module.backward(do, q, k, v, o, lse, as_given.options)
+            library = as_given.layout.library
+            return tuple(arrays.from_native(result, library) for result in results), None
+    return None, (natives, key)
+
+
 def run_forward(problem: Problem, backend: str):
     """Forward of a validated problem on `backend`: ``(o, lse)`` in "bhsd" order, also
     written into the problem's output buffers. `tileattn.distributed` calls this (and
@@ -308,17 +330,10 @@ def forward(q, k, v, *, causal=False, window=None, scale=None, softcap=None, ali
     lengths = _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table)
     dense = None
     if out is None and lse_out is None and lengths is None:
-        natives, key, as_given = dense_call((q, k, v), options, layout, check_lengths)
-        module = (None if as_given is None else
-                  _resolve_backend(backend, as_given.layout.memory))
-        if module is not None and module.MEMORY == as_given.layout.memory:
-            # A repeated call whose arrays the backend reads as they are: what
-            # `run_forward` would do with the remembered problem, less its steps.
-            o, lse = module.forward(*natives, as_given.options)
-            library = as_given.layout.library
-            o = arrays.from_native(o, library)
-            return (o, arrays.from_native(lse, library)) if return_lse else o
-        dense = (natives, key)
+        results, dense = _straight_to_backend("forward", (q, k, v), options, layout,
+                                              check_lengths, backend)
+        if results is not None:
+            return results if return_lse else results[0]
     problem = remembered_problem(
         (q, k, v), options, layout,
         None if out is None and lse_out is None else {"out": out, "lse_out": lse_out},
@@ -380,13 +395,20 @@ def backward(do, q, k, v, o, lse, *, causal=False, window=None, scale=None, soft
         For GQA/MQA, ``dk`` and ``dv`` sum over the query heads that share a kv head.
         (`dq_out`, `dk_out`, `dv_out` themselves when given)
     """
+    options = (causal, window, scale, softcap, alibi_slopes, dropout_p, seed, block_q, block_k,
+               deterministic)
+    lengths = _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table)
+    dense = None
+    if dq_out is None and dk_out is None and dv_out is None and lengths is None:
+        results, dense = _straight_to_backend("backward", (q, k, v, do, o, lse), options,
+                                              layout, check_lengths, backend)
+        if results is not None:
+            return results
     problem = remembered_problem(
-        (q, k, v, do, o, lse), (causal, window, scale, softcap, alibi_slopes, dropout_p, seed,
-                                block_q, block_k, deterministic), layout,
+        (q, k, v, do, o, lse), options, layout,
         (None if dq_out is None and dk_out is None and dv_out is None
          else {"dq_out": dq_out, "dk_out": dk_out, "dv_out": dv_out}),
-        _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_table),
-        check_lengths)
+        lengths, check_lengths, dense)
     dq, dk, dv = run_backward(problem, backend)
     return tuple(problem.layout.restore(result, heads) if given is None else given
                  for result, heads, given in ((dq, problem.n_q_heads, dq_out),
