@@ -217,86 +217,97 @@ def test_calls_it_does_not_remember_are_validated_each_time(validations):
     assert len(calls) == 8
 
 
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_repeated_dense_forwards_go_straight_to_the_backend(backend, monkeypatch):
-    """A repeated forward of 4-D "bhsd" NumPy arrays without buffers or lengths hands its
-    arrays and the remembered options to the backend (`problem_cache.dense_call`), past
-    `api.run_forward`: the same o and lse as a fresh call, the inputs untouched, and the
-    backend's errors still raised. Calls with buffers, other layouts and empty problems
-    keep the way through `run_forward`."""
+def test_repeated_dense_forwards_go_straight_to_the_backend(backend, case, monkeypatch):
+    """A repeated forward without buffers or lengths hands its arrays (in the backends'
+    4-D order) and the remembered options to the backend (`problem_cache.dense_call`),
+    past `api.run_forward`: the same o and lse as a fresh call, in the caller's layout,
+    the inputs untouched, and the backend's errors still raised. Calls with buffers and
+    empty problems keep the way through `run_forward`."""
     from tileattn import api
 
     through = []
     run_forward = api.run_forward
     monkeypatch.setattr(api, "run_forward",
                         lambda problem, name: through.append(1) or run_forward(problem, name))
-    q, k, v = _arrays((2, 4, 3, 16), (2, 2, 9, 16), seed=3)
+    shape_q, shape_k, layout = CASES[case]
+    q, k, v = _arrays(shape_q, shape_k, seed=3)
     problem_cache._PROBLEMS.clear()
-    tileattn.forward(q, k, v, causal=True, backend=backend)
+    tileattn.forward(q, k, v, causal=True, backend=backend, layout=layout)
     assert len(through) == 1
     for seed in (4, 5):
-        q2, k2, v2 = _arrays((2, 4, 3, 16), (2, 2, 9, 16), seed=seed)
+        q2, k2, v2 = _arrays(shape_q, shape_k, seed=seed)
         kept = [a.copy() for a in (q2, k2, v2)]
-        o, lse = tileattn.forward(q2, k2, v2, causal=True, backend=backend, return_lse=True)
+        o, lse = tileattn.forward(q2, k2, v2, causal=True, backend=backend, layout=layout,
+                                  return_lse=True)
         assert len(through) == 1
         for array, copy in zip((q2, k2, v2), kept):
             np.testing.assert_array_equal(array, copy)
         problem_cache._PROBLEMS.clear()
         fresh_o, fresh_lse = tileattn.forward(q2, k2, v2, causal=True, backend=backend,
-                                              return_lse=True)
+                                              layout=layout, return_lse=True)
         assert len(through) == 2
-        through.clear()
-        through.append(1)
-        np.testing.assert_array_equal(o, fresh_o)
-        np.testing.assert_array_equal(lse, fresh_lse)
-        assert o.shape == (2, 4, 3, 16) and lse.shape == (2, 4, 3)
+        through.pop()
+        for got, expected in ((o, fresh_o), (lse, fresh_lse)):
+            assert got.shape == expected.shape and got.strides == expected.strides
+            np.testing.assert_array_equal(got, expected)
     for other in ("gpu", "tpu"):  # the errors of a fresh call: GPU memory, or no CuPy
         raised = []
         for remembered in (True, False):
             if not remembered:
                 problem_cache._PROBLEMS.clear()
             with pytest.raises((ValueError, tileattn.BackendUnavailableError)) as error:
-                tileattn.forward(q, k, v, causal=True, backend=other)
+                tileattn.forward(q, k, v, causal=True, backend=other, layout=layout)
             raised.append((error.type, str(error.value)))
         assert raised[0] == raised[1]
     through.clear()
-    others = [((q, k, v), {"out": np.empty_like(q)}),
-              ((q, k, v), {"lse_out": np.empty(q.shape[:3], np.float32)}),
-              (tuple(a.swapaxes(1, 2) for a in (q, k, v)), {"layout": "bshd"}),
-              ((q[0, 0], k[0, 0], v[0, 0]), {}),
-              ((q[:, :, :0], k, v), {})]
-    for arrays, keywords in others:
+    o = tileattn.forward(q, k, v, causal=True, backend=backend, layout=layout)
+    empty = (q[..., :0, :], k, v) if layout == "bhsd" else (q[:, :0], k, v)
+    for arrays, keywords in (((q, k, v), {"out": np.empty_like(o)}),
+                             ((q, k, v), {"lse_out": np.empty(q.shape[:-1], np.float32)
+                                          if layout == "bhsd" else
+                                          np.empty((2, 4, 8), np.float32)}),
+                             (empty, {})):
         for _ in range(2):
-            tileattn.forward(*arrays, causal=True, backend=backend, **keywords)
-    assert len(through) == 2 * len(others)
+            tileattn.forward(*arrays, causal=True, backend=backend, layout=layout,
+                             **keywords)
+    assert len(through) == 6
 
 
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_repeated_dense_backwards_go_straight_to_the_backend(backend, monkeypatch):
-    """As forwards do: a repeated backward of 4-D "bhsd" arrays without buffers skips
-    `api.run_backward`, with the gradients of a fresh call; with buffers it does not."""
+def test_repeated_dense_backwards_go_straight_to_the_backend(backend, case, monkeypatch):
+    """As forwards do: a repeated backward without buffers skips `api.run_backward`, with
+    the gradients of a fresh call in the caller's layout; with buffers it does not."""
     from tileattn import api
 
     through = []
     run_backward = api.run_backward
     monkeypatch.setattr(api, "run_backward",
                         lambda problem, name: through.append(1) or run_backward(problem, name))
+    shape_q, shape_k, layout = CASES[case]
     problem_cache._PROBLEMS.clear()
     for seed in (6, 7, 8):
-        q, k, v = _arrays((1, 4, 5, 8), (1, 2, 7, 8), seed=seed)
-        o, lse = tileattn.forward(q, k, v, causal=True, backend=backend, return_lse=True)
+        q, k, v = _arrays(shape_q, shape_k, seed=seed)
+        o, lse = tileattn.forward(q, k, v, causal=True, backend=backend, layout=layout,
+                                  return_lse=True)
         do = np.random.default_rng(seed).standard_normal(o.shape).astype(np.float32)
-        grads = tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend)
+        grads = tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend,
+                                  layout=layout)
         assert len(through) == 1
         problem_cache._PROBLEMS.clear()
-        fresh = tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend)
+        fresh = tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend,
+                                  layout=layout)
         assert len(through) == 2
         through.pop()
         for got, expected in zip(grads, fresh):
+            assert got.shape == expected.shape and got.strides == expected.strides
             np.testing.assert_array_equal(got, expected)
     buffers = {"dk_out": np.empty_like(k)}
     for _ in range(2):
-        tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend, **buffers)
+        tileattn.backward(do, q, k, v, o, lse, causal=True, backend=backend, layout=layout,
+                          **buffers)
     assert len(through) == 3
     np.testing.assert_array_equal(buffers["dk_out"], fresh[1])
 

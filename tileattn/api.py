@@ -126,22 +126,26 @@ def _length_keywords(seqlens_q, seqlens_k, cu_seqlens_q, cu_seqlens_k, block_tab
 def _straight_to_backend(function_name: str, arrays_in: tuple, options: tuple, layout,
                          check_lengths, backend: str):
     """A call without lengths or output buffers: ``(results, None)`` where the problem
-    cache remembers its signature with arrays the backend reads as they are
-    (`problem_cache.dense_call`), having run `function_name` on the backend as
-    `run_forward` or `run_backward` would, past their steps; else ``(None, dense)``, the
-    cache's ``(natives, key)`` for `remembered_problem`."""
-    natives, key, as_given = dense_call(arrays_in, options, layout, check_lengths)
-    if as_given is not None:
-        memory = as_given.layout.memory
-        module = _resolve_backend(backend, memory)
-        if module.MEMORY == memory:  # (not the golden model's host copies of CuPy arrays)
+    cache remembers its signature (`problem_cache.dense_call`), having run `function_name`
+    on the backend as `run_forward` or `run_backward` would, past their steps; else
+    ``(None, dense)``, the cache's ``(natives, key)`` for `remembered_problem`."""
+    natives, key, template, tensors = dense_call(arrays_in, options, layout, check_lengths)
+    if template is not None:
+        layout_of = template.layout
+        module = _resolve_backend(backend, layout_of.memory)
+        # Not the golden model's host copies of CuPy arrays, nor buffers in the caller's
+        # order for a backend that writes them (`_run`: a "bshd" o on the GPU).
+        if module.MEMORY == layout_of.memory and (
+                tensors is natives or not getattr(module, "WRITES_OUT", False)):
+            restore, n_q_heads = layout_of.restore, template.n_q_heads
             if function_name == "forward":
-                results = module.forward(*natives, as_given.options)
-            else:
-                q, k, v, do, o, lse = natives
-                results = module.backward(do, q, k, v, o, lse, as_given.options)
-            library = as_given.layout.library
-            return tuple(arrays.from_native(result, library) for result in results), None
+                o, lse = module.forward(*tensors, template.options)
+                return (restore(o, n_q_heads), restore(lse, n_q_heads, is_lse=True)), None
+            q, k, v, do, o, lse = tensors
+            dq, dk, dv = module.backward(do, q, k, v, o, lse, template.options)
+            n_kv_heads = template.n_kv_heads
+            return (restore(dq, n_q_heads), restore(dk, n_kv_heads),
+                    restore(dv, n_kv_heads)), None
     return None, (natives, key)
 
 

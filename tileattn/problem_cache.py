@@ -125,26 +125,36 @@ def validate_call(q, k, v, *, do=None, o=None, lse=None, layout="bhsd", outputs=
 
 
 def dense_call(arrays_in: tuple, options: tuple, layout="bhsd", check_lengths=True):
-    """For a call without lengths or output buffers (what `tileattn.forward` makes of most
-    calls): ``(natives, key, as_given)``, where `as_given` is the problem remembered under
-    `key` when the backends read the caller's arrays themselves and it is not empty, so
-    that the caller may pass `natives` and ``as_given.options`` to its backend directly,
-    skipping what `remembered_problem` and `api.run_forward` add on the way (~3 us of a
-    small call's ~15 on the 2-core development host, bench/NOTES-cpu.md, session 41);
-    else None, and ``(natives, key)`` go to `remembered_problem` as `dense`, which then
-    need not make them again. `key` is None where such calls are not remembered."""
+    """For a call without lengths or output buffers (what `tileattn.forward` and `backward`
+    make of most calls): ``(natives, key, template, tensors)``. Where such a call was
+    remembered under `key` and is not empty, `template` is its problem without arrays and
+    `tensors` the arrays in the backends' 4-D order (`natives` themselves where the backends
+    read the caller's arrays as they are, 4-D "bhsd"), so that the caller may pass them and
+    ``template.options`` to its backend directly, skipping what `remembered_problem` and
+    `api.run_forward` add on the way (~3-5 us of a small call's ~12-19 on the 2-core
+    development host, bench/NOTES-cpu.md, session 41); else both None, and ``(natives,
+    key)`` go to `remembered_problem` as `dense`, which then need not make them again.
+    `key` is None where such calls are not remembered."""
     natives = _natives(arrays_in)
     if natives is None or options[_ALIBI] is not None:
-        return natives, None, None
+        return natives, None, None, None
     key = _signature(arrays_in, natives, len(arrays_in), layout, check_lengths, options,
                      _DENSE_EXTRA)
     try:
         remembered = _PROBLEMS.get(key)
     except TypeError:  # an option value that is not hashable, e.g. window given as a list
-        return natives, None, None
+        return natives, None, None, None
     if remembered is None or not remembered[3]:
-        return natives, key, None
-    return natives, key, remembered[2]
+        return natives, key, None, None
+    batch, as_given, template, _ = remembered
+    if as_given:
+        return natives, key, template, natives
+    names = _FORWARD_NAMES if len(arrays_in) == 3 else _BACKWARD_NAMES
+    named = dict(zip(names, natives))
+    if template.layout.sequence_first:
+        named = heads_first(named)
+    views = backend_views(named, batch, template.layout.single_head)
+    return natives, key, template, tuple(views[name] for name in names)
 
 
 _DENSE_EXTRA = ((), None)  # `_signature`'s `extra` of a call without buffers or lengths
@@ -231,11 +241,11 @@ def _remember(key, problem: Problem, names: tuple, natives: tuple, output_names:
                              for name, array in zip(names, natives)) and all(
         problem.outputs.get(name) is array
         for name, array in zip(output_names, natives[len(names):]))
-    # Last, whether `dense_call` may hand the template to the caller: its arrays read as
-    # they are, and the problem not empty (which `api.run_forward` answers itself).
+    # Last, whether `dense_call` may hand the template to the caller: no output buffers,
+    # and the problem not empty (which `api.run_forward` answers itself).
     _PROBLEMS[key] = (problem.tensors["q"].shape[0], as_given,
                       replace(problem, tensors={}, outputs={}),
-                      as_given and not output_names and not problem.is_empty)
+                      not output_names and not problem.is_empty)
 
 
 def _lengths_signature(varlen: dict) -> tuple | None:
