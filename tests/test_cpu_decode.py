@@ -174,11 +174,30 @@ def decode_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("n_q", [1, decode.MAX_QUERY_ROWS, decode.MAX_QUERY_ROWS + 1])
-def test_decode_shapes_take_the_decode_path(decode_calls, n_q):
-    q, k, v = _inputs(1, 4, 2, n_q, 64)
-    tileattn.forward(q, k, v, backend="cpu")
-    assert decode_calls == ([q.shape] if n_q <= decode.MAX_QUERY_ROWS else [])
+SHORT = decode.SHORT_KEYS
+
+
+@pytest.mark.parametrize("heads,n_q,n_k,dtype,takes", [
+    ((4, 2), 1, SHORT, np.float32, True),
+    ((4, 2), decode.MAX_QUERY_ROWS, SHORT + 1, np.float32, True),
+    ((4, 2), decode.MAX_QUERY_ROWS + 1, SHORT + 1, np.float32, False),
+    # Over short keys, float32 and float64 take the forward kernel from 4 rows (MHA) or
+    # 16 (GQA); 16-bit inputs stay on the decode, which reads them as they are.
+    ((4, 4), 3, SHORT, np.float32, True),
+    ((4, 4), 4, SHORT, np.float32, False),
+    ((4, 4), 4, SHORT + 1, np.float32, True),
+    ((4, 2), 15, SHORT, np.float32, True),
+    ((4, 2), 16, SHORT, np.float32, False),
+    ((4, 4), 16, SHORT, np.float64, False),
+    ((4, 4), 16, SHORT, np.float16, True),
+])
+def test_decode_shapes_take_the_decode_path(decode_calls, heads, n_q, n_k, dtype, takes):
+    q, k, v = _inputs(1, *heads, n_q, n_k, dtype=dtype)
+    out, lse = tileattn.forward(q, k, v, backend="cpu", return_lse=True)
+    assert decode_calls == ([q.shape] if takes else [])
+    expected_out, expected_lse = _golden(q, k, v)
+    assert_attention_close(out, expected_out, dtype, name="out")
+    assert_attention_close(lse, expected_lse, dtype, name="lse")
 
 
 @pytest.mark.parametrize("heads,n_q,n_k,takes", [

@@ -69,6 +69,7 @@ def hardware() -> dict[str, str]:
 
 
 _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+_BITS = np.dtype(np.uint16)  # 16-bit K and V read as they are on the decode path
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -276,7 +277,8 @@ _PLAN_LIMIT = 64
 def _forward_plan(q_c, k_c, v_c, options: AttentionOptions, shape: Sequences) -> _ForwardPlan:
     n_q_heads, n_q = q_c.shape[1], q_c.shape[2]
     scalars = _option_scalars(options, len(shape.descriptors), n_q_heads)
-    if decode.takes(n_q, shape.max_keys, n_q_heads // shape.kv_heads(k_c)):
+    if decode.takes(n_q, shape.max_keys, n_q_heads // shape.kv_heads(k_c),
+                    k_c.dtype == _BITS):
         return _ForwardPlan(shape, scalars, decode.plan(q_c, k_c, v_c, options, shape))
     n_threads = threads.threads_for(_flops(q_c, v_c, shape.pairs(options)))
     blocks = _blocks("forward", q_c, v_c, options, n_threads, shape)
@@ -357,7 +359,7 @@ def _decode_widening(q, k, v, shape: Sequences, plan: _ForwardPlan | None) -> in
     if name not in ("float16", "bfloat16") or v.dtype != k.dtype or not k.dtype.isnative:
         return 0
     takes = (plan.decode is not None if plan is not None else
-             decode.takes(q.shape[2], shape.max_keys, q.shape[1] // k.shape[1]))
+             decode.takes(q.shape[2], shape.max_keys, q.shape[1] // k.shape[1], True))
     return (1 if name == "float16" else 2) if takes else 0
 
 

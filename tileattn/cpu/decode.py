@@ -52,12 +52,24 @@ square problems 0.77-0.90x (32/8 N 128-256, 8/1 N 128) and 32/8 Nq 256 over 1024
 0.96x. MHA (group 1) gains nothing (0.98-1.01x at Nq 17-512) and keeps the forward kernel."""
 
 
-def takes(n_q: int, n_k: int = 0, group: int = 1) -> bool:
+SHORT_KEYS = 64
+"""float32 and float64 calls over at most this many keys take the forward kernel from 4
+query rows (MHA) or 16 (GQA, whose decode reads K and V once a group): its tiles finish
+such rows sooner than the decode's per-row work. One thread, H8, us decode / forward
+(bench/NOTES-cpu.md, session 41): MHA D 64 Nq 16 over 16 / 64 keys 34.7 / 29.4 and 60.4 /
+52.2, Nq 32 0.77-0.87x, D 32 0.70-0.92x, D 256 0.81-0.91x, Nq 4 0.86-1.02x, float64
+0.81-0.94x; GQA 8/2 Nq 16-32 0.82-0.94x, but Nq 4 over 16 keys 1.10x. Over 128 keys
+it varied from 0.80 to 1.09 by head dim and rows, and from 256 the decode won. 16-bit
+inputs keep the decode, which reads them as they are (`widens`): the forward kernel's
+float32 copy made it 1.03-2.3x slower."""
+
+
+def takes(n_q: int, n_k: int = 0, group: int = 1, widens: bool = False) -> bool:
     """Whether a forward with `n_q` query rows (the array's, which sizes the decode
     kernel's buffers), at most `n_k` keys a sequence and `group` query heads per kv head
-    runs on the decode path."""
+    runs on the decode path; `widens`: with 16-bit K and V read as they are."""
     if n_q <= MAX_QUERY_ROWS:
-        return True
+        return widens or n_k > SHORT_KEYS or n_q < (4 if group == 1 else 16)
     return group > 1 and group * n_q <= MAX_GROUP_ROWS and n_k >= MIN_KEYS_PER_ROW * n_q
 
 
