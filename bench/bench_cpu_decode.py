@@ -2,6 +2,7 @@
 
     python bench/bench_cpu_decode.py --threads 2
     python bench/bench_cpu_decode.py --threads 2 --batch 1 --nk 8192 32768 [--dtype bfloat16]
+    python bench/bench_cpu_decode.py --threads 2 --batch 1 --nk 8192 --head-dim 32 80 256
 
 Each configuration is first validated against the float64 golden model on the same batch,
 heads and query rows with a short cache (the full one in float64 would not fit in memory),
@@ -18,6 +19,7 @@ then computes in it; tileattn widens each key tile to float32 as it reads it).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -31,7 +33,7 @@ import tileattn.cpu.decode
 from tileattn.testing import assert_attention_close
 
 HEADS = ((32, 32), (32, 8), (8, 1))
-HEAD_DIM = 128
+HEAD_DIMS = (128,)
 VALIDATION_KEYS = 1000  # not a multiple of any tile or split size
 SETTLE_SECONDS = 0.2
 """Pause before each timed call, so one library's spinning worker threads (torch's OpenMP)
@@ -57,15 +59,16 @@ def _torch(q, k, v, causal):
     return o.float().numpy() if o.dtype == torch.bfloat16 else o.numpy()
 
 
-def _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k, dtype):
+def _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k, head_dim, dtype):
     def normal(heads, rows):
-        return rng.standard_normal((batch, heads, rows, HEAD_DIM),
+        return rng.standard_normal((batch, heads, rows, head_dim),
                                    dtype=np.float32).astype(dtype)
     return normal(n_q_heads, n_q), normal(n_kv_heads, n_k), normal(n_kv_heads, n_k)
 
 
-def _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal, dtype):
-    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, VALIDATION_KEYS, dtype)
+def _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal, head_dim, dtype):
+    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, VALIDATION_KEYS, head_dim,
+                      dtype)
     expected = tileattn.forward(*(x.astype(np.float64) for x in (q, k, v)), causal=causal,
                                 backend="reference")
     ours = _tileattn(q, k, v, causal).astype(np.float32)
@@ -88,6 +91,8 @@ def main() -> None:
     parser.add_argument("--nq", type=int, nargs="+", default=[1, 8],
                         help="query rows; more than 1 runs causal (speculative decoding)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS),
+                        help="head dims (D = Dv) to sweep")
     parser.add_argument("--forward-kernel", action="store_true",
                         help="time the forward kernel instead of the decode path")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
@@ -105,17 +110,18 @@ def main() -> None:
         tileattn.cpu.decode.MAX_QUERY_ROWS = tileattn.cpu.decode.MAX_GROUP_ROWS = 0
     rng = np.random.default_rng(0)
     path = "forward kernel" if args.forward_kernel else "decode path"
-    print(f"threads {args.threads}, {args.dtype}, D = {HEAD_DIM}, tileattn {path}\n")
-    print("| B | Hq | Hkv | Nq | Nk | tileattn ms | torch ms | ratio | tileattn GB/s | "
+    print(f"threads {args.threads}, {args.dtype}, tileattn {path}\n")
+    print("| D | B | Hq | Hkv | Nq | Nk | tileattn ms | torch ms | ratio | tileattn GB/s | "
           "torch GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for batch in args.batch:
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for head_dim, batch in itertools.product(args.head_dim, args.batch):
         for n_q_heads, n_kv_heads in HEADS:
             for n_q in args.nq:
                 causal = n_q > 1
-                _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal, dtype)
+                _validate(rng, batch, n_q_heads, n_kv_heads, n_q, causal, head_dim, dtype)
                 for n_k in args.nk:
-                    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k, dtype)
+                    q, k, v = _inputs(rng, batch, n_q_heads, n_kv_heads, n_q, n_k, head_dim,
+                                      dtype)
                     for function in (_tileattn, _torch):  # warm: compile, first touch
                         function(q, k, v, causal)
                     ours, theirs = [], []
@@ -124,7 +130,7 @@ def main() -> None:
                         theirs.append(_seconds(_torch, q, k, v, causal))
                     ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
                     gigabytes = (k.nbytes + v.nbytes) / 1e9
-                    print(f"| {batch} | {n_q_heads} | {n_kv_heads} | {n_q} | {n_k} | "
+                    print(f"| {head_dim} | {batch} | {n_q_heads} | {n_kv_heads} | {n_q} | {n_k} | "
                           f"{ours_s * 1e3:.2f} | {theirs_s * 1e3:.2f} | "
                           f"{theirs_s / ours_s:.2f} | {gigabytes / ours_s:.1f} | "
                           f"{gigabytes / theirs_s:.1f} |", flush=True)

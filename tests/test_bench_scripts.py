@@ -157,15 +157,19 @@ def test_gpu_cliff_sweep_without_cupy_says_so_in_one_line():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cpu_decode_bench_takes_a_16_bit_cache(dtype):
     """bench_cpu_decode.py --dtype: both libraries get the cache in that dtype, each
-    validated against the golden model at the dtype's tolerance before it is timed."""
+    validated against the golden model at the dtype's tolerance before it is timed, at
+    each head dim of --head-dim."""
     pytest.importorskip("torch")
     if dtype == "bfloat16":
         pytest.importorskip("ml_dtypes")
     result = bench("--threads", "1", "--batch", "1", "--nk", "1024", "--nq", "1",
-                   "--repeats", "1", "--dtype", dtype, script="bench_cpu_decode.py")
+                   "--repeats", "1", "--dtype", dtype, "--head-dim", "40", "128",
+                   script="bench_cpu_decode.py")
     assert result.returncode == 0, result.stderr
-    assert f"threads 1, {dtype}, D = 128" in result.stdout
-    assert sum(line.startswith("| 1 |") for line in result.stdout.splitlines()) == 3
+    assert f"threads 1, {dtype}" in result.stdout
+    rows = result.stdout.splitlines()
+    assert sum(line.startswith("| 40 | 1 |") for line in rows) == 3
+    assert sum(line.startswith("| 128 | 1 |") for line in rows) == 3
 
 
 def test_the_ab_tool_runs_a_revision_beside_the_working_tree(tmp_path):
