@@ -37,6 +37,32 @@ def test_every_bit_pattern_widens_as_numpy_converts(dtype):
         assert wide.shape == array.shape
 
 
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("width", [40, 128])
+def test_a_key_tile_widens_as_numpy_converts(dtype, width):
+    """`widen_rows` (the decode kernel's key and value tiles: rows start:stop of one head of
+    C-contiguous 16-bit bits) into the start of a longer scratch: every pattern in place,
+    the scratch past the tile untouched."""
+    from numba import njit
+
+    from tileattn.cpu.widen import widen_rows
+
+    @njit
+    def tile(bits, head, start, stop, out, bfloat16):
+        widen_rows(bits[0, head, start:stop], out, bfloat16)
+
+    rows = 65536 // width + 2
+    patterns = np.resize(np.arange(65536, dtype=np.uint16), (1, 2, rows, width))
+    out = np.full(rows * width + 5, 7.0, np.float32)
+    for start, stop in ((0, rows), (3, rows - 1), (5, 5)):
+        out[:] = 7.0
+        tile(patterns, 1, start, stop, out, dtype != np.float16)
+        expected = patterns[0, 1, start:stop].view(dtype).astype(np.float32).reshape(-1)
+        np.testing.assert_array_equal(out[:expected.size].view(np.uint32),
+                                      expected.view(np.uint32))
+        assert np.all(out[expected.size:] == 7.0)
+
+
 def _quiet_nan_free_of_signals(bits):
     """`bits` with every signalling float32 NaN made quiet: NumPy builds may narrow those
     in hardware (which quiets them) or in software (which does not)."""

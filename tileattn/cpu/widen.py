@@ -152,12 +152,13 @@ def _widen_kernel(bits, out, is_bfloat16, chunk, next_task):
 
 @njit(nogil=True)
 def widen_rows(rows, out, bfloat16):
-    """The 16-bit bits `rows` (``(n, width)``, rows contiguous) as float32 into the first
-    ``n * width`` elements of `out` (1-D), row after row: a key or value tile the decode
-    kernel reads from 16-bit K and V (`decode_kernel`), which stays in L2."""
-    n_rows, width = rows.shape
-    for r in range(n_rows):
-        widen_row(rows[r], out[r * width:(r + 1) * width], bfloat16)
+    """The 16-bit bits `rows` (``(n, width)``, C-contiguous) as float32 into the first
+    ``n * width`` elements of `out` (1-D): a key or value tile the decode kernel reads from
+    16-bit K and V (`decode_kernel`), which stays in L2. One loop over the whole tile: a
+    call a row took 4.2x as long for bfloat16 rows of 128 (512 x 128 bits, one Zen 4 core,
+    15.9 against 3.8 us; float16 34.1 against 27.2), more than the tile's two products."""
+    size = rows.shape[0] * rows.shape[1]
+    widen_row(rows.reshape(size), out[:size], bfloat16)
 
 
 @njit(nogil=True)
