@@ -11,6 +11,10 @@ counted in tens of microseconds of host time (bench/NOTES-gpu.md), and so is a s
 on the CPU (bench/NOTES-cpu.md, session 26: the key and the remembered problem are built
 from as few Python objects as the checks allow, ~5 us a call on the 2-core host).
 
+A remembered call without lengths or output buffers goes further (`dense_call`): its
+arrays, in the backends' order, and the remembered options go to the backend directly, as
+`api.run_forward` would pass them, past the problem record and the dispatch's steps.
+
 Host torch tensors (the torch adapter on the CPU) are remembered through their NumPy views
 (`arrays.to_native`), under their own type, so that results still go back as tensors.
 Variable-length and paged calls are remembered when their lengths and table are CuPy or
@@ -241,11 +245,11 @@ def _remember(key, problem: Problem, names: tuple, natives: tuple, output_names:
                              for name, array in zip(names, natives)) and all(
         problem.outputs.get(name) is array
         for name, array in zip(output_names, natives[len(names):]))
-    # Last, whether `dense_call` may hand the template to the caller: no output buffers,
-    # and the problem not empty (which `api.run_forward` answers itself).
+    # Last, whether `dense_call` may hand the template to the caller: no lengths, no output
+    # buffers, and the problem not empty (which `api.run_forward` answers itself).
     _PROBLEMS[key] = (problem.tensors["q"].shape[0], as_given,
                       replace(problem, tensors={}, outputs={}),
-                      not output_names and not problem.is_empty)
+                      dense and not output_names and not problem.is_empty)
 
 
 def _lengths_signature(varlen: dict) -> tuple | None:
