@@ -11,9 +11,12 @@ from dataclasses import fields
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tileattn
 from tileattn import problem_cache
+from tileattn.testing import attention_problems
 from tileattn.validation import validate
 
 FORWARD_OPTIONS = dict(causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
@@ -310,6 +313,42 @@ def test_repeated_dense_backwards_go_straight_to_the_backend(backend, case, monk
                           **buffers)
     assert len(through) == 3
     np.testing.assert_array_equal(buffers["dk_out"], fresh[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=attention_problems(max_seq=24, max_elements=20_000),
+       layout=st.sampled_from(["bhsd", "bshd"]))
+def test_a_repeated_call_gives_the_bits_of_a_fresh_one(problem, layout):
+    """Any drawn problem (shapes, strides, dtypes, options) on the CPU backend: the repeated
+    forward and backward (straight to the backend where `dense_call` allows) give exactly
+    the results of the first call and of a call validated afresh, in the caller's layout,
+    and leave the inputs as they were."""
+    arrays = [problem.q, problem.k, problem.v, problem.do]
+    if layout == "bshd":
+        if problem.q.ndim < 3:
+            layout = "bhsd"
+        else:
+            arrays = [a.swapaxes(-3, -2) for a in arrays]
+    q, k, v, do = arrays
+    kept = [a.copy() for a in arrays]
+    options = dict(problem.options, layout=layout, backend="cpu")
+
+    def both():
+        o, lse = tileattn.forward(q, k, v, return_lse=True, **options)
+        return (o, lse) + tileattn.backward(do, q, k, v, o, lse, **options)
+
+    problem_cache._PROBLEMS.clear()
+    first, again = both(), both()
+    problem_cache._PROBLEMS.clear()
+    fresh = both()
+    for name, got, expected, reference in zip(("o", "lse", "dq", "dk", "dv"), again, fresh,
+                                              first):
+        assert got.shape == expected.shape and got.dtype == expected.dtype, name
+        assert got.strides == expected.strides, name
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+        np.testing.assert_array_equal(reference, expected, err_msg=name)
+    for array, copy in zip(arrays, kept):
+        np.testing.assert_array_equal(array, copy)
 
 
 def test_host_torch_tensors_are_remembered_and_get_tensors_back(validations):
