@@ -42,7 +42,8 @@ def test_every_bit_pattern_widens_as_numpy_converts(dtype):
 def test_a_key_tile_widens_as_numpy_converts(dtype, width):
     """`widen_rows` (the decode kernel's key and value tiles: rows start:stop of one head of
     C-contiguous 16-bit bits) into the start of a longer scratch: every pattern in place,
-    the scratch past the tile untouched."""
+    in float16's vectors of 16 (`half_vectors`) and the elements after the last whole one
+    (7 rows of 40), the scratch past the tile untouched."""
     from numba import njit
 
     from tileattn.cpu.widen import widen_rows
@@ -54,7 +55,7 @@ def test_a_key_tile_widens_as_numpy_converts(dtype, width):
     rows = 65536 // width + 2
     patterns = np.resize(np.arange(65536, dtype=np.uint16), (1, 2, rows, width))
     out = np.full(rows * width + 5, 7.0, np.float32)
-    for start, stop in ((0, rows), (3, rows - 1), (5, 5)):
+    for start, stop in ((0, rows), (3, rows - 1), (5, 5), (1, 8), (2, rows - 5)):
         out[:] = 7.0
         tile(patterns, 1, start, stop, out, dtype != np.float16)
         expected = patterns[0, 1, start:stop].view(dtype).astype(np.float32).reshape(-1)

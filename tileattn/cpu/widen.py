@@ -29,6 +29,7 @@ from numba.extending import overload
 
 from ..arrays import dtype_name
 from . import threads
+from .half_vectors import LANES, halves_to_floats
 from .schedule import claim_next
 
 MIN_ELEMENTS = 1 << 18
@@ -171,9 +172,13 @@ def widen_row(row, out, bfloat16):
         for d in range(row.shape[0]):
             out_bits[d] = np.uint32(row[d]) << np.uint32(16)
         return
-    for d in range(row.shape[0]):
+    first = 0
+    if row.strides[0] == 2 and out.strides[0] == 4:  # 16 lanes a step (`half_vectors`)
+        first = row.shape[0] // LANES * LANES
+        halves_to_floats(row, out_bits, first // LANES)
+    for d in range(first, row.shape[0]):
         out_bits[d] = _normal_half(np.uint32(row[d]))
-    for d in range(row.shape[0]):
+    for d in range(first, row.shape[0]):
         half = np.uint32(row[d])
         if half & np.uint32(0x7C00) == 0 and half & np.uint32(0x3FF) != 0:
             out[d] = _subnormal_half(half)
