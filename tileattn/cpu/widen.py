@@ -6,11 +6,13 @@ v (and do, o in the backward) are converted before they run. NumPy converts on o
 float16 through a scalar loop and bfloat16 through ml_dtypes' cast: on the 2-core
 development host 68 and 29 ms for 33.5 M elements (a decode step's K of 32 heads x 8192 keys
 x 128), more than the float32 decode kernel takes for K and V together (bench/NOTES-cpu.md,
-session 30). Here the bits are widened by integer operations that LLVM vectorises, over
-chunks the threads claim: exactly NumPy's values, NaN payloads and signed zeros included
-(float16's subnormals, the one case the shift does not cover, are rewritten in a second,
-rarely taken loop). The decode path does not convert K and V at all: its kernel widens
-each key tile as it reads it (`widen_rows`, or row by row from page pools, `copy_row`).
+session 30). Here the bits are widened by integer operations, over chunks the threads
+claim: exactly NumPy's values, NaN payloads and signed zeros included. bfloat16's shift
+is a loop LLVM vectorises; float16's rebuild runs 16 lanes a step in LLVM IR
+(`half_vectors`), and the elements after the last whole vector in a loop that rewrites
+subnormals in a second, rarely taken pass. The decode path does not convert K and V at
+all: its kernel widens each key tile as it reads it (`widen_rows`, or row by row from page
+pools, `copy_row`).
 
 Results go back the other way: NumPy narrows float32 to float16 through a scalar loop too
 (2.4 ms for a forward's o of 8 heads x 1024 rows x 64, an eighth of the forward; a
