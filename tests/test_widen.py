@@ -193,15 +193,17 @@ def test_decode_reads_16_bit_keys_as_float32_would(dtype):
 
 @pytest.mark.parametrize("slots_outer", [False, True], ids=["heads-major", "slots-major"])
 @pytest.mark.parametrize("dtype", _half_dtypes(), ids=lambda d: d.name)
-def test_paged_decode_reads_16_bit_pages_as_float32_would(dtype, slots_outer):
-    """Paged 16-bit pools are read page by page (each gathered row widened), not widened
-    whole: the same bits as the same pools in float32, pages the table does not name full
-    of NaN, both pool orders, GQA with few and many packed rows."""
+@pytest.mark.parametrize("page", [1, 5, 16])
+def test_paged_decode_reads_16_bit_pages_as_float32_would(dtype, slots_outer, page):
+    """Paged 16-bit pools are read page by page (a page's rows of one kv head widened
+    together, or each row where the pool holds slots outermost), not widened whole: the
+    same bits as the same pools in float32, pages the table does not name full of NaN,
+    both pool orders, pages of 1, 5 and 16 rows, GQA with few and many packed rows."""
     rng = np.random.default_rng(8)
-    page, pages = 16, 40
+    pages = 40
     pools = [np.full((pages, 2, page, 24), np.nan, dtype) for _ in range(2)]
     table = np.array([[3, 7, 1, 30, 12], [5, 0, 22, 9, 2]], np.int32)
-    lengths = np.array([70, 41])
+    lengths = np.array([5 * page - 10 if page > 10 else 5 * page, 3 * page - 1])
     for pool in pools:
         pool[table] = rng.standard_normal((2, 5, 2, page, 24)).astype(dtype)
     if slots_outer:  # (pages, page, Hkv, D) in memory, passed as the (pages, Hkv, page, D) view

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from .vector_math import FASTMATH, tanh
-from .widen import copy_row
+from .widen import copy_row, copy_rows
 
 UNLIMITED = -1  # tileattn.options.UNLIMITED, repeated so kernels see a compile-time constant
 
@@ -179,15 +179,27 @@ def gathered_rows(keys, values, b, kv_head, start, stop, block_table, page_size,
     key_rows = key_buffer[:n_rows * head_dim].reshape((n_rows, head_dim))
     value_rows = value_buffer[:n_rows * value_dim].reshape((n_rows, value_dim))
     last_page, last_column = keys.shape[0] - 1, block_table.shape[1] - 1
-    for j in range(n_rows):
+    j = 0
+    while j < n_rows:
         key = start + j
         page = block_table[b, min(key // page_size, last_column)]
         page = min(max(page, 0), last_page)
         slot = key % page_size
-        # Indices chosen outside the copy loops, so each is a plain vectorised copy of one
-        # contiguous row (a layout test inside them: paged decode 1.7x the contiguous
-        # time), and one indexing path for both layouts.
-        outer, inner = (slot, kv_head) if slots_outer else (kv_head, slot)
-        copy_row(keys[page, outer, inner], key_rows[j], widen)
-        copy_row(values[page, outer, inner], value_rows[j], widen)
+        if widen == 0 or slots_outer:
+            # Indices chosen outside the copy loops, so each is a plain vectorised copy of
+            # one contiguous row (a layout test inside them: paged decode 1.7x the
+            # contiguous time), and one indexing path for both layouts.
+            outer, inner = (slot, kv_head) if slots_outer else (kv_head, slot)
+            copy_row(keys[page, outer, inner], key_rows[j], widen)
+            copy_row(values[page, outer, inner], value_rows[j], widen)
+            j += 1
+            continue
+        # 16-bit rows of one kv head that follow one another in a page (those of one table
+        # column, so also where unchecked lengths run past the table, whose last column is
+        # reused) widen in one loop, as `widen.widen_rows` does a contiguous tile: a call a
+        # row cost as much as the widening (bench/NOTES-cpu.md, session 41).
+        run = min(page_size - slot, n_rows - j)
+        copy_rows(keys[page, kv_head, slot:slot + run], key_rows[j:j + run], widen)
+        copy_rows(values[page, kv_head, slot:slot + run], value_rows[j:j + run], widen)
+        j += run
     return key_rows, value_rows

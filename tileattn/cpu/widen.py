@@ -204,6 +204,27 @@ def _copy_row(source, target, widen):
     return copied
 
 
+def copy_rows(source, target, widen):
+    """``target[:] = source`` for rows of K or V that follow one another in a page (both
+    2-D and C-contiguous): `source` as stored in the compute dtype (a row at a time), or
+    as 16-bit bits (uint16; `widen` 1 float16, 2 bfloat16) widened in one loop over all of
+    them, as `widen_rows` widens a tile (`tiles.gathered_rows`)."""
+
+
+@overload(copy_rows, inline="always")
+def _copy_rows(source, target, widen):
+    if source.dtype == types.uint16:
+        def widened(source, target, widen):
+            widen_rows(source, target.reshape(target.shape[0] * target.shape[1]),
+                       widen == 2)
+        return widened
+
+    def copied(source, target, widen):
+        for r in range(source.shape[0]):
+            copy_row(source[r], target[r], widen)
+    return copied
+
+
 @njit(inline="always")
 def _normal_half(half):
     """float16 bits to float32 bits: the exponent rebased from 15 to 127 (all ones kept all
