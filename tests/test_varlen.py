@@ -250,6 +250,33 @@ def test_decode_against_a_paged_cache(backend, page_size, n_q, page_major, dtype
     assert_attention_close(lse, expected_lse, dtype, name="lse")
 
 
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("n_q", [1, 4])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_long_pages_decode_as_a_contiguous_cache_does(page_size, n_q, dtype):
+    """The CPU decode reads pools of long pages in place, each key tile ending at a page
+    end (`decode_kernel.IN_PLACE_PAGE_ROWS`): every option, sequences ending inside a page,
+    unused pages full of NaN, key splits that start inside a page and more than one
+    tile per page (block_k 48): the results of the same keys laid out contiguously."""
+    rng = np.random.default_rng(page_size + n_q)
+    lengths_k = [700, 130, 1]
+    k, v, (k_pool, v_pool), table = _paged_cache(rng, 3, 2, lengths_k, page_size, 32, 24,
+                                                 False, dtype)
+    q = rng.standard_normal((3, 8, n_q, 32)).astype(dtype)
+    options = {"window": (500, 0), "softcap": 5.0, "alibi_slopes": np.linspace(0.01, 0.1, 8),
+               "dropout_p": 0.1, "seed": 4, "scale": 0.3}
+    for block_k in (None, 48):
+        paged = tileattn.forward(q, k_pool, v_pool, return_lse=True, block_table=table,
+                                 seqlens_k=np.array(lengths_k), block_k=block_k,
+                                 backend="cpu", **options)
+        contiguous = tileattn.forward(q, k, v, return_lse=True,
+                                      seqlens_k=np.array(lengths_k), block_k=block_k,
+                                      backend="cpu", **options)
+        assert np.isfinite(paged[0]).all()  # no NaN from the unused pages
+        for got, expected in zip(paged, contiguous):
+            assert_attention_close(got, expected, dtype)
+
+
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_paged_equals_contiguous_with_every_option(backend, kv_heads):
     """Paged K/V gives what the same keys laid out contiguously give, option for option

@@ -200,6 +200,16 @@ def _group_tile(q_scaled, k_tile, v_tile, acc, row_max, row_sum, rescale, index,
             acc[r, d] = acc[r, d] * rescale[r] + pv[r, d]
 
 
+IN_PLACE_PAGE_ROWS = 64
+"""Float pools of pages at least this long (a kv head's rows of a page contiguous) are read
+in place, a key tile a page at most (`decode_kernel`), instead of gathered into the scratch
+a row at a time. One thread, H8 over 8k keys, D 128, Nq 1, float32, ms (this host moves
+~15 % between runs): contiguous 2.7-3.3; pages of 256 gathered 4.9-5.4, in place 3.6-3.9;
+pages of 64 5.4-5.9 and 5.0-5.4. Shorter tiles cost their per-tile work (16 keys a tile:
+2.0x the time of the default tiles over a contiguous cache), so shorter pages keep the
+gather (bench/NOTES-cpu.md, session 41)."""
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequences,
                   block_table, page_size, slots_outer, scale, softcap, alibi_slopes,
@@ -255,6 +265,11 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
     rescale_buffer = np.empty(max_rows, dtype)
     row_buffer = np.empty(value_dim if finishes else 0, dtype)
     gathers = block_table.shape[0] > 0 or widen > 0
+    # Pages in the compute dtype, each kv head's rows of a page contiguous, and pages of at
+    # least IN_PLACE_PAGE_ROWS: key tiles stop at page ends and are read in place
+    # (`tiles.gathered_rows`) instead of gathered into the scratch a row at a time.
+    in_place_pages = (block_table.shape[0] > 0 and widen == 0 and slots_outer == 0
+                      and page_size >= IN_PLACE_PAGE_ROWS)
     key_buffer = np.empty(block_k * head_dim if gathers else 0, dtype)
     value_buffer = np.empty(block_k * value_dim if gathers else 0, dtype)
     previous = flush_subnormals()  # the caller's MXCSR, put back below
@@ -277,8 +292,12 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
                      row_sum)
         split_start, split_stop = _split_keys(n_q, n_keys, band_offset, window_left,
                                               window_right, split, split_size)
-        for col_start in range(split_start, split_stop, block_k):
+        col_start = split_start
+        while col_start < split_stop:
             col_stop = min(col_start + block_k, split_stop)
+            if in_place_pages:  # tiles end at page ends, so that they are read in place
+                col_stop = min(col_stop, ((key_base + col_start) // page_size + 1)
+                               * page_size - key_base)
             k_tile, v_tile = key_value_tiles(k, v, b, kv_head, key_base + col_start,
                                              key_base + col_stop, block_table, page_size,
                                              slots_outer, key_buffer, value_buffer, widen)
@@ -286,6 +305,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
                         first_head, n_q_heads, col_start, n_q, softcap, alibi_slopes,
                         window_left, window_right, band_offset, row_offset, col_offset,
                         dropout_key, dropout_threshold, inv_keep, scores_buffer, pv_buffer)
+            col_start = col_stop
         _store_group(acc, row_max, row_sum, b, first_head, group, row_base, n_q, split,
                      out, lse, partial_acc, partial_max, partial_sum, row_buffer)
     restore_subnormals(previous)

@@ -166,6 +166,13 @@ def key_value_rows(keys, values, b, kv_head, start, stop, block_table, page_size
     """
     if block_table.shape[0] == 0:
         return keys[b, kv_head, start:stop], values[b, kv_head, start:stop]
+    if not slots_outer and start % page_size + stop - start <= page_size:
+        # The rows of one page, contiguous: read in place, as a contiguous cache is.
+        page = block_table[b, min(start // page_size, block_table.shape[1] - 1)]
+        page = min(max(page, 0), keys.shape[0] - 1)
+        slot = start % page_size
+        return (keys[page, kv_head, slot:slot + stop - start],
+                values[page, kv_head, slot:slot + stop - start])
     return gathered_rows(keys, values, b, kv_head, start, stop, block_table, page_size,
                          slots_outer, key_buffer, value_buffer, 0)
 
@@ -176,9 +183,9 @@ def gathered_rows(keys, values, b, kv_head, start, stop, block_table, page_size,
     """`key_value_rows` of paged K/V: the rows gathered into the buffers, widened from
     16-bit bits where the pools hold them (`widen.copy_row`)."""
     n_rows, head_dim, value_dim = stop - start, keys.shape[3], values.shape[3]
+    last_page, last_column = keys.shape[0] - 1, block_table.shape[1] - 1
     key_rows = key_buffer[:n_rows * head_dim].reshape((n_rows, head_dim))
     value_rows = value_buffer[:n_rows * value_dim].reshape((n_rows, value_dim))
-    last_page, last_column = keys.shape[0] - 1, block_table.shape[1] - 1
     j = 0
     while j < n_rows:
         key = start + j
