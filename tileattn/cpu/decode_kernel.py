@@ -31,8 +31,8 @@ from .kept_products import redo_non_finite_rows
 from .kernel_cache import flush_if_stale
 from .row_products import LANES, weights_times_values
 from .schedule import claim_next
-from .tiles import (gathered_rows, key_span, key_value_rows, mask_tile, tile_is_fully_kept,
-                    tile_view, transform_tile)
+from .tiles import (gathered_rows, key_span, key_value_rows, mask_tile, page_of,
+                    tile_is_fully_kept, tile_view, transform_tile)
 from .vector_math import FASTMATH, maximum
 from .widen import copy_row, widen_rows
 
@@ -267,7 +267,7 @@ def decode_kernel(q, k, v, partial_acc, partial_max, partial_sum, out, lse, sequ
     gathers = block_table.shape[0] > 0 or widen > 0
     # Pages in the compute dtype, each kv head's rows of a page contiguous, and pages of at
     # least IN_PLACE_PAGE_ROWS: key tiles stop at page ends and are read in place
-    # (`tiles.gathered_rows`) instead of gathered into the scratch a row at a time.
+    # (`tiles.key_value_rows`) instead of gathered into the scratch a row at a time.
     in_place_pages = (block_table.shape[0] > 0 and widen == 0 and slots_outer == 0
                       and page_size >= IN_PLACE_PAGE_ROWS)
     key_buffer = np.empty(block_k * head_dim if gathers else 0, dtype)
@@ -444,7 +444,6 @@ def _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, s
     scores_buffer = np.empty(max_rows * tile_keys, dtype)
     pv_buffer = np.empty(max_rows * value_dim, dtype)
     row_buffer = np.empty(value_dim if finishes else 0, dtype)
-    last_page, last_column = k.shape[0] - 1, block_table.shape[1] - 1
     previous = flush_subnormals()  # the caller's MXCSR, put back below
     while task < n_tasks:
         split, sequence = task % n_splits, task // n_splits
@@ -463,12 +462,9 @@ def _all_heads_tasks(q, k, v, partial_acc, partial_max, partial_sum, out, lse, s
                                               window_right, split, split_size)
         for col_start in range(split_start, split_stop, tile_keys):
             n_cols = min(col_start + tile_keys, split_stop) - col_start
-            # Page ids clamped into the pool, table columns into the table, as
-            # `tiles.key_value_rows` (unchecked tables give wrong numbers, no stray reads).
             for j in range(n_cols):
                 key = key_base + col_start + j
-                page = block_table[b, min(key // page_size, last_column)]
-                page = min(max(page, 0), last_page)
+                page = page_of(block_table, b, key, page_size, k.shape[0])
                 slot = key % page_size
                 for h in range(n_kv_heads):
                     copy_row(k[page, slot, h], keys_all[h, j], widen)

@@ -168,13 +168,21 @@ def key_value_rows(keys, values, b, kv_head, start, stop, block_table, page_size
         return keys[b, kv_head, start:stop], values[b, kv_head, start:stop]
     if not slots_outer and start % page_size + stop - start <= page_size:
         # The rows of one page, contiguous: read in place, as a contiguous cache is.
-        page = block_table[b, min(start // page_size, block_table.shape[1] - 1)]
-        page = min(max(page, 0), keys.shape[0] - 1)
+        page = page_of(block_table, b, start, page_size, keys.shape[0])
         slot = start % page_size
         return (keys[page, kv_head, slot:slot + stop - start],
                 values[page, kv_head, slot:slot + stop - start])
     return gathered_rows(keys, values, b, kv_head, start, stop, block_table, page_size,
                          slots_outer, key_buffer, value_buffer, 0)
+
+
+@njit(inline="always")
+def page_of(block_table, b, key, page_size, n_pages):
+    """The pool page that holds logical key `key` of batch element `b`: table columns
+    clamped into the table and page ids into the pool's `n_pages`, so that an unchecked
+    table gives wrong numbers, never a stray read."""
+    page = block_table[b, min(key // page_size, block_table.shape[1] - 1)]
+    return min(max(page, 0), n_pages - 1)
 
 
 @njit
@@ -183,14 +191,12 @@ def gathered_rows(keys, values, b, kv_head, start, stop, block_table, page_size,
     """`key_value_rows` of paged K/V: the rows gathered into the buffers, widened from
     16-bit bits where the pools hold them (`widen.copy_row`)."""
     n_rows, head_dim, value_dim = stop - start, keys.shape[3], values.shape[3]
-    last_page, last_column = keys.shape[0] - 1, block_table.shape[1] - 1
     key_rows = key_buffer[:n_rows * head_dim].reshape((n_rows, head_dim))
     value_rows = value_buffer[:n_rows * value_dim].reshape((n_rows, value_dim))
     j = 0
     while j < n_rows:
         key = start + j
-        page = block_table[b, min(key // page_size, last_column)]
-        page = min(max(page, 0), last_page)
+        page = page_of(block_table, b, key, page_size, keys.shape[0])
         slot = key % page_size
         if widen == 0 or slots_outer:
             # Indices chosen outside the copy loops, so each is a plain vectorised copy of
